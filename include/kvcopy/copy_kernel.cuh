@@ -1,0 +1,122 @@
+/* kvcopy's scatter-gather copy kernel, compiled at first use with NVRTC.
+ *
+ * Work is split into tiles of KVCOPY_TILE_BYTES; each warp takes tiles
+ * warp_id, warp_id + num_warps, ... and copies one tile with all 32 lanes.
+ * Every pointer here must be one the device can dereference: device memory or
+ * pinned host memory mapped for the device (the host layer guarantees it).
+ * Throughput over PCIe is set by bytes in flight, so each lane issues UNROLL
+ * independent loads of the widest word the copy's alignment allows before it
+ * stores any of them.
+ */
+#include "descriptor.h"
+
+#define KVCOPY_UNROLL 4
+
+template <typename Word>
+__device__ __forceinline__ void kvcopy_copy_words(const Word* __restrict__ src,
+                                                  Word* __restrict__ dst,
+                                                  unsigned long long count,
+                                                  unsigned lane) {
+    unsigned long long i = lane;
+    const unsigned long long stride = 32ULL * KVCOPY_UNROLL;
+    for (; i + 32ULL * (KVCOPY_UNROLL - 1) < count; i += stride) {
+        Word regs[KVCOPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KVCOPY_UNROLL; ++u) regs[u] = src[i + 32ULL * u];
+#pragma unroll
+        for (int u = 0; u < KVCOPY_UNROLL; ++u) dst[i + 32ULL * u] = regs[u];
+    }
+    for (; i < count; i += 32) dst[i] = src[i];
+}
+
+template <typename Word>
+__device__ __forceinline__ void kvcopy_copy_aligned(const char* src, char* dst,
+                                                    unsigned long long len,
+                                                    unsigned lane) {
+    const unsigned long long w = sizeof(Word);
+    unsigned long long head = (w - ((unsigned long long)src & (w - 1))) & (w - 1);
+    if (head > len) head = len;
+    if (lane < head) dst[lane] = src[lane];
+    const unsigned long long words = (len - head) / w;
+    kvcopy_copy_words<Word>(reinterpret_cast<const Word*>(src + head),
+                            reinterpret_cast<Word*>(dst + head), words, lane);
+    const unsigned long long done = head + words * w;
+    const unsigned long long tail = len - done;
+    if (lane < tail) dst[done + lane] = src[done + lane];
+}
+
+/* Copies len bytes with one warp, using the widest word for which source and
+ * destination share their alignment. */
+__device__ __forceinline__ void kvcopy_copy_span(const char* src, char* dst,
+                                                 unsigned long long len,
+                                                 unsigned lane) {
+    const unsigned long long mis = (unsigned long long)src ^ (unsigned long long)dst;
+    if ((mis & 15) == 0) {
+        kvcopy_copy_aligned<uint4>(src, dst, len, lane);
+    } else if ((mis & 7) == 0) {
+        kvcopy_copy_aligned<unsigned long long>(src, dst, len, lane);
+    } else if ((mis & 3) == 0) {
+        kvcopy_copy_aligned<unsigned int>(src, dst, len, lane);
+    } else if ((mis & 1) == 0) {
+        kvcopy_copy_aligned<unsigned short>(src, dst, len, lane);
+    } else {
+        kvcopy_copy_words<unsigned char>(reinterpret_cast<const unsigned char*>(src),
+                                         reinterpret_cast<unsigned char*>(dst), len, lane);
+    }
+}
+
+/* Index of the descriptor holding tile t: the last i in [lo, n) whose
+ * tile_start <= t. A warp-wide 32-way search, so 8192 descriptors take three
+ * rounds of loads. */
+__device__ __forceinline__ unsigned long long kvcopy_find_desc(const kvcopy_desc* descs,
+                                                               unsigned long long lo,
+                                                               unsigned long long n,
+                                                               unsigned long long t,
+                                                               unsigned lane) {
+    unsigned long long a = lo, b = n;
+    while (b - a > 1) {
+        const unsigned long long step = (b - a + 31) / 32;
+        const unsigned long long idx = a + lane * step;
+        const bool ok = idx < b && descs[idx].tile_start <= t;
+        const unsigned mask = __ballot_sync(0xffffffffu, ok);
+        const unsigned long long na = a + (unsigned long long)(31 - __clz(mask)) * step;
+        const unsigned long long nb = na + step < b ? na + step : b;
+        a = na;
+        b = nb;
+    }
+    return a;
+}
+
+__device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
+                                                    unsigned long long count,
+                                                    unsigned long long total_tiles) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned long long warps_per_block = blockDim.x >> 5;
+    const unsigned long long warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const unsigned long long num_warps = gridDim.x * warps_per_block;
+    unsigned long long d = 0;  // tiles are visited in increasing order
+    for (unsigned long long t = warp; t < total_tiles; t += num_warps) {
+        d = kvcopy_find_desc(descs, d, count, t, lane);
+        const kvcopy_desc desc = descs[d];
+        const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
+        unsigned long long len = desc.size - offset;
+        if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
+        kvcopy_copy_span(reinterpret_cast<const char*>(desc.src) + offset,
+                         reinterpret_cast<char*>(desc.dst) + offset, len, lane);
+    }
+}
+
+extern "C" __global__ void kvcopy_scatter(const kvcopy_desc* __restrict__ descs,
+                                          unsigned long long count,
+                                          unsigned long long total_tiles) {
+    kvcopy_scatter_body(descs, count, total_tiles);
+}
+
+extern "C" __global__ void kvcopy_scatter_inline(const __grid_constant__ kvcopy_inline_batch batch) {
+    kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
+}
+
+extern "C" __global__ void kvcopy_scatter_inline_small(
+    const __grid_constant__ kvcopy_inline_batch_small batch) {
+    kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
+}

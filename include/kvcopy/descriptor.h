@@ -1,0 +1,42 @@
+/* The copy descriptor shared by the host (Cython) and the copy kernel (NVRTC).
+ * Plain C with no includes, so that NVRTC can compile it as given.
+ */
+#ifndef KVCOPY_DESCRIPTOR_H
+#define KVCOPY_DESCRIPTOR_H
+
+/* Bytes one warp copies as one unit of work. Copies longer than this are split
+ * into tiles so that one large block is spread over many warps. A multiple of
+ * 16, so tile starts keep the alignment of their copy's start. */
+#define KVCOPY_TILE_BYTES 16384ULL
+
+/* One copy: device-visible source and destination, byte count, and the index of
+ * its first tile in the batch (an exclusive prefix sum of tile counts). */
+typedef struct kvcopy_desc {
+    unsigned long long src;
+    unsigned long long dst;
+    unsigned long long size;
+    unsigned long long tile_start;
+} kvcopy_desc;
+
+/* Descriptors passed by value as a kernel parameter. Kernel parameters are
+ * copied into the launch (and into a captured graph node), so no host or device
+ * buffer has to outlive the call: this is what makes the kernel path safe under
+ * stream capture. 1000 descriptors keep the struct under the 32764-byte
+ * parameter limit of CUDA >= 12.1 on sm_70+; the small variant fits the
+ * 4096-byte limit of older drivers. */
+#define KVCOPY_INLINE_MAX 1000
+#define KVCOPY_INLINE_MAX_SMALL 127
+
+typedef struct kvcopy_inline_batch {
+    unsigned long long count;
+    unsigned long long total_tiles;
+    kvcopy_desc descs[KVCOPY_INLINE_MAX];
+} kvcopy_inline_batch;
+
+typedef struct kvcopy_inline_batch_small {
+    unsigned long long count;
+    unsigned long long total_tiles;
+    kvcopy_desc descs[KVCOPY_INLINE_MAX_SMALL];
+} kvcopy_inline_batch_small;
+
+#endif /* KVCOPY_DESCRIPTOR_H */

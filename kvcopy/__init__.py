@@ -1,0 +1,17 @@
+"""kvcopy: many KV-cache block copies at once, at the speed of the link.
+
+Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
+stream object, and calls the CUDA driver directly through cuda-python.
+"""
+from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
+from kvcopy.config import config
+from kvcopy.streams import resolve_stream
+from kvcopy.engine import copy_batch, last_decision
+from kvcopy.calibration import calibrate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError", "CudaError", "KVCopyError", "NoDriverError",
+    "calibrate", "config", "copy_batch", "last_decision", "resolve_stream",
+]

@@ -1,0 +1,612 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""The only module of kvcopy that talks to the CUDA driver.
+
+Everything here is a thin, GIL-free wrapper over cuda-python's ``cydriver``
+declarations, using integer handles at the Python boundary. Every CUresult goes
+through :func:`_check`, which takes the GIL only on failure and raises
+:class:`kvcopy.errors.CudaError` with the error's name and, where known, the
+index of the failing copy.
+
+Only driver functions whose signatures are identical in cuda-bindings 12.9 and
+13.x are cimported: Cython verifies a cimported function's signature at import,
+so anything else would pin the build to one bindings major.
+cuMemcpyBatchAsync, whose ABI differs between 12.8 and 13.0, is resolved with
+cuGetProcAddress by the running driver's version and called through kvcopy's
+own typedefs (include/kvcopy/batch_abi.h).
+"""
+
+from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+from cuda.bindings cimport cydriver
+from cuda.bindings.cydriver cimport (
+    CUresult, CUdeviceptr, CUstream, CUcontext, CUdevice, CUfunction, CUmodule,
+    CUevent, CUpointer_attribute, CUstreamCaptureStatus, CUdevice_attribute,
+)
+
+from kvcopy.errors import CudaError, NoDriverError
+
+cdef extern from "kvcopy/batch_abi.h":
+    ctypedef struct kvcopy_mem_location:
+        int type
+        int id
+    ctypedef struct kvcopy_memcpy_attributes:
+        int src_access_order
+        kvcopy_mem_location src_loc_hint
+        kvcopy_mem_location dst_loc_hint
+        unsigned int flags
+    ctypedef int (*kvcopy_batch_v12080_fn)(
+        unsigned long long*, unsigned long long*, size_t*, size_t,
+        kvcopy_memcpy_attributes*, size_t*, size_t, size_t*, void*) noexcept nogil
+    ctypedef int (*kvcopy_batch_v13000_fn)(
+        unsigned long long*, unsigned long long*, size_t*, size_t,
+        kvcopy_memcpy_attributes*, size_t*, size_t, void*) noexcept nogil
+    int KVCOPY_SRC_ACCESS_ORDER_STREAM
+    int KVCOPY_SRC_ACCESS_ORDER_ANY
+    int KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    int KVCOPY_BATCH_ABI_NONE
+    int KVCOPY_BATCH_ABI_12080
+    int KVCOPY_BATCH_ABI_13000
+
+cdef extern from "kvcopy/descriptor.h":
+    unsigned long long KVCOPY_TILE_BYTES
+    int KVCOPY_INLINE_MAX
+    int KVCOPY_INLINE_MAX_SMALL
+    ctypedef struct kvcopy_desc:
+        unsigned long long src
+        unsigned long long dst
+        unsigned long long size
+        unsigned long long tile_start
+    ctypedef struct kvcopy_inline_batch:
+        unsigned long long count
+        unsigned long long total_tiles
+        kvcopy_desc descs[1000]
+
+# Classification bits returned by classify_pointers.
+cdef enum:
+    _KIND_DEVICE = 1          # device memory of one device, not managed
+    _KIND_HOST_MAPPED = 2     # pinned host memory the current context's device can dereference
+    _KIND_HOST_UNMAPPED = 4   # pageable host memory, or pinned but not mapped: DMA only
+    _KIND_MANAGED = 8         # managed (unified) memory: DMA only
+    _KIND_STRADDLE = 16       # a copy runs past the end of its allocation: DMA decides
+
+KIND_DEVICE = _KIND_DEVICE
+KIND_HOST_MAPPED = _KIND_HOST_MAPPED
+KIND_HOST_UNMAPPED = _KIND_HOST_UNMAPPED
+KIND_MANAGED = _KIND_MANAGED
+KIND_STRADDLE = _KIND_STRADDLE
+
+TILE_BYTES = KVCOPY_TILE_BYTES
+INLINE_MAX = KVCOPY_INLINE_MAX
+INLINE_MAX_SMALL = KVCOPY_INLINE_MAX_SMALL
+STREAM_LEGACY = 1
+STREAM_PER_THREAD = 2
+
+
+# ---------------------------------------------------------------- errors
+
+cdef int _raise_cuda_error(CUresult status, Py_ssize_t index) except -1 with gil:
+    cdef const char* name = NULL
+    cdef const char* text = NULL
+    try:
+        cydriver.cuGetErrorName(status, &name)
+        cydriver.cuGetErrorString(status, &text)
+    except Exception:
+        pass
+    py_name = name.decode() if name != NULL else f"CUresult({<int>status})"
+    py_text = text.decode() if text != NULL else "unknown CUDA error"
+    raise CudaError(<int>status, py_name, py_text, None if index < 0 else index)
+
+
+cdef inline int _check(CUresult status, Py_ssize_t index=-1) except -1 nogil:
+    if status != cydriver.CUDA_SUCCESS:
+        _raise_cuda_error(status, index)
+    return 0
+
+
+def error_name(int status) -> str:
+    """The driver's name for a CUresult value, e.g. ``CUDA_ERROR_INVALID_VALUE``."""
+    cdef const char* name = NULL
+    if cydriver.cuGetErrorName(<CUresult>status, &name) != cydriver.CUDA_SUCCESS or name == NULL:
+        return f"CUresult({status})"
+    return name.decode()
+
+
+# ---------------------------------------------------------------- init
+
+cdef bint _initialized = False
+cdef int _driver_version = 0
+
+
+def init() -> None:
+    """Initialise the driver once; raise NoDriverError when libcuda is absent."""
+    global _initialized, _driver_version
+    if _initialized:
+        return
+    cdef CUresult status
+    cdef int version = 0
+    try:
+        with nogil:
+            status = cydriver.cuInit(0)
+    except CudaError:
+        raise
+    except Exception as exc:  # cydriver raises when libcuda cannot be loaded
+        raise NoDriverError(
+            "no CUDA driver was found: libcuda could not be loaded "
+            f"({type(exc).__name__}: {exc}). kvcopy needs an NVIDIA GPU and its driver."
+        ) from exc
+    _check(status)
+    _check(cydriver.cuDriverGetVersion(&version))
+    _driver_version = version
+    _initialized = True
+
+
+def driver_version() -> int:
+    """The driver's CUDA version as an integer (13000 for 13.0)."""
+    init()
+    return _driver_version
+
+
+# ---------------------------------------------------------------- devices and contexts
+
+def device_count() -> int:
+    init()
+    cdef int count = 0
+    _check(cydriver.cuDeviceGetCount(&count))
+    return count
+
+
+def device_attributes(int ordinal) -> dict:
+    """The device facts kvcopy's policy needs, as a plain dict."""
+    init()
+    cdef CUdevice dev
+    cdef char name[256]
+    cdef int value = 0
+    _check(cydriver.cuDeviceGet(&dev, ordinal))
+    _check(cydriver.cuDeviceGetName(name, 256, dev))
+    wanted = {
+        "sm_count": cydriver.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        "cc_major": cydriver.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        "cc_minor": cydriver.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        "unified_addressing": cydriver.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+        "can_map_host_memory": cydriver.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY,
+        "host_pointer_for_registered_mem": cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+        "host_register_supported": cydriver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+    }
+    out = {"ordinal": ordinal, "name": name.decode(errors="replace"),
+           "driver_version": _driver_version}
+    for key, attr in wanted.items():
+        _check(cydriver.cuDeviceGetAttribute(&value, <CUdevice_attribute>attr, dev))
+        out[key] = int(value)
+    return out
+
+
+def current_context() -> int:
+    """The calling thread's current context handle, 0 when there is none."""
+    init()
+    cdef CUcontext ctx = NULL
+    _check(cydriver.cuCtxGetCurrent(&ctx))
+    return <uintptr_t>ctx
+
+
+def context_device() -> int:
+    """Ordinal of the current context's device."""
+    cdef CUdevice dev
+    _check(cydriver.cuCtxGetDevice(&dev))
+    return <int>dev
+
+
+def primary_context(int ordinal) -> int:
+    """Retain (once per process, never released) and return a device's primary context."""
+    init()
+    cdef CUdevice dev
+    cdef CUcontext ctx = NULL
+    _check(cydriver.cuDeviceGet(&dev, ordinal))
+    _check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))
+    return <uintptr_t>ctx
+
+
+def push_context(uintptr_t ctx) -> None:
+    _check(cydriver.cuCtxPushCurrent(<CUcontext>ctx))
+
+
+def pop_context() -> None:
+    cdef CUcontext ctx = NULL
+    _check(cydriver.cuCtxPopCurrent(&ctx))
+
+
+def stream_context(uintptr_t stream) -> int:
+    """Context that a created stream belongs to."""
+    cdef CUcontext ctx = NULL
+    _check(cydriver.cuStreamGetCtx(<CUstream>stream, &ctx))
+    return <uintptr_t>ctx
+
+
+def stream_capture_status(uintptr_t stream) -> int:
+    """0: not capturing, 1: capturing, 2: capture invalidated."""
+    cdef CUstreamCaptureStatus status
+    _check(cydriver.cuStreamIsCapturing(<CUstream>stream, &status))
+    if status == cydriver.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return 1
+    if status == cydriver.CU_STREAM_CAPTURE_STATUS_INVALIDATED:
+        return 2
+    return 0
+
+
+def stream_create(bint non_blocking=True) -> int:
+    cdef CUstream stream = NULL
+    _check(cydriver.cuStreamCreate(&stream, cydriver.CU_STREAM_NON_BLOCKING if non_blocking else 0))
+    return <uintptr_t>stream
+
+
+def stream_destroy(uintptr_t stream) -> None:
+    _check(cydriver.cuStreamDestroy(<CUstream>stream))
+
+
+def stream_synchronize(uintptr_t stream) -> None:
+    with nogil:
+        _check(cydriver.cuStreamSynchronize(<CUstream>stream))
+
+
+def stream_wait_event(uintptr_t stream, uintptr_t event) -> None:
+    _check(cydriver.cuStreamWaitEvent(<CUstream>stream, <CUevent>event, 0))
+
+
+def event_create(bint timing=False) -> int:
+    cdef CUevent event = NULL
+    _check(cydriver.cuEventCreate(&event, 0 if timing else cydriver.CU_EVENT_DISABLE_TIMING))
+    return <uintptr_t>event
+
+
+def event_record(uintptr_t event, uintptr_t stream) -> None:
+    _check(cydriver.cuEventRecord(<CUevent>event, <CUstream>stream))
+
+
+def event_query(uintptr_t event) -> bool:
+    """True when the event has completed, False while it is pending."""
+    cdef CUresult status = cydriver.cuEventQuery(<CUevent>event)
+    if status == cydriver.CUDA_ERROR_NOT_READY:
+        return False
+    _check(status)
+    return True
+
+
+def event_synchronize(uintptr_t event) -> None:
+    with nogil:
+        _check(cydriver.cuEventSynchronize(<CUevent>event))
+
+
+def event_elapsed_ms(uintptr_t start, uintptr_t end) -> float:
+    cdef float ms = 0
+    _check(cydriver.cuEventElapsedTime(&ms, <CUevent>start, <CUevent>end))
+    return ms
+
+
+def event_destroy(uintptr_t event) -> None:
+    _check(cydriver.cuEventDestroy(<CUevent>event))
+
+
+# ---------------------------------------------------------------- memory
+
+def mem_alloc(size_t nbytes) -> int:
+    """Device memory in the current context (scratch for calibration and benchmarks)."""
+    cdef CUdeviceptr ptr = 0
+    _check(cydriver.cuMemAlloc(&ptr, nbytes))
+    return ptr
+
+
+def mem_free(uintptr_t ptr) -> None:
+    _check(cydriver.cuMemFree(<CUdeviceptr>ptr))
+
+
+def memset_d8_async(uintptr_t ptr, unsigned char value, size_t nbytes, uintptr_t stream) -> None:
+    _check(cydriver.cuMemsetD8Async(<CUdeviceptr>ptr, value, nbytes, <CUstream>stream))
+
+
+def host_alloc(size_t nbytes) -> int:
+    """Pinned host memory, portable and mapped into every device's address space."""
+    init()
+    cdef void* ptr = NULL
+    with nogil:
+        _check(cydriver.cuMemHostAlloc(&ptr, nbytes,
+                                       cydriver.CU_MEMHOSTALLOC_PORTABLE | cydriver.CU_MEMHOSTALLOC_DEVICEMAP))
+    return <uintptr_t>ptr
+
+
+def host_free(uintptr_t ptr) -> None:
+    with nogil:
+        _check(cydriver.cuMemFreeHost(<void*>ptr))
+
+
+def host_register(uintptr_t ptr, size_t nbytes, bint read_only=False) -> None:
+    """Page-lock and map existing host memory (portable, device-mapped)."""
+    init()
+    cdef unsigned int flags = cydriver.CU_MEMHOSTREGISTER_PORTABLE | cydriver.CU_MEMHOSTREGISTER_DEVICEMAP
+    if read_only:
+        flags |= cydriver.CU_MEMHOSTREGISTER_READ_ONLY
+    with nogil:
+        _check(cydriver.cuMemHostRegister(<void*>ptr, nbytes, flags))
+
+
+def host_unregister(uintptr_t ptr) -> None:
+    with nogil:
+        _check(cydriver.cuMemHostUnregister(<void*>ptr))
+
+
+def host_device_pointer(uintptr_t ptr) -> int:
+    """The address at which the current context's device sees pinned host memory."""
+    cdef CUdeviceptr dptr = 0
+    _check(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0))
+    return dptr
+
+
+# ---------------------------------------------------------------- pointer classification
+
+cdef struct _Range:
+    uint64_t start
+    uint64_t end
+    int kind
+    int ordinal
+    int64_t delta    # device view = host pointer + delta
+
+
+cdef enum:
+    _RANGE_CACHE = 64
+
+
+cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) except -1 nogil:
+    """Asks the driver what ptr points to and which range that answer covers."""
+    cdef CUpointer_attribute attrs[5]
+    cdef void* data[5]
+    cdef unsigned int memtype = 0
+    cdef int ordinal = -1
+    cdef CUdeviceptr start = 0
+    cdef size_t range_size = 0
+    cdef unsigned int managed = 0
+    cdef CUdeviceptr dptr = 0
+    attrs[0] = cydriver.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    attrs[1] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    attrs[2] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+    attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
+    attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
+    data[0] = &memtype
+    data[1] = &ordinal
+    data[2] = &start
+    data[3] = &range_size
+    data[4] = &managed
+    out.delta = 0
+    out.ordinal = -1
+    if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        memtype = 0
+    if range_size > 0 and start <= ptr:
+        out.start = start
+        out.end = start + range_size
+    else:
+        out.start = ptr
+        out.end = ptr + size
+    if memtype == cydriver.CU_MEMORYTYPE_DEVICE and managed == 0:
+        out.kind = _KIND_DEVICE
+        out.ordinal = ordinal
+    elif memtype == cydriver.CU_MEMORYTYPE_HOST:
+        if cydriver.cuPointerGetAttribute(&dptr, cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                          <CUdeviceptr>ptr) == cydriver.CUDA_SUCCESS and dptr != 0:
+            out.kind = _KIND_HOST_MAPPED
+            out.delta = <int64_t>(dptr - ptr)
+        else:
+            out.kind = _KIND_HOST_UNMAPPED
+    elif managed != 0 or memtype == cydriver.CU_MEMORYTYPE_UNIFIED:
+        out.kind = _KIND_MANAGED
+    else:
+        out.kind = _KIND_HOST_UNMAPPED
+    return 0
+
+
+def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
+    """Classify every pointer of a batch and write the address the device uses.
+
+    Returns ``(kinds, ordinal)``: the OR of KIND_* bits over all pointers and the
+    device ordinal of the device memory among them (-1: none, -2: several).
+    The driver is asked once per allocation, not once per pointer: answers are
+    kept, for this call only, as address ranges.
+    """
+    cdef Py_ssize_t n = ptrs.shape[0], i, j, hit
+    cdef _Range cache[_RANGE_CACHE]
+    cdef int cached = 0, kinds = 0, ordinal = -1, last = 0
+    cdef uint64_t p, end
+    if sizes.shape[0] != n or device_view.shape[0] != n:
+        raise ValueError("classify_pointers: arrays differ in length")
+    with nogil:
+        for i in range(n):
+            p = ptrs[i]
+            end = p + sizes[i]
+            hit = -1
+            if cached > 0 and cache[last].start <= p < cache[last].end:
+                hit = last
+            else:
+                for j in range(cached):
+                    if cache[j].start <= p < cache[j].end:
+                        hit = j
+                        break
+            if hit < 0:
+                hit = cached if cached < _RANGE_CACHE else _RANGE_CACHE - 1
+                _query_range(p, sizes[i], &cache[hit])
+                if cached < _RANGE_CACHE:
+                    cached += 1
+            last = hit
+            kinds |= cache[hit].kind
+            if end > cache[hit].end:
+                kinds |= _KIND_STRADDLE
+            if cache[hit].kind == _KIND_DEVICE:
+                if ordinal == -1:
+                    ordinal = cache[hit].ordinal
+                elif ordinal != cache[hit].ordinal:
+                    ordinal = -2
+            device_view[i] = <uint64_t>(<int64_t>p + cache[hit].delta)
+    return kinds, ordinal
+
+
+# ---------------------------------------------------------------- batched DMA
+
+cdef void* _batch_fn = NULL
+cdef int _batch_abi = -1
+cdef bint _batch_disabled = False
+
+
+def set_batch_disabled(bint disabled) -> None:
+    """Pretend the driver has no cuMemcpyBatchAsync (tests of the old-driver path)."""
+    global _batch_disabled
+    _batch_disabled = disabled
+
+
+def batch_abi() -> int:
+    """ABI of the driver's cuMemcpyBatchAsync: 13000, 12080, or 0 when it has none."""
+    global _batch_fn, _batch_abi
+    if _batch_disabled:
+        return KVCOPY_BATCH_ABI_NONE
+    if _batch_abi >= 0:
+        return _batch_abi
+    init()
+    cdef int want
+    cdef void* fn = NULL
+    cdef cydriver.CUdriverProcAddressQueryResult found
+    if _driver_version >= 13000:
+        want = KVCOPY_BATCH_ABI_13000
+    elif _driver_version >= 12080:
+        want = KVCOPY_BATCH_ABI_12080
+    else:
+        _batch_abi = KVCOPY_BATCH_ABI_NONE
+        return _batch_abi
+    status = cydriver.cuGetProcAddress(b"cuMemcpyBatchAsync", &fn, want,
+                                       cydriver.CU_GET_PROC_ADDRESS_LEGACY_STREAM, &found)
+    if status != cydriver.CUDA_SUCCESS or fn == NULL or found != cydriver.CU_GET_PROC_ADDRESS_SUCCESS:
+        _batch_abi = KVCOPY_BATCH_ABI_NONE
+    else:
+        _batch_fn = fn
+        _batch_abi = want
+    return _batch_abi
+
+
+def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
+                 uintptr_t stream, bint access_any, Py_ssize_t chunk) -> None:
+    """cuMemcpyBatchAsync over the batch, ``chunk`` descriptors per driver call.
+
+    The stream must not be 0 or CU_STREAM_LEGACY (the driver rejects them) and
+    must not be capturing (the driver drops the copy from the graph); the caller
+    routes those cases elsewhere.
+    """
+    cdef int abi = batch_abi()
+    if abi == KVCOPY_BATCH_ABI_NONE:
+        raise CudaError(cydriver.CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
+                        f"this driver ({_driver_version}) has no cuMemcpyBatchAsync", None)
+    if stream == 0 or stream == STREAM_LEGACY:
+        raise ValueError("memcpy_batch: the legacy default stream cannot take cuMemcpyBatchAsync")
+    cdef Py_ssize_t n = dst.shape[0], start, count
+    cdef kvcopy_memcpy_attributes attr
+    cdef size_t attr_index = 0
+    cdef size_t fail = <size_t>-1
+    cdef int status = 0
+    memset(&attr, 0, sizeof(attr))
+    attr.src_access_order = KVCOPY_SRC_ACCESS_ORDER_ANY if access_any else KVCOPY_SRC_ACCESS_ORDER_STREAM
+    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    if chunk <= 0:
+        raise ValueError("memcpy_batch: chunk must be positive")
+    with nogil:
+        start = 0
+        while start < n:
+            count = chunk if n - start > chunk else n - start
+            if abi == KVCOPY_BATCH_ABI_13000:
+                status = (<kvcopy_batch_v13000_fn>_batch_fn)(
+                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, <void*>stream)
+            else:
+                fail = <size_t>-1
+                status = (<kvcopy_batch_v12080_fn>_batch_fn)(
+                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, &fail, <void*>stream)
+            if status != 0:
+                _check(<CUresult>status, <Py_ssize_t>(start + fail) if fail < <size_t>count else -1)
+            start += count
+
+
+# ---------------------------------------------------------------- per-copy DMA
+
+def memcpy_loop(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
+                uintptr_t stream) -> None:
+    """One cuMemcpyAsync per copy: works on every stream, in capture, on any driver."""
+    cdef Py_ssize_t n = dst.shape[0], i
+    with nogil:
+        for i in range(n):
+            _check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
+                                          <size_t>sizes[i], <CUstream>stream), i)
+
+
+# ---------------------------------------------------------------- copy kernel
+
+def module_load(bytes image) -> int:
+    """Load a cubin into the current context."""
+    cdef CUmodule module = NULL
+    cdef const char* data = image
+    _check(cydriver.cuModuleLoadData(&module, <const void*>data))
+    return <uintptr_t>module
+
+
+def module_function(uintptr_t module, bytes name) -> int:
+    cdef CUfunction function = NULL
+    _check(cydriver.cuModuleGetFunction(&function, <CUmodule>module, name))
+    return <uintptr_t>function
+
+
+def launch_scatter(uintptr_t function, int per_launch, const uint64_t[::1] dst,
+                   const uint64_t[::1] src, const uint64_t[::1] sizes,
+                   unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
+    """Launch the copy kernel with descriptors passed by value.
+
+    ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX or
+    KVCOPY_INLINE_MAX_SMALL, matching ``function``). Parameters are copied into
+    the launch, so nothing must outlive the call and the launch is safe to
+    capture. Returns the number of launches.
+    """
+    cdef Py_ssize_t n = dst.shape[0], start, j, count
+    cdef kvcopy_inline_batch* batch
+    cdef unsigned long long tiles, size, warps, grid
+    cdef void* params[1]
+    cdef int launches = 0
+    cdef CUresult status
+    if per_launch <= 0 or per_launch > KVCOPY_INLINE_MAX:
+        raise ValueError("launch_scatter: per_launch out of range")
+    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
+        raise ValueError("launch_scatter: max_ctas must be positive and threads a multiple of 32")
+    batch = <kvcopy_inline_batch*>malloc(sizeof(kvcopy_inline_batch))
+    if batch == NULL:
+        raise MemoryError()
+    params[0] = <void*>batch
+    warps = threads // 32
+    try:
+        with nogil:
+            start = 0
+            while start < n:
+                count = per_launch if n - start > per_launch else n - start
+                tiles = 0
+                for j in range(count):
+                    size = sizes[start + j]
+                    batch.descs[j].src = src[start + j]
+                    batch.descs[j].dst = dst[start + j]
+                    batch.descs[j].size = size
+                    batch.descs[j].tile_start = tiles
+                    tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+                batch.count = count
+                batch.total_tiles = tiles
+                grid = (tiles + warps - 1) // warps
+                if grid > max_ctas:
+                    grid = max_ctas
+                if tiles > 0:
+                    status = cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1,
+                                                     threads, 1, 1, 0, <CUstream>stream, params, NULL)
+                    _check(status, -1)
+                    launches += 1
+                start += count
+    finally:
+        free(batch)
+    return launches

@@ -1,0 +1,1 @@
+"""python -m kvcopy.bench: kvcopy against the ceiling and the alternatives."""

@@ -1,0 +1,144 @@
+"""What is measured: scattered block copies by every method and the alternatives."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+import kvcopy
+from kvcopy.bench.timing import measure
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@dataclass
+class Row:
+    scenario: str
+    direction: str
+    block_bytes: int
+    count: int
+    memory: str
+    method: str           # kvcopy method asked for, 'contiguous', or an alternative's name
+    chose: str            # what kvcopy actually ran ('' for alternatives)
+    gbps: float
+    fraction_of_ceiling: float
+    gpu_ms: float
+    cpu_us: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Pools:
+    """Source and destination pools for one direction, twice the batch's size."""
+
+    def __init__(self, direction: str, total: int, memory: str):
+        import torch
+
+        self.direction = direction
+        kinds = {"h2d": ("host", "cuda"), "d2h": ("cuda", "host"), "d2d": ("cuda", "cuda")}[direction]
+        self.src = self._alloc(kinds[0], 2 * total, memory)
+        self.dst = self._alloc(kinds[1], 2 * total, memory)
+        if self.src.is_cuda:
+            self.src.random_(0, 255)
+        else:
+            self.src.copy_(torch.randint(0, 255, self.src.shape, dtype=torch.uint8))
+
+    @staticmethod
+    def _alloc(kind: str, nbytes: int, memory: str):
+        import torch
+
+        if kind == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        if memory == "kvcopy":
+            from kvcopy.host import pinned_empty
+
+            return torch.from_numpy(pinned_empty(nbytes, dtype=np.uint8))
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def scattered_offsets(count: int, block: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.arange(2 * count, dtype=np.int64)
+    return rng.permutation(slots)[:count] * block, rng.permutation(slots)[:count] * block
+
+
+def block_copy_rows(direction: str, block: int, total: int, memory: str, methods: list[str],
+                    alternatives: bool, repeats: int) -> Iterator[Row]:
+    import torch
+
+    count = max(total // block, 1)
+    pools = Pools(direction, count * block, memory)
+    rng = np.random.default_rng(0)
+    src_off, dst_off = scattered_offsets(count, block, rng)
+    src_ptrs = np.uint64(pools.src.data_ptr()) + src_off.astype(np.uint64)
+    dst_ptrs = np.uint64(pools.dst.data_ptr()) + dst_off.astype(np.uint64)
+    sizes = np.full(count, block, dtype=np.uint64)
+    stream = torch.cuda.Stream()
+    nbytes = count * block
+
+    def row(method: str, chose: str, fn: Callable[[], object], ceiling: float | None) -> Row:
+        t = measure(fn, stream, repeats=repeats)
+        gbps = nbytes / (t.gpu_ms * 1e6)
+        return Row("blocks", direction, block, count, memory, method, chose, gbps,
+                   gbps / ceiling if ceiling else 1.0, t.gpu_ms, t.cpu_us)
+
+    contiguous_src, contiguous_dst = pools.src[:nbytes], pools.dst[:nbytes]
+    with torch.cuda.stream(stream):
+        ceiling_row = row("contiguous", "", lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True), None)
+    ceiling = ceiling_row.gbps
+    yield ceiling_row
+    for method in methods:
+        if method == "loop" and count > 40000:
+            continue
+        chose = kvcopy.copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream, method=method)
+        yield row(method, chose, lambda m=method: kvcopy.copy_batch(
+            src_ptrs, dst_ptrs, sizes, stream=stream, method=m), ceiling)
+    if alternatives:
+        yield from alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling)
+
+
+def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> Iterator[Row]:
+    """What users would write without kvcopy."""
+    import torch
+
+    count = len(src_off)
+    src_blocks = pools.src.view(-1, block)
+    dst_blocks = pools.dst.view(-1, block)
+    src_idx = torch.from_numpy(src_off // block)
+    dst_idx = torch.from_numpy(dst_off // block)
+    if count <= 4096:
+        def per_block():
+            with torch.cuda.stream(stream):
+                for i, j in zip(src_idx.tolist(), dst_idx.tolist()):
+                    dst_blocks[j].copy_(src_blocks[i], non_blocking=True)
+        yield row("torch_copy_loop", "", per_block, ceiling)
+    if pools.direction == "h2d":
+        staging = torch.empty((count, block), dtype=torch.uint8, pin_memory=True)
+        staging_dev = torch.empty((count, block), dtype=torch.uint8, device="cuda")
+        dst_idx_dev = dst_idx.cuda()
+
+        def gather_h2d():
+            with torch.cuda.stream(stream):
+                torch.index_select(src_blocks, 0, src_idx, out=staging)
+                staging_dev.copy_(staging, non_blocking=True)
+                dst_blocks.index_copy_(0, dst_idx_dev, staging_dev)
+        yield row("torch_gather_staging", "", gather_h2d, ceiling)
+    elif pools.direction == "d2h":
+        staging_dev = torch.empty((count, block), dtype=torch.uint8, device="cuda")
+        staging = torch.empty((count, block), dtype=torch.uint8, pin_memory=True)
+        src_idx_dev = src_idx.cuda()
+
+        def gather_d2h():
+            with torch.cuda.stream(stream):
+                torch.index_select(src_blocks, 0, src_idx_dev, out=staging_dev)
+                staging.copy_(staging_dev, non_blocking=True)
+            stream.synchronize()  # the host-side scatter needs the bytes
+            dst_blocks.index_copy_(0, dst_idx, staging)
+        yield row("torch_gather_staging", "", gather_d2h, ceiling)
+    try:
+        from cuda.core import utils as core_utils
+    except ImportError:
+        return
+    if hasattr(core_utils, "copy_batch"):
+        pass  # signature differs across cuda-core releases; measured where it matches

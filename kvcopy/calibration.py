@@ -1,0 +1,124 @@
+"""Persisted per-device thresholds (written by kvcopy.calibrate)."""
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+from kvcopy.kernels import cache_dir
+from kvcopy.policy import Thresholds
+
+if TYPE_CHECKING:
+    from kvcopy.device import DeviceInfo
+
+
+def _path(info: "DeviceInfo"):
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    return cache_dir() / f"calibration-{slug}-driver{info.driver_version}.json"
+
+
+def load(info: "DeviceInfo") -> Thresholds | None:
+    try:
+        data = json.loads(_path(info).read_text())
+        return Thresholds(batch_min_bytes={k: float(v) for k, v in data["batch_min_bytes"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save(info: "DeviceInfo", thresholds: Thresholds, measurements: dict) -> str:
+    path = _path(info)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": info.name, "driver_version": info.driver_version,
+                                "batch_min_bytes": thresholds.batch_min_bytes,
+                                "measurements": measurements}, indent=1))
+    return str(path)
+
+
+CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
+    """Blocks at random, non-adjacent slots of two pools twice the batch's size."""
+    import numpy as np
+
+    from kvcopy.plan import plan_copies
+
+    count = max(total // block, 2)
+    slots = np.arange(2 * count, dtype=np.uint64)
+    src = np.uint64(src_base) + rng.permutation(slots)[:count] * np.uint64(block)
+    dst = np.uint64(dst_base) + rng.permutation(slots)[:count] * np.uint64(block)
+    return plan_copies(src, dst, np.full(count, block, dtype=np.uint64), merge=False)
+
+
+def _median_ms(run, stream: int, start: int, end: int, repeats: int) -> float:
+    from kvcopy import _driver
+
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _driver.event_record(start, stream)
+        run()
+        _driver.event_record(end, stream)
+        _driver.event_synchronize(end)
+        times.append(_driver.event_elapsed_ms(start, end))
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
+              save_result: bool = True) -> Thresholds:
+    """Measure where batched DMA catches up with the copy kernel on this GPU.
+
+    Uses only scratch memory it allocates (2 x total_bytes on the device and in
+    pinned host memory) and a stream of its own; takes a few seconds. The result
+    is used by method='auto' from then on and, with save_result, persisted per
+    device model and driver version.
+    """
+    import numpy as np
+
+    from kvcopy import _driver, device as devices
+    from kvcopy.engine import execute
+
+    _driver.init()
+    _driver.push_context(_driver.primary_context(device))
+    stream = dev = host = start = end = 0
+    try:
+        info = devices.device_info(device)
+        stream = _driver.stream_create()
+        dev = _driver.mem_alloc(2 * total_bytes)
+        host = _driver.host_alloc(2 * total_bytes)
+        start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
+        rng = np.random.default_rng(0)
+        measured: dict = {}
+        found: dict = {}
+        methods = ["kernel"] + (["batch"] if info.caps.batch_available else [])
+        for direction, (src, dst) in {"h2d": (host, dev), "d2h": (dev, host)}.items():
+            found[direction] = float("inf")
+            for block in CALIBRATION_BLOCKS:
+                plan = _scattered_plan(src, dst, block, total_bytes, rng)
+                gbps = {}
+                for method in methods:
+                    ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end, repeats)
+                    gbps[method] = plan.total_bytes / ms / 1e6
+                measured[f"{direction}/{block}"] = gbps
+                batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps["kernel"]
+                if batch_wins and found[direction] == float("inf"):
+                    found[direction] = float(block)
+                elif not batch_wins:
+                    found[direction] = float("inf")
+        result = Thresholds(batch_min_bytes=found)
+        devices.set_thresholds(device, result)
+        if save_result:
+            save(info, result, measured)
+        return result
+    finally:
+        for event in (start, end):
+            if event:
+                _driver.event_destroy(event)
+        if stream:
+            _driver.stream_synchronize(stream)
+            _driver.stream_destroy(stream)
+        if dev:
+            _driver.mem_free(dev)
+        if host:
+            _driver.host_free(host)
+        _driver.pop_context()

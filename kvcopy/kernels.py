@@ -1,0 +1,176 @@
+"""The copy kernel: NVRTC compilation, on-disk cache, per-context modules.
+
+The CUDA source ships in include/kvcopy/ (installed as kvcopy/_include/kvcopy/).
+It is compiled at first use for the GPU's architecture into a cubin, which is
+cached in memory and on disk (keyed by source, architecture and NVRTC version)
+under $KVCOPY_CACHE_DIR, else $XDG_CACHE_HOME/kvcopy, else ~/.cache/kvcopy.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcopy import _driver
+from kvcopy.errors import KVCopyError
+
+_SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
+_OPTIONS = ("-std=c++17", "-default-device", "--use_fast_math")
+THREADS_PER_CTA = 512
+
+
+class KernelUnavailable(KVCopyError):
+    """NVRTC could not build the copy kernel; DMA paths still work."""
+
+
+def _source_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_include" / "kvcopy", here.parent / "include" / "kvcopy"):
+        if (candidate / "copy_kernel.cuh").is_file():
+            return candidate
+    raise KernelUnavailable("kvcopy's kernel source (copy_kernel.cuh) is not installed")
+
+
+def kernel_sources() -> dict[str, str]:
+    """File name -> text of the kernel source and its header."""
+    folder = _source_dir()
+    return {name: (folder / name).read_text() for name in _SOURCE_FILES}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVCOPY_CACHE_DIR"):
+        return Path(os.environ["KVCOPY_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvcopy"
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - cuda-bindings is a dependency
+        raise KernelUnavailable(f"cuda.bindings.nvrtc cannot be imported: {exc}") from exc
+    return nvrtc
+
+
+def _nvrtc_call(nvrtc, result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelUnavailable(f"{what} failed: {err.name}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    try:
+        major, minor = _nvrtc_call(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except KernelUnavailable:
+        raise
+    except Exception as exc:  # libnvrtc missing: DynamicLibNotFoundError and kin
+        raise KernelUnavailable(
+            f"NVRTC is not available ({type(exc).__name__}: {exc}); install nvidia-cuda-nvrtc "
+            "(pip install 'kvcopy[nvrtc]') for the copy kernel") from exc
+    return int(major), int(minor)
+
+
+def cache_key(sources: dict[str, str], arch: int, version: tuple[int, int]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
+    digest.update(f"sm_{arch}|nvrtc {version[0]}.{version[1]}|{' '.join(_OPTIONS)}".encode())
+    return digest.hexdigest()[:32]
+
+
+def compile_cubin(arch: int) -> bytes:
+    """Compile the copy kernel for sm_<arch> with NVRTC (no GPU needed)."""
+    nvrtc = _nvrtc()
+    sources = kernel_sources()
+    headers = [n for n in _SOURCE_FILES if n != "copy_kernel.cuh"]
+    prog = _nvrtc_call(nvrtc, nvrtc.nvrtcCreateProgram(
+        sources["copy_kernel.cuh"].encode(), b"kvcopy_copy_kernel.cu", len(headers),
+        [sources[h].encode() for h in headers], [h.encode() for h in headers]),
+        "nvrtcCreateProgram")
+    try:
+        options = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in _OPTIONS]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise KernelUnavailable(f"NVRTC could not compile the copy kernel for sm_{arch}: "
+                                    f"{err.name}\n{log.decode(errors='replace')}")
+        size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def cached_cubin(arch: int) -> bytes:
+    """The cubin for sm_<arch>, from the disk cache or freshly compiled."""
+    key = cache_key(kernel_sources(), arch, nvrtc_version())
+    path = cache_dir() / f"copy_kernel-sm{arch}-{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = compile_cubin(arch)
+    try:  # a cache that cannot be written costs a compile per process, nothing more
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+            tmp.write(cubin)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass
+    return cubin
+
+
+@dataclass(frozen=True)
+class CopyKernel:
+    """The kernel loaded in one context."""
+
+    module: int
+    function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
+    function_small: int      # descriptors by value within the 4 KiB parameter limit
+    per_launch: int
+
+
+_lock = threading.Lock()
+_loaded: dict[int, CopyKernel] = {}
+_failed: dict[int, str] = {}
+
+
+def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int) -> CopyKernel:
+    """Load (once per context) the kernel in the calling thread's current context.
+
+    Raises:
+        KernelUnavailable: NVRTC missing, compilation failed, or the module failed to load.
+    """
+    ctx = _driver.current_context()
+    with _lock:
+        if ctx in _loaded:
+            return _loaded[ctx]
+        if ctx in _failed:
+            raise KernelUnavailable(_failed[ctx])
+        try:
+            cubin = cached_cubin(cc_major * 10 + cc_minor)
+            module = _driver.module_load(cubin)
+        except KernelUnavailable as exc:
+            _failed[ctx] = str(exc)
+            raise
+        except KVCopyError as exc:
+            _failed[ctx] = f"the copy kernel failed to load: {exc}"
+            raise KernelUnavailable(_failed[ctx]) from exc
+        # Parameters above 4 KiB need CUDA >= 12.1 and sm_70 or newer.
+        large = driver_version >= 12010 and cc_major >= 7
+        kernel = CopyKernel(
+            module=module,
+            function=_driver.module_function(module, b"kvcopy_scatter_inline"),
+            function_small=_driver.module_function(module, b"kvcopy_scatter_inline_small"),
+            per_launch=_driver.INLINE_MAX if large else _driver.INLINE_MAX_SMALL,
+        )
+        _loaded[ctx] = kernel
+        return kernel

@@ -1,0 +1,137 @@
+"""Which copy method to use: a pure function of device facts and the request.
+
+Nothing here touches the driver, so every rule is unit-tested on the CPU with
+faked capabilities. Defaults come from measurements on an H200 (see
+shared/DESIGN.md section 2): the copy kernel reaches ~51 GB/s over PCIe at every
+block size and 1.4 TB/s inside the GPU; cuMemcpyBatchAsync is as fast only for
+blocks of about 1 MiB and more, and uses copy engines instead of SMs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvcopy.errors import CaptureError, KVCopyError
+
+Method = Literal["batch", "loop", "kernel"]
+METHODS = ("auto", "batch", "loop", "kernel")
+DIRECTIONS = ("h2d", "d2h", "d2d", "h2h")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What the device and driver can do (from kvcopy._driver.device_attributes)."""
+
+    sm_count: int = 132
+    unified_addressing: bool = True
+    can_map_host_memory: bool = True
+    batch_available: bool = True      # the driver exports cuMemcpyBatchAsync (>= 12.8)
+    kernel_available: bool = True     # the copy kernel compiled and loaded
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    """One batch, as planned and classified."""
+
+    direction: str                    # 'h2d', 'd2h', 'd2d', 'h2h'
+    count: int
+    total_bytes: int
+    device_accessible: bool           # every pointer is device memory of the launching
+                                      # device or pinned host memory mapped for it
+    stream_kind: str                  # 'legacy', 'per_thread', 'created'
+    capturing: bool = False
+
+    @property
+    def mean_bytes(self) -> float:
+        return self.total_bytes / self.count if self.count else 0.0
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Mean block size from which batched DMA is used instead of the kernel."""
+
+    batch_min_bytes: dict = field(default_factory=lambda: {"h2d": 1 * MiB, "d2h": 1 * MiB})
+
+    def for_direction(self, direction: str) -> float:
+        return self.batch_min_bytes.get(direction, float("inf"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    method: Method
+    reason: str
+
+
+def _validate(requested: str) -> None:
+    if requested not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {requested!r}")
+
+
+def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
+    if requested == "loop":
+        return Decision("loop", "requested")
+    if requested == "batch":
+        if req.capturing:
+            raise CaptureError(
+                "method='batch' cannot be used on a capturing stream: cuMemcpyBatchAsync is not "
+                "recorded into CUDA graphs and the copy would be lost; use 'auto', 'kernel' or 'loop'")
+        if not caps.batch_available:
+            raise KVCopyError("method='batch' needs cuMemcpyBatchAsync (CUDA driver >= 12.8), "
+                              "which this driver lacks; use 'auto' or 'loop'")
+        if req.stream_kind == "legacy":
+            return Decision("loop", "requested batch, but the driver rejects the legacy "
+                                    "default stream: one cuMemcpyAsync per copy instead")
+        return Decision("batch", "requested")
+    # requested == "kernel"
+    if not caps.kernel_available:
+        raise KVCopyError("method='kernel': the copy kernel is not available on this device "
+                          "(NVRTC could not build it); use 'auto'")
+    if not req.device_accessible:
+        raise ValueError(
+            "method='kernel' needs every pointer to be device memory or pinned host memory "
+            "mapped for the device; pageable or unmapped host memory must go by DMA "
+            "(use 'auto', 'batch' or 'loop', or pin the buffer with kvcopy.register)")
+    if not caps.unified_addressing:
+        raise KVCopyError("method='kernel' needs unified addressing, which this device lacks")
+    return Decision("kernel", "requested")
+
+
+def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | None = None,
+                  requested: str = "auto") -> Decision:
+    """Pick the fastest correct method for ``req``.
+
+    Rules, in order: a single copy is one cuMemcpyAsync (already at the link's
+    limit); the kernel needs unified addressing and pointers the device can
+    dereference; batched DMA needs the driver entry point, a stream other than
+    the legacy default stream, and no capture (it would be dropped from the
+    graph). Host<->device blocks of at least the calibrated size go by batched
+    DMA, which matches the kernel there and leaves the SMs to compute; smaller
+    blocks and device-to-device copies go to the kernel. Where neither applies,
+    one cuMemcpyAsync per copy is always correct.
+
+    Raises:
+        ValueError: unknown method, or 'kernel' with memory it cannot read.
+        CaptureError: 'batch' on a capturing stream.
+        KVCopyError: the requested method is not available.
+    """
+    _validate(requested)
+    if requested != "auto":
+        return _explicit(req, caps, requested)
+    thresholds = thresholds or Thresholds()
+    if req.count <= 1:
+        return Decision("loop", "a single copy: one cuMemcpyAsync")
+    kernel_ok = (caps.kernel_available and caps.unified_addressing and req.device_accessible
+                 and req.direction != "h2h")
+    batch_ok = caps.batch_available and req.stream_kind != "legacy" and not req.capturing
+    if kernel_ok:
+        if batch_ok and req.mean_bytes >= thresholds.for_direction(req.direction):
+            return Decision("batch", f"blocks of {req.mean_bytes / MiB:.2f} MiB: DMA engines "
+                                     "reach the link's limit without using SMs")
+        return Decision("kernel", "copy kernel: link-rate for blocks of every size")
+    if batch_ok:
+        return Decision("batch", "memory the kernel cannot read: batched DMA")
+    why = ("capturing stream" if req.capturing else
+           "legacy default stream" if req.stream_kind == "legacy" else
+           "no cuMemcpyBatchAsync in this driver")
+    return Decision("loop", f"{why}: one cuMemcpyAsync per copy")

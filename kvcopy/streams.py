@@ -1,0 +1,124 @@
+"""Anything that names a CUDA stream -> the raw CUstream handle as an int.
+
+Handle values with special meaning in the driver API:
+0 is the default stream (legacy, or per-thread when cuda-python runs with
+CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1), 1 is CU_STREAM_LEGACY and 2 is
+CU_STREAM_PER_THREAD.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+STREAM_DEFAULT = 0
+STREAM_LEGACY = 1
+STREAM_PER_THREAD = 2
+_MAX_HANDLE = 2**64 - 1
+
+
+def _module_of(obj: Any) -> str:
+    return type(obj).__module__ or ""
+
+
+def _from_cuda_stream_protocol(obj: Any) -> int:
+    attr = obj.__cuda_stream__
+    value = attr() if callable(attr) else attr
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError(f"stream: {type(obj).__name__}.__cuda_stream__ returned {value!r}, "
+                        "expected a (version, handle) tuple")
+    return _from_int(value[1], obj)
+
+
+def _from_int(value: Any, origin: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"stream: {type(origin).__name__} gave a handle of type "
+                            f"{type(value).__name__}, expected an int") from None
+    if value < 0 or value > _MAX_HANDLE:
+        raise ValueError(f"stream: handle {value} is not a valid CUstream value")
+    return value
+
+
+def _framework_default(handle: int) -> int:
+    """torch and CuPy mean the legacy default stream by handle 0."""
+    return STREAM_LEGACY if handle == STREAM_DEFAULT else handle
+
+
+def resolve_stream(obj: Any) -> int:
+    """Return the raw CUstream handle that ``obj`` names.
+
+    Accepts None (the default stream, 0), ints (0, 1 = cudaStreamLegacy,
+    2 = cudaStreamPerThread, or any handle), torch.cuda.Stream and
+    ExternalStream, CuPy streams, cuda.core Streams, cuda.bindings CUstream and
+    any object with ``__cuda_stream__``. torch's and CuPy's default streams
+    resolve to 1 (legacy), which is what their handle 0 means.
+
+    Raises:
+        TypeError: ``obj`` names no stream kvcopy knows.
+        ValueError: the handle is negative or wider than 64 bits.
+    """
+    if obj is None:
+        return STREAM_DEFAULT
+    if isinstance(obj, bool):
+        raise TypeError("stream: got a bool; pass a stream object or an integer handle")
+    if isinstance(obj, int):
+        return _from_int(obj, obj)
+    module = _module_of(obj)
+    if module.startswith("torch") and hasattr(obj, "cuda_stream"):
+        return _framework_default(_from_int(obj.cuda_stream, obj))
+    if module.startswith("cupy") and hasattr(obj, "ptr"):
+        return _framework_default(_from_int(obj.ptr, obj))
+    if hasattr(obj, "__cuda_stream__"):
+        return _from_cuda_stream_protocol(obj)
+    if module.startswith("cuda.bindings") and hasattr(obj, "getPtr"):
+        return _from_int(int(obj), obj)
+    raise TypeError(
+        f"stream: cannot get a CUDA stream from {type(obj).__module__}.{type(obj).__qualname__}; "
+        "pass None, an int handle, a torch/CuPy/cuda.core stream, a CUstream, or an object "
+        "with __cuda_stream__"
+    )
+
+
+def current_framework_stream(*objs: Any) -> int:
+    """The current stream of the framework whose arrays were passed, else 0.
+
+    torch tensors give torch.cuda.current_stream() of their device; CuPy arrays
+    give cupy.cuda.get_current_stream().
+    """
+    for obj in objs:
+        module = _module_of(obj)
+        if module.startswith("torch"):
+            import torch
+
+            if not torch.cuda.is_available():
+                continue
+            device = obj.device if getattr(obj, "is_cuda", False) else None
+            return _framework_default(torch.cuda.current_stream(device).cuda_stream)
+        if module.startswith("cupy"):
+            import cupy
+
+            return _framework_default(cupy.cuda.get_current_stream().ptr)
+    return STREAM_DEFAULT
+
+
+def per_thread_default_enabled() -> bool:
+    """Whether cuda-python maps handle 0 to the per-thread default stream."""
+    return os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+
+
+def effective_handle(handle: int) -> int:
+    """Replace handle 0 by the explicit stream it means in this process."""
+    if handle != STREAM_DEFAULT:
+        return handle
+    return STREAM_PER_THREAD if per_thread_default_enabled() else STREAM_LEGACY
+
+
+def stream_kind(handle: int) -> str:
+    """'legacy', 'per_thread' or 'created' for an effective (non-zero) handle."""
+    if handle == STREAM_LEGACY:
+        return "legacy"
+    if handle == STREAM_PER_THREAD:
+        return "per_thread"
+    return "created"

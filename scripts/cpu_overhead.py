@@ -1,0 +1,39 @@
+"""CPU time from the Python call to its return, kernel path, 8192 descriptors as NumPy arrays."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import kvcopy
+
+KiB = 1 << 10
+
+
+def main() -> None:
+    count, block = 8192, 16 * KiB
+    src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(0)
+    s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+    d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+    sizes = np.full(count, block, dtype=np.uint64)
+    stream = torch.cuda.Stream()
+    for method in ("kernel", "batch"):
+        for _ in range(5):
+            kvcopy.copy_batch(s, d, sizes, stream=stream, method=method)
+        stream.synchronize()
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            kvcopy.copy_batch(s, d, sizes, stream=stream, method=method)
+            times.append((time.perf_counter() - t0) * 1e6)
+            stream.synchronize()
+        print(f"cpu_overhead method={method} count={count} block={block} "
+              f"median_us={statistics.median(times):.1f} min_us={min(times):.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Buffers and reference checks shared by the GPU tests."""
+from __future__ import annotations
+
+import numpy as np
+
+POOL_DEVICES = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned"), "d2d": ("cuda", "cuda"),
+                "pageable_h2d": ("pageable", "cuda"), "pageable_d2h": ("cuda", "pageable")}
+
+
+def make_pool(kind: str, nbytes: int, seed: int):
+    """A uint8 buffer filled with random bytes: torch tensor, or NumPy for 'pageable'."""
+    import torch
+
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    if kind == "pageable":
+        return data
+    tensor = torch.from_numpy(data)
+    if kind == "pinned":
+        return tensor.pin_memory()
+    return tensor.cuda()
+
+
+def address(buf) -> int:
+    return buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
+
+
+def host_bytes(buf) -> np.ndarray:
+    import torch
+
+    if isinstance(buf, np.ndarray):
+        return buf.copy()
+    torch.cuda.synchronize()
+    return buf.cpu().numpy().copy()
+
+
+def scattered(count: int, sizes, pool_bytes: int, rng, align: int = 1):
+    """Non-overlapping random [offset, offset + size) ranges inside a pool."""
+    sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), (count,)).copy()
+    slot = int(sizes.max()) + align
+    slots = pool_bytes // slot
+    assert slots >= count, "pool too small for the requested copies"
+    chosen = rng.choice(slots, size=count, replace=False).astype(np.int64)
+    offsets = chosen * slot + rng.integers(0, align, count) if align > 1 else chosen * slot
+    return offsets, sizes
+
+
+def expected_after(src_before: np.ndarray, dst_before: np.ndarray, src_off, dst_off, sizes):
+    out = dst_before.copy()
+    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+        out[d:d + n] = src_before[s:s + n]
+    return out

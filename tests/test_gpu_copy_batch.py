@@ -1,0 +1,260 @@
+"""copy_batch on a real GPU: destination bytes equal source bytes, for every
+direction, method, size, count and kind of stream. Skipped without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from gpu_helpers import (POOL_DEVICES, address, expected_after, host_bytes, make_pool,
+                         scattered)
+
+pytestmark = pytest.mark.gpu
+METHODS = ["auto", "batch", "loop", "kernel"]
+
+
+def run_copy(direction, count, sizes, *, method="auto", stream=None, align=1, seed=0,
+             pool_bytes=None):
+    """Copy scattered ranges and check every destination byte; returns the method used."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), (count,))
+    pool_bytes = pool_bytes or max(int((sizes.max() + align) * count * 2), 1 << 16)
+    src_kind, dst_kind = POOL_DEVICES[direction]
+    src, dst = make_pool(src_kind, pool_bytes, seed), make_pool(dst_kind, pool_bytes, seed + 1)
+    src_before, dst_before = host_bytes(src), host_bytes(dst)
+    src_off, sizes = scattered(count, sizes, pool_bytes, rng, align)
+    dst_off, _ = scattered(count, sizes, pool_bytes, rng, align)
+    torch.cuda.synchronize()
+    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
+                             stream=stream, method=method)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(host_bytes(dst),
+                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+    return used
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("size", [1, 8, 4096, 16384, 1 << 20])
+@pytest.mark.parametrize("method", METHODS)
+def test_sizes_directions_methods(torch_cuda, direction, size, method):
+    side = torch_cuda.cuda.Stream()
+    used = run_copy(direction, 16, size, method=method, stream=side)
+    assert used == (method if method != "auto" else used)
+    assert used in ("batch", "loop", "kernel")
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("method", METHODS)
+def test_mixed_sizes_and_odd_addresses(torch_cuda, direction, method):
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 70_000, 300)
+    run_copy(direction, 300, sizes, method=method, stream=torch_cuda.cuda.Stream(), align=61)
+
+
+@pytest.mark.parametrize("count", [1, 16, 20_000])
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+def test_counts(torch_cuda, direction, count):
+    run_copy(direction, count, 4096, stream=torch_cuda.cuda.Stream())
+
+
+@pytest.mark.parametrize("count", [16, 20_000])
+@pytest.mark.parametrize("method", ["batch", "loop", "kernel"])
+def test_counts_every_method(torch_cuda, count, method):
+    run_copy("h2d", count, 512, method=method, stream=torch_cuda.cuda.Stream())
+
+
+def test_batch_from_python_ints_and_torch_pointer_tensors(torch_cuda):
+    src = make_pool("pinned", 1 << 16, 1)
+    dst = make_pool("cuda", 1 << 16, 2)
+    ptrs_src = torch_cuda.tensor([src.data_ptr(), src.data_ptr() + 8192], dtype=torch_cuda.int64)
+    kvcopy.copy_batch(ptrs_src, [dst.data_ptr() + 100, dst.data_ptr() + 20000], [4096, 4096])
+    torch_cuda.cuda.synchronize()
+    assert torch_cuda.equal(dst[100:4196].cpu(), src[:4096])
+    assert torch_cuda.equal(dst[20000:24096].cpu(), src[8192:12288])
+
+
+# ------------------------------------------------------------------ streams
+
+@pytest.mark.parametrize("handle", [0, 1, 2])
+@pytest.mark.parametrize("method", METHODS)
+def test_default_stream_handles(torch_cuda, handle, method):
+    used = run_copy("h2d", 64, 16384, method=method, stream=handle)
+    if handle in (0, 1):  # never the batch call on the legacy stream
+        assert used != "batch"
+    if method == "batch":
+        assert used == ("batch" if handle == 2 else "loop")
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_torch_current_stream_is_default(torch_cuda, direction):
+    used = run_copy(direction, 64, 16384, stream=None)
+    assert used in ("kernel", "loop")
+
+
+def test_torch_side_stream_as_current(torch_cuda):
+    side = torch_cuda.cuda.Stream()
+    with torch_cuda.cuda.stream(side):
+        src = make_pool("cuda", 1 << 20, 3)
+        dst = torch_cuda.empty_like(src)
+        # tensors passed as pointers come from torch: None means torch's current stream
+        kvcopy.copy_batch(torch_cuda.tensor([src.data_ptr()]), torch_cuda.tensor([dst.data_ptr()]),
+                          torch_cuda.tensor([1 << 20]))
+        side.synchronize()
+    assert torch_cuda.equal(src, dst)
+
+
+def test_external_stream(torch_cuda):
+    raw = torch_cuda.cuda.Stream()
+    ext = torch_cuda.cuda.ExternalStream(raw.cuda_stream)
+    assert kvcopy.resolve_stream(ext) == raw.cuda_stream
+    run_copy("d2h", 32, 8192, method="batch", stream=ext)
+
+
+def test_created_stream_handle_int(torch_cuda):
+    s = torch_cuda.cuda.Stream()
+    assert kvcopy.resolve_stream(s) == s.cuda_stream
+    assert run_copy("h2d", 32, 8192, method="batch", stream=s.cuda_stream) == "batch"
+
+
+def test_cupy_stream(torch_cuda):
+    cupy = pytest.importorskip("cupy")
+    s = cupy.cuda.Stream(non_blocking=True)
+    assert kvcopy.resolve_stream(s) == s.ptr
+    for method in METHODS:
+        run_copy("h2d", 32, 8192, method=method, stream=s)
+    assert kvcopy.resolve_stream(cupy.cuda.Stream.null) == 1
+
+
+def test_cupy_arrays_use_cupys_current_stream(torch_cuda):
+    cupy = pytest.importorskip("cupy")
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a = cupy.arange(1 << 16, dtype=cupy.uint8)
+        b = cupy.zeros_like(a)
+        assert kvcopy.resolve_stream(None) == 0
+        kvcopy.copy_batch(np.array([a.data.ptr]), np.array([b.data.ptr]), np.array([a.nbytes]))
+        s.synchronize()
+    assert bool((a == b).all())
+
+
+def test_cuda_core_stream(torch_cuda):
+    core = pytest.importorskip("cuda.core")
+    dev = core.Device(0)
+    dev.set_current()
+    s = dev.create_stream()
+    handle = kvcopy.resolve_stream(s)
+    assert handle == int(s.handle)
+    for method in METHODS:
+        run_copy("d2h", 32, 8192, method=method, stream=s)
+
+
+def test_cuda_bindings_custream_object(torch_cuda):
+    from cuda.bindings import driver
+
+    s = torch_cuda.cuda.Stream()
+    run_copy("h2d", 16, 8192, method="batch", stream=driver.CUstream(s.cuda_stream))
+
+
+# ------------------------------------------------------------------ pageable memory
+
+@pytest.mark.parametrize("direction", ["pageable_h2d", "pageable_d2h"])
+def test_pageable_memory_goes_by_dma(torch_cuda, direction):
+    assert run_copy(direction, 32, 16384, stream=torch_cuda.cuda.Stream()) == "batch"
+    assert run_copy(direction, 32, 16384, stream=1) == "loop"
+    with pytest.raises(ValueError, match="pageable"):
+        run_copy(direction, 32, 16384, method="kernel", stream=1)
+
+
+# ------------------------------------------------------------------ graph capture
+
+@pytest.mark.parametrize("method", ["auto", "loop", "kernel"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+def test_graph_capture_replays_the_copy(torch_cuda, method, direction):
+    torch = torch_cuda
+    src_kind, dst_kind = POOL_DEVICES[direction]
+    n, block = 2000, 4096  # > one launch's worth of inline descriptors
+    src = make_pool(src_kind, n * block * 2, 11)
+    dst = make_pool(dst_kind, n * block * 2, 12)
+    rng = np.random.default_rng(3)
+    src_off = rng.permutation(2 * n)[:n] * block
+    dst_off = rng.permutation(2 * n)[:n] * block
+    sizes = np.full(n, block)
+    graph = torch.cuda.CUDAGraph()
+    capture_stream = torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=capture_stream):
+        used = kvcopy.copy_batch(src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes,
+                                 stream=capture_stream, method=method)
+    assert used != "batch"
+    # Nothing ran during capture; new source bytes must arrive on replay.
+    fresh = torch.from_numpy(np.random.default_rng(99).integers(0, 256, src.numel(), dtype=np.uint8))
+    src.copy_(fresh)
+    torch.cuda.synchronize()
+    dst_before = host_bytes(dst)
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(host_bytes(dst), expected_after(
+        fresh.numpy(), dst_before, src_off, dst_off, sizes))
+
+
+def test_batch_under_capture_raises_and_capture_stays_usable(torch_cuda):
+    torch = torch_cuda
+    src = make_pool("pinned", 1 << 20, 5)
+    dst = make_pool("cuda", 1 << 20, 6)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=s):
+        with pytest.raises(kvcopy.CaptureError, match="capturing"):
+            kvcopy.copy_batch([src.data_ptr(), src.data_ptr() + 8192],
+                              [dst.data_ptr(), dst.data_ptr() + 65536], [4096, 4096],
+                              stream=s, method="batch")
+        kvcopy.copy_batch([src.data_ptr(), src.data_ptr() + 8192],
+                          [dst.data_ptr(), dst.data_ptr() + 65536], [4096, 4096], stream=s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:4096].cpu(), src[:4096])
+    assert torch.equal(dst[65536:65536 + 4096].cpu(), src[8192:8192 + 4096])
+
+
+# ------------------------------------------------------------------ bookkeeping
+
+def test_last_decision_and_empty_batch(torch_cuda):
+    assert kvcopy.copy_batch([], [], []) == "none"
+    run_copy("h2d", 8, 4096, stream=1)
+    decision = kvcopy.last_decision()
+    assert decision.method in ("kernel", "loop") and decision.reason
+
+
+def test_batch_disabled_driver_falls_back(torch_cuda):
+    from kvcopy import _driver, device
+
+    _driver.set_batch_disabled(True)
+    device.forget_batch_support()
+    try:
+        s = torch_cuda.cuda.Stream()
+        assert run_copy("pageable_h2d", 16, 4096, stream=s) == "loop"
+        assert run_copy("h2d", 16, 4 << 20, stream=s) == "kernel"
+        with pytest.raises(kvcopy.KVCopyError, match="cuMemcpyBatchAsync"):
+            run_copy("h2d", 16, 4096, stream=s, method="batch")
+    finally:
+        _driver.set_batch_disabled(False)
+        device.forget_batch_support()
+    assert run_copy("h2d", 16, 4 << 20, stream=torch_cuda.cuda.Stream()) == "batch"
+
+
+def test_thread_without_current_context(torch_cuda):
+    import threading
+
+    errors = []
+
+    def worker():
+        try:
+            run_copy("h2d", 16, 4096, stream=2, seed=4)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert not errors, errors

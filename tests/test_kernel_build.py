@@ -1,0 +1,45 @@
+"""The copy kernel compiles with NVRTC and is cached (CPU: NVRTC needs no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from kvcopy import kernels
+
+
+def _nvrtc_or_skip():
+    try:
+        return kernels.nvrtc_version()
+    except kernels.KernelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_sources_are_found():
+    sources = kernels.kernel_sources()
+    assert "kvcopy_scatter_inline" in sources["copy_kernel.cuh"]
+    assert "KVCOPY_INLINE_MAX" in sources["descriptor.h"]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compiles_to_a_cubin_with_all_entry_points(arch):
+    _nvrtc_or_skip()
+    cubin = kernels.compile_cubin(arch)
+    assert cubin[:4] == b"\x7fELF"
+    for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small"):
+        assert name in cubin
+
+
+def test_disk_cache_is_reused(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
+    first = kernels.cached_cubin(90)
+    files = list(tmp_path.glob("copy_kernel-sm90-*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == first
+    files[0].write_bytes(b"marker")  # a second call must read the file, not recompile
+    assert kernels.cached_cubin(90) == b"marker"
+
+
+def test_cache_key_depends_on_arch_source_and_version():
+    src = {"a": "x"}
+    keys = {kernels.cache_key(src, 90, (13, 0)), kernels.cache_key(src, 80, (13, 0)),
+            kernels.cache_key(src, 90, (13, 1)), kernels.cache_key({"a": "y"}, 90, (13, 0))}
+    assert len(keys) == 4

@@ -1,0 +1,47 @@
+"""Without a GPU: import works and the first driver call says so plainly (CPU)."""
+from __future__ import annotations
+
+import pytest
+
+import kvcopy
+from conftest import gpu_reason
+
+
+def test_import_and_api_surface():
+    for name in ("copy_batch", "resolve_stream", "calibrate", "CudaError", "KVCopyError"):
+        assert hasattr(kvcopy, name)
+    assert issubclass(kvcopy.CudaError, kvcopy.KVCopyError)
+    assert issubclass(kvcopy.NoDriverError, kvcopy.KVCopyError)
+
+
+def test_first_copy_raises_no_driver_error():
+    try:
+        from kvcopy import _driver
+
+        _driver.init()
+    except kvcopy.NoDriverError:
+        pass
+    else:
+        pytest.skip("a CUDA driver is present")
+    with pytest.raises(kvcopy.NoDriverError, match="no CUDA driver was found"):
+        kvcopy.copy_batch([0x1000], [0x2000], [8])
+
+
+def test_validation_happens_before_the_driver_is_needed():
+    with pytest.raises(ValueError, match="differ in length"):
+        kvcopy.copy_batch([1, 2], [3], [4, 4])
+    with pytest.raises(ValueError, match="method must be one of"):
+        kvcopy.copy_batch([1], [3], [4], method="dma")
+    with pytest.raises(ValueError, match="src_access_order"):
+        kvcopy.copy_batch([1], [3], [4], src_access_order="whenever")
+    with pytest.raises(TypeError, match="stream"):
+        kvcopy.copy_batch([1], [3], [4], stream="s1")
+
+
+def test_cuda_error_is_picklable_and_carries_fields():
+    import pickle
+
+    err = kvcopy.CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", 7)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.code, back.name, back.index) == (1, "CUDA_ERROR_INVALID_VALUE", 7)
+    assert "CUDA_ERROR_INVALID_VALUE" in str(back) and "copy 7" in str(back)

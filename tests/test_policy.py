@@ -1,0 +1,109 @@
+"""The method policy, with faked device capabilities (CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from kvcopy.errors import CaptureError, KVCopyError
+from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
+
+H200 = DeviceCaps()
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def req(direction="h2d", count=8192, block=16 * KiB, accessible=True, stream="created",
+        capturing=False):
+    return CopyRequest(direction, count, count * block, accessible, stream, capturing)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
+def test_small_and_medium_blocks_use_the_kernel(direction, block):
+    assert choose_method(req(direction, block=block), H200).method == "kernel"
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_large_host_blocks_use_batched_dma(direction):
+    assert choose_method(req(direction, block=4 * MiB), H200).method == "batch"
+
+
+def test_device_to_device_never_uses_batch_when_kernel_works():
+    assert choose_method(req("d2d", block=64 * MiB), H200).method == "kernel"
+
+
+def test_calibrated_thresholds_move_the_crossover():
+    low = Thresholds(batch_min_bytes={"h2d": 64 * KiB, "d2h": float("inf")})
+    assert choose_method(req("h2d", block=64 * KiB), H200, low).method == "batch"
+    assert choose_method(req("d2h", block=64 * MiB), H200, low).method == "kernel"
+
+
+@pytest.mark.parametrize("caps", [DeviceCaps(unified_addressing=False),
+                                  DeviceCaps(kernel_available=False)])
+def test_no_unified_addressing_or_kernel_means_dma(caps):
+    assert choose_method(req(), caps).method == "batch"
+
+
+def test_pageable_memory_goes_to_dma():
+    assert choose_method(req(accessible=False), H200).method == "batch"
+    assert choose_method(req(accessible=False, stream="legacy"), H200).method == "loop"
+
+
+@pytest.mark.parametrize("caps", [H200, DeviceCaps(kernel_available=False)])
+@pytest.mark.parametrize("block", [4 * KiB, 4 * MiB])
+def test_capturing_stream_never_uses_batch(caps, block):
+    method = choose_method(req(block=block, capturing=True), caps).method
+    assert method in ("kernel", "loop")
+    assert method == ("kernel" if caps.kernel_available else "loop")
+
+
+@pytest.mark.parametrize("block", [4 * KiB, 4 * MiB])
+def test_legacy_stream_never_uses_batch(block):
+    assert choose_method(req(block=block, stream="legacy"), H200).method == "kernel"
+    assert choose_method(req(block=block, stream="legacy"),
+                         DeviceCaps(kernel_available=False)).method == "loop"
+
+
+def test_per_thread_stream_takes_batch():
+    caps = DeviceCaps(kernel_available=False)
+    assert choose_method(req(stream="per_thread"), caps).method == "batch"
+
+
+def test_old_driver_without_batch_uses_kernel_or_loop():
+    caps = DeviceCaps(batch_available=False)
+    assert choose_method(req(block=4 * MiB), caps).method == "kernel"
+    caps = DeviceCaps(batch_available=False, kernel_available=False)
+    assert choose_method(req(), caps).method == "loop"
+
+
+def test_single_copy_is_one_memcpy():
+    assert choose_method(req(count=1), H200).method == "loop"
+
+
+def test_host_to_host_is_dma():
+    assert choose_method(req("h2h"), H200).method == "batch"
+
+
+def test_explicit_batch_rules():
+    with pytest.raises(CaptureError, match="capturing"):
+        choose_method(req(capturing=True), H200, requested="batch")
+    with pytest.raises(KVCopyError, match="cuMemcpyBatchAsync"):
+        choose_method(req(), DeviceCaps(batch_available=False), requested="batch")
+    assert choose_method(req(stream="legacy"), H200, requested="batch").method == "loop"
+    assert choose_method(req(), H200, requested="batch").method == "batch"
+
+
+def test_explicit_kernel_rules():
+    with pytest.raises(ValueError, match="pageable"):
+        choose_method(req(accessible=False), H200, requested="kernel")
+    with pytest.raises(KVCopyError, match="not available"):
+        choose_method(req(), DeviceCaps(kernel_available=False), requested="kernel")
+    assert choose_method(req(capturing=True), H200, requested="kernel").method == "kernel"
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        choose_method(req(), H200, requested="fast")
+
+
+def test_decisions_say_why():
+    decision = choose_method(req(stream="legacy", accessible=False), H200)
+    assert "legacy" in decision.reason
