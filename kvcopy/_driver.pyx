@@ -610,3 +610,50 @@ def launch_scatter(uintptr_t function, int per_launch, const uint64_t[::1] dst,
     finally:
         free(batch)
     return launches
+
+
+def launch_scatter_staged(uintptr_t function, uintptr_t host_descs, uintptr_t device_descs,
+                          const uint64_t[::1] dst, const uint64_t[::1] src,
+                          const uint64_t[::1] sizes, unsigned int max_ctas,
+                          unsigned int threads, uintptr_t stream) -> int:
+    """Launch the copy kernel once over the whole batch, descriptors in device memory.
+
+    Writes the descriptors into ``host_descs`` (pinned, room for the batch),
+    copies them to ``device_descs`` on the stream and launches ``kvcopy_scatter``
+    behind that copy. Both buffers must stay untouched until the stream has
+    passed this launch (the caller records an event). Not for stream capture:
+    the graph would keep reading buffers that later calls overwrite.
+    Returns the number of launches (0 or 1).
+    """
+    cdef Py_ssize_t n = dst.shape[0], j
+    cdef kvcopy_desc* descs = <kvcopy_desc*>host_descs
+    cdef unsigned long long tiles = 0, size, warps, grid, count
+    cdef CUdeviceptr dev = <CUdeviceptr>device_descs
+    cdef void* params[3]
+    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
+        raise ValueError("launch_scatter_staged: max_ctas must be positive and threads a multiple of 32")
+    count = <unsigned long long>n
+    params[0] = &dev
+    params[1] = &count
+    params[2] = &tiles
+    warps = threads // 32
+    with nogil:
+        for j in range(n):
+            size = sizes[j]
+            descs[j].src = src[j]
+            descs[j].dst = dst[j]
+            descs[j].size = size
+            descs[j].tile_start = tiles
+            tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+        if tiles > 0:
+            _check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>host_descs, n * sizeof(kvcopy_desc),
+                                          <CUstream>stream))
+            grid = (tiles + warps - 1) // warps
+            if grid > max_ctas:
+                grid = max_ctas
+            _check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1, threads,
+                                           1, 1, 0, <CUstream>stream, params, NULL))
+    return 1 if tiles > 0 else 0
+
+
+DESCRIPTOR_BYTES = sizeof(kvcopy_desc)

@@ -18,6 +18,7 @@ class Config:
         16 saturate PCIe on an H200 in both directions while leaving the other
         116 SMs to the model (a 16-CTA copy slowed a full-GPU kernel by ~1.5%).
     device_ctas: CTAs for GPU-to-GPU copies; None means one per SM.
+    threads_per_cta: threads of each copy-kernel CTA (a multiple of 32, at most 512).
     batch_chunk: descriptors per cuMemcpyBatchAsync call (very large batches
         were reported to hang on some parts).
     """
@@ -25,6 +26,7 @@ class Config:
     host_ctas: int = _env_int("KVCOPY_HOST_CTAS", 16)
     device_ctas: int | None = _env_int("KVCOPY_DEVICE_CTAS", None)
     batch_chunk: int = _env_int("KVCOPY_BATCH_CHUNK", 16384)
+    threads_per_cta: int = _env_int("KVCOPY_THREADS", 512)
 
 
 config = Config()

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy import _driver, device, kernels
+from kvcopy import _driver, device, kernels, ring
 from kvcopy.arrays import as_u64_array
 from kvcopy.config import config
 from kvcopy.errors import CudaError
@@ -107,16 +107,27 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
             elif decision.method == "loop":
                 _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, handle)
             else:
-                kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
                 ctas = max_ctas or (config.host_ctas if direction != "d2d"
                                     else config.device_ctas or info.caps.sm_count)
-                function = (kernel.function if kernel.per_launch == _driver.INLINE_MAX
-                            else kernel.function_small)
-                _driver.launch_scatter(function, kernel.per_launch, dst_view, src_view,
-                                       plan.sizes, ctas, kernels.THREADS_PER_CTA, handle)
+                _launch_kernel(plan, dst_view, src_view, info, ctas, handle, request.capturing)
         except CudaError as exc:
             raise exc.with_index(plan.caller_index(exc.index)) from None
     return decision.method
+
+
+def _launch_kernel(plan: CopyPlan, dst_view: np.ndarray, src_view: np.ndarray,
+                   info: "device.DeviceInfo", ctas: int, handle: int, capturing: bool) -> None:
+    """Large batches: one launch reading staged descriptors. Small batches and
+    capture: descriptors by value, which graphs keep with the launch."""
+    kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
+    threads = config.threads_per_cta
+    if plan.count > kernel.per_launch and not capturing:
+        ring.ring_for_current_context().launch(kernel.function_staged, dst_view, src_view,
+                                               plan.sizes, ctas, threads, handle)
+        return
+    function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
+    _driver.launch_scatter(function, kernel.per_launch, dst_view, src_view, plan.sizes, ctas,
+                           threads, handle)
 
 
 def _check_options(method: str, src_access_order: str, max_ctas: int | None) -> None:

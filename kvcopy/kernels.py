@@ -18,8 +18,8 @@ from kvcopy import _driver
 from kvcopy.errors import KVCopyError
 
 _SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
-_OPTIONS = ("-std=c++17", "-default-device", "--use_fast_math")
-THREADS_PER_CTA = 512
+_OPTIONS = ("-std=c++17", "-default-device",
+            f"-DKVCOPY_UNROLL={int(os.environ.get('KVCOPY_UNROLL', '4'))}")
 
 
 class KernelUnavailable(KVCopyError):
@@ -133,6 +133,7 @@ class CopyKernel:
     """The kernel loaded in one context."""
 
     module: int
+    function_staged: int     # descriptors in device memory, one launch per batch
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     per_launch: int
@@ -168,6 +169,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
         large = driver_version >= 12010 and cc_major >= 7
         kernel = CopyKernel(
             module=module,
+            function_staged=_driver.module_function(module, b"kvcopy_scatter"),
             function=_driver.module_function(module, b"kvcopy_scatter_inline"),
             function_small=_driver.module_function(module, b"kvcopy_scatter_inline_small"),
             per_launch=_driver.INLINE_MAX if large else _driver.INLINE_MAX_SMALL,

@@ -10,7 +10,9 @@
  */
 #include "descriptor.h"
 
+#ifndef KVCOPY_UNROLL
 #define KVCOPY_UNROLL 4
+#endif
 
 template <typename Word>
 __device__ __forceinline__ void kvcopy_copy_words(const Word* __restrict__ src,
@@ -87,6 +89,15 @@ __device__ __forceinline__ unsigned long long kvcopy_find_desc(const kvcopy_desc
     return a;
 }
 
+__device__ __forceinline__ void kvcopy_copy_tile(const kvcopy_desc& desc, unsigned long long t,
+                                                 unsigned lane) {
+    const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
+    unsigned long long len = desc.size - offset;
+    if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
+    kvcopy_copy_span(reinterpret_cast<const char*>(desc.src) + offset,
+                     reinterpret_cast<char*>(desc.dst) + offset, len, lane);
+}
+
 __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
                                                     unsigned long long count,
                                                     unsigned long long total_tiles) {
@@ -94,15 +105,28 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
     const unsigned long long warps_per_block = blockDim.x >> 5;
     const unsigned long long warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
     const unsigned long long num_warps = gridDim.x * warps_per_block;
+    if (total_tiles == count) {
+        // Every copy is one tile (blocks <= KVCOPY_TILE_BYTES): tile t is copy t.
+        // The next descriptor is loaded before the current copy, so its latency
+        // hides behind the copy instead of adding to it.
+        unsigned long long t = warp;
+        if (t >= count) return;
+        kvcopy_desc desc = descs[t];
+        while (true) {
+            const unsigned long long next = t + num_warps;
+            kvcopy_desc upcoming;
+            if (next < count) upcoming = descs[next];
+            kvcopy_copy_tile(desc, t, lane);
+            if (next >= count) break;
+            desc = upcoming;
+            t = next;
+        }
+        return;
+    }
     unsigned long long d = 0;  // tiles are visited in increasing order
     for (unsigned long long t = warp; t < total_tiles; t += num_warps) {
         d = kvcopy_find_desc(descs, d, count, t, lane);
-        const kvcopy_desc desc = descs[d];
-        const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
-        unsigned long long len = desc.size - offset;
-        if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
-        kvcopy_copy_span(reinterpret_cast<const char*>(desc.src) + offset,
-                         reinterpret_cast<char*>(desc.dst) + offset, len, lane);
+        kvcopy_copy_tile(descs[d], t, lane);
     }
 }
 

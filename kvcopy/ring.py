@@ -1,0 +1,78 @@
+"""Reusable descriptor buffers for large kernel launches, one ring per context.
+
+A launch over thousands of copies reads its descriptors from device memory:
+they are written into a pinned slot, copied to the slot's device buffer on the
+caller's stream, and the slot's event is recorded behind the kernel. A slot is
+reused only after its event has completed, so a slot is never overwritten
+while a copy or kernel on any stream may still read it.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvcopy import _driver
+
+SLOTS = 8
+MIN_CAPACITY = 4096
+
+
+@dataclass
+class _Slot:
+    capacity: int = 0
+    host: int = 0
+    device: int = 0
+    event: int = 0
+    used: bool = False
+
+    def ensure(self, count: int) -> None:
+        if count <= self.capacity:
+            return
+        self.release()
+        capacity = max(MIN_CAPACITY, 1 << (count - 1).bit_length())
+        nbytes = capacity * _driver.DESCRIPTOR_BYTES
+        self.host = _driver.host_alloc(nbytes)
+        self.device = _driver.mem_alloc(nbytes)
+        self.capacity = capacity
+
+    def release(self) -> None:
+        if self.host:
+            _driver.host_free(self.host)
+        if self.device:
+            _driver.mem_free(self.device)
+        self.host = self.device = self.capacity = 0
+
+
+class DescriptorRing:
+    """Slots used round-robin in the context current at creation."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        self._slots = [_Slot(event=_driver.event_create()) for _ in range(slots)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def launch(self, function: int, dst, src, sizes, max_ctas: int, threads: int, stream: int) -> int:
+        with self._lock:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            if slot.used:
+                _driver.event_synchronize(slot.event)  # back-pressure only after SLOTS calls in flight
+            slot.ensure(len(sizes))
+            launches = _driver.launch_scatter_staged(function, slot.host, slot.device, dst, src,
+                                                     sizes, max_ctas, threads, stream)
+            _driver.event_record(slot.event, stream)
+            slot.used = True
+            return launches
+
+
+_rings: dict[int, DescriptorRing] = {}
+_rings_lock = threading.Lock()
+
+
+def ring_for_current_context() -> DescriptorRing:
+    ctx = _driver.current_context()
+    ring = _rings.get(ctx)
+    if ring is None:
+        with _rings_lock:
+            ring = _rings.setdefault(ctx, DescriptorRing())
+    return ring
