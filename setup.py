@@ -67,14 +67,16 @@ class BuildPyWithKernelSources(build_py):
 def extensions() -> list[Extension]:
     from Cython.Build import cythonize
 
-    ext = Extension(
+    driver = Extension(
         "kvcopy._driver",
         ["kvcopy/_driver.pyx"],
         include_dirs=[str(HEADERS)] + cuda_include_dirs(),
         language="c++",
         extra_compile_args=["-O2", "-std=c++17"],
     )
-    return cythonize([ext], compiler_directives={"language_level": "3"})
+    planner = Extension("kvcopy._plan", ["kvcopy/_plan.pyx"], language="c++",
+                        extra_compile_args=["-O2"])
+    return cythonize([driver, planner], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernelSources})

@@ -7,11 +7,15 @@ from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
 from kvcopy.config import config
 from kvcopy.streams import resolve_stream
 from kvcopy.engine import copy_batch, last_decision
+from kvcopy.blocks import swap_blocks
+from kvcopy.host import device_pointer, pinned_empty, register
+from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy.calibration import calibrate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "CudaError", "KVCopyError", "NoDriverError",
-    "calibrate", "config", "copy_batch", "last_decision", "resolve_stream",
+    "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
+    "TransferResult", "calibrate", "config", "copy_batch", "device_pointer", "last_decision",
+    "pinned_empty", "register", "resolve_stream", "swap_blocks",
 ]

@@ -10,11 +10,12 @@ import numpy as np
 from kvcopy import _driver, device, kernels, ring
 from kvcopy.arrays import as_u64_array
 from kvcopy.config import config
+from kvcopy.context import ContextScope
 from kvcopy.errors import CudaError
 from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.policy import METHODS, CopyRequest, Decision, choose_method
-from kvcopy.streams import (STREAM_LEGACY, STREAM_PER_THREAD, current_framework_stream,
-                            effective_handle, resolve_stream, stream_kind)
+from kvcopy.streams import (current_framework_stream, effective_handle, resolve_stream,
+                            stream_kind)
 
 log = logging.getLogger("kvcopy")
 _HOST = _driver.KIND_HOST_MAPPED | _driver.KIND_HOST_UNMAPPED
@@ -37,42 +38,6 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
     return f"{src}2{dst}"
 
 
-class _ContextScope:
-    """Makes the context a copy must run in current, and restores the caller's after.
-
-    A created stream runs in its own context. The default streams run in the
-    caller's current context, or, when the thread has none, in the primary
-    context of the device that owns the batch's device memory.
-    """
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-        self.pushed = False
-
-    def __enter__(self) -> "_ContextScope":
-        if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD):
-            ctx = _driver.stream_context(self.handle)
-            if ctx != _driver.current_context():
-                self._push(ctx)
-        elif _driver.current_context() == 0:
-            self._push(_driver.primary_context(0))
-        return self
-
-    def _push(self, ctx: int) -> None:
-        _driver.push_context(ctx)
-        self.pushed = True
-
-    def follow_memory(self, ordinal: int) -> None:
-        """On a default stream with no caller context, use the memory's device."""
-        if self.pushed and self.handle in (STREAM_LEGACY, STREAM_PER_THREAD) and ordinal >= 0:
-            _driver.pop_context()
-            _driver.push_context(_driver.primary_context(ordinal))
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.pushed:
-            _driver.pop_context()
-
-
 def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
             access_any: bool = False, max_ctas: int | None = None) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0 means the default stream)."""
@@ -80,7 +45,7 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
         return "none"
     _driver.init()
     handle = effective_handle(stream_handle)
-    with _ContextScope(handle) as scope:
+    with ContextScope(handle) as scope:
         src_view = np.empty_like(plan.src)
         dst_view = np.empty_like(plan.dst)
         src_kinds, src_dev = _driver.classify_pointers(plan.src, plan.sizes, src_view)
@@ -130,9 +95,13 @@ def _launch_kernel(plan: CopyPlan, dst_view: np.ndarray, src_view: np.ndarray,
                            threads, handle)
 
 
-def _check_options(method: str, src_access_order: str, max_ctas: int | None) -> None:
+def check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+
+
+def _check_options(method: str, src_access_order: str, max_ctas: int | None) -> None:
+    check_method(method)
     if src_access_order not in _ACCESS_ORDERS:
         raise ValueError(f"src_access_order must be 'stream' or 'any'; got {src_access_order!r}")
     if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)

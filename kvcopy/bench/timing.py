@@ -1,4 +1,4 @@
-"""Timing by CUDA events (GPU time) and wall clock (CPU time of the call)."""
+"""Timing by CUDA events (GPU time) and wall clock (CPU time and end-to-end time)."""
 from __future__ import annotations
 
 import statistics
@@ -6,24 +6,44 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+_CYCLES_PER_US = 2000  # a safe upper bound of the SM clock (H200: 1.98 GHz)
+
 
 @dataclass
 class Timing:
-    gpu_ms: float        # median, CUDA events around the call on its stream
-    cpu_us: float        # median wall time from call to return
+    gpu_ms: float        # median GPU time of the enqueued work, CUDA events
+    cpu_us: float        # median wall time from the call to its return
+    wall_ms: float       # median wall time from the call until the stream is idle
     runs: int
 
 
 def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int = 2) -> Timing:
-    """Median GPU and CPU time of ``fn``, which enqueues work on the torch ``stream``."""
+    """Median GPU, CPU and end-to-end time of ``fn``, which enqueues on the torch ``stream``.
+
+    The GPU time excludes the call's own CPU time: a sleep kernel keeps the
+    stream busy while the call enqueues, so the start event fires only once the
+    stream reaches the work. The CPU time and the end-to-end wall time are
+    reported beside it.
+    """
     import torch
 
+    cpu, gpu, wall = [], [], []
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    stream.synchronize()
-    gpu, cpu = [], []
+        cpu.append((time.perf_counter() - t0) * 1e6)
+        stream.synchronize()
+    cover_cycles = int((max(cpu) * 2 + 200) * _CYCLES_PER_US)
+    cpu.clear()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        stream.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3)
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cover_cycles)
         start.record(stream)
         t0 = time.perf_counter()
         fn()
@@ -31,4 +51,4 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
         end.record(stream)
         end.synchronize()
         gpu.append(start.elapsed_time(end))
-    return Timing(statistics.median(gpu), statistics.median(cpu), repeats)
+    return Timing(statistics.median(gpu), statistics.median(cpu), statistics.median(wall), repeats)

@@ -1,0 +1,183 @@
+"""TransferQueue: ordered asynchronous block transfers between two fixed caches."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable
+
+from kvcopy import _driver, engine
+from kvcopy.blocks import _as_list, plan_block_copies
+from kvcopy.context import ContextScope
+from kvcopy.errors import KVCopyError
+from kvcopy.streams import current_framework_stream, effective_handle
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished job: its id, bytes moved, GPU seconds it took, and whether it succeeded."""
+
+    job_id: Hashable
+    bytes: int
+    seconds: float
+    ok: bool
+    method: str = ""
+    error: str = ""
+
+
+@dataclass
+class _Job:
+    job_id: Hashable
+    nbytes: int
+    method: str
+    start: int
+    end: int
+
+
+class TransferQueue:
+    """Ordered, asynchronous transfers from ``src`` caches to ``dst`` caches.
+
+    Jobs run in submission order on the queue's own stream; ``submit`` never
+    waits for the GPU. A job whose source is on the GPU first waits (on the
+    GPU) for the work already queued on the caller's current stream, so a
+    store issued right after the compute that wrote the blocks copies the
+    final bytes. Completion is tracked with CUDA events.
+
+    Args:
+        src, dst: tensors or equal-length sequences of tensors, as for
+            :func:`kvcopy.swap_blocks`.
+        method: passed to swap_blocks for every job.
+        split_blocks: as for swap_blocks.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, src: Any, dst: Any, *, method: str = "auto",
+                 split_blocks: bool = False) -> None:
+        engine.check_method(method)
+        self.src, self.dst = _as_list(src), _as_list(dst)
+        plan_block_copies(self.src, self.dst, [], split_blocks=split_blocks)  # validates layouts
+        self.method = method
+        self.split_blocks = split_blocks
+        self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
+        self._scope = ContextScope(self._caller_stream)
+        with self._scope:
+            self._ctx = _driver.current_context()
+            self._stream = _driver.stream_create(non_blocking=True)
+        self._pending: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._source_on_gpu = self._any_on_gpu(self.src)
+
+    @staticmethod
+    def _any_on_gpu(tensors: list) -> bool:
+        for t in tensors:
+            if getattr(t, "is_cuda", False) or hasattr(t, "__cuda_array_interface__"):
+                return True
+        return False
+
+    def _push(self) -> None:
+        _driver.push_context(self._ctx)
+
+    def submit(self, job_id: Hashable, block_mapping: Any) -> None:
+        """Queue the copy of ``block_mapping`` pairs; returns without waiting for the GPU."""
+        with self._lock:
+            if self._closed:
+                raise KVCopyError("TransferQueue is closed")
+            plan, _ = plan_block_copies(self.src, self.dst, block_mapping,
+                                        split_blocks=self.split_blocks)
+            self._push()
+            try:
+                start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
+                if self._source_on_gpu:
+                    ready = _driver.event_create()
+                    _driver.event_record(ready, current_framework_stream(*self.src) or
+                                         effective_handle(0))
+                    _driver.stream_wait_event(self._stream, ready)
+                    _driver.event_destroy(ready)  # released by the driver once it has fired
+                _driver.event_record(start, self._stream)
+                method = engine.execute(plan, self._stream, self.method)
+                _driver.event_record(end, self._stream)
+            finally:
+                _driver.pop_context()
+            self._pending.append(_Job(job_id, plan.total_bytes, method, start, end))
+
+    def _finish(self, job: _Job) -> TransferResult:
+        ok, error, seconds = True, "", 0.0
+        try:
+            seconds = _driver.event_elapsed_ms(job.start, job.end) / 1e3
+        except KVCopyError as exc:
+            ok, error = False, str(exc)
+        for event in (job.start, job.end):
+            try:
+                _driver.event_destroy(event)
+            except KVCopyError:
+                pass
+        return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error)
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs that have finished since the last call, in submission order."""
+        done = []
+        with self._lock:
+            if not self._pending:
+                return done
+            self._push()
+            try:
+                while self._pending:
+                    try:
+                        finished = _driver.event_query(self._pending[0].end)
+                    except KVCopyError:
+                        finished = True  # a failed job is reported, not retried
+                    if not finished:
+                        break
+                    done.append(self._finish(self._pending.popleft()))
+            finally:
+                _driver.pop_context()
+        return done
+
+    def wait(self, job_ids: Iterable[Hashable] | None = None) -> list[TransferResult]:
+        """Block until the given jobs (default: all) are done; returns every finished job's result."""
+        with self._lock:
+            wanted = None if job_ids is None else set(job_ids)
+            last = None
+            for job in self._pending:
+                if wanted is None or job.job_id in wanted:
+                    last = job
+            if wanted is not None:
+                unknown = wanted - {job.job_id for job in self._pending}
+                if unknown:
+                    raise KeyError(f"TransferQueue.wait: no pending job with id {sorted(map(repr, unknown))}")
+            if last is not None:
+                self._push()
+                try:
+                    try:
+                        _driver.event_synchronize(last.end)  # jobs finish in order
+                    except KVCopyError:
+                        pass
+                finally:
+                    _driver.pop_context()
+        return self.poll()
+
+    def close(self) -> None:
+        """Wait for every job, then release the stream and events. Safe to call twice."""
+        if self._closed:
+            return
+        self.wait()
+        with self._lock:
+            self._closed = True
+            self._push()
+            try:
+                _driver.stream_synchronize(self._stream)
+                _driver.stream_destroy(self._stream)
+            finally:
+                _driver.pop_context()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "TransferQueue":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
