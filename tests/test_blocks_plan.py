@@ -1,0 +1,128 @@
+"""swap_blocks planning on NumPy arrays: addresses, layouts and errors (CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy.blocks import as_block_mapping, plan_block_copies
+from kvcopy.tensors import block_layout
+
+
+def apply(plan) -> None:
+    """Run a plan on host memory with NumPy (what the GPU would do)."""
+    import ctypes
+
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.sizes.tolist()):
+        ctypes.memmove(d, s, n)
+
+
+def test_single_tensor_copies_the_mapped_blocks():
+    src = np.random.default_rng(0).integers(0, 255, (10, 4, 8), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    plan, _ = plan_block_copies(src, dst, [[1, 2], [5, 0], [9, 9]])
+    apply(plan)
+    for s, d in [(1, 2), (5, 0), (9, 9)]:
+        np.testing.assert_array_equal(dst[d], src[s])
+    assert dst[1].sum() == 0
+
+
+def test_k_and_v_views_of_a_2_by_blocks_cache():
+    cache = np.random.default_rng(1).integers(0, 255, (2, 6, 3, 4), dtype=np.uint8)
+    host = np.zeros((2, 8, 3, 4), dtype=np.uint8)
+    plan, _ = plan_block_copies([cache[0], cache[1]], [host[0], host[1]], np.array([[0, 7], [5, 1]]))
+    apply(plan)
+    np.testing.assert_array_equal(host[:, 7], cache[:, 0])
+    np.testing.assert_array_equal(host[:, 1], cache[:, 5])
+
+
+def test_blocks_by_2_layout_views_have_a_stride_of_two_blocks():
+    cache = np.random.default_rng(2).integers(0, 255, (6, 2, 3, 4), dtype=np.uint8)
+    k, v = cache[:, 0], cache[:, 1]
+    assert block_layout(k, "k").block_stride == 2 * block_layout(k, "k").block_bytes
+    dst_k, dst_v = np.zeros_like(k), np.zeros_like(v)
+    plan, _ = plan_block_copies([k, v], [dst_k, dst_v], [[4, 0]])
+    apply(plan)
+    np.testing.assert_array_equal(dst_k[0], k[4])
+    np.testing.assert_array_equal(dst_v[0], v[4])
+
+
+def test_split_blocks_addresses_sub_blocks_from_the_middle_of_a_host_block():
+    gpu = np.random.default_rng(3).integers(0, 255, (8, 16), dtype=np.uint8)     # 16-byte blocks
+    host = np.zeros((4, 64), dtype=np.uint8)                                       # 4 sub-blocks each
+    plan, _ = plan_block_copies(gpu, host, [[0, 5], [1, 6], [2, 7], [3, 8]], split_blocks=True)
+    apply(plan)
+    assert plan.count == 1  # four sub-blocks in a row merge into one copy
+    np.testing.assert_array_equal(host[1, 16:64], gpu[0:3].ravel())
+    np.testing.assert_array_equal(host[2, 0:16], gpu[3])
+
+
+def test_consecutive_blocks_merge_and_every_tensor_goes_in_one_plan():
+    layers = [np.zeros((8, 32), np.uint8) for _ in range(4)]
+    out = [np.zeros((8, 32), np.uint8) for _ in range(4)]
+    plan, _ = plan_block_copies(layers, out, [[0, 0], [1, 1], [2, 2], [6, 3]])
+    assert plan.count == 8 and plan.total_bytes == 4 * 4 * 32
+
+
+@pytest.mark.parametrize("mapping, kind, match", [
+    ([[0, 8]], ValueError, r"block_mapping\[0\]: destination block 8 is out of range for dst"),
+    ([[1, 1], [-1, 0]], ValueError, r"block_mapping\[1\]: source block -1 is out of range"),
+    (np.array([[0.0, 1.0]]), TypeError, "integer block ids"),
+    ([[0, 1, 2]], TypeError, r"block_mapping\[0\] must be a pair"),
+    ([[True, 1]], TypeError, r"block_mapping\[0\] must be a pair"),
+    (np.zeros((3,), np.int64), ValueError, r"shape \(n, 2\)"),
+    ("0,1", TypeError, "integer block ids, got dtype <U3"),
+])
+def test_bad_mappings(mapping, kind, match):
+    with pytest.raises(kind, match=match):
+        plan_block_copies(np.zeros((8, 4), np.uint8), np.zeros((8, 4), np.uint8), mapping)
+
+
+def test_layout_errors():
+    a = np.zeros((8, 4, 4), np.uint8)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        plan_block_copies(a[:, :, ::2], np.zeros((8, 4, 2), np.uint8), [[0, 0]])
+    with pytest.raises(ValueError, match="different numbers of tensors: 2 and 1"):
+        plan_block_copies([a, a], [a], [[0, 0]])
+    with pytest.raises(ValueError, match="blocks of 16 bytes but dst of 8"):
+        plan_block_copies(a, np.zeros((8, 8), np.uint8), [[0, 0]])
+    with pytest.raises(ValueError, match="do not hold whole blocks"):
+        plan_block_copies(a, np.zeros((8, 12), np.uint8), [[0, 0]], split_blocks=True)
+    ro = np.zeros((8, 4, 4), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="dst is read-only"):
+        plan_block_copies(a, ro, [[0, 0]])
+    with pytest.raises(TypeError, match="not a tensor or array"):
+        plan_block_copies(object(), a, [[0, 0]])
+    with pytest.raises(ValueError, match="0-d"):
+        plan_block_copies(np.zeros((), np.uint8), a, [[0, 0]])
+    with pytest.raises(ValueError, match="no tensors"):
+        plan_block_copies([], [], [[0, 0]])
+
+
+def test_torch_mapping_and_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    src = torch.arange(64, dtype=torch.int32).reshape(8, 8)
+    dst = torch.zeros_like(src)
+    plan, _ = plan_block_copies(src, dst, torch.tensor([[7, 0]]))
+    apply(plan)
+    assert torch.equal(dst[0], src[7])
+    assert as_block_mapping(torch.tensor([[1, 2]], dtype=torch.int32)).dtype == np.int64
+
+
+def test_array_interface_producer():
+    class Producer:
+        def __init__(self, arr):
+            self.arr = arr
+            self.__array_interface__ = arr.__array_interface__
+
+    src = np.arange(32, dtype=np.uint8).reshape(4, 8)
+    dst = np.zeros_like(src)
+    plan, _ = plan_block_copies(Producer(src), Producer(dst), [[3, 1]])
+    apply(plan)
+    np.testing.assert_array_equal(dst[1], src[3])
+
+
+def test_swap_blocks_validates_method_before_anything():
+    with pytest.raises(ValueError, match="method must be one of"):
+        kvcopy.swap_blocks(np.zeros((2, 2)), np.zeros((2, 2)), [[0, 1]], method="fast")
