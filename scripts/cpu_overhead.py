@@ -35,5 +35,30 @@ def main() -> None:
               f"median_us={statistics.median(times):.1f} min_us={min(times):.1f}")
 
 
+def swap_blocks_overhead() -> None:
+    """swap_blocks over 64 tensors (32 layers, K and V) and 1024 block pairs, kernel path."""
+    layers, blocks, pairs = 32, 2048, 1024
+    shape = (blocks, 16, 8, 128)  # 16-token blocks, 8 heads of 128, bf16: 32 KiB per block
+    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
+    host = [torch.empty(shape, dtype=torch.bfloat16).pin_memory() for _ in range(2 * layers)]
+    rng = np.random.default_rng(1)
+    mapping = np.stack([rng.choice(blocks, pairs, replace=False),
+                        rng.choice(blocks, pairs, replace=False)], axis=1)
+    stream = torch.cuda.Stream()
+    for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
+        for _ in range(3):
+            used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+        stream.synchronize()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+            times.append((time.perf_counter() - t0) * 1e6)
+            stream.synchronize()
+        print(f"cpu_overhead swap_blocks {direction} tensors={2 * layers} pairs={pairs} "
+              f"method={used} median_us={statistics.median(times):.1f} min_us={min(times):.1f}")
+
+
 if __name__ == "__main__":
     main()
+    swap_blocks_overhead()
