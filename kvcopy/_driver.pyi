@@ -10,6 +10,7 @@ TILE_BYTES: int
 INLINE_MAX: int
 INLINE_MAX_SMALL: int
 DESCRIPTOR_BYTES: int
+BLOCK_TENSOR_BYTES: int
 STREAM_LEGACY: int
 STREAM_PER_THREAD: int
 
@@ -56,3 +57,7 @@ def launch_scatter(function: int, per_launch: int, dst: np.ndarray, src: np.ndar
 def launch_scatter_staged(function: int, host_descs: int, device_descs: int, dst: np.ndarray,
                           src: np.ndarray, sizes: np.ndarray, max_ctas: int, threads: int,
                           stream: int) -> int: ...
+def launch_blocks_staged(function: int, host_buf: int, device_buf: int, tensors: np.ndarray,
+                         mapping: np.ndarray, block_bytes: int, max_ctas: int, threads: int,
+                         stream: int) -> int: ...
+def blocks_staging_bytes(num_tensors: int, num_pairs: int) -> int: ...

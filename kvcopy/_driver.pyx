@@ -18,7 +18,7 @@ own typedefs (include/kvcopy/batch_abi.h).
 
 from libc.stdint cimport uint64_t, uintptr_t, int64_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
+from libc.string cimport memset, memcpy
 
 from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport (
@@ -59,6 +59,13 @@ cdef extern from "kvcopy/descriptor.h":
         unsigned long long dst
         unsigned long long size
         unsigned long long tile_start
+    ctypedef struct kvcopy_block_tensor:
+        unsigned long long src_base
+        unsigned long long dst_base
+        unsigned long long src_stride
+        unsigned long long dst_stride
+        unsigned long long src_factor
+        unsigned long long dst_factor
     ctypedef struct kvcopy_inline_batch:
         unsigned long long count
         unsigned long long total_tiles
@@ -657,3 +664,58 @@ def launch_scatter_staged(uintptr_t function, uintptr_t host_descs, uintptr_t de
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
+BLOCK_TENSOR_BYTES = sizeof(kvcopy_block_tensor)
+
+
+def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
+                         const uint64_t[:, ::1] tensors, const int64_t[:, ::1] mapping,
+                         unsigned long long block_bytes, unsigned int max_ctas,
+                         unsigned int threads, uintptr_t stream) -> int:
+    """Launch the block kernel of swap_blocks: per-tensor bases and the id mapping only.
+
+    ``tensors`` is (T, 6): src base, dst base, src stride, dst stride, src
+    factor, dst factor (kvcopy_block_tensor); ``mapping`` is (n, 2) ids. Both
+    are staged through ``host_buf`` (pinned) into ``device_buf``, which need
+    room for blocks_staging_bytes(T, n) and must stay untouched until the
+    stream has passed the launch. Returns the number of launches (0 or 1).
+    """
+    cdef Py_ssize_t num_tensors = tensors.shape[0], num_pairs = mapping.shape[0]
+    cdef size_t table = num_tensors * sizeof(kvcopy_block_tensor)
+    cdef size_t offset = (table + 15) & ~(<size_t>15)
+    cdef size_t total = offset + num_pairs * 2 * sizeof(int64_t)
+    cdef unsigned long long tiles_per_block, tiles, warps, grid
+    cdef unsigned long long n_tensors = num_tensors, n_pairs = num_pairs, bb = block_bytes
+    cdef CUdeviceptr dev_tensors = <CUdeviceptr>device_buf
+    cdef CUdeviceptr dev_mapping = <CUdeviceptr>(device_buf + offset)
+    cdef void* params[6]
+    if tensors.shape[1] != 6 or mapping.shape[1] != 2:
+        raise ValueError("launch_blocks_staged: tensors must be (T, 6) and mapping (n, 2)")
+    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
+        raise ValueError("launch_blocks_staged: max_ctas must be positive and threads a multiple of 32")
+    if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
+        return 0
+    tiles_per_block = (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+    tiles = tiles_per_block * n_pairs * n_tensors
+    warps = threads // 32
+    grid = (tiles + warps - 1) // warps
+    if grid > max_ctas:
+        grid = max_ctas
+    params[0] = &dev_tensors
+    params[1] = &n_tensors
+    params[2] = &dev_mapping
+    params[3] = &n_pairs
+    params[4] = &bb
+    params[5] = &tiles_per_block
+    with nogil:
+        memcpy(<void*>host_buf, &tensors[0, 0], table)
+        memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
+        _check(cydriver.cuMemcpyAsync(<CUdeviceptr>device_buf, <CUdeviceptr>host_buf, total,
+                                      <CUstream>stream))
+        _check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1, threads,
+                                       1, 1, 0, <CUstream>stream, params, NULL))
+    return 1
+
+
+def blocks_staging_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
+    """Bytes of staging launch_blocks_staged needs for T tensors and n pairs."""
+    return ((num_tensors * sizeof(kvcopy_block_tensor) + 15) & ~15) + num_pairs * 2 * sizeof(int64_t)

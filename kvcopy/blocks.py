@@ -1,12 +1,13 @@
 """swap_blocks: copy blocks of paged KV caches by block id."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvcopy import engine
-from kvcopy.plan import plan_copies
+from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.streams import current_framework_stream, resolve_stream
 from kvcopy.tensors import BlockLayout, block_layout
 
@@ -49,50 +50,114 @@ def _split(layout: BlockLayout, block_bytes: int, name: str) -> tuple[BlockLayou
                        layout.readonly), factor
 
 
-def _addresses(layout: BlockLayout, factor: int, ids: np.ndarray) -> np.ndarray:
-    ids = ids.astype(np.uint64)
-    if factor == 1:
-        return np.uint64(layout.ptr) + ids * np.uint64(layout.block_stride)
-    f = np.uint64(factor)
-    return (np.uint64(layout.ptr) + (ids // f) * np.uint64(layout.block_stride)
-            + (ids % f) * np.uint64(layout.block_bytes))
+def _extent(layout: BlockLayout) -> int:
+    """Bytes from a tensor's first block to the end of its last block."""
+    return (layout.num_blocks - 1) * layout.block_stride + layout.block_bytes if layout.num_blocks else 0
 
 
-def _check_ids(ids: np.ndarray, limit: int, side: str, name: str) -> None:
-    bad = (ids < 0) | (ids >= limit)
-    if bad.any():
-        pair = int(np.argmax(bad))
-        raise ValueError(f"block_mapping[{pair}]: {side} block {int(ids[pair])} is out of range "
-                         f"for {name}, which has {limit} blocks")
+def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, names: list[str]) -> None:
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low >= 0 and high < int(limits.min()):
+        return
+    for k, limit in enumerate(limits.tolist()):
+        bad = (ids < 0) | (ids >= limit)
+        if bad.any():
+            pair = int(np.argmax(bad))
+            raise ValueError(f"block_mapping[{pair}]: {side} block {int(ids[pair])} is out of "
+                             f"range for {names[k]}, which has {limit} blocks")
 
 
-def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
-    """Validate and build the copy plan of a swap_blocks call (no driver needed)."""
+@dataclass(frozen=True)
+class BlockPlan:
+    """A validated swap_blocks call: per-tensor geometry plus the id mapping."""
+
+    mapping: np.ndarray        # (n, 2) int64, C-contiguous
+    block_bytes: int           # bytes of every copied block (after split_blocks)
+    src_base: np.ndarray       # (T,) uint64
+    dst_base: np.ndarray
+    src_extent: np.ndarray     # (T,) uint64, bytes each tensor spans
+    dst_extent: np.ndarray
+    src_stride: np.ndarray     # (T,) uint64
+    dst_stride: np.ndarray
+    src_factor: np.ndarray     # (T,) uint64, sub-blocks per block
+    dst_factor: np.ndarray
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.mapping.shape[0])
+
+    @property
+    def num_copies(self) -> int:
+        return self.num_pairs * int(self.src_base.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_copies * self.block_bytes
+
+    def tensor_table(self, src_base: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+        """(T, 6) uint64 rows of kvcopy_block_tensor, with the bases the device uses."""
+        return np.ascontiguousarray(np.stack([src_base, dst_base, self.src_stride, self.dst_stride,
+                                              self.src_factor, self.dst_factor], axis=1))
+
+    def _addresses(self, base, stride, factor, ids) -> np.ndarray:
+        ids = ids.astype(np.uint64)[None, :]
+        if (factor == 1).all():
+            return (base[:, None] + ids * stride[:, None]).ravel()
+        factor = factor[:, None]
+        sub = (ids % factor) * np.uint64(self.block_bytes)
+        return (base[:, None] + (ids // factor) * stride[:, None] + sub).ravel()
+
+    def copy_plan(self) -> CopyPlan:
+        """Every block copy as a pointer triple (tensor-major, adjacent blocks merged)."""
+        src = self._addresses(self.src_base, self.src_stride, self.src_factor, self.mapping[:, 0])
+        dst = self._addresses(self.dst_base, self.dst_stride, self.dst_factor, self.mapping[:, 1])
+        return plan_copies(src, dst, np.full(src.shape[0], self.block_bytes, dtype=np.uint64))
+
+
+def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False) -> BlockPlan:
+    """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
     srcs, dsts = _as_list(src), _as_list(dst)
     if not srcs:
         raise ValueError("src: no tensors given")
     if len(srcs) != len(dsts):
         raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
-    mapping = as_block_mapping(block_mapping)
-    src_ptrs, dst_ptrs, sizes = [], [], []
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
-        s_name, d_name = (f"src[{i}]", f"dst[{i}]") if len(srcs) > 1 else ("src", "dst")
+    mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
+    multi = len(srcs) > 1
+    s_names = [f"src[{i}]" if multi else "src" for i in range(len(srcs))]
+    d_names = [f"dst[{i}]" if multi else "dst" for i in range(len(dsts))]
+    rows, block = [], None
+    for s, d, s_name, d_name in zip(srcs, dsts, s_names, d_names):
         s_layout, d_layout = block_layout(s, s_name), block_layout(d, d_name)
         if d_layout.readonly:
             raise ValueError(f"{d_name} is read-only")
-        block = min(s_layout.block_bytes, d_layout.block_bytes)
         if s_layout.block_bytes != d_layout.block_bytes and not split_blocks:
             raise ValueError(f"{s_name} has blocks of {s_layout.block_bytes} bytes but {d_name} of "
                              f"{d_layout.block_bytes}; pass split_blocks=True if the larger blocks "
                              "hold several of the smaller ones")
-        s_layout, s_factor = _split(s_layout, block, s_name)
-        d_layout, d_factor = _split(d_layout, block, d_name)
-        _check_ids(mapping[:, 0], s_layout.num_blocks, "source", s_name)
-        _check_ids(mapping[:, 1], d_layout.num_blocks, "destination", d_name)
-        src_ptrs.append(_addresses(s_layout, s_factor, mapping[:, 0]))
-        dst_ptrs.append(_addresses(d_layout, d_factor, mapping[:, 1]))
-        sizes.append(np.full(len(mapping), block, dtype=np.uint64))
-    return plan_copies(np.concatenate(src_ptrs), np.concatenate(dst_ptrs), np.concatenate(sizes)), srcs + dsts
+        pair_block = min(s_layout.block_bytes, d_layout.block_bytes)
+        if block is None:
+            block = pair_block
+        elif pair_block != block:
+            raise ValueError(f"{s_name}/{d_name} copy blocks of {pair_block} bytes, the tensors "
+                             f"before them blocks of {block} bytes; call swap_blocks once per size")
+        s_split, s_factor = _split(s_layout, block, s_name)
+        d_split, d_factor = _split(d_layout, block, d_name)
+        rows.append((s_layout.ptr, d_layout.ptr, _extent(s_layout), _extent(d_layout),
+                     s_layout.block_stride, d_layout.block_stride, s_factor, d_factor,
+                     s_split.num_blocks, d_split.num_blocks))
+    table = np.array(rows, dtype=np.uint64)
+    _check_ids(mapping[:, 0], table[:, 8].astype(np.int64), "source", s_names)
+    _check_ids(mapping[:, 1], table[:, 9].astype(np.int64), "destination", d_names)
+    columns = [np.ascontiguousarray(table[:, i]) for i in range(8)]
+    return BlockPlan(mapping, int(block), *columns)
+
+
+def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
+    """The pointer-level plan of a swap_blocks call, and the tensors (for stream lookup)."""
+    return plan_blocks(src, dst, block_mapping, split_blocks=split_blocks).copy_plan(), \
+        _as_list(src) + _as_list(dst)
 
 
 def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
@@ -114,9 +179,10 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
         TypeError, ValueError: bad tensors or ids, before anything is copied.
     """
     engine.check_method(method)
-    plan, tensors = plan_block_copies(src, dst, block_mapping, split_blocks=split_blocks)
-    handle = resolve_stream(stream) if stream is not None else current_framework_stream(*tensors)
-    return engine.execute(plan, handle, method)
+    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks)
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(*_as_list(src), *_as_list(dst)))
+    return engine.execute_blocks(plan, handle, method)
 
 
-__all__ = ["as_block_mapping", "plan_block_copies", "swap_blocks"]
+__all__ = ["BlockPlan", "as_block_mapping", "plan_block_copies", "plan_blocks", "swap_blocks"]

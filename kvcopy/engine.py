@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.policy import METHODS, CopyRequest, Decision, choose_method
 from kvcopy.streams import (current_framework_stream, effective_handle, resolve_stream,
                             stream_kind)
+
+if TYPE_CHECKING:
+    from kvcopy.blocks import BlockPlan
 
 log = logging.getLogger("kvcopy")
 _HOST = _driver.KIND_HOST_MAPPED | _driver.KIND_HOST_UNMAPPED
@@ -38,61 +42,114 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
     return f"{src}2{dst}"
 
 
+@dataclass
+class _Target:
+    """Where and how a batch runs, once its memory is classified and the policy asked."""
+
+    handle: int
+    info: "device.DeviceInfo"
+    request: CopyRequest
+    decision: Decision
+    src_view: np.ndarray
+    dst_view: np.ndarray
+
+    def ctas(self, max_ctas: int | None) -> int:
+        if max_ctas:
+            return max_ctas
+        if self.request.direction == "d2d":
+            return config.device_ctas or self.info.caps.sm_count
+        return config.host_ctas
+
+
+def _decide(scope: ContextScope, handle: int, method: str, count: int, total_bytes: int,
+            src: np.ndarray, src_sizes: np.ndarray, dst: np.ndarray,
+            dst_sizes: np.ndarray) -> _Target:
+    """Classify the memory behind (src, dst) ranges and ask the policy for a method."""
+    src_view, dst_view = np.empty_like(src), np.empty_like(dst)
+    src_kinds, src_dev = _driver.classify_pointers(src, src_sizes, src_view)
+    dst_kinds, dst_dev = _driver.classify_pointers(dst, dst_sizes, dst_view)
+    owners = {o for o in (src_dev, dst_dev) if o != -1}
+    if len(owners) == 1 and scope.pushed:
+        scope.follow_memory(owners.pop())
+    ordinal = _driver.context_device()
+    info = device.device_info(ordinal)
+    accessible = (not (src_kinds | dst_kinds) & _DMA_ONLY
+                  and src_dev in (-1, ordinal) and dst_dev in (-1, ordinal))
+    request = CopyRequest(direction=_direction(src_kinds, dst_kinds), count=count,
+                          total_bytes=total_bytes, device_accessible=accessible,
+                          stream_kind=stream_kind(handle),
+                          capturing=_driver.stream_capture_status(handle) != 0)
+    decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
+    _last.decision = decision
+    log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,
+              request.direction, decision.method, decision.reason)
+    return _Target(handle, info, request, decision, src_view, dst_view)
+
+
+def _launch_kernel(plan: CopyPlan, target: _Target, ctas: int) -> None:
+    """Large batches: one launch reading staged descriptors. Small batches and
+    capture: descriptors by value, which graphs keep with the launch."""
+    info = target.info
+    kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
+    threads, handle = config.threads_per_cta, target.handle
+    src_view, dst_view = target.src_view, target.dst_view
+    if plan.count > kernel.per_launch and not target.request.capturing:
+        nbytes = plan.count * _driver.DESCRIPTOR_BYTES
+        ring.ring_for_current_context().launch(nbytes, handle, lambda host, dev: (
+            _driver.launch_scatter_staged(kernel.function_staged, host, dev, dst_view, src_view,
+                                          plan.sizes, ctas, threads, handle)))
+        return
+    function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
+    _driver.launch_scatter(function, kernel.per_launch, dst_view, src_view, plan.sizes, ctas,
+                           threads, handle)
+
+
+def _issue(plan: CopyPlan, target: _Target, access_any: bool, max_ctas: int | None) -> str:
+    method = target.decision.method
+    try:
+        if method == "batch":
+            _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
+                                 config.batch_chunk)
+        elif method == "loop":
+            _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
+        else:
+            _launch_kernel(plan, target, target.ctas(max_ctas))
+    except CudaError as exc:
+        raise exc.with_index(plan.caller_index(exc.index)) from None
+    return method
+
+
 def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
             access_any: bool = False, max_ctas: int | None = None) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0 means the default stream)."""
     if plan.count == 0:
         return "none"
-    _driver.init()
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        src_view = np.empty_like(plan.src)
-        dst_view = np.empty_like(plan.dst)
-        src_kinds, src_dev = _driver.classify_pointers(plan.src, plan.sizes, src_view)
-        dst_kinds, dst_dev = _driver.classify_pointers(plan.dst, plan.sizes, dst_view)
-        owners = {o for o in (src_dev, dst_dev) if o != -1}
-        if len(owners) == 1 and scope.pushed:
-            scope.follow_memory(owners.pop())
-        ordinal = _driver.context_device()
-        info = device.device_info(ordinal)
-        accessible = (not (src_kinds | dst_kinds) & _DMA_ONLY
-                      and src_dev in (-1, ordinal) and dst_dev in (-1, ordinal))
-        direction = _direction(src_kinds, dst_kinds)
-        request = CopyRequest(direction=direction, count=plan.count, total_bytes=plan.total_bytes,
-                              device_accessible=accessible, stream_kind=stream_kind(handle),
-                              capturing=_driver.stream_capture_status(handle) != 0)
-        decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
-        _last.decision = decision
-        log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", plan.count, plan.total_bytes,
-                  direction, decision.method, decision.reason)
-        try:
-            if decision.method == "batch":
-                _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, handle, access_any,
-                                     config.batch_chunk)
-            elif decision.method == "loop":
-                _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, handle)
-            else:
-                ctas = max_ctas or (config.host_ctas if direction != "d2d"
-                                    else config.device_ctas or info.caps.sm_count)
-                _launch_kernel(plan, dst_view, src_view, info, ctas, handle, request.capturing)
-        except CudaError as exc:
-            raise exc.with_index(plan.caller_index(exc.index)) from None
-    return decision.method
+        target = _decide(scope, handle, method, plan.count, plan.total_bytes,
+                         plan.src, plan.sizes, plan.dst, plan.sizes)
+        return _issue(plan, target, access_any, max_ctas)
 
 
-def _launch_kernel(plan: CopyPlan, dst_view: np.ndarray, src_view: np.ndarray,
-                   info: "device.DeviceInfo", ctas: int, handle: int, capturing: bool) -> None:
-    """Large batches: one launch reading staged descriptors. Small batches and
-    capture: descriptors by value, which graphs keep with the launch."""
-    kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
-    threads = config.threads_per_cta
-    if plan.count > kernel.per_launch and not capturing:
-        ring.ring_for_current_context().launch(kernel.function_staged, dst_view, src_view,
-                                               plan.sizes, ctas, threads, handle)
-        return
-    function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
-    _driver.launch_scatter(function, kernel.per_launch, dst_view, src_view, plan.sizes, ctas,
-                           threads, handle)
+def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto") -> str:
+    """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
+    the kernel computes block addresses itself from the tensor table and the ids."""
+    if blocks.num_pairs == 0:
+        return "none"
+    handle = effective_handle(stream_handle)
+    with ContextScope(handle) as scope:
+        target = _decide(scope, handle, method, blocks.num_copies, blocks.total_bytes,
+                         blocks.src_base, blocks.src_extent, blocks.dst_base, blocks.dst_extent)
+        if target.decision.method == "kernel" and not target.request.capturing:
+            kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+            table = blocks.tensor_table(target.src_view, target.dst_view)
+            nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
+            ring.ring_for_current_context().launch(nbytes, handle, lambda host, dev: (
+                _driver.launch_blocks_staged(kernel.function_blocks, host, dev, table,
+                                             blocks.mapping, blocks.block_bytes,
+                                             target.ctas(None), config.threads_per_cta, handle)))
+            return "kernel"
+        return _issue(blocks.copy_plan(), target, False, None)
 
 
 def check_method(method: str) -> None:

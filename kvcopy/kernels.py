@@ -134,6 +134,7 @@ class CopyKernel:
 
     module: int
     function_staged: int     # descriptors in device memory, one launch per batch
+    function_blocks: int     # swap_blocks: tensor table + id mapping in device memory
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     per_launch: int
@@ -170,6 +171,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
         kernel = CopyKernel(
             module=module,
             function_staged=_driver.module_function(module, b"kvcopy_scatter"),
+            function_blocks=_driver.module_function(module, b"kvcopy_blocks"),
             function=_driver.module_function(module, b"kvcopy_scatter_inline"),
             function_small=_driver.module_function(module, b"kvcopy_scatter_inline_small"),
             per_launch=_driver.INLINE_MAX if large else _driver.INLINE_MAX_SMALL,

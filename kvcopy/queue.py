@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Iterable
 
 from kvcopy import _driver, engine
-from kvcopy.blocks import _as_list, plan_block_copies
+from kvcopy.blocks import _as_list, plan_blocks
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.streams import current_framework_stream, effective_handle
@@ -56,7 +56,7 @@ class TransferQueue:
                  split_blocks: bool = False) -> None:
         engine.check_method(method)
         self.src, self.dst = _as_list(src), _as_list(dst)
-        plan_block_copies(self.src, self.dst, [], split_blocks=split_blocks)  # validates layouts
+        plan_blocks(self.src, self.dst, [], split_blocks=split_blocks)  # validates layouts now
         self.method = method
         self.split_blocks = split_blocks
         self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
@@ -84,8 +84,7 @@ class TransferQueue:
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")
-            plan, _ = plan_block_copies(self.src, self.dst, block_mapping,
-                                        split_blocks=self.split_blocks)
+            plan = plan_blocks(self.src, self.dst, block_mapping, split_blocks=self.split_blocks)
             self._push()
             try:
                 start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
@@ -96,7 +95,7 @@ class TransferQueue:
                     _driver.stream_wait_event(self._stream, ready)
                     _driver.event_destroy(ready)  # released by the driver once it has fired
                 _driver.event_record(start, self._stream)
-                method = engine.execute(plan, self._stream, self.method)
+                method = engine.execute_blocks(plan, self._stream, self.method)
                 _driver.event_record(end, self._stream)
             finally:
                 _driver.pop_context()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvcopy import _driver
 
 SLOTS = 8
-MIN_CAPACITY = 4096
+MIN_CAPACITY_BYTES = 128 << 10
 
 
 @dataclass
@@ -25,14 +25,14 @@ class _Slot:
     event: int = 0
     used: bool = False
 
-    def ensure(self, count: int) -> None:
-        if count <= self.capacity:
+    def ensure(self, nbytes: int) -> None:
+        """Room for nbytes of staging (capacity in bytes, grown by powers of two)."""
+        if nbytes <= self.capacity:
             return
         self.release()
-        capacity = max(MIN_CAPACITY, 1 << (count - 1).bit_length())
-        nbytes = capacity * _driver.DESCRIPTOR_BYTES
-        self.host = _driver.host_alloc(nbytes)
-        self.device = _driver.mem_alloc(nbytes)
+        capacity = max(MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
+        self.host = _driver.host_alloc(capacity)
+        self.device = _driver.mem_alloc(capacity)
         self.capacity = capacity
 
     def release(self) -> None:
@@ -51,15 +51,15 @@ class DescriptorRing:
         self._next = 0
         self._lock = threading.Lock()
 
-    def launch(self, function: int, dst, src, sizes, max_ctas: int, threads: int, stream: int) -> int:
+    def launch(self, nbytes: int, stream: int, launcher) -> int:
+        """Run ``launcher(host, device)`` with a free slot of at least nbytes, then fence the slot."""
         with self._lock:
             slot = self._slots[self._next]
             self._next = (self._next + 1) % len(self._slots)
             if slot.used:
                 _driver.event_synchronize(slot.event)  # back-pressure only after SLOTS calls in flight
-            slot.ensure(len(sizes))
-            launches = _driver.launch_scatter_staged(function, slot.host, slot.device, dst, src,
-                                                     sizes, max_ctas, threads, stream)
+            slot.ensure(nbytes)
+            launches = launcher(slot.host, slot.device)
             _driver.event_record(slot.event, stream)
             slot.used = True
             return launches

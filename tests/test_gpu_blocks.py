@@ -121,9 +121,10 @@ def test_registered_numpy_and_mmap_take_the_kernel(torch_cuda):
     region = mmap.mmap(-1, 64 * 4096)
     with kvcopy.register(region):
         view = np.frombuffer(region, dtype=np.int32).reshape(64, 1024)
-        assert kvcopy.swap_blocks(gpu, view, [[5, 6]], stream=1) == "kernel"
+        assert kvcopy.swap_blocks(gpu, view, [[5, 6], [9, 1]], stream=1) == "kernel"
         torch_cuda.cuda.synchronize()
         np.testing.assert_array_equal(view[6], gpu[5].cpu().numpy())
+        np.testing.assert_array_equal(view[1], gpu[9].cpu().numpy())
         del view
     region.close()
 

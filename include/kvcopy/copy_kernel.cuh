@@ -144,3 +144,46 @@ extern "C" __global__ void kvcopy_scatter_inline_small(
     const __grid_constant__ kvcopy_inline_batch_small batch) {
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
 }
+
+__device__ __forceinline__ unsigned long long kvcopy_block_address(unsigned long long base,
+                                                                   unsigned long long stride,
+                                                                   unsigned long long factor,
+                                                                   unsigned long long id,
+                                                                   unsigned long long block_bytes) {
+    return factor == 1 ? base + id * stride
+                       : base + (id / factor) * stride + (id % factor) * block_bytes;
+}
+
+/* swap_blocks: tile t is part (t % tiles_per_block) of pair (t / tiles_per_block) % num_pairs
+ * of tensor t / (tiles_per_block * num_pairs). mapping holds [src id, dst id] pairs. */
+extern "C" __global__ void kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
+                                         unsigned long long num_tensors,
+                                         const long long* __restrict__ mapping,
+                                         unsigned long long num_pairs,
+                                         unsigned long long block_bytes,
+                                         unsigned long long tiles_per_block) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned long long warps_per_block = blockDim.x >> 5;
+    const unsigned long long warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const unsigned long long num_warps = gridDim.x * warps_per_block;
+    const unsigned long long tiles_per_tensor = tiles_per_block * num_pairs;
+    const unsigned long long total = tiles_per_tensor * num_tensors;
+    for (unsigned long long t = warp; t < total; t += num_warps) {
+        const unsigned long long k = t / tiles_per_tensor;
+        const unsigned long long within = t - k * tiles_per_tensor;
+        const unsigned long long pair = within / tiles_per_block;
+        const unsigned long long part = within - pair * tiles_per_block;
+        const kvcopy_block_tensor tensor = tensors[k];
+        const unsigned long long src = kvcopy_block_address(
+            tensor.src_base, tensor.src_stride, tensor.src_factor,
+            (unsigned long long)mapping[2 * pair], block_bytes);
+        const unsigned long long dst = kvcopy_block_address(
+            tensor.dst_base, tensor.dst_stride, tensor.dst_factor,
+            (unsigned long long)mapping[2 * pair + 1], block_bytes);
+        const unsigned long long offset = part * KVCOPY_TILE_BYTES;
+        unsigned long long len = block_bytes - offset;
+        if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
+        kvcopy_copy_span(reinterpret_cast<const char*>(src) + offset,
+                         reinterpret_cast<char*>(dst) + offset, len, lane);
+    }
+}

@@ -39,4 +39,18 @@ typedef struct kvcopy_inline_batch_small {
     kvcopy_desc descs[KVCOPY_INLINE_MAX_SMALL];
 } kvcopy_inline_batch_small;
 
+/* One pair of tensors of a block copy (swap_blocks): the kernel computes each
+ * block's address from these and the block-id mapping, so the host does O(1)
+ * work per tensor and none per block. A block id b of a side with factor f
+ * (blocks that hold f smaller blocks) lives at
+ * base + (b / f) * stride + (b % f) * block_bytes. */
+typedef struct kvcopy_block_tensor {
+    unsigned long long src_base;
+    unsigned long long dst_base;
+    unsigned long long src_stride;
+    unsigned long long dst_stride;
+    unsigned long long src_factor;
+    unsigned long long dst_factor;
+} kvcopy_block_tensor;
+
 #endif /* KVCOPY_DESCRIPTOR_H */

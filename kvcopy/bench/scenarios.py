@@ -157,6 +157,10 @@ def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):
         srcs = [Buffer.from_handle(pools.src.data_ptr() + int(o), block) for o in src_off]
         dsts = [Buffer.from_handle(pools.dst.data_ptr() + int(o), block) for o in dst_off]
         copy_batch(core_stream, srcs, dsts)
-    except Exception:  # noqa: BLE001 - an alternative that cannot run is left out
+    except Exception as exc:  # noqa: BLE001 - an alternative that cannot run is left out
+        import sys
+
+        print(f"\nkvcopy.bench: cuda.core.utils.copy_batch left out: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return None
     return lambda: copy_batch(core_stream, srcs, dsts)
