@@ -363,7 +363,7 @@ cdef enum:
     _RANGE_CACHE = 64
 
 
-cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) except -1 nogil:
+cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     """Asks the driver what ptr points to and which range that answer covers."""
     cdef CUpointer_attribute attrs[5]
     cdef void* data[5]
@@ -410,6 +410,22 @@ cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) except -1 nogil:
     return 0
 
 
+cdef bint _extend_range(_Range* r, uint64_t end) noexcept nogil:
+    """Grow r over the ranges that follow it while they are the same kind of memory,
+    seen by the device at the same offset: memory registered in chunks, or
+    back-to-back device allocations, is one range for the kernel."""
+    cdef _Range nxt
+    if r.kind != _KIND_DEVICE and r.kind != _KIND_HOST_MAPPED:
+        return False
+    while end > r.end:
+        _query_range(r.end, end - r.end, &nxt)
+        if (nxt.kind != r.kind or nxt.start != r.end or nxt.end <= r.end
+                or nxt.delta != r.delta or nxt.ordinal != r.ordinal):
+            return False
+        r.end = nxt.end
+    return True
+
+
 def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
     """Classify every pointer of a batch and write the address the device uses.
 
@@ -443,7 +459,7 @@ def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint6
                     cached += 1
             last = hit
             kinds |= cache[hit].kind
-            if end > cache[hit].end:
+            if end > cache[hit].end and not _extend_range(&cache[hit], end):
                 kinds |= _KIND_STRADDLE
             if cache[hit].kind == _KIND_DEVICE:
                 if ordinal == -1:

@@ -62,8 +62,28 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
+def _torch_layout(t: Any) -> BlockLayout | None:
+    """Fast path for torch tensors whose blocks are contiguous (the usual case)."""
+    shape, strides = t.shape, t.stride()
+    if not shape:
+        return None
+    step = 1
+    for k in range(len(shape) - 1, 0, -1):
+        if shape[k] != 1 and strides[k] != step:
+            return None
+        step *= shape[k]
+    size = t.element_size()
+    if shape[0] > 1 and strides[0] < step:
+        return None
+    return BlockLayout(t.data_ptr(), shape[0], strides[0] * size, step * size, False)
+
+
 def block_layout(obj: Any, name: str) -> BlockLayout:
     """Where ``obj``'s blocks are. Raises TypeError/ValueError naming ``name``."""
+    if (type(obj).__module__ or "").startswith("torch"):
+        fast = _torch_layout(obj)
+        if fast is not None:
+            return fast
     ptr, shape, strides, itemsize, readonly = _raw(obj, name)
     if len(shape) == 0:
         raise ValueError(f"{name}: a 0-d array has no block dimension")
