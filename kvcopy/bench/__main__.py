@@ -35,40 +35,74 @@ def progress(done: int, total: int, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcopy.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvcopy.bench",
+                                     description="kvcopy against the ceiling and the alternatives")
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON/CSV/PNG")
     parser.add_argument("--no-alternatives", action="store_true")
+    parser.add_argument("--no-scenarios", action="store_true",
+                        help="only the block sweep (no bidirectional, compute, swap_blocks)")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
 
-    from kvcopy.bench.scenarios import block_copy_rows
     import kvcopy
+    from kvcopy.bench import extra, report
+    from kvcopy.bench.scenarios import block_copy_rows
 
     blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
     total = 64 * MiB
     repeats = 5 if args.quick else 9
     methods = ["auto", "kernel", "batch", "loop"]
-    jobs = [(d, b) for d in ("h2d", "d2h") for b in blocks]
-    jobs += [("d2d", b) for b in blocks if b >= 16 * KiB]
-    rows = []
+    jobs = [(d, b, "torch") for d in ("h2d", "d2h") for b in blocks]
+    jobs += [("d2d", b, "torch") for b in blocks if b >= 16 * KiB]
+    kvcopy_memory = [16 * KiB] if args.quick else blocks
+    jobs += [(d, b, "kvcopy") for d in ("h2d", "d2h") for b in kvcopy_memory]
+    rows, scenarios = [], {}
     t0 = time.time()
-    for i, (direction, block) in enumerate(jobs):
-        progress(i, len(jobs), f"{direction} {block // KiB} KiB")
-        for r in block_copy_rows(direction, block, total if direction != "d2d" else 4 * total,
-                                 "torch", methods, not args.no_alternatives, repeats):
-            rows.append(r.as_dict())
-    progress(len(jobs), len(jobs), "done")
+    steps = len(jobs) + (0 if args.no_scenarios else 3)
+    for i, (direction, block, memory) in enumerate(jobs):
+        progress(i, steps, f"{direction} {block // KiB} KiB ({memory} memory)")
+        size = 4 * total if direction == "d2d" else total
+        alternatives = not args.no_alternatives and memory == "torch"
+        rows += [r.as_dict() for r in block_copy_rows(direction, block, size, memory, methods,
+                                                      alternatives, repeats)]
+    if not args.no_scenarios:
+        progress(len(jobs), steps, "both directions at once")
+        scenarios["bidirectional"] = list(extra.bidirectional(repeats=repeats))
+        progress(len(jobs) + 1, steps, "compute beside the copy")
+        scenarios["compute_slowdown"] = list(extra.compute_slowdown())
+        progress(len(jobs) + 2, steps, "swap_blocks on a paged cache")
+        counts = (16, 256, 4096) if args.quick else (16, 64, 256, 1024, 4096)
+        scenarios["swap_blocks"] = list(extra.swap_blocks_cache(counts, repeats))
+    progress(steps, steps, "done")
     sys.stderr.write("\n")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": name, "python": platform.python_version(), "kvcopy": kvcopy.__version__,
-            "quick": args.quick, "seconds": round(time.time() - t0, 1)}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"{'dir':4} {'block':>8} {'method':>22} {'chose':>7} {'GB/s':>8} {'ceil':>6} {'cpu_us':>9}")
-    for r in rows:
-        print(f"{r['direction']:4} {r['block_bytes'] // KiB:>6}Ki {r['method']:>22} {r['chose']:>7} "
-              f"{r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} {r['cpu_us']:9.1f}")
+            "quick": args.quick, "seconds": round(time.time() - t0, 1),
+            "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
+                      "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
+                      "from an idle stream; medians"}
+    report.write_json(args.out / "results.json", meta, rows, {"scenarios": scenarios})
+    report.write_csv(args.out / "results.csv", rows)
+    plotted = report.plot(args.out / "results.png", rows, f"kvcopy on {name}: scattered blocks, "
+                          f"{total >> 20} MiB per batch (GPU-to-GPU {4 * total >> 20} MiB)")
+    print_table(rows, scenarios)
+    print(f"wrote {args.out}/results.json, results.csv" + (", results.png" if plotted else ""))
     return 0
+
+
+def print_table(rows: list[dict], scenarios: dict) -> None:
+    print(f"{'dir':4} {'block':>8} {'memory':>6} {'method':>22} {'chose':>7} {'GB/s':>8} "
+          f"{'ceil':>6} {'wallGB/s':>9} {'cpu_us':>9}")
+    for r in rows:
+        print(f"{r['direction']:4} {r['block_bytes'] // KiB:>6}Ki {r['memory']:>6} {r['method']:>22} "
+              f"{r['chose']:>7} {r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} "
+              f"{r['wall_gbps']:9.1f} {r['cpu_us']:9.1f}")
+    for name, items in scenarios.items():
+        print(f"-- {name}")
+        for item in items:
+            print("   " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in item.items() if k != "scenario"))
 
 
 if __name__ == "__main__":

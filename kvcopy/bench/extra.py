@@ -1,0 +1,117 @@
+"""Scenarios beyond the block sweep: both directions at once, the cost to compute
+running beside the copy, and swap_blocks on a realistic paged KV cache."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Iterator
+
+import numpy as np
+
+import kvcopy
+from kvcopy.bench.scenarios import Pools, scattered_offsets
+from kvcopy.bench.timing import measure
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _pointers(pools: Pools, block: int, count: int, seed: int):
+    src_off, dst_off = scattered_offsets(count, block, np.random.default_rng(seed))
+    return (np.uint64(pools.src.data_ptr()) + src_off.astype(np.uint64),
+            np.uint64(pools.dst.data_ptr()) + dst_off.astype(np.uint64),
+            np.full(count, block, dtype=np.uint64))
+
+
+def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5) -> Iterator[dict]:
+    """Host-to-GPU and GPU-to-host at the same time, on two streams."""
+    import torch
+
+    count = total // block
+    h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
+    a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    cases = {
+        "contiguous": lambda: (h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True),
+                               d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)),
+    }
+    for method in ("auto", "kernel", "batch"):
+        cases[method] = (lambda m=method: (kvcopy.copy_batch(*a, stream=s1, method=m),
+                                           kvcopy.copy_batch(*b, stream=s2, method=m)))
+    for name, fn in cases.items():
+        times = []
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if name == "contiguous":
+                with torch.cuda.stream(s1):
+                    h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
+                with torch.cuda.stream(s2):
+                    d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
+            else:
+                fn()
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        yield {"scenario": "bidirectional", "block_bytes": block, "count": count, "method": name,
+               "total_gbps": 2 * total / seconds / 1e9}
+
+
+def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 8192) -> Iterator[dict]:
+    """How much a full-GPU matmul slows while copies run beside it (kernel against DMA)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    pools = Pools("h2d", total, "torch")
+    ptrs = _pointers(pools, block, total // block, 3)
+
+    def matmuls(reps: int = 20) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record()
+            for _ in range(reps):
+                torch.matmul(a, b)
+            end.record()
+        return start, end
+
+    matmuls(3)
+    torch.cuda.synchronize()
+    for label in ("alone", "kernel", "batch"):
+        samples = []
+        for _ in range(3):
+            start, end = matmuls()
+            if label != "alone":
+                for _ in range(4):
+                    kvcopy.copy_batch(*ptrs, stream=copy, method=label)
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        yield {"scenario": "compute_slowdown", "method": label, "block_bytes": block,
+               "matmul_ms": statistics.median(samples)}
+
+
+def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5) -> Iterator[dict]:
+    """swap_blocks on 32 layers x (K, V), 16-token blocks, 8 heads of 128, bf16 (32 KiB blocks)."""
+    import torch
+
+    layers, blocks = 32, max(block_counts) * 2
+    shape = (blocks, 16, 8, 128)
+    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
+    host = [torch.empty(shape, dtype=torch.bfloat16).pin_memory() for _ in range(2 * layers)]
+    stream = torch.cuda.Stream()
+    block_bytes = 16 * 8 * 128 * 2
+    rng = np.random.default_rng(4)
+    for n in block_counts:
+        mapping = np.stack([rng.choice(blocks, n, replace=False),
+                            rng.choice(blocks, n, replace=False)], axis=1)
+        nbytes = n * block_bytes * 2 * layers
+        for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
+            for method in ("auto", "batch"):
+                chose = kvcopy.swap_blocks(src, dst, mapping, stream=stream, method=method)
+                t = measure(lambda m=method: kvcopy.swap_blocks(src, dst, mapping, stream=stream,
+                                                                method=m), stream, repeats=repeats)
+                yield {"scenario": "swap_blocks", "direction": direction, "blocks": n,
+                       "tensors": 2 * layers, "method": method, "chose": chose,
+                       "gbps": nbytes / (t.gpu_ms * 1e6), "wall_gbps": nbytes / (t.wall_ms * 1e6),
+                       "cpu_us": t.cpu_us}

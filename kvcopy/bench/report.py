@@ -1,0 +1,62 @@
+"""JSON, CSV and PNG output of a benchmark run."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+KiB = 1 << 10
+
+
+def write_json(path: Path, meta: dict, rows: list[dict], extra: dict) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(path: Path, rows: list[dict], title: str) -> bool:
+    """GB/s against block size, one line per method, a panel per direction, ceiling dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    directions = [d for d in ("h2d", "d2h", "d2d") if any(r["direction"] == d for r in rows)]
+    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.6), squeeze=False)
+    names = {"h2d": "host → GPU", "d2h": "GPU → host", "d2d": "GPU → GPU"}
+    for ax, direction in zip(axes[0], directions):
+        mine = [r for r in rows if r["direction"] == direction and r["memory"] == "torch"]
+        for method in dict.fromkeys(r["method"] for r in mine):
+            pts = sorted((r["block_bytes"], r["gbps"]) for r in mine if r["method"] == method)
+            style = dict(ls="--", color="black", lw=1.5) if method == "contiguous" else dict(marker="o", ms=4)
+            label = "contiguous copy (ceiling)" if method == "contiguous" else (
+                f"kvcopy {method}" if method in ("auto", "kernel", "batch", "loop") else method)
+            lw = 2.8 if method == "auto" else None
+            if lw:
+                style["lw"] = lw
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log" if direction == "d2d" else "linear")
+        ticks = sorted({r["block_bytes"] for r in mine})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t // KiB}K" if t < 1 << 20 else f"{t >> 20}M" for t in ticks],
+                           rotation=45)
+        ax.set_xlabel("block size")
+        ax.set_ylabel("GB/s")
+        ax.set_title(names[direction])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

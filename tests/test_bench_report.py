@@ -1,0 +1,50 @@
+"""Benchmark output on the CPU: JSON, CSV and the plot from synthetic rows; no-GPU exit."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcopy.bench import report
+
+
+def rows():
+    out = []
+    for direction in ("h2d", "d2h", "d2d"):
+        for block in (4096, 16384, 1 << 20):
+            for method, gbps in (("contiguous", 55.0), ("auto", 50.0), ("batch", 20.0)):
+                out.append({"direction": direction, "block_bytes": block, "memory": "torch",
+                            "method": method, "gbps": gbps * (40 if direction == "d2d" else 1)})
+    return out
+
+
+def test_json_and_csv_round_trip(tmp_path):
+    data = rows()
+    report.write_json(tmp_path / "r.json", {"device": "fake"}, data, {"scenarios": {}})
+    report.write_csv(tmp_path / "r.csv", data)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == data
+    with (tmp_path / "r.csv").open() as fh:
+        back = list(csv.DictReader(fh))
+    assert len(back) == len(data) and back[0]["method"] == "contiguous"
+
+
+def test_plot_has_a_panel_per_direction(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert report.plot(tmp_path / "r.png", rows(), "fake")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_gpu_says_so_and_fails():
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = subprocess.run([sys.executable, "-m", "kvcopy.bench", "--quick"], capture_output=True,
+                         text=True)
+    assert out.returncode == 2
+    assert "no CUDA GPU found" in out.stderr or "torch is needed" in out.stderr
