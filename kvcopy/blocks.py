@@ -69,6 +69,19 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, names: list[str])
                              f"range for {names[k]}, which has {limit} blocks")
 
 
+def _check_unique_destinations(ids: np.ndarray) -> None:
+    """Two pairs writing one block would race: reject them."""
+    if ids.size < 2:
+        return
+    order = np.argsort(ids, kind="stable")
+    same = ids[order[1:]] == ids[order[:-1]]
+    if same.any():
+        k = int(np.argmax(same))
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        raise ValueError(f"block_mapping[{first}] and block_mapping[{second}] both write "
+                         f"destination block {int(ids[order[k]])}")
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """A validated swap_blocks call: per-tensor geometry plus the id mapping."""
@@ -150,6 +163,7 @@ def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = 
     table = np.array(rows, dtype=np.uint64)
     _check_ids(mapping[:, 0], table[:, 8].astype(np.int64), "source", s_names)
     _check_ids(mapping[:, 1], table[:, 9].astype(np.int64), "destination", d_names)
+    _check_unique_destinations(mapping[:, 1])
     columns = [np.ascontiguousarray(table[:, i]) for i in range(8)]
     return BlockPlan(mapping, int(block), *columns)
 

@@ -13,7 +13,7 @@ from kvcopy.arrays import as_u64_array
 from kvcopy.config import config
 from kvcopy.context import ContextScope
 from kvcopy.errors import CudaError
-from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy.plan import CopyPlan, find_overlap, plan_copies
 from kvcopy.policy import METHODS, CopyRequest, Decision, choose_method
 from kvcopy.streams import (current_framework_stream, effective_handle, resolve_stream,
                             stream_kind)
@@ -168,7 +168,7 @@ def _check_options(method: str, src_access_order: str, max_ctas: int | None) -> 
 
 def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
                method: str = "auto", src_access_order: str = "stream",
-               max_ctas: int | None = None) -> str:
+               max_ctas: int | None = None, check_overlap: bool = False) -> str:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
 
     Pointers may be device memory, pinned host memory or pageable host memory,
@@ -190,6 +190,9 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             work on the GPU may still be writing them (e.g. GPU-to-host right
             after compute).
         max_ctas: CTAs for the copy kernel (default: kvcopy.config).
+        check_overlap: raise ValueError if two copies write overlapping bytes.
+            Off by default (it sorts the batch); copies of one batch run in no
+            defined order, so overlapping destinations get unspecified bytes.
 
     Returns:
         The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty batch).
@@ -204,6 +207,10 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
     plan = plan_copies(src, dst, size_arr)
+    if check_overlap:
+        clash = find_overlap(dst, size_arr)
+        if clash:
+            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
     return execute(plan, handle, method, src_access_order == "any", max_ctas)

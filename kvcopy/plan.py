@@ -48,3 +48,22 @@ def plan_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, *, merge: b
             a copy wraps the address space; the message names the index.
     """
     return CopyPlan(*plan_arrays(src, dst, sizes, merge))
+
+
+def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
+    """Indices (i, j) of two non-empty copies whose destinations overlap, or None.
+
+    O(n log n); copy_batch runs it only with check_overlap=True, since the copies
+    of one batch run in no defined order and overlapping destinations end up
+    with unspecified bytes.
+    """
+    live = np.flatnonzero(sizes != 0)
+    if live.size < 2:
+        return None
+    order = live[np.argsort(dst[live], kind="stable")]
+    ends = dst[order] + sizes[order]
+    clash = ends[:-1] > dst[order[1:]]
+    if not clash.any():
+        return None
+    k = int(np.argmax(clash))
+    return tuple(sorted((int(order[k]), int(order[k + 1]))))

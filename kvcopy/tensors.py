@@ -7,14 +7,14 @@ contiguous. Reads torch, NumPy and CuPy attributes directly (cheap), any
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class BlockLayout:
+class BlockLayout(NamedTuple):
+    """Where a tensor's blocks are (a NamedTuple: built on every call, so cheap)."""
+
     ptr: int
     num_blocks: int
     block_stride: int   # bytes from one block to the next

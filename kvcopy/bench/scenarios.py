@@ -127,7 +127,7 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> It
                 torch.index_select(src_blocks, 0, src_idx, out=staging)
                 staging_dev.copy_(staging, non_blocking=True)
                 dst_blocks.index_copy_(0, dst_idx_dev, staging_dev)
-        yield row("torch_gather_staging", "", gather_h2d, ceiling)
+        yield row("torch_gather_staging", "", gather_h2d, ceiling, host_work=True)
     elif pools.direction == "d2h":
         staging_dev = torch.empty((count, block), dtype=torch.uint8, device="cuda")
         staging = torch.empty((count, block), dtype=torch.uint8, pin_memory=True)
