@@ -55,7 +55,11 @@ def _extent(layout: BlockLayout) -> int:
     return (layout.num_blocks - 1) * layout.block_stride + layout.block_bytes if layout.num_blocks else 0
 
 
-def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, names: list[str]) -> None:
+def _name(side: str, index: int, multi: bool) -> str:
+    return f"{side}[{index}]" if multi else side
+
+
+def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, multi: bool) -> None:
     if ids.size == 0:
         return
     low, high = int(ids.min()), int(ids.max())
@@ -66,7 +70,7 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, names: list[str])
         if bad.any():
             pair = int(np.argmax(bad))
             raise ValueError(f"block_mapping[{pair}]: {side} block {int(ids[pair])} is out of "
-                             f"range for {names[k]}, which has {limit} blocks")
+                             f"range for {_name(tensor, k, multi)}, which has {limit} blocks")
 
 
 def _check_unique_destinations(ids: np.ndarray) -> None:
@@ -130,7 +134,11 @@ class BlockPlan:
 
 
 def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False) -> BlockPlan:
-    """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
+    """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError.
+
+    Runs once per call over every tensor, so the loop is kept lean: names for
+    messages are only built when something is wrong.
+    """
     srcs, dsts = _as_list(src), _as_list(dst)
     if not srcs:
         raise ValueError("src: no tensors given")
@@ -138,31 +146,38 @@ def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = 
         raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
     mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
     multi = len(srcs) > 1
-    s_names = [f"src[{i}]" if multi else "src" for i in range(len(srcs))]
-    d_names = [f"dst[{i}]" if multi else "dst" for i in range(len(dsts))]
     rows, block = [], None
-    for s, d, s_name, d_name in zip(srcs, dsts, s_names, d_names):
-        s_layout, d_layout = block_layout(s, s_name), block_layout(d, d_name)
-        if d_layout.readonly:
-            raise ValueError(f"{d_name} is read-only")
-        if s_layout.block_bytes != d_layout.block_bytes and not split_blocks:
-            raise ValueError(f"{s_name} has blocks of {s_layout.block_bytes} bytes but {d_name} of "
-                             f"{d_layout.block_bytes}; pass split_blocks=True if the larger blocks "
-                             "hold several of the smaller ones")
-        pair_block = min(s_layout.block_bytes, d_layout.block_bytes)
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        ls = None
+        try:
+            ls = block_layout(s, "src")
+            ld = block_layout(d, "dst")
+        except (TypeError, ValueError) as exc:  # re-raise naming the tensor's position
+            side = "src" if ls is None else "dst"
+            raise type(exc)(str(exc).replace(side, _name(side, i, multi), 1)) from None
+        if ld.readonly:
+            raise ValueError(f"{_name('dst', i, multi)} is read-only")
+        if ls.block_bytes == ld.block_bytes:
+            pair_block, s_factor, d_factor = ls.block_bytes, 1, 1
+        else:
+            if not split_blocks:
+                raise ValueError(f"{_name('src', i, multi)} has blocks of {ls.block_bytes} bytes but "
+                                 f"{_name('dst', i, multi)} of {ld.block_bytes}; pass "
+                                 "split_blocks=True if the larger blocks hold several of the smaller ones")
+            pair_block = min(ls.block_bytes, ld.block_bytes)
+            s_factor = _split(ls, pair_block, _name("src", i, multi))[1]
+            d_factor = _split(ld, pair_block, _name("dst", i, multi))[1]
         if block is None:
             block = pair_block
         elif pair_block != block:
-            raise ValueError(f"{s_name}/{d_name} copy blocks of {pair_block} bytes, the tensors "
-                             f"before them blocks of {block} bytes; call swap_blocks once per size")
-        s_split, s_factor = _split(s_layout, block, s_name)
-        d_split, d_factor = _split(d_layout, block, d_name)
-        rows.append((s_layout.ptr, d_layout.ptr, _extent(s_layout), _extent(d_layout),
-                     s_layout.block_stride, d_layout.block_stride, s_factor, d_factor,
-                     s_split.num_blocks, d_split.num_blocks))
+            raise ValueError(f"{_name('src', i, multi)}/{_name('dst', i, multi)} copy blocks of "
+                             f"{pair_block} bytes, the tensors before them blocks of {block} bytes; "
+                             "call swap_blocks once per size")
+        rows.append((ls.ptr, ld.ptr, _extent(ls), _extent(ld), ls.block_stride, ld.block_stride,
+                     s_factor, d_factor, ls.num_blocks * s_factor, ld.num_blocks * d_factor))
     table = np.array(rows, dtype=np.uint64)
-    _check_ids(mapping[:, 0], table[:, 8].astype(np.int64), "source", s_names)
-    _check_ids(mapping[:, 1], table[:, 9].astype(np.int64), "destination", d_names)
+    _check_ids(mapping[:, 0], table[:, 8].astype(np.int64), "source", "src", multi)
+    _check_ids(mapping[:, 1], table[:, 9].astype(np.int64), "destination", "dst", multi)
     _check_unique_destinations(mapping[:, 1])
     columns = [np.ascontiguousarray(table[:, i]) for i in range(8)]
     return BlockPlan(mapping, int(block), *columns)

@@ -86,17 +86,25 @@ class TransferQueue:
                 raise KVCopyError("TransferQueue is closed")
             plan = plan_blocks(self.src, self.dst, block_mapping, split_blocks=self.split_blocks)
             self._push()
+            start = end = 0
             try:
                 start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
                 if self._source_on_gpu:
                     ready = _driver.event_create()
-                    _driver.event_record(ready, current_framework_stream(*self.src) or
-                                         effective_handle(0))
-                    _driver.stream_wait_event(self._stream, ready)
-                    _driver.event_destroy(ready)  # released by the driver once it has fired
+                    try:
+                        _driver.event_record(ready, effective_handle(
+                            current_framework_stream(*self.src)))
+                        _driver.stream_wait_event(self._stream, ready)
+                    finally:
+                        _driver.event_destroy(ready)  # released by the driver once it has fired
                 _driver.event_record(start, self._stream)
                 method = engine.execute_blocks(plan, self._stream, self.method)
                 _driver.event_record(end, self._stream)
+            except BaseException:
+                for event in (start, end):
+                    if event:
+                        _driver.event_destroy(event)
+                raise
             finally:
                 _driver.pop_context()
             self._pending.append(_Job(job_id, plan.total_bytes, method, start, end))

@@ -54,6 +54,13 @@ def _raw(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
     return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly)
 
 
+def _prod(extents) -> int:
+    out = 1
+    for e in extents:
+        out *= e
+    return out
+
+
 def _c_strides(shape: tuple, itemsize: int) -> tuple:
     strides, step = [], itemsize
     for extent in reversed(shape):
@@ -64,9 +71,14 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
 
 def _torch_layout(t: Any) -> BlockLayout | None:
     """Fast path for torch tensors whose blocks are contiguous (the usual case)."""
-    shape, strides = t.shape, t.stride()
+    shape = t.shape
     if not shape:
         return None
+    if t.is_contiguous():
+        size = t.element_size()
+        block = size * (t.numel() // shape[0] if shape[0] else _prod(shape[1:]))
+        return BlockLayout(t.data_ptr(), shape[0], block, block, False)
+    strides = t.stride()
     step = 1
     for k in range(len(shape) - 1, 0, -1):
         if shape[k] != 1 and strides[k] != step:

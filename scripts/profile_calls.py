@@ -15,10 +15,11 @@ def profile(label: str, fn, calls: int = 200) -> None:
         fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
-    prof.enable()
     for _ in range(calls):
+        prof.enable()
         fn()
-    prof.disable()
+        prof.disable()
+        torch.cuda.synchronize()  # outside the profile: CPU cost only, no back-pressure
     torch.cuda.synchronize()
     print(f"==== {label}: per call, {calls} calls")
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
