@@ -12,14 +12,19 @@ import kvcopy
 KiB = 1 << 10
 
 
-def main() -> None:
-    count, block = 8192, 16 * KiB
+def scattered_batch(count: int = 8192, block: int = 16 * KiB):
+    """Pinned-to-device scattered blocks as NumPy pointer arrays (buffers kept alive)."""
     src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
     rng = np.random.default_rng(0)
     s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
     d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    sizes = np.full(count, block, dtype=np.uint64)
+    return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
+
+
+def main() -> None:
+    count, block = 8192, 16 * KiB
+    _keep, s, d, sizes = scattered_batch(count, block)
     stream = torch.cuda.Stream()
     for method in ("kernel", "batch"):
         for _ in range(5):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 import kvcopy
+from cpu_overhead import scattered_batch
 
 
 def profile(label: str, fn, calls: int = 200) -> None:
@@ -26,13 +27,8 @@ def profile(label: str, fn, calls: int = 200) -> None:
 
 
 def main() -> None:
-    count, block = 8192, 16384
-    src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
+    _keep, s, d, sizes = scattered_batch()
     rng = np.random.default_rng(0)
-    s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    sizes = np.full(count, block, dtype=np.uint64)
     stream = torch.cuda.Stream()
     profile("copy_batch 8192 kernel", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                 method="kernel"))

@@ -89,6 +89,15 @@ __device__ __forceinline__ unsigned long long kvcopy_find_desc(const kvcopy_desc
     return a;
 }
 
+/* Warps are the unit of work: their index in the grid and how many there are. */
+__device__ __forceinline__ unsigned long long kvcopy_warp_index() {
+    return (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
+
+__device__ __forceinline__ unsigned long long kvcopy_warp_count() {
+    return (unsigned long long)gridDim.x * (blockDim.x >> 5);
+}
+
 __device__ __forceinline__ void kvcopy_copy_tile(const kvcopy_desc& desc, unsigned long long t,
                                                  unsigned lane) {
     const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
@@ -102,9 +111,8 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
                                                     unsigned long long count,
                                                     unsigned long long total_tiles) {
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned long long warps_per_block = blockDim.x >> 5;
-    const unsigned long long warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const unsigned long long num_warps = gridDim.x * warps_per_block;
+    const unsigned long long warp = kvcopy_warp_index();
+    const unsigned long long num_warps = kvcopy_warp_count();
     if (total_tiles == count) {
         // Every copy is one tile (blocks <= KVCOPY_TILE_BYTES): tile t is copy t.
         // The next descriptor is loaded before the current copy, so its latency
@@ -163,9 +171,8 @@ extern "C" __global__ void kvcopy_blocks(const kvcopy_block_tensor* __restrict__
                                          unsigned long long block_bytes,
                                          unsigned long long tiles_per_block) {
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned long long warps_per_block = blockDim.x >> 5;
-    const unsigned long long warp = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const unsigned long long num_warps = gridDim.x * warps_per_block;
+    const unsigned long long warp = kvcopy_warp_index();
+    const unsigned long long num_warps = kvcopy_warp_count();
     const unsigned long long tiles_per_tensor = tiles_per_block * num_pairs;
     const unsigned long long total = tiles_per_tensor * num_tensors;
     for (unsigned long long t = warp; t < total; t += num_warps) {
