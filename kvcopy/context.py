@@ -10,10 +10,11 @@ from kvcopy.streams import STREAM_LEGACY, STREAM_PER_THREAD
 class ContextScope:
     """Makes the context a copy must run in current, and restores the caller's after.
 
-    A created stream runs in its own context. The default streams run in the
-    caller's current context, or, when the thread has none, in the primary
-    context of the device that owns the batch's device memory (device 0 until
-    that is known).
+    A created stream runs in its own context. The default streams (legacy and
+    per-thread) run where the batch's device memory lives: in the caller's
+    current context when that is on the memory's device, else in the primary
+    context of the memory's device (device 0 until the memory is known, and for
+    batches with no device memory or with device memory of several devices).
     """
 
     def __init__(self, handle: int = STREAM_LEGACY) -> None:
@@ -34,11 +35,18 @@ class ContextScope:
         _driver.push_context(ctx)
         self.pushed = True
 
-    def follow_memory(self, ordinal: int) -> None:
-        """On a default stream with no caller context, use the memory's device."""
-        if self.pushed and self.handle in (STREAM_LEGACY, STREAM_PER_THREAD) and ordinal >= 0:
+    def follow_memory(self, ordinal: int) -> bool:
+        """On a default stream, move to device ``ordinal`` if the current context is
+        elsewhere. Returns True when it switched context."""
+        if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD) or ordinal < 0:
+            return False
+        if _driver.context_device() == ordinal:
+            return False
+        if self.pushed:
             _driver.pop_context()
-            _driver.push_context(_driver.primary_context(ordinal))
+            self.pushed = False
+        self._push(_driver.primary_context(ordinal))
+        return True
 
     def __exit__(self, *exc: Any) -> None:
         if self.pushed:

@@ -34,6 +34,17 @@ def last_decision() -> Decision | None:
     return getattr(_last, "decision", None)
 
 
+def memory_owner(src_device: int, dst_device: int) -> int:
+    """The one device that owns a batch's device memory; -1 for none, -2 for several.
+
+    Arguments are classify_pointers' ordinals (-1: no device memory, -2: several).
+    """
+    owners = {o for o in (src_device, dst_device) if o != -1}
+    if not owners:
+        return -1
+    return owners.pop() if len(owners) == 1 else -2
+
+
 def _direction(src_kinds: int, dst_kinds: int) -> str:
     src = "h" if not src_kinds & _DEVICE else "d" if not src_kinds & _HOST else "m"
     dst = "h" if not dst_kinds & _DEVICE else "d" if not dst_kinds & _HOST else "m"
@@ -68,9 +79,11 @@ def _decide(scope: ContextScope, handle: int, method: str, count: int, total_byt
     src_view, dst_view = np.empty_like(src), np.empty_like(dst)
     src_kinds, src_dev = _driver.classify_pointers(src, src_sizes, src_view)
     dst_kinds, dst_dev = _driver.classify_pointers(dst, dst_sizes, dst_view)
-    owners = {o for o in (src_dev, dst_dev) if o != -1}
-    if len(owners) == 1 and scope.pushed:
-        scope.follow_memory(owners.pop())
+    owner = memory_owner(src_dev, dst_dev)
+    if owner >= 0 and scope.follow_memory(owner):
+        # host memory may be mapped at another address for the new device
+        src_kinds, src_dev = _driver.classify_pointers(src, src_sizes, src_view)
+        dst_kinds, dst_dev = _driver.classify_pointers(dst, dst_sizes, dst_view)
     ordinal = _driver.context_device()
     info = device.device_info(ordinal)
     accessible = (not (src_kinds | dst_kinds) & _DMA_ONLY

@@ -6,6 +6,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable
 
+import numpy as np
+
 from kvcopy import _driver, engine
 from kvcopy.blocks import _as_list, plan_blocks
 from kvcopy.context import ContextScope
@@ -56,12 +58,17 @@ class TransferQueue:
                  split_blocks: bool = False) -> None:
         engine.check_method(method)
         self.src, self.dst = _as_list(src), _as_list(dst)
-        plan_blocks(self.src, self.dst, [], split_blocks=split_blocks)  # validates layouts now
         self.method = method
         self.split_blocks = split_blocks
+        geometry = plan_blocks(self.src, self.dst, [], split_blocks=split_blocks)
         self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
-        self._scope = ContextScope(self._caller_stream)
-        with self._scope:
+        with ContextScope(self._caller_stream) as scope:
+            # the queue's stream lives on the device that holds the caches
+            scope.follow_memory(engine.memory_owner(
+                _driver.classify_pointers(geometry.src_base, geometry.src_extent,
+                                          np.empty_like(geometry.src_base))[1],
+                _driver.classify_pointers(geometry.dst_base, geometry.dst_extent,
+                                          np.empty_like(geometry.dst_base))[1]))
             self._ctx = _driver.current_context()
             self._stream = _driver.stream_create(non_blocking=True)
         self._pending: deque[_Job] = deque()
