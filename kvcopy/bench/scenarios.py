@@ -111,7 +111,7 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> It
     dst_blocks = pools.dst.view(-1, block)
     src_idx = torch.from_numpy(src_off // block)
     dst_idx = torch.from_numpy(dst_off // block)
-    if count <= 4096:
+    if count <= 32768:
         def per_block():
             with torch.cuda.stream(stream):
                 for i, j in zip(src_idx.tolist(), dst_idx.tolist()):
@@ -153,7 +153,9 @@ def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):
     except ImportError:
         return None
     try:
-        core_stream = Device(0).create_stream(stream)
+        device = Device(0)
+        device.set_current()  # cuda.core wants its device made current in this thread
+        core_stream = device.create_stream(stream)
         srcs = [Buffer.from_handle(pools.src.data_ptr() + int(o), block) for o in src_off]
         dsts = [Buffer.from_handle(pools.dst.data_ptr() + int(o), block) for o in dst_off]
         copy_batch(core_stream, srcs, dsts)
