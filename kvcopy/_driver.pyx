@@ -426,48 +426,110 @@ cdef bint _extend_range(_Range* r, uint64_t end) noexcept nogil:
     return True
 
 
+cdef struct _Classifier:
+    # Driver answers kept as address ranges, for one call only: the driver is
+    # asked once per allocation, not once per pointer.
+    _Range cache[_RANGE_CACHE]
+    int cached
+    int last
+    int kinds        # OR of _KIND_* over every pointer seen
+    int ordinal      # device of the device memory seen (-1: none, -2: several)
+
+
+cdef inline void _classifier_init(_Classifier* c) noexcept nogil:
+    c.cached = 0
+    c.last = 0
+    c.kinds = 0
+    c.ordinal = -1
+
+
+cdef uint64_t _classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """Classify the copy [p, p + size) and return the address the device uses for p."""
+    cdef int hit = -1, j
+    cdef _Range* r
+    if c.cached > 0 and c.cache[c.last].start <= p < c.cache[c.last].end:
+        hit = c.last
+    else:
+        for j in range(c.cached):
+            if c.cache[j].start <= p < c.cache[j].end:
+                hit = j
+                break
+    if hit < 0:
+        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
+        _query_range(p, size, &c.cache[hit])
+        if c.cached < _RANGE_CACHE:
+            c.cached += 1
+    c.last = hit
+    r = &c.cache[hit]
+    c.kinds |= r.kind
+    if p + size > r.end and not _extend_range(r, p + size):
+        c.kinds |= _KIND_STRADDLE
+    if r.kind == _KIND_DEVICE:
+        if c.ordinal == -1:
+            c.ordinal = r.ordinal
+        elif c.ordinal != r.ordinal:
+            c.ordinal = -2
+    return <uint64_t>(<int64_t>p + r.delta)
+
+
 def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
     """Classify every pointer of a batch and write the address the device uses.
 
     Returns ``(kinds, ordinal)``: the OR of KIND_* bits over all pointers and the
     device ordinal of the device memory among them (-1: none, -2: several).
-    The driver is asked once per allocation, not once per pointer: answers are
-    kept, for this call only, as address ranges.
     """
-    cdef Py_ssize_t n = ptrs.shape[0], i, j, hit
-    cdef _Range cache[_RANGE_CACHE]
-    cdef int cached = 0, kinds = 0, ordinal = -1, last = 0
-    cdef uint64_t p, end
+    cdef Py_ssize_t n = ptrs.shape[0], i
+    cdef _Classifier* c
     if sizes.shape[0] != n or device_view.shape[0] != n:
         raise ValueError("classify_pointers: arrays differ in length")
+    c = <_Classifier*>malloc(sizeof(_Classifier))
+    if c == NULL:
+        raise MemoryError()
+    _classifier_init(c)
     with nogil:
         for i in range(n):
-            p = ptrs[i]
-            end = p + sizes[i]
-            hit = -1
-            if cached > 0 and cache[last].start <= p < cache[last].end:
-                hit = last
-            else:
-                for j in range(cached):
-                    if cache[j].start <= p < cache[j].end:
-                        hit = j
-                        break
-            if hit < 0:
-                hit = cached if cached < _RANGE_CACHE else _RANGE_CACHE - 1
-                _query_range(p, sizes[i], &cache[hit])
-                if cached < _RANGE_CACHE:
-                    cached += 1
-            last = hit
-            kinds |= cache[hit].kind
-            if end > cache[hit].end and not _extend_range(&cache[hit], end):
-                kinds |= _KIND_STRADDLE
-            if cache[hit].kind == _KIND_DEVICE:
-                if ordinal == -1:
-                    ordinal = cache[hit].ordinal
-                elif ordinal != cache[hit].ordinal:
-                    ordinal = -2
-            device_view[i] = <uint64_t>(<int64_t>p + cache[hit].delta)
+            device_view[i] = _classify(c, ptrs[i], sizes[i])
+    kinds, ordinal = c.kinds, c.ordinal
+    free(c)
     return kinds, ordinal
+
+
+def describe_batch(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                   uintptr_t descs_out):
+    """Classify both sides of a planned batch and write its kernel descriptors, in one pass.
+
+    ``descs_out`` must have room for ``len(sizes)`` kvcopy_desc entries; each
+    gets the device's view of both pointers, the size and its first tile.
+    Whatever method runs afterwards, this is the one pass over the batch that
+    the copy needs besides planning.
+
+    Returns ``(src_kinds, src_ordinal, dst_kinds, dst_ordinal, total_tiles)``,
+    kinds and ordinals as for :func:`classify_pointers`.
+    """
+    cdef Py_ssize_t n = sizes.shape[0], i
+    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
+    cdef unsigned long long tiles = 0, size
+    cdef _Classifier* sides
+    if src.shape[0] != n or dst.shape[0] != n:
+        raise ValueError("describe_batch: arrays differ in length")
+    if n > 0 and descs == NULL:
+        raise ValueError("describe_batch: no descriptor buffer")
+    sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    if sides == NULL:
+        raise MemoryError()
+    _classifier_init(&sides[0])
+    _classifier_init(&sides[1])
+    with nogil:
+        for i in range(n):
+            size = sizes[i]
+            descs[i].src = _classify(&sides[0], src[i], size)
+            descs[i].dst = _classify(&sides[1], dst[i], size)
+            descs[i].size = size
+            descs[i].tile_start = tiles
+            tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+    result = (sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles)
+    free(sides)
+    return result
 
 
 # ---------------------------------------------------------------- batched DMA
@@ -581,53 +643,57 @@ def module_function(uintptr_t module, bytes name) -> int:
     return <uintptr_t>function
 
 
-def launch_scatter(uintptr_t function, int per_launch, const uint64_t[::1] dst,
-                   const uint64_t[::1] src, const uint64_t[::1] sizes,
-                   unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
-    """Launch the copy kernel with descriptors passed by value.
+cdef unsigned int _grid(unsigned long long tiles, unsigned int threads,
+                        unsigned int max_ctas) noexcept nogil:
+    """CTAs for ``tiles`` warp-sized units of work: one warp per tile, at most max_ctas."""
+    cdef unsigned long long grid = (tiles + threads // 32 - 1) // (threads // 32)
+    return <unsigned int>(max_ctas if grid > max_ctas else grid)
+
+
+cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except -1:
+    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
+        raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
+    return 0
+
+
+def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
+                        unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
+    """Launch the copy kernel with ``n`` descriptors (from describe_batch) passed by value.
 
     ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX or
     KVCOPY_INLINE_MAX_SMALL, matching ``function``). Parameters are copied into
-    the launch, so nothing must outlive the call and the launch is safe to
-    capture. Returns the number of launches.
+    the launch, so ``host_descs`` may be reused as soon as this returns and
+    the launch is safe to capture. Returns the number of launches.
     """
-    cdef Py_ssize_t n = dst.shape[0], start, j, count
+    cdef kvcopy_desc* descs = <kvcopy_desc*>host_descs
+    cdef Py_ssize_t start, j, count
     cdef kvcopy_inline_batch* batch
-    cdef unsigned long long tiles, size, warps, grid
+    cdef unsigned long long first, tiles
     cdef void* params[1]
     cdef int launches = 0
-    cdef CUresult status
     if per_launch <= 0 or per_launch > KVCOPY_INLINE_MAX:
-        raise ValueError("launch_scatter: per_launch out of range")
-    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
-        raise ValueError("launch_scatter: max_ctas must be positive and threads a multiple of 32")
+        raise ValueError("launch_descs_inline: per_launch out of range")
+    _check_launch_shape(max_ctas, threads)
     batch = <kvcopy_inline_batch*>malloc(sizeof(kvcopy_inline_batch))
     if batch == NULL:
         raise MemoryError()
     params[0] = <void*>batch
-    warps = threads // 32
     try:
         with nogil:
             start = 0
             while start < n:
                 count = per_launch if n - start > per_launch else n - start
-                tiles = 0
+                first = descs[start].tile_start
                 for j in range(count):
-                    size = sizes[start + j]
-                    batch.descs[j].src = src[start + j]
-                    batch.descs[j].dst = dst[start + j]
-                    batch.descs[j].size = size
-                    batch.descs[j].tile_start = tiles
-                    tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+                    batch.descs[j] = descs[start + j]
+                    batch.descs[j].tile_start -= first
+                tiles = (batch.descs[count - 1].tile_start
+                         + (batch.descs[count - 1].size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
                 batch.count = count
                 batch.total_tiles = tiles
-                grid = (tiles + warps - 1) // warps
-                if grid > max_ctas:
-                    grid = max_ctas
                 if tiles > 0:
-                    status = cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1,
-                                                     threads, 1, 1, 0, <CUstream>stream, params, NULL)
-                    _check(status, -1)
+                    _check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas),
+                                                   1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
                     launches += 1
                 start += count
     finally:
@@ -635,48 +701,33 @@ def launch_scatter(uintptr_t function, int per_launch, const uint64_t[::1] dst,
     return launches
 
 
-def launch_scatter_staged(uintptr_t function, uintptr_t host_descs, uintptr_t device_descs,
-                          const uint64_t[::1] dst, const uint64_t[::1] src,
-                          const uint64_t[::1] sizes, unsigned int max_ctas,
-                          unsigned int threads, uintptr_t stream) -> int:
-    """Launch the copy kernel once over the whole batch, descriptors in device memory.
+def launch_descs_staged(uintptr_t function, uintptr_t host_descs, uintptr_t device_descs,
+                        Py_ssize_t n, unsigned long long tiles, unsigned int max_ctas,
+                        unsigned int threads, uintptr_t stream) -> int:
+    """Launch the copy kernel once over ``n`` descriptors staged in pinned memory.
 
-    Writes the descriptors into ``host_descs`` (pinned, room for the batch),
-    copies them to ``device_descs`` on the stream and launches ``kvcopy_scatter``
-    behind that copy. Both buffers must stay untouched until the stream has
-    passed this launch (the caller records an event). Not for stream capture:
-    the graph would keep reading buffers that later calls overwrite.
-    Returns the number of launches (0 or 1).
+    Copies the descriptors (from describe_batch, ``tiles`` their total) from
+    ``host_descs`` to ``device_descs`` on the stream and launches
+    ``kvcopy_scatter`` behind that copy. Both buffers must stay untouched until
+    the stream has passed this launch (the caller records an event). Not for
+    stream capture: the graph would keep reading buffers that later calls
+    overwrite. Returns the number of launches (0 or 1).
     """
-    cdef Py_ssize_t n = dst.shape[0], j
-    cdef kvcopy_desc* descs = <kvcopy_desc*>host_descs
-    cdef unsigned long long tiles = 0, size, warps, grid, count
     cdef CUdeviceptr dev = <CUdeviceptr>device_descs
+    cdef unsigned long long count = <unsigned long long>n
     cdef void* params[3]
-    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
-        raise ValueError("launch_scatter_staged: max_ctas must be positive and threads a multiple of 32")
-    count = <unsigned long long>n
+    _check_launch_shape(max_ctas, threads)
+    if n <= 0 or tiles == 0:
+        return 0
     params[0] = &dev
     params[1] = &count
     params[2] = &tiles
-    warps = threads // 32
     with nogil:
-        for j in range(n):
-            size = sizes[j]
-            descs[j].src = src[j]
-            descs[j].dst = dst[j]
-            descs[j].size = size
-            descs[j].tile_start = tiles
-            tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
-        if tiles > 0:
-            _check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>host_descs, n * sizeof(kvcopy_desc),
-                                          <CUstream>stream))
-            grid = (tiles + warps - 1) // warps
-            if grid > max_ctas:
-                grid = max_ctas
-            _check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1, threads,
-                                           1, 1, 0, <CUstream>stream, params, NULL))
-    return 1 if tiles > 0 else 0
+        _check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>host_descs, n * sizeof(kvcopy_desc),
+                                      <CUstream>stream))
+        _check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
+                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+    return 1
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
@@ -699,23 +750,18 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
     cdef size_t table = num_tensors * sizeof(kvcopy_block_tensor)
     cdef size_t offset = (table + 15) & ~(<size_t>15)
     cdef size_t total = offset + num_pairs * 2 * sizeof(int64_t)
-    cdef unsigned long long tiles_per_block, tiles, warps, grid
+    cdef unsigned long long tiles_per_block, tiles
     cdef unsigned long long n_tensors = num_tensors, n_pairs = num_pairs, bb = block_bytes
     cdef CUdeviceptr dev_tensors = <CUdeviceptr>device_buf
     cdef CUdeviceptr dev_mapping = <CUdeviceptr>(device_buf + offset)
     cdef void* params[6]
     if tensors.shape[1] != 6 or mapping.shape[1] != 2:
         raise ValueError("launch_blocks_staged: tensors must be (T, 6) and mapping (n, 2)")
-    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
-        raise ValueError("launch_blocks_staged: max_ctas must be positive and threads a multiple of 32")
+    _check_launch_shape(max_ctas, threads)
     if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
         return 0
     tiles_per_block = (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
     tiles = tiles_per_block * n_pairs * n_tensors
-    warps = threads // 32
-    grid = (tiles + warps - 1) // warps
-    if grid > max_ctas:
-        grid = max_ctas
     params[0] = &dev_tensors
     params[1] = &n_tensors
     params[2] = &dev_mapping
@@ -727,8 +773,8 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
         memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
         _check(cydriver.cuMemcpyAsync(<CUdeviceptr>device_buf, <CUdeviceptr>host_buf, total,
                                       <CUstream>stream))
-        _check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>grid, 1, 1, threads,
-                                       1, 1, 0, <CUstream>stream, params, NULL))
+        _check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
+                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
     return 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -53,6 +53,20 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
     return f"{src}2{dst}"
 
 
+class _Classes(NamedTuple):
+    """What describe_batch/classify_pointers found on each side of a batch."""
+
+    src_kinds: int
+    src_device: int
+    dst_kinds: int
+    dst_device: int
+    tiles: int = 0
+
+    @property
+    def owner(self) -> int:
+        return memory_owner(self.src_device, self.dst_device)
+
+
 @dataclass
 class _Target:
     """Where and how a batch runs, once its memory is classified and the policy asked."""
@@ -61,8 +75,6 @@ class _Target:
     info: "device.DeviceInfo"
     request: CopyRequest
     decision: Decision
-    src_view: np.ndarray
-    dst_view: np.ndarray
 
     def ctas(self, max_ctas: int | None) -> int:
         if max_ctas:
@@ -72,23 +84,13 @@ class _Target:
         return config.host_ctas
 
 
-def _decide(scope: ContextScope, handle: int, method: str, count: int, total_bytes: int,
-            src: np.ndarray, src_sizes: np.ndarray, dst: np.ndarray,
-            dst_sizes: np.ndarray) -> _Target:
-    """Classify the memory behind (src, dst) ranges and ask the policy for a method."""
-    src_view, dst_view = np.empty_like(src), np.empty_like(dst)
-    src_kinds, src_dev = _driver.classify_pointers(src, src_sizes, src_view)
-    dst_kinds, dst_dev = _driver.classify_pointers(dst, dst_sizes, dst_view)
-    owner = memory_owner(src_dev, dst_dev)
-    if owner >= 0 and scope.follow_memory(owner):
-        # host memory may be mapped at another address for the new device
-        src_kinds, src_dev = _driver.classify_pointers(src, src_sizes, src_view)
-        dst_kinds, dst_dev = _driver.classify_pointers(dst, dst_sizes, dst_view)
+def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes) -> _Target:
+    """Ask the policy for a method, given the classified memory of a batch."""
     ordinal = _driver.context_device()
     info = device.device_info(ordinal)
-    accessible = (not (src_kinds | dst_kinds) & _DMA_ONLY
-                  and src_dev in (-1, ordinal) and dst_dev in (-1, ordinal))
-    request = CopyRequest(direction=_direction(src_kinds, dst_kinds), count=count,
+    accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
+                  and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
+    request = CopyRequest(direction=_direction(found.src_kinds, found.dst_kinds), count=count,
                           total_bytes=total_bytes, device_accessible=accessible,
                           stream_kind=stream_kind(handle),
                           capturing=_driver.stream_capture_status(handle) != 0)
@@ -96,40 +98,58 @@ def _decide(scope: ContextScope, handle: int, method: str, count: int, total_byt
     _last.decision = decision
     log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,
               request.direction, decision.method, decision.reason)
-    return _Target(handle, info, request, decision, src_view, dst_view)
+    return _Target(handle, info, request, decision)
 
 
-def _launch_kernel(plan: CopyPlan, target: _Target, ctas: int) -> None:
-    """Large batches: one launch reading staged descriptors. Small batches and
-    capture: descriptors by value, which graphs keep with the launch."""
-    info = target.info
+def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
+                   max_ctas: int | None) -> None:
+    """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
+
+    Large batches: one launch reading the descriptors from the slot's device
+    buffer. Small batches and capture: descriptors by value, which graphs keep
+    with the launch (and which leave the slot free at once)."""
+    info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
-    threads, handle = config.threads_per_cta, target.handle
-    src_view, dst_view = target.src_view, target.dst_view
-    if plan.count > kernel.per_launch and not target.request.capturing:
-        nbytes = plan.count * _driver.DESCRIPTOR_BYTES
-        ring.ring_for_current_context().launch(nbytes, handle, lambda host, dev: (
-            _driver.launch_scatter_staged(kernel.function_staged, host, dev, dst_view, src_view,
-                                          plan.sizes, ctas, threads, handle)))
+    ctas, threads = target.ctas(max_ctas), config.threads_per_cta
+    if count > kernel.per_launch and not target.request.capturing:
+        _driver.launch_descs_staged(kernel.function_staged, slot.host, slot.device, count, tiles,
+                                    ctas, threads, handle)
+        ring.DescriptorRing.fence(slot, handle)
         return
     function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
-    _driver.launch_scatter(function, kernel.per_launch, dst_view, src_view, plan.sizes, ctas,
-                           threads, handle)
+    _driver.launch_descs_inline(function, kernel.per_launch, slot.host, count, ctas, threads, handle)
 
 
-def _issue(plan: CopyPlan, target: _Target, access_any: bool, max_ctas: int | None) -> str:
-    method = target.decision.method
+def _issue_dma(plan: CopyPlan, target: _Target, access_any: bool) -> None:
+    if target.decision.method == "batch":
+        _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
+                             config.batch_chunk)
+    else:
+        _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
+
+
+def _execute_plan(scope: ContextScope, handle: int, plan: CopyPlan, method: str,
+                  access_any: bool, max_ctas: int | None) -> str:
+    """Classify, decide and issue ``plan`` in the scope's context.
+
+    Classification writes the kernel's descriptors as it goes, into a
+    descriptor slot, so the kernel path makes one pass over the batch.
+    """
+    target = None
     try:
-        if method == "batch":
-            _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
-                                 config.batch_chunk)
-        elif method == "loop":
-            _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
-        else:
-            _launch_kernel(plan, target, target.ctas(max_ctas))
+        while target is None:
+            with ring.ring_for_current_context().reserve(plan.count * _driver.DESCRIPTOR_BYTES) as slot:
+                found = _Classes(*_driver.describe_batch(plan.src, plan.dst, plan.sizes, slot.host))
+                if scope.follow_memory(found.owner):
+                    continue  # switched device: host memory may be mapped elsewhere there
+                target = _decide(handle, method, plan.count, plan.total_bytes, found)
+                if target.decision.method == "kernel":
+                    _launch_kernel(plan.count, found.tiles, target, slot, max_ctas)
+                    return "kernel"
+        _issue_dma(plan, target, access_any)
     except CudaError as exc:
         raise exc.with_index(plan.caller_index(exc.index)) from None
-    return method
+    return target.decision.method
 
 
 def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
@@ -139,30 +159,39 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target = _decide(scope, handle, method, plan.count, plan.total_bytes,
-                         plan.src, plan.sizes, plan.dst, plan.sizes)
-        return _issue(plan, target, access_any, max_ctas)
+        return _execute_plan(scope, handle, plan, method, access_any, max_ctas)
+
+
+def _classify_tensors(blocks: "BlockPlan", src_view: np.ndarray, dst_view: np.ndarray) -> _Classes:
+    return _Classes(*_driver.classify_pointers(blocks.src_base, blocks.src_extent, src_view),
+                    *_driver.classify_pointers(blocks.dst_base, blocks.dst_extent, dst_view))
 
 
 def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto") -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
-    the kernel computes block addresses itself from the tensor table and the ids."""
+    the kernel computes block addresses itself from the tensor table and the ids.
+    Other paths (DMA, kernel under capture) run the pointer-level plan."""
     if blocks.num_pairs == 0:
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target = _decide(scope, handle, method, blocks.num_copies, blocks.total_bytes,
-                         blocks.src_base, blocks.src_extent, blocks.dst_base, blocks.dst_extent)
-        if target.decision.method == "kernel" and not target.request.capturing:
-            kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
-            table = blocks.tensor_table(target.src_view, target.dst_view)
-            nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
-            ring.ring_for_current_context().launch(nbytes, handle, lambda host, dev: (
-                _driver.launch_blocks_staged(kernel.function_blocks, host, dev, table,
-                                             blocks.mapping, blocks.block_bytes,
-                                             target.ctas(None), config.threads_per_cta, handle)))
-            return "kernel"
-        return _issue(blocks.copy_plan(), target, False, None)
+        src_view, dst_view = np.empty_like(blocks.src_base), np.empty_like(blocks.dst_base)
+        found = _classify_tensors(blocks, src_view, dst_view)
+        if scope.follow_memory(found.owner):
+            found = _classify_tensors(blocks, src_view, dst_view)
+        target = _decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
+        if target.decision.method != "kernel" or target.request.capturing:
+            return _execute_plan(scope, handle, blocks.copy_plan(), target.decision.method,
+                                 False, None)
+        kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+        table = blocks.tensor_table(src_view, dst_view)
+        nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
+        with ring.ring_for_current_context().reserve(nbytes) as slot:
+            _driver.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
+                                         blocks.mapping, blocks.block_bytes, target.ctas(None),
+                                         config.threads_per_cta, handle)
+            ring.DescriptorRing.fence(slot, handle)
+        return "kernel"
 
 
 def check_method(method: str) -> None:

@@ -9,7 +9,9 @@ while a copy or kernel on any stream may still read it.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvcopy import _driver
 
@@ -18,7 +20,7 @@ MIN_CAPACITY_BYTES = 128 << 10
 
 
 @dataclass
-class _Slot:
+class Slot:
     capacity: int = 0
     host: int = 0
     device: int = 0
@@ -47,22 +49,32 @@ class DescriptorRing:
     """Slots used round-robin in the context current at creation."""
 
     def __init__(self, slots: int = SLOTS) -> None:
-        self._slots = [_Slot(event=_driver.event_create()) for _ in range(slots)]
+        self._slots = [Slot(event=_driver.event_create()) for _ in range(slots)]
         self._next = 0
         self._lock = threading.Lock()
 
-    def launch(self, nbytes: int, stream: int, launcher) -> int:
-        """Run ``launcher(host, device)`` with a free slot of at least nbytes, then fence the slot."""
+    @contextmanager
+    def reserve(self, nbytes: int) -> Iterator[Slot]:
+        """The next slot, free and with room for nbytes, held until the block ends.
+
+        Whoever makes the GPU read the slot calls ``fence(slot, stream)``; an
+        unfenced slot is handed out again by the next reserve.
+        """
         with self._lock:
             slot = self._slots[self._next]
-            self._next = (self._next + 1) % len(self._slots)
             if slot.used:
                 _driver.event_synchronize(slot.event)  # back-pressure only after SLOTS calls in flight
+                slot.used = False
             slot.ensure(nbytes)
-            launches = launcher(slot.host, slot.device)
-            _driver.event_record(slot.event, stream)
-            slot.used = True
-            return launches
+            yield slot
+            if slot.used:
+                self._next = (self._next + 1) % len(self._slots)
+
+    @staticmethod
+    def fence(slot: Slot, stream: int) -> None:
+        """Mark ``slot`` as read by work queued on ``stream`` up to now."""
+        _driver.event_record(slot.event, stream)
+        slot.used = True
 
 
 _rings: dict[int, DescriptorRing] = {}

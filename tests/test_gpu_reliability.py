@@ -88,7 +88,9 @@ k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
 bogus = np.array([0x7f0000000000], dtype=np.uint64)   # never mapped for the device
 good = np.array([torch.empty(64, device="cuda").data_ptr()], dtype=np.uint64)
 out = {}
-_driver.launch_scatter(k.function, k.per_launch, bogus, good, np.array([256], np.uint64), 1, 32, 1)
+descs = np.zeros(4, dtype=np.uint64)   # one kvcopy_desc: dst <- src bytes, raw (unchecked) pointers
+descs[:] = [good[0], bogus[0], 256, 0]
+_driver.launch_descs_inline(k.function, k.per_launch, descs.ctypes.data, 1, 1, 32, 1)
 try:
     _driver.stream_synchronize(1)
     out["sync"] = "ok"
