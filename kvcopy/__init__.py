@@ -8,6 +8,7 @@ from kvcopy.config import config
 from kvcopy.streams import resolve_stream
 from kvcopy.engine import copy_batch, last_decision
 from kvcopy.blocks import swap_blocks
+from kvcopy.tensors import BlockView, block_view
 from kvcopy.host import device_pointer, pinned_empty, register
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy.calibration import calibrate
@@ -15,7 +16,8 @@ from kvcopy.calibration import calibrate
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
-    "TransferResult", "calibrate", "config", "copy_batch", "device_pointer", "last_decision",
+    "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
+    "TransferResult", "block_view", "calibrate", "config", "copy_batch", "device_pointer",
+    "last_decision",
     "pinned_empty", "register", "resolve_stream", "swap_blocks",
 ]

@@ -9,7 +9,8 @@ import numpy as np
 from kvcopy import engine
 from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.streams import current_framework_stream, resolve_stream
-from kvcopy.tensors import BlockLayout, block_layout
+from kvcopy.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
+                            uniform_torch_layout)
 
 
 def _as_list(obj: Any) -> list:
@@ -65,7 +66,7 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
     low, high = int(ids.min()), int(ids.max())
     if low >= 0 and high < int(limits.min()):
         return
-    for k, limit in enumerate(limits.tolist()):
+    for k, limit in enumerate(limits.astype(np.int64).tolist()):
         bad = (ids < 0) | (ids >= limit)
         if bad.any():
             pair = int(np.argmax(bad))
@@ -73,33 +74,66 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
                              f"range for {_name(tensor, k, multi)}, which has {limit} blocks")
 
 
-def _check_unique_destinations(ids: np.ndarray) -> None:
-    """Two pairs writing one block would race: reject them."""
+def _check_unique_destinations(ids: np.ndarray, limit: int) -> None:
+    """Two pairs writing one block would race: reject them. ``ids`` are checked
+    to lie in [0, limit) already."""
     if ids.size < 2:
+        return
+    seen = np.zeros(limit, dtype=np.bool_)   # O(n + limit): cheaper than sorting per call
+    seen[ids] = True
+    if np.count_nonzero(seen) == ids.size:
         return
     order = np.argsort(ids, kind="stable")
     same = ids[order[1:]] == ids[order[:-1]]
-    if same.any():
-        k = int(np.argmax(same))
-        first, second = sorted((int(order[k]), int(order[k + 1])))
-        raise ValueError(f"block_mapping[{first}] and block_mapping[{second}] both write "
-                         f"destination block {int(ids[order[k]])}")
+    k = int(np.argmax(same))
+    first, second = sorted((int(order[k]), int(order[k + 1])))
+    raise ValueError(f"block_mapping[{first}] and block_mapping[{second}] both write "
+                     f"destination block {int(ids[order[k]])}")
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """Where every tensor pair of a swap_blocks call keeps its blocks (no ids yet).
+
+    Built once per call by :func:`block_geometry`, or once per TransferQueue.
+    Columns are (T,) uint64 arrays, one entry per tensor pair.
+    """
+
+    block_bytes: int           # bytes of every copied block (after split_blocks)
+    src_base: np.ndarray
+    dst_base: np.ndarray
+    src_extent: np.ndarray     # bytes each tensor spans
+    dst_extent: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+    src_factor: np.ndarray     # sub-blocks per block
+    dst_factor: np.ndarray
+    src_blocks: np.ndarray     # blocks (sub-blocks) each tensor holds
+    dst_blocks: np.ndarray
+
+    @property
+    def num_tensors(self) -> int:
+        return int(self.src_base.shape[0])
+
+    def with_mapping(self, block_mapping: Any) -> "BlockPlan":
+        """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
+        mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
+        multi = self.num_tensors > 1
+        _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
+        _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
+        _check_unique_destinations(mapping[:, 1], int(self.dst_blocks.max()) if mapping.size else 0)
+        return BlockPlan(self, mapping)
 
 
 @dataclass(frozen=True)
 class BlockPlan:
     """A validated swap_blocks call: per-tensor geometry plus the id mapping."""
 
+    geometry: BlockGeometry
     mapping: np.ndarray        # (n, 2) int64, C-contiguous
-    block_bytes: int           # bytes of every copied block (after split_blocks)
-    src_base: np.ndarray       # (T,) uint64
-    dst_base: np.ndarray
-    src_extent: np.ndarray     # (T,) uint64, bytes each tensor spans
-    dst_extent: np.ndarray
-    src_stride: np.ndarray     # (T,) uint64
-    dst_stride: np.ndarray
-    src_factor: np.ndarray     # (T,) uint64, sub-blocks per block
-    dst_factor: np.ndarray
+
+    def __getattr__(self, name: str) -> Any:  # the geometry's columns, e.g. plan.src_base
+        return getattr(self.geometry, name)
 
     @property
     def num_pairs(self) -> int:
@@ -107,54 +141,43 @@ class BlockPlan:
 
     @property
     def num_copies(self) -> int:
-        return self.num_pairs * int(self.src_base.shape[0])
+        return self.num_pairs * self.geometry.num_tensors
 
     @property
     def total_bytes(self) -> int:
-        return self.num_copies * self.block_bytes
+        return self.num_copies * self.geometry.block_bytes
 
     def tensor_table(self, src_base: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
         """(T, 6) uint64 rows of kvcopy_block_tensor, with the bases the device uses."""
-        return np.ascontiguousarray(np.stack([src_base, dst_base, self.src_stride, self.dst_stride,
-                                              self.src_factor, self.dst_factor], axis=1))
+        g = self.geometry
+        table = np.empty((g.num_tensors, 6), dtype=np.uint64)
+        for column, values in enumerate((src_base, dst_base, g.src_stride, g.dst_stride,
+                                         g.src_factor, g.dst_factor)):
+            table[:, column] = values
+        return table
 
     def _addresses(self, base, stride, factor, ids) -> np.ndarray:
         ids = ids.astype(np.uint64)[None, :]
         if (factor == 1).all():
             return (base[:, None] + ids * stride[:, None]).ravel()
         factor = factor[:, None]
-        sub = (ids % factor) * np.uint64(self.block_bytes)
+        sub = (ids % factor) * np.uint64(self.geometry.block_bytes)
         return (base[:, None] + (ids // factor) * stride[:, None] + sub).ravel()
 
     def copy_plan(self) -> CopyPlan:
         """Every block copy as a pointer triple (tensor-major, adjacent blocks merged)."""
-        src = self._addresses(self.src_base, self.src_stride, self.src_factor, self.mapping[:, 0])
-        dst = self._addresses(self.dst_base, self.dst_stride, self.dst_factor, self.mapping[:, 1])
-        return plan_copies(src, dst, np.full(src.shape[0], self.block_bytes, dtype=np.uint64))
+        g = self.geometry
+        src = self._addresses(g.src_base, g.src_stride, g.src_factor, self.mapping[:, 0])
+        dst = self._addresses(g.dst_base, g.dst_stride, g.dst_factor, self.mapping[:, 1])
+        return plan_copies(src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64))
 
 
-def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False) -> BlockPlan:
-    """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError.
-
-    Runs once per call over every tensor, so the loop is kept lean: names for
-    messages are only built when something is wrong.
-    """
-    srcs, dsts = _as_list(src), _as_list(dst)
-    if not srcs:
-        raise ValueError("src: no tensors given")
-    if len(srcs) != len(dsts):
-        raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
-    mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
+def _pair_rows(srcs: list, dsts: list, split_blocks: bool) -> tuple[list, int]:
+    """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes)."""
     multi = len(srcs) > 1
     rows, block = [], None
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        ls = None
-        try:
-            ls = block_layout(s, "src")
-            ld = block_layout(d, "dst")
-        except (TypeError, ValueError) as exc:  # re-raise naming the tensor's position
-            side = "src" if ls is None else "dst"
-            raise type(exc)(str(exc).replace(side, _name(side, i, multi), 1)) from None
+        ls, ld = _layouts_of_pair(s, d, i, multi)
         if ld.readonly:
             raise ValueError(f"{_name('dst', i, multi)} is read-only")
         if ls.block_bytes == ld.block_bytes:
@@ -175,12 +198,70 @@ def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = 
                              "call swap_blocks once per size")
         rows.append((ls.ptr, ld.ptr, _extent(ls), _extent(ld), ls.block_stride, ld.block_stride,
                      s_factor, d_factor, ls.num_blocks * s_factor, ld.num_blocks * d_factor))
+    return rows, int(block)
+
+
+def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool) -> tuple[BlockLayout, BlockLayout]:
+    """Both layouts of pair i; a flat buffer takes its block size from the other side."""
+    ls = ld = None
+    try:
+        ls = None if is_flat_buffer(s) else block_layout(s, "src")
+        ld = None if is_flat_buffer(d) else block_layout(d, "dst")
+        if ls is None and ld is None:
+            raise TypeError("src and dst are both flat buffers: wrap one in "
+                            "kvcopy.block_view(buffer, block_bytes) to give the block size")
+        ls = ls or flat_buffer_layout(s, ld.block_bytes, "src")
+        ld = ld or flat_buffer_layout(d, ls.block_bytes, "dst")
+    except (TypeError, ValueError) as exc:  # re-raise naming the tensor's position
+        message = str(exc)
+        for side in ("src", "dst"):
+            message = message.replace(f"{side}:", f"{_name(side, i, multi)}:", 1)
+        raise type(exc)(message) from None
+    return ls, ld
+
+
+def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False) -> BlockGeometry:
+    """Validate the tensors of a swap_blocks call (no driver needed). Raises TypeError/ValueError.
+
+    Runs on every swap_blocks call, so a list of torch tensors of one shape,
+    stride and dtype per side (the usual per-layer cache) is read in one
+    vectorised step; anything else tensor by tensor.
+    """
+    srcs, dsts = _as_list(src), _as_list(dst)
+    if not srcs:
+        raise ValueError("src: no tensors given")
+    if len(srcs) != len(dsts):
+        raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
+    fast = _uniform_geometry(srcs, dsts)
+    if fast is not None:
+        return fast
+    rows, block = _pair_rows(srcs, dsts, split_blocks)
     table = np.array(rows, dtype=np.uint64)
-    _check_ids(mapping[:, 0], table[:, 8].astype(np.int64), "source", "src", multi)
-    _check_ids(mapping[:, 1], table[:, 9].astype(np.int64), "destination", "dst", multi)
-    _check_unique_destinations(mapping[:, 1])
-    columns = [np.ascontiguousarray(table[:, i]) for i in range(8)]
-    return BlockPlan(mapping, int(block), *columns)
+    return BlockGeometry(block, *(np.ascontiguousarray(table[:, i]) for i in range(10)))
+
+
+def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
+    """Geometry of two lists of torch tensors with one layout per side and equal
+    block sizes, from one layout per side plus every tensor's address; else None."""
+    side_s, side_d = uniform_torch_layout(srcs), uniform_torch_layout(dsts)
+    if side_s is None or side_d is None:
+        return None
+    (ls, ptr_s), (ld, ptr_d) = side_s, side_d
+    if ls.block_bytes != ld.block_bytes:
+        return None
+    n = len(srcs)
+
+    def column(value: int) -> np.ndarray:
+        return np.full(n, value, dtype=np.uint64)
+
+    return BlockGeometry(ls.block_bytes, ptr_s, ptr_d, column(_extent(ls)), column(_extent(ld)),
+                         column(ls.block_stride), column(ld.block_stride), column(1), column(1),
+                         column(ls.num_blocks), column(ld.num_blocks))
+
+
+def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False) -> BlockPlan:
+    """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
+    return block_geometry(src, dst, split_blocks=split_blocks).with_mapping(block_mapping)
 
 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
@@ -214,4 +295,5 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     return engine.execute_blocks(plan, handle, method)
 
 
-__all__ = ["BlockPlan", "as_block_mapping", "plan_block_copies", "plan_blocks", "swap_blocks"]
+__all__ = ["BlockGeometry", "BlockPlan", "as_block_mapping", "block_geometry", "plan_block_copies",
+           "plan_blocks", "swap_blocks"]

@@ -9,7 +9,7 @@ from typing import Any, Hashable, Iterable
 import numpy as np
 
 from kvcopy import _driver, engine
-from kvcopy.blocks import _as_list, plan_blocks
+from kvcopy.blocks import _as_list, block_geometry
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.streams import current_framework_stream, effective_handle
@@ -47,7 +47,9 @@ class TransferQueue:
 
     Args:
         src, dst: tensors or equal-length sequences of tensors, as for
-            :func:`kvcopy.swap_blocks`.
+            :func:`kvcopy.swap_blocks`. Their addresses and shapes are read
+            once, here: the caches must stay where they are (no resize or
+            reallocation) while the queue is open.
         method: passed to swap_blocks for every job.
         split_blocks: as for swap_blocks.
 
@@ -60,7 +62,8 @@ class TransferQueue:
         self.src, self.dst = _as_list(src), _as_list(dst)
         self.method = method
         self.split_blocks = split_blocks
-        geometry = plan_blocks(self.src, self.dst, [], split_blocks=split_blocks)
+        # the caches are fixed: read their geometry once, not on every submit
+        self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
         self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
         with ContextScope(self._caller_stream) as scope:
             # the queue's stream lives on the device that holds the caches
@@ -91,7 +94,7 @@ class TransferQueue:
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")
-            plan = plan_blocks(self.src, self.dst, block_mapping, split_blocks=self.split_blocks)
+            plan = self._geometry.with_mapping(block_mapping)
             self._push()
             start = end = 0
             try:

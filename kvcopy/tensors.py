@@ -43,11 +43,11 @@ def _raw(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
     try:
         from cuda.core.utils import StridedMemoryView
 
-        view = StridedMemoryView(obj, stream_ptr=-1)
+        view = obj if isinstance(obj, StridedMemoryView) else StridedMemoryView(obj, stream_ptr=-1)
     except Exception:  # noqa: BLE001 - anything that is not an array
         raise TypeError(f"{name}: {type(obj).__module__}.{type(obj).__qualname__} is not a tensor "
                         "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
-                        "interface)") from None
+                        "interface, cuda.core Buffer or kvcopy.block_view)") from None
     itemsize = np.dtype(view.dtype).itemsize
     strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
                else _c_strides(tuple(view.shape), itemsize))
@@ -92,6 +92,8 @@ def _torch_layout(t: Any) -> BlockLayout | None:
 
 def block_layout(obj: Any, name: str) -> BlockLayout:
     """Where ``obj``'s blocks are. Raises TypeError/ValueError naming ``name``."""
+    if isinstance(obj, BlockView):
+        return obj.layout
     if (type(obj).__module__ or "").startswith("torch"):
         fast = _torch_layout(obj)
         if fast is not None:
@@ -109,3 +111,105 @@ def block_layout(obj: Any, name: str) -> BlockLayout:
         raise ValueError(f"{name}: blocks overlap or run backwards (stride {strides[0]} bytes "
                          f"for blocks of {expected} bytes)")
     return BlockLayout(ptr, int(shape[0]), int(strides[0]), int(expected), readonly)
+
+
+def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None:
+    """One layout for a list of torch tensors of one type, shape, stride and dtype,
+    and every tensor's address: O(1) attribute reads per tensor. None otherwise."""
+    first = tensors[0]
+    kind = type(first)
+    if not (kind.__module__ or "").startswith("torch"):
+        return None
+    layout = _torch_layout(first)
+    if layout is None:
+        return None
+    shape, stride, dtype = first.shape, first.stride(), first.dtype
+    ptrs = []
+    for t in tensors:
+        if type(t) is not kind or t.shape != shape or t.stride() != stride or t.dtype != dtype:
+            return None
+        ptrs.append(t.data_ptr())
+    return layout, np.array(ptrs, dtype=np.uint64)
+
+
+def is_flat_buffer(obj: Any) -> bool:
+    """A cuda.core Buffer: bytes without a shape, whose blocks are sized by the other side."""
+    return ((type(obj).__module__ or "").startswith("cuda.core")
+            and hasattr(obj, "handle") and hasattr(obj, "size") and not hasattr(obj, "shape"))
+
+
+def _buffer_address(buffer: Any) -> int:
+    return int(buffer.handle)
+
+
+def flat_buffer_layout(buffer: Any, block_bytes: int, name: str) -> BlockLayout:
+    """A flat buffer seen as back-to-back blocks of ``block_bytes``."""
+    size = int(buffer.size)
+    if block_bytes <= 0 or size % block_bytes:
+        raise ValueError(f"{name}: a buffer of {size} bytes does not hold whole blocks of "
+                         f"{block_bytes} bytes")
+    return BlockLayout(_buffer_address(buffer), size // block_bytes, block_bytes, block_bytes, False)
+
+
+class BlockView:
+    """Blocks in memory kvcopy cannot infer a shape for: a raw pointer from a
+    custom allocator, or a cuda.core Buffer. Made by :func:`kvcopy.block_view`."""
+
+    __slots__ = ("layout", "owner")
+
+    def __init__(self, layout: BlockLayout, owner: Any = None) -> None:
+        self.layout = layout
+        self.owner = owner   # keeps a Buffer alive as long as the view
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"BlockView(ptr={lay.ptr:#x}, num_blocks={lay.num_blocks}, "
+                f"block_bytes={lay.block_bytes}, block_stride={lay.block_stride})")
+
+
+def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
+               block_stride: int | None = None, readonly: bool = False) -> BlockView:
+    """Describe blocks for :func:`kvcopy.swap_blocks` in memory without a shape.
+
+    Args:
+        memory: an integer address (device, pinned or pageable host memory) or
+            a cuda.core Buffer.
+        block_bytes: bytes of one block (each block contiguous).
+        num_blocks: blocks in the memory; required for an address, for a
+            Buffer defaults to as many as fit.
+        block_stride: bytes from one block to the next (default block_bytes).
+        readonly: refuse to be a destination.
+
+    Raises:
+        TypeError: ``memory`` is neither an int nor a cuda.core Buffer.
+        ValueError: sizes that are not positive, or blocks past the Buffer's end.
+    """
+    for label, value in (("block_bytes", block_bytes), ("num_blocks", num_blocks),
+                         ("block_stride", block_stride)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"block_view: {label} must be an int, got {type(value).__name__}")
+    if block_bytes <= 0:
+        raise ValueError(f"block_view: block_bytes must be positive, got {block_bytes}")
+    stride = block_bytes if block_stride is None else int(block_stride)
+    if stride < block_bytes:
+        raise ValueError(f"block_view: block_stride {stride} is smaller than block_bytes {block_bytes}")
+    if isinstance(memory, (int, np.integer)) and not isinstance(memory, bool):
+        if num_blocks is None:
+            raise ValueError("block_view: num_blocks is required for an integer address")
+        if memory <= 0:
+            raise ValueError(f"block_view: address must be positive, got {memory}")
+        ptr, owner, capacity = int(memory), None, None
+    elif is_flat_buffer(memory):
+        ptr, owner, capacity = _buffer_address(memory), memory, int(memory.size)
+    else:
+        raise TypeError(f"block_view: expected an int address or a cuda.core Buffer, got "
+                        f"{type(memory).__module__}.{type(memory).__qualname__}")
+    if num_blocks is None:
+        num_blocks = 1 + (capacity - block_bytes) // stride if capacity >= block_bytes else 0
+    if num_blocks < 0:
+        raise ValueError(f"block_view: num_blocks must be >= 0, got {num_blocks}")
+    span = (num_blocks - 1) * stride + block_bytes if num_blocks else 0
+    if capacity is not None and span > capacity:
+        raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
+                         f"bytes need {span} bytes; the buffer has {capacity}")
+    return BlockView(BlockLayout(ptr, int(num_blocks), stride, int(block_bytes), readonly), owner)

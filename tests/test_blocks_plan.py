@@ -126,3 +126,132 @@ def test_array_interface_producer():
 def test_swap_blocks_validates_method_before_anything():
     with pytest.raises(ValueError, match="method must be one of"):
         kvcopy.swap_blocks(np.zeros((2, 2)), np.zeros((2, 2)), [[0, 1]], method="fast")
+
+
+# ------------------------------------------------------------------ geometry paths
+
+def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
+    torch = pytest.importorskip("torch")
+    from kvcopy.blocks import _pair_rows, _uniform_geometry, block_geometry
+
+    kv = torch.zeros((2, 12, 4, 8), dtype=torch.float16)       # [2, num_blocks, ...] cache
+    host = [torch.zeros((20, 4, 8), dtype=torch.float16) for _ in range(2)]
+    src, dst = [kv[0], kv[1]], host
+    fast = _uniform_geometry(src, dst)
+    assert fast is not None
+    rows, block = _pair_rows(src, dst, False)
+    slow = np.array(rows, dtype=np.uint64)
+    assert fast.block_bytes == block == 4 * 8 * 2
+    for i, name in enumerate(["src_base", "dst_base", "src_extent", "dst_extent", "src_stride",
+                              "dst_stride", "src_factor", "dst_factor", "src_blocks", "dst_blocks"]):
+        np.testing.assert_array_equal(getattr(fast, name), slow[:, i], err_msg=name)
+    assert block_geometry(src, dst).src_base.tolist() == [kv[0].data_ptr(), kv[1].data_ptr()]
+
+
+def test_mixed_shapes_fall_back_to_per_tensor_reading():
+    torch = pytest.importorskip("torch")
+    from kvcopy.blocks import _uniform_geometry, block_geometry
+
+    src = [torch.zeros((8, 16), dtype=torch.uint8), torch.zeros((6, 16), dtype=torch.uint8)]
+    dst = [torch.zeros((8, 16), dtype=torch.uint8)] * 2
+    assert _uniform_geometry(src, dst) is None
+    geometry = block_geometry(src, dst)
+    assert geometry.src_blocks.tolist() == [8, 6]
+    with pytest.raises(ValueError, match=r"source block 7 is out of range for src\[1\], which has 6"):
+        geometry.with_mapping([[7, 0]])
+
+
+def test_uniform_path_still_rejects_bad_blocks_and_ids():
+    torch = pytest.importorskip("torch")
+    a = [torch.zeros((8, 4, 4), dtype=torch.uint8)[:, :, ::2] for _ in range(3)]
+    with pytest.raises(ValueError, match="must be contiguous"):
+        plan_block_copies(a, a, [[0, 1]])
+    b = [torch.zeros((8, 16), dtype=torch.uint8) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"destination block 8 is out of range for dst\[0\]"):
+        plan_block_copies(b, b, [[0, 8]])
+    with pytest.raises(ValueError, match=r"block_mapping\[0\] and block_mapping\[2\] both write "
+                                         "destination block 3"):
+        plan_block_copies(b, b, [[0, 3], [1, 4], [2, 3]])
+
+
+def test_geometry_is_reused_with_new_mappings():
+    from kvcopy.blocks import block_geometry
+
+    src = np.arange(10 * 8, dtype=np.uint8).reshape(10, 8)
+    dst = np.zeros_like(src)
+    geometry = block_geometry(src, dst)
+    for pairs in ([[1, 2]], [[3, 4], [5, 6]]):
+        apply(geometry.with_mapping(pairs).copy_plan())
+    for s, d in [(1, 2), (3, 4), (5, 6)]:
+        np.testing.assert_array_equal(dst[d], src[s])
+
+
+# ------------------------------------------------------------------ block_view
+
+def test_block_view_of_a_raw_pointer_copies_like_the_array():
+    src = np.random.default_rng(3).integers(0, 255, (6, 32), dtype=np.uint8)
+    dst = np.zeros((4, 32), np.uint8)
+    view = kvcopy.block_view(src.ctypes.data, 32, num_blocks=6)
+    plan, _ = plan_block_copies(view, kvcopy.block_view(dst.ctypes.data, 32, num_blocks=4),
+                                [[5, 0], [2, 3]])
+    apply(plan)
+    np.testing.assert_array_equal(dst[0], src[5])
+    np.testing.assert_array_equal(dst[3], src[2])
+
+
+def test_block_view_with_a_stride_and_read_only():
+    src = np.arange(4 * 64, dtype=np.uint8)
+    dst = np.zeros((4, 16), np.uint8)
+    view = kvcopy.block_view(src.ctypes.data, 16, num_blocks=4, block_stride=64, readonly=True)
+    plan, _ = plan_block_copies(view, dst, [[3, 1]])
+    apply(plan)
+    np.testing.assert_array_equal(dst[1], src[192:208])
+    with pytest.raises(ValueError, match="dst is read-only"):
+        plan_block_copies(dst, view, [[0, 0]])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(memory=4096, block_bytes=16), ValueError, "num_blocks is required"),
+    (dict(memory=4096, block_bytes=0, num_blocks=1), ValueError, "block_bytes must be positive"),
+    (dict(memory=4096, block_bytes=16, num_blocks=2, block_stride=8), ValueError,
+     "block_stride 8 is smaller"),
+    (dict(memory=4096, block_bytes=16, num_blocks=-1), ValueError, "num_blocks must be >= 0"),
+    (dict(memory=0, block_bytes=16, num_blocks=1), ValueError, "address must be positive"),
+    (dict(memory="0x10", block_bytes=16, num_blocks=1), TypeError, "expected an int address"),
+    (dict(memory=4096, block_bytes=16.0, num_blocks=1), TypeError, "block_bytes must be an int"),
+])
+def test_block_view_rejects_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        kvcopy.block_view(**kwargs)
+
+
+class FakeBuffer:
+    """Looks like a cuda.core Buffer (flat bytes, no shape) for CPU tests."""
+
+    __module__ = "cuda.core._memory"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.handle = array.ctypes.data
+        self.size = array.nbytes
+
+
+def test_flat_buffer_takes_its_block_size_from_the_other_side():
+    src = np.random.default_rng(5).integers(0, 255, (4, 2, 8), dtype=np.uint8)  # 16-byte blocks
+    raw = np.zeros(6 * 16, np.uint8)
+    plan, _ = plan_block_copies(src, FakeBuffer(raw), [[3, 5], [0, 1]])
+    apply(plan)
+    np.testing.assert_array_equal(raw[80:96], src[3].ravel())
+    np.testing.assert_array_equal(raw[16:32], src[0].ravel())
+    view = kvcopy.block_view(FakeBuffer(raw), 32)
+    assert view.layout.num_blocks == 3
+
+
+def test_flat_buffers_need_a_block_size():
+    raw = np.zeros(64, np.uint8)
+    with pytest.raises(TypeError, match="both flat buffers"):
+        plan_block_copies(FakeBuffer(raw), FakeBuffer(raw), [[0, 0]])
+    with pytest.raises(ValueError, match=r"dst: a buffer of 60 bytes does not hold whole blocks of 16"):
+        plan_block_copies(np.zeros((2, 16), np.uint8), FakeBuffer(np.zeros(60, np.uint8)), [[0, 0]])
+    with pytest.raises(ValueError, match="need 80 bytes; the buffer has 64"):
+        kvcopy.block_view(FakeBuffer(raw), 16, num_blocks=5)

@@ -98,6 +98,72 @@ def test_jax_array_as_source(torch_cuda):
     np.testing.assert_array_equal(dst[1].cpu().numpy(), ref[15])
 
 
+def _device_bytes(ptr: int, nbytes: int) -> np.ndarray:
+    """Read device memory with the driver itself (independent of kvcopy and torch)."""
+    from cuda.bindings import driver
+
+    out = np.empty(nbytes, np.uint8)
+    (err,) = driver.cuMemcpyDtoH(out.ctypes.data, ptr, nbytes)
+    assert int(err) == 0, err
+    return out
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_cuda_core_buffer_takes_the_block_size_of_the_other_side(torch_cuda, direction):
+    core = pytest.importorskip("cuda.core")
+    torch = torch_cuda
+    dev = core.Device(0)
+    dev.set_current()
+    block, n = 4096, 24
+    buf = dev.allocate(n * block)
+    host = torch.randint(0, 255, (n, block), dtype=torch.uint8).pin_memory()
+    mapping = mapping_for(n, n, 10, 7)
+    # fill the buffer through kvcopy first (whole-buffer copy), checked by the driver itself
+    kvcopy.copy_batch([host.data_ptr()], [int(buf.handle)], [n * block], stream=1)
+    torch.cuda.synchronize()
+    assert np.array_equal(_device_bytes(int(buf.handle), n * block), host.numpy().ravel())
+    if direction == "h2d":
+        fresh = torch.randint(0, 255, (n, block), dtype=torch.uint8).pin_memory()
+        used = kvcopy.swap_blocks(fresh, buf, mapping, stream=1)
+        torch.cuda.synchronize()
+        expected = host.numpy().copy()
+        expected[mapping[:, 1]] = fresh.numpy()[mapping[:, 0]]
+        got = _device_bytes(int(buf.handle), n * block).reshape(n, block)
+    else:
+        out = torch.zeros((n, block), dtype=torch.uint8).pin_memory()
+        used = kvcopy.swap_blocks(buf, out, mapping, stream=1)
+        torch.cuda.synchronize()
+        expected = np.zeros((n, block), np.uint8)
+        expected[mapping[:, 1]] = host.numpy()[mapping[:, 0]]
+        got = out.numpy()
+    assert used == "kernel"
+    np.testing.assert_array_equal(got, expected)
+    view = kvcopy.block_view(buf, 2 * block)
+    out = torch.zeros((n // 2, 2 * block), dtype=torch.uint8, device="cuda")
+    kvcopy.swap_blocks(view, out, [[0, 1], [5, 0]], stream=1)
+    torch.cuda.synchronize()
+    whole = _device_bytes(int(buf.handle), n * block)
+    np.testing.assert_array_equal(out[1].cpu().numpy(), whole[:2 * block])
+    np.testing.assert_array_equal(out[0].cpu().numpy(), whole[10 * block:12 * block])
+    buf.close()
+
+
+def test_block_view_of_raw_device_pointers(torch_cuda):
+    torch = torch_cuda
+    gpu = torch.randint(0, 255, (32, 3000), dtype=torch.uint8, device="cuda")  # 3000: not a multiple of 16
+    host = kvcopy.pinned_empty((40, 3000), dtype=np.uint8)
+    host[:] = 0
+    src = kvcopy.block_view(gpu.data_ptr(), 3000, num_blocks=32)
+    dst = kvcopy.block_view(host.ctypes.data, 3000, num_blocks=40)
+    mapping = mapping_for(32, 40, 17, 8)
+    for method in ("auto", "kernel", "batch", "loop"):
+        host[:] = 0
+        kvcopy.swap_blocks(src, dst, mapping, stream=1, method=method)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(host[mapping[:, 1]], gpu.cpu().numpy()[mapping[:, 0]])
+        assert host[np.setdiff1d(np.arange(40), mapping[:, 1])].sum() == 0
+
+
 def test_pageable_numpy_goes_by_dma(torch_cuda):
     gpu = torch_cuda.arange(64 * 256, dtype=torch_cuda.int32, device="cuda").reshape(64, 256)
     host = np.zeros((64, 256), dtype=np.int32)
