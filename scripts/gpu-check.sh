@@ -8,8 +8,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export KVCOPY_CACHE_DIR=${KVCOPY_CACHE_DIR:-/tmp/kvcopy-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; exit 1
+# $OUT brings back at most 8 files: the build log stays behind unless the build fails
+if ! python3 -m pip install --no-build-isolation --no-deps -e . >/tmp/kvcopy-build.log 2>&1; then
+  cp /tmp/kvcopy-build.log "$OUT/build.log"; tail -40 "$OUT/build.log"; exit 1
 fi
 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -v "^\.*$\|PASSED" | tail -60
 status=${PIPESTATUS[0]}

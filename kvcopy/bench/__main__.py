@@ -57,28 +57,37 @@ def main(argv: list[str] | None = None) -> int:
     jobs += [("d2d", b, "torch") for b in blocks if b >= 16 * KiB]
     kvcopy_memory = [16 * KiB] if args.quick else blocks
     jobs += [(d, b, "kvcopy") for d in ("h2d", "d2h") for b in kvcopy_memory]
-    rows, scenarios = [], {}
+    rows, scenarios, stage_seconds = [], {}, {}
+    max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
     steps = len(jobs) + (0 if args.no_scenarios else 3)
     for i, (direction, block, memory) in enumerate(jobs):
-        progress(i, steps, f"{direction} {block // KiB} KiB ({memory} memory)")
+        label = f"{direction} {block // KiB} KiB ({memory} memory)"
+        progress(i, steps, label)
+        started = time.time()
         size = 4 * total if direction == "d2d" else total
         alternatives = not args.no_alternatives and memory == "torch"
         rows += [r.as_dict() for r in block_copy_rows(direction, block, size, memory, methods,
-                                                      alternatives, repeats)]
+                                                      alternatives, repeats, max_loop_count)]
+        stage_seconds[label] = round(time.time() - started, 2)
     if not args.no_scenarios:
-        progress(len(jobs), steps, "both directions at once")
-        scenarios["bidirectional"] = list(extra.bidirectional(repeats=repeats))
-        progress(len(jobs) + 1, steps, "compute beside the copy")
-        scenarios["compute_slowdown"] = list(extra.compute_slowdown())
-        progress(len(jobs) + 2, steps, "swap_blocks on a paged cache")
         counts = (16, 256, 4096) if args.quick else (16, 64, 256, 1024, 4096)
-        scenarios["swap_blocks"] = list(extra.swap_blocks_cache(counts, repeats))
+        stages = [("bidirectional", "both directions at once",
+                   lambda: extra.bidirectional(repeats=repeats)),
+                  ("compute_slowdown", "compute beside the copy", extra.compute_slowdown),
+                  ("swap_blocks", "swap_blocks on a paged cache",
+                   lambda: extra.swap_blocks_cache(counts, repeats))]
+        for k, (key, label, run) in enumerate(stages):
+            progress(len(jobs) + k, steps, label)
+            started = time.time()
+            scenarios[key] = list(run())
+            stage_seconds[key] = round(time.time() - started, 2)
     progress(steps, steps, "done")
     sys.stderr.write("\n")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": name, "python": platform.python_version(), "kvcopy": kvcopy.__version__,
             "quick": args.quick, "seconds": round(time.time() - t0, 1),
+            "stage_seconds": stage_seconds,
             "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
                       "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
                       "from an idle stream; medians"}

@@ -9,6 +9,7 @@ from typing import Iterator
 import numpy as np
 
 import kvcopy
+from kvcopy.config import config
 from kvcopy.bench.scenarios import Pools, scattered_offsets
 from kvcopy.bench.timing import measure
 
@@ -78,15 +79,24 @@ def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 819
 
     matmuls(3)
     torch.cuda.synchronize()
-    for label in ("alone", "kernel", "batch"):
-        samples = []
-        for _ in range(3):
-            start, end = matmuls()
-            if label != "alone":
-                for _ in range(4):
-                    kvcopy.copy_batch(*ptrs, stream=copy, method=label)
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
+    # (label, method, CTAs, threads per CTA): the default kernel and smaller footprints
+    variants = [("alone", None, None, None), ("batch", "batch", None, None),
+                ("kernel", "kernel", None, None), ("kernel 16x256", "kernel", 16, 256),
+                ("kernel 8x512", "kernel", 8, 512)]
+    for label, method, ctas, threads in variants:
+        saved = config.threads_per_cta
+        config.threads_per_cta = threads or saved
+        try:
+            samples = []
+            for _ in range(3):
+                start, end = matmuls()
+                if method is not None:
+                    for _ in range(4):
+                        kvcopy.copy_batch(*ptrs, stream=copy, method=method, max_ctas=ctas)
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+        finally:
+            config.threads_per_cta = saved
         yield {"scenario": "compute_slowdown", "method": label, "block_bytes": block,
                "matmul_ms": statistics.median(samples)}
 

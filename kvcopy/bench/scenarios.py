@@ -65,7 +65,11 @@ def scattered_offsets(count: int, block: int, rng) -> tuple[np.ndarray, np.ndarr
 
 
 def block_copy_rows(direction: str, block: int, total: int, memory: str, methods: list[str],
-                    alternatives: bool, repeats: int) -> Iterator[Row]:
+                    alternatives: bool, repeats: int, max_loop_count: int = 32768) -> Iterator[Row]:
+    """Rows for one direction and block size: the contiguous ceiling, kvcopy's
+    methods, and (with ``alternatives``) what users would write instead.
+    Alternatives that issue one call per block run only up to ``max_loop_count``
+    blocks (they take seconds per batch below that size)."""
     import torch
 
     count = max(total // block, 1)
@@ -99,10 +103,12 @@ def block_copy_rows(direction: str, block: int, total: int, memory: str, methods
         yield row(method, chose, lambda m=method: kvcopy.copy_batch(
             src_ptrs, dst_ptrs, sizes, stream=stream, method=m), ceiling)
     if alternatives:
-        yield from alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling)
+        yield from alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
+                                    max_loop_count)
 
 
-def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> Iterator[Row]:
+def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
+                     max_loop_count: int = 32768) -> Iterator[Row]:
     """What users would write without kvcopy."""
     import torch
 
@@ -111,7 +117,10 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> It
     dst_blocks = pools.dst.view(-1, block)
     src_idx = torch.from_numpy(src_off // block)
     dst_idx = torch.from_numpy(dst_off // block)
-    if count <= 32768:
+    triton_fn = triton_copy_blocks(pools, src_off, dst_off, block, stream)
+    if triton_fn is not None:
+        yield row("triton_blocks", "", triton_fn, ceiling)
+    if count <= max_loop_count:
         def per_block():
             with torch.cuda.stream(stream):
                 for i, j in zip(src_idx.tolist(), dst_idx.tolist()):
@@ -140,9 +149,24 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling) -> It
             stream.synchronize()  # the host-side scatter needs the bytes
             dst_blocks.index_copy_(0, dst_idx, staging)
         yield row("torch_gather_staging", "", gather_d2h, ceiling, host_work=True)
-    core_row = cuda_core_copy_batch(pools, src_off, dst_off, block, stream)
+    core_row = cuda_core_copy_batch(pools, src_off, dst_off, block, stream) \
+        if count <= max_loop_count else None
     if core_row is not None:
         yield row("cuda.core.copy_batch", "", core_row, ceiling)
+
+
+def triton_copy_blocks(pools, src_off, dst_off, block, stream):
+    """A Triton block-copy kernel in the style vLLM uses for small host-to-GPU loads:
+    per-block pointer arrays uploaded each call, a fixed grid of programs copying
+    8-byte words through unified addressing. None where Triton is not installed."""
+    if block % 8 or pools.direction == "d2d":
+        return None
+    try:
+        from kvcopy.bench import triton_alt
+    except Exception:  # noqa: BLE001 - no (working) Triton here: the row is left out
+        return None
+    return triton_alt.block_copier(pools.src.data_ptr() + src_off, pools.dst.data_ptr() + dst_off,
+                                   block, stream)
 
 
 def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):
