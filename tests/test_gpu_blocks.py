@@ -115,7 +115,8 @@ def test_cuda_core_buffer_takes_the_block_size_of_the_other_side(torch_cuda, dir
     dev = core.Device(0)
     dev.set_current()
     block, n = 4096, 24
-    buf = dev.allocate(n * block)
+    buf = dev.allocate(n * block, stream=dev.default_stream)
+    dev.sync()   # stream-ordered allocation: ready before kvcopy's own stream uses it
     host = torch.randint(0, 255, (n, block), dtype=torch.uint8).pin_memory()
     mapping = mapping_for(n, n, 10, 7)
     # fill the buffer through kvcopy first (whole-buffer copy), checked by the driver itself
