@@ -72,10 +72,10 @@ def extensions() -> list[Extension]:
         ["kvcopy/_driver.pyx"],
         include_dirs=[str(HEADERS)] + cuda_include_dirs(),
         language="c++",
-        extra_compile_args=["-O2", "-std=c++17"],
+        extra_compile_args=["-O3", "-std=c++17"],
     )
     planner = Extension("kvcopy._plan", ["kvcopy/_plan.pyx"], language="c++",
-                        extra_compile_args=["-O2"])
+                        extra_compile_args=["-O3"])
     return cythonize([driver, planner], compiler_directives={"language_level": "3"})
 
 

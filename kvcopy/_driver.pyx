@@ -26,7 +26,10 @@ from cuda.bindings.cydriver cimport (
     CUevent, CUpointer_attribute, CUstreamCaptureStatus, CUdevice_attribute,
 )
 
+from kvcopy._planning cimport PlanCursor, plan_cursor_init, next_copy
+
 from kvcopy.errors import CudaError, NoDriverError
+from kvcopy._plan import bad_copy_error, length_error
 
 cdef extern from "kvcopy/batch_abi.h":
     ctypedef struct kvcopy_mem_location:
@@ -443,17 +446,14 @@ cdef inline void _classifier_init(_Classifier* c) noexcept nogil:
     c.ordinal = -1
 
 
-cdef uint64_t _classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
-    """Classify the copy [p, p + size) and return the address the device uses for p."""
+cdef uint64_t _classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """_classify for a copy outside the last range used: look it up, or ask the driver."""
     cdef int hit = -1, j
     cdef _Range* r
-    if c.cached > 0 and c.cache[c.last].start <= p < c.cache[c.last].end:
-        hit = c.last
-    else:
-        for j in range(c.cached):
-            if c.cache[j].start <= p < c.cache[j].end:
-                hit = j
-                break
+    for j in range(c.cached):
+        if c.cache[j].start <= p < c.cache[j].end:
+            hit = j
+            break
     if hit < 0:
         hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
         _query_range(p, size, &c.cache[hit])
@@ -470,6 +470,18 @@ cdef uint64_t _classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogi
         elif c.ordinal != r.ordinal:
             c.ordinal = -2
     return <uint64_t>(<int64_t>p + r.delta)
+
+
+cdef inline uint64_t _classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """Classify the copy [p, p + size) and return the address the device uses for p.
+
+    Batches mostly stay in one allocation per side: a copy inside the last
+    range used needs two comparisons (its kind and device were recorded when
+    that range was first used)."""
+    cdef _Range* r = &c.cache[c.last]
+    if c.cached > 0 and r.start <= p and p + size <= r.end:
+        return <uint64_t>(<int64_t>p + r.delta)
+    return _classify_slow(c, p, size)
 
 
 def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
@@ -494,41 +506,58 @@ def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint6
     return kinds, ordinal
 
 
-def describe_batch(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                   uintptr_t descs_out):
-    """Classify both sides of a planned batch and write its kernel descriptors, in one pass.
+cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,
+                               uint64_t size, unsigned long long* tiles) noexcept nogil:
+    d.src = _classify(&sides[0], a, size)
+    d.dst = _classify(&sides[1], b, size)
+    d.size = size
+    d.tile_start = tiles[0]
+    tiles[0] += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
 
-    ``descs_out`` must have room for ``len(sizes)`` kvcopy_desc entries; each
-    gets the device's view of both pointers, the size and its first tile.
-    Whatever method runs afterwards, this is the one pass over the batch that
-    the copy needs besides planning.
 
-    Returns ``(src_kinds, src_ordinal, dst_kinds, dst_ordinal, total_tiles)``,
-    kinds and ordinals as for :func:`classify_pointers`.
+def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                    uintptr_t descs_out, bint merge=True):
+    """Plan, classify and describe a batch in one pass over it.
+
+    Validates every copy as _plan.plan_arrays does (same checks, same
+    messages), drops zero-size copies, merges a copy that continues the
+    previous one on both sides (with ``merge``), classifies both sides and
+    writes one kvcopy_desc per planned copy into ``descs_out`` (room for
+    ``len(sizes)`` entries): the device's view of both pointers, the size and
+    the first tile. Nothing is enqueued.
+
+    Returns ``(count, total_bytes, src_kinds, src_ordinal, dst_kinds,
+    dst_ordinal, total_tiles)``; kinds and ordinals as for classify_pointers.
+
+    Raises:
+        ValueError: as plan_arrays, naming the caller's index.
     """
-    cdef Py_ssize_t n = sizes.shape[0], i
+    cdef Py_ssize_t n = sizes.shape[0], k = 0
     cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
-    cdef unsigned long long tiles = 0, size
+    cdef unsigned long long tiles = 0, total = 0
+    cdef PlanCursor cursor
     cdef _Classifier* sides
     if src.shape[0] != n or dst.shape[0] != n:
-        raise ValueError("describe_batch: arrays differ in length")
-    if n > 0 and descs == NULL:
-        raise ValueError("describe_batch: no descriptor buffer")
+        raise length_error(src.shape[0], dst.shape[0], n)
+    if n == 0:
+        return 0, 0, 0, -1, 0, -1, 0
+    if descs == NULL:
+        raise ValueError("describe_copies: no descriptor buffer")
     sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     if sides == NULL:
         raise MemoryError()
     _classifier_init(&sides[0])
     _classifier_init(&sides[1])
+    plan_cursor_init(&cursor, n, merge)
     with nogil:
-        for i in range(n):
-            size = sizes[i]
-            descs[i].src = _classify(&sides[0], src[i], size)
-            descs[i].dst = _classify(&sides[1], dst[i], size)
-            descs[i].size = size
-            descs[i].tile_start = tiles
-            tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
-    result = (sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles)
+        while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+            _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
+            total += cursor.size
+            k += 1
+    result = (k, total, sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles)
     free(sides)
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
     return result
 
 
@@ -658,7 +687,7 @@ cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except
 
 def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
                         unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
-    """Launch the copy kernel with ``n`` descriptors (from describe_batch) passed by value.
+    """Launch the copy kernel with ``n`` descriptors (from describe_copies) passed by value.
 
     ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX or
     KVCOPY_INLINE_MAX_SMALL, matching ``function``). Parameters are copied into
@@ -706,7 +735,7 @@ def launch_descs_staged(uintptr_t function, uintptr_t host_descs, uintptr_t devi
                         unsigned int threads, uintptr_t stream) -> int:
     """Launch the copy kernel once over ``n`` descriptors staged in pinned memory.
 
-    Copies the descriptors (from describe_batch, ``tiles`` their total) from
+    Copies the descriptors (from describe_copies, ``tiles`` their total) from
     ``host_descs`` to ``device_descs`` on the stream and launches
     ``kvcopy_scatter`` behind that copy. Both buffers must stay untouched until
     the stream has passed this launch (the caller records an event). Not for

@@ -3,14 +3,30 @@
 """One C pass that validates, drops zero-size copies and merges adjacent ones.
 
 Planning runs on every call, so it is a single loop instead of a dozen NumPy
-passes: 8192 copies take a few microseconds.
+passes. The kernel path does the same in _driver.describe_copies, fused with
+pointer classification; both walk the batch with _planning.next_copy.
 """
 from libc.stdint cimport uint64_t, int64_t
 
+from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
+                               COPY_NULL_SRC, COPY_NULL_DST, COPY_SRC_WRAPS)
+
 import numpy as np
 
-cdef uint64_t _MAX_SIZE = 0x7FFFFFFFFFFFFFFF
-cdef uint64_t _U64_MAX = 0xFFFFFFFFFFFFFFFF
+
+def bad_copy_error(int why, Py_ssize_t index, size) -> ValueError:
+    """The ValueError for copy ``index`` that copy_problem rejected with ``why``."""
+    if why == COPY_TOO_LARGE:
+        return ValueError(f"sizes[{index}] = {size} is larger than 2**63 - 1 bytes")
+    if why in (COPY_NULL_SRC, COPY_NULL_DST):
+        name = "src_ptrs" if why == COPY_NULL_SRC else "dst_ptrs"
+        return ValueError(f"{name}[{index}] is a null pointer with size {size}")
+    name = "src_ptrs" if why == COPY_SRC_WRAPS else "dst_ptrs"
+    return ValueError(f"{name}[{index}] + sizes[{index}] runs past the end of the address space")
+
+
+def length_error(Py_ssize_t n_src, Py_ssize_t n_dst, Py_ssize_t n_sizes) -> ValueError:
+    return ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: {n_src}, {n_dst}, {n_sizes}")
 
 
 def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
@@ -23,52 +39,26 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
         ValueError: lengths differ, a size is at least 2**63, a pointer of a
             non-empty copy is null, or a copy wraps the address space.
     """
-    cdef Py_ssize_t n = src.shape[0], i, k = 0, bad = -1
-    cdef int why = 0
-    cdef uint64_t s, a, b
+    cdef Py_ssize_t n = src.shape[0], k = 0
+    cdef PlanCursor cursor
     if dst.shape[0] != n or sizes.shape[0] != n:
-        raise ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: "
-                         f"{n}, {dst.shape[0]}, {sizes.shape[0]}")
+        raise length_error(n, dst.shape[0], sizes.shape[0])
     out_src = np.empty(n, dtype=np.uint64)
     out_dst = np.empty(n, dtype=np.uint64)
     out_sizes = np.empty(n, dtype=np.uint64)
     origin = np.empty(n, dtype=np.int64)
     cdef uint64_t[::1] os = out_src, od = out_dst, oz = out_sizes
     cdef int64_t[::1] oo = origin
+    if n == 0:
+        return out_src, out_dst, out_sizes, origin
+    plan_cursor_init(&cursor, n, merge)
     with nogil:
-        for i in range(n):
-            s = sizes[i]
-            if s == 0:
-                continue
-            a = src[i]
-            b = dst[i]
-            if s > _MAX_SIZE:
-                why = 1
-            elif a == 0:
-                why = 2
-            elif b == 0:
-                why = 3
-            elif a > _U64_MAX - s:
-                why = 4
-            elif b > _U64_MAX - s:
-                why = 5
-            if why:
-                bad = i
-                break
-            if merge and k > 0 and os[k - 1] + oz[k - 1] == a and od[k - 1] + oz[k - 1] == b:
-                oz[k - 1] += s
-                continue
-            os[k] = a
-            od[k] = b
-            oz[k] = s
-            oo[k] = i
+        while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+            os[k] = cursor.src
+            od[k] = cursor.dst
+            oz[k] = cursor.size
+            oo[k] = cursor.origin
             k += 1
-    if why == 1:
-        raise ValueError(f"sizes[{bad}] = {sizes[bad]} is larger than 2**63 - 1 bytes")
-    if why in (2, 3):
-        name = "src_ptrs" if why == 2 else "dst_ptrs"
-        raise ValueError(f"{name}[{bad}] is a null pointer with size {sizes[bad]}")
-    if why in (4, 5):
-        name = "src_ptrs" if why == 4 else "dst_ptrs"
-        raise ValueError(f"{name}[{bad}] + sizes[{bad}] runs past the end of the address space")
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]

@@ -12,7 +12,7 @@ from kvcopy import _driver, device, kernels, ring
 from kvcopy.arrays import as_u64_array
 from kvcopy.config import config
 from kvcopy.context import ContextScope
-from kvcopy.errors import CudaError
+from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.plan import CopyPlan, find_overlap, plan_copies
 from kvcopy.policy import METHODS, CopyRequest, Decision, choose_method
 from kvcopy.streams import (current_framework_stream, effective_handle, resolve_stream,
@@ -54,13 +54,28 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
 
 
 class _Classes(NamedTuple):
-    """What describe_batch/classify_pointers found on each side of a batch."""
+    """What classify_pointers found on each side of a batch."""
 
     src_kinds: int
     src_device: int
     dst_kinds: int
     dst_device: int
-    tiles: int = 0
+
+    @property
+    def owner(self) -> int:
+        return memory_owner(self.src_device, self.dst_device)
+
+
+class _Described(NamedTuple):
+    """What describe_copies found: the planned batch, its memory and its tiles."""
+
+    count: int
+    total_bytes: int
+    src_kinds: int
+    src_device: int
+    dst_kinds: int
+    dst_device: int
+    tiles: int
 
     @property
     def owner(self) -> int:
@@ -84,7 +99,8 @@ class _Target:
         return config.host_ctas
 
 
-def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes) -> _Target:
+def _decide(handle: int, method: str, count: int, total_bytes: int,
+            found: _Classes | _Described) -> _Target:
     """Ask the policy for a method, given the classified memory of a batch."""
     ordinal = _driver.context_device()
     info = device.device_info(ordinal)
@@ -121,45 +137,70 @@ def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
 
 
 def _issue_dma(plan: CopyPlan, target: _Target, access_any: bool) -> None:
-    if target.decision.method == "batch":
-        _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
-                             config.batch_chunk)
-    else:
-        _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
-
-
-def _execute_plan(scope: ContextScope, handle: int, plan: CopyPlan, method: str,
-                  access_any: bool, max_ctas: int | None) -> str:
-    """Classify, decide and issue ``plan`` in the scope's context.
-
-    Classification writes the kernel's descriptors as it goes, into a
-    descriptor slot, so the kernel path makes one pass over the batch.
-    """
-    target = None
     try:
-        while target is None:
-            with ring.ring_for_current_context().reserve(plan.count * _driver.DESCRIPTOR_BYTES) as slot:
-                found = _Classes(*_driver.describe_batch(plan.src, plan.dst, plan.sizes, slot.host))
-                if scope.follow_memory(found.owner):
-                    continue  # switched device: host memory may be mapped elsewhere there
-                target = _decide(handle, method, plan.count, plan.total_bytes, found)
-                if target.decision.method == "kernel":
-                    _launch_kernel(plan.count, found.tiles, target, slot, max_ctas)
-                    return "kernel"
-        _issue_dma(plan, target, access_any)
+        if target.decision.method == "batch":
+            _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
+                                 config.batch_chunk)
+        else:
+            _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
     except CudaError as exc:
         raise exc.with_index(plan.caller_index(exc.index)) from None
+
+
+def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
+                    sizes: np.ndarray, method: str, merge: bool, access_any: bool,
+                    max_ctas: int | None) -> str:
+    """Validate, classify, decide and issue a batch in the scope's context.
+
+    One pass (describe_copies) plans the batch, classifies its memory and
+    writes the kernel's descriptors straight into a pinned descriptor slot, so
+    the kernel path touches each copy once. The DMA paths, which cost far
+    more per copy anyway, plan the batch again as pointer arrays.
+    """
+    target = None
+    while target is None:
+        with ring.ring_for_current_context().reserve(len(sizes) * _driver.DESCRIPTOR_BYTES) as slot:
+            found = _Described(*_driver.describe_copies(src, dst, sizes, slot.host, merge))
+            if found.count == 0:
+                return "none"
+            if scope.follow_memory(found.owner):
+                continue  # switched device: host memory may be mapped elsewhere there
+            target = _decide(handle, method, found.count, found.total_bytes, found)
+            if target.decision.method == "kernel":
+                _launch_kernel(found.count, found.tiles, target, slot, max_ctas)
+                return "kernel"
+    _issue_dma(plan_copies(src, dst, sizes, merge=merge), target, access_any)
     return target.decision.method
 
 
 def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
             access_any: bool = False, max_ctas: int | None = None) -> str:
-    """Issue ``plan`` on the stream (a raw handle; 0 means the default stream)."""
+    """Issue a planned batch on the stream (a raw handle; 0 means the default stream)."""
     if plan.count == 0:
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        return _execute_plan(scope, handle, plan, method, access_any, max_ctas)
+        return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
+                               access_any, max_ctas)
+
+
+def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int,
+                   method: str = "auto", access_any: bool = False,
+                   max_ctas: int | None = None) -> str:
+    """Validate and issue three uint64 arrays (copy_batch's path: no CopyPlan is built
+    unless a DMA method runs). Raises ValueError for a bad copy before issuing any."""
+    if not sizes.any():
+        if not (len(src) == len(dst) == len(sizes)):
+            plan_copies(src, dst, sizes)  # raises the length error
+        return "none"
+    handle = effective_handle(stream_handle)
+    try:
+        with ContextScope(handle) as scope:
+            return _execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
+                                   max_ctas)
+    except NoDriverError:
+        plan_copies(src, dst, sizes)  # bad input is reported as such, even without a GPU
+        raise
 
 
 def _classify_tensors(blocks: "BlockPlan", src_view: np.ndarray, dst_view: np.ndarray) -> _Classes:
@@ -181,8 +222,9 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
             found = _classify_tensors(blocks, src_view, dst_view)
         target = _decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
         if target.decision.method != "kernel" or target.request.capturing:
-            return _execute_plan(scope, handle, blocks.copy_plan(), target.decision.method,
-                                 False, None)
+            plan = blocks.copy_plan()
+            return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes,
+                                   target.decision.method, False, False, None)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
@@ -248,11 +290,11 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
-    plan = plan_copies(src, dst, size_arr)
     if check_overlap:
+        plan_copies(src, dst, size_arr)  # bad copies are reported before overlaps
         clash = find_overlap(dst, size_arr)
         if clash:
             raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return execute(plan, handle, method, src_access_order == "any", max_ctas)
+    return execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any", max_ctas)

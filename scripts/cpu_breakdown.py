@@ -1,8 +1,8 @@
 """Where copy_batch's CPU time goes, piece by piece, with minor page faults per call.
 
 Times each step of the kernel path for 8192 descriptors (NumPy pointer arrays)
-in isolation: argument conversion, planning, the describe pass into pinned and
-into pageable memory, and the whole call.
+in isolation: argument conversion, the planner the DMA paths use, the fused
+describe pass (into pinned and into pageable memory), and the whole call.
 """
 from __future__ import annotations
 
@@ -52,16 +52,14 @@ def main() -> None:
     plan = plan_copies(s, d, sizes)
     pinned = _driver.host_alloc(plan.count * _driver.DESCRIPTOR_BYTES)
     pageable = np.empty(plan.count * 4, dtype=np.uint64)
-    timed("describe_batch -> pinned", lambda: _driver.describe_batch(plan.src, plan.dst, plan.sizes, pinned))
-    timed("describe_batch -> pageable", lambda: _driver.describe_batch(plan.src, plan.dst, plan.sizes,
-                                                                        pageable.ctypes.data))
+    timed("describe_copies -> pinned", lambda: _driver.describe_copies(s, d, sizes, pinned))
+    timed("describe_copies -> pageable", lambda: _driver.describe_copies(s, d, sizes,
+                                                                          pageable.ctypes.data))
     view = np.empty_like(plan.src)
     timed("classify_pointers src", lambda: _driver.classify_pointers(plan.src, plan.sizes, view))
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
           sync=stream.synchronize)
-    timed("copy_batch kernel (no sync)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
-                                                                   method="kernel"), calls=6)
     _driver.host_free(pinned)
 
 

@@ -258,3 +258,47 @@ def test_thread_without_current_context(torch_cuda):
     t.start()
     t.join()
     assert not errors, errors
+
+
+def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
+    """The kernel path's fused pass (plan + classify + descriptors) and the
+    planner used by the DMA paths agree copy for copy, and reject the same input."""
+    from kvcopy import _driver
+    from kvcopy.plan import plan_copies
+
+    torch = torch_cuda
+    host = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(11)
+    sizes = rng.choice([0, 1, 8, 100, 4096, 40000], 3000).astype(np.uint64)
+    src_off = rng.integers(0, (1 << 20) - 40000, 3000).astype(np.uint64)
+    dst_off = rng.integers(0, (1 << 20) - 40000, 3000).astype(np.uint64)
+    for i in range(0, 2990, 7):          # runs that continue each other on both sides: merged
+        src_off[i + 1], dst_off[i + 1] = src_off[i] + sizes[i], dst_off[i] + sizes[i]
+    src = np.uint64(host.data_ptr()) + src_off
+    dst = np.uint64(dev.data_ptr()) + dst_off
+    plan = plan_copies(src, dst, sizes)
+    descs = np.zeros((len(sizes), 4), dtype=np.uint64)
+    count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles = _driver.describe_copies(
+        src, dst, sizes, descs.ctypes.data)
+    assert count == plan.count < int(np.count_nonzero(sizes))
+    assert total == int(plan.sizes.sum())
+    assert (src_kinds, src_dev) == (_driver.KIND_HOST_MAPPED, -1)
+    assert (dst_kinds, dst_dev) == (_driver.KIND_DEVICE, torch.cuda.current_device())
+    src_view, dst_view = np.empty_like(plan.src), np.empty_like(plan.dst)
+    _driver.classify_pointers(plan.src, plan.sizes, src_view)
+    _driver.classify_pointers(plan.dst, plan.sizes, dst_view)
+    np.testing.assert_array_equal(descs[:count, 0], src_view)
+    np.testing.assert_array_equal(descs[:count, 1], dst_view)
+    np.testing.assert_array_equal(descs[:count, 2], plan.sizes)
+    per_copy = (plan.sizes + np.uint64(_driver.TILE_BYTES - 1)) // np.uint64(_driver.TILE_BYTES)
+    np.testing.assert_array_equal(descs[:count, 3], np.concatenate([[0], np.cumsum(per_copy)[:-1]]))
+    assert tiles == int(per_copy.sum())
+    bad_sizes = sizes.copy()
+    bad_sizes[1234] = 2**63
+    with pytest.raises(ValueError) as planned:
+        plan_copies(src, dst, bad_sizes)
+    with pytest.raises(ValueError) as described:
+        _driver.describe_copies(src, dst, bad_sizes, descs.ctypes.data)
+    assert str(planned.value) == str(described.value) == \
+        f"sizes[1234] = {2**63} is larger than 2**63 - 1 bytes"

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                    lambda: extra.bidirectional(repeats=repeats)),
                   ("compute_slowdown", "compute beside the copy", extra.compute_slowdown),
                   ("swap_blocks", "swap_blocks on a paged cache",
-                   lambda: extra.swap_blocks_cache(counts, repeats))]
+                   lambda: extra.swap_blocks_cache(counts, repeats,
+                                                   batch_max_copies=16384 if args.quick else None))]
         for k, (key, label, run) in enumerate(stages):
             progress(len(jobs) + k, steps, label)
             started = time.time()

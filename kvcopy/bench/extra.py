@@ -101,8 +101,12 @@ def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 819
                "matmul_ms": statistics.median(samples)}
 
 
-def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5) -> Iterator[dict]:
-    """swap_blocks on 32 layers x (K, V), 16-token blocks, 8 heads of 128, bf16 (32 KiB blocks)."""
+def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
+                      batch_max_copies: int | None = None) -> Iterator[dict]:
+    """swap_blocks on 32 layers x (K, V), 16-token blocks, 8 heads of 128, bf16 (32 KiB blocks).
+
+    Batched DMA is measured beside auto up to ``batch_max_copies`` block copies
+    (it costs ~2 us of CPU per copy: 4096 blocks x 64 tensors take half a second)."""
     import torch
 
     layers, blocks = 32, max(block_counts) * 2
@@ -118,6 +122,8 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5) 
         nbytes = n * block_bytes * 2 * layers
         for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
             for method in ("auto", "batch"):
+                if method == "batch" and batch_max_copies and n * 2 * layers > batch_max_copies:
+                    continue
                 chose = kvcopy.swap_blocks(src, dst, mapping, stream=stream, method=method)
                 t = measure(lambda m=method: kvcopy.swap_blocks(src, dst, mapping, stream=stream,
                                                                 method=m), stream, repeats=repeats)
