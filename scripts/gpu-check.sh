@@ -14,7 +14,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . >/tmp/kvcopy-bui
 fi
 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -v "^\.*$\|PASSED" | tail -60
 status=${PIPESTATUS[0]}
-python3 scripts/cpu_overhead.py 2>&1 | tee "$OUT/cpu_overhead.txt"
+(cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py) 2>&1 | tee "$OUT/cpu_overhead.txt"
 [ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1
 if [ "${BENCH:-quick}" != "none" ]; then
   python3 -m kvcopy.bench ${BENCH_ARGS:---quick} --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -${BENCH_TAIL:-80}
