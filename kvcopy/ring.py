@@ -9,9 +9,7 @@ while a copy or kernel on any stream may still read it.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvcopy import _driver
 
@@ -53,28 +51,53 @@ class DescriptorRing:
         self._next = 0
         self._lock = threading.Lock()
 
-    @contextmanager
-    def reserve(self, nbytes: int) -> Iterator[Slot]:
-        """The next slot, free and with room for nbytes, held until the block ends.
+    def reserve(self, nbytes: int) -> "_Reservation":
+        """The next slot, free and with room for nbytes, held until the with-block ends.
 
         Whoever makes the GPU read the slot calls ``fence(slot, stream)``; an
         unfenced slot is handed out again by the next reserve.
         """
-        with self._lock:
+        return _Reservation(self, nbytes)
+
+    def _acquire(self, nbytes: int) -> Slot:
+        self._lock.acquire()
+        try:
             slot = self._slots[self._next]
             if slot.used:
                 _driver.event_synchronize(slot.event)  # back-pressure only after SLOTS calls in flight
                 slot.used = False
             slot.ensure(nbytes)
-            yield slot
-            if slot.used:
-                self._next = (self._next + 1) % len(self._slots)
+        except BaseException:
+            self._lock.release()
+            raise
+        return slot
+
+    def _release(self, slot: Slot) -> None:
+        if slot.used:
+            self._next = (self._next + 1) % len(self._slots)
+        self._lock.release()
 
     @staticmethod
     def fence(slot: Slot, stream: int) -> None:
         """Mark ``slot`` as read by work queued on ``stream`` up to now."""
         _driver.event_record(slot.event, stream)
         slot.used = True
+
+
+class _Reservation:
+    """Context manager of DescriptorRing.reserve (a class: it runs on every call)."""
+
+    __slots__ = ("ring", "nbytes", "slot")
+
+    def __init__(self, ring: DescriptorRing, nbytes: int) -> None:
+        self.ring, self.nbytes = ring, nbytes
+
+    def __enter__(self) -> Slot:
+        self.slot = self.ring._acquire(self.nbytes)
+        return self.slot
+
+    def __exit__(self, *exc: object) -> None:
+        self.ring._release(self.slot)
 
 
 _rings: dict[int, DescriptorRing] = {}

@@ -57,10 +57,60 @@ def main() -> None:
                                                                           pageable.ctypes.data))
     view = np.empty_like(plan.src)
     timed("classify_pointers src", lambda: _driver.classify_pointers(plan.src, plan.sizes, view))
+    from kvcopy import engine, kernels, ring
+    from kvcopy.context import ContextScope
+    from kvcopy.streams import resolve_stream
+
+    handle = resolve_stream(stream)
+    timed("resolve_stream(torch stream)", lambda: resolve_stream(stream))
+
+    def scope() -> None:
+        with ContextScope(handle):
+            pass
+    timed("ContextScope enter+exit", scope)
+
+    def reserve() -> None:
+        with ring.ring_for_current_context().reserve(1 << 18):
+            pass
+    timed("ring lookup + reserve", reserve)
+    found = engine._Described(*_driver.describe_copies(s, d, sizes, pinned))
+    timed("_decide", lambda: engine._decide(handle, "kernel", found.count, found.total_bytes, found))
+    target = engine._decide(handle, "kernel", found.count, found.total_bytes, found)
+    info = target.info
+    timed("kernel lookup", lambda: kernels.kernel_for_current_context(*info.cc, info.driver_version))
+
+    def launch() -> None:
+        with ring.ring_for_current_context().reserve(found.count * 32) as slot:
+            _driver.describe_copies(s, d, sizes, slot.host)
+            engine._launch_kernel(found.count, found.tiles, target, slot, None)
+    timed("reserve + describe + launch", launch, sync=stream.synchronize)
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
           sync=stream.synchronize)
     _driver.host_free(pinned)
+    swap_blocks_breakdown(stream)
+
+
+def swap_blocks_breakdown(stream) -> None:
+    """The steps of swap_blocks over 64 tensors and 1024 pairs."""
+    from kvcopy import engine
+    from kvcopy.blocks import block_geometry
+    from kvcopy.streams import resolve_stream
+
+    shape = (2048, 16, 8, 128)
+    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
+    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(64)]
+    rng = np.random.default_rng(1)
+    mapping = np.stack([rng.choice(2048, 1024, replace=False),
+                        rng.choice(2048, 1024, replace=False)], axis=1)
+    timed("swap: block_geometry", lambda: block_geometry(gpu, host))
+    geometry = block_geometry(gpu, host)
+    timed("swap: with_mapping", lambda: geometry.with_mapping(mapping))
+    plan = geometry.with_mapping(mapping)
+    handle = resolve_stream(stream)
+    timed("swap: execute_blocks", lambda: engine.execute_blocks(plan, handle), sync=stream.synchronize)
+    timed("swap: whole call", lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream),
+          sync=stream.synchronize)
 
 
 if __name__ == "__main__":

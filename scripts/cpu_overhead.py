@@ -1,4 +1,10 @@
-"""CPU time from the Python call to its return, kernel path, 8192 descriptors as NumPy arrays."""
+"""CPU time from the Python call to its return, kernel path: copy_batch with 8192
+descriptors as NumPy arrays, and swap_blocks over 64 tensors x 1024 block pairs.
+
+Each call is timed twice: on an idle stream (synchronised before the call) and
+on a busy stream (a sleep kernel queued ahead, as when an engine enqueues
+copies behind compute), which is the usual case in serving.
+"""
 from __future__ import annotations
 
 import statistics
@@ -10,6 +16,7 @@ import torch
 import kvcopy
 
 KiB = 1 << 10
+BUSY_CYCLES = 4_000_000   # ~2 ms of sleep kernel ahead of each timed call
 
 
 def scattered_batch(count: int = 8192, block: int = 16 * KiB):
@@ -22,22 +29,38 @@ def scattered_batch(count: int = 8192, block: int = 16 * KiB):
     return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
 
 
+def cpu_times(call, stream, calls: int = 50) -> dict[str, list[float]]:
+    """Call->return microseconds of ``call`` on an idle and on a busy stream."""
+    for _ in range(5):
+        call()
+    stream.synchronize()
+    out: dict[str, list[float]] = {"idle": [], "busy": []}
+    for _ in range(calls):
+        for state in ("idle", "busy"):
+            if state == "busy":
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(BUSY_CYCLES)
+            t0 = time.perf_counter()
+            call()
+            out[state].append((time.perf_counter() - t0) * 1e6)
+            stream.synchronize()
+    return out
+
+
+def report(label: str, times: dict[str, list[float]]) -> None:
+    parts = [f"{state}_median_us={statistics.median(v):.1f} {state}_min_us={min(v):.1f}"
+             for state, v in times.items()]
+    print(f"cpu_overhead {label} " + " ".join(parts))
+
+
 def main() -> None:
     count, block = 8192, 16 * KiB
     _keep, s, d, sizes = scattered_batch(count, block)
     stream = torch.cuda.Stream()
     for method in ("kernel", "batch"):
-        for _ in range(5):
-            kvcopy.copy_batch(s, d, sizes, stream=stream, method=method)
-        stream.synchronize()
-        times = []
-        for _ in range(50):
-            t0 = time.perf_counter()
-            kvcopy.copy_batch(s, d, sizes, stream=stream, method=method)
-            times.append((time.perf_counter() - t0) * 1e6)
-            stream.synchronize()
-        print(f"cpu_overhead method={method} count={count} block={block} "
-              f"median_us={statistics.median(times):.1f} min_us={min(times):.1f}")
+        times = cpu_times(lambda m=method: kvcopy.copy_batch(s, d, sizes, stream=stream, method=m),
+                          stream, calls=50 if method == "kernel" else 10)
+        report(f"copy_batch method={method} count={count} block={block}", times)
 
 
 def swap_blocks_overhead() -> None:
@@ -45,23 +68,16 @@ def swap_blocks_overhead() -> None:
     layers, blocks, pairs = 32, 2048, 1024
     shape = (blocks, 16, 8, 128)  # 16-token blocks, 8 heads of 128, bf16: 32 KiB per block
     gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
-    host = [torch.empty(shape, dtype=torch.bfloat16).pin_memory() for _ in range(2 * layers)]
+    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2 * layers)]
     rng = np.random.default_rng(1)
     mapping = np.stack([rng.choice(blocks, pairs, replace=False),
                         rng.choice(blocks, pairs, replace=False)], axis=1)
     stream = torch.cuda.Stream()
     for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
-        for _ in range(3):
-            used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
-        stream.synchronize()
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            kvcopy.swap_blocks(src, dst, mapping, stream=stream)
-            times.append((time.perf_counter() - t0) * 1e6)
-            stream.synchronize()
-        print(f"cpu_overhead swap_blocks {direction} tensors={2 * layers} pairs={pairs} "
-              f"method={used} median_us={statistics.median(times):.1f} min_us={min(times):.1f}")
+        used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+        times = cpu_times(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream,
+                          calls=30)
+        report(f"swap_blocks {direction} tensors={2 * layers} pairs={pairs} method={used}", times)
 
 
 if __name__ == "__main__":

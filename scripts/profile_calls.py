@@ -34,7 +34,7 @@ def main() -> None:
                                                                 method="kernel"))
     shape = (2048, 16, 8, 128)
     gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
-    host = [torch.empty(shape, dtype=torch.bfloat16).pin_memory() for _ in range(64)]
+    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(64)]
     mapping = np.stack([rng.choice(2048, 1024, replace=False),
                         rng.choice(2048, 1024, replace=False)], axis=1)
     profile("swap_blocks 64x1024", lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream),

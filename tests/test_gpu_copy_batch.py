@@ -271,8 +271,8 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     rng = np.random.default_rng(11)
     sizes = rng.choice([0, 1, 8, 100, 4096, 40000], 3000).astype(np.uint64)
-    src_off = rng.integers(0, (1 << 20) - 40000, 3000).astype(np.uint64)
-    dst_off = rng.integers(0, (1 << 20) - 40000, 3000).astype(np.uint64)
+    src_off = rng.integers(0, (1 << 20) - 80000, 3000).astype(np.uint64)  # merged pairs fit
+    dst_off = rng.integers(0, (1 << 20) - 80000, 3000).astype(np.uint64)
     for i in range(0, 2990, 7):          # runs that continue each other on both sides: merged
         src_off[i + 1], dst_off[i + 1] = src_off[i] + sizes[i], dst_off[i] + sizes[i]
     src = np.uint64(host.data_ptr()) + src_off

@@ -109,10 +109,10 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
     (it costs ~2 us of CPU per copy: 4096 blocks x 64 tensors take half a second)."""
     import torch
 
-    layers, blocks = 32, max(block_counts) * 2
+    layers, blocks = 32, max(block_counts)   # each call moves up to every block of the cache
     shape = (blocks, 16, 8, 128)
     gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
-    host = [torch.empty(shape, dtype=torch.bfloat16).pin_memory() for _ in range(2 * layers)]
+    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2 * layers)]
     stream = torch.cuda.Stream()
     block_bytes = 16 * 8 * 128 * 2
     rng = np.random.default_rng(4)
