@@ -367,9 +367,13 @@ cdef enum:
 
 
 cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
-    """Asks the driver what ptr points to and which range that answer covers."""
-    cdef CUpointer_attribute attrs[5]
-    cdef void* data[5]
+    """Asks the driver what ptr points to and which range that answer covers.
+
+    One cuPointerGetAttributes call, the device pointer included; where the
+    driver refuses that attribute (host memory not mapped for this context),
+    the other five are asked again without it."""
+    cdef CUpointer_attribute attrs[6]
+    cdef void* data[6]
     cdef unsigned int memtype = 0
     cdef int ordinal = -1
     cdef CUdeviceptr start = 0
@@ -381,15 +385,19 @@ cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     attrs[2] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
     attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
+    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     data[0] = &memtype
     data[1] = &ordinal
     data[2] = &start
     data[3] = &range_size
     data[4] = &managed
+    data[5] = &dptr
     out.delta = 0
     out.ordinal = -1
-    if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-        memtype = 0
+    if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
+        if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+            memtype = 0
     if range_size > 0 and start <= ptr:
         out.start = start
         out.end = start + range_size
@@ -400,8 +408,7 @@ cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
         out.kind = _KIND_DEVICE
         out.ordinal = ordinal
     elif memtype == cydriver.CU_MEMORYTYPE_HOST:
-        if cydriver.cuPointerGetAttribute(&dptr, cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-                                          <CUdeviceptr>ptr) == cydriver.CUDA_SUCCESS and dptr != 0:
+        if dptr != 0:
             out.kind = _KIND_HOST_MAPPED
             out.delta = <int64_t>(dptr - ptr)
         else:

@@ -25,8 +25,9 @@ def main(path: str) -> None:
         return f"{fmt(r['gbps'])} ({fmt(r['wall_gbps'])})" if wall else fmt(r["gbps"])
 
     print("| block | dir | contiguous | kvcopy auto (method) | of ceiling | auto wall | batch DMA (wall) "
-          "| cuda.core copy_batch (wall) | torch per-block `copy_` | torch gather + staging (wall) |")
-    print("|------:|-----|-----------:|------:|------:|------:|------:|------:|------:|------:|")
+          "| Triton blocks (vLLM-style) | cuda.core copy_batch (wall) | torch per-block `copy_` "
+          "| torch gather + staging (wall) |")
+    print("|------:|-----|-----------:|------:|------:|------:|------:|------:|------:|------:|------:|")
     for direction in ("h2d", "d2h", "d2d"):
         blocks = sorted({b for d, b, _ in rows if d == direction})
         for block in blocks:
@@ -36,6 +37,7 @@ def main(path: str) -> None:
             print(f"| {label(block)} | {direction.upper()} | {cell(direction, block, 'contiguous')} "
                   f"| {fmt(auto['gbps'])} ({auto['chose']}) | {auto['fraction_of_ceiling']:.2f} "
                   f"| {fmt(auto['wall_gbps'])} | {cell(direction, block, 'batch', wall=True)} "
+                  f"| {cell(direction, block, 'triton_blocks')} "
                   f"| {cell(direction, block, 'cuda.core.copy_batch', wall=True)} "
                   f"| {cell(direction, block, 'torch_copy_loop')} "
                   f"| {fmt(gather['gbps']) if gather else '—'} |")
