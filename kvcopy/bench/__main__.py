@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON/CSV/PNG")
     parser.add_argument("--no-alternatives", action="store_true")
+    parser.add_argument("--blocks", type=str, default=None,
+                        help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="only the block sweep (no bidirectional, compute, swap_blocks)")
     args = parser.parse_args(argv)
@@ -50,12 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     from kvcopy.bench.scenarios import block_copy_rows
 
     blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
+    if args.blocks:
+        try:
+            blocks = [int(k) * KiB for k in args.blocks.split(",")]
+        except ValueError:
+            parser.error(f"--blocks: expected KiB integers separated by commas, got {args.blocks!r}")
     total = 64 * MiB
     repeats = 5 if args.quick else 9
     methods = ["auto", "kernel", "batch", "loop"]
     jobs = [(d, b, "torch") for d in ("h2d", "d2h") for b in blocks]
     jobs += [("d2d", b, "torch") for b in blocks if b >= 16 * KiB]
-    kvcopy_memory = [16 * KiB] if args.quick else blocks
+    kvcopy_memory = [b for b in blocks if b == 16 * KiB] if args.quick else blocks
     jobs += [(d, b, "kvcopy") for d in ("h2d", "d2h") for b in kvcopy_memory]
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch

@@ -117,9 +117,10 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
     dst_blocks = pools.dst.view(-1, block)
     src_idx = torch.from_numpy(src_off // block)
     dst_idx = torch.from_numpy(dst_off // block)
-    triton_fn = triton_copy_blocks(pools, src_off, dst_off, block, stream)
-    if triton_fn is not None:
-        yield row("triton_blocks", "", triton_fn, ceiling)
+    for name, programs in (("triton_blocks", 16), ("triton_vllm_grid", 12)):
+        triton_fn = triton_copy_blocks(pools, src_off, dst_off, block, stream, programs)
+        if triton_fn is not None:
+            yield row(name, "", triton_fn, ceiling)
     if count <= max_loop_count:
         def per_block():
             with torch.cuda.stream(stream):
@@ -155,10 +156,11 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
         yield row("cuda.core.copy_batch", "", core_row, ceiling)
 
 
-def triton_copy_blocks(pools, src_off, dst_off, block, stream):
+def triton_copy_blocks(pools, src_off, dst_off, block, stream, programs: int):
     """A Triton block-copy kernel in the style vLLM uses for small host-to-GPU loads:
-    per-block pointer arrays uploaded each call, a fixed grid of programs copying
-    8-byte words through unified addressing. None where Triton is not installed."""
+    per-block pointer arrays uploaded each call, a fixed grid of ``programs``
+    copying 8-byte words through unified addressing (16: kvcopy's CTA budget;
+    12: vLLM's grid). None where Triton is not installed."""
     if block % 8 or pools.direction == "d2d":
         return None
     try:
@@ -166,7 +168,7 @@ def triton_copy_blocks(pools, src_off, dst_off, block, stream):
     except Exception:  # noqa: BLE001 - no (working) Triton here: the row is left out
         return None
     return triton_alt.block_copier(pools.src.data_ptr() + src_off, pools.dst.data_ptr() + dst_off,
-                                   block, stream)
+                                   block, stream, programs)
 
 
 def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 PROGRAMS = 16          # kvcopy's default CTA budget for host copies
+VLLM_PROGRAMS = 12     # the grid vLLM's kernel used in the H200 measurements (DESIGN section 2)
 WORDS_PER_STEP = 1024  # 8 KiB per program per step
 
 
@@ -27,7 +28,7 @@ def _copy_blocks(src_ptrs, dst_ptrs, num_blocks, words_per_block, STEP: tl.const
 
 
 def block_copier(src_addrs: np.ndarray, dst_addrs: np.ndarray, block: int,
-                 stream) -> Callable[[], None] | None:
+                 stream, programs: int = PROGRAMS) -> Callable[[], None] | None:
     """A callable that copies every block on ``stream`` (a torch stream), uploading
     the pointer arrays first as an engine does per step; None if it cannot run."""
     import torch
@@ -41,7 +42,7 @@ def block_copier(src_addrs: np.ndarray, dst_addrs: np.ndarray, block: int,
         with torch.cuda.stream(stream):
             src_dev.copy_(src_host, non_blocking=True)
             dst_dev.copy_(dst_host, non_blocking=True)
-            _copy_blocks[(min(PROGRAMS, count),)](src_dev, dst_dev, count, words,
+            _copy_blocks[(min(programs, count),)](src_dev, dst_dev, count, words,
                                                   STEP=WORDS_PER_STEP, num_warps=4)
     try:
         run()
