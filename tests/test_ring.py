@@ -1,0 +1,111 @@
+"""The descriptor ring's reuse rules, with a faked driver (CPU).
+
+A slot the GPU may still read (fenced) is handed out again only after its
+event has been waited for; an unfenced slot is handed out again at once; slots
+grow by powers of two and the lock is released even when staging fails.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvcopy import ring
+
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.next_address = 0x10000
+        self.fail_alloc = False
+
+    def _address(self) -> int:
+        self.next_address += 0x100000
+        return self.next_address
+
+    def event_create(self) -> int:
+        return self._address()
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.log.append(f"record {event:#x} on {stream}")
+
+    def event_synchronize(self, event: int) -> None:
+        self.log.append(f"wait {event:#x}")
+
+    def host_alloc(self, nbytes: int) -> int:
+        if self.fail_alloc:
+            raise MemoryError("fake: out of pinned memory")
+        self.log.append(f"host_alloc {nbytes}")
+        return self._address()
+
+    def mem_alloc(self, nbytes: int) -> int:
+        self.log.append(f"mem_alloc {nbytes}")
+        return self._address()
+
+    def host_free(self, ptr: int) -> None:
+        self.log.append("host_free")
+
+    def mem_free(self, ptr: int) -> None:
+        self.log.append("mem_free")
+
+
+@pytest.fixture
+def driver(monkeypatch) -> FakeDriver:
+    fake = FakeDriver()
+    monkeypatch.setattr(ring, "_driver", fake)
+    return fake
+
+
+def test_unfenced_slot_is_handed_out_again_without_waiting(driver):
+    r = ring.DescriptorRing(slots=2)
+    with r.reserve(1000) as first:
+        pass
+    with r.reserve(1000) as second:
+        pass
+    assert first is second
+    assert not any(line.startswith("wait") for line in driver.log)
+
+
+def test_fenced_slots_rotate_and_are_waited_for_before_reuse(driver):
+    r = ring.DescriptorRing(slots=2)
+    seen = []
+    for stream in (7, 8, 9):
+        with r.reserve(1000) as slot:
+            seen.append(slot)
+            ring.DescriptorRing.fence(slot, stream)
+    assert seen[0] is not seen[1] and seen[2] is seen[0]
+    waits = [line for line in driver.log if line.startswith("wait")]
+    assert waits == [f"wait {seen[0].event:#x}"]   # only the reuse of a fenced slot waits
+    assert f"record {seen[0].event:#x} on 9" in driver.log
+
+
+def test_slots_grow_by_powers_of_two_and_free_the_old_buffers(driver):
+    r = ring.DescriptorRing(slots=1)
+    with r.reserve(1000) as slot:
+        assert slot.capacity == ring.MIN_CAPACITY_BYTES
+    with r.reserve(ring.MIN_CAPACITY_BYTES + 1) as slot:
+        assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+    assert driver.log.count("host_free") == 1 and driver.log.count("mem_free") == 1
+    with r.reserve(10) as slot:   # never shrinks
+        assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+
+
+def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
+    r = ring.DescriptorRing(slots=1)
+    with pytest.raises(RuntimeError):
+        with r.reserve(1000):
+            raise RuntimeError("launch failed")
+    driver.fail_alloc = True
+    with pytest.raises(MemoryError):
+        with r.reserve(10 * ring.MIN_CAPACITY_BYTES):
+            pass
+    driver.fail_alloc = False
+    done = threading.Event()
+
+    def other_thread() -> None:
+        with r.reserve(1000):
+            done.set()
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join(timeout=5)
+    assert done.is_set()
