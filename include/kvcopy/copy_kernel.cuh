@@ -107,6 +107,45 @@ __device__ __forceinline__ void kvcopy_copy_tile(const kvcopy_desc& desc, unsign
                      reinterpret_cast<char*>(desc.dst) + offset, len, lane);
 }
 
+/* The descriptor held by lane src_lane, for the whole warp. */
+__device__ __forceinline__ kvcopy_desc kvcopy_share_desc(const kvcopy_desc& d, int src_lane) {
+    kvcopy_desc r;
+    r.src = __shfl_sync(0xffffffffu, d.src, src_lane);
+    r.dst = __shfl_sync(0xffffffffu, d.dst, src_lane);
+    r.size = __shfl_sync(0xffffffffu, d.size, src_lane);
+    r.tile_start = __shfl_sync(0xffffffffu, d.tile_start, src_lane);
+    return r;
+}
+
+/* Every copy is one tile (blocks <= KVCOPY_TILE_BYTES), so tile t is copy t and
+ * warp w copies w, w + W, w + 2W, ... Descriptors may be read straight from
+ * pinned host memory, a PCIe round trip each: every lane loads one descriptor
+ * of the warp's next 32 copies and shuffles share them, and the loads of the
+ * following 32 are issued before the current ones are copied, so their
+ * latency hides behind 32 copies instead of adding to each. */
+__device__ __forceinline__ void kvcopy_scatter_single_tiles(const kvcopy_desc* descs,
+                                                            unsigned long long count,
+                                                            unsigned long long warp,
+                                                            unsigned long long num_warps,
+                                                            unsigned lane) {
+    const kvcopy_desc none = {0ULL, 0ULL, 0ULL, 0ULL};
+    const unsigned long long group = 32ULL * num_warps;
+    unsigned long long base = warp;
+    kvcopy_desc mine = base + lane * num_warps < count ? descs[base + lane * num_warps] : none;
+    while (base < count) {
+        const unsigned long long next = base + group;
+        const kvcopy_desc ahead = next + lane * num_warps < count ? descs[next + lane * num_warps]
+                                                                  : none;
+        for (int j = 0; j < 32; ++j) {
+            const unsigned long long t = base + (unsigned long long)j * num_warps;
+            if (t >= count) break;
+            kvcopy_copy_tile(kvcopy_share_desc(mine, j), t, lane);
+        }
+        mine = ahead;
+        base = next;
+    }
+}
+
 __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
                                                     unsigned long long count,
                                                     unsigned long long total_tiles) {
@@ -114,21 +153,7 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
     const unsigned long long warp = kvcopy_warp_index();
     const unsigned long long num_warps = kvcopy_warp_count();
     if (total_tiles == count) {
-        // Every copy is one tile (blocks <= KVCOPY_TILE_BYTES): tile t is copy t.
-        // The next descriptor is loaded before the current copy, so its latency
-        // hides behind the copy instead of adding to it.
-        unsigned long long t = warp;
-        if (t >= count) return;
-        kvcopy_desc desc = descs[t];
-        while (true) {
-            const unsigned long long next = t + num_warps;
-            kvcopy_desc upcoming;
-            if (next < count) upcoming = descs[next];
-            kvcopy_copy_tile(desc, t, lane);
-            if (next >= count) break;
-            desc = upcoming;
-            t = next;
-        }
+        kvcopy_scatter_single_tiles(descs, count, warp, num_warps, lane);
         return;
     }
     unsigned long long d = 0;  // tiles are visited in increasing order
@@ -138,6 +163,8 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
     }
 }
 
+/* Descriptors in device memory, or in pinned host memory mapped for the device
+ * (one-tile copies only: the multi-tile search would cross PCIe per step). */
 extern "C" __global__ void kvcopy_scatter(const kvcopy_desc* __restrict__ descs,
                                           unsigned long long count,
                                           unsigned long long total_tiles) {
