@@ -26,7 +26,8 @@ from cuda.bindings.cydriver cimport (
     CUevent, CUpointer_attribute, CUstreamCaptureStatus, CUdevice_attribute,
 )
 
-from kvcopy._planning cimport PlanCursor, plan_cursor_init, next_copy
+from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem,
+                               COPY_OK)
 
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy._plan import bad_copy_error, length_error
@@ -73,6 +74,16 @@ cdef extern from "kvcopy/descriptor.h":
         unsigned long long count
         unsigned long long total_tiles
         kvcopy_desc descs[1000]
+
+cdef extern from "kvcopy/describe_fast.h":
+    int kvcopy_fast_describe_available() nogil
+    unsigned KVCOPY_FAST_MISFIT
+    unsigned KVCOPY_FAST_MERGES
+    unsigned kvcopy_describe_in_ranges(const uint64_t* src, const uint64_t* dst,
+                                       const uint64_t* sizes, void* descs_out, int64_t n,
+                                       uint64_t src_start, uint64_t src_span, int64_t src_delta,
+                                       uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
+                                       uint64_t* total_out) nogil
 
 # Classification bits returned by classify_pointers.
 cdef enum:
@@ -451,6 +462,27 @@ cdef inline void _classifier_init(_Classifier* c) noexcept nogil:
     c.last = 0
     c.kinds = 0
     c.ordinal = -1
+    c.cache[0].start = 1   # an empty range: the first lookup goes the slow way
+    c.cache[0].end = 0
+
+
+cdef int _classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1:
+    """Enter ranges as if the driver had answered them: rows of (start, end, kind,
+    ordinal, delta). Lookups still go the slow way first, so kinds are recorded."""
+    cdef Py_ssize_t j, k = ranges.shape[0]
+    if ranges.shape[1] != 5 or k >= _RANGE_CACHE:
+        raise ValueError(f"ranges must be (k, 5) with k < {_RANGE_CACHE}")
+    for j in range(k):
+        c.cache[j].start = <uint64_t>ranges[j, 0]
+        c.cache[j].end = <uint64_t>ranges[j, 1]
+        c.cache[j].kind = <int>ranges[j, 2]
+        c.cache[j].ordinal = <int>ranges[j, 3]
+        c.cache[j].delta = ranges[j, 4]
+    c.cached = k
+    c.last = k
+    c.cache[k].start = 1
+    c.cache[k].end = 0
+    return 0
 
 
 cdef uint64_t _classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
@@ -486,7 +518,7 @@ cdef inline uint64_t _classify(_Classifier* c, uint64_t p, uint64_t size) noexce
     range used needs two comparisons (its kind and device were recorded when
     that range was first used)."""
     cdef _Range* r = &c.cache[c.last]
-    if c.cached > 0 and r.start <= p and p + size <= r.end:
+    if r.start <= p and p + size <= r.end:
         return <uint64_t>(<int64_t>p + r.delta)
     return _classify_slow(c, p, size)
 
@@ -522,6 +554,68 @@ cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, u
     tiles[0] += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
 
 
+cdef bint _fast_describe = kvcopy_fast_describe_available()
+
+
+cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                         Py_ssize_t n, kvcopy_desc* descs, _Classifier* sides, bint merge,
+                         unsigned long long* total) noexcept nogil:
+    """The common batch in one branch-free pass (describe_fast.h): True when it
+    applied, with exactly what the general loop would have written."""
+    cdef _Range* rs
+    cdef _Range* rd
+    cdef uint64_t nbytes = 0
+    cdef unsigned misfit
+    if not _fast_describe or sizes[0] == 0 or sizes[0] > KVCOPY_TILE_BYTES:
+        return False
+    if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
+        return False
+    # the first copy picks the range each side is checked against
+    _classify(&sides[0], src[0], sizes[0])
+    _classify(&sides[1], dst[0], sizes[0])
+    if (sides[0].kinds | sides[1].kinds) & _KIND_STRADDLE:
+        return False
+    rs = &sides[0].cache[sides[0].last]
+    rd = &sides[1].cache[sides[1].last]
+    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, n, rs.start, rs.end - rs.start,
+                                       rs.delta, rd.start, rd.end - rd.start, rd.delta, &nbytes)
+    if misfit & KVCOPY_FAST_MISFIT or (merge and misfit & KVCOPY_FAST_MERGES):
+        return False
+    total[0] = nbytes
+    return True
+
+
+cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                     uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast):
+    """describe_copies over the given classifiers; *fast in: may the vectorised pass
+    run, out: did it apply."""
+    cdef Py_ssize_t n = sizes.shape[0], k = 0
+    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
+    cdef unsigned long long tiles = 0, total = 0
+    cdef PlanCursor cursor
+    if src.shape[0] != n or dst.shape[0] != n:
+        raise length_error(src.shape[0], dst.shape[0], n)
+    if n == 0:
+        return 0, 0, 0, -1, 0, -1, 0
+    if descs == NULL:
+        raise ValueError("describe_copies: no descriptor buffer")
+    plan_cursor_init(&cursor, n, merge)
+    with nogil:
+        fast[0] = fast[0] and _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge,
+                                             &total)
+        if fast[0]:
+            k = tiles = n
+        else:
+            total = 0
+            while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+                _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
+                total += cursor.size
+                k += 1
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
+    return k, total, sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles
+
+
 def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
                     uintptr_t descs_out, bint merge=True):
     """Plan, classify and describe a batch in one pass over it.
@@ -531,7 +625,8 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     previous one on both sides (with ``merge``), classifies both sides and
     writes one kvcopy_desc per planned copy into ``descs_out`` (room for
     ``len(sizes)`` entries): the device's view of both pointers, the size and
-    the first tile. Nothing is enqueued.
+    the first tile. Nothing is enqueued. A batch inside one allocation per
+    side, of one-tile copies that need no merging, takes a vectorised pass.
 
     Returns ``(count, total_bytes, src_kinds, src_ordinal, dst_kinds,
     dst_ordinal, total_tiles)``; kinds and ordinals as for classify_pointers.
@@ -539,33 +634,43 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     Raises:
         ValueError: as plan_arrays, naming the caller's index.
     """
-    cdef Py_ssize_t n = sizes.shape[0], k = 0
-    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
-    cdef unsigned long long tiles = 0, total = 0
-    cdef PlanCursor cursor
-    cdef _Classifier* sides
-    if src.shape[0] != n or dst.shape[0] != n:
-        raise length_error(src.shape[0], dst.shape[0], n)
-    if n == 0:
-        return 0, 0, 0, -1, 0, -1, 0
-    if descs == NULL:
-        raise ValueError("describe_copies: no descriptor buffer")
-    sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    cdef bint fast = True
     if sides == NULL:
         raise MemoryError()
     _classifier_init(&sides[0])
     _classifier_init(&sides[1])
-    plan_cursor_init(&cursor, n, merge)
-    with nogil:
-        while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
-            _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
-            total += cursor.size
-            k += 1
-    result = (k, total, sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles)
-    free(sides)
-    if cursor.why:
-        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
-    return result
+    try:
+        return _describe(src, dst, sizes, descs_out, merge, sides, &fast)
+    finally:
+        free(sides)
+
+
+def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] src,
+                       const uint64_t[::1] dst, const uint64_t[::1] sizes, uintptr_t descs_out,
+                       bint merge=True, bint fast=True):
+    """describe_copies with memory ranges known in advance, for tests and for timing
+    the pass itself: rows of (start, end, kind, ordinal, delta), as the driver's
+    answers would be; pointers outside them are still asked of the driver.
+    ``fast=False`` keeps to the general loop. Returns describe_copies' tuple
+    and whether the vectorised pass applied."""
+    cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    cdef bint used = fast
+    if sides == NULL:
+        raise MemoryError()
+    try:
+        _classifier_init(&sides[0])
+        _classifier_init(&sides[1])
+        _classifier_seed(&sides[0], known_ranges)
+        _classifier_seed(&sides[1], known_ranges)
+        return _describe(src, dst, sizes, descs_out, merge, sides, &used), used
+    finally:
+        free(sides)
+
+
+def fast_describe_available() -> bool:
+    """Whether this CPU runs the vectorised describe pass (AVX2 on x86-64)."""
+    return _fast_describe
 
 
 # ---------------------------------------------------------------- batched DMA
@@ -737,19 +842,21 @@ def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs
     return launches
 
 
-def launch_descs_staged(uintptr_t function, uintptr_t host_descs, uintptr_t device_descs,
-                        Py_ssize_t n, unsigned long long tiles, unsigned int max_ctas,
-                        unsigned int threads, uintptr_t stream) -> int:
-    """Launch the copy kernel once over ``n`` descriptors staged in pinned memory.
+def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned long long tiles,
+                 unsigned int max_ctas, unsigned int threads, uintptr_t stream,
+                 uintptr_t upload_from=0) -> int:
+    """Launch ``kvcopy_scatter`` once over ``n`` descriptors at ``descs``, a device-visible
+    address: device memory, or pinned host memory mapped for the device, which the
+    kernel then reads in place (one-tile copies only; see copy_kernel.cuh).
 
-    Copies the descriptors (from describe_copies, ``tiles`` their total) from
-    ``host_descs`` to ``device_descs`` on the stream and launches
-    ``kvcopy_scatter`` behind that copy. Both buffers must stay untouched until
-    the stream has passed this launch (the caller records an event). Not for
-    stream capture: the graph would keep reading buffers that later calls
-    overwrite. Returns the number of launches (0 or 1).
+    With ``upload_from`` (pinned host memory), the descriptors are first copied
+    from there to ``descs`` on the stream. ``tiles`` is the descriptors' total
+    (describe_copies). Every buffer must stay untouched until the stream has
+    passed this launch (the caller records an event). Not for stream capture:
+    the graph would keep reading buffers that later calls overwrite. Returns
+    the number of launches (0 or 1).
     """
-    cdef CUdeviceptr dev = <CUdeviceptr>device_descs
+    cdef CUdeviceptr dev = <CUdeviceptr>descs
     cdef unsigned long long count = <unsigned long long>n
     cdef void* params[3]
     _check_launch_shape(max_ctas, threads)
@@ -759,8 +866,9 @@ def launch_descs_staged(uintptr_t function, uintptr_t host_descs, uintptr_t devi
     params[1] = &count
     params[2] = &tiles
     with nogil:
-        _check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>host_descs, n * sizeof(kvcopy_desc),
-                                      <CUstream>stream))
+        if upload_from:
+            _check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, n * sizeof(kvcopy_desc),
+                                          <CUstream>stream))
         _check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
                                        threads, 1, 1, 0, <CUstream>stream, params, NULL))
     return 1

@@ -66,22 +66,6 @@ class _Classes(NamedTuple):
         return memory_owner(self.src_device, self.dst_device)
 
 
-class _Described(NamedTuple):
-    """What describe_copies found: the planned batch, its memory and its tiles."""
-
-    count: int
-    total_bytes: int
-    src_kinds: int
-    src_device: int
-    dst_kinds: int
-    dst_device: int
-    tiles: int
-
-    @property
-    def owner(self) -> int:
-        return memory_owner(self.src_device, self.dst_device)
-
-
 @dataclass
 class _Target:
     """Where and how a batch runs, once its memory is classified and the policy asked."""
@@ -99,8 +83,7 @@ class _Target:
         return config.host_ctas
 
 
-def _decide(handle: int, method: str, count: int, total_bytes: int,
-            found: _Classes | _Described) -> _Target:
+def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes) -> _Target:
     """Ask the policy for a method, given the classified memory of a batch."""
     ordinal = _driver.context_device()
     info = device.device_info(ordinal)
@@ -121,15 +104,22 @@ def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
                    max_ctas: int | None) -> None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
 
-    Large batches: one launch reading the descriptors from the slot's device
-    buffer. Small batches and capture: descriptors by value, which graphs keep
-    with the launch (and which leave the slot free at once)."""
+    Large batches: one launch. When the batch crosses PCIe anyway and every
+    copy is one tile, the kernel reads the descriptors where they were
+    written (pinned, mapped), which saves the CPU an upload call; otherwise
+    they are uploaded to the slot's device buffer first. Small batches and
+    capture: descriptors by value, which graphs keep with the launch (and
+    which leave the slot free at once)."""
     info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
     if count > kernel.per_launch and not target.request.capturing:
-        _driver.launch_descs_staged(kernel.function_staged, slot.host, slot.device, count, tiles,
-                                    ctas, threads, handle)
+        if tiles == count and target.request.direction != "d2d":
+            _driver.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
+                                 handle)
+        else:
+            _driver.launch_descs(kernel.function_staged, slot.device, count, tiles, ctas, threads,
+                                 handle, slot.host)
         ring.DescriptorRing.fence(slot, handle)
         return
     function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
@@ -149,27 +139,31 @@ def _issue_dma(plan: CopyPlan, target: _Target, access_any: bool) -> None:
 
 def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
                     sizes: np.ndarray, method: str, merge: bool, access_any: bool,
-                    max_ctas: int | None) -> str:
+                    max_ctas: int | None, plan: CopyPlan | None = None) -> str:
     """Validate, classify, decide and issue a batch in the scope's context.
 
     One pass (describe_copies) plans the batch, classifies its memory and
     writes the kernel's descriptors straight into a pinned descriptor slot, so
     the kernel path touches each copy once. The DMA paths, which cost far
-    more per copy anyway, plan the batch again as pointer arrays.
+    more per copy anyway, issue ``plan`` when the caller has one (it must be
+    the planned form of the arrays), else plan the batch again as pointer arrays.
     """
     target = None
     while target is None:
         with ring.ring_for_current_context().reserve(len(sizes) * _driver.DESCRIPTOR_BYTES) as slot:
-            found = _Described(*_driver.describe_copies(src, dst, sizes, slot.host, merge))
-            if found.count == 0:
+            count, total_bytes, *kinds, tiles = _driver.describe_copies(src, dst, sizes, slot.host,
+                                                                        merge)
+            if count == 0:
                 return "none"
+            found = _Classes(*kinds)
             if scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
-            target = _decide(handle, method, found.count, found.total_bytes, found)
+            target = _decide(handle, method, count, total_bytes, found)
             if target.decision.method == "kernel":
-                _launch_kernel(found.count, found.tiles, target, slot, max_ctas)
+                _launch_kernel(count, tiles, target, slot, max_ctas)
                 return "kernel"
-    _issue_dma(plan_copies(src, dst, sizes, merge=merge), target, access_any)
+    _issue_dma(plan if plan is not None else plan_copies(src, dst, sizes, merge=merge), target,
+               access_any)
     return target.decision.method
 
 
@@ -181,7 +175,7 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
-                               access_any, max_ctas)
+                               access_any, max_ctas, plan)
 
 
 def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int,
@@ -204,8 +198,9 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
 
 
 def _classify_tensors(blocks: "BlockPlan", src_view: np.ndarray, dst_view: np.ndarray) -> _Classes:
-    return _Classes(*_driver.classify_pointers(blocks.src_base, blocks.src_extent, src_view),
-                    *_driver.classify_pointers(blocks.dst_base, blocks.dst_extent, dst_view))
+    g = blocks.geometry
+    return _Classes(*_driver.classify_pointers(g.src_base, g.src_extent, src_view),
+                    *_driver.classify_pointers(g.dst_base, g.dst_extent, dst_view))
 
 
 def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto") -> str:
@@ -216,7 +211,8 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        src_view, dst_view = np.empty_like(blocks.src_base), np.empty_like(blocks.dst_base)
+        src_view = np.empty_like(blocks.geometry.src_base)
+        dst_view = np.empty_like(blocks.geometry.dst_base)
         found = _classify_tensors(blocks, src_view, dst_view)
         if scope.follow_memory(found.owner):
             found = _classify_tensors(blocks, src_view, dst_view)
@@ -224,14 +220,14 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
         if target.decision.method != "kernel" or target.request.capturing:
             plan = blocks.copy_plan()
             return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes,
-                                   target.decision.method, False, False, None)
+                                   target.decision.method, False, False, None, plan)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:
             _driver.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
-                                         blocks.mapping, blocks.block_bytes, target.ctas(None),
-                                         config.threads_per_cta, handle)
+                                         blocks.mapping, blocks.geometry.block_bytes,
+                                         target.ctas(None), config.threads_per_cta, handle)
             ring.DescriptorRing.fence(slot, handle)
         return "kernel"
 

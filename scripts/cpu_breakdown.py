@@ -55,6 +55,10 @@ def main() -> None:
     timed("describe_copies -> pinned", lambda: _driver.describe_copies(s, d, sizes, pinned))
     timed("describe_copies -> pageable", lambda: _driver.describe_copies(s, d, sizes,
                                                                           pageable.ctypes.data))
+    general = np.array([[0, 1, 0, -1, 0]], dtype=np.int64)  # seeds nothing the batch uses
+    timed("describe, general loop -> pinned", lambda: _driver.describe_copies_in(
+        general, s, d, sizes, pinned, True, False))
+    print(f"breakdown vectorised describe available: {_driver.fast_describe_available()}")
     view = np.empty_like(plan.src)
     timed("classify_pointers src", lambda: _driver.classify_pointers(plan.src, plan.sizes, view))
     from kvcopy import engine, kernels, ring
@@ -73,16 +77,33 @@ def main() -> None:
         with ring.ring_for_current_context().reserve(1 << 18):
             pass
     timed("ring lookup + reserve", reserve)
-    found = engine._Described(*_driver.describe_copies(s, d, sizes, pinned))
-    timed("_decide", lambda: engine._decide(handle, "kernel", found.count, found.total_bytes, found))
-    target = engine._decide(handle, "kernel", found.count, found.total_bytes, found)
+    count, total, *kinds, tiles = _driver.describe_copies(s, d, sizes, pinned)
+    found = engine._Classes(*kinds)
+    timed("_decide", lambda: engine._decide(handle, "kernel", count, total, found))
+    target = engine._decide(handle, "kernel", count, total, found)
     info = target.info
     timed("kernel lookup", lambda: kernels.kernel_for_current_context(*info.cc, info.driver_version))
+    kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
+    slot = ring.Slot()
+    slot.ensure(count * _driver.DESCRIPTOR_BYTES)
+    _driver.describe_copies(s, d, sizes, slot.host)
+    ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
+    timed("launch, descriptors read in place", lambda: _driver.launch_descs(
+        kernel.function_staged, slot.mapped, count, tiles, ctas, threads, handle),
+        sync=stream.synchronize)
+    timed("launch, descriptors uploaded", lambda: _driver.launch_descs(
+        kernel.function_staged, slot.device, count, tiles, ctas, threads, handle, slot.host),
+        sync=stream.synchronize)
+    event = _driver.event_create()
+    timed("event record (ring fence)", lambda: _driver.event_record(event, handle))
+    timed("stream_capture_status", lambda: _driver.stream_capture_status(handle))
+    stream.synchronize()
+    slot.release()
 
     def launch() -> None:
-        with ring.ring_for_current_context().reserve(found.count * 32) as slot:
+        with ring.ring_for_current_context().reserve(count * 32) as slot:
             _driver.describe_copies(s, d, sizes, slot.host)
-            engine._launch_kernel(found.count, found.tiles, target, slot, None)
+            engine._launch_kernel(count, tiles, target, slot, None)
     timed("reserve + describe + launch", launch, sync=stream.synchronize)
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),

@@ -59,6 +59,18 @@ def test_counts(torch_cuda, direction, count):
     run_copy(direction, count, 4096, stream=torch_cuda.cuda.Stream())
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("count, max_size", [(1001, 16384), (5000, 16384), (3000, 40_000)])
+def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direction, count,
+                                                               max_size):
+    """Past one launch's inline descriptors: one-tile copies across PCIe are read by
+    the kernel from pinned memory in place, others are uploaded first."""
+    sizes = np.random.default_rng(count).integers(1, max_size + 1, count)
+    used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
+                    align=61, seed=count)
+    assert used == "kernel"
+
+
 @pytest.mark.parametrize("count", [16, 20_000])
 @pytest.mark.parametrize("method", ["batch", "loop", "kernel"])
 def test_counts_every_method(torch_cuda, count, method):

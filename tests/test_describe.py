@@ -1,0 +1,128 @@
+"""The kernel path's describe pass on the CPU, with memory ranges given in advance
+instead of asked of the driver: the vectorised pass writes exactly what the
+general loop writes, both plan exactly like the planner, and the device views
+carry each range's offset."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcopy import _driver
+from kvcopy.plan import plan_copies
+
+TILE = _driver.TILE_BYTES
+HOST_A, HOST_B, DEVICE = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7000_0000_0000
+POOL = 1 << 30
+DELTA = 0x1000  # pinned host memory seen by the device at another address
+RANGES = np.array([
+    [HOST_A, HOST_A + POOL, _driver.KIND_HOST_MAPPED, -1, DELTA],
+    [HOST_B, HOST_B + POOL, _driver.KIND_HOST_MAPPED, -1, 0],
+    [DEVICE, DEVICE + POOL, _driver.KIND_DEVICE, 0, 0],
+], dtype=np.int64)
+
+
+def describe(src, dst, sizes, merge=True, fast=True):
+    src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+    out = np.zeros(4 * max(len(sizes), 1), dtype=np.uint64)
+    result, used = _driver.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+                                              merge, fast)
+    return result, used, out.reshape(-1, 4)[:result[0]]
+
+
+def expected_descriptors(src, dst, sizes, merge):
+    plan = plan_copies(np.asarray(src, np.uint64), np.asarray(dst, np.uint64),
+                       np.asarray(sizes, np.uint64), merge=merge)
+    in_a = (plan.src >= np.uint64(HOST_A)) & (plan.src < np.uint64(HOST_A + POOL))
+    view = plan.src + np.where(in_a, np.uint64(DELTA), np.uint64(0))
+    tiles = (plan.sizes + np.uint64(TILE - 1)) // np.uint64(TILE)
+    starts = (np.cumsum(tiles) - tiles).astype(np.uint64)
+    return np.stack([view, plan.dst, plan.sizes, starts], axis=1), plan
+
+
+def scattered(n, block, seed=0):
+    rng = np.random.default_rng(seed)
+    src = HOST_A + rng.permutation(2 * n)[:n].astype(np.uint64) * np.uint64(block)
+    dst = DEVICE + rng.permutation(2 * n)[:n].astype(np.uint64) * np.uint64(block)
+    return src, dst, np.full(n, block, dtype=np.uint64)
+
+
+@pytest.mark.skipif(not _driver.fast_describe_available(), reason="no AVX2 on this CPU")
+def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass():
+    src, dst, sizes = scattered(8192, 16 << 10)
+    (count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles), used, descs = describe(
+        src, dst, sizes)
+    assert used
+    assert (count, total, tiles) == (8192, 8192 * (16 << 10), 8192)
+    assert (src_kinds, src_dev, dst_kinds, dst_dev) == (_driver.KIND_HOST_MAPPED, -1,
+                                                        _driver.KIND_DEVICE, 0)
+    np.testing.assert_array_equal(descs[:, 0], src + np.uint64(DELTA))
+    np.testing.assert_array_equal(descs[:, 1], dst)
+    np.testing.assert_array_equal(descs[:, 3], np.arange(8192, dtype=np.uint64))
+
+
+@pytest.mark.parametrize("case", ["merges", "empty copy", "multi-tile", "second allocation"])
+def test_batches_the_vectorised_pass_cannot_take_fall_back_to_the_general_loop(case):
+    src, dst, sizes = scattered(64, 4096)
+    if case == "merges":
+        src[1], dst[1] = src[0] + sizes[0], dst[0] + sizes[0]
+    elif case == "empty copy":
+        sizes[5] = 0
+    elif case == "multi-tile":
+        sizes[:] = TILE + 16
+        src, dst = HOST_A + np.arange(64, dtype=np.uint64) * np.uint64(2 * TILE), \
+            DEVICE + np.arange(64, dtype=np.uint64)[::-1].copy() * np.uint64(2 * TILE)
+    else:
+        src[7] = HOST_B + 4096
+    result, used, descs = describe(src, dst, sizes)
+    reference, _, ref_descs = describe(src, dst, sizes, fast=False)
+    assert not used
+    assert result == reference
+    np.testing.assert_array_equal(descs, ref_descs)
+    want, plan = expected_descriptors(src, dst, sizes, True)
+    np.testing.assert_array_equal(descs, want)
+    assert result[0] == plan.count
+
+
+def test_a_bad_copy_is_reported_alike_by_both_passes():
+    src, dst, sizes = scattered(100, 4096)
+    src[42] = 0
+    with pytest.raises(ValueError) as fast:
+        describe(src, dst, sizes)
+    with pytest.raises(ValueError) as general:
+        describe(src, dst, sizes, fast=False)
+    assert str(fast.value) == str(general.value) == \
+        "src_ptrs[42] is a null pointer with size 4096"
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 48))
+    src, dst, sizes = [], [], []
+    dst_cursor = DEVICE
+    for _ in range(n):
+        size = draw(st.sampled_from([0, 1, 7, 16, 4096, TILE, TILE + 1, 3 * TILE]))
+        base = draw(st.sampled_from([HOST_A, HOST_A, HOST_A, HOST_B]))
+        src.append(base + draw(st.integers(0, 1 << 20)))
+        dst_cursor += draw(st.sampled_from([0, 0, 64, 4096]))  # 0: may merge with the previous
+        dst.append(dst_cursor)
+        dst_cursor += size
+        sizes.append(size)
+        if draw(st.booleans()) and len(src) > 1:  # continue the previous copy on both sides
+            src[-1] = src[-2] + sizes[-2]
+            dst[-1] = dst[-2] + sizes[-2]
+    return src, dst, sizes
+
+
+@given(batches(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_both_passes_describe_what_the_planner_plans(batch, merge):
+    src, dst, sizes = batch
+    result, _, descs = describe(src, dst, sizes, merge)
+    reference, _, ref_descs = describe(src, dst, sizes, merge, fast=False)
+    assert result == reference
+    np.testing.assert_array_equal(descs, ref_descs)
+    want, plan = expected_descriptors(src, dst, sizes, merge)
+    np.testing.assert_array_equal(descs, want)
+    assert (result[0], result[1]) == (plan.count, plan.total_bytes)
