@@ -132,9 +132,6 @@ class BlockPlan:
     geometry: BlockGeometry
     mapping: np.ndarray        # (n, 2) int64, C-contiguous
 
-    def __getattr__(self, name: str) -> Any:  # the geometry's columns, e.g. plan.src_base
-        return getattr(self.geometry, name)
-
     @property
     def num_pairs(self) -> int:
         return int(self.mapping.shape[0])

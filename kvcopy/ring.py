@@ -1,10 +1,16 @@
 """Reusable descriptor buffers for large kernel launches, one ring per context.
 
-A launch over thousands of copies reads its descriptors from device memory:
-they are written into a pinned slot, copied to the slot's device buffer on the
-caller's stream, and the slot's event is recorded behind the kernel. A slot is
-reused only after its event has completed, so a slot is never overwritten
-while a copy or kernel on any stream may still read it.
+A launch over thousands of copies gets its descriptors from a pinned slot: the
+kernel reads them there in place (``Slot.mapped``, its device-side address),
+or they are first copied to the slot's device buffer on the caller's stream;
+either way the slot's event is recorded behind the kernel. A slot is reused
+only after its event has completed, so a slot is never overwritten while a
+copy or kernel on any stream may still read it.
+
+A call reuses the slot of the call before when the GPU is done with it: its
+cache lines are still in the CPU's cache, and writing 256 KiB of descriptors
+into memory that is not costs more than describing them. Only a slot still in
+flight makes the ring move on.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ MIN_CAPACITY_BYTES = 128 << 10
 class Slot:
     capacity: int = 0
     host: int = 0
+    mapped: int = 0     # where the device sees ``host``
     device: int = 0
     event: int = 0
     used: bool = False
@@ -32,6 +39,7 @@ class Slot:
         self.release()
         capacity = max(MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
         self.host = _driver.host_alloc(capacity)
+        self.mapped = _driver.host_device_pointer(self.host)
         self.device = _driver.mem_alloc(capacity)
         self.capacity = capacity
 
@@ -40,32 +48,37 @@ class Slot:
             _driver.host_free(self.host)
         if self.device:
             _driver.mem_free(self.device)
-        self.host = self.device = self.capacity = 0
+        self.host = self.mapped = self.device = self.capacity = 0
 
 
 class DescriptorRing:
-    """Slots used round-robin in the context current at creation."""
+    """Slots in the context current at creation: the current one while the GPU is
+    done with it, else the next in turn."""
 
     def __init__(self, slots: int = SLOTS) -> None:
         self._slots = [Slot(event=_driver.event_create()) for _ in range(slots)]
-        self._next = 0
+        self._current = 0
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int) -> "_Reservation":
-        """The next slot, free and with room for nbytes, held until the with-block ends.
+        """A free slot with room for nbytes, held until the with-block ends.
 
         Whoever makes the GPU read the slot calls ``fence(slot, stream)``; an
-        unfenced slot is handed out again by the next reserve.
+        unfenced slot, or one whose fence has completed, is handed out again
+        by the next reserve.
         """
         return _Reservation(self, nbytes)
 
     def _acquire(self, nbytes: int) -> Slot:
         self._lock.acquire()
         try:
-            slot = self._slots[self._next]
-            if slot.used:
-                _driver.event_synchronize(slot.event)  # back-pressure only after SLOTS calls in flight
-                slot.used = False
+            slot = self._slots[self._current]
+            if slot.used and not _driver.event_query(slot.event):
+                self._current = (self._current + 1) % len(self._slots)
+                slot = self._slots[self._current]
+                if slot.used:
+                    _driver.event_synchronize(slot.event)  # back-pressure: every slot in flight
+            slot.used = False
             slot.ensure(nbytes)
         except BaseException:
             self._lock.release()
@@ -73,8 +86,6 @@ class DescriptorRing:
         return slot
 
     def _release(self, slot: Slot) -> None:
-        if slot.used:
-            self._next = (self._next + 1) % len(self._slots)
         self._lock.release()
 
     @staticmethod

@@ -1,8 +1,10 @@
 """The descriptor ring's reuse rules, with a faked driver (CPU).
 
-A slot the GPU may still read (fenced) is handed out again only after its
-event has been waited for; an unfenced slot is handed out again at once; slots
-grow by powers of two and the lock is released even when staging fails.
+A slot the GPU may still read (fenced, event not complete) is never handed
+out: the ring moves on, and waits only when the next slot is in flight too.
+An unfenced slot, or one whose event has completed, is handed out again at
+once; slots grow by powers of two and the lock is released even when staging
+fails.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ class FakeDriver:
         self.log: list[str] = []
         self.next_address = 0x10000
         self.fail_alloc = False
+        self.completed: set[int] = set()   # events the GPU has passed
+
+    def event_query(self, event: int) -> bool:
+        self.log.append(f"query {event:#x}")
+        return event in self.completed
 
     def _address(self) -> int:
         self.next_address += 0x100000
@@ -28,6 +35,7 @@ class FakeDriver:
 
     def event_record(self, event: int, stream: int) -> None:
         self.log.append(f"record {event:#x} on {stream}")
+        self.completed.discard(event)
 
     def event_synchronize(self, event: int) -> None:
         self.log.append(f"wait {event:#x}")
@@ -37,6 +45,9 @@ class FakeDriver:
             raise MemoryError("fake: out of pinned memory")
         self.log.append(f"host_alloc {nbytes}")
         return self._address()
+
+    def host_device_pointer(self, ptr: int) -> int:
+        return ptr + 0x1  # anything but the host address, to tell the two apart
 
     def mem_alloc(self, nbytes: int) -> int:
         self.log.append(f"mem_alloc {nbytes}")
@@ -66,7 +77,7 @@ def test_unfenced_slot_is_handed_out_again_without_waiting(driver):
     assert not any(line.startswith("wait") for line in driver.log)
 
 
-def test_fenced_slots_rotate_and_are_waited_for_before_reuse(driver):
+def test_slots_in_flight_rotate_and_are_waited_for_before_reuse(driver):
     r = ring.DescriptorRing(slots=2)
     seen = []
     for stream in (7, 8, 9):
@@ -75,8 +86,22 @@ def test_fenced_slots_rotate_and_are_waited_for_before_reuse(driver):
             ring.DescriptorRing.fence(slot, stream)
     assert seen[0] is not seen[1] and seen[2] is seen[0]
     waits = [line for line in driver.log if line.startswith("wait")]
-    assert waits == [f"wait {seen[0].event:#x}"]   # only the reuse of a fenced slot waits
+    assert waits == [f"wait {seen[0].event:#x}"]   # only the reuse of a slot in flight waits
     assert f"record {seen[0].event:#x} on 9" in driver.log
+
+
+def test_a_slot_the_gpu_is_done_with_is_reused_at_once(driver):
+    r = ring.DescriptorRing(slots=2)
+    with r.reserve(1000) as first:
+        ring.DescriptorRing.fence(first, 7)
+    driver.completed.add(first.event)
+    with r.reserve(1000) as second:
+        ring.DescriptorRing.fence(second, 7)
+    assert second is first
+    assert not any(line.startswith("wait") for line in driver.log)
+    with r.reserve(1000) as third:   # still in flight now: the ring moves on
+        pass
+    assert third is not first
 
 
 def test_slots_grow_by_powers_of_two_and_free_the_old_buffers(driver):
@@ -85,6 +110,7 @@ def test_slots_grow_by_powers_of_two_and_free_the_old_buffers(driver):
         assert slot.capacity == ring.MIN_CAPACITY_BYTES
     with r.reserve(ring.MIN_CAPACITY_BYTES + 1) as slot:
         assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+        assert slot.mapped == slot.host + 0x1   # the device's view of the new pinned buffer
     assert driver.log.count("host_free") == 1 and driver.log.count("mem_free") == 1
     with r.reserve(10) as slot:   # never shrinks
         assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
