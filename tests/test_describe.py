@@ -23,9 +23,13 @@ RANGES = np.array([
 ], dtype=np.int64)
 
 
-def describe(src, dst, sizes, merge=True, fast=True):
+def describe(src, dst, sizes, merge=True, fast=True, misalign=0):
+    """describe_copies_in into a buffer 32-byte aligned (streaming stores), or
+    ``misalign`` bytes past that (plain stores)."""
     src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
-    out = np.zeros(4 * max(len(sizes), 1), dtype=np.uint64)
+    raw = np.zeros(4 * max(len(sizes), 1) + 8, dtype=np.uint64)
+    skip = (-raw.ctypes.data % 32 + misalign) // 8
+    out = raw[skip:skip + 4 * max(len(sizes), 1)]
     result, used = _driver.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
                                               merge, fast)
     return result, used, out.reshape(-1, 4)[:result[0]]
@@ -49,17 +53,20 @@ def scattered(n, block, seed=0):
 
 
 @pytest.mark.skipif(not _driver.fast_describe_available(), reason="no AVX2 on this CPU")
-def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass():
-    src, dst, sizes = scattered(8192, 16 << 10)
+@pytest.mark.parametrize("n", [8192, 8190, 1, 2, 5])
+@pytest.mark.parametrize("misalign", [0, 8])
+def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass(n, misalign):
+    src, dst, sizes = scattered(n, 16 << 10)
     (count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles), used, descs = describe(
-        src, dst, sizes)
+        src, dst, sizes, misalign=misalign)
     assert used
-    assert (count, total, tiles) == (8192, 8192 * (16 << 10), 8192)
+    assert (count, total, tiles) == (n, n * (16 << 10), n)
     assert (src_kinds, src_dev, dst_kinds, dst_dev) == (_driver.KIND_HOST_MAPPED, -1,
                                                         _driver.KIND_DEVICE, 0)
     np.testing.assert_array_equal(descs[:, 0], src + np.uint64(DELTA))
     np.testing.assert_array_equal(descs[:, 1], dst)
-    np.testing.assert_array_equal(descs[:, 3], np.arange(8192, dtype=np.uint64))
+    np.testing.assert_array_equal(descs[:, 2], sizes)
+    np.testing.assert_array_equal(descs[:, 3], np.arange(n, dtype=np.uint64))
 
 
 @pytest.mark.parametrize("case", ["merges", "empty copy", "multi-tile", "second allocation"])
@@ -115,11 +122,11 @@ def batches(draw):
     return src, dst, sizes
 
 
-@given(batches(), st.booleans())
-@settings(max_examples=300, deadline=None)
-def test_both_passes_describe_what_the_planner_plans(batch, merge):
+@given(batches(), st.booleans(), st.sampled_from([0, 8]))
+@settings(max_examples=400, deadline=None)
+def test_both_passes_describe_what_the_planner_plans(batch, merge, misalign):
     src, dst, sizes = batch
-    result, _, descs = describe(src, dst, sizes, merge)
+    result, _, descs = describe(src, dst, sizes, merge, misalign=misalign)
     reference, _, ref_descs = describe(src, dst, sizes, merge, fast=False)
     assert result == reference
     np.testing.assert_array_equal(descs, ref_descs)

@@ -4,9 +4,9 @@
  * longer than a tile, none empty, none continuing the previous one. For those
  * the general loop (validate, merge, classify each pointer) reduces to range
  * checks, which this loop does without branches so that the compiler
- * vectorises it. 64-bit unsigned compares need AVX2 on x86-64 (the SSE2
- * version is slower than the general loop), so there it is built for AVX2 and
- * used only on CPUs that have it.
+ * vectorises it (by hand on x86-64, where 64-bit compares need AVX2 and
+ * the descriptors go out with streaming stores; the SSE2 version would be
+ * slower than the general loop, so CPUs without AVX2 keep to the latter).
  */
 #ifndef KVCOPY_DESCRIBE_FAST_H
 #define KVCOPY_DESCRIBE_FAST_H
@@ -29,6 +29,105 @@ static inline int kvcopy_fast_describe_available(void) { return 0; }
 #define KVCOPY_FAST_MISFIT 1u   /* a copy is empty, too long, or outside its side's range */
 #define KVCOPY_FAST_MERGES 2u   /* a copy continues the previous one on both sides */
 
+/* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
+static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
+                                          uint64_t src_start, uint64_t src_span,
+                                          uint64_t dst_start, uint64_t dst_span) {
+    const uint64_t s_end = s + z, t_end = t + z;
+    /* unsigned wrap-around folds "below start" into "above span" */
+    return (uint64_t)((s - src_start) > src_span) | (uint64_t)((s_end - src_start) > src_span)
+         | (uint64_t)((t - dst_start) > dst_span) | (uint64_t)((t_end - dst_start) > dst_span)
+         | (uint64_t)(s_end <= s) | (uint64_t)(t_end <= t) | (uint64_t)(z > KVCOPY_TILE_BYTES);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+/* a > b for unsigned 64-bit lanes (AVX2 compares are signed). */
+KVCOPY_FAST_TARGET static inline __m256i kvcopy_gt_u64(__m256i a, __m256i b) {
+    const __m256i sign = _mm256_set1_epi64x((long long)0x8000000000000000ULL);
+    return _mm256_cmpgt_epi64(_mm256_xor_si256(a, sign), _mm256_xor_si256(b, sign));
+}
+
+/* Copies [first, n) four at a time; returns the first copy not done. Descriptors
+ * go out with streaming stores when the buffer is 32-byte aligned: they are
+ * for the GPU, and writing them around the cache spares the CPU the reads
+ * for ownership of lines the device has just snooped. */
+KVCOPY_FAST_TARGET
+static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64_t* __restrict dst,
+                                    const uint64_t* __restrict sizes, kvcopy_desc* __restrict d,
+                                    int64_t first, int64_t n, uint64_t src_start,
+                                    uint64_t src_span, int64_t src_delta, uint64_t dst_start,
+                                    uint64_t dst_span, int64_t dst_delta, uint64_t* misfit_io,
+                                    uint64_t* merges_io, uint64_t* total_io) {
+    const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
+    const __m256i s_span = _mm256_set1_epi64x((long long)src_span);
+    const __m256i t_start = _mm256_set1_epi64x((long long)dst_start);
+    const __m256i t_span = _mm256_set1_epi64x((long long)dst_span);
+    const __m256i s_delta = _mm256_set1_epi64x((long long)src_delta);
+    const __m256i t_delta = _mm256_set1_epi64x((long long)dst_delta);
+    const __m256i tile = _mm256_set1_epi64x((long long)KVCOPY_TILE_BYTES);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i four = _mm256_set1_epi64x(4);
+    const int stream = ((uintptr_t)d & 31u) == 0;
+    __m256i index = _mm256_setr_epi64x(first, first + 1, first + 2, first + 3);
+    __m256i misfit = zero, merges = zero, total = zero;
+    int64_t i = first;
+    for (; i + 4 <= n; i += 4) {
+        const __m256i s = _mm256_loadu_si256((const __m256i*)(src + i));
+        const __m256i t = _mm256_loadu_si256((const __m256i*)(dst + i));
+        const __m256i z = _mm256_loadu_si256((const __m256i*)(sizes + i));
+        /* the copies before these four (first >= 1) */
+        const __m256i ps = _mm256_loadu_si256((const __m256i*)(src + i - 1));
+        const __m256i pt = _mm256_loadu_si256((const __m256i*)(dst + i - 1));
+        const __m256i pz = _mm256_loadu_si256((const __m256i*)(sizes + i - 1));
+        const __m256i s_end = _mm256_add_epi64(s, z), t_end = _mm256_add_epi64(t, z);
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(_mm256_sub_epi64(s, s_start), s_span));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(_mm256_sub_epi64(s_end, s_start), s_span));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(_mm256_sub_epi64(t, t_start), t_span));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(_mm256_sub_epi64(t_end, t_start), t_span));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(s, s_end));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(t, t_end));
+        misfit = _mm256_or_si256(misfit, _mm256_cmpeq_epi64(z, zero));
+        misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(z, tile));
+        merges = _mm256_or_si256(merges, _mm256_and_si256(
+            _mm256_cmpeq_epi64(s, _mm256_add_epi64(ps, pz)),
+            _mm256_cmpeq_epi64(t, _mm256_add_epi64(pt, pz))));
+        total = _mm256_add_epi64(total, z);
+        /* four descriptors {src, dst, size, tile_start}: a 4x4 transpose */
+        const __m256i a = _mm256_add_epi64(s, s_delta), b = _mm256_add_epi64(t, t_delta);
+        const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
+        const __m256i cd_lo = _mm256_unpacklo_epi64(z, index), cd_hi = _mm256_unpackhi_epi64(z, index);
+        const __m256i d0 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
+        const __m256i d1 = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
+        const __m256i d2 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
+        const __m256i d3 = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31);
+        __m256i* out = (__m256i*)(d + i);
+        if (stream) {
+            _mm256_stream_si256(out, d0);
+            _mm256_stream_si256(out + 1, d1);
+            _mm256_stream_si256(out + 2, d2);
+            _mm256_stream_si256(out + 3, d3);
+        } else {
+            _mm256_storeu_si256(out, d0);
+            _mm256_storeu_si256(out + 1, d1);
+            _mm256_storeu_si256(out + 2, d2);
+            _mm256_storeu_si256(out + 3, d3);
+        }
+        index = _mm256_add_epi64(index, four);
+    }
+    if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i*)lanes, misfit);
+    *misfit_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    _mm256_storeu_si256((__m256i*)lanes, merges);
+    *merges_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    _mm256_storeu_si256((__m256i*)lanes, total);
+    *total_io += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    return i;
+}
+#endif
+
 /* Writes descriptor i for copy i (device views: pointer + delta; tile_start = i)
  * for all n copies and *total_out = their bytes, and says whether the batch
  * qualified: 0, or KVCOPY_FAST_* bits (the descriptors are then to be
@@ -42,22 +141,31 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           int64_t dst_delta, uint64_t* total_out) {
     kvcopy_desc* __restrict d = (kvcopy_desc*)descs_out;
     uint64_t misfit = 0, merges = 0, total = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        const uint64_t s = src[i], t = dst[i], z = sizes[i];
-        const uint64_t s_end = s + z, t_end = t + z;
-        /* unsigned wrap-around folds "below start" into "above span" */
-        misfit |= (uint64_t)((s - src_start) > src_span) | (uint64_t)((s_end - src_start) > src_span)
-                | (uint64_t)((t - dst_start) > dst_span) | (uint64_t)((t_end - dst_start) > dst_span)
-                | (uint64_t)(s_end <= s) | (uint64_t)(z > KVCOPY_TILE_BYTES);
-        total += z;
-        d[i].src = s + (uint64_t)src_delta;
-        d[i].dst = t + (uint64_t)dst_delta;
-        d[i].size = z;
+    int64_t i = 0;
+    /* copy 0 here, so that the vector loop may always look one copy back */
+    for (; i < n && i < 1; ++i) {
+        misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
+                                     dst_span);
+        total += sizes[i];
+        d[i].src = src[i] + (uint64_t)src_delta;
+        d[i].dst = dst[i] + (uint64_t)dst_delta;
+        d[i].size = sizes[i];
         d[i].tile_start = (uint64_t)i;
     }
-    for (int64_t i = 1; i < n; ++i) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    i = kvcopy_describe_avx2(src, dst, sizes, d, i, n, src_start, src_span, src_delta, dst_start,
+                             dst_span, dst_delta, &misfit, &merges, &total);
+#endif
+    for (; i < n; ++i) {
+        misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
+                                     dst_span);
         merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                 & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        total += sizes[i];
+        d[i].src = src[i] + (uint64_t)src_delta;
+        d[i].dst = dst[i] + (uint64_t)dst_delta;
+        d[i].size = sizes[i];
+        d[i].tile_start = (uint64_t)i;
     }
     *total_out = total;
     return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u);
