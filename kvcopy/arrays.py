@@ -27,6 +27,9 @@ def _from_sequence(obj: Any, name: str) -> np.ndarray:
     return np.asarray(obj, dtype=np.int64)
 
 
+_U64 = np.dtype(np.uint64)
+
+
 def as_u64_array(obj: Any, name: str) -> np.ndarray:
     """Return ``obj`` as a C-contiguous 1-D uint64 array, or raise.
 
@@ -37,6 +40,8 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
         TypeError: not integers (floats, bools, strings, None, objects).
         ValueError: not one-dimensional, or negative values.
     """
+    if type(obj) is np.ndarray and obj.dtype == _U64 and obj.ndim == 1 and obj.flags.c_contiguous:
+        return obj  # already what the planner takes: the common case, kept cheap
     if obj is None or isinstance(obj, (str, bytes, bytearray, int, float)):
         raise TypeError(f"{name}: expected a sequence or array of integers, got {type(obj).__name__}")
     module = type(obj).__module__ or ""

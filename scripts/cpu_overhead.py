@@ -29,7 +29,7 @@ def scattered_batch(count: int = 8192, block: int = 16 * KiB):
     return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
 
 
-def cpu_times(call, stream, calls: int = 50) -> dict[str, list[float]]:
+def cpu_times(call, stream, calls: int = 200) -> dict[str, list[float]]:
     """Call->return microseconds of ``call`` on an idle and on a busy stream."""
     for _ in range(5):
         call()
@@ -48,7 +48,8 @@ def cpu_times(call, stream, calls: int = 50) -> dict[str, list[float]]:
 
 
 def report(label: str, times: dict[str, list[float]]) -> None:
-    parts = [f"{state}_median_us={statistics.median(v):.1f} {state}_min_us={min(v):.1f}"
+    parts = [f"{state}_median_us={statistics.median(v):.1f} "
+             f"{state}_p25_us={statistics.quantiles(v, n=4)[0]:.1f} {state}_min_us={min(v):.1f}"
              for state, v in times.items()]
     print(f"cpu_overhead {label} " + " ".join(parts))
 
@@ -59,7 +60,7 @@ def main() -> None:
     stream = torch.cuda.Stream()
     for method in ("kernel", "batch"):
         times = cpu_times(lambda m=method: kvcopy.copy_batch(s, d, sizes, stream=stream, method=m),
-                          stream, calls=50 if method == "kernel" else 10)
+                          stream, calls=200 if method == "kernel" else 10)
         report(f"copy_batch method={method} count={count} block={block}", times)
 
 
@@ -76,7 +77,7 @@ def swap_blocks_overhead() -> None:
     for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
         used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
         times = cpu_times(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream,
-                          calls=30)
+                          calls=50)
         report(f"swap_blocks {direction} tensors={2 * layers} pairs={pairs} method={used}", times)
 
 
