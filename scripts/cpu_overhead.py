@@ -1,9 +1,13 @@
 """CPU time from the Python call to its return, kernel path: copy_batch with 8192
 descriptors as NumPy arrays, and swap_blocks over 64 tensors x 1024 block pairs.
 
-Each call is timed twice: on an idle stream (synchronised before the call) and
-on a busy stream (a sleep kernel queued ahead, as when an engine enqueues
-copies behind compute), which is the usual case in serving.
+Each call is timed in three states: on an idle stream (synchronised just
+before the call), on a busy stream (a sleep kernel queued ahead, as when an
+engine enqueues copies behind compute), and busy with a warm CPU: the thread
+also works (spins) for WARM_SECONDS before the call, as an engine's scheduler
+does before it issues a step's copies. Right after a synchronize the CPU may
+have clocked down or lost its caches while it waited, which the first two
+states include and the third does not.
 """
 from __future__ import annotations
 
@@ -17,6 +21,14 @@ import kvcopy
 
 KiB = 1 << 10
 BUSY_CYCLES = 4_000_000   # ~2 ms of sleep kernel ahead of each timed call
+WARM_SECONDS = 0.001
+STATES = ("idle", "busy", "busy_warm")
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def scattered_batch(count: int = 8192, block: int = 16 * KiB):
@@ -30,16 +42,18 @@ def scattered_batch(count: int = 8192, block: int = 16 * KiB):
 
 
 def cpu_times(call, stream, calls: int = 200) -> dict[str, list[float]]:
-    """Call->return microseconds of ``call`` on an idle and on a busy stream."""
+    """Call->return microseconds of ``call`` in each of STATES."""
     for _ in range(5):
         call()
     stream.synchronize()
-    out: dict[str, list[float]] = {"idle": [], "busy": []}
+    out: dict[str, list[float]] = {state: [] for state in STATES}
     for _ in range(calls):
-        for state in ("idle", "busy"):
-            if state == "busy":
+        for state in STATES:
+            if state != "idle":
                 with torch.cuda.stream(stream):
                     torch.cuda._sleep(BUSY_CYCLES)
+            if state == "busy_warm":
+                spin(WARM_SECONDS)
             t0 = time.perf_counter()
             call()
             out[state].append((time.perf_counter() - t0) * 1e6)
