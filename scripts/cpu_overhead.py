@@ -7,7 +7,9 @@ engine enqueues copies behind compute), and busy with a warm CPU: the thread
 also works (spins) for WARM_SECONDS before the call, as an engine's scheduler
 does before it issues a step's copies. Right after a synchronize the CPU may
 have clocked down or lost its caches while it waited, which the first two
-states include and the third does not.
+states include and the third does not. A fourth series, pipelined, times
+calls issued back to back (the stream is synchronised after every fourth), as
+an engine that keeps several steps' copies in flight issues them.
 """
 from __future__ import annotations
 
@@ -58,6 +60,14 @@ def cpu_times(call, stream, calls: int = 200) -> dict[str, list[float]]:
             call()
             out[state].append((time.perf_counter() - t0) * 1e6)
             stream.synchronize()
+    out["pipelined"] = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        call()
+        out["pipelined"].append((time.perf_counter() - t0) * 1e6)
+        if i % 4 == 3:
+            stream.synchronize()
+    stream.synchronize()
     return out
 
 
