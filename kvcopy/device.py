@@ -21,6 +21,9 @@ class DeviceInfo:
 _lock = threading.Lock()
 _infos: dict[int, DeviceInfo] = {}
 _thresholds: dict[int, Thresholds] = {}
+# Bumped whenever a fact the policy reads changes (thresholds, capabilities),
+# so that decisions remembered under an older generation are not reused.
+generation = 0
 
 
 def device_info(ordinal: int) -> DeviceInfo:
@@ -65,10 +68,14 @@ def thresholds(ordinal: int) -> Thresholds:
 
 
 def set_thresholds(ordinal: int, value: Thresholds) -> None:
+    global generation
     _thresholds[ordinal] = value
+    generation += 1
 
 
 def forget_batch_support() -> None:
     """Re-read batch support (after _driver.set_batch_disabled, in tests)."""
+    global generation
     with _lock:
         _infos.clear()
+        generation += 1

@@ -66,9 +66,10 @@ class _Classes(NamedTuple):
         return memory_owner(self.src_device, self.dst_device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Target:
-    """Where and how a batch runs, once its memory is classified and the policy asked."""
+    """Where and how a batch runs, once its memory is classified and the policy asked
+    (shared by every call that asks the same question: never changed)."""
 
     handle: int
     info: "device.DeviceInfo"
@@ -83,20 +84,41 @@ class _Target:
         return config.host_ctas
 
 
+_targets: dict[tuple, _Target] = {}
+_TARGETS_KEPT = 256
+
+
 def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes) -> _Target:
-    """Ask the policy for a method, given the classified memory of a batch."""
+    """Ask the policy for a method, given the classified memory of a batch.
+
+    The policy is a pure function of what is in the key below, and engines
+    repeat the same batch shapes step after step, so its answers are
+    remembered (per device.generation: a calibration or a capability change
+    starts afresh)."""
     ordinal = _driver.context_device()
+    capturing = _driver.stream_capture_status(handle) != 0
+    key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing)
+    target = _targets.get(key)
+    if target is None:
+        target = _ask_policy(ordinal, handle, method, count, total_bytes, found, capturing)
+        if len(_targets) >= _TARGETS_KEPT:
+            _targets.clear()
+        _targets[key] = target
+    _last.decision = target.decision
+    log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,
+              target.request.direction, target.decision.method, target.decision.reason)
+    return target
+
+
+def _ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
+                found: _Classes, capturing: bool) -> _Target:
     info = device.device_info(ordinal)
     accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
                   and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
     request = CopyRequest(direction=_direction(found.src_kinds, found.dst_kinds), count=count,
                           total_bytes=total_bytes, device_accessible=accessible,
-                          stream_kind=stream_kind(handle),
-                          capturing=_driver.stream_capture_status(handle) != 0)
+                          stream_kind=stream_kind(handle), capturing=capturing)
     decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
-    _last.decision = decision
-    log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,
-              request.direction, decision.method, decision.reason)
     return _Target(handle, info, request, decision)
 
 

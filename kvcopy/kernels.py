@@ -152,6 +152,9 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
         KernelUnavailable: NVRTC missing, compilation failed, or the module failed to load.
     """
     ctx = _driver.current_context()
+    kernel = _loaded.get(ctx)  # entries are only ever added: no lock needed to find one
+    if kernel is not None:
+        return kernel
     with _lock:
         if ctx in _loaded:
             return _loaded[ctx]

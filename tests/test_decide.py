@@ -1,0 +1,93 @@
+"""The engine remembers the policy's answers per question (CPU, faked driver): the
+same batch shape asks the policy once, and anything the answer depends on
+(sizes, capture, stream, memory, a calibration) asks again."""
+from __future__ import annotations
+
+import pytest
+
+from kvcopy import _driver, device, engine, policy
+from kvcopy.policy import DeviceCaps, Thresholds
+
+MiB = 1 << 20
+H2D = engine._Classes(_driver.KIND_HOST_MAPPED, -1, _driver.KIND_DEVICE, 0)
+PAGEABLE = engine._Classes(_driver.KIND_HOST_UNMAPPED, -1, _driver.KIND_DEVICE, 0)
+
+
+class Questions(list):
+    """The requests the policy was asked, and the faked driver."""
+
+    driver: "FakeDriver"
+
+
+class FakeDriver:
+    capturing = 0
+
+    def context_device(self) -> int:
+        return 0
+
+    def stream_capture_status(self, handle: int) -> int:
+        return self.capturing
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    """Fresh engine and device state; returns the list of questions the policy got."""
+    questions = Questions()
+    real = policy.choose_method
+
+    def counting(request, caps, thresholds=None, requested="auto"):
+        questions.append(request)
+        return real(request, caps, thresholds, requested)
+
+    fake = FakeDriver()
+    monkeypatch.setattr(engine, "_driver", fake)
+    monkeypatch.setattr(engine, "choose_method", counting)
+    monkeypatch.setattr(engine, "_targets", {})
+    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
+    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    questions.driver = fake
+    return questions
+
+
+def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(asked):
+    first = engine._decide(7, "auto", 8192, 8192 * 16384, H2D)
+    engine._last.decision = None
+    second = engine._decide(7, "auto", 8192, 8192 * 16384, H2D)
+    assert len(asked) == 1
+    assert second is first and first.decision.method == "kernel"
+    assert engine.last_decision() is first.decision
+
+
+@pytest.mark.parametrize("change", ["sizes", "count", "stream", "method", "memory"])
+def test_a_different_question_asks_again(asked, change):
+    engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D)
+    args = {"handle": 7, "method": "auto", "count": 64, "total_bytes": 64 * 2 * MiB, "found": H2D}
+    args.update({"sizes": {"total_bytes": 64 * 16384}, "count": {"count": 1},
+                 "stream": {"handle": _driver.STREAM_LEGACY}, "method": {"method": "loop"},
+                 "memory": {"found": PAGEABLE}}[change])
+    target = engine._decide(args["handle"], args["method"], args["count"], args["total_bytes"],
+                            args["found"])
+    assert len(asked) == 2
+    expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop",
+                "memory": "batch"}[change]
+    assert target.decision.method == expected
+
+
+def test_capture_is_asked_every_call(asked):
+    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    asked.driver.capturing = 1
+    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert len(asked) == 2
+
+
+def test_new_thresholds_are_heeded_at_once(asked):
+    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    device.set_thresholds(0, Thresholds(batch_min_bytes={"h2d": 4 * MiB, "d2h": 4 * MiB}))
+    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert len(asked) == 2
+
+
+def test_the_memory_kept_is_bounded(asked):
+    for count in range(2, engine._TARGETS_KEPT + 50):
+        engine._decide(7, "auto", count, count * 16384, H2D)
+    assert len(engine._targets) <= engine._TARGETS_KEPT
