@@ -9,7 +9,10 @@ does before it issues a step's copies. Right after a synchronize the CPU may
 have clocked down or lost its caches while it waited, which the first two
 states include and the third does not. A fourth series, pipelined, times
 calls issued back to back (the stream is synchronised after every fourth), as
-an engine that keeps several steps' copies in flight issues them.
+an engine that keeps several steps' copies in flight issues them. A fifth,
+busy_pinned, is the busy state with the thread pinned to one core (as
+engines that set CPU affinity run): a synchronise then cannot move the thread
+to a core whose caches hold none of its data.
 """
 from __future__ import annotations
 
@@ -68,7 +71,28 @@ def cpu_times(call, stream, calls: int = 200) -> dict[str, list[float]]:
         if i % 4 == 3:
             stream.synchronize()
     stream.synchronize()
+    out["busy_pinned"] = busy_pinned(call, stream, calls)
     return out
+
+
+def busy_pinned(call, stream, calls: int) -> list[float]:
+    """The busy state with the calling thread pinned to one core."""
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {sorted(allowed)[len(allowed) // 2]})  # not core 0 (interrupts)
+    try:
+        times = []
+        for _ in range(calls):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(BUSY_CYCLES)
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+            stream.synchronize()
+        return times
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def report(label: str, times: dict[str, list[float]]) -> None:
