@@ -31,6 +31,7 @@ from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, copy_pro
 
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy._plan import bad_copy_error, length_error
+import numpy as np
 
 cdef extern from "kvcopy/batch_abi.h":
     ctypedef struct kvcopy_mem_location:
@@ -75,6 +76,15 @@ cdef extern from "kvcopy/descriptor.h":
         unsigned long long total_tiles
         kvcopy_desc descs[1000]
 
+cdef extern from "kvcopy/host_maps.h":
+    unsigned KVCOPY_MAP_READ
+    unsigned KVCOPY_MAP_WRITE
+    ctypedef struct kvcopy_maps:
+        int available
+    int kvcopy_maps_load(kvcopy_maps* maps) nogil
+    void kvcopy_maps_free(kvcopy_maps* maps) nogil
+    int kvcopy_maps_allow(const kvcopy_maps* maps, uint64_t ptr, uint64_t size, unsigned need) nogil
+
 cdef extern from "kvcopy/describe_fast.h":
     int kvcopy_fast_describe_available() nogil
     unsigned KVCOPY_FAST_MISFIT
@@ -92,12 +102,14 @@ cdef enum:
     _KIND_HOST_UNMAPPED = 4   # pageable host memory, or pinned but not mapped: DMA only
     _KIND_MANAGED = 8         # managed (unified) memory: DMA only
     _KIND_STRADDLE = 16       # a copy runs past the end of its allocation: DMA decides
+    _KIND_PAGEABLE = 32       # memory the driver does not know (always with _KIND_HOST_UNMAPPED)
 
 KIND_DEVICE = _KIND_DEVICE
 KIND_HOST_MAPPED = _KIND_HOST_MAPPED
 KIND_HOST_UNMAPPED = _KIND_HOST_UNMAPPED
 KIND_MANAGED = _KIND_MANAGED
 KIND_STRADDLE = _KIND_STRADDLE
+KIND_PAGEABLE = _KIND_PAGEABLE
 
 TILE_BYTES = KVCOPY_TILE_BYTES
 INLINE_MAX = KVCOPY_INLINE_MAX
@@ -275,6 +287,22 @@ def stream_wait_event(uintptr_t stream, uintptr_t event) -> None:
     _check(cydriver.cuStreamWaitEvent(<CUstream>stream, <CUevent>event, 0))
 
 
+def stream_wait_stream(uintptr_t consumer, uintptr_t producer) -> None:
+    """Make ``consumer`` wait (on the GPU) for the work queued on ``producer`` so far.
+
+    The event is recorded and waited for in the calling thread's current context,
+    then destroyed (the driver keeps it alive until the wait has resolved)."""
+    cdef CUevent event = NULL
+    if consumer == producer:
+        return
+    _check(cydriver.cuEventCreate(&event, cydriver.CU_EVENT_DISABLE_TIMING))
+    try:
+        _check(cydriver.cuEventRecord(event, <CUstream>producer))
+        _check(cydriver.cuStreamWaitEvent(<CUstream>consumer, event, 0))
+    finally:
+        cydriver.cuEventDestroy(event)
+
+
 def event_create(bint timing=False) -> int:
     cdef CUevent event = NULL
     _check(cydriver.cuEventCreate(&event, 0 if timing else cydriver.CU_EVENT_DISABLE_TIMING))
@@ -427,7 +455,7 @@ cdef int _query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     elif managed != 0 or memtype == cydriver.CU_MEMORYTYPE_UNIFIED:
         out.kind = _KIND_MANAGED
     else:
-        out.kind = _KIND_HOST_UNMAPPED
+        out.kind = _KIND_HOST_UNMAPPED | _KIND_PAGEABLE
     return 0
 
 
@@ -543,6 +571,151 @@ def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint6
     kinds, ordinal = c.kinds, c.ordinal
     free(c)
     return kinds, ordinal
+
+
+# ---------------------------------------------------------------- DMA planning
+
+cdef _Range* _locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """The driver's range (one allocation, never joined with its neighbours) that
+    holds p: the DMA engines refuse a copy that leaves its allocation, so DMA
+    copies are merged only inside one."""
+    cdef int j, hit = -1
+    cdef _Range* r = &c.cache[c.last]
+    if r.start <= p < r.end:
+        return r
+    for j in range(c.cached):
+        if c.cache[j].start <= p < c.cache[j].end:
+            hit = j
+            break
+    if hit < 0:
+        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
+        _query_range(p, size, &c.cache[hit])
+        if c.cached < _RANGE_CACHE:
+            c.cached += 1
+    c.last = hit
+    return &c.cache[hit]
+
+
+cdef inline bint _same_allocation(const _Range* a, const _Range* b, uint64_t end) noexcept nogil:
+    """May a copy that started in a continue into b up to end? Pageable memory
+    has no allocations the driver knows of: any mapped bytes may be joined."""
+    if a.kind & _KIND_PAGEABLE:
+        return (b.kind & _KIND_PAGEABLE) != 0
+    return a.start == b.start and a.end == b.end and end <= a.end
+
+
+cdef inline int _maps_ready(kvcopy_maps* maps, bint* loaded) except -1 nogil:
+    if not loaded[0]:
+        if kvcopy_maps_load(maps) != 0:
+            with gil:
+                raise MemoryError("kvcopy: no memory to read /proc/self/maps")
+        loaded[0] = True
+    return 0
+
+
+def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+             bint merge=True):
+    """plan_arrays for the DMA paths: validates as plan_arrays does, and also
+
+    - merges a copy into the one before only while both stay inside one
+      allocation on each side (the driver rejects a copy that spans two
+      allocations, even back-to-back ones);
+    - checks every pointer the driver does not know (pageable memory) against
+      this process's mappings, readable for a source and writable for a
+      destination: the driver would dereference a bad one and kill the process.
+
+    Returns ``(src, dst, sizes, origin)`` as plan_arrays does.
+
+    Raises:
+        ValueError: as plan_arrays, or a pageable pointer that is not mapped,
+            naming the caller's index.
+    """
+    cdef Py_ssize_t n = src.shape[0], k = 0
+    cdef PlanCursor cursor
+    cdef _Classifier* sides
+    cdef _Range* rs
+    cdef _Range* rd
+    cdef _Range* cur_s = NULL
+    cdef _Range* cur_d = NULL
+    cdef kvcopy_maps maps
+    cdef bint maps_loaded = False
+    cdef int bad_side = 0
+    cdef Py_ssize_t bad_index = -1
+    cdef uint64_t bad_ptr = 0, bad_size = 0
+    cdef _Range cur_s_copy, cur_d_copy
+    if dst.shape[0] != n or sizes.shape[0] != n:
+        raise length_error(n, dst.shape[0], sizes.shape[0])
+    out_src = np.empty(n, dtype=np.uint64)
+    out_dst = np.empty(n, dtype=np.uint64)
+    out_sizes = np.empty(n, dtype=np.uint64)
+    origin = np.empty(n, dtype=np.int64)
+    cdef uint64_t[::1] os = out_src, od = out_dst, oz = out_sizes
+    cdef int64_t[::1] oo = origin
+    if n == 0:
+        return out_src, out_dst, out_sizes, origin
+    sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    if sides == NULL:
+        raise MemoryError()
+    _classifier_init(&sides[0])
+    _classifier_init(&sides[1])
+    maps.available = 0
+    plan_cursor_init(&cursor, n, False)
+    try:
+        with nogil:
+            while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+                rs = _locate(&sides[0], cursor.src, cursor.size)
+                rd = _locate(&sides[1], cursor.dst, cursor.size)
+                if (rs.kind | rd.kind) & _KIND_PAGEABLE:
+                    _maps_ready(&maps, &maps_loaded)
+                    if (rs.kind & _KIND_PAGEABLE and not kvcopy_maps_allow(
+                            &maps, cursor.src, cursor.size, KVCOPY_MAP_READ)):
+                        bad_side, bad_ptr = 1, cursor.src
+                    elif (rd.kind & _KIND_PAGEABLE and not kvcopy_maps_allow(
+                            &maps, cursor.dst, cursor.size, KVCOPY_MAP_WRITE)):
+                        bad_side, bad_ptr = 2, cursor.dst
+                    if bad_side:
+                        bad_index, bad_size = cursor.origin, cursor.size
+                        break
+                if (merge and k > 0 and cursor.src == os[k - 1] + oz[k - 1]
+                        and cursor.dst == od[k - 1] + oz[k - 1]
+                        and _same_allocation(&cur_s_copy, rs, cursor.src + cursor.size)
+                        and _same_allocation(&cur_d_copy, rd, cursor.dst + cursor.size)):
+                    oz[k - 1] += cursor.size
+                    continue
+                cur_s_copy = rs[0]
+                cur_d_copy = rd[0]
+                os[k] = cursor.src
+                od[k] = cursor.dst
+                oz[k] = cursor.size
+                oo[k] = cursor.origin
+                k += 1
+    finally:
+        if maps_loaded:
+            kvcopy_maps_free(&maps)
+        free(sides)
+    if bad_side:
+        name = "src_ptrs" if bad_side == 1 else "dst_ptrs"
+        access = "readable" if bad_side == 1 else "writable"
+        raise ValueError(
+            f"{name}[{bad_index}] = {bad_ptr:#x}: {bad_size} bytes there are not {access} host "
+            "memory of this process (neither device memory nor pinned memory the driver knows, "
+            "and not mapped for that access)")
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
+    return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
+
+
+def host_access_allowed(uint64_t ptr, uint64_t size, bint write=False) -> bool:
+    """Whether [ptr, ptr + size) is mapped readable (and writable, with ``write``)
+    in this process, by /proc/self/maps (True where that cannot be read)."""
+    cdef kvcopy_maps maps
+    cdef int allowed
+    if kvcopy_maps_load(&maps) != 0:
+        raise MemoryError()
+    allowed = kvcopy_maps_allow(&maps, ptr, size,
+                                KVCOPY_MAP_READ | (KVCOPY_MAP_WRITE if write else 0))
+    kvcopy_maps_free(&maps)
+    return bool(allowed)
 
 
 cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,

@@ -8,9 +8,17 @@ import numpy as np
 
 from kvcopy import engine
 from kvcopy.plan import CopyPlan, plan_copies
-from kvcopy.streams import current_framework_stream, resolve_stream
+from kvcopy.checks import require_bool
+from kvcopy.streams import current_framework_stream, effective_handle, resolve_stream
 from kvcopy.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
                             uniform_torch_layout)
+
+
+_ID_MAX = 2**63 - 1
+# A bitmap of the destination ids finds duplicates in O(n + pool) time; it is used
+# while the pool is at most this many times the batch, so its cost follows the
+# batch; larger pools sort the ids instead (O(n log n)).
+_BITMAP_PER_PAIR = 64
 
 
 def _as_list(obj: Any) -> list:
@@ -36,6 +44,11 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
         raise TypeError(f"block_mapping: expected integer block ids, got dtype {arr.dtype}")
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"block_mapping: expected shape (n, 2), got {arr.shape}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _ID_MAX:
+        pair, column = (int(i) for i in np.argwhere(arr > _ID_MAX)[0])
+        side = "source" if column == 0 else "destination"
+        raise ValueError(f"block_mapping[{pair}]: {side} block {int(arr[pair, column])} is out of "
+                         "range (block ids must be below 2**63)")
     return arr.astype(np.int64, copy=False)
 
 
@@ -74,17 +87,21 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
                              f"range for {_name(tensor, k, multi)}, which has {limit} blocks")
 
 
-def _check_unique_destinations(ids: np.ndarray, limit: int) -> None:
+def _check_unique_destinations(ids: np.ndarray) -> None:
     """Two pairs writing one block would race: reject them. ``ids`` are checked
-    to lie in [0, limit) already."""
+    to be non-negative already."""
     if ids.size < 2:
         return
-    seen = np.zeros(limit, dtype=np.bool_)   # O(n + limit): cheaper than sorting per call
-    seen[ids] = True
-    if np.count_nonzero(seen) == ids.size:
-        return
+    limit = int(ids.max()) + 1
+    if limit <= _BITMAP_PER_PAIR * ids.size:
+        seen = np.zeros(limit, dtype=np.bool_)
+        seen[ids] = True
+        if np.count_nonzero(seen) == ids.size:
+            return
     order = np.argsort(ids, kind="stable")
     same = ids[order[1:]] == ids[order[:-1]]
+    if not same.any():
+        return
     k = int(np.argmax(same))
     first, second = sorted((int(order[k]), int(order[k + 1])))
     raise ValueError(f"block_mapping[{first}] and block_mapping[{second}] both write "
@@ -110,6 +127,8 @@ class BlockGeometry:
     dst_factor: np.ndarray
     src_blocks: np.ndarray     # blocks (sub-blocks) each tensor holds
     dst_blocks: np.ndarray
+    producer_streams: tuple = ()   # streams __cuda_array_interface__ producers declared
+                                   # pending writes on: copies wait for them first
 
     @property
     def num_tensors(self) -> int:
@@ -121,7 +140,7 @@ class BlockGeometry:
         multi = self.num_tensors > 1
         _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
         _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
-        _check_unique_destinations(mapping[:, 1], int(self.dst_blocks.max()) if mapping.size else 0)
+        _check_unique_destinations(mapping[:, 1])
         return BlockPlan(self, mapping)
 
 
@@ -161,20 +180,27 @@ class BlockPlan:
         sub = (ids % factor) * np.uint64(self.geometry.block_bytes)
         return (base[:, None] + (ids // factor) * stride[:, None] + sub).ravel()
 
-    def copy_plan(self) -> CopyPlan:
-        """Every block copy as a pointer triple (tensor-major, adjacent blocks merged)."""
+    def copy_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every block copy as uint64 (src, dst, size) arrays, tensor-major, unmerged."""
         g = self.geometry
         src = self._addresses(g.src_base, g.src_stride, g.src_factor, self.mapping[:, 0])
         dst = self._addresses(g.dst_base, g.dst_stride, g.dst_factor, self.mapping[:, 1])
-        return plan_copies(src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64))
+        return src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64)
+
+    def copy_plan(self) -> CopyPlan:
+        """Every block copy as a pointer triple (adjacent blocks merged by address)."""
+        return plan_copies(*self.copy_arrays())
 
 
-def _pair_rows(srcs: list, dsts: list, split_blocks: bool) -> tuple[list, int]:
-    """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes)."""
+def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
+               stream: int | None) -> tuple[list, int, tuple]:
+    """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes),
+    the block size, and the producer streams the tensors declared."""
     multi = len(srcs) > 1
-    rows, block = [], None
+    rows, block, producers = [], None, []
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        ls, ld = _layouts_of_pair(s, d, i, multi)
+        ls, ld = _layouts_of_pair(s, d, i, multi, stream)
+        producers += [p for p in (ls.stream, ld.stream) if p is not None and p not in producers]
         if ld.readonly:
             raise ValueError(f"{_name('dst', i, multi)} is read-only")
         if ls.block_bytes == ld.block_bytes:
@@ -195,15 +221,16 @@ def _pair_rows(srcs: list, dsts: list, split_blocks: bool) -> tuple[list, int]:
                              "call swap_blocks once per size")
         rows.append((ls.ptr, ld.ptr, _extent(ls), _extent(ld), ls.block_stride, ld.block_stride,
                      s_factor, d_factor, ls.num_blocks * s_factor, ld.num_blocks * d_factor))
-    return rows, int(block)
+    return rows, int(block), tuple(producers)
 
 
-def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool) -> tuple[BlockLayout, BlockLayout]:
+def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
+                     stream: int | None) -> tuple[BlockLayout, BlockLayout]:
     """Both layouts of pair i; a flat buffer takes its block size from the other side."""
     ls = ld = None
     try:
-        ls = None if is_flat_buffer(s) else block_layout(s, "src")
-        ld = None if is_flat_buffer(d) else block_layout(d, "dst")
+        ls = None if is_flat_buffer(s) else block_layout(s, "src", stream)
+        ld = None if is_flat_buffer(d) else block_layout(d, "dst", stream)
         if ls is None and ld is None:
             raise TypeError("src and dst are both flat buffers: wrap one in "
                             "kvcopy.block_view(buffer, block_bytes) to give the block size")
@@ -217,13 +244,17 @@ def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool) -> tuple[BlockLayout, 
     return ls, ld
 
 
-def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False) -> BlockGeometry:
+def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
+                   stream: int | None = None) -> BlockGeometry:
     """Validate the tensors of a swap_blocks call (no driver needed). Raises TypeError/ValueError.
 
     Runs on every swap_blocks call, so a list of torch tensors of one shape,
     stride and dtype per side (the usual per-layer cache) is read in one
-    vectorised step; anything else tensor by tensor.
+    vectorised step; anything else tensor by tensor. ``stream`` is the raw
+    handle the copy will run on, given to DLPack producers so that they order
+    their pending writes before it (None: no ordering is asked of them).
     """
+    split_blocks = require_bool(split_blocks, "split_blocks")
     srcs, dsts = _as_list(src), _as_list(dst)
     if not srcs:
         raise ValueError("src: no tensors given")
@@ -232,9 +263,10 @@ def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False) -> BlockGe
     fast = _uniform_geometry(srcs, dsts)
     if fast is not None:
         return fast
-    rows, block = _pair_rows(srcs, dsts, split_blocks)
+    rows, block, producers = _pair_rows(srcs, dsts, split_blocks, stream)
     table = np.array(rows, dtype=np.uint64)
-    return BlockGeometry(block, *(np.ascontiguousarray(table[:, i]) for i in range(10)))
+    return BlockGeometry(block, *(np.ascontiguousarray(table[:, i]) for i in range(10)),
+                         producer_streams=producers)
 
 
 def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
@@ -256,9 +288,11 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
                          column(ls.num_blocks), column(ld.num_blocks))
 
 
-def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False) -> BlockPlan:
+def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False,
+                stream: int | None = None) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
-    return block_geometry(src, dst, split_blocks=split_blocks).with_mapping(block_mapping)
+    return block_geometry(src, dst, split_blocks=split_blocks,
+                          stream=stream).with_mapping(block_mapping)
 
 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
@@ -280,15 +314,21 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     are k times larger is addressed in sub-blocks: its ids count sub-blocks,
     so id ``b * k + j`` is the j-th part of block b (vLLM's block_size_factor).
 
+    Ordering: the copy runs on ``stream``. Pending writes of DLPack producers
+    (JAX, CuPy via DLPack) and of ``__cuda_array_interface__`` producers that
+    name a stream (CuPy, Numba) are waited for on the GPU first, as those
+    protocols define; torch tensors follow torch's rule (the caller orders
+    streams; None means torch's current stream).
+
     Returns the method that ran ('kernel', 'batch', 'loop', or 'none').
 
     Raises:
         TypeError, ValueError: bad tensors or ids, before anything is copied.
     """
     engine.check_method(method)
-    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks)
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(*_as_list(src), *_as_list(dst)))
+    handle = effective_handle(resolve_stream(stream) if stream is not None
+                              else current_framework_stream(*_as_list(src), *_as_list(dst)))
+    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
     return engine.execute_blocks(plan, handle, method)
 
 

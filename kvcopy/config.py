@@ -1,32 +1,107 @@
-"""User-settable defaults."""
+"""User-settable defaults, validated when set and when read from the environment."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+from kvcopy.checks import require_int
+
+MAX_THREADS_PER_CTA = 512   # the copy kernel is compiled for at most 512 threads per CTA
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else default
+@dataclass(frozen=True)
+class _Setting:
+    env: str
+    default: int | None
+    minimum: int
+    maximum: int
+    multiple_of: int = 1
+    optional: bool = False   # None allowed (means "decide per device")
 
 
-@dataclass
+_SETTINGS = {
+    "host_ctas": _Setting("KVCOPY_HOST_CTAS", 16, 1, 65535),
+    "device_ctas": _Setting("KVCOPY_DEVICE_CTAS", None, 1, 65535, optional=True),
+    "batch_chunk": _Setting("KVCOPY_BATCH_CHUNK", 16384, 1, 1 << 24),
+    "threads_per_cta": _Setting("KVCOPY_THREADS", 512, 32, MAX_THREADS_PER_CTA, multiple_of=32),
+}
+
+
+def _validate(name: str, value: Any) -> int | None:
+    spec = _SETTINGS[name]
+    if value is None and spec.optional:
+        return None
+    value = require_int(value, f"kvcopy.config.{name}", minimum=spec.minimum,
+                        maximum=spec.maximum)
+    if value % spec.multiple_of:
+        raise ValueError(f"kvcopy.config.{name} must be a multiple of {spec.multiple_of}, "
+                         f"got {value}")
+    return value
+
+
+def env_int(variable: str, default: int | None, *, minimum: int, maximum: int) -> int | None:
+    """An integer environment variable, or ``default`` where it is unset or empty.
+
+    Raises:
+        ValueError: the value is not an integer in [minimum, maximum]; the
+            message names the variable.
+    """
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ValueError(f"environment variable {variable}={text!r} is not an integer") from None
+    if not minimum <= value <= maximum:
+        raise ValueError(f"environment variable {variable}={value} is out of range "
+                         f"[{minimum}, {maximum}]")
+    return value
+
+
+def _from_environment(name: str) -> int | None:
+    spec = _SETTINGS[name]
+    value = env_int(spec.env, spec.default, minimum=spec.minimum, maximum=spec.maximum)
+    if value is not None and value % spec.multiple_of:
+        raise ValueError(f"environment variable {spec.env}={value} must be a multiple of "
+                         f"{spec.multiple_of}")
+    return value
+
+
 class Config:
-    """kvcopy's tunables; change them on ``kvcopy.config``.
+    """kvcopy's tunables; change them on ``kvcopy.config``. Every assignment is
+    checked (TypeError for a wrong type, ValueError for a value out of range).
 
-    host_ctas: CTAs the copy kernel uses for copies that touch host memory.
-        16 saturate PCIe on an H200 in both directions while leaving the other
-        116 SMs to the model (a 16-CTA copy slowed a full-GPU kernel by ~1.5%).
-    device_ctas: CTAs for GPU-to-GPU copies; None means one per SM.
-    threads_per_cta: threads of each copy-kernel CTA (a multiple of 32, at most 512).
+    host_ctas: CTAs the copy kernel uses for copies that touch host memory
+        (1-65535, env KVCOPY_HOST_CTAS). 16 saturate PCIe on an H200 in both
+        directions while leaving the other 116 SMs to the model.
+    device_ctas: CTAs for GPU-to-GPU copies; None means one per SM
+        (env KVCOPY_DEVICE_CTAS).
+    threads_per_cta: threads of each copy-kernel CTA: a multiple of 32 from 32
+        to 512 (env KVCOPY_THREADS).
     batch_chunk: descriptors per cuMemcpyBatchAsync call (very large batches
-        were reported to hang on some parts).
+        were reported to hang on some parts; env KVCOPY_BATCH_CHUNK).
     """
 
-    host_ctas: int = _env_int("KVCOPY_HOST_CTAS", 16)
-    device_ctas: int | None = _env_int("KVCOPY_DEVICE_CTAS", None)
-    batch_chunk: int = _env_int("KVCOPY_BATCH_CHUNK", 16384)
-    threads_per_cta: int = _env_int("KVCOPY_THREADS", 512)
+    host_ctas: int
+    device_ctas: int | None
+    batch_chunk: int
+    threads_per_cta: int
+
+    def __init__(self) -> None:
+        for name in _SETTINGS:
+            object.__setattr__(self, name, _from_environment(name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _SETTINGS:
+            raise AttributeError(f"kvcopy.config has no setting {name!r}; "
+                                 f"settings: {', '.join(_SETTINGS)}")
+        object.__setattr__(self, name, _validate(name, value))
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in _SETTINGS)
+        return f"Config({values})"
 
 
 config = Config()

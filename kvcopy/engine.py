@@ -10,6 +10,7 @@ import numpy as np
 
 from kvcopy import _driver, device, kernels, ring
 from kvcopy.arrays import as_u64_array
+from kvcopy.checks import require_bool, require_int
 from kvcopy.config import config
 from kvcopy.context import ContextScope
 from kvcopy.errors import CudaError, NoDriverError
@@ -26,6 +27,7 @@ _HOST = _driver.KIND_HOST_MAPPED | _driver.KIND_HOST_UNMAPPED
 _DEVICE = _driver.KIND_DEVICE | _driver.KIND_MANAGED
 _DMA_ONLY = _driver.KIND_HOST_UNMAPPED | _driver.KIND_MANAGED | _driver.KIND_STRADDLE
 _ACCESS_ORDERS = ("stream", "any")
+_MAX_GRID = 2**31 - 1   # the driver's limit on a launch's x dimension
 _last = threading.local()
 
 
@@ -88,19 +90,24 @@ _targets: dict[tuple, _Target] = {}
 _TARGETS_KEPT = 256
 
 
-def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes) -> _Target:
-    """Ask the policy for a method, given the classified memory of a batch.
+def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes,
+            capturing: bool | None = None, allow_batch: bool = True) -> _Target:
+    """Ask the policy for a method, given the classified memory of a batch
+    (``capturing``: the stream's capture state, asked of the driver when None).
 
     The policy is a pure function of what is in the key below, and engines
     repeat the same batch shapes step after step, so its answers are
     remembered (per device.generation: a calibration or a capability change
     starts afresh)."""
     ordinal = _driver.context_device()
-    capturing = _driver.stream_capture_status(handle) != 0
-    key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing)
+    if capturing is None:
+        capturing = _driver.stream_capture_status(handle) != 0
+    key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
+           allow_batch)
     target = _targets.get(key)
     if target is None:
-        target = _ask_policy(ordinal, handle, method, count, total_bytes, found, capturing)
+        target = _ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
+                             allow_batch)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target
@@ -111,13 +118,14 @@ def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Clas
 
 
 def _ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
-                found: _Classes, capturing: bool) -> _Target:
+                found: _Classes, capturing: bool, allow_batch: bool) -> _Target:
     info = device.device_info(ordinal)
     accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
                   and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
     request = CopyRequest(direction=_direction(found.src_kinds, found.dst_kinds), count=count,
                           total_bytes=total_bytes, device_accessible=accessible,
-                          stream_kind=stream_kind(handle), capturing=capturing)
+                          stream_kind=stream_kind(handle), capturing=capturing,
+                          batch_allowed=allow_batch)
     decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
     return _Target(handle, info, request, decision)
 
@@ -148,7 +156,11 @@ def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
     _driver.launch_descs_inline(function, kernel.per_launch, slot.host, count, ctas, threads, handle)
 
 
-def _issue_dma(plan: CopyPlan, target: _Target, access_any: bool) -> None:
+def _issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: _Target,
+               access_any: bool) -> None:
+    """Plan the batch for the DMA engines (merged only inside allocations, pageable
+    pointers checked against this process's mappings) and issue it."""
+    plan = CopyPlan(*_driver.plan_dma(src, dst, sizes, merge))
     try:
         if target.decision.method == "batch":
             _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
@@ -159,20 +171,47 @@ def _issue_dma(plan: CopyPlan, target: _Target, access_any: bool) -> None:
         raise exc.with_index(plan.caller_index(exc.index)) from None
 
 
+class _CaptureScratch:
+    """Where descriptors are described while the stream captures: plain host memory
+    of the calling thread. Under capture the kernel gets its descriptors by value
+    (the graph keeps them with its launch nodes), so nothing has to outlive the
+    call, and the descriptor ring, whose events must not be queried during a
+    capture, is left alone."""
+
+    _local = threading.local()
+
+    def __init__(self, nbytes: int) -> None:
+        buf = getattr(self._local, "buffer", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        self.host = buf.ctypes.data
+
+    def __enter__(self) -> "_CaptureScratch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
                     sizes: np.ndarray, method: str, merge: bool, access_any: bool,
-                    max_ctas: int | None, plan: CopyPlan | None = None) -> str:
+                    max_ctas: int | None, allow_batch: bool = True) -> str:
     """Validate, classify, decide and issue a batch in the scope's context.
 
     One pass (describe_copies) plans the batch, classifies its memory and
     writes the kernel's descriptors straight into a pinned descriptor slot, so
     the kernel path touches each copy once. The DMA paths, which cost far
-    more per copy anyway, issue ``plan`` when the caller has one (it must be
-    the planned form of the arrays), else plan the batch again as pointer arrays.
+    more per copy anyway, plan the batch again for the DMA engines.
+    While the stream captures a graph, nothing here queries or waits on an
+    event or a stream, and nothing is allocated on the device.
     """
+    capturing = _driver.stream_capture_status(handle) != 0
+    nbytes = len(sizes) * _driver.DESCRIPTOR_BYTES
     target = None
     while target is None:
-        with ring.ring_for_current_context().reserve(len(sizes) * _driver.DESCRIPTOR_BYTES) as slot:
+        space = (_CaptureScratch(nbytes) if capturing
+                 else ring.ring_for_current_context().reserve(nbytes))
+        with space as slot:
             count, total_bytes, *kinds, tiles = _driver.describe_copies(src, dst, sizes, slot.host,
                                                                         merge)
             if count == 0:
@@ -180,12 +219,11 @@ def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.n
             found = _Classes(*kinds)
             if scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
-            target = _decide(handle, method, count, total_bytes, found)
+            target = _decide(handle, method, count, total_bytes, found, capturing, allow_batch)
             if target.decision.method == "kernel":
                 _launch_kernel(count, tiles, target, slot, max_ctas)
                 return "kernel"
-    _issue_dma(plan if plan is not None else plan_copies(src, dst, sizes, merge=merge), target,
-               access_any)
+    _issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
 
 
@@ -197,12 +235,12 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
-                               access_any, max_ctas, plan)
+                               access_any, max_ctas)
 
 
 def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int,
                    method: str = "auto", access_any: bool = False,
-                   max_ctas: int | None = None) -> str:
+                   max_ctas: int | None = None, allow_batch: bool = True) -> str:
     """Validate and issue three uint64 arrays (copy_batch's path: no CopyPlan is built
     unless a DMA method runs). Raises ValueError for a bad copy before issuing any."""
     if len(sizes) == 0 and len(src) == len(dst) == 0:
@@ -211,7 +249,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     try:
         with ContextScope(handle) as scope:
             return _execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
-                                   max_ctas)
+                                   max_ctas, allow_batch)
     except NoDriverError:
         # without a GPU, bad input is still reported as such, and empty copies need none
         if plan_copies(src, dst, sizes).count == 0:
@@ -239,10 +277,13 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
         if scope.follow_memory(found.owner):
             found = _classify_tensors(blocks, src_view, dst_view)
         target = _decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
+        if not target.request.capturing:  # a graph cannot wait for work outside it
+            for producer in blocks.geometry.producer_streams:
+                _driver.stream_wait_stream(handle, producer)
         if target.decision.method != "kernel" or target.request.capturing:
-            plan = blocks.copy_plan()
-            return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes,
-                                   target.decision.method, False, False, None, plan)
+            src, dst, sizes = blocks.copy_arrays()
+            return _execute_copies(scope, handle, src, dst, sizes, target.decision.method,
+                                   True, False, None)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
@@ -255,22 +296,33 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
 
 
 def check_method(method: str) -> None:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {', '.join(METHODS)}; got "
+                        f"{type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def _check_options(method: str, src_access_order: str, max_ctas: int | None) -> None:
+def _check_options(method: str, src_access_order: str, max_ctas: int | None,
+                   check_overlap: bool, allow_batch: bool) -> None:
     check_method(method)
+    if not isinstance(src_access_order, str):
+        raise TypeError(f"src_access_order must be 'stream' or 'any'; got "
+                        f"{type(src_access_order).__name__}")
     if src_access_order not in _ACCESS_ORDERS:
         raise ValueError(f"src_access_order must be 'stream' or 'any'; got {src_access_order!r}")
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
-                                 or max_ctas <= 0):
-        raise ValueError(f"max_ctas must be a positive int or None; got {max_ctas!r}")
+    if max_ctas is not None:
+        require_int(max_ctas, "max_ctas", minimum=1, maximum=_MAX_GRID)
+    require_bool(check_overlap, "check_overlap")
+    require_bool(allow_batch, "allow_batch")
+    if method == "batch" and not allow_batch:
+        raise ValueError("method='batch' contradicts allow_batch=False")
 
 
 def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
                method: str = "auto", src_access_order: str = "stream",
-               max_ctas: int | None = None, check_overlap: bool = False) -> str:
+               max_ctas: int | None = None, check_overlap: bool = False,
+               allow_batch: bool = True) -> str:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
 
     Pointers may be device memory, pinned host memory or pageable host memory,
@@ -295,6 +347,9 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         check_overlap: raise ValueError if two copies write overlapping bytes.
             Off by default (it sorts the batch); copies of one batch run in no
             defined order, so overlapping destinations get unspecified bytes.
+        allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
+            the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
+            where the batch API misbehaves.
 
     Returns:
         The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty batch).
@@ -304,7 +359,7 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         CudaError: the driver failed; ``.index`` is the failing copy where known.
         CaptureError: method='batch' on a capturing stream.
     """
-    _check_options(method, src_access_order, max_ctas)
+    _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
@@ -315,4 +370,5 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any", max_ctas)
+    return execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
+                          None if max_ctas is None else int(max_ctas), allow_batch)

@@ -7,10 +7,12 @@ from typing import Any
 import numpy as np
 
 from kvcopy import _driver
+from kvcopy.checks import require_int
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
 
 DEFAULT_CHUNK_BYTES = 16 << 30
+MAX_PINNED_BYTES = 2**63 - 1
 
 
 def _free_pinned(ptr: int) -> None:
@@ -40,36 +42,65 @@ def pinned_empty(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndar
     The device pointer of the memory is ``kvcopy.device_pointer(array)`` (equal
     to the host pointer on systems with unified addressing).
     """
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"pinned_empty: negative dimension in shape {shape}")
+    shape = _shape_tuple(shape)
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"pinned_empty: dtype {dtype} holds Python objects")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = dtype.itemsize
+    for extent in shape:
+        nbytes *= extent
+    if nbytes > MAX_PINNED_BYTES:
+        raise ValueError(f"pinned_empty: shape {shape} of {dtype} needs {nbytes} bytes, more than "
+                         f"the {MAX_PINNED_BYTES} one allocation can hold")
     return np.asarray(_PinnedAllocation(nbytes, shape, dtype))
 
 
-def _host_range(obj: Any) -> tuple[int, int, bool]:
-    """(pointer, nbytes, readonly) of a C-contiguous host buffer."""
+def _shape_tuple(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints: an int, or a sequence of ints."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        items: tuple = (shape,)
+    elif isinstance(shape, (tuple, list)):
+        items = tuple(shape)
+    else:
+        raise TypeError(f"pinned_empty: shape must be an int or a tuple of ints, got "
+                        f"{type(shape).__name__} ({shape!r})")
+    out = tuple(require_int(extent, f"pinned_empty: shape[{i}]") for i, extent in enumerate(items))
+    if any(extent < 0 for extent in out):
+        raise ValueError(f"pinned_empty: negative dimension in shape {out}")
+    return out
+
+
+def _host_range(obj: Any, caller: str = "register") -> tuple[int, int, bool]:
+    """(pointer, nbytes, readonly) of a C-contiguous host buffer; errors name ``caller``."""
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
-            raise ValueError("register: the array must be C-contiguous")
+            raise ValueError(f"{caller}: the array must be C-contiguous")
         return obj.ctypes.data, obj.nbytes, not obj.flags.writeable
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(f"register: {type(obj).__name__} does not expose a buffer "
+        raise TypeError(f"{caller}: {type(obj).__name__} does not expose a buffer "
                         "(NumPy arrays, mmap, bytearray and shared memory do)") from None
     if not view.c_contiguous:
-        raise ValueError("register: the buffer must be C-contiguous")
+        raise ValueError(f"{caller}: the buffer must be C-contiguous")
     arr = np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
     return (arr.ctypes.data if view.nbytes else 0), view.nbytes, view.readonly
 
 
 def device_pointer(obj: Any) -> int:
-    """The address the current device uses for pinned host memory ``obj`` (array or int)."""
-    ptr = obj if isinstance(obj, int) else _host_range(obj)[0]
+    """The address the current device uses for pinned host memory ``obj`` (array or int).
+
+    Raises:
+        TypeError: ``obj`` is neither an int address nor a buffer.
+        ValueError: an address that is not positive or wider than 64 bits.
+        CudaError: the memory is not pinned host memory the driver knows.
+    """
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, (bool, np.bool_)):
+        ptr = int(obj)
+        if not 0 < ptr < 2**64:
+            raise ValueError(f"device_pointer: address must be positive and below 2**64, got {ptr}")
+    else:
+        ptr = _host_range(obj, "device_pointer")[0]
     with ContextScope():
         return _driver.host_device_pointer(ptr)
 
@@ -89,8 +120,7 @@ class register:
     """
 
     def __init__(self, obj: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError(f"register: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        chunk_bytes = require_int(chunk_bytes, "register: chunk_bytes", minimum=1)
         self.obj = obj
         self.ptr, self.nbytes, self.readonly = _host_range(obj)
         if self.nbytes == 0:

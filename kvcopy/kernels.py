@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcopy import _driver
+from kvcopy.config import env_int
 from kvcopy.errors import KVCopyError
 
 _SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
 _OPTIONS = ("-std=c++17", "-default-device",
-            f"-DKVCOPY_UNROLL={int(os.environ.get('KVCOPY_UNROLL', '4'))}")
+            f"-DKVCOPY_UNROLL={env_int('KVCOPY_UNROLL', 4, minimum=1, maximum=16)}")
 
 
 class KernelUnavailable(KVCopyError):

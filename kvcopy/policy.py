@@ -41,6 +41,7 @@ class CopyRequest:
                                       # device or pinned host memory mapped for it
     stream_kind: str                  # 'legacy', 'per_thread', 'created'
     capturing: bool = False
+    batch_allowed: bool = True        # False: the caller forbids cuMemcpyBatchAsync
 
     @property
     def mean_bytes(self) -> float:
@@ -72,6 +73,8 @@ def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
     if requested == "loop":
         return Decision("loop", "requested")
     if requested == "batch":
+        if not req.batch_allowed:
+            raise ValueError("method='batch' contradicts allow_batch=False")
         if req.capturing:
             raise CaptureError(
                 "method='batch' cannot be used on a capturing stream: cuMemcpyBatchAsync is not "
@@ -123,7 +126,8 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
         return Decision("loop", "a single copy: one cuMemcpyAsync")
     kernel_ok = (caps.kernel_available and caps.unified_addressing and req.device_accessible
                  and req.direction != "h2h")
-    batch_ok = caps.batch_available and req.stream_kind != "legacy" and not req.capturing
+    batch_ok = (caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
+                and not req.capturing)
     if kernel_ok:
         if batch_ok and req.mean_bytes >= thresholds.for_direction(req.direction):
             return Decision("batch", f"blocks of {req.mean_bytes / MiB:.2f} MiB: DMA engines "
@@ -132,6 +136,7 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     if batch_ok:
         return Decision("batch", "memory the kernel cannot read: batched DMA")
     why = ("capturing stream" if req.capturing else
+           "batched DMA not allowed by the caller" if not req.batch_allowed else
            "legacy default stream" if req.stream_kind == "legacy" else
            "no cuMemcpyBatchAsync in this driver")
     return Decision("loop", f"{why}: one cuMemcpyAsync per copy")

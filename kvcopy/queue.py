@@ -12,7 +12,9 @@ from kvcopy import _driver, engine
 from kvcopy.blocks import _as_list, block_geometry
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
-from kvcopy.streams import current_framework_stream, effective_handle
+from kvcopy.streams import current_framework_stream, effective_handle, resolve_event, resolve_stream
+
+_GPU_KINDS = _driver.KIND_DEVICE | _driver.KIND_MANAGED
 
 
 @dataclass(frozen=True)
@@ -66,47 +68,80 @@ class TransferQueue:
         self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
         self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
         with ContextScope(self._caller_stream) as scope:
+            src_kinds, src_device = _driver.classify_pointers(
+                geometry.src_base, geometry.src_extent, np.empty_like(geometry.src_base))
+            dst_kinds, dst_device = _driver.classify_pointers(
+                geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
             # the queue's stream lives on the device that holds the caches
-            scope.follow_memory(engine.memory_owner(
-                _driver.classify_pointers(geometry.src_base, geometry.src_extent,
-                                          np.empty_like(geometry.src_base))[1],
-                _driver.classify_pointers(geometry.dst_base, geometry.dst_extent,
-                                          np.empty_like(geometry.dst_base))[1]))
+            scope.follow_memory(engine.memory_owner(src_device, dst_device))
             self._ctx = _driver.current_context()
             self._stream = _driver.stream_create(non_blocking=True)
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._closed = False
-        self._source_on_gpu = self._any_on_gpu(self.src)
-
-    @staticmethod
-    def _any_on_gpu(tensors: list) -> bool:
-        for t in tensors:
-            if getattr(t, "is_cuda", False) or hasattr(t, "__cuda_array_interface__"):
-                return True
-        return False
+        # Jobs that read or write GPU memory are ordered after the caller's work:
+        # decided from the memory itself, whatever object describes it.
+        self._touches_gpu = bool((src_kinds | dst_kinds) & _GPU_KINDS)
 
     def _push(self) -> None:
         _driver.push_context(self._ctx)
 
-    def submit(self, job_id: Hashable, block_mapping: Any) -> None:
-        """Queue the copy of ``block_mapping`` pairs; returns without waiting for the GPU."""
+    def _dependencies(self, after: Any) -> list[tuple[str, int]]:
+        """What a job waits for: ('event', handle) or ('stream', handle) entries."""
+        if after is None:
+            if not self._touches_gpu:
+                return []
+            caller = effective_handle(current_framework_stream(*self.src, *self.dst))
+            streams = [caller, *self._geometry.producer_streams]
+            return [("stream", h) for i, h in enumerate(streams) if h not in streams[:i]]
+        items = list(after) if isinstance(after, (list, tuple)) else [after]
+        found = []
+        for index, item in enumerate(items):
+            where = f"after[{index}]" if isinstance(after, (list, tuple)) else "after"
+            event = resolve_event(item)
+            if event is not None:
+                if event:  # a torch Event never recorded has no handle: nothing to wait for
+                    found.append(("event", event))
+                continue
+            try:
+                found.append(("stream", effective_handle(resolve_stream(item))))
+            except TypeError as exc:
+                raise TypeError(f"{where}: expected a stream or an event; {exc}") from None
+        return found
+
+    def submit(self, job_id: Hashable, block_mapping: Any, *, after: Any = None) -> None:
+        """Queue the copy of ``block_mapping`` pairs; returns without waiting for the GPU.
+
+        Args:
+            job_id: any hashable; :meth:`wait` and the results name the job by it.
+            block_mapping: (n, 2) [source block, destination block] pairs.
+            after: what the job waits for on the GPU before it starts: a stream
+                (anything :func:`kvcopy.resolve_stream` accepts; the work queued
+                on it so far), an event (torch, CuPy, cuda.core, CUevent), or a
+                list of them. None (default): when either cache is GPU memory,
+                the caller's current stream (the current stream of the caches'
+                framework, else the default stream) and any stream an
+                array-interface producer declared, so that a store copies the
+                final bytes and a load does not overwrite blocks that queued
+                work still reads. Pass ``after=[]`` to wait for nothing.
+
+        Raises:
+            TypeError, ValueError: bad ids or ``after``, before anything is queued.
+        """
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")
             plan = self._geometry.with_mapping(block_mapping)
+            dependencies = self._dependencies(after)
             self._push()
             start = end = 0
             try:
                 start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
-                if self._source_on_gpu:
-                    ready = _driver.event_create()
-                    try:
-                        _driver.event_record(ready, effective_handle(
-                            current_framework_stream(*self.src)))
-                        _driver.stream_wait_event(self._stream, ready)
-                    finally:
-                        _driver.event_destroy(ready)  # released by the driver once it has fired
+                for kind, handle in dependencies:
+                    if kind == "event":
+                        _driver.stream_wait_event(self._stream, handle)
+                    else:
+                        _driver.stream_wait_stream(self._stream, handle)
                 _driver.event_record(start, self._stream)
                 method = engine.execute_blocks(plan, self._stream, self.method)
                 _driver.event_record(end, self._stream)
@@ -153,7 +188,19 @@ class TransferQueue:
         return done
 
     def wait(self, job_ids: Iterable[Hashable] | None = None) -> list[TransferResult]:
-        """Block until the given jobs (default: all) are done; returns every finished job's result."""
+        """Block until the given jobs (default: all) are done; returns every finished job's result.
+
+        Raises:
+            TypeError: ``job_ids`` is a single string or bytes (pass ``[job_id]``)
+                or not iterable.
+            KeyError: a job id that is not pending.
+        """
+        if isinstance(job_ids, (str, bytes)):
+            raise TypeError(f"job_ids: expected a collection of job ids, got the {type(job_ids).__name__} "
+                            f"{job_ids!r}; pass [{job_ids!r}] to wait for that one job")
+        if job_ids is not None and not isinstance(job_ids, Iterable):
+            raise TypeError(f"job_ids: expected a collection of job ids or None, got "
+                            f"{type(job_ids).__name__}")
         with self._lock:
             wanted = None if job_ids is None else set(job_ids)
             last = None

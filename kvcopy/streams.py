@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 STREAM_DEFAULT = 0
 STREAM_LEGACY = 1
 STREAM_PER_THREAD = 2
@@ -29,15 +31,15 @@ def _from_cuda_stream_protocol(obj: Any) -> int:
     return _from_int(value[1], obj)
 
 
-def _from_int(value: Any, origin: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"stream: {type(origin).__name__} gave a handle of type "
-                            f"{type(value).__name__}, expected an int") from None
+def _from_int(value: Any, origin: Any, what: str = "stream") -> int:
+    """A handle given as a Python or NumPy integer (never a float or bool: a
+    truncated handle would name some other stream)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: {type(origin).__name__} gave a handle of type "
+                        f"{type(value).__name__}, expected an int")
+    value = int(value)
     if value < 0 or value > _MAX_HANDLE:
-        raise ValueError(f"stream: handle {value} is not a valid CUstream value")
+        raise ValueError(f"{what}: handle {value} is not a valid CU{what} value")
     return value
 
 
@@ -61,9 +63,9 @@ def resolve_stream(obj: Any) -> int:
     """
     if obj is None:
         return STREAM_DEFAULT
-    if isinstance(obj, bool):
+    if isinstance(obj, (bool, np.bool_)):
         raise TypeError("stream: got a bool; pass a stream object or an integer handle")
-    if isinstance(obj, int):
+    if isinstance(obj, (int, np.integer)):
         return _from_int(obj, obj)
     module = _module_of(obj)
     if module.startswith("torch") and hasattr(obj, "cuda_stream"):
@@ -73,6 +75,8 @@ def resolve_stream(obj: Any) -> int:
     if hasattr(obj, "__cuda_stream__"):
         return _from_cuda_stream_protocol(obj)
     if module.startswith("cuda.bindings") and hasattr(obj, "getPtr"):
+        if type(obj).__name__ != "CUstream":
+            raise TypeError(f"stream: got a cuda.bindings {type(obj).__name__}, expected a CUstream")
         return _from_int(int(obj), obj)
     raise TypeError(
         f"stream: cannot get a CUDA stream from {type(obj).__module__}.{type(obj).__qualname__}; "
@@ -122,3 +126,25 @@ def stream_kind(handle: int) -> str:
     if handle == STREAM_PER_THREAD:
         return "per_thread"
     return "created"
+
+
+def resolve_event(obj: Any) -> int | None:
+    """The raw CUevent handle that ``obj`` names, or None when it is no event.
+
+    Accepts torch.cuda.Event, CuPy events, cuda.core Events and cuda.bindings
+    CUevent objects. Integers are stream handles, never events.
+
+    Raises:
+        TypeError: an event object that gives no integer handle.
+    """
+    kind = type(obj)
+    module, name = kind.__module__ or "", kind.__name__
+    if module.startswith("torch") and hasattr(obj, "cuda_event"):
+        return _from_int(obj.cuda_event, obj, "event")
+    if module.startswith("cupy") and name == "Event" and hasattr(obj, "ptr"):
+        return _from_int(obj.ptr, obj, "event")
+    if module.startswith("cuda.core") and name == "Event" and hasattr(obj, "handle"):
+        return _from_int(int(obj.handle), obj, "event")
+    if module.startswith("cuda.bindings") and name == "CUevent":
+        return _from_int(int(obj), obj, "event")
+    return None

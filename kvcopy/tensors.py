@@ -20,18 +20,57 @@ class BlockLayout(NamedTuple):
     block_stride: int   # bytes from one block to the next
     block_bytes: int
     readonly: bool
+    stream: int | None = None   # the producer's stream (__cuda_array_interface__ v3):
+                                # pending writes there must be waited for before a copy
 
 
-def _raw(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
-    """(pointer, shape, byte strides, itemsize, readonly)."""
+_NOT_ARRAYS = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_U64_LIMIT = 1 << 64
+
+
+def _interface_stream(face: dict) -> int | None:
+    """The stream a __cuda_array_interface__ (v3) says pending writes are on, or None."""
+    stream = face.get("stream")
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0:
+        raise TypeError(f"__cuda_array_interface__ has stream {stream!r}; expected an int handle")
+    return int(stream) or 1   # 0 is not allowed by the protocol; producers that send it mean legacy
+
+
+_DLPACK_GPU_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
+
+
+def _dlpack_consumer_stream(obj: Any, stream: int | None) -> int:
+    """The consumer stream to give a DLPack producer: the copy's stream for GPU
+    memory (the producer then orders its pending writes before it), -1 (no
+    ordering) for host memory or when no stream is known."""
+    if stream is None:
+        return -1
+    try:
+        device_type = int(obj.__dlpack_device__()[0])
+    except Exception:  # noqa: BLE001 - no DLPack: cuda.core tries the other protocols
+        return -1
+    return stream if device_type in _DLPACK_GPU_DEVICES else -1
+
+
+def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, int, bool, int | None]:
+    """(pointer, shape, byte strides, itemsize, readonly, producer stream).
+
+    ``stream`` is the consumer's stream handle, given to DLPack producers so that
+    they order their pending writes before it (None: no ordering asked)."""
+    if isinstance(obj, _NOT_ARRAYS):
+        raise TypeError(f"{name}: expected a tensor or array, got {type(obj).__name__}")
     module = type(obj).__module__ or ""
     if module.startswith("torch"):
         size = obj.element_size()
-        return obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size, False
+        return (obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
+                False, None)
     if isinstance(obj, np.ndarray):
-        return obj.ctypes.data, obj.shape, obj.strides, obj.itemsize, not obj.flags.writeable
-    if module.startswith("cupy"):
-        return obj.data.ptr, obj.shape, obj.strides, obj.itemsize, False
+        if obj.dtype.hasobject:
+            raise TypeError(f"{name}: a NumPy array of dtype {obj.dtype} holds Python objects, "
+                            "not block data")
+        return obj.ctypes.data, obj.shape, obj.strides, obj.itemsize, not obj.flags.writeable, None
     for attr in ("__cuda_array_interface__", "__array_interface__"):
         face = getattr(obj, attr, None)
         if isinstance(face, dict):
@@ -39,19 +78,21 @@ def _raw(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
             shape = tuple(face["shape"])
             strides = face.get("strides") or _c_strides(shape, itemsize)
             ptr, readonly = face["data"]
-            return int(ptr), shape, tuple(strides), itemsize, bool(readonly)
+            producer = _interface_stream(face) if attr == "__cuda_array_interface__" else None
+            return int(ptr), shape, tuple(strides), itemsize, bool(readonly), producer
     try:
         from cuda.core.utils import StridedMemoryView
 
-        view = obj if isinstance(obj, StridedMemoryView) else StridedMemoryView(obj, stream_ptr=-1)
+        view = (obj if isinstance(obj, StridedMemoryView)
+                else StridedMemoryView(obj, stream_ptr=_dlpack_consumer_stream(obj, stream)))
+        itemsize = np.dtype(view.dtype).itemsize
+        strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
+                   else _c_strides(tuple(view.shape), itemsize))
+        return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly), None
     except Exception:  # noqa: BLE001 - anything that is not an array
         raise TypeError(f"{name}: {type(obj).__module__}.{type(obj).__qualname__} is not a tensor "
                         "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
                         "interface, cuda.core Buffer or kvcopy.block_view)") from None
-    itemsize = np.dtype(view.dtype).itemsize
-    strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
-               else _c_strides(tuple(view.shape), itemsize))
-    return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly)
 
 
 def _prod(extents) -> int:
@@ -90,15 +131,18 @@ def _torch_layout(t: Any) -> BlockLayout | None:
     return BlockLayout(t.data_ptr(), shape[0], strides[0] * size, step * size, False)
 
 
-def block_layout(obj: Any, name: str) -> BlockLayout:
-    """Where ``obj``'s blocks are. Raises TypeError/ValueError naming ``name``."""
+def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
+    """Where ``obj``'s blocks are. Raises TypeError/ValueError naming ``name``.
+
+    ``stream``: the stream the copy will run on, given to DLPack producers (see
+    _raw); a __cuda_array_interface__ producer's stream is returned in the layout."""
     if isinstance(obj, BlockView):
         return obj.layout
     if (type(obj).__module__ or "").startswith("torch"):
         fast = _torch_layout(obj)
         if fast is not None:
             return fast
-    ptr, shape, strides, itemsize, readonly = _raw(obj, name)
+    ptr, shape, strides, itemsize, readonly, producer = _raw(obj, name, stream)
     if len(shape) == 0:
         raise ValueError(f"{name}: a 0-d array has no block dimension")
     expected = itemsize
@@ -110,7 +154,7 @@ def block_layout(obj: Any, name: str) -> BlockLayout:
     if shape[0] > 1 and strides[0] < expected:
         raise ValueError(f"{name}: blocks overlap or run backwards (stride {strides[0]} bytes "
                          f"for blocks of {expected} bytes)")
-    return BlockLayout(ptr, int(shape[0]), int(strides[0]), int(expected), readonly)
+    return BlockLayout(ptr, int(shape[0]), int(strides[0]), int(expected), readonly, producer)
 
 
 def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None:
@@ -188,6 +232,9 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
                          ("block_stride", block_stride)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             raise TypeError(f"block_view: {label} must be an int, got {type(value).__name__}")
+    if not isinstance(readonly, (bool, np.bool_)):
+        raise TypeError(f"block_view: readonly must be a bool, got {type(readonly).__name__}")
+    block_bytes = int(block_bytes)
     if block_bytes <= 0:
         raise ValueError(f"block_view: block_bytes must be positive, got {block_bytes}")
     stride = block_bytes if block_stride is None else int(block_stride)
@@ -196,9 +243,9 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
     if isinstance(memory, (int, np.integer)) and not isinstance(memory, bool):
         if num_blocks is None:
             raise ValueError("block_view: num_blocks is required for an integer address")
-        if memory <= 0:
-            raise ValueError(f"block_view: address must be positive, got {memory}")
         ptr, owner, capacity = int(memory), None, None
+        if not 0 < ptr < _U64_LIMIT:
+            raise ValueError(f"block_view: address must be positive and below 2**64, got {ptr}")
     elif is_flat_buffer(memory):
         ptr, owner, capacity = _buffer_address(memory), memory, int(memory.size)
     else:
@@ -206,10 +253,14 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
                         f"{type(memory).__module__}.{type(memory).__qualname__}")
     if num_blocks is None:
         num_blocks = 1 + (capacity - block_bytes) // stride if capacity >= block_bytes else 0
+    num_blocks = int(num_blocks)
     if num_blocks < 0:
         raise ValueError(f"block_view: num_blocks must be >= 0, got {num_blocks}")
     span = (num_blocks - 1) * stride + block_bytes if num_blocks else 0
     if capacity is not None and span > capacity:
         raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
                          f"bytes need {span} bytes; the buffer has {capacity}")
-    return BlockView(BlockLayout(ptr, int(num_blocks), stride, int(block_bytes), readonly), owner)
+    if ptr + span > _U64_LIMIT:
+        raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
+                         f"bytes from {ptr:#x} run past the end of the 64-bit address space")
+    return BlockView(BlockLayout(ptr, num_blocks, stride, block_bytes, bool(readonly)), owner)

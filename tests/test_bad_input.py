@@ -41,7 +41,8 @@ def u64(values):
     (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], method="dma"), ValueError, "method must be one of"),
     (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], src_access_order="never"), ValueError, "src_access_order"),
     (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], max_ctas=0), ValueError, "max_ctas"),
-    (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], max_ctas=True), ValueError, "max_ctas"),
+    (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], max_ctas=True), TypeError, "max_ctas"),
+    (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], max_ctas=2.0), TypeError, "max_ctas"),
     (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], stream="default"), TypeError, "stream"),
     (dict(src_ptrs=[1], dst_ptrs=[3], sizes=[1], stream=-5), ValueError, "not a valid CUstream"),
     (dict(src_ptrs=[10, 20], dst_ptrs=[100, 104], sizes=[8, 8], check_overlap=True), ValueError,
@@ -112,9 +113,10 @@ def test_register_validation(obj, kind, match):
         kvcopy.register(obj)
 
 
-@pytest.mark.parametrize("chunk", [0, -1, 1.5, True])
-def test_register_chunk_size(chunk):
-    with pytest.raises(ValueError, match="chunk_bytes"):
+@pytest.mark.parametrize("chunk, kind", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                         (True, TypeError), ("8", TypeError)])
+def test_register_chunk_size(chunk, kind):
+    with pytest.raises(kind, match="chunk_bytes"):
         kvcopy.register(np.zeros(16), chunk_bytes=chunk)
 
 

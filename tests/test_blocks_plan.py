@@ -139,7 +139,8 @@ def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
     src, dst = [kv[0], kv[1]], host
     fast = _uniform_geometry(src, dst)
     assert fast is not None
-    rows, block = _pair_rows(src, dst, False)
+    rows, block, producers = _pair_rows(src, dst, False, None)
+    assert producers == ()
     slow = np.array(rows, dtype=np.uint64)
     assert fast.block_bytes == block == 4 * 8 * 2
     for i, name in enumerate(["src_base", "dst_base", "src_extent", "dst_extent", "src_stride",

@@ -1,0 +1,28 @@
+"""Checks of scalar arguments, shared by the public functions: a wrong type is a
+TypeError, a wrong value a ValueError, and both name the argument."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def require_bool(value: Any, name: str) -> bool:
+    """``value`` as a bool; only True and False (and NumPy bools) are accepted: a
+    string such as 'no' is truthy and would silently mean yes."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
+
+
+def require_int(value: Any, name: str, *, minimum: int | None = None,
+                maximum: int | None = None) -> int:
+    """``value`` as an int within [minimum, maximum]; Python and NumPy integers only."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+    return value
