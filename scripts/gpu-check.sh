@@ -2,7 +2,8 @@
 # The one GPU check everyone runs on the H200 (device tool): build, the whole
 # test suite with the GPU tests, the CPU-overhead probes and the benchmark.
 # Results land in $OUT (default ./gpu-out); the device tool brings back at most
-# 8 files, so logs are few: pytest.log (GPU name first), cpu_overhead.txt,
+# 8 files, so logs are few: pytest.log (GPU name first), patterns.txt (other
+# projects' call patterns, scripts/patterns_probe.py), cpu_overhead.txt,
 # [profile.txt], bench-<mode>/results.{json,csv,png}.
 #   BENCH=quick (default) | full | quick+full | none
 #   PROFILE=1     also profile the calls (cProfile)
@@ -20,6 +21,7 @@ fi
   python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1
 } | tee "$OUT/pytest.log" | grep -v "^\.*$\|PASSED" | tail -60
 status=${PIPESTATUS[0]}
+python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
 (cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py) 2>&1 | tee "$OUT/cpu_overhead.txt"
 [ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do

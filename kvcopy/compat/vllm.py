@@ -45,6 +45,6 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
     for tensor, name in ((src_ptrs, "src_ptrs"), (dst_ptrs, "dst_ptrs"), (sizes, "sizes")):
         _check(tensor, name)
     access_any = require_bool(is_src_access_order_any, "is_src_access_order_any")
+    allow_batch = require_bool(use_batch_api, "use_batch_api")
     copy_batch(src_ptrs, dst_ptrs, sizes, stream=torch.cuda.current_stream(),
-               src_access_order="any" if access_any else "stream",
-               allow_batch=require_bool(use_batch_api, "use_batch_api"))
+               src_access_order="any" if access_any else "stream", allow_batch=allow_batch)

@@ -1,0 +1,196 @@
+"""The rules behind kvcopy's handling of other projects' patterns, on the CPU:
+capture never touches the descriptor ring or its events, TransferQueue's
+``after=`` and wait() arguments, event objects, vLLM's signature, the check of
+host mappings, and allow_batch in the policy."""
+from __future__ import annotations
+
+import inspect
+import mmap
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import _driver, device, engine, kernels, policy, ring
+from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
+from kvcopy.streams import resolve_event
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ capture
+
+class CapturingDriver:
+    """Enough of _driver for one kernel-path call on a stream that is capturing;
+    records every call, and fails the test on anything that must not happen
+    during a capture (event queries and synchronisation, allocations)."""
+
+    KIND_DEVICE = _driver.KIND_DEVICE
+    KIND_HOST_MAPPED = _driver.KIND_HOST_MAPPED
+    DESCRIPTOR_BYTES = _driver.DESCRIPTOR_BYTES
+    INLINE_MAX = _driver.INLINE_MAX
+
+    def __init__(self, capturing: int) -> None:
+        self.capturing = capturing
+        self.calls: list[str] = []
+
+    def stream_capture_status(self, handle: int) -> int:
+        return self.capturing
+
+    def context_device(self) -> int:
+        return 0
+
+    def describe_copies(self, src, dst, sizes, host, merge):
+        self.calls.append(f"describe into {host:#x}")
+        return (len(sizes), int(sizes.sum()), _driver.KIND_HOST_MAPPED, -1, _driver.KIND_DEVICE, 0,
+                len(sizes))
+
+    def launch_descs_inline(self, function, per_launch, host, count, ctas, threads, stream):
+        self.calls.append(f"inline launch of {count}")
+        return 1
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"_driver.{name} called while the stream captures")
+
+
+class FakeScope:
+    def follow_memory(self, ordinal: int) -> bool:
+        return False
+
+
+@pytest.fixture
+def capture_engine(monkeypatch):
+    fake = CapturingDriver(capturing=1)
+    monkeypatch.setattr(engine, "_driver", fake)
+    monkeypatch.setattr(engine, "_targets", {})
+    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
+    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, _driver.INLINE_MAX)
+    monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: fake_kernel)
+
+    def no_ring():
+        raise AssertionError("the descriptor ring was used while the stream captures")
+
+    monkeypatch.setattr(ring, "ring_for_current_context", no_ring)
+    return fake
+
+
+@pytest.mark.parametrize("count", [10, 1500, 20000])
+def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engine, count):
+    src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
+    dst = np.arange(count, dtype=np.uint64) * 8192 + 0x7f0000000000
+    sizes = np.full(count, 8192, dtype=np.uint64)
+    used = engine._execute_copies(FakeScope(), 0x1234, src, dst, sizes, "auto", True, False, None)
+    assert used == "kernel"
+    assert capture_engine.calls[0].startswith("describe into")
+    assert capture_engine.calls[1] == f"inline launch of {count}"
+
+
+def test_capture_with_batch_requested_raises_before_anything(capture_engine):
+    sizes = np.full(4, 1 << 20, dtype=np.uint64)
+    with pytest.raises(kvcopy.CaptureError):
+        engine._execute_copies(FakeScope(), 0x1234, sizes + 0x10000, sizes + 0x7f0000000000, sizes,
+                               "batch", True, False, None)
+    assert not any("launch" in call for call in capture_engine.calls)
+
+
+# ------------------------------------------------------------------ policy: allow_batch
+
+def _request(**kw) -> CopyRequest:
+    base = dict(direction="h2d", count=64, total_bytes=64 * 4 * MiB, device_accessible=True,
+                stream_kind="created")
+    base.update(kw)
+    return CopyRequest(**base)
+
+
+def test_allow_batch_false_never_picks_batched_dma():
+    caps = DeviceCaps()
+    assert policy.choose_method(_request(), caps).method == "batch"
+    assert policy.choose_method(_request(batch_allowed=False), caps).method == "kernel"
+    pageable = _request(batch_allowed=False, device_accessible=False)
+    decision = policy.choose_method(pageable, caps)
+    assert decision.method == "loop" and "not allowed" in decision.reason
+    with pytest.raises(ValueError, match="allow_batch=False"):
+        policy.choose_method(_request(batch_allowed=False), caps, requested="batch")
+
+
+def test_copy_batch_refuses_batch_with_allow_batch_false():
+    with pytest.raises(ValueError, match="allow_batch=False"):
+        kvcopy.copy_batch([1], [2], [3], method="batch", allow_batch=False)
+
+
+# ------------------------------------------------------------------ events
+
+class _Named:
+    """An object whose type looks like another library's, for resolve_event."""
+
+    def __init__(self, module: str, name: str, **attrs) -> None:
+        kind = type(name, (), {"__module__": module})
+        self.obj = kind()
+        for key, value in attrs.items():
+            setattr(self.obj, key, value)
+
+
+def test_resolve_event_recognises_each_library():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    assert resolve_event(driver.CUevent(0xABC0)) == 0xABC0
+    assert resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=0x10).obj) == 0x10
+    assert resolve_event(_Named("cupy.cuda.stream", "Event", ptr=0x20).obj) == 0x20
+    assert resolve_event(_Named("cuda.core._event", "Event", handle=0x30).obj) == 0x30
+    assert resolve_event(_Named("cupy.cuda.stream", "Stream", ptr=0x20).obj) is None
+    assert resolve_event(5) is None and resolve_event(None) is None
+
+
+def test_resolve_event_rejects_float_handles():
+    with pytest.raises(TypeError, match="event"):
+        resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=1.5).obj)
+
+
+def test_transfer_queue_wait_refuses_a_single_string():
+    queue = object.__new__(kvcopy.TransferQueue)
+    with pytest.raises(TypeError, match=r"job_ids.*\['req-1'\]"):
+        queue.wait("req-1")
+    with pytest.raises(TypeError, match="job_ids"):
+        queue.wait(7)
+
+
+def test_transfer_queue_submit_takes_after():
+    params = inspect.signature(kvcopy.TransferQueue.submit).parameters
+    assert params["after"].kind is inspect.Parameter.KEYWORD_ONLY and params["after"].default is None
+
+
+# ------------------------------------------------------------------ vLLM's signature
+
+def test_vllm_shim_takes_vllms_current_arguments():
+    from kvcopy.compat.vllm import swap_blocks_batch
+
+    params = list(inspect.signature(swap_blocks_batch).parameters.values())
+    assert [p.name for p in params] == ["src_ptrs", "dst_ptrs", "sizes",
+                                        "is_src_access_order_any", "use_batch_api"]
+    assert params[3].default is False and params[4].default is True
+
+
+def test_vllm_shim_checks_its_flags_before_the_driver():
+    torch = pytest.importorskip("torch")
+    from kvcopy.compat.vllm import swap_blocks_batch
+
+    t = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="use_batch_api"):
+        swap_blocks_batch(t, t, t, False, "no")
+    with pytest.raises(TypeError, match="sizes"):
+        swap_blocks_batch(t, t, torch.zeros(1, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------ host mappings
+
+def test_host_access_follows_the_process_mappings():
+    arr = np.zeros(8192, np.uint8)
+    assert _driver.host_access_allowed(arr.ctypes.data, arr.nbytes, write=True)
+    assert not _driver.host_access_allowed(42, 8)
+    assert not _driver.host_access_allowed(0x10, 1, write=True)
+    region = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
+    ptr = np.frombuffer(region, np.uint8).ctypes.data
+    assert _driver.host_access_allowed(ptr, 8192)
+    assert not _driver.host_access_allowed(ptr, 8192, write=True)
+    assert not _driver.host_access_allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
+    del ptr
