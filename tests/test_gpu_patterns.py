@@ -109,14 +109,16 @@ def test_copies_are_not_merged_across_back_to_back_allocations(adjacent_buffers,
         0, 256, n * size, dtype=np.uint8)
     zeros = np.zeros(n * size, np.uint8)
     for write, ptrs in ((data, src_ptrs), (zeros, dst_ptrs)):
-        if ptrs is b["host"]:
-            _host_view(ptrs[0], n * size)[:] = write
-        else:
-            _write_device(ptrs[0], write)
+        for i, ptr in enumerate(ptrs):   # one allocation at a time: no copy may span two
+            part = write[i * size:(i + 1) * size]
+            if ptrs is b["host"]:
+                _host_view(ptr, size)[:] = part
+            else:
+                _write_device(ptr, np.ascontiguousarray(part))
     used = kvcopy.copy_batch(src_ptrs, dst_ptrs, [size] * n, stream=b["stream"], method=method)
     b["stream"].sync()
-    got = (_host_view(dst_ptrs[0], n * size).copy() if dst_ptrs is b["host"]
-           else _read_device(dst_ptrs[0], n * size))
+    got = np.concatenate([_host_view(p, size).copy() if dst_ptrs is b["host"]
+                          else _read_device(p, size) for p in dst_ptrs])
     assert used in ("kernel", "batch", "loop")
     np.testing.assert_array_equal(got, data)
 
