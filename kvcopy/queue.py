@@ -42,10 +42,13 @@ class TransferQueue:
     """Ordered, asynchronous transfers from ``src`` caches to ``dst`` caches.
 
     Jobs run in submission order on the queue's own stream; ``submit`` never
-    waits for the GPU. A job whose source is on the GPU first waits (on the
+    waits for the GPU. When either cache is GPU memory (however it is
+    described: tensor, BlockView, cuda.core Buffer), a job first waits (on the
     GPU) for the work already queued on the caller's current stream, so a
     store issued right after the compute that wrote the blocks copies the
-    final bytes. Completion is tracked with CUDA events.
+    final bytes, and a load does not overwrite blocks that queued work still
+    reads; ``submit(..., after=...)`` names other streams or events instead.
+    Completion is tracked with CUDA events.
 
     Args:
         src, dst: tensors or equal-length sequences of tensors, as for
