@@ -2,12 +2,16 @@
 
 cuda.h is searched in this order: $KVCOPY_CUDA_INCLUDE, $CUDA_HOME/include or
 $CUDA_PATH/include, the nvidia-cuda-runtime wheel of the build environment,
-/usr/local/cuda/include. The kernel sources in include/kvcopy/ are copied into
-the package so that an installed kvcopy can compile them with NVRTC.
+/usr/local/cuda/include; the first whose CUDA version fits the cuda-bindings
+being built against (same major, at least as new) is used, and the build
+stops with both versions named when none does. The kernel sources in
+include/kvcopy/ are copied into the package so that an installed kvcopy can
+compile them with NVRTC.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,24 +35,68 @@ def _wheel_include_dirs() -> list[Path]:
     return found
 
 
+def header_version(include: Path) -> tuple[int, int] | None:
+    """CUDA_VERSION of the cuda.h in ``include`` as (major, minor), None if absent."""
+    try:
+        text = (include / "cuda.h").read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"^#define\s+CUDA_VERSION\s+(\d+)", text, re.M)
+    if not match:
+        return None
+    value = int(match.group(1))
+    return value // 1000, value % 1000 // 10
+
+
+def bindings_version() -> tuple[int, int]:
+    """The (major, minor) of the cuda-bindings whose cydriver.pxd is compiled against."""
+    from cuda import bindings
+
+    major, minor = bindings.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def headers_fit(headers: tuple[int, int], bindings: tuple[int, int]) -> bool:
+    """cydriver.pxd names every type of its own CUDA release: the headers must be of
+    the same major and at least as new."""
+    return headers[0] == bindings[0] and headers >= bindings
+
+
 def cuda_include_dirs() -> list[str]:
-    candidates: list[Path] = []
-    if os.environ.get("KVCOPY_CUDA_INCLUDE"):
-        candidates.append(Path(os.environ["KVCOPY_CUDA_INCLUDE"]))
+    explicit = os.environ.get("KVCOPY_CUDA_INCLUDE")
+    candidates: list[Path] = [Path(explicit)] if explicit else []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             candidates.append(Path(os.environ[var]) / "include")
     candidates += _wheel_include_dirs()
     candidates.append(Path("/usr/local/cuda/include"))
-    cuda_h = next((c for c in candidates if (c / "cuda.h").is_file()), None)
-    if cuda_h is None:
+    want = bindings_version()
+    seen = []
+    chosen = None
+    for folder in candidates:
+        found = header_version(folder)
+        if found is None:
+            continue
+        seen.append(f"{folder} (CUDA {found[0]}.{found[1]})")
+        if headers_fit(found, want):
+            chosen = folder
+            break
+        if explicit and folder == Path(explicit):
+            raise RuntimeError(
+                f"kvcopy: KVCOPY_CUDA_INCLUDE={explicit} holds cuda.h of CUDA {found[0]}.{found[1]}, "
+                f"but cuda-bindings {want[0]}.{want[1]} needs CUDA {want[0]}.{want[1]} or a newer "
+                f"{want[0]}.x")
+        print(f"kvcopy: skipping {folder}: cuda.h is CUDA {found[0]}.{found[1]}, cuda-bindings "
+              f"is {want[0]}.{want[1]}", file=sys.stderr)
+    if chosen is None:
         raise RuntimeError(
-            "kvcopy: cuda.h not found. Set KVCOPY_CUDA_INCLUDE or CUDA_HOME, or install "
-            "the nvidia-cuda-runtime wheel. Looked in: " + ", ".join(map(str, candidates))
-        )
-    dirs = [cuda_h]
+            f"kvcopy: no cuda.h fits cuda-bindings {want[0]}.{want[1]} (needs CUDA "
+            f"{want[0]}.{want[1]} or a newer {want[0]}.x). Found: {', '.join(seen) or 'none'}. "
+            f"Install nvidia-cuda-runtime=={want[0]}.{want[1]}.* in the build environment, or "
+            "point KVCOPY_CUDA_INCLUDE or CUDA_HOME at a matching toolkit.")
+    dirs = [chosen]
     # cuda-bindings' pxd also includes cudaProfiler.h, which may live in another wheel.
-    if not (cuda_h / "cudaProfiler.h").is_file():
+    if not (chosen / "cudaProfiler.h").is_file():
         dirs += [c for c in candidates if (c / "cudaProfiler.h").is_file()][:1]
     return [str(d) for d in dirs]
 
@@ -64,19 +112,20 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
+CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "testing")
+
+
 def extensions() -> list[Extension]:
     from Cython.Build import cythonize
 
-    driver = Extension(
-        "kvcopy._driver",
-        ["kvcopy/_driver.pyx"],
-        include_dirs=[str(HEADERS)] + cuda_include_dirs(),
-        language="c++",
-        extra_compile_args=["-O3", "-std=c++17"],
-    )
+    cuda_includes = [str(HEADERS)] + cuda_include_dirs()
+    layer = [Extension(f"kvcopy._cuda.{name}", [f"kvcopy/_cuda/{name}.pyx"],
+                       include_dirs=cuda_includes, language="c++",
+                       extra_compile_args=["-O3", "-std=c++17"])
+             for name in CUDA_MODULES]
     planner = Extension("kvcopy._plan", ["kvcopy/_plan.pyx"], language="c++",
                         extra_compile_args=["-O3"])
-    return cythonize([driver, planner], compiler_directives={"language_level": "3"})
+    return cythonize(layer + [planner], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernelSources})

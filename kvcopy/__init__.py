@@ -3,21 +3,19 @@
 Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
-from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
+from kvcopy.api import copy_batch, last_decision, swap_blocks
+from kvcopy.calibrate import calibrate
 from kvcopy.config import config
-from kvcopy.streams import resolve_stream
-from kvcopy.engine import copy_batch, last_decision
-from kvcopy.blocks import swap_blocks
-from kvcopy.tensors import BlockView, block_view
+from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
 from kvcopy.host import device_pointer, pinned_empty, register
+from kvcopy.interop.streams import resolve_stream
+from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.queue import TransferQueue, TransferResult
-from kvcopy.calibration import calibrate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
     "TransferResult", "block_view", "calibrate", "config", "copy_batch", "device_pointer",
-    "last_decision",
-    "pinned_empty", "register", "resolve_stream", "swap_blocks",
+    "last_decision", "pinned_empty", "register", "resolve_stream", "swap_blocks",
 ]

@@ -1,4 +1,5 @@
-"""swap_blocks: copy blocks of paged KV caches by block id."""
+"""Planning of swap_blocks calls: where each tensor pair keeps its blocks, and the
+checked block-id mapping. No driver calls; the engine issues the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,50 +7,17 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy import engine
-from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.checks import require_bool
-from kvcopy.streams import current_framework_stream, effective_handle, resolve_stream
-from kvcopy.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
+from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy.interop.arrays import as_block_mapping, as_list
+from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
                             uniform_torch_layout)
 
 
-_ID_MAX = 2**63 - 1
 # A bitmap of the destination ids finds duplicates in O(n + pool) time; it is used
 # while the pool is at most this many times the batch, so its cost follows the
 # batch; larger pools sort the ids instead (O(n log n)).
 _BITMAP_PER_PAIR = 64
-
-
-def _as_list(obj: Any) -> list:
-    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
-
-
-def as_block_mapping(block_mapping: Any) -> np.ndarray:
-    """An (n, 2) int64 array of [source block, destination block] pairs."""
-    module = type(block_mapping).__module__ or ""
-    if module.startswith("torch"):
-        block_mapping = block_mapping.detach().cpu().numpy()
-    elif module.startswith("cupy"):
-        block_mapping = block_mapping.get()
-    elif isinstance(block_mapping, (list, tuple)):
-        for i, pair in enumerate(block_mapping):
-            if (not isinstance(pair, (list, tuple, np.ndarray)) or len(pair) != 2
-                    or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)):
-                raise TypeError(f"block_mapping[{i}] must be a pair of ints, got {pair!r}")
-    arr = np.asarray(block_mapping)
-    if arr.size == 0:
-        return np.empty((0, 2), dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"block_mapping: expected integer block ids, got dtype {arr.dtype}")
-    if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"block_mapping: expected shape (n, 2), got {arr.shape}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _ID_MAX:
-        pair, column = (int(i) for i in np.argwhere(arr > _ID_MAX)[0])
-        side = "source" if column == 0 else "destination"
-        raise ValueError(f"block_mapping[{pair}]: {side} block {int(arr[pair, column])} is out of "
-                         "range (block ids must be below 2**63)")
-    return arr.astype(np.int64, copy=False)
 
 
 def _split(layout: BlockLayout, block_bytes: int, name: str) -> tuple[BlockLayout, int]:
@@ -197,7 +165,9 @@ def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
     """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes),
     the block size, and the producer streams the tensors declared."""
     multi = len(srcs) > 1
-    rows, block, producers = [], None, []
+    rows: list[tuple] = []
+    producers: list[int] = []
+    block: int | None = None
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         ls, ld = _layouts_of_pair(s, d, i, multi, stream)
         producers += [p for p in (ls.stream, ld.stream) if p is not None and p not in producers]
@@ -221,21 +191,25 @@ def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
                              "call swap_blocks once per size")
         rows.append((ls.ptr, ld.ptr, _extent(ls), _extent(ld), ls.block_stride, ld.block_stride,
                      s_factor, d_factor, ls.num_blocks * s_factor, ld.num_blocks * d_factor))
-    return rows, int(block), tuple(producers)
+    assert block is not None   # block_geometry refuses empty lists
+    return rows, block, tuple(producers)
 
 
 def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
                      stream: int | None) -> tuple[BlockLayout, BlockLayout]:
     """Both layouts of pair i; a flat buffer takes its block size from the other side."""
-    ls = ld = None
     try:
-        ls = None if is_flat_buffer(s) else block_layout(s, "src", stream)
-        ld = None if is_flat_buffer(d) else block_layout(d, "dst", stream)
-        if ls is None and ld is None:
+        src_flat, dst_flat = is_flat_buffer(s), is_flat_buffer(d)
+        if src_flat and dst_flat:
             raise TypeError("src and dst are both flat buffers: wrap one in "
                             "kvcopy.block_view(buffer, block_bytes) to give the block size")
-        ls = ls or flat_buffer_layout(s, ld.block_bytes, "src")
-        ld = ld or flat_buffer_layout(d, ls.block_bytes, "dst")
+        if src_flat:
+            ld = block_layout(d, "dst", stream)
+            ls = flat_buffer_layout(s, ld.block_bytes, "src")
+        else:
+            ls = block_layout(s, "src", stream)
+            ld = (flat_buffer_layout(d, ls.block_bytes, "dst") if dst_flat
+                  else block_layout(d, "dst", stream))
     except (TypeError, ValueError) as exc:  # re-raise naming the tensor's position
         message = str(exc)
         for side in ("src", "dst"):
@@ -255,7 +229,7 @@ def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
     their pending writes before it (None: no ordering is asked of them).
     """
     split_blocks = require_bool(split_blocks, "split_blocks")
-    srcs, dsts = _as_list(src), _as_list(dst)
+    srcs, dsts = as_list(src), as_list(dst)
     if not srcs:
         raise ValueError("src: no tensors given")
     if len(srcs) != len(dsts):
@@ -265,8 +239,10 @@ def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
         return fast
     rows, block, producers = _pair_rows(srcs, dsts, split_blocks, stream)
     table = np.array(rows, dtype=np.uint64)
-    return BlockGeometry(block, *(np.ascontiguousarray(table[:, i]) for i in range(10)),
-                         producer_streams=producers)
+    (src_base, dst_base, src_extent, dst_extent, src_stride, dst_stride, src_factor, dst_factor,
+     src_blocks, dst_blocks) = (np.ascontiguousarray(table[:, i]) for i in range(10))
+    return BlockGeometry(block, src_base, dst_base, src_extent, dst_extent, src_stride,
+                         dst_stride, src_factor, dst_factor, src_blocks, dst_blocks, producers)
 
 
 def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
@@ -298,39 +274,7 @@ def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
     """The pointer-level plan of a swap_blocks call, and the tensors (for stream lookup)."""
     return plan_blocks(src, dst, block_mapping, split_blocks=split_blocks).copy_plan(), \
-        _as_list(src) + _as_list(dst)
+        as_list(src) + as_list(dst)
 
 
-def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
-                method: str = "auto", split_blocks: bool = False) -> str:
-    """Copy blocks ``block_mapping[k, 0]`` of ``src`` to blocks ``block_mapping[k, 1]`` of ``dst``.
-
-    ``src`` and ``dst`` are a tensor/array or equal-length sequences of them
-    (one per layer, or K and V views), of any framework: torch (CUDA, pinned or
-    plain CPU), CuPy, NumPy (pinned with kvcopy.pinned_empty or registered, or
-    pageable), JAX (as sources), DLPack or array-interface producers. Dimension
-    0 is the block index and each block must be contiguous. All copies of all
-    tensors go out as one batch. With ``split_blocks``, a side whose blocks
-    are k times larger is addressed in sub-blocks: its ids count sub-blocks,
-    so id ``b * k + j`` is the j-th part of block b (vLLM's block_size_factor).
-
-    Ordering: the copy runs on ``stream``. Pending writes of DLPack producers
-    (JAX, CuPy via DLPack) and of ``__cuda_array_interface__`` producers that
-    name a stream (CuPy, Numba) are waited for on the GPU first, as those
-    protocols define; torch tensors follow torch's rule (the caller orders
-    streams; None means torch's current stream).
-
-    Returns the method that ran ('kernel', 'batch', 'loop', or 'none').
-
-    Raises:
-        TypeError, ValueError: bad tensors or ids, before anything is copied.
-    """
-    engine.check_method(method)
-    handle = effective_handle(resolve_stream(stream) if stream is not None
-                              else current_framework_stream(*_as_list(src), *_as_list(dst)))
-    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
-    return engine.execute_blocks(plan, handle, method)
-
-
-__all__ = ["BlockGeometry", "BlockPlan", "as_block_mapping", "block_geometry", "plan_block_copies",
-           "plan_blocks", "swap_blocks"]
+__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "plan_block_copies", "plan_blocks"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvcopy.checks import require_int
@@ -57,6 +58,28 @@ def env_int(variable: str, default: int | None, *, minimum: int, maximum: int) -
     if not minimum <= value <= maximum:
         raise ValueError(f"environment variable {variable}={value} is out of range "
                          f"[{minimum}, {maximum}]")
+    return value
+
+
+def per_thread_default_stream() -> bool:
+    """Whether cuda-python maps stream handle 0 to the per-thread default stream
+    (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM, read by cuda-python itself)."""
+    return os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels and calibrations are kept: $KVCOPY_CACHE_DIR, else
+    $XDG_CACHE_HOME/kvcopy, else ~/.cache/kvcopy."""
+    if os.environ.get("KVCOPY_CACHE_DIR"):
+        return Path(os.environ["KVCOPY_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvcopy"
+
+
+def kernel_unroll() -> int:
+    """Loads in flight per thread in the copy kernel (KVCOPY_UNROLL, 1-16, default 4)."""
+    value = env_int("KVCOPY_UNROLL", 4, minimum=1, maximum=16)
+    assert value is not None
     return value
 
 

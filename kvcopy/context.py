@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy import _driver
-from kvcopy.streams import STREAM_LEGACY, STREAM_PER_THREAD
+from kvcopy._cuda import driver
+from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 
 class ContextScope:
@@ -22,17 +22,17 @@ class ContextScope:
         self.pushed = False
 
     def __enter__(self) -> "ContextScope":
-        _driver.init()
+        driver.init()
         if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD):
-            ctx = _driver.stream_context(self.handle)
-            if ctx != _driver.current_context():
+            ctx = driver.stream_context(self.handle)
+            if ctx != driver.current_context():
                 self._push(ctx)
-        elif _driver.current_context() == 0:
-            self._push(_driver.primary_context(0))
+        elif driver.current_context() == 0:
+            self._push(driver.primary_context(0))
         return self
 
     def _push(self, ctx: int) -> None:
-        _driver.push_context(ctx)
+        driver.push_context(ctx)
         self.pushed = True
 
     def follow_memory(self, ordinal: int) -> bool:
@@ -40,15 +40,15 @@ class ContextScope:
         elsewhere. Returns True when it switched context."""
         if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD) or ordinal < 0:
             return False
-        if _driver.context_device() == ordinal:
+        if driver.context_device() == ordinal:
             return False
         if self.pushed:
-            _driver.pop_context()
+            driver.pop_context()
             self.pushed = False
-        self._push(_driver.primary_context(ordinal))
+        self._push(driver.primary_context(ordinal))
         return True
 
     def __exit__(self, *exc: Any) -> None:
         if self.pushed:
-            _driver.pop_context()
+            driver.pop_context()
             self.pushed = False

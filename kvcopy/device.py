@@ -1,11 +1,18 @@
-"""Per-device facts and state, gathered once: capabilities, thresholds, kernel."""
+"""Per-device facts and state, gathered once: capabilities, thresholds (and their
+files, written by kvcopy.calibrate), and the copy kernel's availability."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvcopy import _driver, kernels
+from kvcopy import kernels
+from kvcopy._cuda import dma, driver
+from kvcopy.config import cache_dir
 from kvcopy.policy import DeviceCaps, Thresholds
 
 
@@ -21,6 +28,7 @@ class DeviceInfo:
 _lock = threading.Lock()
 _infos: dict[int, DeviceInfo] = {}
 _thresholds: dict[int, Thresholds] = {}
+_caps_overrides: dict[str, bool | int] = {}
 # Bumped whenever a fact the policy reads changes (thresholds, capabilities),
 # so that decisions remembered under an older generation are not reused.
 generation = 0
@@ -34,35 +42,48 @@ def device_info(ordinal: int) -> DeviceInfo:
     with _lock:
         if ordinal in _infos:
             return _infos[ordinal]
-        attrs = _driver.device_attributes(ordinal)
+        attrs = driver.device_attributes(ordinal)
+        cc = (int(attrs["cc_major"]), int(attrs["cc_minor"]))
+        driver_version = int(attrs["driver_version"])
         kernel_ok = True
         try:
-            kernels.kernel_for_current_context(attrs["cc_major"], attrs["cc_minor"],
-                                               attrs["driver_version"])
+            kernels.kernel_for_current_context(*cc, driver_version)
         except kernels.KernelUnavailable as exc:
             kernel_ok = False
             warnings.warn(f"kvcopy: copy kernel unavailable on device {ordinal}, "
                           f"using DMA only: {exc}", RuntimeWarning, stacklevel=3)
         caps = DeviceCaps(
-            sm_count=attrs["sm_count"],
+            sm_count=int(attrs["sm_count"]),
             unified_addressing=bool(attrs["unified_addressing"]),
             can_map_host_memory=bool(attrs["can_map_host_memory"]),
-            batch_available=_driver.batch_abi() != 0,
+            batch_available=dma.batch_abi() != 0,
             kernel_available=kernel_ok,
         )
-        info = DeviceInfo(ordinal, attrs["name"], (attrs["cc_major"], attrs["cc_minor"]),
-                          attrs["driver_version"], caps)
+        caps = dataclasses.replace(caps, **_caps_overrides)   # type: ignore[arg-type]
+        info = DeviceInfo(ordinal, str(attrs["name"]), cc, driver_version, caps)
         _infos[ordinal] = info
         return info
+
+
+def override_capabilities(**caps: bool | int) -> None:
+    """Make every device report these DeviceCaps fields (no arguments: the real
+    ones again). For tests of old drivers and missing features; see kvcopy._testing."""
+    global generation
+    unknown = set(caps) - {f.name for f in dataclasses.fields(DeviceCaps)}
+    if unknown:
+        raise TypeError(f"override_capabilities: no such capability {sorted(unknown)}")
+    with _lock:
+        _caps_overrides.clear()
+        _caps_overrides.update(caps)
+        _infos.clear()
+        generation += 1
 
 
 def thresholds(ordinal: int) -> Thresholds:
     """Calibrated thresholds of a device, else the H200 defaults."""
     found = _thresholds.get(ordinal)
     if found is None:
-        from kvcopy import calibration
-
-        found = calibration.load(device_info(ordinal)) or Thresholds()
+        found = load_thresholds(device_info(ordinal)) or Thresholds()
         _thresholds[ordinal] = found
     return found
 
@@ -73,9 +94,26 @@ def set_thresholds(ordinal: int, value: Thresholds) -> None:
     generation += 1
 
 
-def forget_batch_support() -> None:
-    """Re-read batch support (after _driver.set_batch_disabled, in tests)."""
-    global generation
-    with _lock:
-        _infos.clear()
-        generation += 1
+def thresholds_path(info: DeviceInfo) -> Path:
+    """The file calibrate() writes for this device model and driver."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    return cache_dir() / f"calibration-{slug}-driver{info.driver_version}.json"
+
+
+def load_thresholds(info: DeviceInfo) -> Thresholds | None:
+    """Thresholds saved by calibrate() for this device model and driver, if any."""
+    try:
+        data = json.loads(thresholds_path(info).read_text())
+        return Thresholds(batch_min_bytes={k: float(v) for k, v in data["batch_min_bytes"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_thresholds(info: DeviceInfo, value: Thresholds, measurements: dict) -> str:
+    """Write thresholds (and the measurements behind them); returns the path."""
+    path = thresholds_path(info)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": info.name, "driver_version": info.driver_version,
+                                "batch_min_bytes": value.batch_min_bytes,
+                                "measurements": measurements}, indent=1))
+    return str(path)

@@ -1,33 +1,28 @@
-"""Runs a planned batch: picks the context, classifies memory, asks the policy, issues."""
+"""Runs a batch: picks the context, classifies memory, asks the policy (its answers
+remembered per question), and issues the batch by the chosen method."""
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from kvcopy import _driver, device, kernels, ring
-from kvcopy.arrays import as_u64_array
-from kvcopy.checks import require_bool, require_int
+from kvcopy import device, kernels, ring
+from kvcopy._cuda import classify, describe, dma, driver, launch
+from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
 from kvcopy.context import ContextScope
 from kvcopy.errors import CudaError, NoDriverError
-from kvcopy.plan import CopyPlan, find_overlap, plan_copies
-from kvcopy.policy import METHODS, CopyRequest, Decision, choose_method
-from kvcopy.streams import (current_framework_stream, effective_handle, resolve_stream,
-                            stream_kind)
-
-if TYPE_CHECKING:
-    from kvcopy.blocks import BlockPlan
+from kvcopy.interop.streams import effective_handle, stream_kind
+from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy.policy import CopyRequest, Decision, choose_method
 
 log = logging.getLogger("kvcopy")
-_HOST = _driver.KIND_HOST_MAPPED | _driver.KIND_HOST_UNMAPPED
-_DEVICE = _driver.KIND_DEVICE | _driver.KIND_MANAGED
-_DMA_ONLY = _driver.KIND_HOST_UNMAPPED | _driver.KIND_MANAGED | _driver.KIND_STRADDLE
-_ACCESS_ORDERS = ("stream", "any")
-_MAX_GRID = 2**31 - 1   # the driver's limit on a launch's x dimension
+_HOST = classify.KIND_HOST_MAPPED | classify.KIND_HOST_UNMAPPED
+_DEVICE = classify.KIND_DEVICE | classify.KIND_MANAGED
+_DMA_ONLY = classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_STRADDLE
 _last = threading.local()
 
 
@@ -55,7 +50,7 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
     return f"{src}2{dst}"
 
 
-class _Classes(NamedTuple):
+class MemoryClasses(NamedTuple):
     """What classify_pointers found on each side of a batch."""
 
     src_kinds: int
@@ -69,7 +64,7 @@ class _Classes(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Target:
+class Target:
     """Where and how a batch runs, once its memory is classified and the policy asked
     (shared by every call that asks the same question: never changed)."""
 
@@ -86,12 +81,12 @@ class _Target:
         return config.host_ctas
 
 
-_targets: dict[tuple, _Target] = {}
+_targets: dict[tuple, Target] = {}
 _TARGETS_KEPT = 256
 
 
-def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Classes,
-            capturing: bool | None = None, allow_batch: bool = True) -> _Target:
+def decide(handle: int, method: str, count: int, total_bytes: int, found: MemoryClasses,
+            capturing: bool | None = None, allow_batch: bool = True) -> Target:
     """Ask the policy for a method, given the classified memory of a batch
     (``capturing``: the stream's capture state, asked of the driver when None).
 
@@ -99,14 +94,14 @@ def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Clas
     repeat the same batch shapes step after step, so its answers are
     remembered (per device.generation: a calibration or a capability change
     starts afresh)."""
-    ordinal = _driver.context_device()
+    ordinal = driver.context_device()
     if capturing is None:
-        capturing = _driver.stream_capture_status(handle) != 0
+        capturing = driver.stream_capture_status(handle) != 0
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
            allow_batch)
     target = _targets.get(key)
     if target is None:
-        target = _ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
+        target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
                              allow_batch)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
@@ -117,8 +112,8 @@ def _decide(handle: int, method: str, count: int, total_bytes: int, found: _Clas
     return target
 
 
-def _ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
-                found: _Classes, capturing: bool, allow_batch: bool) -> _Target:
+def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
+                found: MemoryClasses, capturing: bool, allow_batch: bool) -> Target:
     info = device.device_info(ordinal)
     accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
                   and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
@@ -127,10 +122,10 @@ def _ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes:
                           stream_kind=stream_kind(handle), capturing=capturing,
                           batch_allowed=allow_batch)
     decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
-    return _Target(handle, info, request, decision)
+    return Target(handle, info, request, decision)
 
 
-def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
+def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _CaptureScratch",
                    max_ctas: int | None) -> None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
 
@@ -144,29 +139,30 @@ def _launch_kernel(count: int, tiles: int, target: _Target, slot: "ring.Slot",
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
     if count > kernel.per_launch and not target.request.capturing:
+        assert isinstance(slot, ring.Slot)   # only capture describes into scratch memory
         if tiles == count and target.request.direction != "d2d":
-            _driver.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
+            launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
                                  handle)
         else:
-            _driver.launch_descs(kernel.function_staged, slot.device, count, tiles, ctas, threads,
+            launch.launch_descs(kernel.function_staged, slot.device, count, tiles, ctas, threads,
                                  handle, slot.host)
         ring.DescriptorRing.fence(slot, handle)
         return
-    function = kernel.function if kernel.per_launch == _driver.INLINE_MAX else kernel.function_small
-    _driver.launch_descs_inline(function, kernel.per_launch, slot.host, count, ctas, threads, handle)
+    function = kernel.function if kernel.per_launch == launch.INLINE_MAX else kernel.function_small
+    launch.launch_descs_inline(function, kernel.per_launch, slot.host, count, ctas, threads, handle)
 
 
-def _issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: _Target,
+def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
                access_any: bool) -> None:
     """Plan the batch for the DMA engines (merged only inside allocations, pageable
     pointers checked against this process's mappings) and issue it."""
-    plan = CopyPlan(*_driver.plan_dma(src, dst, sizes, merge))
+    plan = CopyPlan(*dma.plan_dma(src, dst, sizes, merge))
     try:
         if target.decision.method == "batch":
-            _driver.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
+            dma.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
                                  config.batch_chunk)
         else:
-            _driver.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
+            dma.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
     except CudaError as exc:
         raise exc.with_index(plan.caller_index(exc.index)) from None
 
@@ -193,7 +189,7 @@ class _CaptureScratch:
         pass
 
 
-def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
+def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
                     sizes: np.ndarray, method: str, merge: bool, access_any: bool,
                     max_ctas: int | None, allow_batch: bool = True) -> str:
     """Validate, classify, decide and issue a batch in the scope's context.
@@ -205,25 +201,25 @@ def _execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.n
     While the stream captures a graph, nothing here queries or waits on an
     event or a stream, and nothing is allocated on the device.
     """
-    capturing = _driver.stream_capture_status(handle) != 0
-    nbytes = len(sizes) * _driver.DESCRIPTOR_BYTES
+    capturing = driver.stream_capture_status(handle) != 0
+    nbytes = len(sizes) * describe.DESCRIPTOR_BYTES
     target = None
     while target is None:
         space = (_CaptureScratch(nbytes) if capturing
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
-            count, total_bytes, *kinds, tiles = _driver.describe_copies(src, dst, sizes, slot.host,
+            count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes, slot.host,
                                                                         merge)
             if count == 0:
                 return "none"
-            found = _Classes(*kinds)
+            found = MemoryClasses(*kinds)
             if scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
-            target = _decide(handle, method, count, total_bytes, found, capturing, allow_batch)
+            target = decide(handle, method, count, total_bytes, found, capturing, allow_batch)
             if target.decision.method == "kernel":
-                _launch_kernel(count, tiles, target, slot, max_ctas)
+                launch_kernel(count, tiles, target, slot, max_ctas)
                 return "kernel"
-    _issue_dma(src, dst, sizes, merge, target, access_any)
+    issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
 
 
@@ -234,7 +230,7 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        return _execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
+        return execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
                                access_any, max_ctas)
 
 
@@ -248,7 +244,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     handle = effective_handle(stream_handle)
     try:
         with ContextScope(handle) as scope:
-            return _execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
+            return execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
                                    max_ctas, allow_batch)
     except NoDriverError:
         # without a GPU, bad input is still reported as such, and empty copies need none
@@ -257,13 +253,13 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         raise
 
 
-def _classify_tensors(blocks: "BlockPlan", src_view: np.ndarray, dst_view: np.ndarray) -> _Classes:
+def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
     g = blocks.geometry
-    return _Classes(*_driver.classify_pointers(g.src_base, g.src_extent, src_view),
-                    *_driver.classify_pointers(g.dst_base, g.dst_extent, dst_view))
+    return MemoryClasses(*classify.classify_pointers(g.src_base, g.src_extent, src_view),
+                    *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
 
 
-def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto") -> str:
+def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the tensor table and the ids.
     Other paths (DMA, kernel under capture) run the pointer-level plan."""
@@ -276,99 +272,20 @@ def execute_blocks(blocks: "BlockPlan", stream_handle: int, method: str = "auto"
         found = _classify_tensors(blocks, src_view, dst_view)
         if scope.follow_memory(found.owner):
             found = _classify_tensors(blocks, src_view, dst_view)
-        target = _decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
+        target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
         if not target.request.capturing:  # a graph cannot wait for work outside it
             for producer in blocks.geometry.producer_streams:
-                _driver.stream_wait_stream(handle, producer)
+                driver.stream_wait_stream(handle, producer)
         if target.decision.method != "kernel" or target.request.capturing:
             src, dst, sizes = blocks.copy_arrays()
-            return _execute_copies(scope, handle, src, dst, sizes, target.decision.method,
+            return execute_copies(scope, handle, src, dst, sizes, target.decision.method,
                                    True, False, None)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
-        nbytes = _driver.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
+        nbytes = launch.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:
-            _driver.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
+            launch.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
                                          blocks.mapping, blocks.geometry.block_bytes,
                                          target.ctas(None), config.threads_per_cta, handle)
             ring.DescriptorRing.fence(slot, handle)
         return "kernel"
-
-
-def check_method(method: str) -> None:
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str, one of {', '.join(METHODS)}; got "
-                        f"{type(method).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-
-
-def _check_options(method: str, src_access_order: str, max_ctas: int | None,
-                   check_overlap: bool, allow_batch: bool) -> None:
-    check_method(method)
-    if not isinstance(src_access_order, str):
-        raise TypeError(f"src_access_order must be 'stream' or 'any'; got "
-                        f"{type(src_access_order).__name__}")
-    if src_access_order not in _ACCESS_ORDERS:
-        raise ValueError(f"src_access_order must be 'stream' or 'any'; got {src_access_order!r}")
-    if max_ctas is not None:
-        require_int(max_ctas, "max_ctas", minimum=1, maximum=_MAX_GRID)
-    require_bool(check_overlap, "check_overlap")
-    require_bool(allow_batch, "allow_batch")
-    if method == "batch" and not allow_batch:
-        raise ValueError("method='batch' contradicts allow_batch=False")
-
-
-def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
-               method: str = "auto", src_access_order: str = "stream",
-               max_ctas: int | None = None, check_overlap: bool = False,
-               allow_batch: bool = True) -> str:
-    """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
-
-    Pointers may be device memory, pinned host memory or pageable host memory,
-    in any mix; they and the sizes may be sequences of ints, NumPy integer
-    arrays, CPU torch tensors or buffers. Everything is validated before any
-    copy is enqueued; zero-size copies are dropped and copies that continue
-    each other on both sides are merged.
-
-    Args:
-        stream: any stream kvcopy.resolve_stream accepts. None means the
-            current stream of the framework whose tensors were passed, else
-            the default stream.
-        method: 'auto' (the policy picks), 'batch' (cuMemcpyBatchAsync),
-            'loop' (one cuMemcpyAsync per copy) or 'kernel' (kvcopy's copy
-            kernel). 'batch' on the legacy default stream runs as 'loop', since
-            the driver rejects that stream; on a capturing stream it raises.
-        src_access_order: 'stream' (safe default) or 'any', which lets the
-            driver read the sources at any time after the call: unsafe when
-            work on the GPU may still be writing them (e.g. GPU-to-host right
-            after compute).
-        max_ctas: CTAs for the copy kernel (default: kvcopy.config).
-        check_overlap: raise ValueError if two copies write overlapping bytes.
-            Off by default (it sorts the batch); copies of one batch run in no
-            defined order, so overlapping destinations get unspecified bytes.
-        allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
-            the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
-            where the batch API misbehaves.
-
-    Returns:
-        The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty batch).
-
-    Raises:
-        TypeError, ValueError: bad arguments, named in the message.
-        CudaError: the driver failed; ``.index`` is the failing copy where known.
-        CaptureError: method='batch' on a capturing stream.
-    """
-    _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
-    src = as_u64_array(src_ptrs, "src_ptrs")
-    dst = as_u64_array(dst_ptrs, "dst_ptrs")
-    size_arr = as_u64_array(sizes, "sizes")
-    if check_overlap:
-        plan_copies(src, dst, size_arr)  # bad copies are reported before overlaps
-        clash = find_overlap(dst, size_arr)
-        if clash:
-            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
-                          None if max_ctas is None else int(max_ctas), allow_batch)

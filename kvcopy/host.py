@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy import _driver
+from kvcopy._cuda import driver
 from kvcopy.checks import require_int
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
@@ -18,7 +18,7 @@ MAX_PINNED_BYTES = 2**63 - 1
 def _free_pinned(ptr: int) -> None:
     try:
         with ContextScope():
-            _driver.host_free(ptr)
+            driver.host_free(ptr)
     except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
         pass
 
@@ -28,8 +28,8 @@ class _PinnedAllocation:
 
     def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
         with ContextScope():
-            self.ptr = _driver.host_alloc(max(nbytes, 1))
-            self.device_ptr = _driver.host_device_pointer(self.ptr)
+            self.ptr = driver.host_alloc(max(nbytes, 1))
+            self.device_ptr = driver.host_device_pointer(self.ptr)
         self.nbytes = nbytes
         self.__array_interface__ = {"shape": shape, "typestr": dtype.str,
                                     "data": (self.ptr, False), "version": 3}
@@ -102,7 +102,7 @@ def device_pointer(obj: Any) -> int:
     else:
         ptr = _host_range(obj, "device_pointer")[0]
     with ContextScope():
-        return _driver.host_device_pointer(ptr)
+        return driver.host_device_pointer(ptr)
 
 
 class register:
@@ -134,9 +134,9 @@ class register:
             try:
                 for start in range(0, self.nbytes, self.chunk_bytes):
                     size = min(self.chunk_bytes, self.nbytes - start)
-                    _driver.host_register(self.ptr + start, size, self.readonly)
+                    driver.host_register(self.ptr + start, size, self.readonly)
                     self._chunks.append(self.ptr + start)
-                self.device_ptr = _driver.host_device_pointer(self.ptr)
+                self.device_ptr = driver.host_device_pointer(self.ptr)
             except KVCopyError:
                 self.close()
                 raise
@@ -147,7 +147,7 @@ class register:
             return
         with ContextScope():
             while self._chunks:
-                _driver.host_unregister(self._chunks.pop())
+                driver.host_unregister(self._chunks.pop())
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -14,13 +14,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcopy import _driver
-from kvcopy.config import env_int
+from kvcopy._cuda import driver, launch
+from kvcopy.config import cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
 
 _SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
 _OPTIONS = ("-std=c++17", "-default-device",
-            f"-DKVCOPY_UNROLL={env_int('KVCOPY_UNROLL', 4, minimum=1, maximum=16)}")
+            f"-DKVCOPY_UNROLL={kernel_unroll()}")
 
 
 class KernelUnavailable(KVCopyError):
@@ -39,13 +39,6 @@ def kernel_sources() -> dict[str, str]:
     """File name -> text of the kernel source and its header."""
     folder = _source_dir()
     return {name: (folder / name).read_text() for name in _SOURCE_FILES}
-
-
-def cache_dir() -> Path:
-    if os.environ.get("KVCOPY_CACHE_DIR"):
-        return Path(os.environ["KVCOPY_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvcopy"
 
 
 def _nvrtc():
@@ -152,7 +145,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
     Raises:
         KernelUnavailable: NVRTC missing, compilation failed, or the module failed to load.
     """
-    ctx = _driver.current_context()
+    ctx = driver.current_context()
     kernel = _loaded.get(ctx)  # entries are only ever added: no lock needed to find one
     if kernel is not None:
         return kernel
@@ -163,7 +156,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             raise KernelUnavailable(_failed[ctx])
         try:
             cubin = cached_cubin(cc_major * 10 + cc_minor)
-            module = _driver.module_load(cubin)
+            module = launch.module_load(cubin)
         except KernelUnavailable as exc:
             _failed[ctx] = str(exc)
             raise
@@ -174,11 +167,11 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
         large = driver_version >= 12010 and cc_major >= 7
         kernel = CopyKernel(
             module=module,
-            function_staged=_driver.module_function(module, b"kvcopy_scatter"),
-            function_blocks=_driver.module_function(module, b"kvcopy_blocks"),
-            function=_driver.module_function(module, b"kvcopy_scatter_inline"),
-            function_small=_driver.module_function(module, b"kvcopy_scatter_inline_small"),
-            per_launch=_driver.INLINE_MAX if large else _driver.INLINE_MAX_SMALL,
+            function_staged=launch.module_function(module, b"kvcopy_scatter"),
+            function_blocks=launch.module_function(module, b"kvcopy_blocks"),
+            function=launch.module_function(module, b"kvcopy_scatter_inline"),
+            function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
+            per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
         )
         _loaded[ctx] = kernel
         return kernel

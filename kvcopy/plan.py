@@ -66,4 +66,5 @@ def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
     if not clash.any():
         return None
     k = int(np.argmax(clash))
-    return tuple(sorted((int(order[k]), int(order[k + 1]))))
+    first, second = sorted((int(order[k]), int(order[k + 1])))
+    return first, second

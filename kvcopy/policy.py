@@ -1,9 +1,9 @@
 """Which copy method to use: a pure function of device facts and the request.
 
 Nothing here touches the driver, so every rule is unit-tested on the CPU with
-faked capabilities. Defaults come from measurements on an H200 (see
-shared/DESIGN.md section 2): the copy kernel reaches ~51 GB/s over PCIe at every
-block size and 1.4 TB/s inside the GPU; cuMemcpyBatchAsync is as fast only for
+faked capabilities. Defaults come from measurements on an H200 (bench/results,
+README "Results"): the copy kernel reaches ~51 GB/s over PCIe at every block
+size and 1.4-1.8 TB/s inside the GPU; cuMemcpyBatchAsync is as fast only for
 blocks of about 1 MiB and more, and uses copy engines instead of SMs.
 """
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Literal
 
 from kvcopy.errors import CaptureError, KVCopyError
 
-Method = Literal["batch", "loop", "kernel"]
+Method = Literal["batch", "loop", "kernel"]          # what ran
+RequestedMethod = Literal["auto", "batch", "loop", "kernel"]   # what a caller may ask for
 METHODS = ("auto", "batch", "loop", "kernel")
-DIRECTIONS = ("h2d", "d2h", "d2d", "h2h")
 MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class DeviceCaps:
-    """What the device and driver can do (from kvcopy._driver.device_attributes)."""
+    """What the device and driver can do (from kvcopy._cuda.driver.device_attributes)."""
 
     sm_count: int = 132
     unified_addressing: bool = True
@@ -34,7 +34,7 @@ class DeviceCaps:
 class CopyRequest:
     """One batch, as planned and classified."""
 
-    direction: str                    # 'h2d', 'd2h', 'd2d', 'h2h'
+    direction: str                    # 'h2d', 'd2h', 'd2d', 'h2h', or 'mixed'
     count: int
     total_bytes: int
     device_accessible: bool           # every pointer is device memory of the launching
@@ -64,9 +64,13 @@ class Decision:
     reason: str
 
 
-def _validate(requested: str) -> None:
-    if requested not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {requested!r}")
+def check_method(method: object) -> None:
+    """Raise TypeError/ValueError unless ``method`` is one of METHODS."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {', '.join(METHODS)}; got "
+                        f"{type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
 def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
@@ -118,7 +122,7 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
         CaptureError: 'batch' on a capturing stream.
         KVCopyError: the requested method is not available.
     """
-    _validate(requested)
+    check_method(requested)
     if requested != "auto":
         return _explicit(req, caps, requested)
     thresholds = thresholds or Thresholds()

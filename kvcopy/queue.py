@@ -8,13 +8,17 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-from kvcopy import _driver, engine
-from kvcopy.blocks import _as_list, block_geometry
+from kvcopy import engine
+from kvcopy._cuda import classify, driver
+from kvcopy.blocks import block_geometry
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
-from kvcopy.streams import current_framework_stream, effective_handle, resolve_event, resolve_stream
+from kvcopy.interop.arrays import as_list
+from kvcopy.interop.streams import (current_framework_stream, effective_handle, resolve_event,
+                                    resolve_stream)
+from kvcopy.policy import RequestedMethod, check_method
 
-_GPU_KINDS = _driver.KIND_DEVICE | _driver.KIND_MANAGED
+_GPU_KINDS = classify.KIND_DEVICE | classify.KIND_MANAGED
 
 
 @dataclass(frozen=True)
@@ -61,24 +65,24 @@ class TransferQueue:
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, src: Any, dst: Any, *, method: str = "auto",
+    def __init__(self, src: Any, dst: Any, *, method: RequestedMethod = "auto",
                  split_blocks: bool = False) -> None:
-        engine.check_method(method)
-        self.src, self.dst = _as_list(src), _as_list(dst)
+        check_method(method)
+        self.src, self.dst = as_list(src), as_list(dst)
         self.method = method
         self.split_blocks = split_blocks
         # the caches are fixed: read their geometry once, not on every submit
         self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
         self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
         with ContextScope(self._caller_stream) as scope:
-            src_kinds, src_device = _driver.classify_pointers(
+            src_kinds, src_device = classify.classify_pointers(
                 geometry.src_base, geometry.src_extent, np.empty_like(geometry.src_base))
-            dst_kinds, dst_device = _driver.classify_pointers(
+            dst_kinds, dst_device = classify.classify_pointers(
                 geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
             # the queue's stream lives on the device that holds the caches
             scope.follow_memory(engine.memory_owner(src_device, dst_device))
-            self._ctx = _driver.current_context()
-            self._stream = _driver.stream_create(non_blocking=True)
+            self._ctx = driver.current_context()
+            self._stream = driver.stream_create(non_blocking=True)
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -87,7 +91,7 @@ class TransferQueue:
         self._touches_gpu = bool((src_kinds | dst_kinds) & _GPU_KINDS)
 
     def _push(self) -> None:
-        _driver.push_context(self._ctx)
+        driver.push_context(self._ctx)
 
     def _dependencies(self, after: Any) -> list[tuple[str, int]]:
         """What a job waits for: ('event', handle) or ('stream', handle) entries."""
@@ -139,40 +143,40 @@ class TransferQueue:
             self._push()
             start = end = 0
             try:
-                start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
+                start, end = driver.event_create(timing=True), driver.event_create(timing=True)
                 for kind, handle in dependencies:
                     if kind == "event":
-                        _driver.stream_wait_event(self._stream, handle)
+                        driver.stream_wait_event(self._stream, handle)
                     else:
-                        _driver.stream_wait_stream(self._stream, handle)
-                _driver.event_record(start, self._stream)
+                        driver.stream_wait_stream(self._stream, handle)
+                driver.event_record(start, self._stream)
                 method = engine.execute_blocks(plan, self._stream, self.method)
-                _driver.event_record(end, self._stream)
+                driver.event_record(end, self._stream)
             except BaseException:
                 for event in (start, end):
                     if event:
-                        _driver.event_destroy(event)
+                        driver.event_destroy(event)
                 raise
             finally:
-                _driver.pop_context()
+                driver.pop_context()
             self._pending.append(_Job(job_id, plan.total_bytes, method, start, end))
 
     def _finish(self, job: _Job) -> TransferResult:
         ok, error, seconds = True, "", 0.0
         try:
-            seconds = _driver.event_elapsed_ms(job.start, job.end) / 1e3
+            seconds = driver.event_elapsed_ms(job.start, job.end) / 1e3
         except KVCopyError as exc:
             ok, error = False, str(exc)
         for event in (job.start, job.end):
             try:
-                _driver.event_destroy(event)
+                driver.event_destroy(event)
             except KVCopyError:
                 pass
         return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that have finished since the last call, in submission order."""
-        done = []
+        done: list[TransferResult] = []
         with self._lock:
             if not self._pending:
                 return done
@@ -180,14 +184,14 @@ class TransferQueue:
             try:
                 while self._pending:
                     try:
-                        finished = _driver.event_query(self._pending[0].end)
+                        finished = driver.event_query(self._pending[0].end)
                     except KVCopyError:
                         finished = True  # a failed job is reported, not retried
                     if not finished:
                         break
                     done.append(self._finish(self._pending.popleft()))
             finally:
-                _driver.pop_context()
+                driver.pop_context()
         return done
 
     def wait(self, job_ids: Iterable[Hashable] | None = None) -> list[TransferResult]:
@@ -218,11 +222,11 @@ class TransferQueue:
                 self._push()
                 try:
                     try:
-                        _driver.event_synchronize(last.end)  # jobs finish in order
+                        driver.event_synchronize(last.end)  # jobs finish in order
                     except KVCopyError:
                         pass
                 finally:
-                    _driver.pop_context()
+                    driver.pop_context()
         return self.poll()
 
     def close(self) -> None:
@@ -234,10 +238,10 @@ class TransferQueue:
             self._closed = True
             self._push()
             try:
-                _driver.stream_synchronize(self._stream)
-                _driver.stream_destroy(self._stream)
+                driver.stream_synchronize(self._stream)
+                driver.stream_destroy(self._stream)
             finally:
-                _driver.pop_context()
+                driver.pop_context()
 
     @property
     def closed(self) -> bool:

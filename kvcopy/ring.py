@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kvcopy import _driver
+from kvcopy._cuda import driver
 
 SLOTS = 8
 MIN_CAPACITY_BYTES = 128 << 10
@@ -38,16 +38,16 @@ class Slot:
             return
         self.release()
         capacity = max(MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
-        self.host = _driver.host_alloc(capacity)
-        self.mapped = _driver.host_device_pointer(self.host)
-        self.device = _driver.mem_alloc(capacity)
+        self.host = driver.host_alloc(capacity)
+        self.mapped = driver.host_device_pointer(self.host)
+        self.device = driver.mem_alloc(capacity)
         self.capacity = capacity
 
     def release(self) -> None:
         if self.host:
-            _driver.host_free(self.host)
+            driver.host_free(self.host)
         if self.device:
-            _driver.mem_free(self.device)
+            driver.mem_free(self.device)
         self.host = self.mapped = self.device = self.capacity = 0
 
 
@@ -56,7 +56,7 @@ class DescriptorRing:
     done with it, else the next in turn."""
 
     def __init__(self, slots: int = SLOTS) -> None:
-        self._slots = [Slot(event=_driver.event_create()) for _ in range(slots)]
+        self._slots = [Slot(event=driver.event_create()) for _ in range(slots)]
         self._current = 0
         self._lock = threading.Lock()
 
@@ -73,11 +73,11 @@ class DescriptorRing:
         self._lock.acquire()
         try:
             slot = self._slots[self._current]
-            if slot.used and not _driver.event_query(slot.event):
+            if slot.used and not driver.event_query(slot.event):
                 self._current = (self._current + 1) % len(self._slots)
                 slot = self._slots[self._current]
                 if slot.used:
-                    _driver.event_synchronize(slot.event)  # back-pressure: every slot in flight
+                    driver.event_synchronize(slot.event)  # back-pressure: every slot in flight
             slot.used = False
             slot.ensure(nbytes)
         except BaseException:
@@ -91,7 +91,7 @@ class DescriptorRing:
     @staticmethod
     def fence(slot: Slot, stream: int) -> None:
         """Mark ``slot`` as read by work queued on ``stream`` up to now."""
-        _driver.event_record(slot.event, stream)
+        driver.event_record(slot.event, stream)
         slot.used = True
 
 
@@ -116,7 +116,7 @@ _rings_lock = threading.Lock()
 
 
 def ring_for_current_context() -> DescriptorRing:
-    ctx = _driver.current_context()
+    ctx = driver.current_context()
     ring = _rings.get(ctx)
     if ring is None:
         with _rings_lock:

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy import _driver
-from kvcopy.arrays import as_u64_array
+from kvcopy._cuda import classify as kv_classify, describe as kv_describe, driver as kv_driver, launch as kv_launch, testing as kv_testing
+from kvcopy.interop.arrays import as_u64_array
 from kvcopy.plan import plan_copies
-from cpu_overhead import scattered_batch
+from kvcopy.bench.workloads import scattered_batch
 
 
 def timed(label: str, fn, calls: int = 300, sync=None) -> None:
@@ -50,20 +50,20 @@ def main() -> None:
     timed("as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed("plan_copies", lambda: plan_copies(s, d, sizes))
     plan = plan_copies(s, d, sizes)
-    pinned = _driver.host_alloc(plan.count * _driver.DESCRIPTOR_BYTES)
+    pinned = kv_driver.host_alloc(plan.count * kv_describe.DESCRIPTOR_BYTES)
     pageable = np.empty(plan.count * 4, dtype=np.uint64)
-    timed("describe_copies -> pinned", lambda: _driver.describe_copies(s, d, sizes, pinned))
-    timed("describe_copies -> pageable", lambda: _driver.describe_copies(s, d, sizes,
+    timed("describe_copies -> pinned", lambda: kv_describe.describe_copies(s, d, sizes, pinned))
+    timed("describe_copies -> pageable", lambda: kv_describe.describe_copies(s, d, sizes,
                                                                           pageable.ctypes.data))
     general = np.array([[0, 1, 0, -1, 0]], dtype=np.int64)  # seeds nothing the batch uses
-    timed("describe, general loop -> pinned", lambda: _driver.describe_copies_in(
+    timed("describe, general loop -> pinned", lambda: kv_testing.describe_copies_in(
         general, s, d, sizes, pinned, True, False))
-    print(f"breakdown vectorised describe available: {_driver.fast_describe_available()}")
+    print(f"breakdown vectorised describe available: {kv_describe.fast_describe_available()}")
     view = np.empty_like(plan.src)
-    timed("classify_pointers src", lambda: _driver.classify_pointers(plan.src, plan.sizes, view))
+    timed("classify_pointers src", lambda: kv_classify.classify_pointers(plan.src, plan.sizes, view))
     from kvcopy import engine, kernels, ring
     from kvcopy.context import ContextScope
-    from kvcopy.streams import resolve_stream
+    from kvcopy.interop.streams import resolve_stream
 
     handle = resolve_stream(stream)
     timed("resolve_stream(torch stream)", lambda: resolve_stream(stream))
@@ -77,38 +77,38 @@ def main() -> None:
         with ring.ring_for_current_context().reserve(1 << 18):
             pass
     timed("ring lookup + reserve", reserve)
-    count, total, *kinds, tiles = _driver.describe_copies(s, d, sizes, pinned)
-    found = engine._Classes(*kinds)
-    timed("_decide", lambda: engine._decide(handle, "kernel", count, total, found))
-    target = engine._decide(handle, "kernel", count, total, found)
+    count, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, pinned)
+    found = engine.MemoryClasses(*kinds)
+    timed("_decide", lambda: engine.decide(handle, "kernel", count, total, found))
+    target = engine.decide(handle, "kernel", count, total, found)
     info = target.info
     timed("kernel lookup", lambda: kernels.kernel_for_current_context(*info.cc, info.driver_version))
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     slot = ring.Slot()
-    slot.ensure(count * _driver.DESCRIPTOR_BYTES)
-    _driver.describe_copies(s, d, sizes, slot.host)
+    slot.ensure(count * kv_describe.DESCRIPTOR_BYTES)
+    kv_describe.describe_copies(s, d, sizes, slot.host)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
-    timed("launch, descriptors read in place", lambda: _driver.launch_descs(
+    timed("launch, descriptors read in place", lambda: kv_launch.launch_descs(
         kernel.function_staged, slot.mapped, count, tiles, ctas, threads, handle),
         sync=stream.synchronize)
-    timed("launch, descriptors uploaded", lambda: _driver.launch_descs(
+    timed("launch, descriptors uploaded", lambda: kv_launch.launch_descs(
         kernel.function_staged, slot.device, count, tiles, ctas, threads, handle, slot.host),
         sync=stream.synchronize)
-    event = _driver.event_create()
-    timed("event record (ring fence)", lambda: _driver.event_record(event, handle))
-    timed("stream_capture_status", lambda: _driver.stream_capture_status(handle))
+    event = kv_driver.event_create()
+    timed("event record (ring fence)", lambda: kv_driver.event_record(event, handle))
+    timed("stream_capture_status", lambda: kv_driver.stream_capture_status(handle))
     stream.synchronize()
     slot.release()
 
     def launch() -> None:
         with ring.ring_for_current_context().reserve(count * 32) as slot:
-            _driver.describe_copies(s, d, sizes, slot.host)
-            engine._launch_kernel(count, tiles, target, slot, None)
+            kv_describe.describe_copies(s, d, sizes, slot.host)
+            engine.launch_kernel(count, tiles, target, slot, None)
     timed("reserve + describe + launch", launch, sync=stream.synchronize)
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
           sync=stream.synchronize)
-    _driver.host_free(pinned)
+    kv_driver.host_free(pinned)
     swap_blocks_breakdown(stream)
 
 
@@ -116,7 +116,7 @@ def swap_blocks_breakdown(stream) -> None:
     """The steps of swap_blocks over 64 tensors and 1024 pairs."""
     from kvcopy import engine
     from kvcopy.blocks import block_geometry
-    from kvcopy.streams import resolve_stream
+    from kvcopy.interop.streams import resolve_stream
 
     shape = (2048, 16, 8, 128)
     gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(64)]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import kvcopy
+from kvcopy.bench.workloads import scattered_batch
 
 KiB = 1 << 10
 BUSY_CYCLES = 4_000_000   # ~2 ms of sleep kernel ahead of each timed call
@@ -34,16 +35,6 @@ def spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-def scattered_batch(count: int = 8192, block: int = 16 * KiB):
-    """Pinned-to-device scattered blocks as NumPy pointer arrays (buffers kept alive)."""
-    src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
-    rng = np.random.default_rng(0)
-    s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
 
 
 def cpu_times(call, stream, calls: int = 200) -> dict[str, list[float]]:

@@ -9,19 +9,14 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 import kvcopy
+from kvcopy.bench.workloads import scattered_batch
 
 CALLS, COUNT, BLOCK = 400, 8192, 16384
 
-src = torch.empty(2 * COUNT * BLOCK, dtype=torch.uint8, pin_memory=True)
-dst = torch.empty(2 * COUNT * BLOCK, dtype=torch.uint8, device="cuda")
-rng = np.random.default_rng(0)
-s = np.uint64(src.data_ptr()) + (rng.permutation(2 * COUNT)[:COUNT] * BLOCK).astype(np.uint64)
-d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * COUNT)[:COUNT] * BLOCK).astype(np.uint64)
-sizes = np.full(COUNT, BLOCK, dtype=np.uint64)
+_keep, s, d, sizes = scattered_batch(COUNT, BLOCK)
 stream = torch.cuda.Stream()
 for _ in range(10):
     kvcopy.copy_batch(s, d, sizes, stream=stream)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import kvcopy
-from cpu_overhead import scattered_batch
+from kvcopy.bench.workloads import scattered_batch
 
 
 def profile(label: str, fn, calls: int = 200) -> None:

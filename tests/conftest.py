@@ -9,6 +9,15 @@ import pytest
 # JAX, where a GPU test imports it, must not take 75% of the GPU's memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+try:
+    import kvcopy._cuda.driver  # noqa: F401 - the built Cython layer
+except ImportError as exc:
+    pytest.exit(
+        f"kvcopy cannot be imported here ({exc}). Its Cython modules are built at install: run "
+        "`bash scripts/test.sh` (builds, installs and runs the tests in .venv-test), or "
+        "`pip install -e .` and then pytest. From the repository root an unbuilt kvcopy/ "
+        "folder shadows an installed one.", returncode=4)
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_reason() -> str | None:
@@ -20,9 +29,9 @@ def gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     try:
-        from kvcopy import _driver
+        from kvcopy._cuda import driver as kv_driver
 
-        _driver.init()
+        kv_driver.init()
     except Exception as exc:  # noqa: BLE001 - any failure means no GPU here
         return f"CUDA driver unusable: {exc}"
     return None

@@ -6,7 +6,7 @@ import pytest
 
 import kvcopy
 from kvcopy.blocks import as_block_mapping, plan_block_copies
-from kvcopy.tensors import block_layout
+from kvcopy.interop.tensors import block_layout
 
 
 def apply(plan) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy import _driver, device, engine, policy
+from kvcopy._cuda import classify as kv_classify
+from kvcopy import device, engine, policy
+from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
 
 MiB = 1 << 20
-H2D = engine._Classes(_driver.KIND_HOST_MAPPED, -1, _driver.KIND_DEVICE, 0)
-PAGEABLE = engine._Classes(_driver.KIND_HOST_UNMAPPED, -1, _driver.KIND_DEVICE, 0)
+H2D = engine.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
+PAGEABLE = engine.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.KIND_DEVICE, 0)
 
 
 class Questions(list):
@@ -40,7 +42,7 @@ def asked(monkeypatch):
         return real(request, caps, thresholds, requested)
 
     fake = FakeDriver()
-    monkeypatch.setattr(engine, "_driver", fake)
+    monkeypatch.setattr(engine, "driver", fake)
     monkeypatch.setattr(engine, "choose_method", counting)
     monkeypatch.setattr(engine, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
@@ -50,9 +52,9 @@ def asked(monkeypatch):
 
 
 def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(asked):
-    first = engine._decide(7, "auto", 8192, 8192 * 16384, H2D)
+    first = engine.decide(7, "auto", 8192, 8192 * 16384, H2D)
     engine._last.decision = None
-    second = engine._decide(7, "auto", 8192, 8192 * 16384, H2D)
+    second = engine.decide(7, "auto", 8192, 8192 * 16384, H2D)
     assert len(asked) == 1
     assert second is first and first.decision.method == "kernel"
     assert engine.last_decision() is first.decision
@@ -60,12 +62,12 @@ def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(a
 
 @pytest.mark.parametrize("change", ["sizes", "count", "stream", "method", "memory"])
 def test_a_different_question_asks_again(asked, change):
-    engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D)
+    engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
     args = {"handle": 7, "method": "auto", "count": 64, "total_bytes": 64 * 2 * MiB, "found": H2D}
     args.update({"sizes": {"total_bytes": 64 * 16384}, "count": {"count": 1},
-                 "stream": {"handle": _driver.STREAM_LEGACY}, "method": {"method": "loop"},
+                 "stream": {"handle": STREAM_LEGACY}, "method": {"method": "loop"},
                  "memory": {"found": PAGEABLE}}[change])
-    target = engine._decide(args["handle"], args["method"], args["count"], args["total_bytes"],
+    target = engine.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
                             args["found"])
     assert len(asked) == 2
     expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop",
@@ -74,20 +76,20 @@ def test_a_different_question_asks_again(asked, change):
 
 
 def test_capture_is_asked_every_call(asked):
-    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     asked.driver.capturing = 1
-    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_new_thresholds_are_heeded_at_once(asked):
-    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     device.set_thresholds(0, Thresholds(batch_min_bytes={"h2d": 4 * MiB, "d2h": 4 * MiB}))
-    assert engine._decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_the_memory_kept_is_bounded(asked):
     for count in range(2, engine._TARGETS_KEPT + 50):
-        engine._decide(7, "auto", count, count * 16384, H2D)
+        engine.decide(7, "auto", count, count * 16384, H2D)
     assert len(engine._targets) <= engine._TARGETS_KEPT

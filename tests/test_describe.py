@@ -9,17 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy import _driver
+from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch, testing as kv_testing
 from kvcopy.plan import plan_copies
 
-TILE = _driver.TILE_BYTES
+TILE = kv_launch.TILE_BYTES
 HOST_A, HOST_B, DEVICE = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7000_0000_0000
 POOL = 1 << 30
 DELTA = 0x1000  # pinned host memory seen by the device at another address
 RANGES = np.array([
-    [HOST_A, HOST_A + POOL, _driver.KIND_HOST_MAPPED, -1, DELTA],
-    [HOST_B, HOST_B + POOL, _driver.KIND_HOST_MAPPED, -1, 0],
-    [DEVICE, DEVICE + POOL, _driver.KIND_DEVICE, 0, 0],
+    [HOST_A, HOST_A + POOL, kv_classify.KIND_HOST_MAPPED, -1, DELTA],
+    [HOST_B, HOST_B + POOL, kv_classify.KIND_HOST_MAPPED, -1, 0],
+    [DEVICE, DEVICE + POOL, kv_classify.KIND_DEVICE, 0, 0],
 ], dtype=np.int64)
 
 
@@ -30,7 +30,7 @@ def describe(src, dst, sizes, merge=True, fast=True, misalign=0):
     raw = np.zeros(4 * max(len(sizes), 1) + 8, dtype=np.uint64)
     skip = (-raw.ctypes.data % 32 + misalign) // 8
     out = raw[skip:skip + 4 * max(len(sizes), 1)]
-    result, used = _driver.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+    result, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
                                               merge, fast)
     return result, used, out.reshape(-1, 4)[:result[0]]
 
@@ -52,7 +52,7 @@ def scattered(n, block, seed=0):
     return src, dst, np.full(n, block, dtype=np.uint64)
 
 
-@pytest.mark.skipif(not _driver.fast_describe_available(), reason="no AVX2 on this CPU")
+@pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("n", [8192, 8190, 1, 2, 5])
 @pytest.mark.parametrize("misalign", [0, 8])
 def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass(n, misalign):
@@ -61,8 +61,8 @@ def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass(n, misal
         src, dst, sizes, misalign=misalign)
     assert used
     assert (count, total, tiles) == (n, n * (16 << 10), n)
-    assert (src_kinds, src_dev, dst_kinds, dst_dev) == (_driver.KIND_HOST_MAPPED, -1,
-                                                        _driver.KIND_DEVICE, 0)
+    assert (src_kinds, src_dev, dst_kinds, dst_dev) == (kv_classify.KIND_HOST_MAPPED, -1,
+                                                        kv_classify.KIND_DEVICE, 0)
     np.testing.assert_array_equal(descs[:, 0], src + np.uint64(DELTA))
     np.testing.assert_array_equal(descs[:, 1], dst)
     np.testing.assert_array_equal(descs[:, 2], sizes)

@@ -2,7 +2,7 @@
 
 Two devices, each with a primary context; created streams belong to one of
 them. The real driver calls are replaced, so the logic of ContextScope and
-memory_owner is checked without GPUs (the two-GPU run is issue 7's).
+memory_owner is checked without GPUs (two real GPUs: tests marked gpu).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvcopy import context
 from kvcopy.engine import memory_owner
-from kvcopy.streams import STREAM_LEGACY, STREAM_PER_THREAD
+from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 PRIMARY = {0: 0x1000, 1: 0x2000}
 DEVICE_OF = {0x1000: 0, 0x2000: 1, 0x3000: 1}   # 0x3000: a non-primary context on device 1
@@ -50,7 +50,7 @@ class FakeDriver:
 def fake(monkeypatch):
     def make(current: int = 0) -> FakeDriver:
         driver = FakeDriver(current)
-        monkeypatch.setattr(context, "_driver", driver)
+        monkeypatch.setattr(context, "driver", driver)
         return driver
     return make
 

@@ -239,19 +239,14 @@ def test_last_decision_and_empty_batch(torch_cuda):
 
 
 def test_batch_disabled_driver_falls_back(torch_cuda):
-    from kvcopy import _driver, device
+    from kvcopy import _testing
 
-    _driver.set_batch_disabled(True)
-    device.forget_batch_support()
-    try:
+    with _testing.capabilities(batch_available=False):   # a driver older than 12.8
         s = torch_cuda.cuda.Stream()
         assert run_copy("pageable_h2d", 16, 4096, stream=s) == "loop"
         assert run_copy("h2d", 16, 4 << 20, stream=s) == "kernel"
         with pytest.raises(kvcopy.KVCopyError, match="cuMemcpyBatchAsync"):
             run_copy("h2d", 16, 4096, stream=s, method="batch")
-    finally:
-        _driver.set_batch_disabled(False)
-        device.forget_batch_support()
     assert run_copy("h2d", 16, 4 << 20, stream=torch_cuda.cuda.Stream()) == "batch"
 
 
@@ -275,7 +270,7 @@ def test_thread_without_current_context(torch_cuda):
 def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     """The kernel path's fused pass (plan + classify + descriptors) and the
     planner used by the DMA paths agree copy for copy, and reject the same input."""
-    from kvcopy import _driver
+    from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch
     from kvcopy.plan import plan_copies
 
     torch = torch_cuda
@@ -291,19 +286,19 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     dst = np.uint64(dev.data_ptr()) + dst_off
     plan = plan_copies(src, dst, sizes)
     descs = np.zeros((len(sizes), 4), dtype=np.uint64)
-    count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles = _driver.describe_copies(
+    count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles = kv_describe.describe_copies(
         src, dst, sizes, descs.ctypes.data)
     assert count == plan.count < int(np.count_nonzero(sizes))
     assert total == int(plan.sizes.sum())
-    assert (src_kinds, src_dev) == (_driver.KIND_HOST_MAPPED, -1)
-    assert (dst_kinds, dst_dev) == (_driver.KIND_DEVICE, torch.cuda.current_device())
+    assert (src_kinds, src_dev) == (kv_classify.KIND_HOST_MAPPED, -1)
+    assert (dst_kinds, dst_dev) == (kv_classify.KIND_DEVICE, torch.cuda.current_device())
     src_view, dst_view = np.empty_like(plan.src), np.empty_like(plan.dst)
-    _driver.classify_pointers(plan.src, plan.sizes, src_view)
-    _driver.classify_pointers(plan.dst, plan.sizes, dst_view)
+    kv_classify.classify_pointers(plan.src, plan.sizes, src_view)
+    kv_classify.classify_pointers(plan.dst, plan.sizes, dst_view)
     np.testing.assert_array_equal(descs[:count, 0], src_view)
     np.testing.assert_array_equal(descs[:count, 1], dst_view)
     np.testing.assert_array_equal(descs[:count, 2], plan.sizes)
-    per_copy = (plan.sizes + np.uint64(_driver.TILE_BYTES - 1)) // np.uint64(_driver.TILE_BYTES)
+    per_copy = (plan.sizes + np.uint64(kv_launch.TILE_BYTES - 1)) // np.uint64(kv_launch.TILE_BYTES)
     np.testing.assert_array_equal(descs[:count, 3], np.concatenate([[0], np.cumsum(per_copy)[:-1]]))
     assert tiles == int(per_copy.sum())
     bad_sizes = sizes.copy()
@@ -311,6 +306,6 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     with pytest.raises(ValueError) as planned:
         plan_copies(src, dst, bad_sizes)
     with pytest.raises(ValueError) as described:
-        _driver.describe_copies(src, dst, bad_sizes, descs.ctypes.data)
+        kv_describe.describe_copies(src, dst, bad_sizes, descs.ctypes.data)
     assert str(planned.value) == str(described.value) == \
         f"sizes[1234] = {2**63} is larger than 2**63 - 1 bytes"

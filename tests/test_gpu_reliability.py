@@ -27,11 +27,11 @@ def run_child(code: str, env: dict | None = None, timeout: int = 120) -> dict:
 
 FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-from kvcopy import _driver
+from kvcopy._cuda import driver as kv_driver, launch as kv_launch
 torch.cuda.init(); torch.zeros(1, device="cuda")
 MiB = 1 << 20
-a, b = _driver.mem_alloc(MiB), _driver.mem_alloc(MiB)
-_driver.memset_d8_async(a, 7, MiB, 1); torch.cuda.synchronize()
+a, b = kv_driver.mem_alloc(MiB), kv_driver.mem_alloc(MiB)
+kv_driver.memset_d8_async(a, 7, MiB, 1); torch.cuda.synchronize()
 src = np.array([a + i * 4096 for i in range(10)], dtype=np.uint64)
 dst = np.array([b + i * 8192 for i in range(10)], dtype=np.uint64)
 sizes = np.full(10, 4096, dtype=np.uint64)
@@ -45,7 +45,7 @@ try:
 except kvcopy.CudaError as e:
     out.update(raised=e.name, index=e.index, message=str(e))
 sizes[7] = 4096
-_driver.memset_d8_async(b, 0, MiB, 1); torch.cuda.synchronize()
+kv_driver.memset_d8_async(b, 0, MiB, 1); torch.cuda.synchronize()
 used = kvcopy.copy_batch(src, dst, sizes, stream=s, method=METHOD)
 s.synchronize()
 host = np.empty(MiB, np.uint8)
@@ -81,7 +81,8 @@ def test_explicit_kernel_refuses_memory_it_cannot_map(torch_cuda):
 
 KERNEL_FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-from kvcopy import _driver, kernels, device
+from kvcopy._cuda import driver as kv_driver, launch as kv_launch
+from kvcopy import kernels, device
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 info = device.device_info(0)
 k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
@@ -90,14 +91,14 @@ good = np.array([torch.empty(64, device="cuda").data_ptr()], dtype=np.uint64)
 out = {}
 descs = np.zeros(4, dtype=np.uint64)   # one kvcopy_desc: dst <- src bytes, raw (unchecked) pointers
 descs[:] = [good[0], bogus[0], 256, 0]
-_driver.launch_descs_inline(k.function, k.per_launch, descs.ctypes.data, 1, 1, 32, 1)
+kv_launch.launch_descs_inline(k.function, k.per_launch, descs.ctypes.data, 1, 1, 32, 1)
 try:
-    _driver.stream_synchronize(1)
+    kv_driver.stream_synchronize(1)
     out["sync"] = "ok"
 except kvcopy.CudaError as e:
     out["sync"] = e.name
 try:
-    kvcopy.copy_batch([good[0]], [good[0] + 128], [64], stream=1); _driver.stream_synchronize(1)
+    kvcopy.copy_batch([good[0]], [good[0] + 128], [64], stream=1); kv_driver.stream_synchronize(1)
     out["after"] = "ok"
 except kvcopy.CudaError as e:
     out["after"] = e.name

@@ -16,9 +16,9 @@ def test_import_and_api_surface():
 
 def test_first_copy_raises_no_driver_error():
     try:
-        from kvcopy import _driver
+        from kvcopy._cuda import driver as kv_driver
 
-        _driver.init()
+        kv_driver.init()
     except kvcopy.NoDriverError:
         pass
     else:

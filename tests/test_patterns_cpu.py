@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import _driver, device, engine, kernels, policy, ring
+from kvcopy._cuda import classify as kv_classify
+from kvcopy._cuda import describe as kv_describe
+from kvcopy._cuda import dma as kv_dma
+from kvcopy._cuda import launch as kv_launch
+from kvcopy import device, engine, kernels, policy, ring
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
-from kvcopy.streams import resolve_event
+from kvcopy.interop.streams import resolve_event
 
 MiB = 1 << 20
 
@@ -21,14 +25,14 @@ MiB = 1 << 20
 # ------------------------------------------------------------------ capture
 
 class CapturingDriver:
-    """Enough of _driver for one kernel-path call on a stream that is capturing;
+    """Enough of kvcopy._cuda for one kernel-path call on a stream that is capturing;
     records every call, and fails the test on anything that must not happen
     during a capture (event queries and synchronisation, allocations)."""
 
-    KIND_DEVICE = _driver.KIND_DEVICE
-    KIND_HOST_MAPPED = _driver.KIND_HOST_MAPPED
-    DESCRIPTOR_BYTES = _driver.DESCRIPTOR_BYTES
-    INLINE_MAX = _driver.INLINE_MAX
+    KIND_DEVICE = kv_classify.KIND_DEVICE
+    KIND_HOST_MAPPED = kv_classify.KIND_HOST_MAPPED
+    DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
+    INLINE_MAX = kv_launch.INLINE_MAX
 
     def __init__(self, capturing: int) -> None:
         self.capturing = capturing
@@ -42,7 +46,7 @@ class CapturingDriver:
 
     def describe_copies(self, src, dst, sizes, host, merge):
         self.calls.append(f"describe into {host:#x}")
-        return (len(sizes), int(sizes.sum()), _driver.KIND_HOST_MAPPED, -1, _driver.KIND_DEVICE, 0,
+        return (len(sizes), int(sizes.sum()), kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0,
                 len(sizes))
 
     def launch_descs_inline(self, function, per_launch, host, count, ctas, threads, stream):
@@ -50,7 +54,7 @@ class CapturingDriver:
         return 1
 
     def __getattr__(self, name: str):
-        raise AssertionError(f"_driver.{name} called while the stream captures")
+        raise AssertionError(f"kvcopy._cuda: {name} used while the stream captures")
 
 
 class FakeScope:
@@ -61,11 +65,12 @@ class FakeScope:
 @pytest.fixture
 def capture_engine(monkeypatch):
     fake = CapturingDriver(capturing=1)
-    monkeypatch.setattr(engine, "_driver", fake)
+    for layer in ("driver", "describe", "launch"):   # the modules of kvcopy._cuda it uses
+        monkeypatch.setattr(engine, layer, fake)
     monkeypatch.setattr(engine, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
-    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, _driver.INLINE_MAX)
+    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, kv_launch.INLINE_MAX)
     monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: fake_kernel)
 
     def no_ring():
@@ -80,7 +85,7 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
     src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
     dst = np.arange(count, dtype=np.uint64) * 8192 + 0x7f0000000000
     sizes = np.full(count, 8192, dtype=np.uint64)
-    used = engine._execute_copies(FakeScope(), 0x1234, src, dst, sizes, "auto", True, False, None)
+    used = engine.execute_copies(FakeScope(), 0x1234, src, dst, sizes, "auto", True, False, None)
     assert used == "kernel"
     assert capture_engine.calls[0].startswith("describe into")
     assert capture_engine.calls[1] == f"inline launch of {count}"
@@ -89,7 +94,7 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
 def test_capture_with_batch_requested_raises_before_anything(capture_engine):
     sizes = np.full(4, 1 << 20, dtype=np.uint64)
     with pytest.raises(kvcopy.CaptureError):
-        engine._execute_copies(FakeScope(), 0x1234, sizes + 0x10000, sizes + 0x7f0000000000, sizes,
+        engine.execute_copies(FakeScope(), 0x1234, sizes + 0x10000, sizes + 0x7f0000000000, sizes,
                                "batch", True, False, None)
     assert not any("launch" in call for call in capture_engine.calls)
 
@@ -185,12 +190,12 @@ def test_vllm_shim_checks_its_flags_before_the_driver():
 
 def test_host_access_follows_the_process_mappings():
     arr = np.zeros(8192, np.uint8)
-    assert _driver.host_access_allowed(arr.ctypes.data, arr.nbytes, write=True)
-    assert not _driver.host_access_allowed(42, 8)
-    assert not _driver.host_access_allowed(0x10, 1, write=True)
+    assert kv_dma.host_access_allowed(arr.ctypes.data, arr.nbytes, write=True)
+    assert not kv_dma.host_access_allowed(42, 8)
+    assert not kv_dma.host_access_allowed(0x10, 1, write=True)
     region = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
     ptr = np.frombuffer(region, np.uint8).ctypes.data
-    assert _driver.host_access_allowed(ptr, 8192)
-    assert not _driver.host_access_allowed(ptr, 8192, write=True)
-    assert not _driver.host_access_allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
+    assert kv_dma.host_access_allowed(ptr, 8192)
+    assert not kv_dma.host_access_allowed(ptr, 8192, write=True)
+    assert not kv_dma.host_access_allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
     del ptr

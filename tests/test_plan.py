@@ -6,7 +6,7 @@ import array
 import numpy as np
 import pytest
 
-from kvcopy.arrays import as_u64_array
+from kvcopy.interop.arrays import as_u64_array
 from kvcopy.plan import plan_copies
 
 

@@ -63,7 +63,7 @@ class FakeDriver:
 @pytest.fixture
 def driver(monkeypatch) -> FakeDriver:
     fake = FakeDriver()
-    monkeypatch.setattr(ring, "_driver", fake)
+    monkeypatch.setattr(ring, "driver", fake)
     return fake
 
 

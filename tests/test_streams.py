@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import kvcopy
-from kvcopy import streams
+from kvcopy.interop import streams
 
 
 class ProtocolStream:

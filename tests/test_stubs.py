@@ -24,9 +24,22 @@ def declared(stub: Path) -> dict[str, str]:
     return names
 
 
-@pytest.mark.parametrize("stub", sorted(KVCOPY.glob("_*.pyi")), ids=lambda p: p.stem)
+STUBS = sorted(KVCOPY.glob("_*.pyi")) + sorted((KVCOPY / "_cuda").glob("*.pyi"))
+
+
+def module_of(stub: Path) -> str:
+    return ".".join(stub.relative_to(KVCOPY.parent).with_suffix("").parts)
+
+
+def test_every_cython_module_has_a_stub():
+    modules = sorted(KVCOPY.rglob("*.pyx"))
+    missing = [p.name for p in modules if not p.with_suffix(".pyi").is_file()]
+    assert not missing, f"Cython modules without a .pyi stub: {missing}"
+
+
+@pytest.mark.parametrize("stub", STUBS, ids=module_of)
 def test_stub_names_exist_in_the_built_module(stub):
-    module = importlib.import_module(f"kvcopy.{stub.stem}")
+    module = importlib.import_module(module_of(stub))
     names = declared(stub)
     assert names, f"{stub.name} declares nothing"
     missing = sorted(n for n in names if not hasattr(module, n))

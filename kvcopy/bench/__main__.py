@@ -8,6 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import kvcopy
+from kvcopy.bench import extra, report
+from kvcopy.bench.scenarios import block_copy_rows
+from kvcopy.policy import RequestedMethod
+
 KiB, MiB = 1 << 10, 1 << 20
 QUICK_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 FULL_BLOCKS = [2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
@@ -46,11 +51,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the block sweep (no bidirectional, compute, swap_blocks)")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
-
-    import kvcopy
-    from kvcopy.bench import extra, report
-    from kvcopy.bench.scenarios import block_copy_rows
-
     blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
     if args.blocks:
         try:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--blocks: expected KiB integers separated by commas, got {args.blocks!r}")
     total = 64 * MiB
     repeats = 5 if args.quick else 9
-    methods = ["auto", "kernel", "batch", "loop"]
+    methods: list[RequestedMethod] = ["auto", "kernel", "batch", "loop"]
     jobs = [(d, b, "torch") for d in ("h2d", "d2h") for b in blocks]
     jobs += [("d2d", b, "torch") for b in blocks if b >= 16 * KiB]
     kvcopy_memory = [b for b in blocks if b == 16 * KiB] if args.quick else blocks

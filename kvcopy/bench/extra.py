@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Iterator
+import functools
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
@@ -12,6 +13,7 @@ import kvcopy
 from kvcopy.config import config
 from kvcopy.bench.scenarios import Pools, scattered_offsets
 from kvcopy.bench.timing import measure
+from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -23,6 +25,14 @@ def _pointers(pools: Pools, block: int, count: int, seed: int):
             np.full(count, block, dtype=np.uint64))
 
 
+def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) -> Callable[[], None]:
+    """One call that copies batch a on stream s1 and batch b on stream s2."""
+    def run() -> None:
+        kvcopy.copy_batch(*a, stream=s1, method=method)
+        kvcopy.copy_batch(*b, stream=s2, method=method)
+    return run
+
+
 def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5) -> Iterator[dict]:
     """Host-to-GPU and GPU-to-host at the same time, on two streams."""
     import torch
@@ -31,13 +41,12 @@ def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5
     h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
     a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    cases = {
+    cases: dict[str, Callable[[], object]] = {
         "contiguous": lambda: (h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True),
                                d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)),
     }
     for method in ("auto", "kernel", "batch"):
-        cases[method] = (lambda m=method: (kvcopy.copy_batch(*a, stream=s1, method=m),
-                                           kvcopy.copy_batch(*b, stream=s2, method=m)))
+        cases[method] = _both_ways(a, b, s1, s2, method)
     for name, fn in cases.items():
         times = []
         for i in range(repeats + 1):
@@ -68,7 +77,7 @@ def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 819
     pools = Pools("h2d", total, "torch")
     ptrs = _pointers(pools, block, total // block, 3)
 
-    def matmuls(reps: int = 20) -> float:
+    def matmuls(reps: int = 20) -> tuple[Any, Any]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(compute):
             start.record()
@@ -92,7 +101,8 @@ def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 819
                 start, end = matmuls()
                 if method is not None:
                     for _ in range(4):
-                        kvcopy.copy_batch(*ptrs, stream=copy, method=method, max_ctas=ctas)
+                        kvcopy.copy_batch(*ptrs, stream=copy, method=cast(RequestedMethod, method),
+                                          max_ctas=ctas)
                 torch.cuda.synchronize()
                 samples.append(start.elapsed_time(end))
         finally:
@@ -125,8 +135,8 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
                 if method == "batch" and batch_max_copies and n * 2 * layers > batch_max_copies:
                     continue
                 chose = kvcopy.swap_blocks(src, dst, mapping, stream=stream, method=method)
-                t = measure(lambda m=method: kvcopy.swap_blocks(src, dst, mapping, stream=stream,
-                                                                method=m), stream, repeats=repeats)
+                t = measure(functools.partial(kvcopy.swap_blocks, src, dst, mapping, stream=stream,
+                                              method=method), stream, repeats=repeats)
                 yield {"scenario": "swap_blocks", "direction": direction, "blocks": n,
                        "tensors": 2 * layers, "method": method, "chose": chose,
                        "gbps": nbytes / (t.gpu_ms * 1e6), "wall_gbps": nbytes / (t.wall_ms * 1e6),

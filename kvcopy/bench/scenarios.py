@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+import functools
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 import kvcopy
 from kvcopy.bench.timing import measure
+from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -53,9 +55,7 @@ class Pools:
         if kind == "cuda":
             return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         if memory == "kvcopy":
-            from kvcopy.host import pinned_empty
-
-            return torch.from_numpy(pinned_empty(nbytes, dtype=np.uint8))
+            return torch.from_numpy(kvcopy.pinned_empty(nbytes, dtype=np.uint8))
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
@@ -64,7 +64,8 @@ def scattered_offsets(count: int, block: int, rng) -> tuple[np.ndarray, np.ndarr
     return rng.permutation(slots)[:count] * block, rng.permutation(slots)[:count] * block
 
 
-def block_copy_rows(direction: str, block: int, total: int, memory: str, methods: list[str],
+def block_copy_rows(direction: str, block: int, total: int, memory: str,
+                    methods: Sequence[RequestedMethod],
                     alternatives: bool, repeats: int, max_loop_count: int = 32768) -> Iterator[Row]:
     """Rows for one direction and block size: the contiguous ceiling, kvcopy's
     methods, and (with ``alternatives``) what users would write instead.
@@ -100,8 +101,8 @@ def block_copy_rows(direction: str, block: int, total: int, memory: str, methods
         if method == "loop" and count > 40000:
             continue
         chose = kvcopy.copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream, method=method)
-        yield row(method, chose, lambda m=method: kvcopy.copy_batch(
-            src_ptrs, dst_ptrs, sizes, stream=stream, method=m), ceiling)
+        yield row(method, chose, functools.partial(kvcopy.copy_batch, src_ptrs, dst_ptrs, sizes,
+                                                   stream=stream, method=method), ceiling)
     if alternatives:
         yield from alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
                                     max_loop_count)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 PROGRAMS = 16          # kvcopy's default CTA budget for host copies
-VLLM_PROGRAMS = 12     # the grid vLLM's kernel used in the H200 measurements (DESIGN section 2)
+VLLM_PROGRAMS = 12     # the grid of vLLM's own kernel (vllm/v1/kv_offload/cpu/swap_blocks_triton.py)
 WORDS_PER_STEP = 1024  # 8 KiB per program per step
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.checks import require_bool
-from kvcopy.engine import copy_batch
+from kvcopy.api import copy_batch
 
 
 def _check(tensor: Any, name: str) -> None:

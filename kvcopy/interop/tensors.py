@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvcopy.interop.frameworks import framework_of, type_name
+
 
 class BlockLayout(NamedTuple):
     """Where a tensor's blocks are (a NamedTuple: built on every call, so cheap)."""
@@ -41,6 +43,15 @@ def _interface_stream(face: dict) -> int | None:
 _DLPACK_GPU_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
 
 
+def _strided_memory_view() -> type:
+    """cuda.core's StridedMemoryView: cuda.core.utils from 0.5, experimental before."""
+    try:
+        from cuda.core.utils import StridedMemoryView
+    except ImportError:   # cuda-core 0.3 and 0.4
+        from cuda.core.experimental.utils import StridedMemoryView
+    return StridedMemoryView
+
+
 def _dlpack_consumer_stream(obj: Any, stream: int | None) -> int:
     """The consumer stream to give a DLPack producer: the copy's stream for GPU
     memory (the producer then orders its pending writes before it), -1 (no
@@ -61,8 +72,7 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
     they order their pending writes before it (None: no ordering asked)."""
     if isinstance(obj, _NOT_ARRAYS):
         raise TypeError(f"{name}: expected a tensor or array, got {type(obj).__name__}")
-    module = type(obj).__module__ or ""
-    if module.startswith("torch"):
+    if framework_of(obj) == "torch":
         size = obj.element_size()
         return (obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
                 False, None)
@@ -81,16 +91,15 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
             producer = _interface_stream(face) if attr == "__cuda_array_interface__" else None
             return int(ptr), shape, tuple(strides), itemsize, bool(readonly), producer
     try:
-        from cuda.core.utils import StridedMemoryView
-
-        view = (obj if isinstance(obj, StridedMemoryView)
+        StridedMemoryView = _strided_memory_view()
+        view: Any = (obj if isinstance(obj, StridedMemoryView)
                 else StridedMemoryView(obj, stream_ptr=_dlpack_consumer_stream(obj, stream)))
         itemsize = np.dtype(view.dtype).itemsize
         strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
                    else _c_strides(tuple(view.shape), itemsize))
         return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly), None
     except Exception:  # noqa: BLE001 - anything that is not an array
-        raise TypeError(f"{name}: {type(obj).__module__}.{type(obj).__qualname__} is not a tensor "
+        raise TypeError(f"{name}: {type_name(obj)} is not a tensor "
                         "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
                         "interface, cuda.core Buffer or kvcopy.block_view)") from None
 
@@ -138,7 +147,7 @@ def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
     _raw); a __cuda_array_interface__ producer's stream is returned in the layout."""
     if isinstance(obj, BlockView):
         return obj.layout
-    if (type(obj).__module__ or "").startswith("torch"):
+    if framework_of(obj) == "torch":
         fast = _torch_layout(obj)
         if fast is not None:
             return fast
@@ -162,7 +171,7 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
     and every tensor's address: O(1) attribute reads per tensor. None otherwise."""
     first = tensors[0]
     kind = type(first)
-    if not (kind.__module__ or "").startswith("torch"):
+    if framework_of(first) != "torch":
         return None
     layout = _torch_layout(first)
     if layout is None:
@@ -178,7 +187,7 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
 
 def is_flat_buffer(obj: Any) -> bool:
     """A cuda.core Buffer: bytes without a shape, whose blocks are sized by the other side."""
-    return ((type(obj).__module__ or "").startswith("cuda.core")
+    return (framework_of(obj) == "cuda.core"
             and hasattr(obj, "handle") and hasattr(obj, "size") and not hasattr(obj, "shape"))
 
 
@@ -250,8 +259,9 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
         ptr, owner, capacity = _buffer_address(memory), memory, int(memory.size)
     else:
         raise TypeError(f"block_view: expected an int address or a cuda.core Buffer, got "
-                        f"{type(memory).__module__}.{type(memory).__qualname__}")
+                        f"{type_name(memory)}")
     if num_blocks is None:
+        assert capacity is not None   # an integer address requires num_blocks (checked above)
         num_blocks = 1 + (capacity - block_bytes) // stride if capacity >= block_bytes else 0
     num_blocks = int(num_blocks)
     if num_blocks < 0:

@@ -1,48 +1,19 @@
-"""Persisted per-device thresholds (written by kvcopy.calibrate)."""
+"""calibrate(): where batched DMA catches up with the copy kernel on this GPU."""
 from __future__ import annotations
 
-import json
-import re
-from typing import TYPE_CHECKING
+import numpy as np
 
-from kvcopy.kernels import cache_dir
+from kvcopy import device as devices
+from kvcopy._cuda import driver
+from kvcopy.engine import execute
+from kvcopy.plan import plan_copies
 from kvcopy.policy import Thresholds
-
-if TYPE_CHECKING:
-    from kvcopy.device import DeviceInfo
-
-
-def _path(info: "DeviceInfo"):
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
-    return cache_dir() / f"calibration-{slug}-driver{info.driver_version}.json"
-
-
-def load(info: "DeviceInfo") -> Thresholds | None:
-    try:
-        data = json.loads(_path(info).read_text())
-        return Thresholds(batch_min_bytes={k: float(v) for k, v in data["batch_min_bytes"].items()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def save(info: "DeviceInfo", thresholds: Thresholds, measurements: dict) -> str:
-    path = _path(info)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": info.name, "driver_version": info.driver_version,
-                                "batch_min_bytes": thresholds.batch_min_bytes,
-                                "measurements": measurements}, indent=1))
-    return str(path)
-
 
 CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
 def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
     """Blocks at random, non-adjacent slots of two pools twice the batch's size."""
-    import numpy as np
-
-    from kvcopy.plan import plan_copies
-
     count = max(total // block, 2)
     slots = np.arange(2 * count, dtype=np.uint64)
     src = np.uint64(src_base) + rng.permutation(slots)[:count] * np.uint64(block)
@@ -51,16 +22,14 @@ def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
 
 
 def _median_ms(run, stream: int, start: int, end: int, repeats: int) -> float:
-    from kvcopy import _driver
-
     run()  # warm-up
     times = []
     for _ in range(repeats):
-        _driver.event_record(start, stream)
+        driver.event_record(start, stream)
         run()
-        _driver.event_record(end, stream)
-        _driver.event_synchronize(end)
-        times.append(_driver.event_elapsed_ms(start, end))
+        driver.event_record(end, stream)
+        driver.event_synchronize(end)
+        times.append(driver.event_elapsed_ms(start, end))
     return sorted(times)[len(times) // 2]
 
 
@@ -73,20 +42,15 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
     is used by method='auto' from then on and, with save_result, persisted per
     device model and driver version.
     """
-    import numpy as np
-
-    from kvcopy import _driver, device as devices
-    from kvcopy.engine import execute
-
-    _driver.init()
-    _driver.push_context(_driver.primary_context(device))
+    driver.init()
+    driver.push_context(driver.primary_context(device))
     stream = dev = host = start = end = 0
     try:
         info = devices.device_info(device)
-        stream = _driver.stream_create()
-        dev = _driver.mem_alloc(2 * total_bytes)
-        host = _driver.host_alloc(2 * total_bytes)
-        start, end = _driver.event_create(timing=True), _driver.event_create(timing=True)
+        stream = driver.stream_create()
+        dev = driver.mem_alloc(2 * total_bytes)
+        host = driver.host_alloc(2 * total_bytes)
+        start, end = driver.event_create(timing=True), driver.event_create(timing=True)
         rng = np.random.default_rng(0)
         measured: dict = {}
         found: dict = {}
@@ -108,17 +72,17 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
         result = Thresholds(batch_min_bytes=found)
         devices.set_thresholds(device, result)
         if save_result:
-            save(info, result, measured)
+            devices.save_thresholds(info, result, measured)
         return result
     finally:
         for event in (start, end):
             if event:
-                _driver.event_destroy(event)
+                driver.event_destroy(event)
         if stream:
-            _driver.stream_synchronize(stream)
-            _driver.stream_destroy(stream)
+            driver.stream_synchronize(stream)
+            driver.stream_destroy(stream)
         if dev:
-            _driver.mem_free(dev)
+            driver.mem_free(dev)
         if host:
-            _driver.host_free(host)
-        _driver.pop_context()
+            driver.host_free(host)
+        driver.pop_context()

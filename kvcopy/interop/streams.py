@@ -7,19 +7,18 @@ CU_STREAM_PER_THREAD.
 """
 from __future__ import annotations
 
-import os
+import sys
 from typing import Any
 
 import numpy as np
+
+from kvcopy.config import per_thread_default_stream
+from kvcopy.interop.frameworks import framework_of, type_name
 
 STREAM_DEFAULT = 0
 STREAM_LEGACY = 1
 STREAM_PER_THREAD = 2
 _MAX_HANDLE = 2**64 - 1
-
-
-def _module_of(obj: Any) -> str:
-    return type(obj).__module__ or ""
 
 
 def _from_cuda_stream_protocol(obj: Any) -> int:
@@ -67,19 +66,19 @@ def resolve_stream(obj: Any) -> int:
         raise TypeError("stream: got a bool; pass a stream object or an integer handle")
     if isinstance(obj, (int, np.integer)):
         return _from_int(obj, obj)
-    module = _module_of(obj)
-    if module.startswith("torch") and hasattr(obj, "cuda_stream"):
+    framework = framework_of(obj)
+    if framework == "torch" and hasattr(obj, "cuda_stream"):
         return _framework_default(_from_int(obj.cuda_stream, obj))
-    if module.startswith("cupy") and hasattr(obj, "ptr"):
+    if framework == "cupy" and hasattr(obj, "ptr"):
         return _framework_default(_from_int(obj.ptr, obj))
     if hasattr(obj, "__cuda_stream__"):
         return _from_cuda_stream_protocol(obj)
-    if module.startswith("cuda.bindings") and hasattr(obj, "getPtr"):
+    if framework == "cuda.bindings" and hasattr(obj, "getPtr"):
         if type(obj).__name__ != "CUstream":
             raise TypeError(f"stream: got a cuda.bindings {type(obj).__name__}, expected a CUstream")
         return _from_int(int(obj), obj)
     raise TypeError(
-        f"stream: cannot get a CUDA stream from {type(obj).__module__}.{type(obj).__qualname__}; "
+        f"stream: cannot get a CUDA stream from {type_name(obj)}; "
         "pass None, an int handle, a torch/CuPy/cuda.core stream, a CUstream, or an object "
         "with __cuda_stream__"
     )
@@ -92,31 +91,23 @@ def current_framework_stream(*objs: Any) -> int:
     give cupy.cuda.get_current_stream().
     """
     for obj in objs:
-        module = _module_of(obj)
-        if module.startswith("torch"):
-            import torch
-
+        framework = framework_of(obj)
+        if framework == "torch":   # the object's own framework is imported already
+            torch = sys.modules["torch"]
             if not torch.cuda.is_available():
                 continue
             device = obj.device if getattr(obj, "is_cuda", False) else None
             return _framework_default(torch.cuda.current_stream(device).cuda_stream)
-        if module.startswith("cupy"):
-            import cupy
-
-            return _framework_default(cupy.cuda.get_current_stream().ptr)
+        if framework == "cupy":
+            return _framework_default(sys.modules["cupy"].cuda.get_current_stream().ptr)
     return STREAM_DEFAULT
-
-
-def per_thread_default_enabled() -> bool:
-    """Whether cuda-python maps handle 0 to the per-thread default stream."""
-    return os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
 
 
 def effective_handle(handle: int) -> int:
     """Replace handle 0 by the explicit stream it means in this process."""
     if handle != STREAM_DEFAULT:
         return handle
-    return STREAM_PER_THREAD if per_thread_default_enabled() else STREAM_LEGACY
+    return STREAM_PER_THREAD if per_thread_default_stream() else STREAM_LEGACY
 
 
 def stream_kind(handle: int) -> str:
@@ -137,14 +128,13 @@ def resolve_event(obj: Any) -> int | None:
     Raises:
         TypeError: an event object that gives no integer handle.
     """
-    kind = type(obj)
-    module, name = kind.__module__ or "", kind.__name__
-    if module.startswith("torch") and hasattr(obj, "cuda_event"):
+    framework, name = framework_of(obj), type(obj).__name__
+    if framework == "torch" and hasattr(obj, "cuda_event"):
         return _from_int(obj.cuda_event, obj, "event")
-    if module.startswith("cupy") and name == "Event" and hasattr(obj, "ptr"):
+    if framework == "cupy" and name == "Event" and hasattr(obj, "ptr"):
         return _from_int(obj.ptr, obj, "event")
-    if module.startswith("cuda.core") and name == "Event" and hasattr(obj, "handle"):
+    if framework == "cuda.core" and name == "Event" and hasattr(obj, "handle"):
         return _from_int(int(obj.handle), obj, "event")
-    if module.startswith("cuda.bindings") and name == "CUevent":
+    if framework == "cuda.bindings" and name == "CUevent":
         return _from_int(int(obj), obj, "event")
     return None

@@ -1,11 +1,14 @@
-"""Pointer and size arguments -> validated 1-D uint64 NumPy arrays."""
+"""Pointer, size and block-id arguments -> validated NumPy arrays."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from kvcopy.interop.frameworks import framework_of
+
 _U64_MAX = 2**64 - 1
+_ID_MAX = 2**63 - 1
 
 
 def _from_torch(obj: Any, name: str) -> np.ndarray:
@@ -44,8 +47,7 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
         return obj  # already what the planner takes: the common case, kept cheap
     if obj is None or isinstance(obj, (str, bytes, bytearray, int, float)):
         raise TypeError(f"{name}: expected a sequence or array of integers, got {type(obj).__name__}")
-    module = type(obj).__module__ or ""
-    if module.startswith("torch"):
+    if framework_of(obj) == "torch":
         arr = _from_torch(obj, name)
     elif isinstance(obj, np.ndarray):
         arr = obj
@@ -64,3 +66,35 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
         index = int(np.argmax(arr < 0))
         raise ValueError(f"{name}[{index}] = {int(arr[index])} is negative")
     return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def as_list(obj: Any) -> list:
+    """A list or tuple as a list; anything else as a list of one."""
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def as_block_mapping(block_mapping: Any) -> np.ndarray:
+    """An (n, 2) int64 array of [source block, destination block] pairs."""
+    framework = framework_of(block_mapping)
+    if framework == "torch":
+        block_mapping = block_mapping.detach().cpu().numpy()
+    elif framework == "cupy":
+        block_mapping = block_mapping.get()
+    elif isinstance(block_mapping, (list, tuple)):
+        for i, pair in enumerate(block_mapping):
+            if (not isinstance(pair, (list, tuple, np.ndarray)) or len(pair) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)):
+                raise TypeError(f"block_mapping[{i}] must be a pair of ints, got {pair!r}")
+    arr = np.asarray(block_mapping)
+    if arr.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"block_mapping: expected integer block ids, got dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"block_mapping: expected shape (n, 2), got {arr.shape}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _ID_MAX:
+        pair, column = (int(i) for i in np.argwhere(arr > _ID_MAX)[0])
+        side = "source" if column == 0 else "destination"
+        raise ValueError(f"block_mapping[{pair}]: {side} block {int(arr[pair, column])} is out of "
+                         "range (block ids must be below 2**63)")
+    return arr.astype(np.int64, copy=False)

@@ -1,0 +1,1 @@
+"""kvcopy's Cython layer: the only code that calls the CUDA driver."""

@@ -1,0 +1,64 @@
+# What the driver says a pointer is, kept as address ranges: shared by the
+# describe pass (kernel path) and the DMA planner.
+from libc.stdint cimport uint64_t, int64_t
+
+# Classification bits: the kinds of memory a batch touches.
+cdef enum:
+    _KIND_DEVICE = 1          # device memory of one device, not managed
+    _KIND_HOST_MAPPED = 2     # pinned host memory the current context's device can dereference
+    _KIND_HOST_UNMAPPED = 4   # pageable host memory, or pinned but not mapped: DMA only
+    _KIND_MANAGED = 8         # managed (unified) memory: DMA only
+    _KIND_STRADDLE = 16       # a copy runs past the end of its allocation: DMA decides
+    _KIND_PAGEABLE = 32       # memory the driver does not know (always with _KIND_HOST_UNMAPPED)
+
+cdef enum:
+    _RANGE_CACHE = 64
+
+
+cdef struct _Range:
+    uint64_t start
+    uint64_t end
+    int kind
+    int ordinal
+    int64_t delta    # device view = host pointer + delta
+
+
+
+cdef struct _Classifier:
+    # Driver answers kept as address ranges, for one call only: the driver is
+    # asked once per allocation, not once per pointer.
+    _Range cache[_RANGE_CACHE]
+    int cached
+    int last
+    int kinds        # OR of _KIND_* over every pointer seen
+    int ordinal      # device of the device memory seen (-1: none, -2: several)
+
+
+
+cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil
+cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil
+cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil
+cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1
+
+
+cdef inline void classifier_init(_Classifier* c) noexcept nogil:
+    c.cached = 0
+    c.last = 0
+    c.kinds = 0
+    c.ordinal = -1
+    c.cache[0].start = 1   # an empty range: the first lookup goes the slow way
+    c.cache[0].end = 0
+
+
+
+cdef inline uint64_t classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """Classify the copy [p, p + size) and return the address the device uses for p.
+
+    Batches mostly stay in one allocation per side: a copy inside the last
+    range used needs two comparisons (its kind and device were recorded when
+    that range was first used)."""
+    cdef _Range* r = &c.cache[c.last]
+    if r.start <= p and p + size <= r.end:
+        return <uint64_t>(<int64_t>p + r.delta)
+    return classify_slow(c, p, size)
+

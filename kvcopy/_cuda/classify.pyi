@@ -1,0 +1,12 @@
+"""Type stub of kvcopy._cuda.classify: what the driver says each pointer is."""
+import numpy as np
+
+KIND_DEVICE: int
+KIND_HOST_MAPPED: int
+KIND_HOST_UNMAPPED: int
+KIND_MANAGED: int
+KIND_STRADDLE: int
+KIND_PAGEABLE: int
+
+def classify_pointers(ptrs: np.ndarray, sizes: np.ndarray, device_view: np.ndarray
+                      ) -> tuple[int, int]: ...

@@ -1,0 +1,182 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""Pointer classification: what the driver says each pointer of a batch is.
+
+The driver is asked once per allocation, not once per pointer: its answers are
+kept as address ranges for the duration of one call (classify.pxd).
+"""
+
+from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdlib cimport malloc, free
+
+from cuda.bindings cimport cydriver
+from cuda.bindings.cydriver cimport CUdeviceptr, CUpointer_attribute
+
+KIND_DEVICE = _KIND_DEVICE
+KIND_HOST_MAPPED = _KIND_HOST_MAPPED
+KIND_HOST_UNMAPPED = _KIND_HOST_UNMAPPED
+KIND_MANAGED = _KIND_MANAGED
+KIND_STRADDLE = _KIND_STRADDLE
+KIND_PAGEABLE = _KIND_PAGEABLE
+
+
+cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
+    """Asks the driver what ptr points to and which range that answer covers.
+
+    One cuPointerGetAttributes call, the device pointer included; where the
+    driver refuses that attribute (host memory not mapped for this context),
+    the other five are asked again without it."""
+    cdef CUpointer_attribute attrs[6]
+    cdef void* data[6]
+    cdef unsigned int memtype = 0
+    cdef int ordinal = -1
+    cdef CUdeviceptr start = 0
+    cdef size_t range_size = 0
+    cdef unsigned int managed = 0
+    cdef CUdeviceptr dptr = 0
+    attrs[0] = cydriver.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    attrs[1] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    attrs[2] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+    attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
+    attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
+    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    data[0] = &memtype
+    data[1] = &ordinal
+    data[2] = &start
+    data[3] = &range_size
+    data[4] = &managed
+    data[5] = &dptr
+    out.delta = 0
+    out.ordinal = -1
+    if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
+        if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+            memtype = 0
+    if range_size > 0 and start <= ptr:
+        out.start = start
+        out.end = start + range_size
+    else:
+        out.start = ptr
+        out.end = ptr + size
+    if memtype == cydriver.CU_MEMORYTYPE_DEVICE and managed == 0:
+        out.kind = _KIND_DEVICE
+        out.ordinal = ordinal
+    elif memtype == cydriver.CU_MEMORYTYPE_HOST:
+        if dptr != 0:
+            out.kind = _KIND_HOST_MAPPED
+            out.delta = <int64_t>(dptr - ptr)
+        else:
+            out.kind = _KIND_HOST_UNMAPPED
+    elif managed != 0 or memtype == cydriver.CU_MEMORYTYPE_UNIFIED:
+        out.kind = _KIND_MANAGED
+    else:
+        out.kind = _KIND_HOST_UNMAPPED | _KIND_PAGEABLE
+    return 0
+
+
+cdef bint _extend_range(_Range* r, uint64_t end) noexcept nogil:
+    """Grow r over the ranges that follow it while they are the same kind of memory,
+    seen by the device at the same offset: memory registered in chunks, or
+    back-to-back device allocations, is one range for the kernel."""
+    cdef _Range nxt
+    if r.kind != _KIND_DEVICE and r.kind != _KIND_HOST_MAPPED:
+        return False
+    while end > r.end:
+        query_range(r.end, end - r.end, &nxt)
+        if (nxt.kind != r.kind or nxt.start != r.end or nxt.end <= r.end
+                or nxt.delta != r.delta or nxt.ordinal != r.ordinal):
+            return False
+        r.end = nxt.end
+    return True
+
+
+
+cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1:
+    """Enter ranges as if the driver had answered them: rows of (start, end, kind,
+    ordinal, delta). Lookups still go the slow way first, so kinds are recorded."""
+    cdef Py_ssize_t j, k = ranges.shape[0]
+    if ranges.shape[1] != 5 or k >= _RANGE_CACHE:
+        raise ValueError(f"ranges must be (k, 5) with k < {_RANGE_CACHE}")
+    for j in range(k):
+        c.cache[j].start = <uint64_t>ranges[j, 0]
+        c.cache[j].end = <uint64_t>ranges[j, 1]
+        c.cache[j].kind = <int>ranges[j, 2]
+        c.cache[j].ordinal = <int>ranges[j, 3]
+        c.cache[j].delta = ranges[j, 4]
+    c.cached = k
+    c.last = k
+    c.cache[k].start = 1
+    c.cache[k].end = 0
+    return 0
+
+
+cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """_classify for a copy outside the last range used: look it up, or ask the driver."""
+    cdef int hit = -1, j
+    cdef _Range* r
+    for j in range(c.cached):
+        if c.cache[j].start <= p < c.cache[j].end:
+            hit = j
+            break
+    if hit < 0:
+        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
+        query_range(p, size, &c.cache[hit])
+        if c.cached < _RANGE_CACHE:
+            c.cached += 1
+    c.last = hit
+    r = &c.cache[hit]
+    c.kinds |= r.kind
+    if p + size > r.end and not _extend_range(r, p + size):
+        c.kinds |= _KIND_STRADDLE
+    if r.kind == _KIND_DEVICE:
+        if c.ordinal == -1:
+            c.ordinal = r.ordinal
+        elif c.ordinal != r.ordinal:
+            c.ordinal = -2
+    return <uint64_t>(<int64_t>p + r.delta)
+
+
+
+def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
+    """Classify every pointer of a batch and write the address the device uses.
+
+    Returns ``(kinds, ordinal)``: the OR of KIND_* bits over all pointers and the
+    device ordinal of the device memory among them (-1: none, -2: several).
+    """
+    cdef Py_ssize_t n = ptrs.shape[0], i
+    cdef _Classifier* c
+    if sizes.shape[0] != n or device_view.shape[0] != n:
+        raise ValueError("classify_pointers: arrays differ in length")
+    c = <_Classifier*>malloc(sizeof(_Classifier))
+    if c == NULL:
+        raise MemoryError()
+    classifier_init(c)
+    with nogil:
+        for i in range(n):
+            device_view[i] = classify(c, ptrs[i], sizes[i])
+    kinds, ordinal = c.kinds, c.ordinal
+    free(c)
+    return kinds, ordinal
+
+
+
+cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
+    """The driver's range (one allocation, never joined with its neighbours) that
+    holds p: the DMA engines refuse a copy that leaves its allocation, so DMA
+    copies are merged only inside one."""
+    cdef int j, hit = -1
+    cdef _Range* r = &c.cache[c.last]
+    if r.start <= p < r.end:
+        return r
+    for j in range(c.cached):
+        if c.cache[j].start <= p < c.cache[j].end:
+            hit = j
+            break
+    if hit < 0:
+        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
+        query_range(p, size, &c.cache[hit])
+        if c.cached < _RANGE_CACHE:
+            c.cached += 1
+    c.last = hit
+    return &c.cache[hit]
+

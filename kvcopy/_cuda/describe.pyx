@@ -1,0 +1,134 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""The kernel path's describe pass: plan, classify and write the kernel's
+descriptors in one pass over a batch."""
+
+from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdlib cimport malloc, free
+
+from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_STRADDLE, classifier_init,
+                                    classify)
+from kvcopy._cuda.descriptor cimport kvcopy_desc, KVCOPY_TILE_BYTES
+from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem, COPY_OK)
+
+from kvcopy._plan import bad_copy_error, length_error
+
+cdef extern from "kvcopy/describe_fast.h":
+    int kvcopy_fast_describe_available() nogil
+    unsigned KVCOPY_FAST_MISFIT
+    unsigned KVCOPY_FAST_MERGES
+    unsigned kvcopy_describe_in_ranges(const uint64_t* src, const uint64_t* dst,
+                                       const uint64_t* sizes, void* descs_out, int64_t n,
+                                       uint64_t src_start, uint64_t src_span, int64_t src_delta,
+                                       uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
+                                       uint64_t* total_out) nogil
+
+
+DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
+
+
+cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,
+                               uint64_t size, unsigned long long* tiles) noexcept nogil:
+    d.src = classify(&sides[0], a, size)
+    d.dst = classify(&sides[1], b, size)
+    d.size = size
+    d.tile_start = tiles[0]
+    tiles[0] += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+
+
+cdef bint _fast_describe = kvcopy_fast_describe_available()
+
+
+cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                         Py_ssize_t n, kvcopy_desc* descs, _Classifier* sides, bint merge,
+                         unsigned long long* total) noexcept nogil:
+    """The common batch in one branch-free pass (describe_fast.h): True when it
+    applied, with exactly what the general loop would have written."""
+    cdef _Range* rs
+    cdef _Range* rd
+    cdef uint64_t nbytes = 0
+    cdef unsigned misfit
+    if not _fast_describe or sizes[0] == 0 or sizes[0] > KVCOPY_TILE_BYTES:
+        return False
+    if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
+        return False
+    # the first copy picks the range each side is checked against
+    classify(&sides[0], src[0], sizes[0])
+    classify(&sides[1], dst[0], sizes[0])
+    if (sides[0].kinds | sides[1].kinds) & _KIND_STRADDLE:
+        return False
+    rs = &sides[0].cache[sides[0].last]
+    rd = &sides[1].cache[sides[1].last]
+    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, n, rs.start, rs.end - rs.start,
+                                       rs.delta, rd.start, rd.end - rd.start, rd.delta, &nbytes)
+    if misfit & KVCOPY_FAST_MISFIT or (merge and misfit & KVCOPY_FAST_MERGES):
+        return False
+    total[0] = nbytes
+    return True
+
+
+cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                     uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast):
+    """describe_copies over the given classifiers; *fast in: may the vectorised pass
+    run, out: did it apply."""
+    cdef Py_ssize_t n = sizes.shape[0], k = 0
+    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
+    cdef unsigned long long tiles = 0, total = 0
+    cdef PlanCursor cursor
+    if src.shape[0] != n or dst.shape[0] != n:
+        raise length_error(src.shape[0], dst.shape[0], n)
+    if n == 0:
+        return 0, 0, 0, -1, 0, -1, 0
+    if descs == NULL:
+        raise ValueError("describe_copies: no descriptor buffer")
+    plan_cursor_init(&cursor, n, merge)
+    with nogil:
+        fast[0] = fast[0] and _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge,
+                                             &total)
+        if fast[0]:
+            k = tiles = n
+        else:
+            total = 0
+            while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+                _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
+                total += cursor.size
+                k += 1
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
+    return k, total, sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles
+
+
+def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                    uintptr_t descs_out, bint merge=True):
+    """Plan, classify and describe a batch in one pass over it.
+
+    Validates every copy as _plan.plan_arrays does (same checks, same
+    messages), drops zero-size copies, merges a copy that continues the
+    previous one on both sides (with ``merge``), classifies both sides and
+    writes one kvcopy_desc per planned copy into ``descs_out`` (room for
+    ``len(sizes)`` entries): the device's view of both pointers, the size and
+    the first tile. Nothing is enqueued. A batch inside one allocation per
+    side, of one-tile copies that need no merging, takes a vectorised pass.
+
+    Returns ``(count, total_bytes, src_kinds, src_ordinal, dst_kinds,
+    dst_ordinal, total_tiles)``; kinds and ordinals as for classify_pointers.
+
+    Raises:
+        ValueError: as plan_arrays, naming the caller's index.
+    """
+    cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    cdef bint fast = True
+    if sides == NULL:
+        raise MemoryError()
+    classifier_init(&sides[0])
+    classifier_init(&sides[1])
+    try:
+        return describe_with(src, dst, sizes, descs_out, merge, sides, &fast)
+    finally:
+        free(sides)
+
+
+def fast_describe_available() -> bool:
+    """Whether this CPU runs the vectorised describe pass (AVX2 on x86-64)."""
+    return _fast_describe
+

@@ -1,0 +1,266 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""DMA paths: the DMA planner, batched DMA (cuMemcpyBatchAsync) and per-copy DMA.
+
+cuMemcpyBatchAsync, whose ABI differs between 12.8 and 13.0, is resolved with
+cuGetProcAddress by the running driver's version and called through kvcopy's
+own typedefs (include/kvcopy/batch_abi.h).
+"""
+
+from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+from cuda.bindings cimport cydriver
+from cuda.bindings.cydriver cimport CUresult, CUdeviceptr, CUstream
+
+from kvcopy._cuda.driver cimport check
+from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_PAGEABLE, classifier_init, locate)
+from kvcopy._planning cimport PlanCursor, plan_cursor_init, next_copy
+
+import numpy as np
+
+from kvcopy._cuda import driver
+from kvcopy._plan import bad_copy_error, length_error
+from kvcopy.errors import CudaError
+
+cdef extern from "kvcopy/batch_abi.h":
+    ctypedef struct kvcopy_mem_location:
+        int type
+        int id
+    ctypedef struct kvcopy_memcpy_attributes:
+        int src_access_order
+        kvcopy_mem_location src_loc_hint
+        kvcopy_mem_location dst_loc_hint
+        unsigned int flags
+    ctypedef int (*kvcopy_batch_v12080_fn)(
+        unsigned long long*, unsigned long long*, size_t*, size_t,
+        kvcopy_memcpy_attributes*, size_t*, size_t, size_t*, void*) noexcept nogil
+    ctypedef int (*kvcopy_batch_v13000_fn)(
+        unsigned long long*, unsigned long long*, size_t*, size_t,
+        kvcopy_memcpy_attributes*, size_t*, size_t, void*) noexcept nogil
+    int KVCOPY_SRC_ACCESS_ORDER_STREAM
+    int KVCOPY_SRC_ACCESS_ORDER_ANY
+    int KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    int KVCOPY_BATCH_ABI_NONE
+    int KVCOPY_BATCH_ABI_12080
+    int KVCOPY_BATCH_ABI_13000
+
+cdef extern from "kvcopy/host_maps.h":
+    unsigned KVCOPY_MAP_READ
+    unsigned KVCOPY_MAP_WRITE
+    ctypedef struct kvcopy_maps:
+        int available
+    int kvcopy_maps_load(kvcopy_maps* maps) nogil
+    void kvcopy_maps_free(kvcopy_maps* maps) nogil
+    int kvcopy_maps_allow(const kvcopy_maps* maps, uint64_t ptr, uint64_t size, unsigned need) nogil
+
+_STREAM_LEGACY = 1
+
+
+cdef inline bint _same_allocation(const _Range* a, const _Range* b, uint64_t end) noexcept nogil:
+    """May a copy that started in a continue into b up to end? Pageable memory
+    has no allocations the driver knows of: any mapped bytes may be joined."""
+    if a.kind & _KIND_PAGEABLE:
+        return (b.kind & _KIND_PAGEABLE) != 0
+    return a.start == b.start and a.end == b.end and end <= a.end
+
+
+cdef inline int _maps_ready(kvcopy_maps* maps, bint* loaded) except -1 nogil:
+    if not loaded[0]:
+        if kvcopy_maps_load(maps) != 0:
+            with gil:
+                raise MemoryError("kvcopy: no memory to read /proc/self/maps")
+        loaded[0] = True
+    return 0
+
+
+def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+             bint merge=True):
+    """plan_arrays for the DMA paths: validates as plan_arrays does, and also
+
+    - merges a copy into the one before only while both stay inside one
+      allocation on each side (the driver rejects a copy that spans two
+      allocations, even back-to-back ones);
+    - checks every pointer the driver does not know (pageable memory) against
+      this process's mappings, readable for a source and writable for a
+      destination: the driver would dereference a bad one and kill the process.
+
+    Returns ``(src, dst, sizes, origin)`` as plan_arrays does.
+
+    Raises:
+        ValueError: as plan_arrays, or a pageable pointer that is not mapped,
+            naming the caller's index.
+    """
+    cdef Py_ssize_t n = src.shape[0], k = 0
+    cdef PlanCursor cursor
+    cdef _Classifier* sides
+    cdef _Range* rs
+    cdef _Range* rd
+    cdef _Range* cur_s = NULL
+    cdef _Range* cur_d = NULL
+    cdef kvcopy_maps maps
+    cdef bint maps_loaded = False
+    cdef int bad_side = 0
+    cdef Py_ssize_t bad_index = -1
+    cdef uint64_t bad_ptr = 0, bad_size = 0
+    cdef _Range cur_s_copy, cur_d_copy
+    if dst.shape[0] != n or sizes.shape[0] != n:
+        raise length_error(n, dst.shape[0], sizes.shape[0])
+    out_src = np.empty(n, dtype=np.uint64)
+    out_dst = np.empty(n, dtype=np.uint64)
+    out_sizes = np.empty(n, dtype=np.uint64)
+    origin = np.empty(n, dtype=np.int64)
+    cdef uint64_t[::1] os = out_src, od = out_dst, oz = out_sizes
+    cdef int64_t[::1] oo = origin
+    if n == 0:
+        return out_src, out_dst, out_sizes, origin
+    sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
+    if sides == NULL:
+        raise MemoryError()
+    classifier_init(&sides[0])
+    classifier_init(&sides[1])
+    maps.available = 0
+    plan_cursor_init(&cursor, n, False)
+    try:
+        with nogil:
+            while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
+                rs = locate(&sides[0], cursor.src, cursor.size)
+                rd = locate(&sides[1], cursor.dst, cursor.size)
+                if (rs.kind | rd.kind) & _KIND_PAGEABLE:
+                    _maps_ready(&maps, &maps_loaded)
+                    if (rs.kind & _KIND_PAGEABLE and not kvcopy_maps_allow(
+                            &maps, cursor.src, cursor.size, KVCOPY_MAP_READ)):
+                        bad_side, bad_ptr = 1, cursor.src
+                    elif (rd.kind & _KIND_PAGEABLE and not kvcopy_maps_allow(
+                            &maps, cursor.dst, cursor.size, KVCOPY_MAP_WRITE)):
+                        bad_side, bad_ptr = 2, cursor.dst
+                    if bad_side:
+                        bad_index, bad_size = cursor.origin, cursor.size
+                        break
+                if (merge and k > 0 and cursor.src == os[k - 1] + oz[k - 1]
+                        and cursor.dst == od[k - 1] + oz[k - 1]
+                        and _same_allocation(&cur_s_copy, rs, cursor.src + cursor.size)
+                        and _same_allocation(&cur_d_copy, rd, cursor.dst + cursor.size)):
+                    oz[k - 1] += cursor.size
+                    continue
+                cur_s_copy = rs[0]
+                cur_d_copy = rd[0]
+                os[k] = cursor.src
+                od[k] = cursor.dst
+                oz[k] = cursor.size
+                oo[k] = cursor.origin
+                k += 1
+    finally:
+        if maps_loaded:
+            kvcopy_maps_free(&maps)
+        free(sides)
+    if bad_side:
+        name = "src_ptrs" if bad_side == 1 else "dst_ptrs"
+        access = "readable" if bad_side == 1 else "writable"
+        raise ValueError(
+            f"{name}[{bad_index}] = {bad_ptr:#x}: {bad_size} bytes there are not {access} host "
+            "memory of this process (neither device memory nor pinned memory the driver knows, "
+            "and not mapped for that access)")
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
+    return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
+
+
+def host_access_allowed(uint64_t ptr, uint64_t size, bint write=False) -> bool:
+    """Whether [ptr, ptr + size) is mapped readable (and writable, with ``write``)
+    in this process, by /proc/self/maps (True where that cannot be read)."""
+    cdef kvcopy_maps maps
+    cdef int allowed
+    if kvcopy_maps_load(&maps) != 0:
+        raise MemoryError()
+    allowed = kvcopy_maps_allow(&maps, ptr, size,
+                                KVCOPY_MAP_READ | (KVCOPY_MAP_WRITE if write else 0))
+    kvcopy_maps_free(&maps)
+    return bool(allowed)
+
+# ---------------------------------------------------------------- batched DMA
+
+cdef void* _batch_fn = NULL
+cdef int _batch_abi = -1
+
+
+def batch_abi() -> int:
+    """ABI of the driver's cuMemcpyBatchAsync: 13000, 12080, or 0 when it has none."""
+    global _batch_fn, _batch_abi
+    if _batch_abi >= 0:
+        return _batch_abi
+    cdef int _driver_version = driver.driver_version()
+    cdef int want
+    cdef void* fn = NULL
+    cdef cydriver.CUdriverProcAddressQueryResult found
+    if _driver_version >= 13000:
+        want = KVCOPY_BATCH_ABI_13000
+    elif _driver_version >= 12080:
+        want = KVCOPY_BATCH_ABI_12080
+    else:
+        _batch_abi = KVCOPY_BATCH_ABI_NONE
+        return _batch_abi
+    status = cydriver.cuGetProcAddress(b"cuMemcpyBatchAsync", &fn, want,
+                                       cydriver.CU_GET_PROC_ADDRESS_LEGACY_STREAM, &found)
+    if status != cydriver.CUDA_SUCCESS or fn == NULL or found != cydriver.CU_GET_PROC_ADDRESS_SUCCESS:
+        _batch_abi = KVCOPY_BATCH_ABI_NONE
+    else:
+        _batch_fn = fn
+        _batch_abi = want
+    return _batch_abi
+
+
+def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
+                 uintptr_t stream, bint access_any, Py_ssize_t chunk) -> None:
+    """cuMemcpyBatchAsync over the batch, ``chunk`` descriptors per driver call.
+
+    The stream must not be 0 or CU_STREAM_LEGACY (the driver rejects them) and
+    must not be capturing (the driver drops the copy from the graph); the caller
+    routes those cases elsewhere.
+    """
+    cdef int abi = batch_abi()
+    if abi == KVCOPY_BATCH_ABI_NONE:
+        raise CudaError(cydriver.CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
+                        f"this driver ({driver.driver_version()}) has no cuMemcpyBatchAsync", None)
+    if stream == 0 or stream == _STREAM_LEGACY:
+        raise ValueError("memcpy_batch: the legacy default stream cannot take cuMemcpyBatchAsync")
+    cdef Py_ssize_t n = dst.shape[0], start, count
+    cdef kvcopy_memcpy_attributes attr
+    cdef size_t attr_index = 0
+    cdef size_t fail = <size_t>-1
+    cdef int status = 0
+    memset(&attr, 0, sizeof(attr))
+    attr.src_access_order = KVCOPY_SRC_ACCESS_ORDER_ANY if access_any else KVCOPY_SRC_ACCESS_ORDER_STREAM
+    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    if chunk <= 0:
+        raise ValueError("memcpy_batch: chunk must be positive")
+    with nogil:
+        start = 0
+        while start < n:
+            count = chunk if n - start > chunk else n - start
+            if abi == KVCOPY_BATCH_ABI_13000:
+                status = (<kvcopy_batch_v13000_fn>_batch_fn)(
+                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, <void*>stream)
+            else:
+                fail = <size_t>-1
+                status = (<kvcopy_batch_v12080_fn>_batch_fn)(
+                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, &fail, <void*>stream)
+            if status != 0:
+                check(<CUresult>status, <Py_ssize_t>(start + fail) if fail < <size_t>count else -1)
+            start += count
+
+
+# ---------------------------------------------------------------- per-copy DMA
+
+def memcpy_loop(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
+                uintptr_t stream) -> None:
+    """One cuMemcpyAsync per copy: works on every stream, in capture, on any driver."""
+    cdef Py_ssize_t n = dst.shape[0], i
+    with nogil:
+        for i in range(n):
+            check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
+                                          <size_t>sizes[i], <CUstream>stream), i)
+

@@ -1,0 +1,294 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""Thin wrappers over the CUDA driver (cuda-python's ``cydriver``): errors,
+initialisation, devices and contexts, streams, events and memory.
+
+Everything here is GIL-free and takes integer handles at the Python boundary.
+Every CUresult goes through :func:`check` (driver.pxd), which takes the GIL only
+on failure and raises :class:`kvcopy.errors.CudaError` with the error's name
+and, where known, the index of the failing copy.
+
+Only driver functions whose signatures are identical in cuda-bindings 12.9 and
+13.x are cimported anywhere in kvcopy._cuda: Cython verifies a cimported
+function's signature at import, so anything else would pin the build to one
+bindings major.
+"""
+
+from libc.stdint cimport uintptr_t
+
+from cuda.bindings cimport cydriver
+from cuda.bindings.cydriver cimport (
+    CUresult, CUdeviceptr, CUstream, CUcontext, CUdevice, CUevent, CUstreamCaptureStatus,
+    CUdevice_attribute,
+)
+
+from kvcopy.errors import CudaError, NoDriverError
+
+
+# ---------------------------------------------------------------- errors
+
+cdef int raise_cuda_error(CUresult status, Py_ssize_t index) except -1 nogil:
+    cdef const char* name = NULL
+    cdef const char* text = NULL
+    with gil:
+        try:
+            cydriver.cuGetErrorName(status, &name)
+            cydriver.cuGetErrorString(status, &text)
+        except Exception:
+            pass
+        py_name = name.decode() if name != NULL else f"CUresult({<int>status})"
+        py_text = text.decode() if text != NULL else "unknown CUDA error"
+        raise CudaError(<int>status, py_name, py_text, None if index < 0 else index)
+
+
+def error_name(int status) -> str:
+    """The driver's name for a CUresult value, e.g. ``CUDA_ERROR_INVALID_VALUE``."""
+    cdef const char* name = NULL
+    if cydriver.cuGetErrorName(<CUresult>status, &name) != cydriver.CUDA_SUCCESS or name == NULL:
+        return f"CUresult({status})"
+    return name.decode()
+
+
+# ---------------------------------------------------------------- init
+
+cdef bint _initialized = False
+cdef int _driver_version = 0
+
+
+def init() -> None:
+    """Initialise the driver once; raise NoDriverError when libcuda is absent."""
+    global _initialized, _driver_version
+    if _initialized:
+        return
+    cdef CUresult status
+    cdef int version = 0
+    try:
+        with nogil:
+            status = cydriver.cuInit(0)
+    except CudaError:
+        raise
+    except Exception as exc:  # cydriver raises when libcuda cannot be loaded
+        raise NoDriverError(
+            "no CUDA driver was found: libcuda could not be loaded "
+            f"({type(exc).__name__}: {exc}). kvcopy needs an NVIDIA GPU and its driver."
+        ) from exc
+    check(status)
+    check(cydriver.cuDriverGetVersion(&version))
+    _driver_version = version
+    _initialized = True
+
+
+def driver_version() -> int:
+    """The driver's CUDA version as an integer (13000 for 13.0)."""
+    init()
+    return _driver_version
+
+
+# ---------------------------------------------------------------- devices and contexts
+
+def device_count() -> int:
+    init()
+    cdef int count = 0
+    check(cydriver.cuDeviceGetCount(&count))
+    return count
+
+
+def device_attributes(int ordinal) -> dict:
+    """The device facts kvcopy's policy needs, as a plain dict."""
+    init()
+    cdef CUdevice dev
+    cdef char name[256]
+    cdef int value = 0
+    check(cydriver.cuDeviceGet(&dev, ordinal))
+    check(cydriver.cuDeviceGetName(name, 256, dev))
+    wanted = {
+        "sm_count": cydriver.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        "cc_major": cydriver.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        "cc_minor": cydriver.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        "unified_addressing": cydriver.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+        "can_map_host_memory": cydriver.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY,
+        "host_pointer_for_registered_mem": cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+        "host_register_supported": cydriver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+    }
+    out = {"ordinal": ordinal, "name": name.decode(errors="replace"),
+           "driver_version": _driver_version}
+    for key, attr in wanted.items():
+        check(cydriver.cuDeviceGetAttribute(&value, <CUdevice_attribute>attr, dev))
+        out[key] = int(value)
+    return out
+
+
+def current_context() -> int:
+    """The calling thread's current context handle, 0 when there is none."""
+    init()
+    cdef CUcontext ctx = NULL
+    check(cydriver.cuCtxGetCurrent(&ctx))
+    return <uintptr_t>ctx
+
+
+def context_device() -> int:
+    """Ordinal of the current context's device."""
+    cdef CUdevice dev
+    check(cydriver.cuCtxGetDevice(&dev))
+    return <int>dev
+
+
+def primary_context(int ordinal) -> int:
+    """Retain (once per process, never released) and return a device's primary context."""
+    init()
+    cdef CUdevice dev
+    cdef CUcontext ctx = NULL
+    check(cydriver.cuDeviceGet(&dev, ordinal))
+    check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))
+    return <uintptr_t>ctx
+
+
+def push_context(uintptr_t ctx) -> None:
+    check(cydriver.cuCtxPushCurrent(<CUcontext>ctx))
+
+
+def pop_context() -> None:
+    cdef CUcontext ctx = NULL
+    check(cydriver.cuCtxPopCurrent(&ctx))
+
+
+def stream_context(uintptr_t stream) -> int:
+    """Context that a created stream belongs to."""
+    cdef CUcontext ctx = NULL
+    check(cydriver.cuStreamGetCtx(<CUstream>stream, &ctx))
+    return <uintptr_t>ctx
+
+
+def stream_capture_status(uintptr_t stream) -> int:
+    """0: not capturing, 1: capturing, 2: capture invalidated."""
+    cdef CUstreamCaptureStatus status
+    check(cydriver.cuStreamIsCapturing(<CUstream>stream, &status))
+    if status == cydriver.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return 1
+    if status == cydriver.CU_STREAM_CAPTURE_STATUS_INVALIDATED:
+        return 2
+    return 0
+
+
+def stream_create(bint non_blocking=True) -> int:
+    cdef CUstream stream = NULL
+    check(cydriver.cuStreamCreate(&stream, cydriver.CU_STREAM_NON_BLOCKING if non_blocking else 0))
+    return <uintptr_t>stream
+
+
+def stream_destroy(uintptr_t stream) -> None:
+    check(cydriver.cuStreamDestroy(<CUstream>stream))
+
+
+def stream_synchronize(uintptr_t stream) -> None:
+    with nogil:
+        check(cydriver.cuStreamSynchronize(<CUstream>stream))
+
+
+def stream_wait_event(uintptr_t stream, uintptr_t event) -> None:
+    check(cydriver.cuStreamWaitEvent(<CUstream>stream, <CUevent>event, 0))
+
+
+def stream_wait_stream(uintptr_t consumer, uintptr_t producer) -> None:
+    """Make ``consumer`` wait (on the GPU) for the work queued on ``producer`` so far.
+
+    The event is recorded and waited for in the calling thread's current context,
+    then destroyed (the driver keeps it alive until the wait has resolved)."""
+    cdef CUevent event = NULL
+    if consumer == producer:
+        return
+    check(cydriver.cuEventCreate(&event, cydriver.CU_EVENT_DISABLE_TIMING))
+    try:
+        check(cydriver.cuEventRecord(event, <CUstream>producer))
+        check(cydriver.cuStreamWaitEvent(<CUstream>consumer, event, 0))
+    finally:
+        cydriver.cuEventDestroy(event)
+
+
+def event_create(bint timing=False) -> int:
+    cdef CUevent event = NULL
+    check(cydriver.cuEventCreate(&event, 0 if timing else cydriver.CU_EVENT_DISABLE_TIMING))
+    return <uintptr_t>event
+
+
+def event_record(uintptr_t event, uintptr_t stream) -> None:
+    check(cydriver.cuEventRecord(<CUevent>event, <CUstream>stream))
+
+
+def event_query(uintptr_t event) -> bool:
+    """True when the event has completed, False while it is pending."""
+    cdef CUresult status = cydriver.cuEventQuery(<CUevent>event)
+    if status == cydriver.CUDA_ERROR_NOT_READY:
+        return False
+    check(status)
+    return True
+
+
+def event_synchronize(uintptr_t event) -> None:
+    with nogil:
+        check(cydriver.cuEventSynchronize(<CUevent>event))
+
+
+def event_elapsed_ms(uintptr_t start, uintptr_t end) -> float:
+    cdef float ms = 0
+    check(cydriver.cuEventElapsedTime(&ms, <CUevent>start, <CUevent>end))
+    return ms
+
+
+def event_destroy(uintptr_t event) -> None:
+    check(cydriver.cuEventDestroy(<CUevent>event))
+
+
+# ---------------------------------------------------------------- memory
+
+def mem_alloc(size_t nbytes) -> int:
+    """Device memory in the current context (scratch for calibration and benchmarks)."""
+    cdef CUdeviceptr ptr = 0
+    check(cydriver.cuMemAlloc(&ptr, nbytes))
+    return ptr
+
+
+def mem_free(uintptr_t ptr) -> None:
+    check(cydriver.cuMemFree(<CUdeviceptr>ptr))
+
+
+def memset_d8_async(uintptr_t ptr, unsigned char value, size_t nbytes, uintptr_t stream) -> None:
+    check(cydriver.cuMemsetD8Async(<CUdeviceptr>ptr, value, nbytes, <CUstream>stream))
+
+
+def host_alloc(size_t nbytes) -> int:
+    """Pinned host memory, portable and mapped into every device's address space."""
+    init()
+    cdef void* ptr = NULL
+    with nogil:
+        check(cydriver.cuMemHostAlloc(&ptr, nbytes,
+                                       cydriver.CU_MEMHOSTALLOC_PORTABLE | cydriver.CU_MEMHOSTALLOC_DEVICEMAP))
+    return <uintptr_t>ptr
+
+
+def host_free(uintptr_t ptr) -> None:
+    with nogil:
+        check(cydriver.cuMemFreeHost(<void*>ptr))
+
+
+def host_register(uintptr_t ptr, size_t nbytes, bint read_only=False) -> None:
+    """Page-lock and map existing host memory (portable, device-mapped)."""
+    init()
+    cdef unsigned int flags = cydriver.CU_MEMHOSTREGISTER_PORTABLE | cydriver.CU_MEMHOSTREGISTER_DEVICEMAP
+    if read_only:
+        flags |= cydriver.CU_MEMHOSTREGISTER_READ_ONLY
+    with nogil:
+        check(cydriver.cuMemHostRegister(<void*>ptr, nbytes, flags))
+
+
+def host_unregister(uintptr_t ptr) -> None:
+    with nogil:
+        check(cydriver.cuMemHostUnregister(<void*>ptr))
+
+
+def host_device_pointer(uintptr_t ptr) -> int:
+    """The address at which the current context's device sees pinned host memory."""
+    cdef CUdeviceptr dptr = 0
+    check(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0))
+    return dptr
+

@@ -1,0 +1,176 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+# distutils: language = c++
+"""The copy kernel: module loading and launches over described batches."""
+
+from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+from cuda.bindings cimport cydriver
+from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule
+
+from kvcopy._cuda.driver cimport check
+from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_block_tensor, kvcopy_inline_batch,
+                                      KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
+                                      KVCOPY_INLINE_MAX_SMALL)
+
+TILE_BYTES = KVCOPY_TILE_BYTES
+INLINE_MAX = KVCOPY_INLINE_MAX
+INLINE_MAX_SMALL = KVCOPY_INLINE_MAX_SMALL
+BLOCK_TENSOR_BYTES = sizeof(kvcopy_block_tensor)
+
+
+def module_load(bytes image) -> int:
+    """Load a cubin into the current context."""
+    cdef CUmodule module = NULL
+    cdef const char* data = image
+    check(cydriver.cuModuleLoadData(&module, <const void*>data))
+    return <uintptr_t>module
+
+
+def module_function(uintptr_t module, bytes name) -> int:
+    cdef CUfunction function = NULL
+    check(cydriver.cuModuleGetFunction(&function, <CUmodule>module, name))
+    return <uintptr_t>function
+
+
+cdef unsigned int _grid(unsigned long long tiles, unsigned int threads,
+                        unsigned int max_ctas) noexcept nogil:
+    """CTAs for ``tiles`` warp-sized units of work: one warp per tile, at most max_ctas."""
+    cdef unsigned long long grid = (tiles + threads // 32 - 1) // (threads // 32)
+    return <unsigned int>(max_ctas if grid > max_ctas else grid)
+
+
+cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except -1:
+    if max_ctas == 0 or threads == 0 or threads % 32 != 0:
+        raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
+    return 0
+
+
+def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
+                        unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
+    """Launch the copy kernel with ``n`` descriptors (from describe_copies) passed by value.
+
+    ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX or
+    KVCOPY_INLINE_MAX_SMALL, matching ``function``). Parameters are copied into
+    the launch, so ``host_descs`` may be reused as soon as this returns and
+    the launch is safe to capture. Returns the number of launches.
+    """
+    cdef kvcopy_desc* descs = <kvcopy_desc*>host_descs
+    cdef Py_ssize_t start, j, count
+    cdef kvcopy_inline_batch* batch
+    cdef unsigned long long first, tiles
+    cdef void* params[1]
+    cdef int launches = 0
+    if per_launch <= 0 or per_launch > KVCOPY_INLINE_MAX:
+        raise ValueError("launch_descs_inline: per_launch out of range")
+    _check_launch_shape(max_ctas, threads)
+    batch = <kvcopy_inline_batch*>malloc(sizeof(kvcopy_inline_batch))
+    if batch == NULL:
+        raise MemoryError()
+    params[0] = <void*>batch
+    try:
+        with nogil:
+            start = 0
+            while start < n:
+                count = per_launch if n - start > per_launch else n - start
+                first = descs[start].tile_start
+                for j in range(count):
+                    batch.descs[j] = descs[start + j]
+                    batch.descs[j].tile_start -= first
+                tiles = (batch.descs[count - 1].tile_start
+                         + (batch.descs[count - 1].size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
+                batch.count = count
+                batch.total_tiles = tiles
+                if tiles > 0:
+                    check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas),
+                                                   1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
+                    launches += 1
+                start += count
+    finally:
+        free(batch)
+    return launches
+
+
+def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned long long tiles,
+                 unsigned int max_ctas, unsigned int threads, uintptr_t stream,
+                 uintptr_t upload_from=0) -> int:
+    """Launch ``kvcopy_scatter`` once over ``n`` descriptors at ``descs``, a device-visible
+    address: device memory, or pinned host memory mapped for the device, which the
+    kernel then reads in place (one-tile copies only; see copy_kernel.cuh).
+
+    With ``upload_from`` (pinned host memory), the descriptors are first copied
+    from there to ``descs`` on the stream. ``tiles`` is the descriptors' total
+    (describe_copies). Every buffer must stay untouched until the stream has
+    passed this launch (the caller records an event). Not for stream capture:
+    the graph would keep reading buffers that later calls overwrite. Returns
+    the number of launches (0 or 1).
+    """
+    cdef CUdeviceptr dev = <CUdeviceptr>descs
+    cdef unsigned long long count = <unsigned long long>n
+    cdef void* params[3]
+    _check_launch_shape(max_ctas, threads)
+    if n <= 0 or tiles == 0:
+        return 0
+    params[0] = &dev
+    params[1] = &count
+    params[2] = &tiles
+    with nogil:
+        if upload_from:
+            check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, n * sizeof(kvcopy_desc),
+                                          <CUstream>stream))
+        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
+                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+    return 1
+
+
+
+
+def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
+                         const uint64_t[:, ::1] tensors, const int64_t[:, ::1] mapping,
+                         unsigned long long block_bytes, unsigned int max_ctas,
+                         unsigned int threads, uintptr_t stream) -> int:
+    """Launch the block kernel of swap_blocks: per-tensor bases and the id mapping only.
+
+    ``tensors`` is (T, 6): src base, dst base, src stride, dst stride, src
+    factor, dst factor (kvcopy_block_tensor); ``mapping`` is (n, 2) ids. Both
+    are staged through ``host_buf`` (pinned) into ``device_buf``, which need
+    room for blocks_staging_bytes(T, n) and must stay untouched until the
+    stream has passed the launch. Returns the number of launches (0 or 1).
+    """
+    cdef Py_ssize_t num_tensors = tensors.shape[0], num_pairs = mapping.shape[0]
+    cdef size_t table = num_tensors * sizeof(kvcopy_block_tensor)
+    cdef size_t offset = (table + 15) & ~(<size_t>15)
+    cdef size_t total = offset + num_pairs * 2 * sizeof(int64_t)
+    cdef unsigned long long tiles_per_block, tiles
+    cdef unsigned long long n_tensors = num_tensors, n_pairs = num_pairs, bb = block_bytes
+    cdef CUdeviceptr dev_tensors = <CUdeviceptr>device_buf
+    cdef CUdeviceptr dev_mapping = <CUdeviceptr>(device_buf + offset)
+    cdef void* params[6]
+    if tensors.shape[1] != 6 or mapping.shape[1] != 2:
+        raise ValueError("launch_blocks_staged: tensors must be (T, 6) and mapping (n, 2)")
+    _check_launch_shape(max_ctas, threads)
+    if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
+        return 0
+    tiles_per_block = (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+    tiles = tiles_per_block * n_pairs * n_tensors
+    params[0] = &dev_tensors
+    params[1] = &n_tensors
+    params[2] = &dev_mapping
+    params[3] = &n_pairs
+    params[4] = &bb
+    params[5] = &tiles_per_block
+    with nogil:
+        memcpy(<void*>host_buf, &tensors[0, 0], table)
+        memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
+        check(cydriver.cuMemcpyAsync(<CUdeviceptr>device_buf, <CUdeviceptr>host_buf, total,
+                                      <CUstream>stream))
+        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
+                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+    return 1
+
+
+def blocks_staging_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
+    """Bytes of staging launch_blocks_staged needs for T tensors and n pairs."""
+    return ((num_tensors * sizeof(kvcopy_block_tensor) + 15) & ~15) + num_pairs * 2 * sizeof(int64_t)
+

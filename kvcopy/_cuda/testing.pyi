@@ -1,0 +1,6 @@
+"""Type stub of kvcopy._cuda.testing: the describe pass over known memory ranges."""
+import numpy as np
+
+def describe_copies_in(known_ranges: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                       sizes: np.ndarray, descs_out: int, merge: bool = True, fast: bool = True
+                       ) -> tuple[tuple[int, int, int, int, int, int, int], bool]: ...

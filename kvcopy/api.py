@@ -1,0 +1,129 @@
+"""The public copy functions: argument checks, the stream to use, then the engine.
+
+copy_batch copies raw pointer triples; swap_blocks copies blocks of paged KV
+caches by block id. Both validate everything before anything is enqueued.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvcopy import engine
+from kvcopy.blocks import plan_blocks
+from kvcopy.checks import require_bool, require_int
+from kvcopy.engine import last_decision
+from kvcopy.interop.arrays import as_u64_array
+from kvcopy.interop.streams import current_framework_stream, effective_handle, resolve_stream
+from kvcopy.plan import find_overlap, plan_copies
+from kvcopy.policy import RequestedMethod, check_method
+
+_ACCESS_ORDERS = ("stream", "any")
+_MAX_GRID = 2**31 - 1   # the driver's limit on a launch's x dimension
+
+
+def _as_list(obj: Any) -> list:
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def _check_options(method: str, src_access_order: str, max_ctas: int | None,
+                   check_overlap: bool, allow_batch: bool) -> None:
+    check_method(method)
+    if not isinstance(src_access_order, str):
+        raise TypeError(f"src_access_order must be 'stream' or 'any'; got "
+                        f"{type(src_access_order).__name__}")
+    if src_access_order not in _ACCESS_ORDERS:
+        raise ValueError(f"src_access_order must be 'stream' or 'any'; got {src_access_order!r}")
+    if max_ctas is not None:
+        require_int(max_ctas, "max_ctas", minimum=1, maximum=_MAX_GRID)
+    require_bool(check_overlap, "check_overlap")
+    require_bool(allow_batch, "allow_batch")
+    if method == "batch" and not allow_batch:
+        raise ValueError("method='batch' contradicts allow_batch=False")
+
+
+def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
+               method: RequestedMethod = "auto", src_access_order: str = "stream",
+               max_ctas: int | None = None, check_overlap: bool = False,
+               allow_batch: bool = True) -> str:
+    """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
+
+    Pointers may be device memory, pinned host memory or pageable host memory,
+    in any mix; they and the sizes may be sequences of ints, NumPy integer
+    arrays, CPU torch tensors or buffers. Everything is validated before any
+    copy is enqueued; zero-size copies are dropped and copies that continue
+    each other on both sides are merged.
+
+    Args:
+        stream: any stream kvcopy.resolve_stream accepts. None means the
+            current stream of the framework whose tensors were passed, else
+            the default stream.
+        method: 'auto' (the policy picks), 'batch' (cuMemcpyBatchAsync),
+            'loop' (one cuMemcpyAsync per copy) or 'kernel' (kvcopy's copy
+            kernel). 'batch' on the legacy default stream runs as 'loop', since
+            the driver rejects that stream; on a capturing stream it raises.
+        src_access_order: 'stream' (safe default) or 'any', which lets the
+            driver read the sources at any time after the call: unsafe when
+            work on the GPU may still be writing them (e.g. GPU-to-host right
+            after compute).
+        max_ctas: CTAs for the copy kernel (default: kvcopy.config).
+        check_overlap: raise ValueError if two copies write overlapping bytes.
+            Off by default (it sorts the batch); copies of one batch run in no
+            defined order, so overlapping destinations get unspecified bytes.
+        allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
+            the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
+            where the batch API misbehaves.
+
+    Returns:
+        The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty batch).
+
+    Raises:
+        TypeError, ValueError: bad arguments, named in the message.
+        CudaError: the driver failed; ``.index`` is the failing copy where known.
+        CaptureError: method='batch' on a capturing stream.
+    """
+    _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
+    src = as_u64_array(src_ptrs, "src_ptrs")
+    dst = as_u64_array(dst_ptrs, "dst_ptrs")
+    size_arr = as_u64_array(sizes, "sizes")
+    if check_overlap:
+        plan_copies(src, dst, size_arr)  # bad copies are reported before overlaps
+        clash = find_overlap(dst, size_arr)
+        if clash:
+            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(src_ptrs, dst_ptrs, sizes))
+    return engine.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
+                                 None if max_ctas is None else int(max_ctas), allow_batch)
+
+
+def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
+                method: RequestedMethod = "auto", split_blocks: bool = False) -> str:
+    """Copy blocks ``block_mapping[k, 0]`` of ``src`` to blocks ``block_mapping[k, 1]`` of ``dst``.
+
+    ``src`` and ``dst`` are a tensor/array or equal-length sequences of them
+    (one per layer, or K and V views), of any framework: torch (CUDA, pinned or
+    plain CPU), CuPy, NumPy (pinned with kvcopy.pinned_empty or registered, or
+    pageable), JAX (as sources), DLPack or array-interface producers. Dimension
+    0 is the block index and each block must be contiguous. All copies of all
+    tensors go out as one batch. With ``split_blocks``, a side whose blocks
+    are k times larger is addressed in sub-blocks: its ids count sub-blocks,
+    so id ``b * k + j`` is the j-th part of block b (vLLM's block_size_factor).
+
+    Ordering: the copy runs on ``stream``. Pending writes of DLPack producers
+    (JAX, CuPy via DLPack) and of ``__cuda_array_interface__`` producers that
+    name a stream (CuPy, Numba) are waited for on the GPU first, as those
+    protocols define; torch tensors follow torch's rule (the caller orders
+    streams; None means torch's current stream).
+
+    Returns the method that ran ('kernel', 'batch', 'loop', or 'none').
+
+    Raises:
+        TypeError, ValueError: bad tensors or ids, before anything is copied.
+    """
+    check_method(method)
+    handle = effective_handle(resolve_stream(stream) if stream is not None
+                              else current_framework_stream(*_as_list(src), *_as_list(dst)))
+    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
+    return engine.execute_blocks(plan, handle, method)
+
+
+__all__ = ["copy_batch", "last_decision", "swap_blocks"]

@@ -1,0 +1,50 @@
+"""Every code block of README.md runs as written (CPU for the shell commands'
+no-GPU behaviour; the Python blocks on a GPU, each in a fresh namespace)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import gpu_reason
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+SHELL_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+
+
+def test_readme_has_the_blocks_it_promises():
+    assert len(PYTHON_BLOCKS) >= 2 and SHELL_BLOCKS[:2] == ["bash scripts/bench.sh\n",
+                                                          "bash scripts/test.sh\n"]
+
+
+def test_shell_blocks_name_scripts_that_exist():
+    for block in SHELL_BLOCKS:
+        for script in re.findall(r"bash (\S+\.sh)", block):
+            assert (ROOT / script).is_file(), script
+
+
+@pytest.mark.skipif(gpu_reason() is None, reason="a GPU is present: the benchmark would run")
+def test_benchmark_command_says_plainly_that_there_is_no_gpu():
+    if shutil.which("nvidia-smi"):
+        pytest.skip("nvidia-smi exists here")
+    out = subprocess.run(["bash", "scripts/bench.sh"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "no NVIDIA GPU found" in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_python_block_runs(torch_cuda, capsys, index):
+    code = PYTHON_BLOCKS[index]
+    exec(compile(code, f"README.md (python block {index})", "exec"), {})   # blocks assert their results
+    out = capsys.readouterr().out
+    if "TransferQueue" in code:
+        assert "req-1" in out
+    if "print(kvcopy.swap_blocks" in code:
+        assert "kernel" in out

@@ -1,0 +1,185 @@
+"""kvcopy's structure, checked on its source (CPU): imports run one way, no import
+cycles, no kvcopy module imported inside a function, small modules, and the
+probes and the benchmark use no private names of other modules."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvcopy"
+MAX_LINES = 500
+
+# Layers, lowest first: a module may import its own layer's and lower layers'
+# modules, never a higher layer's. The pure modules (no driver calls) may be
+# used by every layer but import only each other.
+PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.plan",
+        "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop"}
+LAYERS = [
+    {"kvcopy._cuda"},                                                  # the driver layer
+    {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host"},
+    {"kvcopy.engine"},
+    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
+    {"kvcopy"},                                                        # __init__: re-exports
+    {"kvcopy.bench"},                                                  # uses the public API
+]
+# Modules that import an optional framework (Triton) and are themselves imported
+# only where it may be missing, inside a try.
+OPTIONAL = {"kvcopy.bench.triton_alt"}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources() -> list[Path]:
+    return sorted(p for ext in ("py", "pyx", "pxd") for p in PACKAGE.rglob(f"*.{ext}"))
+
+
+def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
+    """(kvcopy modules imported at module level, imports of kvcopy inside functions)."""
+    text = path.read_text()
+    found: set[str] = set()
+    nested: list[str] = []
+    if path.suffix != ".py":   # Cython: module-level (c)import lines
+        for match in re.finditer(r"^(?:from\s+(kvcopy[\w.]*)\s+c?import\s+([\w, ()\n]+)"
+                                 r"|import\s+(kvcopy[\w.]*))", text, re.M):
+            found.add(match.group(1) or match.group(3))
+        for match in re.finditer(r"^[ \t]+(?:from|import)[ \t]+kvcopy\b", text, re.M):
+            nested.append(f"{path.name}: {match.group(0).strip()}")
+        return found, nested
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""])
+            if isinstance(node, ast.ImportFrom) and node.module == "kvcopy":
+                names = [f"kvcopy.{a.name}" for a in node.names]
+            names = [n for n in names if (n == "kvcopy" or n.startswith("kvcopy."))]
+            if isinstance(node, ast.ImportFrom) and node.module and node.module != "kvcopy":
+                names = [n for n in names if f"{n}.{node.names[0].name}" not in OPTIONAL]
+            if not names:
+                continue
+            if node.col_offset > 0 and not _in_type_checking(tree, node):
+                nested.append(f"{path.name}:{node.lineno}: {', '.join(names)}")
+            else:
+                found.update(names)
+    return found, nested
+
+
+def _in_type_checking(tree: ast.AST, target: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            if any(child is target for child in ast.walk(node)):
+                return True
+    return False
+
+
+def owner(name: str) -> str:
+    """The node of the graph a module belongs to (packages count as one)."""
+    for prefix in ("kvcopy._cuda", "kvcopy.interop", "kvcopy.compat", "kvcopy.bench"):
+        if name == prefix or name.startswith(prefix + "."):
+            return prefix
+    return name
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in sources():
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue   # kvcopy/__init__ re-exports: it sits above everything
+        src = owner(module_name(path))
+        imported, _ = kvcopy_imports(path)
+        edges.setdefault(src, set()).update(owner(i) for i in imported if owner(i) != src)
+    return edges
+
+
+def rank(name: str) -> int | None:
+    for level, members in enumerate(LAYERS):
+        if name in members:
+            return level
+    return None
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for src, targets in graph().items():
+        for dst in targets:
+            if dst in PURE:
+                continue
+            if src in PURE:
+                wrong.append(f"pure module {src} imports {dst}")
+                continue
+            if rank(src) is None or rank(dst) is None:
+                wrong.append(f"{src} -> {dst}: a module in no layer (add it to LAYERS or PURE)")
+            elif rank(dst) > rank(src):
+                wrong.append(f"{src} (layer {rank(src)}) imports {dst} (layer {rank(dst)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_kvcopy_module_is_imported_inside_a_function():
+    nested = [entry for path in sources() for entry in kvcopy_imports(path)[1]]
+    assert not nested, "\n".join(nested)
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines (at most {MAX_LINES})"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """module._name attribute uses and `from kvcopy.x import _name` in one file."""
+    tree = ast.parse(path.read_text())
+    modules: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvcopy"):
+            for alias in node.names:
+                if alias.name.startswith("_") and node.module != "kvcopy":
+                    found.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names
+                           if a.name.startswith("kvcopy"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+                and node.value.id in modules):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_probes_and_benchmark_use_no_private_names():
+    files = sorted((ROOT / "scripts").glob("*.py")) + sorted((PACKAGE / "bench").glob("*.py"))
+    found = [use for path in files for use in _private_uses(path)]
+    assert not found, "\n".join(found)
