@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+from setuptools.errors import CompileError, ExecError as DistutilsExecError
 
 ROOT = Path(__file__).resolve().parent
 HEADERS = ROOT / "include"
@@ -89,16 +91,44 @@ def cuda_include_dirs() -> list[str]:
         print(f"kvcopy: skipping {folder}: cuda.h is CUDA {found[0]}.{found[1]}, cuda-bindings "
               f"is {want[0]}.{want[1]}", file=sys.stderr)
     if chosen is None:
-        raise RuntimeError(
-            f"kvcopy: no cuda.h fits cuda-bindings {want[0]}.{want[1]} (needs CUDA "
-            f"{want[0]}.{want[1]} or a newer {want[0]}.x). Found: {', '.join(seen) or 'none'}. "
-            f"Install nvidia-cuda-runtime=={want[0]}.{want[1]}.* in the build environment, or "
-            "point KVCOPY_CUDA_INCLUDE or CUDA_HOME at a matching toolkit.")
+        # An older header of the same major often still compiles (cydriver only
+        # needs the names kvcopy's modules touch); try the newest one, and name
+        # both versions if the compiler then fails (BuildExtNamingVersions).
+        same_major = [(header_version(c), c) for c in candidates
+                      if (header_version(c) or (0, 0))[0] == want[0]]
+        if not same_major:
+            raise RuntimeError(HEADER_ADVICE.format(want=want, seen=", ".join(seen) or "none"))
+        chosen = max(same_major)[1]
+        print(f"kvcopy: warning: no cuda.h of CUDA {want[0]}.{want[1]} or newer; trying {chosen}",
+              file=sys.stderr)
+    BuildExtNamingVersions.note = (f"cuda.h from {chosen} (CUDA {header_version(chosen)}) with "
+                                   f"cuda-bindings {want[0]}.{want[1]}")
     dirs = [chosen]
     # cuda-bindings' pxd also includes cudaProfiler.h, which may live in another wheel.
     if not (chosen / "cudaProfiler.h").is_file():
         dirs += [c for c in candidates if (c / "cudaProfiler.h").is_file()][:1]
     return [str(d) for d in dirs]
+
+
+HEADER_ADVICE = (
+    "kvcopy: no cuda.h fits cuda-bindings {want[0]}.{want[1]} (needs CUDA {want[0]}.{want[1]} "
+    "or a newer {want[0]}.x). Found: {seen}. Install nvidia-cuda-runtime=={want[0]}.{want[1]}.* "
+    "in the build environment, or point KVCOPY_CUDA_INCLUDE or CUDA_HOME at a matching toolkit.")
+
+
+class BuildExtNamingVersions(build_ext):
+    """A compile failure says which cuda.h met which cuda-bindings."""
+
+    note = ""
+
+    def build_extensions(self) -> None:
+        try:
+            super().build_extensions()
+        except (CompileError, DistutilsExecError) as exc:
+            raise RuntimeError(f"kvcopy: compiling against {self.note} failed ({exc}). The "
+                               "headers must be of the bindings' CUDA version or newer: install "
+                               "the matching nvidia-cuda-runtime, or set KVCOPY_CUDA_INCLUDE or "
+                               "CUDA_HOME to a matching toolkit.") from exc
 
 
 class BuildPyWithKernelSources(build_py):
@@ -128,4 +158,5 @@ def extensions() -> list[Extension]:
     return cythonize(layer + [planner], compiler_directives={"language_level": "3"})
 
 
-setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernelSources})
+setup(ext_modules=extensions(),
+      cmdclass={"build_py": BuildPyWithKernelSources, "build_ext": BuildExtNamingVersions})
