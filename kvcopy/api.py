@@ -80,7 +80,9 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         CudaError: the driver failed; ``.index`` is the failing copy where known.
         CaptureError: method='batch' on a capturing stream.
     """
-    _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
+    if not (method == "auto" and src_access_order == "stream" and max_ctas is None
+            and check_overlap is False and allow_batch is True):   # defaults need no checks
+        _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")

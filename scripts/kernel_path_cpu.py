@@ -9,10 +9,21 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.workloads import scattered_batch
+
+try:
+    from kvcopy.bench.workloads import scattered_batch
+except ImportError:   # a build from before kvcopy.bench.workloads, timed for comparison
+    def scattered_batch(count: int, block: int):
+        src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
+        rng = np.random.default_rng(0)
+        s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+        d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+        return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
 
 CALLS, COUNT, BLOCK = 400, 8192, 16384
 
