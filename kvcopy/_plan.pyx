@@ -29,6 +29,12 @@ def length_error(Py_ssize_t n_src, Py_ssize_t n_dst, Py_ssize_t n_sizes) -> Valu
     return ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: {n_src}, {n_dst}, {n_sizes}")
 
 
+def empty_plan(Py_ssize_t n):
+    """Room for a plan of at most n copies: (src, dst, sizes) uint64 and origin int64."""
+    return (np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.uint64),
+            np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.int64))
+
+
 def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
                 bint merge=True):
     """Return ``(src, dst, sizes, origin)`` ready to issue.
@@ -43,10 +49,7 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
     cdef PlanCursor cursor
     if dst.shape[0] != n or sizes.shape[0] != n:
         raise length_error(n, dst.shape[0], sizes.shape[0])
-    out_src = np.empty(n, dtype=np.uint64)
-    out_dst = np.empty(n, dtype=np.uint64)
-    out_sizes = np.empty(n, dtype=np.uint64)
-    origin = np.empty(n, dtype=np.int64)
+    out_src, out_dst, out_sizes, origin = empty_plan(n)
     cdef uint64_t[::1] os = out_src, od = out_dst, oz = out_sizes
     cdef int64_t[::1] oo = origin
     if n == 0:

@@ -111,20 +111,8 @@ cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1
 
 
 cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
-    """_classify for a copy outside the last range used: look it up, or ask the driver."""
-    cdef int hit = -1, j
-    cdef _Range* r
-    for j in range(c.cached):
-        if c.cache[j].start <= p < c.cache[j].end:
-            hit = j
-            break
-    if hit < 0:
-        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
-        query_range(p, size, &c.cache[hit])
-        if c.cached < _RANGE_CACHE:
-            c.cached += 1
-    c.last = hit
-    r = &c.cache[hit]
+    """classify for a copy outside the last range used: look it up, or ask the driver."""
+    cdef _Range* r = locate(c, p, size)
     c.kinds |= r.kind
     if p + size > r.end and not _extend_range(r, p + size):
         c.kinds |= _KIND_STRADDLE

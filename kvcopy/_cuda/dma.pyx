@@ -21,7 +21,7 @@ from kvcopy._planning cimport PlanCursor, plan_cursor_init, next_copy
 import numpy as np
 
 from kvcopy._cuda import driver
-from kvcopy._plan import bad_copy_error, length_error
+from kvcopy._plan import bad_copy_error, empty_plan, length_error
 from kvcopy.errors import CudaError
 
 cdef extern from "kvcopy/batch_abi.h":
@@ -97,8 +97,6 @@ def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::
     cdef _Classifier* sides
     cdef _Range* rs
     cdef _Range* rd
-    cdef _Range* cur_s = NULL
-    cdef _Range* cur_d = NULL
     cdef kvcopy_maps maps
     cdef bint maps_loaded = False
     cdef int bad_side = 0
@@ -107,10 +105,7 @@ def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::
     cdef _Range cur_s_copy, cur_d_copy
     if dst.shape[0] != n or sizes.shape[0] != n:
         raise length_error(n, dst.shape[0], sizes.shape[0])
-    out_src = np.empty(n, dtype=np.uint64)
-    out_dst = np.empty(n, dtype=np.uint64)
-    out_sizes = np.empty(n, dtype=np.uint64)
-    origin = np.empty(n, dtype=np.int64)
+    out_src, out_dst, out_sizes, origin = empty_plan(n)
     cdef uint64_t[::1] os = out_src, od = out_dst, oz = out_sizes
     cdef int64_t[::1] oo = origin
     if n == 0:
