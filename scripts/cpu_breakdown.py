@@ -17,7 +17,7 @@ import kvcopy
 from kvcopy._cuda import classify as kv_classify, describe as kv_describe, driver as kv_driver, launch as kv_launch, testing as kv_testing
 from kvcopy.interop.arrays import as_u64_array
 from kvcopy.plan import plan_copies
-from kvcopy.bench.workloads import scattered_batch
+from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
 
 
 def timed(label: str, fn, calls: int = 300, sync=None) -> None:
@@ -118,12 +118,8 @@ def swap_blocks_breakdown(stream) -> None:
     from kvcopy.blocks import block_geometry
     from kvcopy.interop.streams import resolve_stream
 
-    shape = (2048, 16, 8, 128)
-    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
-    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(64)]
-    rng = np.random.default_rng(1)
-    mapping = np.stack([rng.choice(2048, 1024, replace=False),
-                        rng.choice(2048, 1024, replace=False)], axis=1)
+    gpu, host = layered_caches(2048)
+    mapping = block_pairs(2048, 1024)
     timed("swap: block_geometry", lambda: block_geometry(gpu, host))
     geometry = block_geometry(gpu, host)
     timed("swap: with_mapping", lambda: geometry.with_mapping(mapping))

@@ -19,11 +19,10 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.workloads import scattered_batch
+from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
 
 KiB = 1 << 10
 BUSY_CYCLES = 4_000_000   # ~2 ms of sleep kernel ahead of each timed call
@@ -106,12 +105,8 @@ def main() -> None:
 def swap_blocks_overhead() -> None:
     """swap_blocks over 64 tensors (32 layers, K and V) and 1024 block pairs, kernel path."""
     layers, blocks, pairs = 32, 2048, 1024
-    shape = (blocks, 16, 8, 128)  # 16-token blocks, 8 heads of 128, bf16: 32 KiB per block
-    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
-    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2 * layers)]
-    rng = np.random.default_rng(1)
-    mapping = np.stack([rng.choice(blocks, pairs, replace=False),
-                        rng.choice(blocks, pairs, replace=False)], axis=1)
+    gpu, host = layered_caches(blocks, layers)
+    mapping = block_pairs(blocks, pairs)
     stream = torch.cuda.Stream()
     for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
         used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)

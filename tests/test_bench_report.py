@@ -48,3 +48,12 @@ def test_bench_without_gpu_says_so_and_fails():
                          text=True)
     assert out.returncode == 2
     assert "no CUDA GPU found" in out.stderr or "torch is needed" in out.stderr
+
+
+def test_block_pairs_are_distinct_ids_in_range():
+    from kvcopy.bench.workloads import block_pairs
+
+    pairs = block_pairs(2048, 1024, seed=3)
+    assert pairs.shape == (1024, 2)
+    for column in pairs.T:
+        assert len(set(column.tolist())) == 1024 and column.min() >= 0 and column.max() < 2048

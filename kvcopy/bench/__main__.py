@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time

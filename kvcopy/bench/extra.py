@@ -13,6 +13,7 @@ import kvcopy
 from kvcopy.config import config
 from kvcopy.bench.scenarios import Pools, scattered_offsets
 from kvcopy.bench.timing import measure
+from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -120,9 +121,7 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
     import torch
 
     layers, blocks = 32, max(block_counts)   # each call moves up to every block of the cache
-    shape = (blocks, 16, 8, 128)
-    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
-    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2 * layers)]
+    gpu, host = layered_caches(blocks, layers)
     stream = torch.cuda.Stream()
     block_bytes = 16 * 8 * 128 * 2
     rng = np.random.default_rng(4)

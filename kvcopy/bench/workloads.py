@@ -21,3 +21,22 @@ def scattered_batch(count: int = 8192, block: int = 16 * KiB, seed: int = 0
     s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
     d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
     return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
+
+
+def layered_caches(blocks: int = 2048, layers: int = 32) -> tuple[list, list]:
+    """A paged KV cache as engines keep it: one GPU and one pinned host tensor per
+    layer for K and for V (2 x layers tensors per side), 16-token blocks of 8
+    heads of 128, bf16: 32 KiB per block."""
+    import torch
+
+    shape = (blocks, 16, 8, 128)
+    gpu = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2 * layers)]
+    host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2 * layers)]
+    return gpu, host
+
+
+def block_pairs(blocks: int, pairs: int, seed: int = 1) -> np.ndarray:
+    """(pairs, 2) distinct random [source block, destination block] ids below ``blocks``."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(blocks, pairs, replace=False),
+                     rng.choice(blocks, pairs, replace=False)], axis=1)
