@@ -86,7 +86,7 @@ _TARGETS_KEPT = 256
 
 
 def decide(handle: int, method: str, count: int, total_bytes: int, found: MemoryClasses,
-            capturing: bool | None = None, allow_batch: bool = True) -> Target:
+           capturing: bool | None = None, allow_batch: bool = True) -> Target:
     """Ask the policy for a method, given the classified memory of a batch
     (``capturing``: the stream's capture state, asked of the driver when None).
 
@@ -102,7 +102,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     target = _targets.get(key)
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                             allow_batch)
+                            allow_batch)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target
@@ -113,7 +113,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
 
 
 def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
-                found: MemoryClasses, capturing: bool, allow_batch: bool) -> Target:
+               found: MemoryClasses, capturing: bool, allow_batch: bool) -> Target:
     info = device.device_info(ordinal)
     accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
                   and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
@@ -126,7 +126,7 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
 
 
 def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _CaptureScratch",
-                   max_ctas: int | None) -> None:
+                  max_ctas: int | None) -> None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
 
     Large batches: one launch. When the batch crosses PCIe anyway and every
@@ -153,14 +153,14 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ca
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
-               access_any: bool) -> None:
+              access_any: bool) -> None:
     """Plan the batch for the DMA engines (merged only inside allocations, pageable
     pointers checked against this process's mappings) and issue it."""
     plan = CopyPlan(*dma.plan_dma(src, dst, sizes, merge))
     try:
         if target.decision.method == "batch":
             dma.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
-                                 config.batch_chunk)
+                             config.batch_chunk)
         else:
             dma.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
     except CudaError as exc:
@@ -190,8 +190,8 @@ class _CaptureScratch:
 
 
 def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
-                    sizes: np.ndarray, method: str, merge: bool, access_any: bool,
-                    max_ctas: int | None, allow_batch: bool = True) -> str:
+                   sizes: np.ndarray, method: str, merge: bool, access_any: bool,
+                   max_ctas: int | None, allow_batch: bool = True) -> str:
     """Validate, classify, decide and issue a batch in the scope's context.
 
     One pass (describe_copies) plans the batch, classifies its memory and
@@ -208,8 +208,8 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
         space = (_CaptureScratch(nbytes) if capturing
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
-            count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes, slot.host,
-                                                                        merge)
+            count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
+                                                                         slot.host, merge)
             if count == 0:
                 return "none"
             found = MemoryClasses(*kinds)
@@ -231,7 +231,7 @@ def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         return execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
-                               access_any, max_ctas)
+                              access_any, max_ctas)
 
 
 def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int,
@@ -245,7 +245,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     try:
         with ContextScope(handle) as scope:
             return execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
-                                   max_ctas, allow_batch)
+                                  max_ctas, allow_batch)
     except NoDriverError:
         # without a GPU, bad input is still reported as such, and empty copies need none
         if plan_copies(src, dst, sizes).count == 0:
@@ -253,10 +253,11 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         raise
 
 
-def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
+def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
+                      dst_view: np.ndarray) -> MemoryClasses:
     g = blocks.geometry
     return MemoryClasses(*classify.classify_pointers(g.src_base, g.src_extent, src_view),
-                    *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
+                         *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
 
 
 def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") -> str:
@@ -279,13 +280,13 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") 
         if target.decision.method != "kernel" or target.request.capturing:
             src, dst, sizes = blocks.copy_arrays()
             return execute_copies(scope, handle, src, dst, sizes, target.decision.method,
-                                   True, False, None)
+                                  True, False, None)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:
             launch.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
-                                         blocks.mapping, blocks.geometry.block_bytes,
-                                         target.ctas(None), config.threads_per_cta, handle)
+                                        blocks.mapping, blocks.geometry.block_bytes,
+                                        target.ctas(None), config.threads_per_cta, handle)
             ring.DescriptorRing.fence(slot, handle)
         return "kernel"
