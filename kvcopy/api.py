@@ -11,17 +11,13 @@ from kvcopy import engine
 from kvcopy.blocks import plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
-from kvcopy.interop.arrays import as_u64_array
+from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy.interop.streams import current_framework_stream, effective_handle, resolve_stream
 from kvcopy.plan import find_overlap, plan_copies
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
 _MAX_GRID = 2**31 - 1   # the driver's limit on a launch's x dimension
-
-
-def _as_list(obj: Any) -> list:
-    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
 def _check_options(method: str, src_access_order: str, max_ctas: int | None,
@@ -123,7 +119,7 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     """
     check_method(method)
     handle = effective_handle(resolve_stream(stream) if stream is not None
-                              else current_framework_stream(*_as_list(src), *_as_list(dst)))
+                              else current_framework_stream(*as_list(src), *as_list(dst)))
     plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
     return engine.execute_blocks(plan, handle, method)
 
