@@ -159,6 +159,46 @@ def stream_context(uintptr_t stream) -> int:
     return <uintptr_t>ctx
 
 
+def can_access_peer(int device, int peer) -> bool:
+    """Whether kernels on ``device`` can read and write ``peer``'s memory (NVLink or
+    PCIe peer-to-peer), once peer access is enabled."""
+    init()
+    cdef int can = 0
+    cdef CUdevice a, b
+    if device == peer:
+        return True
+    check(cydriver.cuDeviceGet(&a, device))
+    check(cydriver.cuDeviceGet(&b, peer))
+    check(cydriver.cuDeviceCanAccessPeer(&can, a, b))
+    return can != 0
+
+
+def enable_peer_access(int peer) -> bool:
+    """Let the current context's kernels access memory of ``peer``'s primary context
+    (every cuMemAlloc allocation there, present and future). Returns False when it
+    was already enabled, True when this call enabled it."""
+    cdef CUdevice dev
+    cdef CUcontext ctx = NULL
+    cdef CUresult status
+    check(cydriver.cuDeviceGet(&dev, peer))
+    check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))   # kept: peer access needs it alive
+    status = cydriver.cuCtxEnablePeerAccess(ctx, 0)
+    if status == cydriver.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+        return False
+    check(status)
+    return True
+
+
+def pointer_access_flags(uintptr_t ptr) -> int:
+    """CU_POINTER_ATTRIBUTE_ACCESS_FLAGS of ``ptr`` for the current context's device:
+    0 none, 1 read, 3 read and write; -1 where the driver does not say."""
+    cdef unsigned int flags = 0
+    if cydriver.cuPointerGetAttribute(&flags, cydriver.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+                                      <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        return -1
+    return <int>flags
+
+
 def stream_capture_status(uintptr_t stream) -> int:
     """0: not capturing, 1: capturing, 2: capture invalidated."""
     cdef CUstreamCaptureStatus status
@@ -189,19 +229,53 @@ def stream_wait_event(uintptr_t stream, uintptr_t event) -> None:
     check(cydriver.cuStreamWaitEvent(<CUstream>stream, <CUevent>event, 0))
 
 
-def stream_wait_stream(uintptr_t consumer, uintptr_t producer) -> None:
+cdef CUcontext _stream_home(uintptr_t stream, int device, CUcontext here) except? NULL:
+    """The context a stream handle refers to: a created stream's own; for the
+    default-stream handles (0x1, 0x2) the primary context of ``device``, or the
+    current context ``here`` when device is -1."""
+    cdef CUcontext ctx = NULL
+    cdef CUdevice dev
+    if stream > 2:
+        check(cydriver.cuStreamGetCtx(<CUstream>stream, &ctx))
+        return ctx
+    if device < 0:
+        return here
+    check(cydriver.cuDeviceGet(&dev, device))
+    check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))   # kept, as primary_context()
+    return ctx
+
+
+def stream_wait_stream(uintptr_t consumer, uintptr_t producer, int producer_device=-1,
+                       int consumer_device=-1) -> None:
     """Make ``consumer`` wait (on the GPU) for the work queued on ``producer`` so far.
 
-    The event is recorded and waited for in the calling thread's current context,
-    then destroyed (the driver keeps it alive until the wait has resolved)."""
+    Either may be on another device than the current context's: the event is
+    recorded in the producer's context and waited for in the consumer's (see
+    _stream_home for what a default-stream handle means with a device). The
+    event is destroyed at once; the driver keeps it alive until the wait resolves."""
     cdef CUevent event = NULL
-    if consumer == producer:
+    cdef CUcontext here = NULL
+    cdef CUcontext popped = NULL
+    check(cydriver.cuCtxGetCurrent(&here))
+    cdef CUcontext source = _stream_home(producer, producer_device, here)
+    cdef CUcontext target = _stream_home(consumer, consumer_device, here)
+    if consumer == producer and source == target:
         return
-    check(cydriver.cuEventCreate(&event, cydriver.CU_EVENT_DISABLE_TIMING))
+    if source != here:
+        check(cydriver.cuCtxPushCurrent(source))
     try:
+        check(cydriver.cuEventCreate(&event, cydriver.CU_EVENT_DISABLE_TIMING))
         check(cydriver.cuEventRecord(event, <CUstream>producer))
+    finally:
+        if source != here:
+            cydriver.cuCtxPopCurrent(&popped)
+    if target != here:
+        check(cydriver.cuCtxPushCurrent(target))
+    try:
         check(cydriver.cuStreamWaitEvent(<CUstream>consumer, event, 0))
     finally:
+        if target != here:
+            cydriver.cuCtxPopCurrent(&popped)
         cydriver.cuEventDestroy(event)
 
 
