@@ -10,6 +10,9 @@ cdef enum:
     _KIND_MANAGED = 8         # managed (unified) memory: DMA only
     _KIND_STRADDLE = 16       # a copy runs past the end of its allocation: DMA decides
     _KIND_PAGEABLE = 32       # memory the driver does not know (always with _KIND_HOST_UNMAPPED)
+    _KIND_PEER = 64           # another device's memory, readable and writable from this one
+    _KIND_PEER_UNMAPPED = 128 # another device's memory this device cannot access: DMA only
+    _KIND_ANY_DEVICE = _KIND_DEVICE | _KIND_PEER | _KIND_PEER_UNMAPPED
 
 cdef enum:
     _RANGE_CACHE = 64

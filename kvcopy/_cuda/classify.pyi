@@ -7,6 +7,9 @@ KIND_HOST_UNMAPPED: int
 KIND_MANAGED: int
 KIND_STRADDLE: int
 KIND_PAGEABLE: int
+KIND_PEER: int
+KIND_PEER_UNMAPPED: int
 
 def classify_pointers(ptrs: np.ndarray, sizes: np.ndarray, device_view: np.ndarray
                       ) -> tuple[int, int]: ...
+def note_peer_access(ctx: int, peer: int) -> None: ...

@@ -10,7 +10,7 @@ from libc.stdint cimport uint64_t, uintptr_t, int64_t
 from libc.stdlib cimport malloc, free
 
 from cuda.bindings cimport cydriver
-from cuda.bindings.cydriver cimport CUdeviceptr, CUpointer_attribute
+from cuda.bindings.cydriver cimport CUdeviceptr, CUdevice, CUcontext, CUpointer_attribute
 
 KIND_DEVICE = _KIND_DEVICE
 KIND_HOST_MAPPED = _KIND_HOST_MAPPED
@@ -18,6 +18,62 @@ KIND_HOST_UNMAPPED = _KIND_HOST_UNMAPPED
 KIND_MANAGED = _KIND_MANAGED
 KIND_STRADDLE = _KIND_STRADDLE
 KIND_PAGEABLE = _KIND_PAGEABLE
+KIND_PEER = _KIND_PEER
+KIND_PEER_UNMAPPED = _KIND_PEER_UNMAPPED
+
+
+# (context, peer device) pairs between which peer access is known to be enabled:
+# entered by kvcopy.peers, which enables it (or learns that it already was).
+# Entries are written before the count grows, so GIL-free readers see whole ones.
+cdef enum:
+    _PEER_TABLE = 256
+cdef uintptr_t _peer_ctx[_PEER_TABLE]
+cdef int _peer_dev[_PEER_TABLE]
+cdef int _peer_count = 0
+
+
+def note_peer_access(uintptr_t ctx, int peer) -> None:
+    """Record that context ``ctx`` may access device ``peer``'s memory (its primary
+    context's cuMemAlloc allocations). Callers serialise (kvcopy.peers' lock)."""
+    global _peer_count
+    cdef int i
+    for i in range(_peer_count):
+        if _peer_ctx[i] == ctx and _peer_dev[i] == peer:
+            return
+    if _peer_count < _PEER_TABLE:
+        _peer_ctx[_peer_count] = ctx
+        _peer_dev[_peer_count] = peer
+        _peer_count += 1
+
+
+cdef bint _peer_enabled(uintptr_t ctx, int peer) noexcept nogil:
+    cdef int i
+    for i in range(_peer_count):
+        if _peer_ctx[i] == ctx and _peer_dev[i] == peer:
+            return True
+    return False
+
+
+cdef int _device_kind(uint64_t ptr, int ordinal) noexcept nogil:
+    """Device memory of the current context's device, or another device's memory that
+    it can or cannot reach. Reachable needs both: peer access from this context to
+    that device known to be enabled (the driver cannot be asked; the access flags
+    read 'read-write' for cudaMalloc memory even without it), and the access flags
+    granting read-write (virtual-memory and pool allocations are mapped per device)."""
+    cdef CUdevice here
+    cdef CUcontext ctx = NULL
+    cdef unsigned int flags = 0
+    if cydriver.cuCtxGetDevice(&here) != cydriver.CUDA_SUCCESS or <int>here == ordinal:
+        return _KIND_DEVICE
+    if (cydriver.cuCtxGetCurrent(&ctx) != cydriver.CUDA_SUCCESS
+            or not _peer_enabled(<uintptr_t>ctx, ordinal)):
+        return _KIND_PEER_UNMAPPED
+    if cydriver.cuPointerGetAttribute(&flags, cydriver.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+                                      <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        return _KIND_PEER_UNMAPPED
+    if flags == cydriver.CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE:
+        return _KIND_PEER
+    return _KIND_PEER_UNMAPPED
 
 
 cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
@@ -59,7 +115,7 @@ cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
         out.start = ptr
         out.end = ptr + size
     if memtype == cydriver.CU_MEMORYTYPE_DEVICE and managed == 0:
-        out.kind = _KIND_DEVICE
+        out.kind = _device_kind(ptr, ordinal)
         out.ordinal = ordinal
     elif memtype == cydriver.CU_MEMORYTYPE_HOST:
         if dptr != 0:
@@ -79,7 +135,7 @@ cdef bint _extend_range(_Range* r, uint64_t end) noexcept nogil:
     seen by the device at the same offset: memory registered in chunks, or
     back-to-back device allocations, is one range for the kernel."""
     cdef _Range nxt
-    if r.kind != _KIND_DEVICE and r.kind != _KIND_HOST_MAPPED:
+    if r.kind != _KIND_DEVICE and r.kind != _KIND_HOST_MAPPED and r.kind != _KIND_PEER:
         return False
     while end > r.end:
         query_range(r.end, end - r.end, &nxt)
@@ -116,7 +172,7 @@ cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept 
     c.kinds |= r.kind
     if p + size > r.end and not _extend_range(r, p + size):
         c.kinds |= _KIND_STRADDLE
-    if r.kind == _KIND_DEVICE:
+    if r.kind & _KIND_ANY_DEVICE:
         if c.ordinal == -1:
             c.ordinal = r.ordinal
         elif c.ordinal != r.ordinal:
