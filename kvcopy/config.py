@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcopy.checks import require_int
+from kvcopy.checks import require_bool, require_int
 
 MAX_THREADS_PER_CTA = 512   # the copy kernel is compiled for at most 512 threads per CTA
 
@@ -19,20 +19,25 @@ class _Setting:
     maximum: int
     multiple_of: int = 1
     optional: bool = False   # None allowed (means "decide per device")
+    boolean: bool = False    # True/False; the environment variable is 0 or 1
 
 
 _SETTINGS = {
     "host_ctas": _Setting("KVCOPY_HOST_CTAS", 16, 1, 65535),
     "device_ctas": _Setting("KVCOPY_DEVICE_CTAS", None, 1, 65535, optional=True),
+    "peer_ctas": _Setting("KVCOPY_PEER_CTAS", None, 1, 65535, optional=True),
+    "enable_peer_access": _Setting("KVCOPY_ENABLE_PEER_ACCESS", 1, 0, 1, boolean=True),
     "batch_chunk": _Setting("KVCOPY_BATCH_CHUNK", 16384, 1, 1 << 24),
     "threads_per_cta": _Setting("KVCOPY_THREADS", 512, 32, MAX_THREADS_PER_CTA, multiple_of=32),
 }
 
 
-def _validate(name: str, value: Any) -> int | None:
+def _validate(name: str, value: Any) -> int | bool | None:
     spec = _SETTINGS[name]
     if value is None and spec.optional:
         return None
+    if spec.boolean:
+        return require_bool(value, f"kvcopy.config.{name}")
     value = require_int(value, f"kvcopy.config.{name}", minimum=spec.minimum,
                         maximum=spec.maximum)
     if value % spec.multiple_of:
@@ -83,9 +88,11 @@ def kernel_unroll() -> int:
     return value
 
 
-def _from_environment(name: str) -> int | None:
+def _from_environment(name: str) -> int | bool | None:
     spec = _SETTINGS[name]
     value = env_int(spec.env, spec.default, minimum=spec.minimum, maximum=spec.maximum)
+    if spec.boolean:
+        return bool(value)
     if value is not None and value % spec.multiple_of:
         raise ValueError(f"environment variable {spec.env}={value} must be a multiple of "
                          f"{spec.multiple_of}")
@@ -99,8 +106,15 @@ class Config:
     host_ctas: CTAs the copy kernel uses for copies that touch host memory
         (1-65535, env KVCOPY_HOST_CTAS). 16 saturate PCIe on an H200 in both
         directions while leaving the other 116 SMs to the model.
-    device_ctas: CTAs for GPU-to-GPU copies; None means one per SM
+    device_ctas: CTAs for copies inside one GPU; None means one per SM
         (env KVCOPY_DEVICE_CTAS).
+    peer_ctas: CTAs for copies between two GPUs (NVLink or PCIe peer-to-peer);
+        None means the device's default (env KVCOPY_PEER_CTAS).
+    enable_peer_access: when a batch touches another GPU's memory that the
+        launching GPU could reach but is not yet allowed to, enable peer access
+        (cuCtxEnablePeerAccess, as torch does for its own copies) so the copy
+        kernel can run; False leaves peer access as the application set it and
+        such batches go by DMA (env KVCOPY_ENABLE_PEER_ACCESS=0/1, default 1).
     threads_per_cta: threads of each copy-kernel CTA: a multiple of 32 from 32
         to 512 (env KVCOPY_THREADS).
     batch_chunk: descriptors per cuMemcpyBatchAsync call (very large batches
@@ -109,6 +123,8 @@ class Config:
 
     host_ctas: int
     device_ctas: int | None
+    peer_ctas: int | None
+    enable_peer_access: bool
     batch_chunk: int
     threads_per_cta: int
 

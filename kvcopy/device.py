@@ -79,6 +79,19 @@ def override_capabilities(**caps: bool | int) -> None:
         generation += 1
 
 
+# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None.
+# Two H200s over NVLink (bench/results/h200x2-peer-probe.txt), 128 MiB batches, of the
+# contiguous peer copy: 16 KiB blocks 0.85 with 16 CTAs, 0.87 with 32, 0.89-0.91 with 64,
+# 0.90-0.92 with 132; 256 KiB 0.89 / 0.90 / 0.93 / 0.94. Launching on the source or
+# the destination GPU differs by under 3% from 32 CTAs on.
+PEER_CTAS = 64
+
+
+def default_peer_ctas(info: DeviceInfo) -> int:
+    """CTAs for a copy between GPUs: enough to keep NVLink busy, not the whole GPU."""
+    return min(PEER_CTAS, info.caps.sm_count)
+
+
 def thresholds(ordinal: int) -> Thresholds:
     """Calibrated thresholds of a device, else the H200 defaults."""
     found = _thresholds.get(ordinal)
@@ -104,7 +117,9 @@ def load_thresholds(info: DeviceInfo) -> Thresholds | None:
     """Thresholds saved by calibrate() for this device model and driver, if any."""
     try:
         data = json.loads(thresholds_path(info).read_text())
-        return Thresholds(batch_min_bytes={k: float(v) for k, v in data["batch_min_bytes"].items()})
+        saved = {k: float(v) for k, v in data["batch_min_bytes"].items()}
+        # a file written before a direction existed keeps that direction's default
+        return Thresholds(batch_min_bytes={**Thresholds().batch_min_bytes, **saved})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, ring
+from kvcopy import device, kernels, peers, ring
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
@@ -21,8 +21,10 @@ from kvcopy.policy import CopyRequest, Decision, choose_method
 
 log = logging.getLogger("kvcopy")
 _HOST = classify.KIND_HOST_MAPPED | classify.KIND_HOST_UNMAPPED
-_DEVICE = classify.KIND_DEVICE | classify.KIND_MANAGED
-_DMA_ONLY = classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_STRADDLE
+_PEER = classify.KIND_PEER | classify.KIND_PEER_UNMAPPED
+_DEVICE = classify.KIND_DEVICE | classify.KIND_MANAGED | _PEER
+_DMA_ONLY = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_STRADDLE
+             | classify.KIND_PEER_UNMAPPED)
 _last = threading.local()
 
 
@@ -47,6 +49,8 @@ def _direction(src_kinds: int, dst_kinds: int) -> str:
     dst = "h" if not dst_kinds & _DEVICE else "d" if not dst_kinds & _HOST else "m"
     if "m" in (src, dst):
         return "mixed"
+    if src == dst == "d" and (src_kinds | dst_kinds) & _PEER:
+        return "p2p"
     return f"{src}2{dst}"
 
 
@@ -61,6 +65,35 @@ class MemoryClasses(NamedTuple):
     @property
     def owner(self) -> int:
         return memory_owner(self.src_device, self.dst_device)
+
+    @property
+    def kinds(self) -> int:
+        return self.src_kinds | self.dst_kinds
+
+
+def reach_peers(found: MemoryClasses, method: str) -> bool:
+    """Enable peer access for a batch with another GPU's memory that the kernel could
+    reach once it is enabled (config.enable_peer_access). True: memory must be
+    classified again."""
+    if not found.kinds & classify.KIND_PEER_UNMAPPED or method not in ("auto", "kernel"):
+        return False
+    here = driver.context_device()
+    return peers.enable_for(here, peers.peers_of((found.src_device, found.dst_device), here))
+
+
+def unreachable(found: MemoryClasses, here: int) -> str:
+    """What, in a batch, the device ``here`` cannot dereference (for error messages)."""
+    kinds = found.kinds
+    if kinds & classify.KIND_PEER_UNMAPPED:
+        return peers.why_unreachable(here, peers.peers_of((found.src_device, found.dst_device),
+                                                          here))
+    if kinds & classify.KIND_MANAGED:
+        return "managed memory"
+    if kinds & classify.KIND_HOST_UNMAPPED:
+        return "pageable or unmapped host memory"
+    if kinds & classify.KIND_STRADDLE:
+        return "a copy that runs past the end of its allocation"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +111,8 @@ class Target:
             return max_ctas
         if self.request.direction == "d2d":
             return config.device_ctas or self.info.caps.sm_count
+        if self.request.direction == "p2p":
+            return config.peer_ctas or device.default_peer_ctas(self.info)
         return config.host_ctas
 
 
@@ -115,12 +150,15 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
 def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
                found: MemoryClasses, capturing: bool, allow_batch: bool) -> Target:
     info = device.device_info(ordinal)
-    accessible = (not (found.src_kinds | found.dst_kinds) & _DMA_ONLY
-                  and found.src_device in (-1, ordinal) and found.dst_device in (-1, ordinal))
+    # classify's kinds are relative to this context's device: another device's memory
+    # is KIND_PEER only where this device may access it
+    accessible = not found.kinds & _DMA_ONLY
     request = CopyRequest(direction=_direction(found.src_kinds, found.dst_kinds), count=count,
                           total_bytes=total_bytes, device_accessible=accessible,
                           stream_kind=stream_kind(handle), capturing=capturing,
-                          batch_allowed=allow_batch)
+                          batch_allowed=allow_batch,
+                          devices=(found.src_device, found.dst_device),
+                          unreachable="" if accessible else unreachable(found, ordinal))
     decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
     return Target(handle, info, request, decision)
 
@@ -140,7 +178,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ca
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
     if count > kernel.per_launch and not target.request.capturing:
         assert isinstance(slot, ring.Slot)   # only capture describes into scratch memory
-        if tiles == count and target.request.direction != "d2d":
+        if tiles == count and target.request.direction not in ("d2d", "p2p"):
             launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
                                  handle)
         else:
@@ -164,7 +202,12 @@ def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, 
         else:
             dma.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
     except CudaError as exc:
-        raise exc.with_index(plan.caller_index(exc.index)) from None
+        message = exc.message
+        if target.request.unreachable and target.request.direction == "p2p":
+            # the driver refuses copies with another GPU's memory not mapped for this one
+            message += (f"; the batch has {target.request.unreachable}, which the driver's copy "
+                        "engines refuse as well")
+        raise type(exc)(exc.code, exc.name, message, plan.caller_index(exc.index)) from None
 
 
 class _CaptureScratch:
@@ -215,6 +258,8 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
             found = MemoryClasses(*kinds)
             if scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
+            if reach_peers(found, method):
+                continue  # peer access enabled: another GPU's memory is now reachable
             target = decide(handle, method, count, total_bytes, found, capturing, allow_batch)
             if target.decision.method == "kernel":
                 launch_kernel(count, tiles, target, slot, max_ctas)
@@ -272,6 +317,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") 
         dst_view = np.empty_like(blocks.geometry.dst_base)
         found = _classify_tensors(blocks, src_view, dst_view)
         if scope.follow_memory(found.owner):
+            found = _classify_tensors(blocks, src_view, dst_view)
+        if reach_peers(found, method):
             found = _classify_tensors(blocks, src_view, dst_view)
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
         if not target.request.capturing:  # a graph cannot wait for work outside it

@@ -34,14 +34,18 @@ class DeviceCaps:
 class CopyRequest:
     """One batch, as planned and classified."""
 
-    direction: str                    # 'h2d', 'd2h', 'd2d', 'h2h', or 'mixed'
+    direction: str                    # 'h2d', 'd2h', 'd2d', 'p2p' (between two GPUs),
+                                      # 'h2h', or 'mixed'
     count: int
     total_bytes: int
-    device_accessible: bool           # every pointer is device memory of the launching
-                                      # device or pinned host memory mapped for it
+    device_accessible: bool           # every pointer is memory the launching device can
+                                      # dereference: its own, a peer's it may access, or
+                                      # pinned host memory mapped for it
     stream_kind: str                  # 'legacy', 'per_thread', 'created'
     capturing: bool = False
     batch_allowed: bool = True        # False: the caller forbids cuMemcpyBatchAsync
+    devices: tuple[int, int] = (-1, -1)   # source and destination device (-1: host memory)
+    unreachable: str = ""             # what the device cannot access, when not accessible
 
     @property
     def mean_bytes(self) -> float:
@@ -52,10 +56,19 @@ class CopyRequest:
 class Thresholds:
     """Mean block size from which batched DMA is used instead of the kernel."""
 
-    batch_min_bytes: dict = field(default_factory=lambda: {"h2d": 1 * MiB, "d2h": 1 * MiB})
+    batch_min_bytes: dict = field(default_factory=lambda: {"h2d": 1 * MiB, "d2h": 1 * MiB,
+                                                           "p2p": 1 * MiB})
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))
+
+    def for_request(self, req: CopyRequest) -> float:
+        """Copies between two GPUs use their pair's threshold ('p2p 0>1'), found by
+        calibrate_peers, else the device's 'p2p' one; others their direction's."""
+        if req.direction == "p2p":
+            pair = self.batch_min_bytes.get(f"p2p {req.devices[0]}>{req.devices[1]}")
+            return pair if pair is not None else self.for_direction("p2p")
+        return self.for_direction(req.direction)
 
 
 @dataclass(frozen=True)
@@ -96,9 +109,10 @@ def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
                           "(NVRTC could not build it); use 'auto'")
     if not req.device_accessible:
         raise ValueError(
-            "method='kernel' needs every pointer to be device memory or pinned host memory "
-            "mapped for the device; pageable or unmapped host memory must go by DMA "
-            "(use 'auto', 'batch' or 'loop', or pin the buffer with kvcopy.register)")
+            "method='kernel' needs every pointer to be memory the launching device can access: "
+            "its own, a peer GPU's it may access, or pinned host memory mapped for it; this "
+            f"batch has {req.unreachable or 'pageable or unmapped host memory'}, which must go "
+            "by DMA (use 'auto', 'batch' or 'loop'; pin host buffers with kvcopy.register)")
     if not caps.unified_addressing:
         raise KVCopyError("method='kernel' needs unified addressing, which this device lacks")
     return Decision("kernel", "requested")
@@ -112,10 +126,11 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     limit); the kernel needs unified addressing and pointers the device can
     dereference; batched DMA needs the driver entry point, a stream other than
     the legacy default stream, and no capture (it would be dropped from the
-    graph). Host<->device blocks of at least the calibrated size go by batched
-    DMA, which matches the kernel there and leaves the SMs to compute; smaller
-    blocks and device-to-device copies go to the kernel. Where neither applies,
-    one cuMemcpyAsync per copy is always correct.
+    graph). Host<->device blocks and blocks between two GPUs of at least the
+    calibrated size go by batched DMA, which matches or beats the kernel there
+    and leaves the SMs to compute; smaller blocks and copies inside one GPU go
+    to the kernel. Where neither applies, one cuMemcpyAsync per copy is always
+    correct.
 
     Raises:
         ValueError: unknown method, or 'kernel' with memory it cannot read.
@@ -133,7 +148,7 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     batch_ok = (caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
                 and not req.capturing)
     if kernel_ok:
-        if batch_ok and req.mean_bytes >= thresholds.for_direction(req.direction):
+        if batch_ok and req.mean_bytes >= thresholds.for_request(req):
             return Decision("batch", f"blocks of {req.mean_bytes / MiB:.2f} MiB: DMA engines "
                                      "reach the link's limit without using SMs")
         return Decision("kernel", "copy kernel: link-rate for blocks of every size")

@@ -93,3 +93,31 @@ def test_the_memory_kept_is_bounded(asked):
     for count in range(2, engine._TARGETS_KEPT + 50):
         engine.decide(7, "auto", count, count * 16384, H2D)
     assert len(engine._targets) <= engine._TARGETS_KEPT
+
+
+def test_memory_of_another_gpu_is_a_peer_copy(asked):
+    peer = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    assert target.request.direction == "p2p" and target.request.devices == (0, 1)
+    assert target.request.device_accessible and target.decision.method == "kernel"
+
+
+def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
+    from kvcopy import peers
+
+    monkeypatch.setattr(peers, "why_unreachable", lambda here, found: f"peers {found} from {here}")
+    peer = engine.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
+    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    assert target.request.direction == "p2p" and not target.request.device_accessible
+    assert target.decision.method == "batch"
+    assert target.request.unreachable == "peers [1] from 0"
+
+
+def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
+    from kvcopy.config import config
+
+    peer = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    assert target.ctas(None) == min(device.PEER_CTAS, DeviceCaps().sm_count)
+    monkeypatch.setattr(config, "peer_ctas", 12)
+    assert target.ctas(None) == 12 and target.ctas(3) == 3

@@ -107,3 +107,45 @@ def test_unknown_method():
 def test_decisions_say_why():
     decision = choose_method(req(stream="legacy", accessible=False), H200)
     assert "legacy" in decision.reason
+
+
+# ------------------------------------------------------------ copies between two GPUs
+
+def p2p(block=16 * KiB, accessible=True, devices=(0, 1), unreachable=""):
+    return CopyRequest("p2p", 8192, 8192 * block, accessible, "created", devices=devices,
+                       unreachable=unreachable)
+
+
+@pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
+def test_peer_copies_use_the_kernel_where_the_device_reaches_the_peer(block):
+    assert choose_method(p2p(block), H200).method == "kernel"
+
+
+def test_large_peer_blocks_use_batched_dma():
+    """From 1 MiB the copy engines match NVLink (the kernel reaches ~0.93) at little CPU cost."""
+    assert choose_method(p2p(4 * MiB), H200).method == "batch"
+    assert choose_method(p2p(4 * MiB), H200, Thresholds({})).method == "kernel"
+
+
+def test_peer_copies_go_by_dma_where_the_peer_is_unreachable():
+    assert choose_method(p2p(accessible=False), H200).method == "batch"
+    legacy = CopyRequest("p2p", 64, 64 * KiB, False, "legacy", devices=(0, 1))
+    assert choose_method(legacy, H200).method == "loop"
+
+
+def test_peer_thresholds_are_per_device_pair():
+    calibrated = Thresholds({"p2p 0>1": 1 * MiB, "p2p": 64 * MiB})
+    assert choose_method(p2p(1 * MiB), H200, calibrated).method == "batch"
+    assert choose_method(p2p(256 * KiB), H200, calibrated).method == "kernel"
+    # the other direction has no pair entry: the device's 'p2p' threshold applies
+    assert choose_method(p2p(1 * MiB, devices=(1, 0)), H200, calibrated).method == "kernel"
+    assert choose_method(p2p(64 * MiB, devices=(1, 0)), H200, calibrated).method == "batch"
+    assert Thresholds().for_request(p2p()) == 1 * MiB
+    assert Thresholds({}).for_request(p2p()) == float("inf")
+
+
+def test_kernel_refusal_names_what_the_device_cannot_reach():
+    why = "memory of device 1, which device 0 cannot access (cuDeviceCanAccessPeer is 0)"
+    with pytest.raises(ValueError, match="memory of device 1") as info:
+        choose_method(p2p(accessible=False, unreachable=why), H200, requested="kernel")
+    assert "pageable" not in str(info.value) and "'auto', 'batch' or 'loop'" in str(info.value)

@@ -20,7 +20,8 @@ PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvc
         "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop"}
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
-    {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host"},
+    {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
+     "kvcopy.peers"},
     {"kvcopy.engine"},
     {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
     {"kvcopy"},                                                        # __init__: re-exports
