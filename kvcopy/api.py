@@ -12,7 +12,9 @@ from kvcopy.blocks import plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
-from kvcopy.interop.streams import current_framework_stream, effective_handle, resolve_stream
+from kvcopy._cuda import driver
+from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
+                                    effective_handle, resolve_stream)
 from kvcopy.plan import find_overlap, plan_copies
 from kvcopy.policy import RequestedMethod, check_method
 
@@ -110,7 +112,10 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     (JAX, CuPy via DLPack) and of ``__cuda_array_interface__`` producers that
     name a stream (CuPy, Numba) are waited for on the GPU first, as those
     protocols define; torch tensors follow torch's rule (the caller orders
-    streams; None means torch's current stream).
+    streams; None means torch's current stream of the first CUDA tensor's
+    device). Between two GPUs with ``stream=None``, as torch's ``copy_``
+    does: the copy runs on the source GPU's current stream after the work
+    queued on the destination GPU's current stream, which then waits for it.
 
     Returns the method that ran ('kernel', 'batch', 'loop', or 'none').
 
@@ -118,10 +123,31 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
         TypeError, ValueError: bad tensors or ids, before anything is copied.
     """
     check_method(method)
-    handle = effective_handle(resolve_stream(stream) if stream is not None
-                              else current_framework_stream(*as_list(src), *as_list(dst)))
+    if stream is not None:
+        handle = effective_handle(resolve_stream(stream))
+        plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
+        return engine.execute_blocks(plan, handle, method)
+    srcs, dsts = as_list(src), as_list(dst)
+    streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
+    handle = effective_handle(streams[0][0])
     plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
-    return engine.execute_blocks(plan, handle, method)
+    if len(streams) == 1:
+        return engine.execute_blocks(plan, handle, method)
+    return _between_devices(plan, streams, method)
+
+
+def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> str:
+    """swap_blocks between two GPUs on torch's current streams, ordered as torch's
+    copy_ orders a copy between devices (see swap_blocks)."""
+    (first, device), others = streams[0], streams[1:]
+    handle = effective_handle(first)
+    driver.init()
+    for other, other_device in others:
+        driver.stream_wait_stream(handle, effective_handle(other), other_device, device)
+    ran = engine.execute_blocks(plan, handle, method)
+    for other, other_device in others:
+        driver.stream_wait_stream(effective_handle(other), handle, device, other_device)
+    return ran
 
 
 __all__ = ["copy_batch", "last_decision", "swap_blocks"]

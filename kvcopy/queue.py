@@ -14,11 +14,12 @@ from kvcopy.blocks import block_geometry
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.interop.arrays import as_list
-from kvcopy.interop.streams import (current_framework_stream, effective_handle, resolve_event,
-                                    resolve_stream)
+from kvcopy.interop.streams import (STREAM_LEGACY, current_framework_streams, effective_handle,
+                                    resolve_event, resolve_stream)
 from kvcopy.policy import RequestedMethod, check_method
 
-_GPU_KINDS = classify.KIND_DEVICE | classify.KIND_MANAGED
+_GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
+              | classify.KIND_PEER_UNMAPPED)
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,18 @@ class TransferQueue:
         self.split_blocks = split_blocks
         # the caches are fixed: read their geometry once, not on every submit
         self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
-        self._caller_stream = effective_handle(current_framework_stream(*self.src, *self.dst))
-        with ContextScope(self._caller_stream) as scope:
+        caller = effective_handle(self._caller_streams()[0][0])
+        with ContextScope(caller) as scope:
             src_kinds, src_device = classify.classify_pointers(
                 geometry.src_base, geometry.src_extent, np.empty_like(geometry.src_base))
             dst_kinds, dst_device = classify.classify_pointers(
                 geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
-            # the queue's stream lives on the device that holds the caches
-            scope.follow_memory(engine.memory_owner(src_device, dst_device))
+        # The queue's stream lives on the device that holds the caches; between two
+        # GPUs, on the source's, whose kernel then reads locally and writes remotely.
+        owner = engine.memory_owner(src_device, dst_device)
+        home = src_device if owner == -2 and src_device >= 0 else owner
+        with ContextScope(caller if home < 0 else STREAM_LEGACY) as scope:
+            scope.follow_memory(home)
             self._ctx = driver.current_context()
             self._stream = driver.stream_create(non_blocking=True)
         self._pending: deque[_Job] = deque()
@@ -93,14 +98,22 @@ class TransferQueue:
     def _push(self) -> None:
         driver.push_context(self._ctx)
 
-    def _dependencies(self, after: Any) -> list[tuple[str, int]]:
-        """What a job waits for: ('event', handle) or ('stream', handle) entries."""
+    def _caller_streams(self) -> list[tuple[int, int]]:
+        """The caller's current stream on each device holding the caches (see
+        current_framework_streams): the first source and destination tensors say."""
+        return current_framework_streams(self.src[0] if self.src else None,
+                                         self.dst[0] if self.dst else None)
+
+    def _dependencies(self, after: Any) -> list[tuple[str, int, int]]:
+        """What a job waits for: ('event', handle, -1) or ('stream', handle, device)
+        entries (device -1: the handle means a stream of the queue's context)."""
         if after is None:
             if not self._touches_gpu:
                 return []
-            caller = effective_handle(current_framework_stream(*self.src, *self.dst))
-            streams = [caller, *self._geometry.producer_streams]
-            return [("stream", h) for i, h in enumerate(streams) if h not in streams[:i]]
+            streams = [(effective_handle(h), d) for h, d in self._caller_streams()]
+            streams += [(h, -1) for h in self._geometry.producer_streams]
+            return [("stream", h, d) for i, (h, d) in enumerate(streams)
+                    if (h, d) not in streams[:i]]
         items = list(after) if isinstance(after, (list, tuple)) else [after]
         found = []
         for index, item in enumerate(items):
@@ -108,10 +121,10 @@ class TransferQueue:
             event = resolve_event(item)
             if event is not None:
                 if event:  # a torch Event never recorded has no handle: nothing to wait for
-                    found.append(("event", event))
+                    found.append(("event", event, -1))
                 continue
             try:
-                found.append(("stream", effective_handle(resolve_stream(item))))
+                found.append(("stream", effective_handle(resolve_stream(item)), -1))
             except TypeError as exc:
                 raise TypeError(f"{where}: expected a stream or an event; {exc}") from None
         return found
@@ -144,11 +157,11 @@ class TransferQueue:
             start = end = 0
             try:
                 start, end = driver.event_create(timing=True), driver.event_create(timing=True)
-                for kind, handle in dependencies:
+                for kind, handle, device in dependencies:
                     if kind == "event":
                         driver.stream_wait_event(self._stream, handle)
                     else:
-                        driver.stream_wait_stream(self._stream, handle)
+                        driver.stream_wait_stream(self._stream, handle, device)
                 driver.event_record(start, self._stream)
                 method = engine.execute_blocks(plan, self._stream, self.method)
                 driver.event_record(end, self._stream)

@@ -84,11 +84,14 @@ def resolve_stream(obj: Any) -> int:
     )
 
 
-def current_framework_stream(*objs: Any) -> int:
-    """The current stream of the framework whose arrays were passed, else 0.
+def current_framework_streams(*objs: Any) -> list[tuple[int, int]]:
+    """(handle, device) of the current stream of each device whose memory the
+    framework's arrays hold, the first array's device first; [(0, -1)] when no
+    framework says (device -1: the current context's).
 
-    torch tensors give torch.cuda.current_stream() of their device; CuPy arrays
-    give cupy.cuda.get_current_stream().
+    torch gives torch.cuda.current_stream() of each CUDA tensor's device (the
+    current device's when every tensor is on the CPU); CuPy gives
+    cupy.cuda.get_current_stream().
     """
     for obj in objs:
         framework = framework_of(obj)
@@ -96,11 +99,22 @@ def current_framework_stream(*objs: Any) -> int:
             torch = sys.modules["torch"]
             if not torch.cuda.is_available():
                 continue
-            device = obj.device if getattr(obj, "is_cuda", False) else None
-            return _framework_default(torch.cuda.current_stream(device).cuda_stream)
+            devices = [o.device.index for o in objs
+                       if framework_of(o) == "torch" and getattr(o, "is_cuda", False)]
+            if not devices:
+                devices = [torch.cuda.current_device()]
+            ordered = list(dict.fromkeys(devices))
+            return [(_framework_default(torch.cuda.current_stream(d).cuda_stream), d)
+                    for d in ordered]
         if framework == "cupy":
-            return _framework_default(sys.modules["cupy"].cuda.get_current_stream().ptr)
-    return STREAM_DEFAULT
+            return [(_framework_default(sys.modules["cupy"].cuda.get_current_stream().ptr), -1)]
+    return [(STREAM_DEFAULT, -1)]
+
+
+def current_framework_stream(*objs: Any) -> int:
+    """The current stream of the framework whose arrays were passed, else 0: for
+    torch, that of the first CUDA tensor's device (see current_framework_streams)."""
+    return current_framework_streams(*objs)[0][0]
 
 
 def effective_handle(handle: int) -> int:
