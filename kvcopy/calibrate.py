@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcopy import device as devices
+from kvcopy import device as devices, peers
 from kvcopy._cuda import driver
 from kvcopy.engine import execute
 from kvcopy.plan import plan_copies
@@ -31,6 +31,27 @@ def _median_ms(run, stream: int, start: int, end: int, repeats: int) -> float:
         driver.event_synchronize(end)
         times.append(driver.event_elapsed_ms(start, end))
     return sorted(times)[len(times) // 2]
+
+
+def _release(stream: int, start: int, end: int, device_memory: int) -> None:
+    """Free what a calibration allocated in the current context (0: not allocated)."""
+    for event in (start, end):
+        if event:
+            driver.event_destroy(event)
+    if stream:
+        driver.stream_synchronize(stream)
+        driver.stream_destroy(stream)
+    if device_memory:
+        driver.mem_free(device_memory)
+
+
+def _next_threshold(found: float, block: int, gbps: dict) -> float:
+    """The smallest block size from which batched DMA keeps up with the kernel (within
+    2%) at every larger size measured so far (sizes come in increasing order)."""
+    batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps["kernel"]
+    if not batch_wins:
+        return float("inf")
+    return float(block) if found == float("inf") else found
 
 
 def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
@@ -64,25 +85,75 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
                     ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end, repeats)
                     gbps[method] = plan.total_bytes / ms / 1e6
                 measured[f"{direction}/{block}"] = gbps
-                batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps["kernel"]
-                if batch_wins and found[direction] == float("inf"):
-                    found[direction] = float(block)
-                elif not batch_wins:
-                    found[direction] = float("inf")
-        result = Thresholds(batch_min_bytes=found)
+                found[direction] = _next_threshold(found[direction], block, gbps)
+        result = Thresholds(batch_min_bytes={**devices.thresholds(device).batch_min_bytes,
+                                             **found})
         devices.set_thresholds(device, result)
         if save_result:
             devices.save_thresholds(info, result, measured)
         return result
     finally:
-        for event in (start, end):
-            if event:
-                driver.event_destroy(event)
-        if stream:
-            driver.stream_synchronize(stream)
-            driver.stream_destroy(stream)
-        if dev:
-            driver.mem_free(dev)
+        _release(stream, start, end, dev)
         if host:
             driver.host_free(host)
+        driver.pop_context()
+
+
+def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: int = 128 << 20,
+                    repeats: int = 5, save_result: bool = True) -> Thresholds:
+    """Measure, for copies between two GPUs in both directions, where batched DMA
+    catches up with the copy kernel; the result is stored under 'p2p A>B' in the
+    thresholds of the source device A, which launches such copies for tensors
+    (swap_blocks and TransferQueue run them on the source GPU).
+
+    Peer access is enabled first where possible (config.enable_peer_access);
+    without it the kernel cannot reach the other GPU and only DMA is measured
+    (no threshold is stored). Uses scratch memory it allocates (2 x total_bytes
+    on each GPU) and streams of its own. Returns the source device's thresholds.
+    """
+    driver.init()
+    for a, b in ((src_device, dst_device), (dst_device, src_device)):
+        _calibrate_pair(a, b, total_bytes, repeats, save_result)
+    return devices.thresholds(src_device)
+
+
+def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result: bool) -> None:
+    """calibrate_peers for copies from device a to device b, launched on a."""
+    driver.push_context(driver.primary_context(b))
+    dst = driver.mem_alloc(2 * total_bytes)
+    driver.pop_context()
+    driver.push_context(driver.primary_context(a))
+    stream = src = start = end = 0
+    try:
+        info = devices.device_info(a)
+        peers.enable_for(a, [b])
+        stream = driver.stream_create()
+        src = driver.mem_alloc(2 * total_bytes)
+        start, end = driver.event_create(timing=True), driver.event_create(timing=True)
+        rng = np.random.default_rng(0)
+        key = f"p2p {a}>{b}"
+        found, measured = float("inf"), {}
+        for block in CALIBRATION_BLOCKS:
+            plan = _scattered_plan(src, dst, block, total_bytes, rng)
+            gbps = {}
+            for method in ("kernel", "batch"):
+                if method == "batch" and not info.caps.batch_available:
+                    continue
+                try:
+                    ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end,
+                                    repeats)
+                except ValueError:   # the kernel cannot reach device b: nothing to calibrate
+                    return
+                gbps[method] = plan.total_bytes / ms / 1e6
+            measured[f"{key}/{block}"] = gbps
+            found = _next_threshold(found, block, gbps)
+        result = Thresholds(batch_min_bytes={**devices.thresholds(a).batch_min_bytes, key: found})
+        devices.set_thresholds(a, result)
+        if save_result:
+            devices.save_thresholds(info, result, measured)
+    finally:
+        _release(stream, start, end, src)
+        driver.pop_context()
+        driver.push_context(driver.primary_context(b))
+        driver.mem_free(dst)
         driver.pop_context()
