@@ -4,10 +4,13 @@
 # Results land in $OUT (default ./gpu-out); the device tool brings back at most
 # 8 files, so logs are few: pytest.log (GPU name first), patterns.txt (other
 # projects' call patterns, scripts/patterns_probe.py), cpu_overhead.txt,
-# [profile.txt], bench-<mode>/results.{json,csv,png}.
+# [profile.txt], bench-<mode>/results.{json,csv,png} (with a GPU-to-GPU section
+# where two GPUs are present).
 #   BENCH=quick (default) | full | quick+full | none
 #   PROFILE=1     also profile the calls (cProfile)
 #   PYTEST_ARGS   extra pytest arguments
+#   ONE_GPU_TOO=1 on a machine of several GPUs, also run the suite with GPU 0 alone
+#                 (pytest-1gpu.log)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -21,6 +24,11 @@ fi
   python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1
 } | tee "$OUT/pytest.log" | grep -v "^\.*$\|PASSED" | tail -60
 status=${PIPESTATUS[0]}
+if [ -n "${ONE_GPU_TOO:-}" ]; then
+  CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest-1gpu.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
 (cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py) 2>&1 | tee "$OUT/cpu_overhead.txt"
 [ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1

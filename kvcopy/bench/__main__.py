@@ -8,12 +8,13 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy.bench import extra, report
+from kvcopy.bench import extra, gpu_pairs, report
 from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
 QUICK_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
+PEER_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 FULL_BLOCKS = [2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
                512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB]
 
@@ -29,6 +30,12 @@ def gpu_or_exit() -> str:
               file=sys.stderr)
         sys.exit(2)
     return torch.cuda.get_device_name(0)
+
+
+def torch_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def progress(done: int, total: int, label: str) -> None:
@@ -47,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=str, default=None,
                         help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64")
     parser.add_argument("--no-scenarios", action="store_true",
-                        help="only the block sweep (no bidirectional, compute, swap_blocks)")
+                        help="only the block sweep (no GPU-to-GPU, bidirectional, compute, "
+                             "swap_blocks)")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
     blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
@@ -76,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         rows += [r.as_dict() for r in block_copy_rows(direction, block, size, memory, methods,
                                                       alternatives, repeats, max_loop_count)]
         stage_seconds[label] = round(time.time() - started, 2)
+    if not args.no_scenarios and gpu_pairs.gpu_pair_available():
+        progress(len(jobs), steps, "GPU0 <-> GPU1")
+        started = time.time()
+        peer_blocks = [b for b in blocks if b in PEER_BLOCKS] if not args.blocks else blocks
+        scenarios["peer"] = list(gpu_pairs.peer_rows(peer_blocks, repeats=repeats))
+        stage_seconds["peer"] = round(time.time() - started, 2)
     if not args.no_scenarios:
         # quick: a 1024-block cache (2 GiB pinned); full: 4096 blocks (8 GiB pinned, ~10 s to pin)
         counts = (16, 256, 1024) if args.quick else (16, 64, 256, 1024, 4096)
@@ -96,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": name, "python": platform.python_version(), "kvcopy": kvcopy.__version__,
             "quick": args.quick, "seconds": round(time.time() - t0, 1),
             "stage_seconds": stage_seconds,
+            "gpus": torch_device_count(),
             "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
                       "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
                       "from an idle stream; medians"}

@@ -52,3 +52,31 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
         end.synchronize()
         gpu.append(start.elapsed_time(end))
     return Timing(statistics.median(gpu), statistics.median(cpu), statistics.median(wall), repeats)
+
+
+def span_ms(fn: Callable[[], object], first, second, *, repeats: int = 7, warmup: int = 2,
+            cover_cycles: int = 4_000_000) -> float:
+    """Median GPU time of work ``fn`` enqueues on two torch streams (of one device or
+    two), from when both may start until both are done: ``second`` waits for the
+    start event on ``first``, and ``first`` for the end of ``second``. A sleep on
+    ``first`` covers the call's CPU time, as in measure()."""
+    import torch
+
+    times = []
+    for i in range(warmup + repeats):
+        first.synchronize()
+        second.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        joined = torch.cuda.Event()
+        with torch.cuda.stream(first):
+            torch.cuda._sleep(cover_cycles)
+        start.record(first)
+        second.wait_event(start)
+        fn()
+        joined.record(second)
+        first.wait_event(joined)
+        end.record(first)
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
