@@ -47,4 +47,5 @@ def test_python_block_runs(torch_cuda, capsys, index):
     if "TransferQueue" in code:
         assert "req-1" in out
     if "print(kvcopy.swap_blocks" in code:
-        assert "kernel" in out
+        if "device_count() >= 2" not in code or torch_cuda.cuda.device_count() >= 2:
+            assert "kernel" in out
