@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 3)
+    steps = len(jobs) + (0 if args.no_scenarios else 4)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = (16, 256, 1024) if args.quick else (16, 64, 256, 1024, 4096)
         stages = [("bidirectional", "both directions at once",
                    lambda: extra.bidirectional(repeats=repeats)),
+                  ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
                   ("compute_slowdown", "compute beside the copy", extra.compute_slowdown),
                   ("swap_blocks", "swap_blocks on a paged cache",
                    lambda: extra.swap_blocks_cache(counts, repeats,

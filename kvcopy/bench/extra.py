@@ -12,7 +12,7 @@ import numpy as np
 import kvcopy
 from kvcopy.config import config
 from kvcopy.bench.scenarios import Pools, scattered_offsets
-from kvcopy.bench.timing import measure
+from kvcopy.bench.timing import measure, span_ms
 from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
@@ -35,37 +35,39 @@ def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) ->
 
 
 def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5) -> Iterator[dict]:
-    """Host-to-GPU and GPU-to-host at the same time, on two streams."""
+    """Host-to-GPU and GPU-to-host at the same time, on two streams: GPU time spanning
+    both streams and wall time (call to completion), against two contiguous copies."""
     import torch
 
     count = total // block
     h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
     a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    cases: dict[str, Callable[[], object]] = {
-        "contiguous": lambda: (h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True),
-                               d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)),
-    }
+
+    def contiguous() -> None:
+        with torch.cuda.stream(s1):
+            h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
+        with torch.cuda.stream(s2):
+            d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
+    cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
     for method in ("auto", "kernel", "batch"):
         cases[method] = _both_ways(a, b, s1, s2, method)
+    pair_ms = None
     for name, fn in cases.items():
         times = []
         for i in range(repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if name == "contiguous":
-                with torch.cuda.stream(s1):
-                    h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
-                with torch.cuda.stream(s2):
-                    d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
-            else:
-                fn()
+            fn()
             torch.cuda.synchronize()
             if i:
                 times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
+        gpu_ms = span_ms(fn, s1, s2, repeats=repeats)
+        pair_ms = pair_ms or gpu_ms
         yield {"scenario": "bidirectional", "block_bytes": block, "count": count, "method": name,
-               "total_gbps": 2 * total / seconds / 1e9}
+               "total_gbps": 2 * total / gpu_ms / 1e6, "of_contiguous_pair": pair_ms / gpu_ms,
+               "wall_gbps": 2 * total / seconds / 1e9}
 
 
 def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 8192) -> Iterator[dict]:
@@ -140,3 +142,42 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
                        "tensors": 2 * layers, "method": method, "chose": chose,
                        "gbps": nbytes / (t.gpu_ms * 1e6), "wall_gbps": nbytes / (t.wall_ms * 1e6),
                        "cpu_us": t.cpu_us}
+
+
+def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 200) -> Iterator[dict]:
+    """What a decode step issues: tens of blocks. Call-to-completion wall time (the
+    call, then a stream synchronize, from an idle stream), median of ``repeats``,
+    against one contiguous copy of the same bytes."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    for direction in ("h2d", "d2h"):
+        pools = Pools(direction, max(counts) * block, "torch")
+        for count in counts:
+            ptrs = _pointers(pools, block, count, count)
+            nbytes = count * block
+
+            def contiguous() -> None:
+                with torch.cuda.stream(stream):
+                    pools.dst[:nbytes].copy_(pools.src[:nbytes], non_blocking=True)
+            cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
+            for method in ("auto", "kernel", "batch"):
+                cases[method] = functools.partial(kvcopy.copy_batch, *ptrs, stream=stream,
+                                                  method=cast(RequestedMethod, method))
+            walls = {}
+            for name, fn in cases.items():
+                for _ in range(5):
+                    fn()
+                stream.synchronize()
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    stream.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e6)
+                walls[name] = statistics.median(times)
+            for name, us in walls.items():
+                yield {"scenario": "small_batches", "direction": direction, "blocks": count,
+                       "block_bytes": block, "method": name, "wall_us": us,
+                       "wall_gbps": nbytes / us / 1e3,
+                       "of_contiguous_wall": walls["contiguous"] / us}

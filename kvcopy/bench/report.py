@@ -22,7 +22,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plot(path: Path, rows: list[dict], title: str) -> bool:
-    """GB/s against block size, one line per method, a panel per direction, ceiling dashed."""
+    """GB/s against block size, one line per method, a panel per direction, ceiling dashed;
+    dotted: wall-time GB/s (call to completion) of the contiguous copy, auto and batch."""
     try:
         import matplotlib
 
@@ -43,7 +44,13 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
             lw = 2.8 if method == "auto" else None
             if lw:
                 style["lw"] = lw
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+            if method in ("auto", "batch", "contiguous"):
+                # wall time beside GPU time: GPU time alone hides batched DMA's CPU cost
+                walls = sorted((r["block_bytes"], r["wall_gbps"]) for r in mine
+                               if r["method"] == method)
+                ax.plot([p[0] for p in walls], [p[1] for p in walls], ls=":", lw=1.2,
+                        color=line.get_color(), label=f"{label}, wall (call + completion)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log" if direction == "d2d" else "linear")
         ticks = sorted({r["block_bytes"] for r in mine})
