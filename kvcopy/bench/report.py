@@ -48,7 +48,7 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
             if method in ("auto", "batch", "contiguous"):
                 # wall time beside GPU time: GPU time alone hides batched DMA's CPU cost
                 walls = sorted((r["block_bytes"], r["wall_gbps"]) for r in mine
-                               if r["method"] == method)
+                               if r["method"] == method and "wall_gbps" in r)
                 ax.plot([p[0] for p in walls], [p[1] for p in walls], ls=":", lw=1.2,
                         color=line.get_color(), label=f"{label}, wall (call + completion)")
         ax.set_xscale("log", base=2)
