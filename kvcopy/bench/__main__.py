@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy.bench import extra, gpu_pairs, report, serving
+from kvcopy.bench import extra, gpu_pairs, report
 from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 5)
+    steps = len(jobs) + (0 if args.no_scenarios else 4)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = [("bidirectional", "both directions at once",
                    lambda: extra.bidirectional(repeats=repeats)),
                   ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
-                  ("compute_slowdown", "compute beside the copy (paired)",
-                   lambda: serving.compute_slowdown(pairs=10)),
-                  ("serving_step", "store + load beside compute", serving.serving_step),
+                  ("compute_slowdown", "compute beside the copy", extra.compute_slowdown),
                   ("swap_blocks", "swap_blocks on a paged cache",
                    lambda: extra.swap_blocks_cache(counts, repeats,
                                                    batch_max_copies=16384 if args.quick else None))]

@@ -1,5 +1,5 @@
-"""Scenarios beyond the block sweep: both directions at once, small batches, and
-swap_blocks on a realistic paged KV cache (compute beside copies: serving.py)."""
+"""Scenarios beyond the block sweep: both directions at once, the cost to compute
+running beside the copy, and swap_blocks on a realistic paged KV cache."""
 from __future__ import annotations
 
 import statistics
@@ -68,6 +68,50 @@ def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5
         yield {"scenario": "bidirectional", "block_bytes": block, "count": count, "method": name,
                "total_gbps": 2 * total / gpu_ms / 1e6, "of_contiguous_pair": pair_ms / gpu_ms,
                "wall_gbps": 2 * total / seconds / 1e9}
+
+
+def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 8192) -> Iterator[dict]:
+    """How much a full-GPU matmul slows while copies run beside it (kernel against DMA)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    pools = Pools("h2d", total, "torch")
+    ptrs = _pointers(pools, block, total // block, 3)
+
+    def matmuls(reps: int = 20) -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record()
+            for _ in range(reps):
+                torch.matmul(a, b)
+            end.record()
+        return start, end
+
+    matmuls(3)
+    torch.cuda.synchronize()
+    # (label, method, CTAs, threads per CTA): the default kernel and smaller footprints
+    variants = [("alone", None, None, None), ("batch", "batch", None, None),
+                ("kernel", "kernel", None, None), ("kernel 16x256", "kernel", 16, 256),
+                ("kernel 8x512", "kernel", 8, 512)]
+    for label, method, ctas, threads in variants:
+        saved = config.threads_per_cta
+        config.threads_per_cta = threads or saved
+        try:
+            samples = []
+            for _ in range(3):
+                start, end = matmuls()
+                if method is not None:
+                    for _ in range(4):
+                        kvcopy.copy_batch(*ptrs, stream=copy, method=cast(RequestedMethod, method),
+                                          max_ctas=ctas)
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+        finally:
+            config.threads_per_cta = saved
+        yield {"scenario": "compute_slowdown", "method": label, "block_bytes": block,
+               "matmul_ms": statistics.median(samples)}
 
 
 def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
