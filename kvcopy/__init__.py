@@ -17,6 +17,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
     "TransferResult", "block_view", "calibrate", "calibrate_peers", "config", "copy_batch",
-    "device_pointer",
-    "last_decision", "pinned_empty", "register", "resolve_stream", "swap_blocks",
+    "device_pointer", "last_decision", "pinned_empty", "register", "resolve_stream",
+    "swap_blocks",
 ]
