@@ -5,36 +5,21 @@ Run on a GPU: python3 scripts/bidir_probe.py"""
 from __future__ import annotations
 
 import os
-import statistics
 
 import numpy as np
 import torch
 
 import kvcopy
+from kvcopy.bench.timing import span_ms as _span
 from kvcopy.config import config
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 64 * MiB
 
 
-def span_ms(fn, s1, s2, reps=7) -> float:
-    """GPU time from both streams' start to both streams' end."""
-    out = []
-    for i in range(reps + 2):
-        torch.cuda.synchronize()
-        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        with torch.cuda.stream(s1):
-            torch.cuda._sleep(2_000_000)
-        e0.record(s1)
-        s2.wait_event(e0)
-        fn()
-        e2.record(s2)
-        s1.wait_event(e2)
-        e1.record(s1)
-        e1.synchronize()
-        if i >= 2:
-            out.append(e0.elapsed_time(e1))
-    return statistics.median(out)
+def span_ms(fn, s1, s2) -> float:
+    """GPU time from both streams' start to both streams' end (a 1 ms sleep covers the calls)."""
+    return _span(fn, s1, s2, repeats=7, warmup=2, cover_cycles=2_000_000)
 
 
 def main() -> None:

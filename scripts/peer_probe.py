@@ -4,7 +4,6 @@ copy in the same run. Also what the driver's access flags say before and after
 peer access is enabled. Needs two GPUs: python3 scripts/peer_probe.py"""
 from __future__ import annotations
 
-import statistics
 import sys
 
 import numpy as np
@@ -12,27 +11,18 @@ import torch
 
 import kvcopy
 from kvcopy._cuda import driver
+from kvcopy.bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 128 * MiB
 
 
 def gpu_ms(fn, stream, reps=7) -> float:
-    """Median GPU time of fn's work on stream (a sleep covers the CPU time of the call)."""
-    out = []
-    for i in range(reps + 2):
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-            torch.cuda._sleep(2_000_000)
-            e0.record(stream)
+    """Median GPU time of fn's work, enqueued with ``stream`` current (kvcopy.bench.timing)."""
+    def on_stream() -> None:
+        with torch.cuda.stream(stream):
             fn()
-            e1.record(stream)
-        e1.synchronize()
-        if i >= 2:
-            out.append(e0.elapsed_time(e1))
-    return statistics.median(out)
+    return measure(on_stream, stream, repeats=reps).gpu_ms
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvcopy
+from gpu_helpers import expected_after
 from test_gpu_reliability import run_child
 
 pytestmark = pytest.mark.gpu
@@ -40,14 +41,6 @@ def _scattered(count: int, block: int, pool: int, rng, odd: bool = False):
     return chosen[:count], chosen[count:], sizes
 
 
-def _expected(src, dst_before, src_off, dst_off, sizes) -> np.ndarray:
-    host_src = src.cpu().numpy()
-    out = dst_before.copy()
-    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
-        out[d:d + n] = host_src[s:s + n]
-    return out
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("pair", [(0, 1), (1, 0)])
 @pytest.mark.parametrize("launch", ["src", "dst"])
@@ -66,7 +59,8 @@ def test_peer_copy_bytes(two_gpus, method, pair, launch, block):
                               (dst.data_ptr() + dst_off).astype(np.uint64), sizes,
                               stream=stream, method=method)
     stream.synchronize()
-    assert np.array_equal(dst.cpu().numpy(), _expected(src, before, src_off, dst_off, sizes))
+    assert np.array_equal(dst.cpu().numpy(),
+                          expected_after(src.cpu().numpy(), before, src_off, dst_off, sizes))
     if method == "auto" and kvcopy._cuda.driver.can_access_peer(a, b):
         assert chose == "kernel", kvcopy.last_decision()
         assert kvcopy.last_decision().method == "kernel"
