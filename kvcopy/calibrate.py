@@ -1,15 +1,20 @@
 """calibrate(): where batched DMA catches up with the copy kernel on this GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kvcopy import device as devices, peers
 from kvcopy._cuda import driver
 from kvcopy.engine import execute
 from kvcopy.plan import plan_copies
-from kvcopy.policy import Thresholds
+from kvcopy.policy import Thresholds, fewest_ctas
 
 CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+FOOTPRINT_BLOCKS = (4 << 10, 256 << 10)
+FOOTPRINT_CTAS = (1, 2, 4, 8, 16)
+FOOTPRINT_FLOOR = 0.90
 
 
 def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
@@ -22,9 +27,13 @@ def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
 
 
 def _median_ms(run, stream: int, start: int, end: int, repeats: int) -> float:
+    """Median GPU time of ``run``'s work. Each measured call is enqueued while the
+    call before it still runs, so the GPU time leaves out the call's own CPU time
+    wherever that is shorter than its GPU time."""
     run()  # warm-up
     times = []
     for _ in range(repeats):
+        run()
         driver.event_record(start, stream)
         run()
         driver.event_record(end, stream)
@@ -54,9 +63,27 @@ def _next_threshold(found: float, block: int, gbps: dict) -> float:
     return float(block) if found == float("inf") else found
 
 
+def _footprint(src: int, dst: int, total_bytes: int, time_ms, rng) -> tuple[int, dict]:
+    """The fewest copy-kernel CTAs that keep one direction at FOOTPRINT_FLOOR of the
+    contiguous copy (one cuMemcpyAsync of the same bytes) at every FOOTPRINT_BLOCKS
+    size; and the fractions behind it (CTAs -> the worst over the sizes)."""
+    contiguous = plan_copies(np.array([src], np.uint64), np.array([dst], np.uint64),
+                             np.array([total_bytes], np.uint64))
+    reference = time_ms(contiguous, "loop", None)
+    worst: dict = {}
+    for block in FOOTPRINT_BLOCKS:
+        plan = _scattered_plan(src, dst, block, total_bytes, rng)
+        for ctas in FOOTPRINT_CTAS:
+            fraction = reference * plan.total_bytes / total_bytes / time_ms(plan, "kernel", ctas)
+            worst[ctas] = min(worst.get(ctas, fraction), fraction)
+    return fewest_ctas(worst, FOOTPRINT_FLOOR), worst
+
+
 def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
               save_result: bool = True) -> Thresholds:
-    """Measure where batched DMA catches up with the copy kernel on this GPU.
+    """Measure, on this GPU, where batched DMA catches up with the copy kernel, and the
+    fewest copy-kernel CTAs that keep each host direction at 0.90 of the contiguous
+    copy (the default footprint, config.host_ctas=None).
 
     Uses only scratch memory it allocates (2 x total_bytes on the device and in
     pinned host memory) and a stream of its own; takes a few seconds. The result
@@ -75,8 +102,16 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
         rng = np.random.default_rng(0)
         measured: dict = {}
         found: dict = {}
+        ctas: dict = {}
         methods = ["kernel"] + (["batch"] if info.caps.batch_available else [])
+
+        def time_ms(plan, method, max_ctas) -> float:
+            return _median_ms(lambda: execute(plan, stream, method, max_ctas=max_ctas), stream,
+                              start, end, repeats)
         for direction, (src, dst) in {"h2d": (host, dev), "d2h": (dev, host)}.items():
+            if info.caps.kernel_available:
+                ctas[direction], fractions = _footprint(src, dst, total_bytes, time_ms, rng)
+                measured[f"{direction}/ctas"] = fractions
             found[direction] = float("inf")
             for block in CALIBRATION_BLOCKS:
                 plan = _scattered_plan(src, dst, block, total_bytes, rng)
@@ -86,8 +121,10 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
                     gbps[method] = plan.total_bytes / ms / 1e6
                 measured[f"{direction}/{block}"] = gbps
                 found[direction] = _next_threshold(found[direction], block, gbps)
-        result = Thresholds(batch_min_bytes={**devices.thresholds(device).batch_min_bytes,
-                                             **found})
+        before = devices.thresholds(device)
+        result = Thresholds(batch_min_bytes={**before.batch_min_bytes, **found},
+                            host_ctas={**before.host_ctas, **ctas},
+                            both_ways_ctas=before.both_ways_ctas)
         devices.set_thresholds(device, result)
         if save_result:
             devices.save_thresholds(info, result, measured)
@@ -147,7 +184,8 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
                 gbps[method] = plan.total_bytes / ms / 1e6
             measured[f"{key}/{block}"] = gbps
             found = _next_threshold(found, block, gbps)
-        result = Thresholds(batch_min_bytes={**devices.thresholds(a).batch_min_bytes, key: found})
+        before = devices.thresholds(a)
+        result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, key: found})
         devices.set_thresholds(a, result)
         if save_result:
             devices.save_thresholds(info, result, measured)

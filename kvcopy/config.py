@@ -23,7 +23,7 @@ class _Setting:
 
 
 _SETTINGS = {
-    "host_ctas": _Setting("KVCOPY_HOST_CTAS", 16, 1, 65535),
+    "host_ctas": _Setting("KVCOPY_HOST_CTAS", None, 1, 65535, optional=True),
     "device_ctas": _Setting("KVCOPY_DEVICE_CTAS", None, 1, 65535, optional=True),
     "peer_ctas": _Setting("KVCOPY_PEER_CTAS", None, 1, 65535, optional=True),
     "enable_peer_access": _Setting("KVCOPY_ENABLE_PEER_ACCESS", 1, 0, 1, boolean=True),
@@ -104,9 +104,11 @@ class Config:
     checked (TypeError for a wrong type, ValueError for a value out of range).
 
     host_ctas: CTAs the copy kernel uses for copies that touch host memory
-        (1-65535, env KVCOPY_HOST_CTAS). 16 saturate PCIe on an H200 in both
-        directions while leaving the other 116 SMs to the model.
-    device_ctas: CTAs for copies inside one GPU; None means one per SM
+        (1-65535, env KVCOPY_HOST_CTAS). None (default) means the device's:
+        the fewest that reach 0.90 of the contiguous copy in each direction,
+        found by kvcopy.calibrate, else the H200's: 4 host-to-GPU, 2
+        GPU-to-host (2 KiB-1 MiB blocks), leaving the other SMs to the model.
+    device_ctas: CTAs for copies inside one GPU; None means four per SM
         (env KVCOPY_DEVICE_CTAS).
     peer_ctas: CTAs for copies between two GPUs (NVLink or PCIe peer-to-peer);
         None means the device's default (env KVCOPY_PEER_CTAS).
@@ -121,7 +123,7 @@ class Config:
         were reported to hang on some parts; env KVCOPY_BATCH_CHUNK).
     """
 
-    host_ctas: int
+    host_ctas: int | None
     device_ctas: int | None
     peer_ctas: int | None
     enable_peer_access: bool

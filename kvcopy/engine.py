@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, peers, ring
+from kvcopy import device, kernels, peers, policy, ring
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
@@ -105,15 +105,19 @@ class Target:
     info: "device.DeviceInfo"
     request: CopyRequest
     decision: Decision
+    host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
+    both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
 
-    def ctas(self, max_ctas: int | None) -> int:
+    def ctas(self, max_ctas: int | None, both_ways: bool = False) -> int:
         if max_ctas:
             return max_ctas
         if self.request.direction == "d2d":
-            return config.device_ctas or self.info.caps.sm_count
+            return config.device_ctas or device.default_device_ctas(self.info)
         if self.request.direction == "p2p":
             return config.peer_ctas or device.default_peer_ctas(self.info)
-        return config.host_ctas
+        if both_ways:
+            return self.both_ways_ctas
+        return config.host_ctas or self.host_ctas
 
 
 _targets: dict[tuple, Target] = {}
@@ -159,18 +163,23 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
                           batch_allowed=allow_batch,
                           devices=(found.src_device, found.dst_device),
                           unreachable="" if accessible else unreachable(found, ordinal))
-    decision = choose_method(request, info.caps, device.thresholds(ordinal), method)
-    return Target(handle, info, request, decision)
+    thresholds = device.thresholds(ordinal)
+    decision = choose_method(request, info.caps, thresholds, method)
+    return Target(handle, info, request, decision, thresholds.ctas_for(request.direction),
+                  thresholds.ctas_for(request.direction, both_ways=True))
 
 
 def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _CaptureScratch",
                   max_ctas: int | None) -> None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
 
-    Large batches: one launch. When the batch crosses PCIe anyway and every
-    copy is one tile, the kernel reads the descriptors where they were
-    written (pinned, mapped), which saves the CPU an upload call; otherwise
-    they are uploaded to the slot's device buffer first. Small batches and
+    Large batches: one launch. Where every copy is one tile, the kernel reads
+    the descriptors where they were written (pinned, mapped): each warp
+    fetches its next 32 while it copies, so the fetch hides behind the copies
+    instead of an upload running before the kernel (inside an H200, 16 KiB
+    blocks: 0.88 of the contiguous copy in place, 0.80 uploaded; scripts/
+    serving_probe.py d2d_cta). Multi-tile batches and copies between GPUs
+    have their descriptors uploaded to the slot's device buffer first. Small batches and
     capture: descriptors by value, which graphs keep with the launch (and
     which leave the slot free at once)."""
     info, handle = target.info, target.handle
@@ -178,7 +187,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ca
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
     if count > kernel.per_launch and not target.request.capturing:
         assert isinstance(slot, ring.Slot)   # only capture describes into scratch memory
-        if tiles == count and target.request.direction not in ("d2d", "p2p"):
+        if tiles == count and target.request.direction != "p2p":
             launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
                                  handle)
         else:
@@ -186,8 +195,11 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ca
                                  handle, slot.host)
         ring.DescriptorRing.fence(slot, handle)
         return
-    function = kernel.function if kernel.per_launch == launch.INLINE_MAX else kernel.function_small
-    launch.launch_descs_inline(function, kernel.per_launch, slot.host, count, ctas, threads, handle)
+    # the small variant's 4 KiB of parameters cost the driver less to copy per launch
+    small = count <= launch.INLINE_MAX_SMALL or kernel.per_launch != launch.INLINE_MAX
+    function, per_launch = ((kernel.function_small, launch.INLINE_MAX_SMALL) if small
+                            else (kernel.function, kernel.per_launch))
+    launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,

@@ -129,6 +129,7 @@ class CopyKernel:
     module: int
     function_staged: int     # descriptors in device memory, one launch per batch
     function_blocks: int     # swap_blocks: tensor table + id mapping in device memory
+    function_pair: int       # two batches in one launch, each with its own CTAs
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     per_launch: int
@@ -169,6 +170,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             module=module,
             function_staged=launch.module_function(module, b"kvcopy_scatter"),
             function_blocks=launch.module_function(module, b"kvcopy_blocks"),
+            function_pair=launch.module_function(module, b"kvcopy_scatter_pair"),
             function=launch.module_function(module, b"kvcopy_scatter_inline"),
             function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,

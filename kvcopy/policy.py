@@ -52,12 +52,27 @@ class CopyRequest:
         return self.total_bytes / self.count if self.count else 0.0
 
 
+# Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep
+# an H200 at 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks (host-to-GPU:
+# 2 CTAs 0.65-0.72, 4 CTAs 0.90-0.93; GPU-to-host: 1 CTA 0.62-0.81, 2 CTAs 0.92-0.94;
+# bench/results/h200-serving-probe.txt).
+HOST_CTAS = {"h2d": 4, "d2h": 2}
+# CTAs per direction when a store and a load share one launch (copy_both_ways). With
+# equal CTAs the GPU-to-host writes take most of the upstream link; on the H200 the
+# splits tried reached 0.65-0.80 of the contiguous pair, 16 + 8 among the best.
+BOTH_WAYS_CTAS = {"h2d": 16, "d2h": 8}
+
+
 @dataclass(frozen=True)
 class Thresholds:
-    """Mean block size from which batched DMA is used instead of the kernel."""
+    """A device's calibrated facts (kvcopy.calibrate): the mean block size from which
+    batched DMA is used instead of the kernel, per direction; and the copy kernel's
+    CTAs for copies that touch host memory, alone and beside the other direction."""
 
     batch_min_bytes: dict = field(default_factory=lambda: {"h2d": 1 * MiB, "d2h": 1 * MiB,
                                                            "p2p": 1 * MiB})
+    host_ctas: dict = field(default_factory=lambda: dict(HOST_CTAS))
+    both_ways_ctas: dict = field(default_factory=lambda: dict(BOTH_WAYS_CTAS))
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))
@@ -69,6 +84,26 @@ class Thresholds:
             pair = self.batch_min_bytes.get(f"p2p {req.devices[0]}>{req.devices[1]}")
             return pair if pair is not None else self.for_direction("p2p")
         return self.for_direction(req.direction)
+
+    def ctas_for(self, direction: str, both_ways: bool = False) -> int:
+        """Copy-kernel CTAs for a copy touching host memory ('h2d', 'd2h', or 'mixed',
+        which gets the larger of the two)."""
+        table = self.both_ways_ctas if both_ways else self.host_ctas
+        if direction in table:
+            return int(table[direction])
+        return int(max(table.values(), default=max(HOST_CTAS.values())))
+
+
+def fewest_ctas(fractions: dict, floor: float = 0.90) -> int:
+    """The fewest CTAs whose measured fraction of the contiguous copy reaches ``floor``
+    (``fractions``: CTAs -> fraction, the worst over the block sizes measured);
+    where none does, the count that came closest."""
+    if not fractions:
+        raise ValueError("fewest_ctas: no measurements")
+    enough = [ctas for ctas, fraction in fractions.items() if fraction >= floor]
+    if enough:
+        return min(enough)
+    return max(fractions, key=lambda ctas: (fractions[ctas], -ctas))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ class CapturingDriver:
         return (len(sizes), int(sizes.sum()), kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0,
                 len(sizes))
 
+    INLINE_MAX, INLINE_MAX_SMALL = kv_launch.INLINE_MAX, kv_launch.INLINE_MAX_SMALL
+
     def launch_descs_inline(self, function, per_launch, host, count, ctas, threads, stream):
         self.calls.append(f"inline launch of {count}")
         return 1
@@ -70,7 +72,7 @@ def capture_engine(monkeypatch):
     monkeypatch.setattr(engine, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
-    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, kv_launch.INLINE_MAX)
+    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, kv_launch.INLINE_MAX)
     monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: fake_kernel)
 
     def no_ring():

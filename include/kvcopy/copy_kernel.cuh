@@ -146,12 +146,43 @@ __device__ __forceinline__ void kvcopy_scatter_single_tiles(const kvcopy_desc* d
     }
 }
 
-__device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
-                                                    unsigned long long count,
-                                                    unsigned long long total_tiles) {
+/* Small batches (fewer tiles than half the warps): each tile is cut into
+ * ``split`` parts of whole 16-byte words, one warp each, so that every warp has
+ * loads in flight; latency, not bandwidth, bounds such batches. */
+__device__ __forceinline__ void kvcopy_scatter_split(const kvcopy_desc* descs,
+                                                     unsigned long long count,
+                                                     unsigned long long total_tiles,
+                                                     unsigned long long warp,
+                                                     unsigned long long num_warps,
+                                                     unsigned lane) {
+    unsigned long long split = num_warps / total_tiles;
+    if (split > KVCOPY_MAX_SPLIT) split = KVCOPY_MAX_SPLIT;
+    for (unsigned long long u = warp; u < total_tiles * split; u += num_warps) {
+        const unsigned long long t = u / split, part = u - t * split;
+        const kvcopy_desc desc = descs[kvcopy_find_desc(descs, 0, count, t, lane)];
+        const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
+        unsigned long long len = desc.size - offset;
+        if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
+        const unsigned long long piece = ((len + split - 1) / split + 15) & ~15ULL;
+        const unsigned long long begin = part * piece;
+        if (begin >= len) continue;
+        const unsigned long long n = len - begin < piece ? len - begin : piece;
+        kvcopy_copy_span(reinterpret_cast<const char*>(desc.src) + offset + begin,
+                         reinterpret_cast<char*>(desc.dst) + offset + begin, n, lane);
+    }
+}
+
+/* The copies of descriptors [0, count) by warps warp, warp + num_warps, ... */
+__device__ __forceinline__ void kvcopy_scatter_warps(const kvcopy_desc* descs,
+                                                     unsigned long long count,
+                                                     unsigned long long total_tiles,
+                                                     unsigned long long warp,
+                                                     unsigned long long num_warps) {
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned long long warp = kvcopy_warp_index();
-    const unsigned long long num_warps = kvcopy_warp_count();
+    if (total_tiles * 2 <= num_warps) {
+        kvcopy_scatter_split(descs, count, total_tiles, warp, num_warps, lane);
+        return;
+    }
     if (total_tiles == count) {
         kvcopy_scatter_single_tiles(descs, count, warp, num_warps, lane);
         return;
@@ -161,6 +192,12 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
         d = kvcopy_find_desc(descs, d, count, t, lane);
         kvcopy_copy_tile(descs[d], t, lane);
     }
+}
+
+__device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
+                                                    unsigned long long count,
+                                                    unsigned long long total_tiles) {
+    kvcopy_scatter_warps(descs, count, total_tiles, kvcopy_warp_index(), kvcopy_warp_count());
 }
 
 /* Descriptors in device memory, or in pinned host memory mapped for the device
@@ -178,6 +215,28 @@ extern "C" __global__ void kvcopy_scatter_inline(const __grid_constant__ kvcopy_
 extern "C" __global__ void kvcopy_scatter_inline_small(
     const __grid_constant__ kvcopy_inline_batch_small batch) {
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
+}
+
+/* Two batches in one launch, each with its own CTAs: CTAs [0, ctas_a) copy
+ * descriptors [0, count_a), the others the count_b after them (each batch's
+ * tile_start counts from 0). Used for a store and a load over PCIe at the same
+ * time, whose shares of the link depend on how many SMs issue each. */
+extern "C" __global__ void kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
+                                               unsigned long long count_a,
+                                               unsigned long long tiles_a,
+                                               unsigned long long ctas_a,
+                                               unsigned long long count_b,
+                                               unsigned long long tiles_b) {
+    const unsigned long long per_cta = blockDim.x >> 5;
+    const unsigned long long in_cta = threadIdx.x >> 5;
+    if (blockIdx.x < ctas_a) {
+        kvcopy_scatter_warps(descs, count_a, tiles_a, blockIdx.x * per_cta + in_cta,
+                             ctas_a * per_cta);
+    } else {
+        kvcopy_scatter_warps(descs + count_a, count_b, tiles_b,
+                             (blockIdx.x - ctas_a) * per_cta + in_cta,
+                             (gridDim.x - ctas_a) * per_cta);
+    }
 }
 
 __device__ __forceinline__ unsigned long long kvcopy_block_address(unsigned long long base,

@@ -9,6 +9,11 @@
  * 16, so tile starts keep the alignment of their copy's start. */
 #define KVCOPY_TILE_BYTES 16384ULL
 
+/* At most this many warps share one tile of a small batch (1 KiB each): the
+ * kernel splits tiles when it has at least twice as many warps as tiles, and
+ * the launches size their grids for it. */
+#define KVCOPY_MAX_SPLIT 16ULL
+
 /* One copy: device-visible source and destination, byte count, and the index of
  * its first tile in the batch (an exclusive prefix sum of tile counts). */
 typedef struct kvcopy_desc {

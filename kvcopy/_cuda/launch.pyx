@@ -12,7 +12,7 @@ from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule
 from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_block_tensor, kvcopy_inline_batch,
                                       KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
-                                      KVCOPY_INLINE_MAX_SMALL)
+                                      KVCOPY_INLINE_MAX_SMALL, KVCOPY_MAX_SPLIT)
 
 TILE_BYTES = KVCOPY_TILE_BYTES
 INLINE_MAX = KVCOPY_INLINE_MAX
@@ -34,10 +34,13 @@ def module_function(uintptr_t module, bytes name) -> int:
     return <uintptr_t>function
 
 
-cdef unsigned int _grid(unsigned long long tiles, unsigned int threads,
-                        unsigned int max_ctas) noexcept nogil:
-    """CTAs for ``tiles`` warp-sized units of work: one warp per tile, at most max_ctas."""
-    cdef unsigned long long grid = (tiles + threads // 32 - 1) // (threads // 32)
+cdef unsigned int _grid(unsigned long long tiles, unsigned int threads, unsigned int max_ctas,
+                        unsigned long long warps_per_tile=KVCOPY_MAX_SPLIT) noexcept nogil:
+    """CTAs for ``tiles`` tiles, at most max_ctas: by default up to KVCOPY_MAX_SPLIT
+    warps per tile, so that a small batch spreads over the warps it may use (the
+    scatter kernels split tiles; the block kernel does not)."""
+    cdef unsigned long long warps = tiles * warps_per_tile
+    cdef unsigned long long grid = (warps + threads // 32 - 1) // (threads // 32)
     return <unsigned int>(max_ctas if grid > max_ctas else grid)
 
 
@@ -126,6 +129,39 @@ def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned lon
 
 
 
+def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
+                unsigned long long tiles_a, unsigned int ctas_a, Py_ssize_t count_b,
+                unsigned long long tiles_b, unsigned int ctas_b, unsigned int threads,
+                uintptr_t stream, uintptr_t upload_from=0) -> int:
+    """Launch ``kvcopy_scatter_pair``: two described batches, back to back at ``descs``
+    (each with tile_start counted from 0), copied by ctas_a and ctas_b CTAs of one
+    launch. Buffers as for launch_descs. Returns the number of launches (0 or 1)."""
+    cdef CUdeviceptr dev = <CUdeviceptr>descs
+    cdef unsigned long long ca = <unsigned long long>count_a, cb = <unsigned long long>count_b
+    cdef unsigned long long grid_a, grid_b
+    cdef void* params[6]
+    _check_launch_shape(ctas_a or 1, threads)
+    _check_launch_shape(ctas_b or 1, threads)
+    grid_a = _grid(tiles_a, threads, ctas_a) if tiles_a else 0
+    grid_b = _grid(tiles_b, threads, ctas_b) if tiles_b else 0
+    if grid_a + grid_b == 0:
+        return 0
+    params[0] = &dev
+    params[1] = &ca
+    params[2] = &tiles_a
+    params[3] = &grid_a
+    params[4] = &cb
+    params[5] = &tiles_b
+    with nogil:
+        if upload_from:
+            check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from,
+                                          (count_a + count_b) * sizeof(kvcopy_desc),
+                                          <CUstream>stream))
+        check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>(grid_a + grid_b), 1, 1,
+                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+    return 1
+
+
 def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
                          const uint64_t[:, ::1] tensors, const int64_t[:, ::1] mapping,
                          unsigned long long block_bytes, unsigned int max_ctas,
@@ -165,8 +201,8 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
         memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
         check(cydriver.cuMemcpyAsync(<CUdeviceptr>device_buf, <CUdeviceptr>host_buf, total,
                                       <CUstream>stream))
-        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
-                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas, 1),
+                                       1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
     return 1
 
 
