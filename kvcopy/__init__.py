@@ -3,7 +3,7 @@
 Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
-from kvcopy.api import copy_batch, last_decision, swap_blocks
+from kvcopy.api import copy_batch, copy_both_ways, last_decision, swap_blocks
 from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
 from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
     "TransferResult", "block_view", "calibrate", "calibrate_peers", "config", "copy_batch",
+    "copy_both_ways",
     "device_pointer", "last_decision", "pinned_empty", "register", "resolve_stream",
     "swap_blocks",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy import engine
+from kvcopy import both_ways, engine
 from kvcopy.blocks import plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
@@ -95,6 +95,40 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
                                  None if max_ctas is None else int(max_ctas), allow_batch)
 
 
+def _triple(batch: Any, name: str) -> tuple:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+        what = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+                else type(batch).__name__)
+        raise TypeError(f"{name} must be a (src_ptrs, dst_ptrs, sizes) triple; got {what}")
+    return tuple(as_u64_array(a, f"{name}[{i}]") for i, a in enumerate(batch))
+
+
+def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
+                   method: RequestedMethod = "auto") -> tuple[str, str]:
+    """Copy two batches at once, typically a store (GPU to host) and a load (host to GPU).
+
+    Each is a ``(src_ptrs, dst_ptrs, sizes)`` triple as copy_batch takes. Where the
+    copy kernel runs both, they go out as one launch whose CTAs are split by
+    direction (Thresholds.both_ways_ctas), so neither direction starves the
+    other on the PCIe link; where a side goes by DMA, it runs on a stream of
+    kvcopy's own forked from ``stream`` and joined back. Either way the copies
+    start after the work already queued on ``stream`` and work queued on it
+    afterwards starts after both. Both batches are validated before either is
+    issued; copies of one batch must not overlap the other's destinations.
+
+    Returns the method each side ran with, e.g. ('kernel', 'kernel').
+
+    Raises:
+        TypeError, ValueError: bad arguments, named with the side ('store' or 'load').
+        CaptureError: method='batch' on a capturing stream.
+    """
+    check_method(method)
+    first, second = _triple(store, "store"), _triple(load, "load")
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(*store, *load))
+    return both_ways.execute_both(first, second, handle, method, ("store", "load"))
+
+
 def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
                 method: RequestedMethod = "auto", split_blocks: bool = False) -> str:
     """Copy blocks ``block_mapping[k, 0]`` of ``src`` to blocks ``block_mapping[k, 1]`` of ``dst``.
@@ -150,4 +184,4 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     return ran
 
 
-__all__ = ["copy_batch", "last_decision", "swap_blocks"]
+__all__ = ["copy_batch", "copy_both_ways", "last_decision", "swap_blocks"]

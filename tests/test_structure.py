@@ -22,7 +22,7 @@ LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
     {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
      "kvcopy.peers"},
-    {"kvcopy.engine"},
+    {"kvcopy.engine", "kvcopy.both_ways"},
     {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API

@@ -1,0 +1,129 @@
+"""A store and a load at once: two batches in one kernel launch, each with its own
+CTAs, or each by DMA on a stream of its own.
+
+Over PCIe, a GPU-to-host copy kernel's writes and a host-to-GPU kernel's read
+requests share the upstream link, and which one gets it depends on how many SMs
+issue each: launched separately with equal footprints, the writes win and the
+reads starve. One launch with CTAs split by direction (policy.BOTH_WAYS_CTAS,
+calibratable per device) keeps the two balanced, and the caller needs one stream.
+Where the policy sends a side to DMA (large blocks), that side runs on a stream
+of kvcopy's own that forks from the caller's stream and joins it again, so that
+both sides' copy engines run at once.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kvcopy import engine, kernels, ring
+from kvcopy._cuda import describe, dma, driver, launch
+from kvcopy.config import config
+from kvcopy.context import ContextScope
+from kvcopy.errors import NoDriverError
+from kvcopy.interop.streams import effective_handle
+from kvcopy.plan import plan_copies
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+_side_streams: dict[int, int] = {}
+_side_lock = threading.Lock()
+
+
+def _side_stream() -> int:
+    """kvcopy's second stream in the current context (created once, never destroyed)."""
+    ctx = driver.current_context()
+    stream = _side_streams.get(ctx)
+    if stream is None:
+        with _side_lock:
+            stream = _side_streams.get(ctx)
+            if stream is None:
+                stream = _side_streams[ctx] = driver.stream_create(non_blocking=True)
+    return stream
+
+
+def _describe(batch: Arrays, out: int, name: str) -> tuple:
+    """describe_copies of one side, its errors named after the side."""
+    try:
+        return describe.describe_copies(*batch, out, True)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, method: str,
+           names: tuple[str, str]) -> tuple[str, str] | None:
+    """Describe (so validate) both batches into one slot and, where the policy picks
+    the kernel for both, launch them as one. None: run them apart (another method,
+    memory of several devices, or an empty side)."""
+    nbytes = (len(first[2]) + len(second[2])) * describe.DESCRIPTOR_BYTES
+    while True:
+        with ring.ring_for_current_context().reserve(nbytes) as slot:
+            count_a, bytes_a, *kinds_a, tiles_a = _describe(first, slot.host, names[0])
+            offset = slot.host + count_a * describe.DESCRIPTOR_BYTES
+            count_b, bytes_b, *kinds_b, tiles_b = _describe(second, offset, names[1])
+            found_a, found_b = engine.MemoryClasses(*kinds_a), engine.MemoryClasses(*kinds_b)
+            owners = {o for o in (found_a.owner, found_b.owner) if o != -1}
+            if len(owners) > 1 or -2 in owners or not count_a or not count_b:
+                return None
+            if scope.follow_memory(owners.pop() if owners else -1):
+                continue  # switched device: describe again there
+            a = engine.decide(handle, method, count_a, bytes_a, found_a, False)
+            b = engine.decide(handle, method, count_b, bytes_b, found_b, False)
+            if a.decision.method != "kernel" or b.decision.method != "kernel":
+                return None
+            kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
+            # one-tile copies over PCIe: the kernel reads the descriptors where they are
+            in_place = (tiles_a == count_a and tiles_b == count_b
+                        and not {a.request.direction, b.request.direction} & {"d2d", "p2p"})
+            launch.launch_pair(kernel.function_pair, slot.mapped if in_place else slot.device,
+                               count_a, tiles_a, a.ctas(None, both_ways=True), count_b, tiles_b,
+                               b.ctas(None, both_ways=True), config.threads_per_cta, handle,
+                               0 if in_place else slot.host)
+            ring.DescriptorRing.fence(slot, handle)
+            return "kernel", "kernel"
+
+
+def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",
+                 names: tuple[str, str] = ("first", "second")) -> tuple[str, str]:
+    """Issue two batches together, ordered after the work on ``stream_handle`` and
+    before the work enqueued there next (see the module doc); returns the method
+    each ran with. Raises ValueError (prefixed with the side's name) for a bad copy
+    of either batch before either is issued."""
+    handle = effective_handle(stream_handle)
+    try:
+        return _execute_both(handle, first, second, method, names)
+    except NoDriverError:
+        # without a GPU, bad input is still reported as such
+        for (src, dst, sizes), name in zip((first, second), names):
+            try:
+                plan_copies(src, dst, sizes)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        raise
+
+
+def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
+                  names: tuple[str, str]) -> tuple[str, str]:
+    with ContextScope(handle) as scope:
+        capturing = driver.stream_capture_status(handle) != 0
+        if not capturing and method in ("auto", "kernel"):
+            ran = _fused(scope, handle, first, second, method, names)
+            if ran is not None:
+                return ran
+        # apart: both are checked as the DMA paths check (host memory readable or
+        # writable by this process) before either is issued
+        for batch, name in zip((first, second), names):
+            try:
+                dma.plan_dma(*batch, True)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if capturing:   # one stream: the graph keeps the two in order
+            return (engine.execute_copies(scope, handle, *first, method, True, False, None),
+                    engine.execute_copies(scope, handle, *second, method, True, False, None))
+        side = _side_stream()
+        driver.stream_wait_stream(side, handle)
+        ran_a = engine.execute_copies(scope, handle, *first, method, True, False, None)
+        # the side stream is a created stream of this context: its scope never moves
+        ran_b = engine.execute_copies(ContextScope(side), side, *second, method, True, False,
+                                      None)
+        driver.stream_wait_stream(handle, side)
+        return ran_a, ran_b

@@ -1,0 +1,161 @@
+"""copy_both_ways on a real GPU (a store and a load at once, one launch or two DMA
+streams), and small batches whose tiles the kernel splits over many warps: every
+destination byte checked. Skipped without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from gpu_helpers import address, expected_after, host_bytes, make_pool, scattered
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+class Side:
+    """A scattered batch between two fresh pools, and the bytes it must leave."""
+
+    def __init__(self, src_kind: str, dst_kind: str, count: int, sizes, seed: int,
+                 align: int = 1) -> None:
+        rng = np.random.default_rng(seed)
+        sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), (count,))
+        pool = max(int((sizes.max() + align) * count * 2), 1 << 16)
+        self.src, self.dst = make_pool(src_kind, pool, seed), make_pool(dst_kind, pool, seed + 1)
+        self.src_before, self.dst_before = host_bytes(self.src), host_bytes(self.dst)
+        self.src_off, self.sizes = scattered(count, sizes, pool, rng, align)
+        self.dst_off, _ = scattered(count, sizes, pool, rng, align)
+
+    def triple(self) -> tuple:
+        return (address(self.src) + self.src_off, address(self.dst) + self.dst_off, self.sizes)
+
+    def check(self) -> None:
+        np.testing.assert_array_equal(host_bytes(self.dst), expected_after(
+            self.src_before, self.dst_before, self.src_off, self.dst_off, self.sizes))
+
+    def unchanged(self) -> None:
+        np.testing.assert_array_equal(host_bytes(self.dst), self.dst_before)
+
+
+@pytest.mark.parametrize("size, count", [(2048, 3000), (16384, 512), (16384, 7),
+                                         (100_000, 40), (5000, 2)])
+def test_store_and_load_by_the_kernel(torch_cuda, size, count):
+    store = Side("cuda", "pinned", count, size, 1, align=13)
+    load = Side("pinned", "cuda", count + 5, size, 2, align=7)
+    stream = torch_cuda.cuda.Stream()
+    ran = kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream)
+    stream.synchronize()
+    assert ran == ("kernel", "kernel")
+    store.check()
+    load.check()
+
+
+def test_a_single_copy_side_is_one_dma_copy(torch_cuda):
+    store = Side("cuda", "pinned", 1, 5000, 14, align=13)
+    load = Side("pinned", "cuda", 30, 5000, 15, align=7)
+    stream = torch_cuda.cuda.Stream()
+    assert kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream) == ("loop",
+                                                                                   "kernel")
+    stream.synchronize()
+    store.check()
+    load.check()
+
+
+def test_large_blocks_go_by_dma_on_two_streams_and_join(torch_cuda):
+    torch = torch_cuda
+    store = Side("cuda", "pinned", 6, 2 * MiB, 3)
+    load = Side("pinned", "cuda", 6, 2 * MiB, 4)
+    stream = torch.cuda.Stream()
+    ran = kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream)
+    with torch.cuda.stream(stream):
+        after = load.dst.clone()   # queued after the call: must see the loaded bytes
+    stream.synchronize()
+    assert ran == ("batch", "batch")
+    store.check()
+    load.check()
+    np.testing.assert_array_equal(after.cpu().numpy(), host_bytes(load.dst))
+
+
+@pytest.mark.parametrize("size", [16384, 2 * MiB])
+def test_both_start_after_work_queued_on_the_stream(torch_cuda, size):
+    torch = torch_cuda
+    store = Side("cuda", "pinned", 8, size, 5)
+    load = Side("pinned", "cuda", 8, size, 6)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)    # the fill below runs late
+        store.src.fill_(0x5A)
+    kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream)
+    stream.synchronize()
+    store.src_before = np.full_like(store.src_before, 0x5A)
+    store.check()
+    load.check()
+
+
+def test_captured_in_a_graph(torch_cuda):
+    torch = torch_cuda
+    store = Side("cuda", "pinned", 64, 16384, 7)
+    load = Side("pinned", "cuda", 64, 16384, 8)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        ran = kvcopy.copy_both_ways(store.triple(), load.triple(),
+                                    stream=torch.cuda.current_stream())
+    store.unchanged()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ran == ("kernel", "kernel")
+    store.check()
+    load.check()
+
+
+def test_a_bad_load_pointer_writes_nothing_on_either_side(torch_cuda):
+    store = Side("cuda", "pinned", 16, 4096, 9)
+    load = Side("pinned", "cuda", 16, 4096, 10)
+    src, dst, sizes = load.triple()
+    src = src.copy()
+    src[3] = 0x2A
+    with pytest.raises(ValueError, match=r"^load: src_ptrs\[3\]"):
+        kvcopy.copy_both_ways(store.triple(), (src, dst, sizes))
+    torch_cuda.cuda.synchronize()
+    store.unchanged()
+    load.unchanged()
+    assert kvcopy.copy_both_ways(store.triple(), load.triple()) == ("kernel", "kernel")
+    store.check()
+    load.check()
+
+
+def test_an_empty_side_runs_the_other_alone(torch_cuda):
+    load = Side("pinned", "cuda", 20, 4096, 11)
+    empty = (np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64))
+    ran = kvcopy.copy_both_ways(empty, load.triple())
+    torch_cuda.cuda.synchronize()
+    assert ran == ("none", "kernel")
+    load.check()
+
+
+@pytest.mark.parametrize("method", ["kernel", "batch", "loop"])
+def test_explicit_methods(torch_cuda, method):
+    store = Side("cuda", "pinned", 32, 30000, 12, align=5)
+    load = Side("pinned", "cuda", 32, 30000, 13, align=3)
+    stream = torch_cuda.cuda.Stream()
+    assert kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream,
+                                 method=method) == (method, method)
+    stream.synchronize()
+    store.check()
+    load.check()
+
+
+# ---------------------------------------------- small batches: tiles split over warps
+
+@pytest.mark.parametrize("direction", [("pinned", "cuda"), ("cuda", "pinned"), ("cuda", "cuda")])
+@pytest.mark.parametrize("count, size", [(1, 16384), (3, 16381), (16, 16384), (5, 1000),
+                                         (2, 40_000), (40, 777)])
+@pytest.mark.parametrize("max_ctas", [1, 4, 64])
+def test_small_batches_split_over_warps(torch_cuda, direction, count, size, max_ctas):
+    side = Side(*direction, count, size, count * 31 + size, align=11)
+    stream = torch_cuda.cuda.Stream()
+    assert kvcopy.copy_batch(*side.triple(), stream=stream, method="kernel",
+                             max_ctas=max_ctas) == "kernel"
+    stream.synchronize()
+    side.check()
