@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy.bench import extra, gpu_pairs, report
+from kvcopy.bench import beside, extra, gpu_pairs, report
 from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 4)
+    steps = len(jobs) + (0 if args.no_scenarios else 5)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         stages = [("bidirectional", "both directions at once",
                    lambda: extra.bidirectional(repeats=repeats)),
                   ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
-                  ("compute_slowdown", "compute beside the copy", extra.compute_slowdown),
+                  ("compute_beside", "compute beside the copy (paired)",
+                   lambda: [row for direction in ("h2d", "d2h") for row in beside.compute_beside(
+                       pairs=12 if args.quick else 24, direction=direction)]),
+                  ("serving_step", "matmul beside a store and a load",
+                   lambda: beside.serving_step(pairs=8 if args.quick else 16)),
                   ("swap_blocks", "swap_blocks on a paged cache",
                    lambda: extra.swap_blocks_cache(counts, repeats,
                                                    batch_max_copies=16384 if args.quick else None))]

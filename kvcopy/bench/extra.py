@@ -1,5 +1,5 @@
-"""Scenarios beyond the block sweep: both directions at once, the cost to compute
-running beside the copy, and swap_blocks on a realistic paged KV cache."""
+"""Scenarios beyond the block sweep: both directions at once, small batches, and
+swap_blocks on a realistic paged KV cache (compute beside copies: bench.beside)."""
 from __future__ import annotations
 
 import statistics
@@ -26,6 +26,12 @@ def _pointers(pools: Pools, block: int, count: int, seed: int):
             np.full(count, block, dtype=np.uint64))
 
 
+def _chose() -> str:
+    """The method kvcopy's last copy on this thread used."""
+    decision = kvcopy.last_decision()
+    return decision.method if decision else ""
+
+
 def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) -> Callable[[], None]:
     """One call that copies batch a on stream s1 and batch b on stream s2."""
     def run() -> None:
@@ -34,84 +40,48 @@ def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) ->
     return run
 
 
-def bidirectional(block: int = 16 * KiB, total: int = 64 * MiB, repeats: int = 5) -> Iterator[dict]:
-    """Host-to-GPU and GPU-to-host at the same time, on two streams: GPU time spanning
-    both streams and wall time (call to completion), against two contiguous copies."""
+def bidirectional(blocks=(4 * KiB, 16 * KiB, 256 * KiB, 1 * MiB), total: int = 64 * MiB,
+                  repeats: int = 5) -> Iterator[dict]:
+    """Host-to-GPU and GPU-to-host at the same time: GPU time spanning both streams and
+    wall time (call to completion), against two contiguous copies on two streams.
+    kvcopy as an engine would call it (copy_batch per direction on two streams, by
+    each method) and with copy_both_ways (one call, one stream)."""
     import torch
 
-    count = total // block
-    h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
-    a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
+    for block in blocks:
+        count = total // block
+        a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
 
-    def contiguous() -> None:
-        with torch.cuda.stream(s1):
-            h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
-        with torch.cuda.stream(s2):
-            d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
-    cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
-    for method in ("auto", "kernel", "batch"):
-        cases[method] = _both_ways(a, b, s1, s2, method)
-    pair_ms = None
-    for name, fn in cases.items():
-        times = []
-        for i in range(repeats + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times)
-        gpu_ms = span_ms(fn, s1, s2, repeats=repeats)
-        pair_ms = pair_ms or gpu_ms
-        yield {"scenario": "bidirectional", "block_bytes": block, "count": count, "method": name,
-               "total_gbps": 2 * total / gpu_ms / 1e6, "of_contiguous_pair": pair_ms / gpu_ms,
-               "wall_gbps": 2 * total / seconds / 1e9}
-
-
-def compute_slowdown(block: int = 16 * KiB, total: int = 256 * MiB, n: int = 8192) -> Iterator[dict]:
-    """How much a full-GPU matmul slows while copies run beside it (kernel against DMA)."""
-    import torch
-
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
-    pools = Pools("h2d", total, "torch")
-    ptrs = _pointers(pools, block, total // block, 3)
-
-    def matmuls(reps: int = 20) -> tuple[Any, Any]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(compute):
-            start.record()
-            for _ in range(reps):
-                torch.matmul(a, b)
-            end.record()
-        return start, end
-
-    matmuls(3)
-    torch.cuda.synchronize()
-    # (label, method, CTAs, threads per CTA): the default kernel and smaller footprints
-    variants = [("alone", None, None, None), ("batch", "batch", None, None),
-                ("kernel", "kernel", None, None), ("kernel 16x256", "kernel", 16, 256),
-                ("kernel 8x512", "kernel", 8, 512)]
-    for label, method, ctas, threads in variants:
-        saved = config.threads_per_cta
-        config.threads_per_cta = threads or saved
-        try:
-            samples = []
-            for _ in range(3):
-                start, end = matmuls()
-                if method is not None:
-                    for _ in range(4):
-                        kvcopy.copy_batch(*ptrs, stream=copy, method=cast(RequestedMethod, method),
-                                          max_ctas=ctas)
+        def contiguous() -> None:
+            with torch.cuda.stream(s1):
+                h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
+            with torch.cuda.stream(s2):
+                d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
+        cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
+        for method in ("auto", "kernel", "batch"):
+            cases[method] = _both_ways(a, b, s1, s2, method)
+        cases["copy_both_ways"] = functools.partial(kvcopy.copy_both_ways, b, a, stream=s1)
+        pair_ms = pair_wall = None
+        for name, fn in cases.items():
+            times = []
+            for i in range(repeats + 1):
                 torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end))
-        finally:
-            config.threads_per_cta = saved
-        yield {"scenario": "compute_slowdown", "method": label, "block_bytes": block,
-               "matmul_ms": statistics.median(samples)}
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+            gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
+            pair_ms, pair_wall = pair_ms or gpu_ms, pair_wall or seconds
+            chose = "" if name == "contiguous" else _chose()
+            yield {"scenario": "bidirectional", "block_bytes": block, "count": count,
+                   "method": name, "chose": chose, "total_gbps": 2 * total / gpu_ms / 1e6,
+                   "of_contiguous_pair": pair_ms / gpu_ms,
+                   "wall_gbps": 2 * total / seconds / 1e9, "wall_of_contiguous_pair":
+                   pair_wall / seconds}
 
 
 def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
@@ -144,40 +114,45 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
                        "cpu_us": t.cpu_us}
 
 
-def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 200) -> Iterator[dict]:
+def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:
     """What a decode step issues: tens of blocks. Call-to-completion wall time (the
-    call, then a stream synchronize, from an idle stream), median of ``repeats``,
-    against one contiguous copy of the same bytes."""
+    call, then cuStreamSynchronize, from an idle stream), median of ``repeats``,
+    against one cuMemcpyAsync of the same bytes timed the same way. The stream is
+    passed as its raw handle, so no framework's own overhead is counted."""
     import torch
+    from cuda.bindings import driver as cu
 
     stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+
+    def synchronize() -> None:
+        cu.cuStreamSynchronize(handle)
     for direction in ("h2d", "d2h"):
         pools = Pools(direction, max(counts) * block, "torch")
         for count in counts:
             ptrs = _pointers(pools, block, count, count)
             nbytes = count * block
-
-            def contiguous() -> None:
-                with torch.cuda.stream(stream):
-                    pools.dst[:nbytes].copy_(pools.src[:nbytes], non_blocking=True)
-            cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
+            src, dst = pools.src.data_ptr(), pools.dst.data_ptr()
+            cases: dict[str, Callable[[], object]] = {
+                "contiguous": lambda: cu.cuMemcpyAsync(dst, src, nbytes, handle)}
             for method in ("auto", "kernel", "batch"):
-                cases[method] = functools.partial(kvcopy.copy_batch, *ptrs, stream=stream,
+                cases[method] = functools.partial(kvcopy.copy_batch, *ptrs, stream=handle,
                                                   method=cast(RequestedMethod, method))
-            walls = {}
+            walls, chose = {}, {}
             for name, fn in cases.items():
-                for _ in range(5):
+                for _ in range(10):
                     fn()
-                stream.synchronize()
+                synchronize()
+                chose[name] = "" if name == "contiguous" else _chose()
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     fn()
-                    stream.synchronize()
+                    synchronize()
                     times.append((time.perf_counter() - t0) * 1e6)
                 walls[name] = statistics.median(times)
             for name, us in walls.items():
                 yield {"scenario": "small_batches", "direction": direction, "blocks": count,
-                       "block_bytes": block, "method": name, "wall_us": us,
-                       "wall_gbps": nbytes / us / 1e3,
+                       "block_bytes": block, "method": name, "chose": chose[name],
+                       "wall_us": us, "wall_gbps": nbytes / us / 1e3,
                        "of_contiguous_wall": walls["contiguous"] / us}

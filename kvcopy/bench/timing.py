@@ -55,24 +55,30 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
 
 
 def span_ms(fn: Callable[[], object], first, second, *, repeats: int = 7, warmup: int = 2,
-            cover_cycles: int = 4_000_000) -> float:
+            cover_cycles: int | None = 4_000_000) -> float:
     """Median GPU time of work ``fn`` enqueues on two torch streams (of one device or
     two), from when both may start until both are done: ``second`` waits for the
     start event on ``first``, and ``first`` for the end of ``second``. A sleep on
-    ``first`` covers the call's CPU time, as in measure()."""
+    ``first`` covers the call's CPU time, as in measure() (``cover_cycles`` None:
+    sized from the warm-up calls' CPU time)."""
     import torch
 
-    times = []
+    times: list[float] = []
+    cpu: list[float] = []
     for i in range(warmup + repeats):
+        if i == warmup and cover_cycles is None:
+            cover_cycles = int((max(cpu) * 2 + 200) * _CYCLES_PER_US)
         first.synchronize()
         second.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         joined = torch.cuda.Event()
         with torch.cuda.stream(first):
-            torch.cuda._sleep(cover_cycles)
+            torch.cuda._sleep(cover_cycles or 4_000_000)
         start.record(first)
         second.wait_event(start)
+        t0 = time.perf_counter()
         fn()
+        cpu.append((time.perf_counter() - t0) * 1e6)
         joined.record(second)
         first.wait_event(joined)
         end.record(first)

@@ -1,0 +1,411 @@
+"""What a serving step needs from the copy paths, measured piece by piece on one GPU:
+  bidir     both directions at once, each direction's own GB/s, for kernel footprints
+            per direction and for copy engines fed in interleaved chunks;
+  footprint fewest CTAs per block size, one way (fraction of the contiguous copy);
+  d2d       CTAs and threads for copies inside the GPU;
+  latency   call-to-completion floor for small batches, and where the time goes;
+  chunks    wall time of batched DMA issued in chunks, and of the kernel path split
+            into a small first launch and the rest.
+Run on a GPU: python3 scripts/serving_probe.py [part ...]"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import kvcopy
+from kvcopy.bench.timing import measure
+from kvcopy.config import config
+
+KiB, MiB = 1 << 10, 1 << 20
+TOTAL = 64 * MiB
+
+
+def pointers(src, dst, block, n, seed):
+    rng = np.random.default_rng(seed)
+    p, q = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
+    return ((src.data_ptr() + p * block).astype(np.uint64),
+            (dst.data_ptr() + q * block).astype(np.uint64), np.full(n, block, np.uint64))
+
+
+def sliced(ptrs, start, stop):
+    return tuple(a[start:stop] for a in ptrs)
+
+
+def per_stream_ms(enqueue, s1, s2, repeats=7):
+    """GPU time from a common start to the end of each of two streams; a sleep on s1
+    (sized from the call's CPU time) keeps the work from starting before it is all
+    enqueued."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    enqueue()
+    torch.cuda.synchronize()
+    cover = int(((time.perf_counter() - t0) * 2e6 + 300) * 2000)
+    ones, twos = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        e1, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s1):
+            torch.cuda._sleep(cover)
+        start.record(s1)
+        s2.wait_event(start)
+        enqueue()
+        e1.record(s1)
+        e2.record(s2)
+        torch.cuda.synchronize()
+        ones.append(start.elapsed_time(e1))
+        twos.append(start.elapsed_time(e2))
+    return statistics.median(ones), statistics.median(twos)
+
+
+class BothWays:
+    """Pools and two streams for a load (host to GPU, on s1) and a store (GPU to host,
+    on s2) of TOTAL bytes each, and the contiguous pair's GPU time."""
+
+    def __init__(self) -> None:
+        self.host_a = torch.empty(2 * TOTAL, dtype=torch.uint8, pin_memory=True)
+        self.host_b = torch.empty(2 * TOTAL, dtype=torch.uint8, pin_memory=True)
+        self.gpu_a = torch.empty(2 * TOTAL, dtype=torch.uint8, device="cuda")
+        self.gpu_b = torch.empty(2 * TOTAL, dtype=torch.uint8, device="cuda")
+        self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def batches(self, block):
+        """(load, store) pointer triples of scattered blocks."""
+        n = TOTAL // block
+        return (pointers(self.host_a, self.gpu_a, block, n, 1),
+                pointers(self.gpu_b, self.host_b, block, n, 2))
+
+    def contiguous(self) -> None:
+        with torch.cuda.stream(self.s1):
+            self.gpu_a[:TOTAL].copy_(self.host_a[:TOTAL], non_blocking=True)
+        with torch.cuda.stream(self.s2):
+            self.host_b[:TOTAL].copy_(self.gpu_b[:TOTAL], non_blocking=True)
+
+    def span_ms(self, fn) -> float:
+        return max(per_stream_ms(fn, self.s1, self.s2))
+
+
+def bidir(blocks=(4 * KiB, 16 * KiB, 256 * KiB)):
+    both = BothWays()
+    s1, s2 = both.s1, both.s2
+    print("bidir: UNROLL", os.environ.get("KVCOPY_UNROLL", "4"), "; GB/s h2d, d2h, sum; "
+          "sum / contiguous pair")
+    for block in blocks:
+        n = TOTAL // block
+        h2d, d2h = both.batches(block)
+        contiguous = both.contiguous
+        cases = {"contiguous pair": contiguous}
+        for hc, dc, threads in ((16, 16, 512), (4, 4, 512), (32, 16, 512), (64, 16, 512),
+                                (132, 16, 512), (64, 4, 512), (132, 4, 512), (64, 64, 512),
+                                (128, 16, 256), (132, 8, 512)):
+            def kernels(hc=hc, dc=dc, threads=threads):
+                config.threads_per_cta = threads
+                kvcopy.copy_batch(*h2d, stream=s1, method="kernel", max_ctas=hc)
+                kvcopy.copy_batch(*d2h, stream=s2, method="kernel", max_ctas=dc)
+                config.threads_per_cta = 512
+            cases[f"kernel h{hc} d{dc} x{threads}"] = kernels
+        if os.environ.get("KVCOPY_UNROLL", "4") == "4":
+            chunk = max(8, (1 * MiB) // block)
+
+            def interleaved(h_method, d_method):
+                def run():
+                    for i in range(0, n, chunk):
+                        kvcopy.copy_batch(*sliced(h2d, i, i + chunk), stream=s1, method=h_method,
+                                          max_ctas=None if h_method == "batch" else 64)
+                        kvcopy.copy_batch(*sliced(d2h, i, i + chunk), stream=s2, method=d_method)
+                return run
+            cases["batch + batch, interleaved"] = interleaved("batch", "batch")
+            cases["kernel64 + batch, interleaved"] = interleaved("kernel", "batch")
+            cases["batch + kernel16, interleaved"] = interleaved("batch", "kernel")
+        pair = None
+        for name, fn in cases.items():
+            h_ms, d_ms = per_stream_ms(fn, s1, s2)
+            span = max(h_ms, d_ms)
+            pair = pair or span
+            print(f"  {block // KiB:>4} KiB {name:<32} {TOTAL / h_ms / 1e6:6.1f} "
+                  f"{TOTAL / d_ms / 1e6:6.1f} {2 * TOTAL / span / 1e6:6.1f}  {pair / span:.2f}",
+                  flush=True)
+
+
+def one_way_pools(direction, total):
+    host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    return {"h2d": (host, dev), "d2h": (dev, host), "d2d": (dev, dev2)}[direction]
+
+
+def ratio_rows(direction, blocks, variants, total=TOTAL):
+    src, dst = one_way_pools(direction, total)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        contiguous = measure(lambda: dst[:total].copy_(src[:total], non_blocking=True), stream)
+    print(f"{direction}: contiguous {total / contiguous.gpu_ms / 1e6:.1f} GB/s, "
+          f"wall {total / contiguous.wall_ms / 1e6:.1f}")
+    for block in blocks:
+        n = total // block
+        ptrs = pointers(src, dst, block, n, block)
+        cells = []
+        for label, ctas, threads in variants:
+            config.threads_per_cta = threads
+            t = measure(lambda: kvcopy.copy_batch(*ptrs, stream=stream, method="kernel",
+                                                  max_ctas=ctas), stream)
+            config.threads_per_cta = 512
+            cells.append(f"{label} {contiguous.gpu_ms / t.gpu_ms:.2f}/{contiguous.wall_ms / t.wall_ms:.2f}")
+        print(f"  {block // KiB:>5} KiB  " + "  ".join(cells), flush=True)
+
+
+def footprint():
+    print("footprint: GPU-time/wall fraction of the contiguous copy")
+    variants = [(f"{c}x512", c, 512) for c in (2, 4, 8, 16)]
+    for direction in ("h2d", "d2h"):
+        ratio_rows(direction, (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), variants)
+
+
+def d2d():
+    print("d2d: GPU-time/wall fraction of the contiguous copy")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = [(f"{k}x{sms}x{t}", k * sms, t) for k, t in ((1, 512), (2, 512), (3, 512),
+                                                            (4, 512), (4, 256), (8, 256))]
+    ratio_rows("d2d", (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB), variants, total=256 * MiB)
+
+
+def wall_us(fn, stream, repeats=300, sync=None):
+    sync = sync or stream.synchronize
+    for _ in range(10):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(out)
+
+
+def latency():
+    from cuda.bindings import driver as cu
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+    for direction in ("h2d", "d2h"):
+        src, dst = one_way_pools(direction, 4 * MiB)
+        for count in (16, 64, 256):
+            nbytes = count * 16 * KiB
+            ptrs = pointers(src, dst, 16 * KiB, count, count)
+            raw_sync = lambda: cu.cuStreamSynchronize(handle)  # noqa: E731
+            rows = {
+                "torch contiguous + stream.sync": wall_us(
+                    lambda: dst[:nbytes].copy_(src[:nbytes], non_blocking=True),
+                    torch.cuda.current_stream()),
+                "cuMemcpyAsync contiguous + cuStreamSynchronize": wall_us(
+                    lambda: cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, handle),
+                    stream, sync=raw_sync),
+                "kvcopy kernel, torch stream, stream.sync": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=stream, method="kernel"), stream),
+                "kvcopy kernel, raw handle, cuStreamSynchronize": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel"), stream,
+                    sync=raw_sync),
+                "kvcopy kernel 4 CTAs, raw handle": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel", max_ctas=4),
+                    stream, sync=raw_sync),
+                "kvcopy kernel 64 CTAs, raw handle": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel", max_ctas=64),
+                    stream, sync=raw_sync),
+                "kvcopy call alone (no sync)": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel"), stream,
+                    sync=lambda: None, repeats=100),
+                "cuStreamSynchronize of an idle stream": wall_us(lambda: None, stream,
+                                                                 sync=raw_sync),
+            }
+            for name, us in rows.items():
+                print(f"latency {direction} {count:>3}x16KiB  {name:<50} {us:7.1f} us", flush=True)
+
+
+def chunks():
+    stream = torch.cuda.Stream()
+    for direction in ("h2d", "d2h"):
+        src, dst = one_way_pools(direction, TOTAL)
+        with torch.cuda.stream(stream):
+            contiguous = measure(lambda: dst[:TOTAL].copy_(src[:TOTAL], non_blocking=True),
+                                 stream)
+        for block in (64 * KiB, 256 * KiB, 1 * MiB):
+            ptrs = pointers(src, dst, block, TOTAL // block, block)
+            for chunk in (16384, 256, 64, 16):
+                config.batch_chunk = chunk
+                t = measure(lambda: kvcopy.copy_batch(*ptrs, stream=stream, method="batch"),
+                            stream)
+                print(f"chunks {direction} {block // KiB:>5} KiB batch chunk {chunk:>5}: "
+                      f"GPU {contiguous.gpu_ms / t.gpu_ms:.2f} wall {contiguous.wall_ms / t.wall_ms:.2f}"
+                      f" cpu {t.cpu_us:.0f} us", flush=True)
+            config.batch_chunk = 16384
+        for block in (2 * KiB, 4 * KiB):
+            n = TOTAL // block
+            ptrs = pointers(src, dst, block, n, block)
+            for first in (0, 512, 2048, 8192):
+                def split(first=first):
+                    if first:
+                        kvcopy.copy_batch(*sliced(ptrs, 0, first), stream=stream, method="kernel")
+                    kvcopy.copy_batch(*sliced(ptrs, first, n), stream=stream, method="kernel")
+                t = measure(split, stream)
+                print(f"chunks {direction} {block // KiB} KiB kernel first launch {first:>5}: "
+                      f"GPU {contiguous.gpu_ms / t.gpu_ms:.2f} wall {contiguous.wall_ms / t.wall_ms:.2f}"
+                      f" cpu {t.cpu_us:.0f} us", flush=True)
+
+
+def pair(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)):
+    """copy_both_ways (one launch, CTAs split by direction) for several splits."""
+    import dataclasses
+    from kvcopy import device
+
+    both = BothWays()
+    s1 = both.s1
+    base = device.thresholds(0)
+    print("pair: copy_both_ways, one launch; total GB/s, of contiguous pair")
+    for block in blocks:
+        load, store = both.batches(block)
+        pair_ms = both.span_ms(both.contiguous)
+        cells = []
+        for h, d in ((8, 4), (16, 8), (24, 12), (32, 16), (48, 24), (64, 32), (32, 32), (40, 16)):
+            device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+            ms = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=s1,
+                                                            method="kernel"))
+            cells.append(f"h{h}/d{d} {pair_ms / ms:.2f}")
+        device.set_thresholds(0, base)
+        ms = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=s1))
+        print(f"  {block // KiB:>4} KiB pair {2 * TOTAL / pair_ms / 1e6:.1f} GB/s  "
+              + "  ".join(cells) + f"  auto({kvcopy.last_decision().method}) {pair_ms / ms:.2f}",
+              flush=True)
+
+
+def d2d_descriptors():
+    """Copies inside the GPU by the copy kernel: descriptors uploaded before each launch,
+    already in device memory, or read in place from pinned memory; one or four CTAs
+    per SM; GPU time against the contiguous copy. (One CTA per tile, tried on the
+    H200, reached 0.86-0.87 at 16 KiB with descriptors in device memory, below four
+    warp-per-tile CTAs per SM at 0.89-0.90, and was dropped.)"""
+    from kvcopy import kernels
+    from kvcopy._cuda import describe, driver, launch
+
+    total = 256 * MiB
+    src, dst = one_way_pools("d2d", total)
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+    with torch.cuda.stream(stream):
+        contiguous = measure(lambda: dst[:total].copy_(src[:total], non_blocking=True), stream)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kvcopy.copy_batch([src.data_ptr()], [dst.data_ptr()], [16], stream=handle, method="kernel")
+    cc = torch.cuda.get_device_capability(0)
+    kernel = kernels.kernel_for_current_context(cc[0], cc[1], driver.driver_version())
+    for block in (16 * KiB, 64 * KiB, 256 * KiB):
+        n = total // block
+        s, d, z = pointers(src, dst, block, n, block)
+        host = driver.host_alloc(n * 32)
+        dev = driver.mem_alloc(n * 32)
+        count, _, *_, tiles = describe.describe_copies(s, d, z, host, False)
+        mapped = driver.host_device_pointer(host)
+        launch.launch_descs(kernel.function_staged, dev, count, tiles, sms, 512, handle, host)
+        cells = []
+        for label, function, descs, upload, ctas, threads in (
+                ("warp upload", kernel.function_staged, dev, host, sms, 512),
+                ("warp in-place", kernel.function_staged, mapped, 0, sms, 512),
+                ("warp 1x", kernel.function_staged, dev, 0, sms, 512),
+                ("warp 4x", kernel.function_staged, dev, 0, 4 * sms, 512),
+                ("warp 4x upload", kernel.function_staged, dev, host, 4 * sms, 512),
+                ("warp 4x in-place", kernel.function_staged, mapped, 0, 4 * sms, 512)):
+            t = measure(lambda: launch.launch_descs(function, descs, count, tiles, ctas, threads,
+                                                    handle, upload), stream)
+            cells.append(f"{label} {contiguous.gpu_ms / t.gpu_ms:.2f}")
+        stream.synchronize()
+        driver.host_free(host)
+        driver.mem_free(dev)
+        print(f"d2d_descriptors {block // KiB:>4} KiB  " + "  ".join(cells), flush=True)
+
+
+def profile_small():
+    """Where a 16-copy call's CPU time goes (cProfile, per call)."""
+    import cProfile
+    import pstats
+    src, dst = one_way_pools("h2d", 4 * MiB)
+    ptrs = pointers(src, dst, 16 * KiB, 16, 16)
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+    for _ in range(50):
+        kvcopy.copy_batch(*ptrs, stream=handle)
+    stream.synchronize()
+    prof = cProfile.Profile()
+    for _ in range(2000):
+        prof.enable()
+        kvcopy.copy_batch(*ptrs, stream=handle)
+        prof.disable()
+        stream.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def beside_parts():
+    """Matmul slowdown beside copies, per direction and footprint (kvcopy.bench.beside)."""
+    from kvcopy.bench import beside
+
+    variants = [("kernel 4", {"method": "kernel", "max_ctas": 4}),
+                ("kernel 2", {"method": "kernel", "max_ctas": 2}),
+                ("kernel 1", {"method": "kernel", "max_ctas": 1}),
+                ("batch", {"method": "batch"})]
+    for direction in ("h2d", "d2h"):
+        for row in beside.compute_beside(pairs=8, direction=direction, variants=variants):
+            print(f"beside {direction} {row['method']:<10} median {row['median_slowdown']:+.3f} "
+                  f"p25 {row['p25_slowdown']:+.3f} p75 {row['p75_slowdown']:+.3f} "
+                  f"copy {row['copy_gbps']:.1f} GB/s", flush=True)
+    for row in beside.serving_step(pairs=6):
+        print(f"serving {row['method']:<15} store {row['store_gbps']:.1f} load "
+              f"{row['load_gbps']:.1f} median {row['median_slowdown']:+.3f} "
+              f"p25 {row['p25_slowdown']:+.3f} p75 {row['p75_slowdown']:+.3f}", flush=True)
+
+
+def forked(blocks=(4 * KiB, 16 * KiB)):
+    """Both directions as two launches on two streams (per-direction CTAs) against
+    copy_both_ways' single launch with the same split."""
+    import dataclasses
+    from kvcopy import device
+
+    both = BothWays()
+    s1, s2 = both.s1, both.s2
+    base = device.thresholds(0)
+    for block in blocks:
+        load, store = both.batches(block)
+        pair_ms = both.span_ms(both.contiguous)
+        cells = []
+        for h, d in ((16, 8), (32, 16), (64, 32), (32, 32)):
+            def two(h=h, d=d):
+                kvcopy.copy_batch(*load, stream=s1, method="kernel", max_ctas=h)
+                kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=d)
+
+            def two_reversed(h=h, d=d):
+                kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=d)
+                kvcopy.copy_batch(*load, stream=s1, method="kernel", max_ctas=h)
+            device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+            one = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=s1))
+            cells.append(f"h{h}/d{d} two {pair_ms / both.span_ms(two):.2f} "
+                         f"two-rev {pair_ms / both.span_ms(two_reversed):.2f} "
+                         f"one {pair_ms / one:.2f}")
+        device.set_thresholds(0, base)
+        print(f"forked {block // KiB:>3} KiB  " + "  ".join(cells), flush=True)
+
+
+def footprint_small():
+    print("footprint_small: UNROLL", os.environ.get("KVCOPY_UNROLL", "4"))
+    variants = [(f"{c}x512", c, 512) for c in (1, 2, 4)]
+    for direction in ("h2d", "d2h"):
+        ratio_rows(direction, (2 * KiB, 16 * KiB, 256 * KiB), variants)
+
+
+PARTS = {"beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+         "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
+
+if __name__ == "__main__":
+    torch.cuda.init()
+    for part in sys.argv[1:] or list(PARTS):
+        PARTS[part]()
