@@ -58,9 +58,11 @@ class CopyRequest:
 # bench/results/h200-serving-probe.txt).
 HOST_CTAS = {"h2d": 4, "d2h": 2}
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
-# equal CTAs the GPU-to-host writes take most of the upstream link; on the H200 the
-# splits tried reached 0.65-0.80 of the contiguous pair, 16 + 8 among the best.
-BOTH_WAYS_CTAS = {"h2d": 16, "d2h": 8}
+# equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
+# host memory slow a matmul beside them far more than their share of SMs. On the H200
+# (16 KiB blocks, bench/results/h200-both-ways-beside.txt), of the contiguous pair /
+# matmul slowdown: 16 + 8 CTAs 0.78 / +99%, 8 + 2 0.72 / +46%, 8 + 1 0.79 / +9%.
+BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 
 
 @dataclass(frozen=True)

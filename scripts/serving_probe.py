@@ -402,7 +402,40 @@ def footprint_small():
         ratio_rows(direction, (2 * KiB, 16 * KiB, 256 * KiB), variants)
 
 
-PARTS = {"beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))):
+    """copy_both_ways per CTA split: both directions' GPU time against the contiguous
+    pair (4 and 16 KiB), and a matmul window's slowdown beside it (alternating pairs)."""
+    import dataclasses
+    from kvcopy import device
+    from kvcopy.bench import beside
+
+    both = BothWays()
+    base = device.thresholds(0)
+    matmuls = beside.Matmuls()
+    for h, d in splits:
+        device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+        cells = []
+        for block in (4 * KiB, 16 * KiB):
+            load, store = both.batches(block)
+            pair_ms = both.span_ms(both.contiguous)
+            ms = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=both.s1))
+            cells.append(f"{block // KiB} KiB {pair_ms / ms:.2f}")
+        load, store = both.batches(16 * KiB)
+        copier = beside.Copier("pair", lambda: kvcopy.copy_both_ways(store, load, stream=both.s1),
+                               both.s1, 2 * TOTAL)
+        ratios, rates = [], []
+        for _ in range(5):
+            alone, _ = matmuls.window_ms()
+            near, gbps = matmuls.window_ms([copier])
+            ratios.append(near / alone - 1)
+            rates.append(gbps["pair"])
+        print(f"both_ways_beside h{h}/d{d}: of pair " + "  ".join(cells)
+              + f"  matmul {statistics.median(ratios):+.3f} (min {min(ratios):+.3f} max "
+              f"{max(ratios):+.3f}) beside {statistics.median(rates):.1f} GB/s", flush=True)
+    device.set_thresholds(0, base)
+
+
+PARTS = {"both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":
