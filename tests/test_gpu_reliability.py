@@ -12,6 +12,7 @@ import pytest
 
 import kvcopy
 from gpu_helpers import address, host_bytes, make_pool
+from kvcopy.calibrate import FOOTPRINT_CTAS
 
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(__file__)
@@ -209,7 +210,12 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
         # plus the 'p2p' default and any 'p2p A>B' entries calibrate_peers stored earlier
         assert {"h2d", "d2h", "p2p"} <= set(thresholds.batch_min_bytes)
         assert all(k.startswith("p2p") for k in set(thresholds.batch_min_bytes) - {"h2d", "d2h"})
-    assert list(tmp_path.glob("calibration-*.json"))
+        # the footprint: the fewest CTAs measured at 0.90 of the contiguous copy each way
+        assert set(thresholds.host_ctas) == {"h2d", "d2h"}
+        assert set(thresholds.host_ctas.values()) <= set(FOOTPRINT_CTAS)
+    saved = json.loads(next(tmp_path.glob("calibration-*.json")).read_text())
+    assert saved["host_ctas"] == thresholds.host_ctas
+    assert {"h2d/ctas", "d2h/ctas"} <= set(saved["measurements"])
     free = torch.cuda.mem_get_info()[0]
     gpu = torch.zeros((8, 256), device="cuda")
     host = torch.ones((8, 256)).pin_memory()
