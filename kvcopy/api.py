@@ -100,7 +100,8 @@ def _triple(batch: Any, name: str) -> tuple:
         what = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
                 else type(batch).__name__)
         raise TypeError(f"{name} must be a (src_ptrs, dst_ptrs, sizes) triple; got {what}")
-    return tuple(as_u64_array(a, f"{name}[{i}]") for i, a in enumerate(batch))
+    return tuple(as_u64_array(a, f"{name}: {part}")
+                 for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch))
 
 
 def copy_both_ways(store: Any, load: Any, *, stream: Any = None,

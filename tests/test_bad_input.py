@@ -8,6 +8,7 @@ before the driver is touched.
 from __future__ import annotations
 
 import mmap
+import re
 
 import numpy as np
 import pytest
@@ -151,3 +152,28 @@ def test_transfer_queue_validates_before_the_driver():
 def test_resolve_stream_type_errors(obj):
     with pytest.raises(TypeError):
         kvcopy.resolve_stream(obj)
+
+
+# ------------------------------------------------------------------ copy_both_ways
+
+@pytest.mark.parametrize("store, message", [
+    (([1], [2]), "store must be a (src_ptrs, dst_ptrs, sizes) triple; got a tuple of 2"),
+    ("abc", "store must be a (src_ptrs, dst_ptrs, sizes) triple; got str"),
+    (([1.5], [2], [3]), "store: src_ptrs[0] is float"),
+])
+def test_copy_both_ways_rejects_bad_sides(store, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        kvcopy.copy_both_ways(store, ([1 << 20], [2 << 20], [8]))
+
+
+def test_copy_both_ways_names_the_side_of_a_bad_copy():
+    with pytest.raises(ValueError, match=re.escape("load: src_ptrs[0] is a null pointer with size 3")):
+        kvcopy.copy_both_ways(([1 << 20], [2 << 20], [8]), ([0], [4 << 20], [3]))
+    with pytest.raises(ValueError, match=r"^store: sizes\[1\] = -1 is negative"):
+        kvcopy.copy_both_ways(([1 << 20, 3 << 20], [2 << 20, 5 << 20], [8, -1]),
+                              ([6 << 20], [7 << 20], [3]))
+
+
+def test_copy_both_ways_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        kvcopy.copy_both_ways(([1], [2], [3]), ([4], [5], [6]), method="fast")
