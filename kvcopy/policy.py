@@ -55,7 +55,7 @@ class CopyRequest:
 # Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep
 # an H200 at 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks (host-to-GPU:
 # 2 CTAs 0.65-0.72, 4 CTAs 0.90-0.93; GPU-to-host: 1 CTA 0.62-0.81, 2 CTAs 0.92-0.94;
-# bench/results/h200-serving-probe.txt).
+# bench/results/h200-serving-probe-1-before.txt, -3.txt).
 HOST_CTAS = {"h2d": 4, "d2h": 2}
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
 # equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
