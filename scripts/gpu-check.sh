@@ -11,6 +11,8 @@
 #   PYTEST_ARGS   extra pytest arguments
 #   ONE_GPU_TOO=1 on a machine of several GPUs, also run the suite with GPU 0 alone
 #                 (pytest-1gpu.log)
+#   PROBES="..."  parts of scripts/serving_probe.py to run after the benchmark, e.g.
+#                 "both_ways_beside d2d_descriptors latency" (serving-probe.txt)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -37,4 +39,7 @@ for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   flag=$([ "$mode" = quick ] && echo --quick)
   python3 -m kvcopy.bench $flag --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
 done
+if [ -n "${PROBES:-}" ]; then
+  python3 scripts/serving_probe.py $PROBES 2>&1 | grep -v Warning | tee "$OUT/serving-probe.txt"
+fi
 exit "$status"
