@@ -122,8 +122,11 @@ def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned lon
         if upload_from:
             check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, n * sizeof(kvcopy_desc),
                                           <CUstream>stream))
-        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas), 1, 1,
-                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+        # one warp per tile at most: a grid sized for splitting tiles would send each
+        # warp of a mid-sized batch (a few thousand copies inside one GPU) searching
+        # descriptors that may sit in pinned host memory, a PCIe round trip per step
+        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas, 1),
+                                       1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
     return 1
 
 
