@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import measure
+from kvcopy.bench.timing import call_to_completion_us, measure
 from kvcopy.config import config
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -175,17 +175,7 @@ def d2d():
 
 
 def wall_us(fn, stream, repeats=300, sync=None):
-    sync = sync or stream.synchronize
-    for _ in range(10):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(out)
+    return call_to_completion_us(fn, sync or stream.synchronize, repeats=repeats)
 
 
 def latency():

@@ -10,9 +10,8 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy.config import config
 from kvcopy.bench.scenarios import Pools, scattered_offsets
-from kvcopy.bench.timing import measure, span_ms
+from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
@@ -140,17 +139,8 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
                                                   method=cast(RequestedMethod, method))
             walls, chose = {}, {}
             for name, fn in cases.items():
-                for _ in range(10):
-                    fn()
-                synchronize()
+                walls[name] = call_to_completion_us(fn, synchronize, repeats=repeats)
                 chose[name] = "" if name == "contiguous" else _chose()
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    fn()
-                    synchronize()
-                    times.append((time.perf_counter() - t0) * 1e6)
-                walls[name] = statistics.median(times)
             for name, us in walls.items():
                 yield {"scenario": "small_batches", "direction": direction, "blocks": count,
                        "block_bytes": block, "method": name, "chose": chose[name],

@@ -54,6 +54,21 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
     return Timing(statistics.median(gpu), statistics.median(cpu), statistics.median(wall), repeats)
 
 
+def call_to_completion_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
+                          repeats: int = 300, warmup: int = 10) -> float:
+    """Median wall time of ``fn`` and then ``synchronize`` (from an idle stream), in µs."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def span_ms(fn: Callable[[], object], first, second, *, repeats: int = 7, warmup: int = 2,
             cover_cycles: int | None = 4_000_000) -> float:
     """Median GPU time of work ``fn`` enqueues on two torch streams (of one device or
