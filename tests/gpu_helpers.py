@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 POOL_DEVICES = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned"), "d2d": ("cuda", "cuda"),
                 "pageable_h2d": ("pageable", "cuda"), "pageable_d2h": ("cuda", "pageable")}
@@ -49,3 +50,12 @@ def expected_after(src_before: np.ndarray, dst_before: np.ndarray, src_off, dst_
     for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
         out[d:d + n] = src_before[s:s + n]
     return out
+
+
+def jax_gpu():
+    """JAX and its first GPU device; skips the test where JAX or a JAX GPU is missing."""
+    jax = pytest.importorskip("jax")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("jax sees no GPU")
+    return jax, gpus[0]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvcopy
+from gpu_helpers import jax_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -83,12 +84,9 @@ def test_frameworks_cupy_numpy_pinned_jax(torch_cuda, method):
 
 
 def test_jax_array_as_source(torch_cuda):
-    jax = pytest.importorskip("jax")
+    jax, gpu = jax_gpu()
     jnp = jax.numpy
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("jax sees no GPU")
-    src = jax.device_put(jnp.arange(16 * 256, dtype=jnp.float32).reshape(16, 256), gpus[0])
+    src = jax.device_put(jnp.arange(16 * 256, dtype=jnp.float32).reshape(16, 256), gpu)
     src.block_until_ready()
     dst = torch_cuda.zeros((16, 256), dtype=torch_cuda.float32, device="cuda")
     kvcopy.swap_blocks(src, dst, [[3, 0], [15, 1]], stream=1)

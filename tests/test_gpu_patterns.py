@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import make_pool
+from gpu_helpers import jax_gpu, make_pool
 from test_gpu_reliability import run_child
 
 pytestmark = pytest.mark.gpu
@@ -428,12 +428,9 @@ def test_cuda_array_interface_producer_stream_is_waited_for(torch_cuda):
 
 
 def test_dlpack_producer_with_pending_work_jax(torch_cuda):
-    jax = pytest.importorskip("jax")
+    jax, gpu = jax_gpu()
     jnp = jax.numpy
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("jax sees no GPU")
-    a = jax.device_put(jnp.ones((4096, 4096), jnp.float32), gpus[0])
+    a = jax.device_put(jnp.ones((4096, 4096), jnp.float32), gpu)
     for _ in range(30):                      # slow work, not waited for (no block_until_ready)
         a = (a @ a) / 4096.0
     src = (a * 0 + 6.0).reshape(64, -1)
