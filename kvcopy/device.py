@@ -128,15 +128,14 @@ def load_thresholds(info: DeviceInfo) -> Thresholds | None:
     """Thresholds saved by calibrate() for this device model and driver, if any."""
     try:
         data = json.loads(thresholds_path(info).read_text())
-        defaults = Thresholds()
-        # a file written before a direction or a table existed keeps the defaults there
-        tables = {name: {**getattr(defaults, name),
-                         **{k: cast(v) for k, v in data.get(name, {}).items()}}
-                  for name, cast in (("batch_min_bytes", float), ("host_ctas", int),
-                                     ("both_ways_ctas", int))}
         if "batch_min_bytes" not in data:
             return None
-        return Thresholds(**tables)
+        defaults = Thresholds()
+        # a file written before a direction or a table existed keeps the defaults there
+        return Thresholds(**{name: {**getattr(defaults, name),
+                                    **{k: cast(v) for k, v in data.get(name, {}).items()}}
+                             for name, cast in (("batch_min_bytes", float), ("host_ctas", int),
+                                                ("both_ways_ctas", int))})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -249,7 +249,6 @@ def chunks():
 
 def pair(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)):
     """copy_both_ways (one launch, CTAs split by direction) for several splits."""
-    import dataclasses
     from kvcopy import device
 
     both = BothWays()
@@ -261,7 +260,7 @@ def pair(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)):
         pair_ms = both.span_ms(both.contiguous)
         cells = []
         for h, d in ((8, 4), (16, 8), (24, 12), (32, 16), (48, 24), (64, 32), (32, 32), (40, 16)):
-            device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+            use_split(base, h, d)
             ms = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=s1,
                                                             method="kernel"))
             cells.append(f"h{h}/d{d} {pair_ms / ms:.2f}")
@@ -358,7 +357,6 @@ def beside_parts():
 def forked(blocks=(4 * KiB, 16 * KiB)):
     """Both directions as two launches on two streams (per-direction CTAs) against
     copy_both_ways' single launch with the same split."""
-    import dataclasses
     from kvcopy import device
 
     both = BothWays()
@@ -376,7 +374,7 @@ def forked(blocks=(4 * KiB, 16 * KiB)):
             def two_reversed(h=h, d=d):
                 kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=d)
                 kvcopy.copy_batch(*load, stream=s1, method="kernel", max_ctas=h)
-            device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+            use_split(base, h, d)
             one = both.span_ms(lambda: kvcopy.copy_both_ways(store, load, stream=s1))
             cells.append(f"h{h}/d{d} two {pair_ms / both.span_ms(two):.2f} "
                          f"two-rev {pair_ms / both.span_ms(two_reversed):.2f} "
@@ -392,10 +390,17 @@ def footprint_small():
         ratio_rows(direction, (2 * KiB, 16 * KiB, 256 * KiB), variants)
 
 
+def use_split(base, h2d: int, d2h: int) -> None:
+    """Make copy_both_ways on device 0 split its CTAs h2d / d2h (from thresholds ``base``)."""
+    import dataclasses
+    from kvcopy import device
+
+    device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h2d, "d2h": d2h}))
+
+
 def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))):
     """copy_both_ways per CTA split: both directions' GPU time against the contiguous
     pair (4 and 16 KiB), and a matmul window's slowdown beside it (alternating pairs)."""
-    import dataclasses
     from kvcopy import device
     from kvcopy.bench import beside
 
@@ -403,7 +408,7 @@ def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))
     base = device.thresholds(0)
     matmuls = beside.Matmuls()
     for h, d in splits:
-        device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h, "d2h": d}))
+        use_split(base, h, d)
         cells = []
         for block in (4 * KiB, 16 * KiB):
             load, store = both.batches(block)
@@ -413,15 +418,10 @@ def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))
         load, store = both.batches(16 * KiB)
         copier = beside.Copier("pair", lambda: kvcopy.copy_both_ways(store, load, stream=both.s1),
                                both.s1, 2 * TOTAL)
-        ratios, rates = [], []
-        for _ in range(5):
-            alone, _ = matmuls.window_ms()
-            near, gbps = matmuls.window_ms([copier])
-            ratios.append(near / alone - 1)
-            rates.append(gbps["pair"])
+        spread, gbps, _ = beside.paired(matmuls, [copier], 5)
         print(f"both_ways_beside h{h}/d{d}: of pair " + "  ".join(cells)
-              + f"  matmul {statistics.median(ratios):+.3f} (min {min(ratios):+.3f} max "
-              f"{max(ratios):+.3f}) beside {statistics.median(rates):.1f} GB/s", flush=True)
+              + f"  matmul {spread['median_slowdown']:+.3f} (min {spread['min_slowdown']:+.3f} "
+              f"max {spread['max_slowdown']:+.3f}) beside {gbps['pair']:.1f} GB/s", flush=True)
     device.set_thresholds(0, base)
 
 

@@ -121,7 +121,7 @@ def _spread(ratios: list[float]) -> dict:
             "p75_slowdown": q[2], "min_slowdown": min(ratios), "max_slowdown": max(ratios)}
 
 
-def _paired(matmuls: Matmuls, copiers: list[Copier], pairs: int) -> tuple[dict, dict, float]:
+def paired(matmuls: Matmuls, copiers: list[Copier], pairs: int) -> tuple[dict, dict, float]:
     """Alone and beside windows in alternation: slowdown spread, median GB/s per
     copier, median alone time."""
     ratios: list[float] = []
@@ -164,7 +164,7 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
     for label, options in variants or COMPUTE_VARIANTS:
         def call(options: dict = options) -> object:
             return kvcopy.copy_batch(*ptrs, stream=stream, **options)
-        spread, gbps, alone_ms = _paired(matmuls, [Copier(direction, call, stream, total)], pairs)
+        spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)], pairs)
         yield {"scenario": "compute_beside", "direction": direction, "method": label,
                "block_bytes": block, "pairs": pairs, **spread, "alone_ms": alone_ms,
                "copy_gbps": gbps[direction]}
@@ -184,14 +184,14 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
         if method == "copy_both_ways":
             both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
                                                           stream=s_store), s_store, 2 * total)
-            spread, gbps, alone_ms = _paired(matmuls, [both], pairs)
+            spread, gbps, alone_ms = paired(matmuls, [both], pairs)
             gbps = {"store": gbps["store+load"] / 2, "load": gbps["store+load"] / 2}
         else:
             copiers = [Copier(name, functools.partial(kvcopy.copy_batch, *batch, stream=stream,
                                                       method=cast(RequestedMethod, method)),
                               stream, total)
                        for name, batch, stream in (("store", store, s_store), ("load", load, s_load))]
-            spread, gbps, alone_ms = _paired(matmuls, copiers, pairs)
+            spread, gbps, alone_ms = paired(matmuls, copiers, pairs)
         yield {"scenario": "serving_step", "method": method, "block_bytes": block,
                "pairs": pairs, "store_gbps": gbps["store"], "load_gbps": gbps["load"],
                **spread, "alone_ms": alone_ms}
