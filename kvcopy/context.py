@@ -20,10 +20,12 @@ class ContextScope:
     def __init__(self, handle: int = STREAM_LEGACY) -> None:
         self.handle = handle
         self.pushed = False
+        # only the default streams follow the batch's memory to its device
+        self.on_default_stream = handle in (STREAM_LEGACY, STREAM_PER_THREAD)
 
     def __enter__(self) -> "ContextScope":
         driver.init()
-        if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD):
+        if not self.on_default_stream:
             ctx = driver.stream_context(self.handle)
             if ctx != driver.current_context():
                 self._push(ctx)
@@ -38,7 +40,7 @@ class ContextScope:
     def follow_memory(self, ordinal: int) -> bool:
         """On a default stream, move to device ``ordinal`` if the current context is
         elsewhere. Returns True when it switched context."""
-        if self.handle not in (STREAM_LEGACY, STREAM_PER_THREAD) or ordinal < 0:
+        if not self.on_default_stream or ordinal < 0:
             return False
         if driver.context_device() == ordinal:
             return False

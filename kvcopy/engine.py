@@ -169,7 +169,7 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
                   thresholds.ctas_for(request.direction, both_ways=True))
 
 
-def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _CaptureScratch",
+def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _HostScratch",
                   max_ctas: int | None) -> None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
 
@@ -186,7 +186,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ca
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
     if count > kernel.per_launch and not target.request.capturing:
-        assert isinstance(slot, ring.Slot)   # only capture describes into scratch memory
+        assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
         if tiles == count and target.request.direction != "p2p":
             launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
                                  handle)
@@ -222,12 +222,12 @@ def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, 
         raise type(exc)(exc.code, exc.name, message, plan.caller_index(exc.index)) from None
 
 
-class _CaptureScratch:
-    """Where descriptors are described while the stream captures: plain host memory
-    of the calling thread. Under capture the kernel gets its descriptors by value
-    (the graph keeps them with its launch nodes), so nothing has to outlive the
-    call, and the descriptor ring, whose events must not be queried during a
-    capture, is left alone."""
+class _HostScratch:
+    """Where descriptors passed by value are described: plain host memory of the
+    calling thread. Used under capture (the graph keeps the descriptors with its
+    launch nodes, and the descriptor ring, whose events must not be queried
+    during a capture, is left alone) and for small batches, whose one launch
+    takes its descriptors by value anyway: nothing has to outlive the call."""
 
     _local = threading.local()
 
@@ -237,7 +237,7 @@ class _CaptureScratch:
             buf = self._local.buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
         self.host = buf.ctypes.data
 
-    def __enter__(self) -> "_CaptureScratch":
+    def __enter__(self) -> "_HostScratch":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -250,8 +250,9 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     """Validate, classify, decide and issue a batch in the scope's context.
 
     One pass (describe_copies) plans the batch, classifies its memory and
-    writes the kernel's descriptors straight into a pinned descriptor slot, so
-    the kernel path touches each copy once. The DMA paths, which cost far
+    writes the kernel's descriptors straight into a pinned descriptor slot (or,
+    for batches of one launch by value, into thread-local scratch), so the
+    kernel path touches each copy once. The DMA paths, which cost far
     more per copy anyway, plan the batch again for the DMA engines.
     While the stream captures a graph, nothing here queries or waits on an
     event or a stream, and nothing is allocated on the device.
@@ -260,7 +261,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     nbytes = len(sizes) * describe.DESCRIPTOR_BYTES
     target = None
     while target is None:
-        space = (_CaptureScratch(nbytes) if capturing
+        space = (_HostScratch(nbytes) if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
             count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
@@ -268,7 +269,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
             if count == 0:
                 return "none"
             found = MemoryClasses(*kinds)
-            if scope.follow_memory(found.owner):
+            if scope.on_default_stream and scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
             if reach_peers(found, method):
                 continue  # peer access enabled: another GPU's memory is now reachable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -79,6 +80,27 @@ def cache_key(sources: dict[str, str], arch: int, version: tuple[int, int]) -> s
 
 def compile_cubin(arch: int) -> bytes:
     """Compile the copy kernel for sm_<arch> with NVRTC (no GPU needed)."""
+    return _compile(arch)[0]
+
+
+def registers_per_thread(arch: int) -> dict[str, int]:
+    """Registers each kernel entry point uses on sm_<arch>, as ptxas reports them
+    (a CTA of config.MAX_THREADS_PER_CTA threads must fit in the register file)."""
+    report = _compile(arch, verbose=True)[1]
+    found: dict[str, int] = {}
+    name = ""
+    for line in report.splitlines():
+        entry = re.search(r"Compiling entry function '(\w+)'", line)
+        if entry:
+            name = entry.group(1)
+        used = re.search(r"Used (\d+) registers", line)
+        if used and name:
+            found[name] = int(used.group(1))
+    return found
+
+
+def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
+    """The cubin for sm_<arch>, and NVRTC's log (ptxas' resource report when verbose)."""
     nvrtc = _nvrtc()
     sources = kernel_sources()
     headers = [n for n in _SOURCE_FILES if n != "copy_kernel.cuh"]
@@ -88,17 +110,19 @@ def compile_cubin(arch: int) -> bytes:
         "nvrtcCreateProgram")
     try:
         options = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in _OPTIONS]
+        if verbose:
+            options.append(b"--ptxas-options=-v")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
             raise KernelUnavailable(f"NVRTC could not compile the copy kernel for sm_{arch}: "
                                     f"{err.name}\n{log.decode(errors='replace')}")
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin
+        return cubin, log.decode(errors="replace")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

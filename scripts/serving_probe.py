@@ -203,11 +203,19 @@ def latency():
                 "kvcopy kernel 4 CTAs, raw handle": wall_us(
                     lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel", max_ctas=4),
                     stream, sync=raw_sync),
+                "kvcopy auto, raw handle": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle), stream, sync=raw_sync),
+                "kvcopy kernel 16 CTAs, raw handle": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel", max_ctas=16),
+                    stream, sync=raw_sync),
                 "kvcopy kernel 64 CTAs, raw handle": wall_us(
                     lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel", max_ctas=64),
                     stream, sync=raw_sync),
                 "kvcopy call alone (no sync)": wall_us(
                     lambda: kvcopy.copy_batch(*ptrs, stream=handle, method="kernel"), stream,
+                    sync=lambda: None, repeats=100),
+                "kvcopy auto call alone (no sync)": wall_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=handle), stream,
                     sync=lambda: None, repeats=100),
                 "cuStreamSynchronize of an idle stream": wall_us(lambda: None, stream,
                                                                  sync=raw_sync),

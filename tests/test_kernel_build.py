@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvcopy import kernels
+from kvcopy.config import MAX_THREADS_PER_CTA
 
 
 def _nvrtc_or_skip():
@@ -26,6 +27,18 @@ def test_compiles_to_a_cubin_with_all_entry_points(arch):
     assert cubin[:4] == b"\x7fELF"
     for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small"):
         assert name in cubin
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_every_kernel_fits_a_cta_of_the_most_threads(arch):
+    """A kernel needing more than 65536 / 512 registers per thread fails every launch of
+    512 threads (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); __launch_bounds__ must prevent it."""
+    _nvrtc_or_skip()
+    used = kernels.registers_per_thread(arch)
+    assert set(used) >= {"kvcopy_scatter", "kvcopy_scatter_inline", "kvcopy_scatter_inline_small",
+                         "kvcopy_scatter_pair", "kvcopy_blocks"}
+    too_many = {name: n for name, n in used.items() if n * MAX_THREADS_PER_CTA > 65536}
+    assert not too_many, f"registers per thread above {65536 // MAX_THREADS_PER_CTA}: {too_many}"
 
 
 def test_disk_cache_is_reused(tmp_path, monkeypatch):

@@ -60,6 +60,8 @@ class CapturingDriver:
 
 
 class FakeScope:
+    on_default_stream = False
+
     def follow_memory(self, ordinal: int) -> bool:
         return False
 

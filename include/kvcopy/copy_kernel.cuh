@@ -10,6 +10,11 @@
  */
 #include "descriptor.h"
 
+/* Most threads a CTA of these kernels is launched with (config.MAX_THREADS_PER_CTA):
+ * ptxas must keep registers within what 512 threads can have (128 each on sm_70+),
+ * else launches of 512 threads fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. */
+#define KVCOPY_MAX_THREADS 512
+
 #ifndef KVCOPY_UNROLL
 #define KVCOPY_UNROLL 4
 #endif
@@ -28,7 +33,17 @@ __device__ __forceinline__ void kvcopy_copy_words(const Word* __restrict__ src,
 #pragma unroll
         for (int u = 0; u < KVCOPY_UNROLL; ++u) dst[i + 32ULL * u] = regs[u];
     }
-    for (; i < count; i += 32) dst[i] = src[i];
+    // the rest (under UNROLL words per lane) in one more round, its loads all issued
+    // before any store: a 1-2 KiB piece then costs one PCIe round trip, not several
+    if (i < count) {
+        Word regs[KVCOPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KVCOPY_UNROLL; ++u)
+            if (i + 32ULL * u < count) regs[u] = src[i + 32ULL * u];
+#pragma unroll
+        for (int u = 0; u < KVCOPY_UNROLL; ++u)
+            if (i + 32ULL * u < count) dst[i + 32ULL * u] = regs[u];
+    }
 }
 
 template <typename Word>
@@ -159,7 +174,9 @@ __device__ __forceinline__ void kvcopy_scatter_split(const kvcopy_desc* descs,
     if (split > KVCOPY_MAX_SPLIT) split = KVCOPY_MAX_SPLIT;
     for (unsigned long long u = warp; u < total_tiles * split; u += num_warps) {
         const unsigned long long t = u / split, part = u - t * split;
-        const kvcopy_desc desc = descs[kvcopy_find_desc(descs, 0, count, t, lane)];
+        // one tile per copy: tile t is copy t, no search (descriptors may be in host memory)
+        const kvcopy_desc desc = descs[total_tiles == count ? t
+                                                            : kvcopy_find_desc(descs, 0, count, t, lane)];
         const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
         unsigned long long len = desc.size - offset;
         if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
@@ -202,17 +219,17 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
 
 /* Descriptors in device memory, or in pinned host memory mapped for the device
  * (one-tile copies only: the multi-tile search would cross PCIe per step). */
-extern "C" __global__ void kvcopy_scatter(const kvcopy_desc* __restrict__ descs,
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter(const kvcopy_desc* __restrict__ descs,
                                           unsigned long long count,
                                           unsigned long long total_tiles) {
     kvcopy_scatter_body(descs, count, total_tiles);
 }
 
-extern "C" __global__ void kvcopy_scatter_inline(const __grid_constant__ kvcopy_inline_batch batch) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_inline(const __grid_constant__ kvcopy_inline_batch batch) {
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
 }
 
-extern "C" __global__ void kvcopy_scatter_inline_small(
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_inline_small(
     const __grid_constant__ kvcopy_inline_batch_small batch) {
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
 }
@@ -221,7 +238,7 @@ extern "C" __global__ void kvcopy_scatter_inline_small(
  * descriptors [0, count_a), the others the count_b after them (each batch's
  * tile_start counts from 0). Used for a store and a load over PCIe at the same
  * time, whose shares of the link depend on how many SMs issue each. */
-extern "C" __global__ void kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
                                                unsigned long long count_a,
                                                unsigned long long tiles_a,
                                                unsigned long long ctas_a,
@@ -250,7 +267,7 @@ __device__ __forceinline__ unsigned long long kvcopy_block_address(unsigned long
 
 /* swap_blocks: tile t is part (t % tiles_per_block) of pair (t / tiles_per_block) % num_pairs
  * of tensor t / (tiles_per_block * num_pairs). mapping holds [src id, dst id] pairs. */
-extern "C" __global__ void kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
                                          unsigned long long num_tensors,
                                          const long long* __restrict__ mapping,
                                          unsigned long long num_pairs,
