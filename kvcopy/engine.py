@@ -33,6 +33,12 @@ def last_decision() -> Decision | None:
     return getattr(_last, "decision", None)
 
 
+def note_decision(decision: Decision) -> None:
+    """Record ``decision`` as the calling thread's last (for a path decided outside
+    decide(), such as copy_both_ways' joint one)."""
+    _last.decision = decision
+
+
 def memory_owner(src_device: int, dst_device: int) -> int:
     """The one device that owns a batch's device memory; -1 for none, -2 for several.
 
@@ -195,10 +201,13 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
                                  handle, slot.host)
         ring.DescriptorRing.fence(slot, handle)
         return
-    # the small variant's 4 KiB of parameters cost the driver less to copy per launch
-    small = count <= launch.INLINE_MAX_SMALL or kernel.per_launch != launch.INLINE_MAX
-    function, per_launch = ((kernel.function_small, launch.INLINE_MAX_SMALL) if small
-                            else (kernel.function, kernel.per_launch))
+    # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
+    if count <= launch.INLINE_MAX_TINY and kernel.function_tiny:
+        function, per_launch = kernel.function_tiny, launch.INLINE_MAX_TINY
+    elif count <= launch.INLINE_MAX_SMALL or kernel.per_launch != launch.INLINE_MAX:
+        function, per_launch = kernel.function_small, launch.INLINE_MAX_SMALL
+    else:
+        function, per_launch = kernel.function, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
 
 
@@ -232,10 +241,12 @@ class _HostScratch:
     _local = threading.local()
 
     def __init__(self, nbytes: int) -> None:
-        buf = getattr(self._local, "buffer", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
-        self.host = buf.ctypes.data
+        local = self._local
+        if getattr(local, "nbytes", 0) < nbytes:
+            local.buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+            # the address, kept: asking NumPy for it (.ctypes) costs microseconds per call
+            local.nbytes, local.host = local.buffer.nbytes, local.buffer.ctypes.data
+        self.host: int = local.host
 
     def __enter__(self) -> "_HostScratch":
         return self

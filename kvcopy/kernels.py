@@ -157,6 +157,7 @@ class CopyKernel:
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     per_launch: int
+    function_tiny: int = 0   # up to INLINE_MAX_TINY descriptors by value (1 KiB)
 
 
 _lock = threading.Lock()
@@ -198,6 +199,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             function=launch.module_function(module, b"kvcopy_scatter_inline"),
             function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
+            function_tiny=launch.module_function(module, b"kvcopy_scatter_inline_tiny"),
         )
         _loaded[ctx] = kernel
         return kernel

@@ -25,7 +25,8 @@ def test_compiles_to_a_cubin_with_all_entry_points(arch):
     _nvrtc_or_skip()
     cubin = kernels.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
-    for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small"):
+    for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small",
+                 b"kvcopy_scatter_inline_tiny", b"kvcopy_scatter_pair", b"kvcopy_blocks"):
         assert name in cubin
 
 
@@ -36,7 +37,7 @@ def test_every_kernel_fits_a_cta_of_the_most_threads(arch):
     _nvrtc_or_skip()
     used = kernels.registers_per_thread(arch)
     assert set(used) >= {"kvcopy_scatter", "kvcopy_scatter_inline", "kvcopy_scatter_inline_small",
-                         "kvcopy_scatter_pair", "kvcopy_blocks"}
+                         "kvcopy_scatter_inline_tiny", "kvcopy_scatter_pair", "kvcopy_blocks"}
     too_many = {name: n for name, n in used.items() if n * MAX_THREADS_PER_CTA > 65536}
     assert not too_many, f"registers per thread above {65536 // MAX_THREADS_PER_CTA}: {too_many}"
 

@@ -50,9 +50,11 @@ class CapturingDriver:
                 len(sizes))
 
     INLINE_MAX, INLINE_MAX_SMALL = kv_launch.INLINE_MAX, kv_launch.INLINE_MAX_SMALL
+    INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
 
     def launch_descs_inline(self, function, per_launch, host, count, ctas, threads, stream):
         self.calls.append(f"inline launch of {count}")
+        self.variant = (function, per_launch)
         return 1
 
     def __getattr__(self, name: str):
@@ -93,6 +95,19 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
     assert used == "kernel"
     assert capture_engine.calls[0].startswith("describe into")
     assert capture_engine.calls[1] == f"inline launch of {count}"
+
+
+@pytest.mark.parametrize("count, variant", [(1, (7, 31)), (31, (7, 31)), (32, (6, 127)),
+                                            (127, (6, 127)), (128, (5, 1000)), (1000, (5, 1000))])
+def test_launches_by_value_take_the_smallest_parameter_block_that_fits(capture_engine,
+                                                                       monkeypatch, count, variant):
+    kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, kv_launch.INLINE_MAX, function_tiny=7)
+    monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
+    src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
+    sizes = np.full(count, 4096, dtype=np.uint64)
+    engine.execute_copies(FakeScope(), 0x1234, src, src + 0x7f0000000000, sizes, "kernel", True,
+                          False, None)
+    assert capture_engine.variant == variant
 
 
 def test_capture_with_batch_requested_raises_before_anything(capture_engine):

@@ -229,6 +229,11 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
 }
 
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_inline_tiny(
+    const __grid_constant__ kvcopy_inline_batch_tiny batch) {
+    kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);
+}
+
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_inline_small(
     const __grid_constant__ kvcopy_inline_batch_small batch) {
     kvcopy_scatter_body(batch.descs, batch.count, batch.total_tiles);

@@ -31,12 +31,21 @@ typedef struct kvcopy_desc {
  * 4096-byte limit of older drivers. */
 #define KVCOPY_INLINE_MAX 1000
 #define KVCOPY_INLINE_MAX_SMALL 127
+/* A decode step's batch (tens of blocks) in 1 KiB of parameters: the driver and the
+ * GPU's front end move a quarter of the small variant's bytes per launch. */
+#define KVCOPY_INLINE_MAX_TINY 31
 
 typedef struct kvcopy_inline_batch {
     unsigned long long count;
     unsigned long long total_tiles;
     kvcopy_desc descs[KVCOPY_INLINE_MAX];
 } kvcopy_inline_batch;
+
+typedef struct kvcopy_inline_batch_tiny {
+    unsigned long long count;
+    unsigned long long total_tiles;
+    kvcopy_desc descs[KVCOPY_INLINE_MAX_TINY];
+} kvcopy_inline_batch_tiny;
 
 typedef struct kvcopy_inline_batch_small {
     unsigned long long count;

@@ -4,6 +4,7 @@ cdef extern from "kvcopy/descriptor.h":
     unsigned long long KVCOPY_TILE_BYTES
     int KVCOPY_INLINE_MAX
     int KVCOPY_INLINE_MAX_SMALL
+    int KVCOPY_INLINE_MAX_TINY
     unsigned long long KVCOPY_MAX_SPLIT
     ctypedef struct kvcopy_desc:
         unsigned long long src

@@ -4,6 +4,7 @@ import numpy as np
 TILE_BYTES: int
 INLINE_MAX: int
 INLINE_MAX_SMALL: int
+INLINE_MAX_TINY: int
 BLOCK_TENSOR_BYTES: int
 
 def module_load(image: bytes) -> int: ...

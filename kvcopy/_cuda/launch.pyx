@@ -12,11 +12,13 @@ from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule
 from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_block_tensor, kvcopy_inline_batch,
                                       KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
-                                      KVCOPY_INLINE_MAX_SMALL, KVCOPY_MAX_SPLIT)
+                                      KVCOPY_INLINE_MAX_SMALL, KVCOPY_INLINE_MAX_TINY,
+                                      KVCOPY_MAX_SPLIT)
 
 TILE_BYTES = KVCOPY_TILE_BYTES
 INLINE_MAX = KVCOPY_INLINE_MAX
 INLINE_MAX_SMALL = KVCOPY_INLINE_MAX_SMALL
+INLINE_MAX_TINY = KVCOPY_INLINE_MAX_TINY
 BLOCK_TENSOR_BYTES = sizeof(kvcopy_block_tensor)
 
 
@@ -54,8 +56,8 @@ def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs
                         unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
     """Launch the copy kernel with ``n`` descriptors (from describe_copies) passed by value.
 
-    ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX or
-    KVCOPY_INLINE_MAX_SMALL, matching ``function``). Parameters are copied into
+    ``per_launch`` descriptors go into each launch (KVCOPY_INLINE_MAX,
+    KVCOPY_INLINE_MAX_SMALL or KVCOPY_INLINE_MAX_TINY, matching ``function``). Parameters are copied into
     the launch, so ``host_descs`` may be reused as soon as this returns and
     the launch is safe to capture. Returns the number of launches.
     """
