@@ -125,9 +125,8 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
                 measured[f"{direction}/{block}"] = gbps
                 found[direction] = _next_threshold(found[direction], block, gbps)
         before = devices.thresholds(device)
-        result = Thresholds(batch_min_bytes={**before.batch_min_bytes, **found},
-                            host_ctas={**before.host_ctas, **ctas},
-                            both_ways_ctas=before.both_ways_ctas)
+        result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, **found},
+                                     host_ctas={**before.host_ctas, **ctas})
         devices.set_thresholds(device, result)
         if save_result:
             devices.save_thresholds(info, result, measured)

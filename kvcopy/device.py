@@ -9,6 +9,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcopy import kernels
 from kvcopy._cuda import dma, driver
@@ -132,10 +133,11 @@ def load_thresholds(info: DeviceInfo) -> Thresholds | None:
             return None
         defaults = Thresholds()
         # a file written before a direction or a table existed keeps the defaults there
-        return Thresholds(**{name: {**getattr(defaults, name),
+        tables: dict[str, Any] = {name: {**getattr(defaults, name),
                                     **{k: cast(v) for k, v in data.get(name, {}).items()}}
                              for name, cast in (("batch_min_bytes", float), ("host_ctas", int),
-                                                ("both_ways_ctas", int))})
+                                                ("both_ways_ctas", int))}
+        return Thresholds(**tables)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -63,6 +63,13 @@ HOST_CTAS = {"h2d": 4, "d2h": 2}
 # (16 KiB blocks, bench/results/h200-both-ways-beside.txt), of the contiguous pair /
 # matmul slowdown: 16 + 8 CTAs 0.78 / +99%, 8 + 2 0.72 / +46%, 8 + 1 0.79 / +9%.
 BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
+# Mean block size from which a store and a load at once go by copy engines, issued in
+# interleaved chunks (copy_both_ways). The kernel pair stays at 0.81-0.82 of the
+# contiguous pair at every size; the engines, 64 copies per call alternating sides,
+# reach 0.95 (GPU time) / 0.89 (wall) at 64 KiB, 0.97 / 0.95 at 128 KiB and 0.99-1.00 /
+# 0.96-0.99 from 256 KiB; below 64 KiB their CPU cost per copy rules them out
+# (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt).
+BOTH_WAYS_BATCH_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class Thresholds:
                                                            "p2p": 1 * MiB})
     host_ctas: dict = field(default_factory=lambda: dict(HOST_CTAS))
     both_ways_ctas: dict = field(default_factory=lambda: dict(BOTH_WAYS_CTAS))
+    both_ways_batch_min_bytes: int = BOTH_WAYS_BATCH_MIN_BYTES
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))
@@ -196,3 +204,26 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
            "legacy default stream" if req.stream_kind == "legacy" else
            "no cuMemcpyBatchAsync in this driver")
     return Decision("loop", f"{why}: one cuMemcpyAsync per copy")
+
+
+def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
+                     thresholds: Thresholds | None = None,
+                     requested: str = "auto") -> Decision | None:
+    """For two batches copied at once (copy_both_ways, 'auto' only): batched DMA for
+    both when each side goes between host and GPU, its mean block reaches ``thresholds.both_ways_batch_min_bytes``
+    and both could take it (the driver has cuMemcpyBatchAsync, the caller allows it,
+    the stream is neither the legacy default stream nor capturing). Copy engines
+    move both directions at the link's limit from there, where the kernel pair
+    shares the upstream link less well. None: each side as choose_method says."""
+    if requested != "auto":
+        return None
+    thresholds = thresholds or Thresholds()
+    for req in (first, second):
+        if not (req.direction in ("h2d", "d2h") and caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
+                and not req.capturing and req.count > 1
+                and req.mean_bytes >= thresholds.both_ways_batch_min_bytes):
+            return None
+    smaller = min(first.mean_bytes, second.mean_bytes)
+    return Decision("batch", f"both ways at once, blocks of {smaller / 1024:.0f} KiB and more: "
+                             "copy engines in interleaved chunks keep both directions at the "
+                             "link's limit")

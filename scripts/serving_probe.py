@@ -433,7 +433,39 @@ def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))
     device.set_thresholds(0, base)
 
 
-PARTS = {"both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+def both_ways_methods(blocks=(64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)):
+    """Where copy engines beat the kernel for a store and a load at once: GPU time and
+    wall (call to both streams idle) against the contiguous pair, for copy_both_ways
+    by kernel and by batch, and for batches issued in interleaved chunks."""
+    both = BothWays()
+    s1, s2 = both.s1, both.s2
+
+    def sync():
+        s1.synchronize()
+        s2.synchronize()
+
+    pair_wall = call_to_completion_us(both.contiguous, sync, repeats=20)
+    pair_ms = both.span_ms(both.contiguous)
+    for block in blocks:
+        load, store = both.batches(block)
+        n = TOTAL // block
+        cases = {m: (lambda m=m: kvcopy.copy_both_ways(store, load, stream=s1, method=m))
+                 for m in ("kernel", "batch")}
+        for chunk in (16, 64):
+            def interleaved(chunk=chunk):
+                for i in range(0, n, chunk):
+                    kvcopy.copy_batch(*sliced(load, i, i + chunk), stream=s1, method="batch")
+                    kvcopy.copy_batch(*sliced(store, i, i + chunk), stream=s2, method="batch")
+            cases[f"batch chunks of {chunk}"] = interleaved
+        cells = []
+        for name, fn in cases.items():
+            wall = call_to_completion_us(fn, sync, repeats=20)
+            cells.append(f"{name} {pair_ms / both.span_ms(fn):.2f}/{pair_wall / wall:.2f}")
+        print(f"both_ways_methods {block // KiB:>5} KiB GPU/wall of pair: " + "  ".join(cells),
+              flush=True)
+
+
+PARTS = {"both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":

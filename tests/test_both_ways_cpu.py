@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvcopy
 from kvcopy import both_ways
+from kvcopy.errors import CudaError
+from kvcopy.policy import Decision
 
 HANDLE, SIDE = 0x1234, 0x5678
 
@@ -15,9 +18,10 @@ HANDLE, SIDE = 0x1234, 0x5678
 class Recorder:
     """The driver calls and issues both_ways makes, in order."""
 
-    def __init__(self, capturing: int = 0, fused=None, bad: str | None = None) -> None:
+    def __init__(self, capturing: int = 0, fused=None, bad: str | None = None,
+                 fail_at: tuple[int, int] | None = None) -> None:
         self.calls: list[str] = []
-        self.capturing, self.fused, self.bad = capturing, fused, bad
+        self.capturing, self.fused, self.bad, self.fail_at = capturing, fused, bad, fail_at
 
     # kvcopy._cuda.driver
     def stream_capture_status(self, handle: int) -> int:
@@ -31,6 +35,15 @@ class Recorder:
         self.calls.append(f"check {len(sizes)}")
         if self.bad is not None and len(sizes) == 3:
             raise ValueError(self.bad)
+        # as if the caller's copy 0 were empty and dropped: planned copy k is caller's k + 1
+        return src[1:], dst[1:], sizes[1:], np.arange(1, len(sizes), dtype=np.int64)
+
+    def memcpy_batch(self, dst, src, sizes, stream, access_any, chunk):
+        first = int(src[0] - 0x10000)   # the caller's index of the chunk's first copy
+        self.calls.append(f"batch {first}+{len(sizes)} on {stream:#x}")
+        if self.fail_at and self.fail_at[0] == stream and first <= self.fail_at[1] < first + len(sizes):
+            raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument",
+                            self.fail_at[1] - first)
 
     # kvcopy.engine
     def execute_copies(self, scope, handle, src, dst, sizes, method, merge, access_any, ctas):
@@ -94,3 +107,26 @@ def test_a_bad_second_side_stops_both_before_either_runs(record):
     with pytest.raises(ValueError, match=r"^load: src_ptrs\[1\] = 0x2a"):
         both_ways.execute_both(batch(2), batch(3), HANDLE, names=("store", "load"))
     assert not any(call.startswith(("issue", "0x")) for call in rec.calls)
+
+
+JOINT = Decision("batch", "both ways at once, blocks of 64 KiB and more")
+
+
+def test_large_blocks_both_ways_go_to_the_copy_engines_in_alternating_chunks(record):
+    rec = record(fused=JOINT)
+    assert both_ways.execute_both(batch(151), batch(71), HANDLE) == ("batch", "batch")
+    chunk = both_ways.DMA_CHUNK
+    assert chunk == 64
+    assert rec.calls == ["check 151", "check 71", f"{SIDE:#x} waits for {HANDLE:#x}",
+                         f"batch 1+64 on {HANDLE:#x}", f"batch 1+64 on {SIDE:#x}",
+                         f"batch 65+64 on {HANDLE:#x}", f"batch 65+6 on {SIDE:#x}",
+                         f"batch 129+22 on {HANDLE:#x}", f"{HANDLE:#x} waits for {SIDE:#x}"]
+    assert kvcopy.last_decision() == JOINT
+
+
+def test_a_failing_chunk_names_its_side_and_the_callers_index_and_still_joins(record):
+    rec = record(fused=JOINT, fail_at=(SIDE, 70))
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_INVALID_VALUE: load: invalid argument") as info:
+        both_ways.execute_both(batch(151), batch(71), HANDLE, names=("store", "load"))
+    assert info.value.index == 70
+    assert rec.calls[-2:] == [f"batch 65+6 on {SIDE:#x}", f"{HANDLE:#x} waits for {SIDE:#x}"]

@@ -149,3 +149,38 @@ def test_kernel_refusal_names_what_the_device_cannot_reach():
     with pytest.raises(ValueError, match="memory of device 1") as info:
         choose_method(p2p(accessible=False, unreachable=why), H200, requested="kernel")
     assert "pageable" not in str(info.value) and "'auto', 'batch' or 'loop'" in str(info.value)
+
+
+# ------------------------------------------------------------ both ways at once
+
+def test_both_ways_goes_to_the_copy_engines_from_64_kib_blocks():
+    from kvcopy.policy import choose_both_ways
+    store, load = req("d2h", block=64 * KiB), req("h2d", block=256 * KiB)
+    decision = choose_both_ways(store, load, H200)
+    assert decision is not None and decision.method == "batch"
+    assert "64 KiB" in decision.reason        # the smaller side's blocks
+
+
+@pytest.mark.parametrize("store,load", [
+    (req("d2h", block=16 * KiB), req("h2d", block=1 * MiB)),       # one side's blocks small
+    (req("d2h", block=1 * MiB, stream="legacy"), req("h2d", block=1 * MiB, stream="legacy")),
+    (req("d2h", block=1 * MiB, capturing=True), req("h2d", block=1 * MiB, capturing=True)),
+    (req("d2d", block=1 * MiB), req("h2d", block=1 * MiB)),        # inside the GPU: kernel
+    (req("d2h", count=1, block=1 * MiB), req("h2d", block=1 * MiB)),   # one copy: its own path
+])
+def test_both_ways_leaves_each_side_to_its_own_policy_otherwise(store, load):
+    from kvcopy.policy import choose_both_ways
+    assert choose_both_ways(store, load, H200) is None
+
+
+def test_both_ways_respects_the_driver_the_caller_and_the_calibration():
+    from kvcopy.policy import choose_both_ways
+    store, load = req("d2h", block=1 * MiB), req("h2d", block=1 * MiB)
+    assert choose_both_ways(store, load, DeviceCaps(batch_available=False)) is None
+    forbidden = CopyRequest("h2d", 64, 64 * MiB, True, "created", batch_allowed=False)
+    assert choose_both_ways(store, forbidden, H200) is None
+    assert choose_both_ways(store, load, H200, requested="kernel") is None
+    higher = Thresholds(both_ways_batch_min_bytes=4 * MiB)
+    assert choose_both_ways(store, load, H200, higher) is None
+    assert choose_both_ways(req("d2h", block=4 * MiB), req("h2d", block=4 * MiB), H200,
+                            higher).method == "batch"
