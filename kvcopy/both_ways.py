@@ -6,7 +6,7 @@ requests share the upstream link, and which one gets it depends on how many SMs
 issue each: launched separately with equal footprints, the writes win and the
 reads starve. One launch with CTAs split by direction (policy.BOTH_WAYS_CTAS,
 calibratable per device) keeps the two balanced, and the caller needs one stream.
-From 64 KiB blocks (policy.choose_both_ways) both sides go to the copy engines
+From 128 KiB blocks (policy.choose_both_ways) both sides go to the copy engines
 instead, issued in chunks that alternate between the two sides, so that both
 directions start at once and neither waits for the CPU to issue the other.
 Wherever the sides run apart, the second runs on a stream of kvcopy's own that
@@ -30,8 +30,8 @@ from kvcopy.policy import Decision
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # Copies per cuMemcpyBatchAsync call when both sides go to the copy engines: smaller
 # chunks start both directions sooner, larger ones cost less CPU per copy. On the
-# H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (0.95/0.89 against
-# 0.84/0.44 at 64 KiB; h200-serving-probe-4-latency-both-ways-methods.txt).
+# H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (128 KiB: 0.97/0.95
+# against 0.91/0.85; h200-serving-probe-4-latency-both-ways-methods.txt).
 DMA_CHUNK = 64
 _side_streams: dict[int, int] = {}
 _side_lock = threading.Lock()

@@ -64,12 +64,13 @@ HOST_CTAS = {"h2d": 4, "d2h": 2}
 # matmul slowdown: 16 + 8 CTAs 0.78 / +99%, 8 + 2 0.72 / +46%, 8 + 1 0.79 / +9%.
 BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # Mean block size from which a store and a load at once go by copy engines, issued in
-# interleaved chunks (copy_both_ways). The kernel pair stays at 0.81-0.82 of the
-# contiguous pair at every size; the engines, 64 copies per call alternating sides,
-# reach 0.95 (GPU time) / 0.89 (wall) at 64 KiB, 0.97 / 0.95 at 128 KiB and 0.99-1.00 /
-# 0.96-0.99 from 256 KiB; below 64 KiB their CPU cost per copy rules them out
-# (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt).
-BOTH_WAYS_BATCH_MIN_BYTES = 64 << 10
+# interleaved chunks (copy_both_ways). The kernel pair stays at 0.81-0.84 of the
+# contiguous pair at every size (GPU time and wall). The engines, 64 copies per call
+# alternating sides, reach 0.99 / 0.92-0.95 (GPU time / wall) at 128 KiB and
+# 0.97-1.03 / 0.92-0.96 from 256 KiB; at 64 KiB their CPU cost per copy decides the
+# wall: 0.89 in one run, 0.48 on a busier host
+# (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt, -5-after.txt).
+BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)

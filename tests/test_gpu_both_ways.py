@@ -38,7 +38,7 @@ class Side:
 
 
 @pytest.mark.parametrize("size, count", [(2048, 3000), (16384, 512), (16384, 7),
-                                         (60_000, 40), (5000, 2)])
+                                         (100_000, 40), (5000, 2)])
 def test_store_and_load_by_the_kernel(torch_cuda, size, count):
     store = Side("cuda", "pinned", count, size, 1, align=13)
     load = Side("pinned", "cuda", count + 5, size, 2, align=7)
@@ -50,8 +50,8 @@ def test_store_and_load_by_the_kernel(torch_cuda, size, count):
     load.check()
 
 
-@pytest.mark.parametrize("size, count", [(100_000, 40), (65536, 150), (300_001, 70)])
-def test_store_and_load_of_64_kib_and_more_by_copy_engines_in_chunks(torch_cuda, size, count):
+@pytest.mark.parametrize("size, count", [(200_000, 40), (131072, 150), (300_001, 70)])
+def test_store_and_load_of_128_kib_and_more_by_copy_engines_in_chunks(torch_cuda, size, count):
     store = Side("cuda", "pinned", count, size, 16, align=13)
     load = Side("pinned", "cuda", count + 9, size, 17, align=7)   # sides end in other chunks
     stream = torch_cuda.cuda.Stream()

@@ -153,12 +153,13 @@ def test_kernel_refusal_names_what_the_device_cannot_reach():
 
 # ------------------------------------------------------------ both ways at once
 
-def test_both_ways_goes_to_the_copy_engines_from_64_kib_blocks():
+def test_both_ways_goes_to_the_copy_engines_from_128_kib_blocks():
     from kvcopy.policy import choose_both_ways
-    store, load = req("d2h", block=64 * KiB), req("h2d", block=256 * KiB)
+    store, load = req("d2h", block=128 * KiB), req("h2d", block=256 * KiB)
     decision = choose_both_ways(store, load, H200)
     assert decision is not None and decision.method == "batch"
-    assert "64 KiB" in decision.reason        # the smaller side's blocks
+    assert "128 KiB" in decision.reason        # the smaller side's blocks
+    assert choose_both_ways(req("d2h", block=64 * KiB), load, H200) is None
 
 
 @pytest.mark.parametrize("store,load", [
