@@ -112,6 +112,8 @@ def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
         options = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in _OPTIONS]
         if verbose:
             options.append(b"--ptxas-options=-v")
+            if nvrtc_version() >= (12, 9):   # a cached program would report nothing
+                options.append(b"--no-cache")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = b" " * size
