@@ -39,8 +39,8 @@ def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) ->
     return run
 
 
-def bidirectional(blocks=(4 * KiB, 16 * KiB, 256 * KiB, 1 * MiB), total: int = 64 * MiB,
-                  repeats: int = 5) -> Iterator[dict]:
+def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB,
+                          4 * MiB), total: int = 64 * MiB, repeats: int = 5) -> Iterator[dict]:
     """Host-to-GPU and GPU-to-host at the same time: GPU time spanning both streams and
     wall time (call to completion), against two contiguous copies on two streams.
     kvcopy as an engine would call it (copy_batch per direction on two streams, by
