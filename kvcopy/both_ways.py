@@ -14,14 +14,13 @@ forks from the caller's stream and joins it again.
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
 from kvcopy import device, engine, kernels, policy, ring
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
-from kvcopy.context import ContextScope
+from kvcopy.context import ContextScope, PerContext
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
 from kvcopy.plan import CopyPlan, plan_copies
@@ -33,20 +32,12 @@ Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (128 KiB: 0.97/0.95
 # against 0.91/0.85; h200-serving-probe-4-latency-both-ways-methods.txt).
 DMA_CHUNK = 64
-_side_streams: dict[int, int] = {}
-_side_lock = threading.Lock()
+# kvcopy's second stream in each context (created once, never destroyed)
+_side_streams = PerContext(lambda: driver.stream_create(non_blocking=True))
 
 
 def _side_stream() -> int:
-    """kvcopy's second stream in the current context (created once, never destroyed)."""
-    ctx = driver.current_context()
-    stream = _side_streams.get(ctx)
-    if stream is None:
-        with _side_lock:
-            stream = _side_streams.get(ctx)
-            if stream is None:
-                stream = _side_streams[ctx] = driver.stream_create(non_blocking=True)
-    return stream
+    return _side_streams.current()
 
 
 def _describe(batch: Arrays, out: int, name: str) -> tuple:

@@ -1,10 +1,14 @@
-"""Which CUDA context a call runs in, restored afterwards."""
+"""Which CUDA context a call runs in, restored afterwards; and what kvcopy keeps one
+of per context."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable, Generic, TypeVar
 
 from kvcopy._cuda import driver
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
+
+T = TypeVar("T")
 
 
 class ContextScope:
@@ -54,3 +58,26 @@ class ContextScope:
         if self.pushed:
             driver.pop_context()
             self.pushed = False
+
+
+class PerContext(Generic[T]):
+    """One ``create()`` per CUDA context, made on first use in that context and kept
+    for the process (descriptor rings, kvcopy's side stream). Threads racing on a
+    first use get the same one, and nothing is created twice (a duplicate would
+    hold driver resources no one frees)."""
+
+    def __init__(self, create: Callable[[], T]) -> None:
+        self._create = create
+        self._items: dict[int, T] = {}
+        self._lock = threading.Lock()
+
+    def current(self) -> T:
+        """The one for the calling thread's current context."""
+        ctx = driver.current_context()
+        item = self._items.get(ctx)   # entries are only ever added: found without the lock
+        if item is None:
+            with self._lock:
+                item = self._items.get(ctx)
+                if item is None:
+                    item = self._items[ctx] = self._create()
+        return item

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 
 from kvcopy._cuda import driver
+from kvcopy.context import PerContext
 
 SLOTS = 8
 MIN_CAPACITY_BYTES = 128 << 10
@@ -111,14 +112,9 @@ class _Reservation:
         self.ring._release(self.slot)
 
 
-_rings: dict[int, DescriptorRing] = {}
-_rings_lock = threading.Lock()
+_rings = PerContext(DescriptorRing)
 
 
 def ring_for_current_context() -> DescriptorRing:
-    ctx = driver.current_context()
-    ring = _rings.get(ctx)
-    if ring is None:
-        with _rings_lock:
-            ring = _rings.setdefault(ctx, DescriptorRing())
-    return ring
+    """The descriptor ring of the calling thread's current context."""
+    return _rings.current()

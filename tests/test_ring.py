@@ -135,3 +135,37 @@ def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
     t.start()
     t.join(timeout=5)
     assert done.is_set()
+
+
+def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
+    """PerContext (rings, the side stream): one creation per context even when many
+    threads ask first at once; another context gets its own."""
+    from kvcopy import context
+
+    current = threading.local()
+    monkeypatch.setattr(context.driver, "current_context", lambda: getattr(current, "ctx", 7))
+    made: list[int] = []
+    gate = threading.Barrier(8)
+
+    def create() -> int:
+        made.append(len(made))
+        return len(made)
+
+    table = context.PerContext(create)
+    slow = context.PerContext(create)
+    seen: list[int] = []
+
+    def first_use() -> None:
+        gate.wait()
+        seen.append(table.current())
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [0] and seen == [1] * 8
+    current.ctx = 9
+    assert table.current() == 2 and slow.current() == 3 and table.current() == 2
+    current.ctx = 7
+    assert table.current() == 1 and len(made) == 3
