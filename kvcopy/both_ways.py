@@ -14,7 +14,6 @@ forks from the caller's stream and joins it again.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from kvcopy import device, engine, kernels, policy, ring
