@@ -160,6 +160,10 @@ def test_both_ways_goes_to_the_copy_engines_from_128_kib_blocks():
     assert decision is not None and decision.method == "batch"
     assert "128 KiB" in decision.reason        # the smaller side's blocks
     assert choose_both_ways(req("d2h", block=64 * KiB), load, H200) is None
+    # the per-thread default stream takes cuMemcpyBatchAsync; only the legacy one does not
+    per_thread = choose_both_ways(req("d2h", block=1 * MiB, stream="per_thread"),
+                                  req("h2d", block=1 * MiB, stream="per_thread"), H200)
+    assert per_thread is not None and per_thread.method == "batch"
 
 
 @pytest.mark.parametrize("store,load", [
