@@ -202,7 +202,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
-    if count <= launch.INLINE_MAX_TINY and kernel.function_tiny:
+    if count <= launch.INLINE_MAX_TINY:
         function, per_launch = kernel.function_tiny, launch.INLINE_MAX_TINY
     elif count <= launch.INLINE_MAX_SMALL or kernel.per_launch != launch.INLINE_MAX:
         function, per_launch = kernel.function_small, launch.INLINE_MAX_SMALL

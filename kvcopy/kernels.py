@@ -158,8 +158,8 @@ class CopyKernel:
     function_pair: int       # two batches in one launch, each with its own CTAs
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
+    function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
     per_launch: int
-    function_tiny: int = 0   # up to INLINE_MAX_TINY descriptors by value (1 KiB)
 
 
 _lock = threading.Lock()
@@ -200,8 +200,8 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             function_pair=launch.module_function(module, b"kvcopy_scatter_pair"),
             function=launch.module_function(module, b"kvcopy_scatter_inline"),
             function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
-            per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
             function_tiny=launch.module_function(module, b"kvcopy_scatter_inline_tiny"),
+            per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
         )
         _loaded[ctx] = kernel
         return kernel
