@@ -465,7 +465,89 @@ def both_ways_methods(blocks=(64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB))
               flush=True)
 
 
-PARTS = {"both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+def dma_threads(blocks=(4 * KiB, 16 * KiB, 64 * KiB), chunk=256):
+    """Does batched DMA's CPU cost per copy spread over threads? Wall GB/s (call to
+    all streams idle) of 64 MiB of scattered blocks issued by T Python threads, each
+    on a stream of its own in chunks of ``chunk`` copies (the GIL is released in the
+    driver call), one way and both ways, against the contiguous copy's wall."""
+    from concurrent.futures import ThreadPoolExecutor
+    both = BothWays()
+    pool = ThreadPoolExecutor(8)
+    streams = [torch.cuda.Stream() for _ in range(8)]
+
+    def sync():
+        torch.cuda.synchronize()   # every stream, the default one (contiguous copy) too
+
+    one_wall = call_to_completion_us(
+        lambda: both.gpu_a[:TOTAL].copy_(both.host_a[:TOTAL], non_blocking=True), sync, repeats=20)
+    pair_wall = call_to_completion_us(both.contiguous, sync, repeats=20)
+    print(f"dma_threads: contiguous one way {TOTAL / one_wall / 1e3:.1f} GB/s wall, "
+          f"pair {2 * TOTAL / pair_wall / 1e3:.1f} GB/s wall; chunks of {chunk}")
+    for block in blocks:
+        load, store = both.batches(block)
+        n = TOTAL // block
+
+        def run(jobs):
+            def go():
+                futures = [pool.submit(lambda j=j: [kvcopy.copy_batch(
+                    *sliced(j[0], i, i + chunk), stream=j[1], method="batch")
+                    for i in range(j[2], j[3], chunk)]) for j in jobs]
+                for f in futures:
+                    f.result()
+            return go
+
+        def split(batch, threads, first):
+            step = -(-n // threads)
+            return [(batch, streams[first + t], t * step, min(n, (t + 1) * step))
+                    for t in range(threads)]
+
+        cells = []
+        for threads in (1, 2, 4):
+            us = call_to_completion_us(run(split(store, threads, 0)), sync, repeats=10)
+            cells.append(f"d2h x{threads} {TOTAL / us / 1e3:5.1f} ({one_wall / us:.2f})")
+        for threads in (1, 2, 4):
+            jobs = split(load, threads, 0) + split(store, threads, 4)
+            us = call_to_completion_us(run(jobs), sync, repeats=10)
+            cells.append(f"both x{threads}+{threads} {2 * TOTAL / us / 1e3:5.1f} ({pair_wall / us:.2f})")
+        print(f"dma_threads {block // KiB:>4} KiB  " + "  ".join(cells), flush=True)
+
+
+def beside_dma_threads(threads_list=(1, 2, 4), chunk=256):
+    """Matmul slowdown beside GPU-to-host batched DMA of 16 KiB blocks fed by T
+    threads (one stream each): can copy engines carry stores at the link's rate
+    without the SM stores' cost to compute?"""
+    from concurrent.futures import ThreadPoolExecutor
+    from kvcopy.bench import beside
+    from kvcopy.bench.scenarios import Pools
+
+    matmuls = beside.Matmuls()
+    total, block = 64 * MiB, 16 * KiB
+    pools = Pools("d2h", total, "torch")
+    ptrs = beside._batch(pools, block, total // block, 3)
+    n = total // block
+    pool = ThreadPoolExecutor(8)
+    streams = [torch.cuda.Stream() for _ in range(max(threads_list))]
+    for threads in threads_list:
+        step = -(-n // threads)
+
+        def part(t, step=step):
+            for i in range(t * step, min(n, (t + 1) * step), chunk):
+                kvcopy.copy_batch(*sliced(ptrs, i, min(i + chunk, (t + 1) * step)),
+                                  stream=streams[t], method="batch")
+
+        def call(threads=threads, part=part):
+            for f in [pool.submit(part, t) for t in range(threads)]:
+                f.result()
+            for t in range(1, threads):   # the copier's GB/s is timed on stream 0
+                streams[0].wait_stream(streams[t])
+        spread, gbps, _ = beside.paired(matmuls, [beside.Copier("d2h", call, streams[0], total)],
+                                        8)
+        print(f"beside_dma_threads d2h batch x{threads} median {spread['median_slowdown']:+.3f} "
+              f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f} "
+              f"copy {gbps['d2h']:.1f} GB/s", flush=True)
+
+
+PARTS = {"beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":
