@@ -110,8 +110,9 @@ class TransferQueue:
         if after is None:
             if not self._touches_gpu:
                 return []
+            # streams that array-interface producers declared are waited for by
+            # engine.execute_blocks, for every job: not listed here a second time
             streams = [(effective_handle(h), d) for h, d in self._caller_streams()]
-            streams += [(h, -1) for h in self._geometry.producer_streams]
             return [("stream", h, d) for i, (h, d) in enumerate(streams)
                     if (h, d) not in streams[:i]]
         items = list(after) if isinstance(after, (list, tuple)) else [after]
@@ -140,10 +141,12 @@ class TransferQueue:
                 on it so far), an event (torch, CuPy, cuda.core, CUevent), or a
                 list of them. None (default): when either cache is GPU memory,
                 the caller's current stream (the current stream of the caches'
-                framework, else the default stream) and any stream an
-                array-interface producer declared, so that a store copies the
-                final bytes and a load does not overwrite blocks that queued
-                work still reads. Pass ``after=[]`` to wait for nothing.
+                framework, else the default stream), so that a store copies
+                the final bytes and a load does not overwrite blocks that
+                queued work still reads. ``after=[]`` waits for nothing but
+                what the caches' protocols require: a stream that an
+                array-interface producer declared (CuPy, Numba) is waited for
+                by every job, whatever ``after`` says.
 
         Raises:
             TypeError, ValueError: bad ids or ``after``, before anything is queued.

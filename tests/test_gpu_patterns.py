@@ -427,6 +427,26 @@ def test_cuda_array_interface_producer_stream_is_waited_for(torch_cuda):
     assert (host == 11).all()
 
 
+def test_queue_waits_for_an_array_interface_producer_even_after_nothing(torch_cuda):
+    """after=[] drops the caller's stream, never what the protocol requires: the
+    stream CuPy declares in __cuda_array_interface__ still holds the store back."""
+    cupy = pytest.importorskip("cupy")
+    torch = torch_cuda
+    producer = cupy.cuda.Stream(non_blocking=True)
+    gpu = cupy.zeros((16, 16 * KiB), dtype=cupy.uint8)
+    host = kvcopy.pinned_empty((16, 16 * KiB), np.uint8)
+    host[:] = 0
+    with producer:
+        with kvcopy.TransferQueue(gpu, host) as store:
+            with torch.cuda.stream(torch.cuda.ExternalStream(producer.ptr)):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            gpu.fill(13)
+            store.submit("s", [[b, 15 - b] for b in range(16)], after=[])
+            (result,) = store.wait()
+    assert result.ok, result.error
+    assert (host == 13).all()
+
+
 def test_dlpack_producer_with_pending_work_jax(torch_cuda):
     jax, gpu = jax_gpu()
     jnp = jax.numpy
