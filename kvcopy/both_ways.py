@@ -9,10 +9,12 @@ calibratable per device) keeps the two balanced, and the caller needs one stream
 From 128 KiB blocks (policy.choose_both_ways) both sides go to the copy engines
 instead, issued in chunks that alternate between the two sides, so that both
 directions start at once and neither waits for the CPU to issue the other.
-Wherever the sides run apart, the second runs on a stream of kvcopy's own that
-forks from the caller's stream and joins it again.
+Wherever the sides run apart, the second runs on a stream of kvcopy's own (one per
+caller's stream) that forks from the caller's stream and joins it again.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -31,12 +33,44 @@ Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (128 KiB: 0.97/0.95
 # against 0.91/0.85; h200-serving-probe-4-latency-both-ways-methods.txt).
 DMA_CHUNK = 64
-# kvcopy's second stream in each context (created once, never destroyed)
-_side_streams = PerContext(lambda: driver.stream_create(non_blocking=True))
+# side streams per context, beyond which callers' streams share them
+MAX_SIDE_STREAMS = 16
 
 
-def _side_stream() -> int:
-    return _side_streams.current()
+class SideStreams:
+    """kvcopy's second stream for each stream copy_both_ways is called on, in one
+    context. With one side stream shared by all callers, a caller on one stream
+    (one thread of an engine) would wait for the side work of callers on other
+    streams. Created on first use and never destroyed; past MAX_SIDE_STREAMS
+    callers' streams, a caller shares one, chosen by its handle."""
+
+    def __init__(self) -> None:
+        self._by_caller: dict[int, int] = {}
+        self._created: list[int] = []
+        self._lock = threading.Lock()
+
+    def for_caller(self, handle: int) -> int:
+        side = self._by_caller.get(handle)   # entries are only ever added
+        if side is not None:
+            return side
+        with self._lock:
+            side = self._by_caller.get(handle)
+            if side is None:
+                if len(self._created) < MAX_SIDE_STREAMS:
+                    side = driver.stream_create(non_blocking=True)
+                    self._created.append(side)
+                    self._by_caller[handle] = side
+                else:
+                    side = self._created[handle % MAX_SIDE_STREAMS]
+            return side
+
+
+_side_streams = PerContext(SideStreams)
+
+
+def _side_stream(handle: int) -> int:
+    """The side stream of the caller's stream ``handle`` in the current context."""
+    return _side_streams.current().for_caller(handle)
 
 
 def _describe(batch: Arrays, out: int, name: str) -> tuple:
@@ -128,7 +162,7 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
         if capturing:   # one stream: the graph keeps the two in order
             return (engine.execute_copies(scope, handle, *first, method, True, False, None),
                     engine.execute_copies(scope, handle, *second, method, True, False, None))
-        side = _side_stream()
+        side = _side_stream(handle)
         driver.stream_wait_stream(side, handle)
         ran_a = engine.execute_copies(scope, handle, *first, method, True, False, None)
         # the side stream is a created stream of this context: its scope never moves
@@ -143,7 +177,7 @@ def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
     """cuMemcpyBatchAsync of two planned batches, DMA_CHUNK copies at a time in
     turn: the first on ``handle``, the second on the side stream (forked from
     ``handle`` before, joined into it after, even when a call fails)."""
-    side = _side_stream()
+    side = _side_stream(handle)
     driver.stream_wait_stream(side, handle)
     try:
         for start in range(0, max(first.count, second.count), DMA_CHUNK):

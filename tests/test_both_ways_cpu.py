@@ -70,7 +70,7 @@ def record(monkeypatch):
         monkeypatch.setattr(both_ways, "dma", rec)
         monkeypatch.setattr(both_ways.engine, "execute_copies", rec.execute_copies)
         monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
-        monkeypatch.setattr(both_ways, "_side_stream", lambda: SIDE)
+        monkeypatch.setattr(both_ways, "_side_stream", lambda handle: SIDE)
         monkeypatch.setattr(both_ways, "_fused", lambda *a: rec.fused)
         return rec
     return install
@@ -130,3 +130,30 @@ def test_a_failing_chunk_names_its_side_and_the_callers_index_and_still_joins(re
         both_ways.execute_both(batch(151), batch(71), HANDLE, names=("store", "load"))
     assert info.value.index == 70
     assert rec.calls[-2:] == [f"batch 65+6 on {SIDE:#x}", f"{HANDLE:#x} waits for {SIDE:#x}"]
+
+
+def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
+    """Callers on different streams (threads of an engine) never share a side stream,
+    so none waits for another's side work; past the limit they share by handle,
+    and no stream is created twice for one caller."""
+    created = iter(range(0x9000, 0x9100))
+    made: list[int] = []
+
+    class FakeDriver:
+        @staticmethod
+        def stream_create(non_blocking: bool) -> int:
+            assert non_blocking
+            made.append(next(created))
+            return made[-1]
+
+    monkeypatch.setattr(both_ways, "driver", FakeDriver)
+    sides = both_ways.SideStreams()
+    first, second = sides.for_caller(0x10), sides.for_caller(0x20)
+    assert first != second
+    assert sides.for_caller(0x10) == first and sides.for_caller(0x20) == second
+    callers = [0x100 + k for k in range(both_ways.MAX_SIDE_STREAMS + 5)]
+    got = [sides.for_caller(h) for h in callers]
+    assert len(made) == both_ways.MAX_SIDE_STREAMS          # never more streams than the limit
+    assert len(set(got[:both_ways.MAX_SIDE_STREAMS - 2])) == both_ways.MAX_SIDE_STREAMS - 2
+    assert set(got) <= set(made)
+    assert [sides.for_caller(h) for h in callers] == got    # the same one every time
