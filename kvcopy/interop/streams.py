@@ -60,6 +60,8 @@ def resolve_stream(obj: Any) -> int:
         TypeError: ``obj`` names no stream kvcopy knows.
         ValueError: the handle is negative or wider than 64 bits.
     """
+    if type(obj) is int and 0 <= obj <= _MAX_HANDLE:
+        return obj   # a raw handle, the common case of engines' hot loops: kept cheap
     if obj is None:
         return STREAM_DEFAULT
     if isinstance(obj, (bool, np.bool_)):
