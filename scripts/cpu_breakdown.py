@@ -130,5 +130,58 @@ def swap_blocks_breakdown(stream) -> None:
           sync=stream.synchronize)
 
 
+def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
+    """The steps of one call of ``count`` host-to-GPU copies (a decode step's batch):
+    which of its ~11 us are Python, which the driver."""
+    from kvcopy import engine, kernels
+    from kvcopy._cuda import driver as kv_drv
+    from kvcopy.context import ContextScope
+    from kvcopy.interop.streams import resolve_stream
+
+    host = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(0)
+    s = (host.data_ptr() + rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+    d = (gpu.data_ptr() + rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+    sizes = np.full(count, block, dtype=np.uint64)
+    stream = torch.cuda.Stream()
+    handle = resolve_stream(stream)
+    label = f"small {count}:"
+    timed(f"{label} copy_batch, raw handle", lambda: kvcopy.copy_batch(s, d, sizes, stream=handle),
+          sync=stream.synchronize)
+    timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
+    timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))
+
+    def scope() -> None:
+        with ContextScope(handle):
+            pass
+    timed(f"{label} ContextScope enter+exit", scope)
+    timed(f"{label} stream_capture_status", lambda: kv_drv.stream_capture_status(handle))
+    scratch = engine._HostScratch(count * kv_describe.DESCRIPTOR_BYTES)
+    timed(f"{label} describe_copies (2 ranges)", lambda: kv_describe.describe_copies(
+        s, d, sizes, scratch.host))
+    n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, scratch.host)
+    found = engine.MemoryClasses(*kinds)
+    timed(f"{label} MemoryClasses", lambda: engine.MemoryClasses(*kinds))
+    timed(f"{label} decide (remembered)", lambda: engine.decide(handle, "auto", n, total, found))
+    timed(f"{label} context_device", kv_drv.context_device)
+    target = engine.decide(handle, "auto", n, total, found)
+    info = target.info
+    timed(f"{label} kernel lookup", lambda: kernels.kernel_for_current_context(
+        *info.cc, info.driver_version))
+    kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
+    timed(f"{label} launch_descs_inline (tiny)", lambda: kv_launch.launch_descs_inline(
+        kernel.function_tiny, kv_launch.INLINE_MAX_TINY, scratch.host, n, target.ctas(None),
+        kvcopy.config.threads_per_cta, handle), sync=stream.synchronize)
+    timed(f"{label} engine.launch_kernel", lambda: engine.launch_kernel(
+        n, tiles, target, scratch, None), sync=stream.synchronize)
+    timed(f"{label} execute_arrays", lambda: engine.execute_arrays(s, d, sizes, handle),
+          sync=stream.synchronize)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if sys.argv[1:] == ["small"]:
+        small_batch_breakdown()
+    else:
+        main()

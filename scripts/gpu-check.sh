@@ -32,7 +32,7 @@ if [ -n "${ONE_GPU_TOO:-}" ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
-(cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py) 2>&1 | tee "$OUT/cpu_overhead.txt"
+(cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py && python3 cpu_breakdown.py small) 2>&1 | tee "$OUT/cpu_overhead.txt"
 [ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   [ "$mode" = none ] && continue
