@@ -7,6 +7,7 @@ describe pass (into pinned and into pageable memory), and the whole call.
 from __future__ import annotations
 
 import resource
+import types
 import statistics
 import time
 
@@ -157,7 +158,8 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
             pass
     timed(f"{label} ContextScope enter+exit", scope)
     timed(f"{label} stream_capture_status", lambda: kv_drv.stream_capture_status(handle))
-    scratch = engine._HostScratch(count * kv_describe.DESCRIPTOR_BYTES)
+    buffer = np.empty(count * kv_describe.DESCRIPTOR_BYTES, dtype=np.uint8)
+    scratch = types.SimpleNamespace(host=buffer.ctypes.data)   # where the engine describes
     timed(f"{label} describe_copies (2 ranges)", lambda: kv_describe.describe_copies(
         s, d, sizes, scratch.host))
     n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, scratch.host)

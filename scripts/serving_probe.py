@@ -518,13 +518,11 @@ def beside_dma_threads(threads_list=(1, 2, 4), chunk=256):
     without the SM stores' cost to compute?"""
     from concurrent.futures import ThreadPoolExecutor
     from kvcopy.bench import beside
-    from kvcopy.bench.scenarios import Pools
 
     matmuls = beside.Matmuls()
     total, block = 64 * MiB, 16 * KiB
-    pools = Pools("d2h", total, "torch")
-    ptrs = beside._batch(pools, block, total // block, 3)
     n = total // block
+    ptrs = pointers(*one_way_pools("d2h", total), block, n, 3)
     pool = ThreadPoolExecutor(8)
     streams = [torch.cuda.Stream() for _ in range(max(threads_list))]
     for threads in threads_list:
