@@ -29,6 +29,7 @@ _SETTINGS = {
     "enable_peer_access": _Setting("KVCOPY_ENABLE_PEER_ACCESS", 1, 0, 1, boolean=True),
     "batch_chunk": _Setting("KVCOPY_BATCH_CHUNK", 16384, 1, 1 << 24),
     "threads_per_cta": _Setting("KVCOPY_THREADS", 512, 32, MAX_THREADS_PER_CTA, multiple_of=32),
+    "stores_by_dma": _Setting("KVCOPY_STORES_BY_DMA", 0, 0, 1, boolean=True),
 }
 
 
@@ -121,6 +122,14 @@ class Config:
         to 512 (env KVCOPY_THREADS).
     batch_chunk: descriptors per cuMemcpyBatchAsync call (very large batches
         were reported to hang on some parts; env KVCOPY_BATCH_CHUNK).
+    stores_by_dma: 'auto' sends GPU-to-host copies of every block size to the
+        copy engines (cuMemcpyBatchAsync) wherever the stream allows them, for
+        engines that store KV blocks while the model computes: the copy
+        kernel's writes to host memory slow compute beside them far more than
+        their share of SMs (H200, bf16 matmul beside 16 KiB stores: +28% beside
+        the kernel at 46 GB/s, +0.2% beside the copy engines at 29 GB/s, which
+        is as fast as one CPU thread feeds them). Default False: the kernel,
+        at the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
     """
 
     host_ctas: int | None
@@ -129,6 +138,7 @@ class Config:
     enable_peer_access: bool
     batch_chunk: int
     threads_per_cta: int
+    stores_by_dma: bool
 
     def __init__(self) -> None:
         for name in _SETTINGS:

@@ -143,7 +143,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if capturing is None:
         capturing = driver.stream_capture_status(handle) != 0
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
-           allow_batch)
+           allow_batch, config.stores_by_dma)
     target = _targets.get(key)
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
@@ -168,7 +168,8 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
                           stream_kind=stream_kind(handle), capturing=capturing,
                           batch_allowed=allow_batch,
                           devices=(found.src_device, found.dst_device),
-                          unreachable="" if accessible else unreachable(found, ordinal))
+                          unreachable="" if accessible else unreachable(found, ordinal),
+                          stores_by_dma=config.stores_by_dma)
     thresholds = device.thresholds(ordinal)
     decision = choose_method(request, info.caps, thresholds, method)
     return Target(handle, info, request, decision, thresholds.ctas_for(request.direction),

@@ -46,6 +46,8 @@ class CopyRequest:
     batch_allowed: bool = True        # False: the caller forbids cuMemcpyBatchAsync
     devices: tuple[int, int] = (-1, -1)   # source and destination device (-1: host memory)
     unreachable: str = ""             # what the device cannot access, when not accessible
+    stores_by_dma: bool = False       # the caller prefers copy engines for GPU-to-host
+                                      # copies (config.stores_by_dma)
 
     @property
     def mean_bytes(self) -> float:
@@ -175,8 +177,9 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     graph). Host<->device blocks and blocks between two GPUs of at least the
     calibrated size go by batched DMA, which matches or beats the kernel there
     and leaves the SMs to compute; smaller blocks and copies inside one GPU go
-    to the kernel. Where neither applies, one cuMemcpyAsync per copy is always
-    correct.
+    to the kernel, except GPU-to-host copies when the caller prefers the copy
+    engines for them (``req.stores_by_dma``) and batched DMA is possible.
+    Where neither applies, one cuMemcpyAsync per copy is always correct.
 
     Raises:
         ValueError: unknown method, or 'kernel' with memory it cannot read.
@@ -193,18 +196,26 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
                  and req.direction != "h2h")
     batch_ok = (caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
                 and not req.capturing)
+    # read only where batch_ok is False
+    why_not_batch = ("capturing stream" if req.capturing else
+                     "batched DMA not allowed by the caller" if not req.batch_allowed else
+                     "legacy default stream" if req.stream_kind == "legacy" else
+                     "no cuMemcpyBatchAsync in this driver")
+    store_by_dma = req.stores_by_dma and req.direction == "d2h"
     if kernel_ok:
         if batch_ok and req.mean_bytes >= thresholds.for_request(req):
             return Decision("batch", f"blocks of {req.mean_bytes / MiB:.2f} MiB: DMA engines "
                                      "reach the link's limit without using SMs")
+        if batch_ok and store_by_dma:
+            return Decision("batch", "GPU-to-host by copy engines (config.stores_by_dma): "
+                                     "no SM writes to host memory beside compute")
+        if store_by_dma:
+            return Decision("kernel", f"copy kernel: {why_not_batch} rules out the copy "
+                                      "engines config.stores_by_dma prefers")
         return Decision("kernel", "copy kernel: link-rate for blocks of every size")
     if batch_ok:
         return Decision("batch", "memory the kernel cannot read: batched DMA")
-    why = ("capturing stream" if req.capturing else
-           "batched DMA not allowed by the caller" if not req.batch_allowed else
-           "legacy default stream" if req.stream_kind == "legacy" else
-           "no cuMemcpyBatchAsync in this driver")
-    return Decision("loop", f"{why}: one cuMemcpyAsync per copy")
+    return Decision("loop", f"{why_not_batch}: one cuMemcpyAsync per copy")
 
 
 def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,

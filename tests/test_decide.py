@@ -121,3 +121,16 @@ def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
     assert target.ctas(None) == min(device.PEER_CTAS, DeviceCaps().sm_count)
     monkeypatch.setattr(config, "peer_ctas", 12)
     assert target.ctas(None) == 12 and target.ctas(3) == 3
+
+
+def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
+    from kvcopy.config import config
+
+    store = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
+    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    monkeypatch.setattr(config, "stores_by_dma", True)
+    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
+    assert asked[-1].stores_by_dma and asked[-1].direction == "d2h"
+    monkeypatch.setattr(config, "stores_by_dma", False)
+    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    assert len(asked) == 2   # the first answer was remembered

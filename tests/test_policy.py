@@ -1,6 +1,8 @@
 """The method policy, with faked device capabilities (CPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvcopy.errors import CaptureError, KVCopyError
@@ -189,3 +191,37 @@ def test_both_ways_respects_the_driver_the_caller_and_the_calibration():
     assert choose_both_ways(store, load, H200, higher) is None
     assert choose_both_ways(req("d2h", block=4 * MiB), req("h2d", block=4 * MiB), H200,
                             higher).method == "batch"
+
+
+def stores(block=16 * KiB, **kw) -> CopyRequest:
+    return dataclasses.replace(req("d2h", block=block, **kw), stores_by_dma=True)
+
+
+@pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
+def test_stores_by_dma_sends_every_gpu_to_host_block_to_the_copy_engines(block):
+    decision = choose_method(stores(block), H200)
+    assert decision.method == "batch" and "stores_by_dma" in decision.reason
+    # only stores: loads and copies inside the GPU keep the kernel
+    for direction in ("h2d", "d2d"):
+        other = dataclasses.replace(req(direction, block=block), stores_by_dma=True)
+        assert choose_method(other, H200).method == "kernel"
+
+
+@pytest.mark.parametrize("why, request_changes, caps", [
+    ("capturing stream", {"capturing": True}, H200),
+    ("legacy default stream", {"stream": "legacy"}, H200),
+    ("no cuMemcpyBatchAsync", {}, DeviceCaps(batch_available=False)),
+])
+def test_stores_by_dma_falls_back_to_the_kernel_where_batch_cannot_run(why, request_changes,
+                                                                        caps):
+    decision = choose_method(stores(**request_changes), caps)
+    assert decision.method == "kernel"
+    assert why in decision.reason and "stores_by_dma" in decision.reason
+    refused = dataclasses.replace(stores(), batch_allowed=False)
+    assert choose_method(refused, H200).method == "kernel"
+
+
+def test_stores_by_dma_leaves_single_copies_and_unreadable_memory_alone():
+    assert choose_method(stores(count=1), H200).method == "loop"
+    assert choose_method(stores(accessible=False), H200).method == "batch"
+    assert choose_method(stores(accessible=False, stream="legacy"), H200).method == "loop"

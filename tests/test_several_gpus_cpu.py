@@ -128,3 +128,13 @@ def test_queue_between_gpus_waits_for_both_current_streams(fake_torch):
     queue._touches_gpu = False
     assert queue._dependencies(None) == []
 
+
+@pytest.mark.parametrize("text, expected", [("0", False), ("1", True), ("", False)])
+def test_stores_by_dma_from_the_environment(monkeypatch, text, expected):
+    monkeypatch.setenv("KVCOPY_STORES_BY_DMA", text)
+    assert Config().stores_by_dma is expected
+    monkeypatch.setenv("KVCOPY_STORES_BY_DMA", "2")
+    with pytest.raises(ValueError, match="KVCOPY_STORES_BY_DMA=2 is out of range"):
+        Config()
+    with pytest.raises(TypeError, match="stores_by_dma"):
+        Config.__new__(Config).__setattr__("stores_by_dma", "yes")
