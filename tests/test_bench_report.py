@@ -59,3 +59,18 @@ def test_block_pairs_are_distinct_ids_in_range():
     assert pairs.shape == (1024, 2)
     for column in pairs.T:
         assert len(set(column.tolist())) == 1024 and column.min() >= 0 and column.max() < 2048
+
+
+def test_bench_variants_set_stores_by_dma_only_meanwhile():
+    import kvcopy
+    from kvcopy.bench import beside
+
+    before = kvcopy.config.stores_by_dma
+    with beside._settings({"stores_by_dma": not before, "method": "auto"}) as options:
+        assert options == {"method": "auto"}
+        assert kvcopy.config.stores_by_dma is (not before)
+    assert kvcopy.config.stores_by_dma is before
+    with pytest.raises(RuntimeError):
+        with beside._settings({"stores_by_dma": not before}):
+            raise RuntimeError("a failing variant")
+    assert kvcopy.config.stores_by_dma is before

@@ -10,6 +10,7 @@ Python thread's turns never leave the compute stream idle.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import threading
@@ -147,7 +148,21 @@ def _batch(pools: Pools, block: int, count: int, seed: int) -> tuple:
 
 COMPUTE_VARIANTS: list[tuple[str, dict]] = [
     ("batch", {"method": "batch"}), ("kernel", {"method": "kernel"}),
-    ("kernel 1 CTA", {"method": "kernel", "max_ctas": 1})]
+    ("kernel 1 CTA", {"method": "kernel", "max_ctas": 1}),
+    ("auto, stores_by_dma", {"stores_by_dma": True})]
+
+
+@contextlib.contextmanager
+def _settings(options: dict) -> Iterator[dict]:
+    """copy_batch options, with kvcopy.config settings among them applied meanwhile."""
+    copy_options = dict(options)
+    stores_by_dma = copy_options.pop("stores_by_dma", kvcopy.config.stores_by_dma)
+    before = kvcopy.config.stores_by_dma
+    kvcopy.config.stores_by_dma = stores_by_dma
+    try:
+        yield copy_options
+    finally:
+        kvcopy.config.stores_by_dma = before
 
 
 def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB,
@@ -162,9 +177,11 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
     ptrs = _batch(pools, block, total // block, 3)
     stream = torch.cuda.Stream()
     for label, options in variants or COMPUTE_VARIANTS:
-        def call(options: dict = options) -> object:
-            return kvcopy.copy_batch(*ptrs, stream=stream, **options)
-        spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)], pairs)
+        with _settings(options) as copy_options:
+            def call(options: dict = copy_options) -> object:
+                return kvcopy.copy_batch(*ptrs, stream=stream, **options)
+            spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)],
+                                            pairs)
         yield {"scenario": "compute_beside", "direction": direction, "method": label,
                "block_bytes": block, "pairs": pairs, **spread, "alone_ms": alone_ms,
                "copy_gbps": gbps[direction]}
@@ -180,18 +197,22 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
     count = total // block
     store, load = _batch(store_pools, block, count, 5), _batch(load_pools, block, count, 6)
     s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
-    for method in ("auto", "kernel", "batch", "copy_both_ways"):
-        if method == "copy_both_ways":
-            both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
-                                                          stream=s_store), s_store, 2 * total)
-            spread, gbps, alone_ms = paired(matmuls, [both], pairs)
-            gbps = {"store": gbps["store+load"] / 2, "load": gbps["store+load"] / 2}
-        else:
-            copiers = [Copier(name, functools.partial(kvcopy.copy_batch, *batch, stream=stream,
-                                                      method=cast(RequestedMethod, method)),
-                              stream, total)
-                       for name, batch, stream in (("store", store, s_store), ("load", load, s_load))]
-            spread, gbps, alone_ms = paired(matmuls, copiers, pairs)
+    for method in ("auto", "kernel", "batch", "copy_both_ways", "auto, stores_by_dma"):
+        settings = {"stores_by_dma": True} if method.endswith("stores_by_dma") else {}
+        with _settings(settings):
+            if method == "copy_both_ways":
+                both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
+                                                              stream=s_store), s_store, 2 * total)
+                spread, gbps, alone_ms = paired(matmuls, [both], pairs)
+                gbps = {"store": gbps["store+load"] / 2, "load": gbps["store+load"] / 2}
+            else:
+                requested = cast(RequestedMethod, method.split(",")[0])
+                copiers = [Copier(name, functools.partial(kvcopy.copy_batch, *batch,
+                                                          stream=stream, method=requested),
+                                  stream, total)
+                           for name, batch, stream in (("store", store, s_store),
+                                                       ("load", load, s_load))]
+                spread, gbps, alone_ms = paired(matmuls, copiers, pairs)
         yield {"scenario": "serving_step", "method": method, "block_bytes": block,
                "pairs": pairs, "store_gbps": gbps["store"], "load_gbps": gbps["load"],
                **spread, "alone_ms": alone_ms}
