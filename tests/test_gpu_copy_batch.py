@@ -309,3 +309,16 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
         kv_describe.describe_copies(src, dst, bad_sizes, descs.ctypes.data)
     assert str(planned.value) == str(described.value) == \
         f"sizes[1234] = {2**63} is larger than 2**63 - 1 bytes"
+
+
+@pytest.mark.parametrize("stream_kind, expected", [("created", "batch"), ("legacy", "kernel")])
+def test_stores_by_dma_sends_stores_to_the_copy_engines(torch_cuda, monkeypatch, stream_kind,
+                                                         expected):
+    """config.stores_by_dma: 16 KiB stores go by batched DMA where the stream allows it
+    and by the kernel on the legacy default stream, the bytes right either way;
+    loads keep the kernel."""
+    monkeypatch.setattr(kvcopy.config, "stores_by_dma", True)
+    stream = torch_cuda.cuda.Stream() if stream_kind == "created" else 1
+    assert run_copy("d2h", 64, 16384, stream=stream) == expected
+    assert "stores_by_dma" in kvcopy.last_decision().reason
+    assert run_copy("h2d", 64, 16384, stream=stream) == "kernel"
