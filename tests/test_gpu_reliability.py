@@ -281,3 +281,16 @@ def test_per_thread_default_stream_env(torch_cuda):
     res = run_child(PER_THREAD_CHILD, env={"CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": "1"})
     assert res["ok"]
     assert res["used"][1] == "batch"  # handle 0 means the per-thread stream: batch is allowed
+
+
+def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
+    """kvcopy keeps the primary context it retained: the same handle every time (a
+    retain per call would grow the driver's count without bound), and the context
+    torch's CUDA work runs in."""
+    from kvcopy._cuda import driver as kv_driver
+
+    torch_cuda.zeros(1, device="cuda:0")
+    first = kv_driver.primary_context(0)
+    assert first != 0 and kv_driver.primary_context(0) == first
+    with torch_cuda.cuda.device(0):
+        assert kv_driver.current_context() == first

@@ -133,14 +133,32 @@ def context_device() -> int:
     return <int>dev
 
 
-def primary_context(int ordinal) -> int:
-    """Retain (once per process, never released) and return a device's primary context."""
-    init()
+# primary contexts kvcopy retained, per device ordinal (written once each; a race
+# between threads retains twice at worst, and the handle is the same)
+cdef enum:
+    _PRIMARY_KEPT = 64
+cdef CUcontext _primary[_PRIMARY_KEPT]
+
+
+cdef CUcontext _primary_context(int ordinal) except? NULL:
+    """A device's primary context, retained once per process and never released: a
+    retain per call would grow the driver's count without bound, and cost a call."""
     cdef CUdevice dev
     cdef CUcontext ctx = NULL
+    cdef bint kept = 0 <= ordinal < _PRIMARY_KEPT
+    if kept and _primary[ordinal] != NULL:
+        return _primary[ordinal]
     check(cydriver.cuDeviceGet(&dev, ordinal))
     check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))
-    return <uintptr_t>ctx
+    if kept:
+        _primary[ordinal] = ctx
+    return ctx
+
+
+def primary_context(int ordinal) -> int:
+    """A device's primary context (retained once per process, never released)."""
+    init()
+    return <uintptr_t>_primary_context(ordinal)
 
 
 def push_context(uintptr_t ctx) -> None:
@@ -234,15 +252,12 @@ cdef CUcontext _stream_home(uintptr_t stream, int device, CUcontext here) except
     default-stream handles (0x1, 0x2) the primary context of ``device``, or the
     current context ``here`` when device is -1."""
     cdef CUcontext ctx = NULL
-    cdef CUdevice dev
     if stream > 2:
         check(cydriver.cuStreamGetCtx(<CUstream>stream, &ctx))
         return ctx
     if device < 0:
         return here
-    check(cydriver.cuDeviceGet(&dev, device))
-    check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))   # kept, as primary_context()
-    return ctx
+    return _primary_context(device)
 
 
 def stream_wait_stream(uintptr_t consumer, uintptr_t producer, int producer_device=-1,
