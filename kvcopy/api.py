@@ -159,11 +159,10 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     """
     check_method(method)
     if stream is not None:
-        handle = effective_handle(resolve_stream(stream))
-        plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
-        return engine.execute_blocks(plan, handle, method)
-    srcs, dsts = as_list(src), as_list(dst)
-    streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
+        streams = [(resolve_stream(stream), -1)]
+    else:
+        srcs, dsts = as_list(src), as_list(dst)
+        streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
     handle = effective_handle(streams[0][0])
     plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
     if len(streams) == 1:
