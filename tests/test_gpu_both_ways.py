@@ -172,3 +172,55 @@ def test_small_batches_split_over_warps(torch_cuda, direction, count, size, max_
                              max_ctas=max_ctas) == "kernel"
     stream.synchronize()
     side.check()
+
+
+@pytest.mark.parametrize("block", [16384, 262144])
+def test_threads_on_their_own_streams(torch_cuda, block):
+    """An engine's threads, each storing and loading on a stream of its own, every
+    round after a slow fill queued on that stream: each thread's loads land after
+    its own fill (side stream forked from its stream) and its stores copy the
+    round's bytes; 16 KiB blocks run as one kernel launch, 256 KiB by copy engines
+    on the caller's stream and its side stream."""
+    import threading
+
+    torch = torch_cuda
+    blocks, rounds, threads = 8, 4, 3
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            stream = torch.cuda.Stream()
+            gpu_src = torch.empty(2 * blocks * block, dtype=torch.uint8, device="cuda")
+            gpu_dst = torch.empty(2 * blocks * block, dtype=torch.uint8, device="cuda")
+            host_src = torch.empty(2 * blocks * block, dtype=torch.uint8).pin_memory()
+            host_dst = torch.zeros(2 * blocks * block, dtype=torch.uint8).pin_memory()
+            slots = [rng.permutation(2 * blocks)[:blocks] * block for _ in range(4)]
+            sizes = np.full(blocks, block, dtype=np.uint64)
+            store = (np.uint64(gpu_src.data_ptr()) + slots[0].astype(np.uint64),
+                     np.uint64(host_dst.data_ptr()) + slots[1].astype(np.uint64), sizes)
+            load = (np.uint64(host_src.data_ptr()) + slots[2].astype(np.uint64),
+                    np.uint64(gpu_dst.data_ptr()) + slots[3].astype(np.uint64), sizes)
+            for r in range(rounds):
+                host_src.fill_(100 + 10 * seed + r)
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(20_000_000)
+                    gpu_src.fill_(10 * seed + r)
+                    gpu_dst.zero_()           # a load issued before this would be erased
+                kvcopy.copy_both_ways(store, load, stream=stream)
+                stream.synchronize()
+                host = host_dst.numpy()
+                gpu = gpu_dst.cpu().numpy()
+                for at in slots[1]:
+                    assert (host[at:at + block] == 10 * seed + r).all(), (seed, r, "store")
+                for at in slots[3]:
+                    assert (gpu[at:at + block] == 100 + 10 * seed + r).all(), (seed, r, "load")
+        except BaseException as exc:   # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(seed,)) for seed in range(1, threads + 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
