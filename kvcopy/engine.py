@@ -330,10 +330,13 @@ def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
                          *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
 
 
-def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") -> str:
+def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
+                   wait_for_producers: bool = True) -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the tensor table and the ids.
-    Other paths (DMA, kernel under capture) run the pointer-level plan."""
+    Other paths (DMA, kernel under capture) run the pointer-level plan. The
+    streams array-interface producers declared are waited for first, unless the
+    caller already did (``wait_for_producers=False``)."""
     if blocks.num_pairs == 0:
         return "none"
     handle = effective_handle(stream_handle)
@@ -346,7 +349,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto") 
         if reach_peers(found, method):
             found = _classify_tensors(blocks, src_view, dst_view)
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
-        if not target.request.capturing:  # a graph cannot wait for work outside it
+        # (a graph cannot wait for work outside it)
+        if wait_for_producers and not target.request.capturing:
             for producer in blocks.geometry.producer_streams:
                 driver.stream_wait_stream(handle, producer)
         if target.decision.method != "kernel" or target.request.capturing:

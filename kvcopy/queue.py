@@ -111,7 +111,7 @@ class TransferQueue:
             if not self._touches_gpu:
                 return []
             # streams that array-interface producers declared are waited for by
-            # engine.execute_blocks, for every job: not listed here a second time
+            # submit, for every job, whatever ``after`` says
             streams = [(effective_handle(h), d) for h, d in self._caller_streams()]
             return [("stream", h, d) for i, (h, d) in enumerate(streams)
                     if (h, d) not in streams[:i]]
@@ -165,8 +165,12 @@ class TransferQueue:
                         driver.stream_wait_event(self._stream, handle)
                     else:
                         driver.stream_wait_stream(self._stream, handle, device)
+                for producer in self._geometry.producer_streams:   # the protocol's, always
+                    driver.stream_wait_stream(self._stream, producer)
+                # the start event after every wait: a job's seconds are its copy's alone
                 driver.event_record(start, self._stream)
-                method = engine.execute_blocks(plan, self._stream, self.method)
+                method = engine.execute_blocks(plan, self._stream, self.method,
+                                               wait_for_producers=False)
                 driver.event_record(end, self._stream)
             except BaseException:
                 for event in (start, end):

@@ -122,7 +122,7 @@ def test_queue_between_gpus_waits_for_both_current_streams(fake_torch):
     queue._touches_gpu = True
     queue._geometry = types.SimpleNamespace(producer_streams=[0x77])
     legacy = streams.effective_handle(0)
-    # the producer's stream (0x77) is waited for by engine.execute_blocks, once per job
+    # the producer's stream (0x77) is waited for by submit, for every job, whatever after says
     assert queue._dependencies(None) == [("stream", 0x100, 0), ("stream", legacy, 1)]
     assert queue._dependencies([0x55]) == [("stream", 0x55, -1)]
     queue._touches_gpu = False
@@ -138,3 +138,42 @@ def test_stores_by_dma_from_the_environment(monkeypatch, text, expected):
         Config()
     with pytest.raises(TypeError, match="stores_by_dma"):
         Config.__new__(Config).__setattr__("stores_by_dma", "yes")
+
+
+def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch):
+    """submit: the job's own waits, then the producers' streams (even with after=[]),
+    then the start event, then the copy, which does not wait for them again."""
+    import threading
+    from collections import deque
+
+    from kvcopy import queue as queue_module
+    from kvcopy.queue import TransferQueue
+
+    calls: list[str] = []
+
+    class FakeDriver:
+        def push_context(self, ctx): calls.append("push")
+        def pop_context(self): calls.append("pop")
+        def event_create(self, timing): return 0xE0 + len(calls)
+        def event_record(self, event, stream): calls.append(f"record on {stream:#x}")
+        def stream_wait_stream(self, consumer, producer, device=-1):
+            calls.append(f"{consumer:#x} waits for {producer:#x}")
+        def stream_wait_event(self, consumer, event): calls.append(f"{consumer:#x} waits event")
+
+    def execute_blocks(plan, handle, method, wait_for_producers=True):
+        calls.append(f"copy on {handle:#x}, waits for producers: {wait_for_producers}")
+        return "kernel"
+
+    monkeypatch.setattr(queue_module, "driver", FakeDriver())
+    monkeypatch.setattr(queue_module.engine, "execute_blocks", execute_blocks)
+    queue = object.__new__(TransferQueue)
+    queue._lock, queue._closed, queue._pending = threading.Lock(), False, deque()
+    queue._ctx, queue._stream, queue.method = 0xC0, 0x5, "auto"
+    queue._geometry = types.SimpleNamespace(
+        producer_streams=[0x77],
+        with_mapping=lambda mapping: types.SimpleNamespace(total_bytes=4096))
+    for after, own in (([0x55], ["0x5 waits for 0x55"]), ([], [])):
+        calls.clear()
+        queue.submit("job", [[0, 0]], after=after)
+        assert calls == ["push", *own, "0x5 waits for 0x77", "record on 0x5",
+                         "copy on 0x5, waits for producers: False", "record on 0x5", "pop"]
