@@ -60,8 +60,8 @@ class SideStreams:
                     side = driver.stream_create(non_blocking=True)
                     self._created.append(side)
                     self._by_caller[handle] = side
-                else:
-                    side = self._created[handle % MAX_SIDE_STREAMS]
+                else:   # handles are aligned pointers: hash them, not their low bits
+                    side = self._created[hash((handle,)) % MAX_SIDE_STREAMS]
             return side
 
 
