@@ -127,9 +127,9 @@ class Config:
         engines that store KV blocks while the model computes: the copy
         kernel's writes to host memory slow compute beside them far more than
         their share of SMs (H200, bf16 matmul beside 16 KiB stores: +28% beside
-        the kernel at 46 GB/s, +0.2% beside the copy engines at 29 GB/s, which
-        is as fast as one CPU thread feeds them). Default False: the kernel,
-        at the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
+        the kernel at 46 GB/s, +0.2% beside the copy engines at 18-29 GB/s,
+        as fast as one CPU thread feeds them at that size). Default False: the
+        kernel, at the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
     """
 
     host_ctas: int | None
