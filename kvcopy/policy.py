@@ -166,6 +166,22 @@ def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
     return Decision("kernel", "requested")
 
 
+def _batch_possible(req: CopyRequest, caps: DeviceCaps) -> bool:
+    """Whether cuMemcpyBatchAsync may take the batch: the driver has it, the caller
+    allows it, and the stream is neither the legacy default stream (the driver
+    rejects it) nor capturing (the copies would be left out of the graph)."""
+    return (caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
+            and not req.capturing)
+
+
+def _why_no_batch(req: CopyRequest) -> str:
+    """What rules batched DMA out, where _batch_possible is False."""
+    return ("capturing stream" if req.capturing else
+            "batched DMA not allowed by the caller" if not req.batch_allowed else
+            "legacy default stream" if req.stream_kind == "legacy" else
+            "no cuMemcpyBatchAsync in this driver")
+
+
 def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | None = None,
                   requested: str = "auto") -> Decision:
     """Pick the fastest correct method for ``req``.
@@ -194,13 +210,7 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
         return Decision("loop", "a single copy: one cuMemcpyAsync")
     kernel_ok = (caps.kernel_available and caps.unified_addressing and req.device_accessible
                  and req.direction != "h2h")
-    batch_ok = (caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
-                and not req.capturing)
-    # read only where batch_ok is False
-    why_not_batch = ("capturing stream" if req.capturing else
-                     "batched DMA not allowed by the caller" if not req.batch_allowed else
-                     "legacy default stream" if req.stream_kind == "legacy" else
-                     "no cuMemcpyBatchAsync in this driver")
+    batch_ok = _batch_possible(req, caps)
     store_by_dma = req.stores_by_dma and req.direction == "d2h"
     if kernel_ok:
         if batch_ok and req.mean_bytes >= thresholds.for_request(req):
@@ -210,29 +220,28 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
             return Decision("batch", "GPU-to-host by copy engines (config.stores_by_dma): "
                                      "no SM writes to host memory beside compute")
         if store_by_dma:
-            return Decision("kernel", f"copy kernel: {why_not_batch} rules out the copy "
+            return Decision("kernel", f"copy kernel: {_why_no_batch(req)} rules out the copy "
                                       "engines config.stores_by_dma prefers")
         return Decision("kernel", "copy kernel: link-rate for blocks of every size")
     if batch_ok:
         return Decision("batch", "memory the kernel cannot read: batched DMA")
-    return Decision("loop", f"{why_not_batch}: one cuMemcpyAsync per copy")
+    return Decision("loop", f"{_why_no_batch(req)}: one cuMemcpyAsync per copy")
 
 
 def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
                      thresholds: Thresholds | None = None,
                      requested: str = "auto") -> Decision | None:
     """For two batches copied at once (copy_both_ways, 'auto' only): batched DMA for
-    both when each side goes between host and GPU, its mean block reaches ``thresholds.both_ways_batch_min_bytes``
-    and both could take it (the driver has cuMemcpyBatchAsync, the caller allows it,
-    the stream is neither the legacy default stream nor capturing). Copy engines
+    both when each side goes between host and GPU, its mean block reaches
+    ``thresholds.both_ways_batch_min_bytes`` and both could take it
+    (_batch_possible). Copy engines
     move both directions at the link's limit from there, where the kernel pair
     shares the upstream link less well. None: each side as choose_method says."""
     if requested != "auto":
         return None
     thresholds = thresholds or Thresholds()
     for req in (first, second):
-        if not (req.direction in ("h2d", "d2h") and caps.batch_available and req.batch_allowed and req.stream_kind != "legacy"
-                and not req.capturing and req.count > 1
+        if not (req.direction in ("h2d", "d2h") and _batch_possible(req, caps) and req.count > 1
                 and req.mean_bytes >= thresholds.both_ways_batch_min_bytes):
             return None
     smaller = min(first.mean_bytes, second.mean_bytes)
