@@ -545,7 +545,49 @@ def beside_dma_threads(threads_list=(1, 2, 4), chunk=256):
               f"copy {gbps['d2h']:.1f} GB/s", flush=True)
 
 
-PARTS = {"beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+def dma_attrs(blocks=(4 * KiB, 16 * KiB, 64 * KiB)):
+    """Does any attribute of cuMemcpyBatchAsync cut its CPU cost per copy? CPU µs per
+    copy of one call over 64 MiB of scattered blocks (the copy then waited for, not
+    timed) and wall GB/s (call to completion), per source access order, flag and
+    location hint, one way each, in torch's pinned memory and in kvcopy's."""
+    from kvcopy._cuda import dma
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+    dev = torch.cuda.current_device()
+    variants = {"stream+overlap": dict(order=1), "any+overlap": dict(order=3),
+                "stream, no flag": dict(order=1, flags=0), "any, no flag": dict(order=3, flags=0),
+                "during_call": dict(order=2)}
+    for direction in ("h2d", "d2h"):
+        host_hint, dev_hint = (2, 0), (1, dev)
+        hints = host_hint + dev_hint if direction == "h2d" else dev_hint + host_hint
+        variants_here = dict(variants, **{"stream+hints": dict(order=1, hints=hints)})
+        for memory in ("torch", "kvcopy"):
+            src, dst = one_way_pools(direction, TOTAL)
+            if memory == "kvcopy":
+                host = torch.from_numpy(kvcopy.pinned_empty(2 * TOTAL, dtype=np.uint8))
+                src, dst = (host, dst) if direction == "h2d" else (src, host)
+            for block in blocks:
+                n = TOTAL // block
+                s, d, z = pointers(src, dst, block, n, block)
+                cells = []
+                for name, kw in variants_here.items():
+                    cpu, wall = [], []
+                    for _ in range(5):
+                        stream.synchronize()
+                        t0 = time.perf_counter()
+                        dma.memcpy_batch(d, s, z, handle, False, 1 << 20, **kw)
+                        t1 = time.perf_counter()
+                        stream.synchronize()
+                        t2 = time.perf_counter()
+                        cpu.append((t1 - t0) * 1e6 / n)
+                        wall.append(t2 - t0)
+                    cells.append(f"{name} {statistics.median(cpu):.2f}us "
+                                 f"{TOTAL / statistics.median(wall) / 1e9:.1f}GB/s")
+                print(f"dma_attrs {direction} {memory:<6} {block // KiB:>3} KiB x{n:<5} "
+                      + "  ".join(cells), flush=True)
+
+
+PARTS = {"dma_attrs": dma_attrs, "beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":

@@ -207,12 +207,18 @@ def batch_abi() -> int:
 
 
 def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
-                 uintptr_t stream, bint access_any, Py_ssize_t chunk) -> None:
+                 uintptr_t stream, bint access_any, Py_ssize_t chunk, *, int order=0,
+                 int flags=-1, tuple hints=(0, 0, 0, 0)) -> None:
     """cuMemcpyBatchAsync over the batch, ``chunk`` descriptors per driver call.
 
     The stream must not be 0 or CU_STREAM_LEGACY (the driver rejects them) and
     must not be capturing (the driver drops the copy from the graph); the caller
     routes those cases elsewhere.
+
+    ``order`` (a CUmemcpySrcAccessOrder; 0: ANY with ``access_any``, else
+    STREAM), ``flags`` (CUmemcpyFlags; -1: prefer overlap with compute) and
+    ``hints`` (source location type and id, destination location type and id;
+    0: none) override the attributes of every copy, for probes of the driver.
     """
     cdef int abi = batch_abi()
     if abi == KVCOPY_BATCH_ABI_NONE:
@@ -226,8 +232,10 @@ def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_
     cdef size_t fail = <size_t>-1
     cdef int status = 0
     memset(&attr, 0, sizeof(attr))
-    attr.src_access_order = KVCOPY_SRC_ACCESS_ORDER_ANY if access_any else KVCOPY_SRC_ACCESS_ORDER_STREAM
-    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    attr.src_access_order = (order if order else KVCOPY_SRC_ACCESS_ORDER_ANY if access_any
+                             else KVCOPY_SRC_ACCESS_ORDER_STREAM)
+    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if flags < 0 else <unsigned>flags
+    attr.src_loc_hint.type, attr.src_loc_hint.id, attr.dst_loc_hint.type, attr.dst_loc_hint.id = hints
     if chunk <= 0:
         raise ValueError("memcpy_batch: chunk must be positive")
     with nogil:
