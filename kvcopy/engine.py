@@ -177,8 +177,9 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
 
 
 def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _HostScratch",
-                  max_ctas: int | None) -> None:
-    """Launch the copy kernel over the ``count`` descriptors described into ``slot``.
+                  max_ctas: int | None, pair_size: int = 0) -> None:
+    """Launch the copy kernel over the ``count`` descriptors described into ``slot``
+    (kvcopy_pair entries of copies of ``pair_size`` bytes each, where not 0).
 
     Large batches: one launch. Where every copy is one tile, the kernel reads
     the descriptors where they were written (pinned, mapped): each warp
@@ -192,9 +193,16 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
+    p2p = target.request.direction == "p2p"
+    if pair_size:
+        assert isinstance(slot, ring.Slot) and not target.request.capturing
+        launch.launch_pairs(kernel.function_pairs, slot.device if p2p else slot.mapped, count,
+                            pair_size, ctas, threads, handle, slot.host if p2p else 0)
+        ring.DescriptorRing.fence(slot, handle)
+        return
     if count > kernel.per_launch and not target.request.capturing:
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
-        if tiles == count and target.request.direction != "p2p":
+        if tiles == count and not p2p:
             launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
                                  handle)
         else:
@@ -264,20 +272,29 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     One pass (describe_copies) plans the batch, classifies its memory and
     writes the kernel's descriptors straight into a pinned descriptor slot (or,
     for batches of one launch by value, into thread-local scratch), so the
-    kernel path touches each copy once. The DMA paths, which cost far
+    kernel path touches each copy once. Large batches of one block size in one
+    allocation per side get 16-byte entries instead of 32-byte ones
+    (describe_compact): the pass is bound by its writes to pinned memory. The DMA paths, which cost far
     more per copy anyway, plan the batch again for the DMA engines.
     While the stream captures a graph, nothing here queries or waits on an
     event or a stream, and nothing is allocated on the device.
     """
     capturing = driver.stream_capture_status(handle) != 0
     nbytes = len(sizes) * describe.DESCRIPTOR_BYTES
+    # batches too large to pass by value are described in half the bytes where they can be
+    compact = not capturing and len(sizes) > launch.INLINE_MAX
     target = None
     while target is None:
         space = (_HostScratch(nbytes) if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
-            count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
-                                                                         slot.host, merge)
+            if compact:
+                count, total_bytes, *kinds, tiles, pair_size = describe.describe_compact(
+                    src, dst, sizes, slot.host, merge)
+            else:
+                count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
+                                                                             slot.host, merge)
+                pair_size = 0
             if count == 0:
                 return "none"
             found = MemoryClasses(*kinds)
@@ -287,7 +304,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 continue  # peer access enabled: another GPU's memory is now reachable
             target = decide(handle, method, count, total_bytes, found, capturing, allow_batch)
             if target.decision.method == "kernel":
-                launch_kernel(count, tiles, target, slot, max_ctas)
+                launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
                 return "kernel"
     issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method

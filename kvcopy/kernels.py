@@ -159,6 +159,7 @@ class CopyKernel:
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
+    function_pairs: int      # kvcopy_pair entries (copies of one size), one launch per batch
     per_launch: int
 
 
@@ -201,6 +202,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             function=launch.module_function(module, b"kvcopy_scatter_inline"),
             function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
             function_tiny=launch.module_function(module, b"kvcopy_scatter_inline_tiny"),
+            function_pairs=launch.module_function(module, b"kvcopy_scatter_pairs"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
         )
         _loaded[ctx] = kernel

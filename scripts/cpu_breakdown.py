@@ -39,8 +39,9 @@ def timed(label: str, fn, calls: int = 300, sync=None) -> None:
           f"min_us={min(times):8.1f} minor_faults={statistics.median(faults):.0f}")
 
 
-def main() -> None:
-    _keep, s, d, sizes = scattered_batch()
+def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
+    print(f"breakdown batch: {count} x {block} B host to GPU")
+    _keep, s, d, sizes = scattered_batch(count, block)
     stream = torch.cuda.Stream()
     kvcopy.copy_batch(s, d, sizes, stream=stream, method="kernel")
     torch.cuda.synchronize()
@@ -54,6 +55,7 @@ def main() -> None:
     pinned = kv_driver.host_alloc(plan.count * kv_describe.DESCRIPTOR_BYTES)
     pageable = np.empty(plan.count * 4, dtype=np.uint64)
     timed("describe_copies -> pinned", lambda: kv_describe.describe_copies(s, d, sizes, pinned))
+    timed("describe_compact -> pinned", lambda: kv_describe.describe_compact(s, d, sizes, pinned))
     timed("describe_copies -> pageable", lambda: kv_describe.describe_copies(s, d, sizes,
                                                                           pageable.ctypes.data))
     general = np.array([[0, 1, 0, -1, 0]], dtype=np.int64)  # seeds nothing the batch uses
@@ -109,8 +111,11 @@ def main() -> None:
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
           sync=stream.synchronize)
+    timed("copy_batch kernel + sync (wall)", lambda: (kvcopy.copy_batch(
+        s, d, sizes, stream=stream, method="kernel"), stream.synchronize()), calls=50)
     kv_driver.host_free(pinned)
-    swap_blocks_breakdown(stream)
+    if swap:
+        swap_blocks_breakdown(stream)
 
 
 def swap_blocks_breakdown(stream) -> None:
@@ -185,5 +190,7 @@ if __name__ == "__main__":
     import sys
     if sys.argv[1:] == ["small"]:
         small_batch_breakdown()
+    elif sys.argv[1:] == ["large"]:
+        main(32768, 2 << 10, swap=False)   # 64 MiB of 2 KiB blocks
     else:
         main()

@@ -587,7 +587,48 @@ def dma_attrs(blocks=(4 * KiB, 16 * KiB, 64 * KiB)):
                       + "  ".join(cells), flush=True)
 
 
-PARTS = {"dma_attrs": dma_attrs, "beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
+    """16-byte entries (describe_compact) against 32-byte descriptors for large
+    batches of one block size, in the same process: wall (call to completion,
+    median of 50) as a fraction of the contiguous copy's, each way, the two
+    variants alternating ``rounds`` times; and GPU time once each."""
+    from kvcopy import engine
+    from kvcopy._cuda import describe
+
+    def full_descriptors(src, dst, sizes, out, merge):
+        return describe.describe_copies(src, dst, sizes, out, merge) + (0,)
+
+    variants = {"desc32": full_descriptors, "pairs16": describe.describe_compact}
+    for direction in ("h2d", "d2h", "d2d"):
+        total = 256 * MiB if direction == "d2d" else TOTAL
+        src, dst = one_way_pools(direction, total)
+        stream = torch.cuda.Stream()
+
+        def contiguous():
+            with torch.cuda.stream(stream):
+                dst[:total].copy_(src[:total], non_blocking=True)
+        ref_wall = call_to_completion_us(contiguous, stream.synchronize, repeats=50)
+        ref_gpu = measure(contiguous, stream).gpu_ms
+        for block in blocks:
+            ptrs = pointers(src, dst, block, total // block, block)
+
+            def call():
+                kvcopy.copy_batch(*ptrs, stream=stream, method="kernel")
+            walls: dict[str, list[float]] = {name: [] for name in variants}
+            gpus = {}
+            for _ in range(rounds):
+                for name, fn in variants.items():
+                    engine.describe.describe_compact = fn
+                    walls[name].append(ref_wall / call_to_completion_us(call, stream.synchronize,
+                                                                        repeats=50))
+                    gpus[name] = ref_gpu / measure(call, stream).gpu_ms
+            engine.describe.describe_compact = describe.describe_compact
+            cells = [f"{name} wall {' '.join(f'{w:.3f}' for w in walls[name])} gpu {gpus[name]:.3f}"
+                     for name in variants]
+            print(f"compact {direction} {block // KiB:>3} KiB x{total // block:<6} "
+                  + "  ".join(cells), flush=True)
+
+PARTS = {"compact": compact, "dma_attrs": dma_attrs, "beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":

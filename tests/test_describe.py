@@ -133,3 +133,63 @@ def test_both_passes_describe_what_the_planner_plans(batch, merge, misalign):
     want, plan = expected_descriptors(src, dst, sizes, merge)
     np.testing.assert_array_equal(descs, want)
     assert (result[0], result[1]) == (plan.count, plan.total_bytes)
+
+
+# ------------------------------------------------------------------ compact entries
+
+def describe_compact(src, dst, sizes, merge=True, misalign=0):
+    """describe_copies_in with compact entries allowed; the buffer as describe()'s.
+    Returns the 8-tuple, whether the vectorised pass ran, and the raw words."""
+    src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+    raw = np.zeros(4 * max(len(sizes), 1) + 8, dtype=np.uint64)
+    skip = (-raw.ctypes.data % 32 + misalign) // 8
+    out = raw[skip:skip + 4 * max(len(sizes), 1)]
+    result, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+                                                 merge, True, True)
+    return result, used, out
+
+
+@pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("n", [8192, 8191, 1001, 1, 2, 3, 6])
+@pytest.mark.parametrize("misalign", [0, 8, 16])
+def test_a_batch_of_one_block_size_is_described_as_pairs(n, misalign):
+    src, dst, sizes = scattered(n, 2048, seed=n)
+    (count, total, src_kinds, _, dst_kinds, _, tiles, pair_size), used, out = describe_compact(
+        src, dst, sizes, misalign=misalign)
+    assert used and pair_size == 2048 and kv_describe.PAIR_BYTES == 16
+    assert (count, total, tiles) == (n, n * 2048, n)
+    assert (src_kinds, dst_kinds) == (kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE)
+    pairs = out[:2 * n].reshape(-1, 2)
+    np.testing.assert_array_equal(pairs[:, 0], src + np.uint64(DELTA))
+    np.testing.assert_array_equal(pairs[:, 1], dst)
+    assert not out[2 * n:].any()   # nothing written past the pairs
+
+
+@pytest.mark.parametrize("case", ["one size differs", "last size differs", "merges",
+                                  "second allocation", "multi-tile"])
+def test_a_batch_pairs_cannot_describe_gets_the_descriptors_describe_copies_writes(case):
+    src, dst, sizes = scattered(2000, 4096)
+    if case == "one size differs":
+        sizes[1234] = 4080
+    elif case == "last size differs":
+        sizes[-1] = 16
+    elif case == "merges":
+        src[1], dst[1] = src[0] + sizes[0], dst[0] + sizes[0]
+    elif case == "second allocation":
+        src[7] = HOST_B + 4096
+    else:
+        sizes[:] = TILE + 16
+        src = HOST_A + np.arange(2000, dtype=np.uint64) * np.uint64(2 * TILE)
+        dst = DEVICE + np.arange(2000, dtype=np.uint64)[::-1].copy() * np.uint64(2 * TILE)
+    result, _, out = describe_compact(src, dst, sizes)
+    reference, _, ref_descs = describe(src, dst, sizes)
+    assert result[-1] == 0
+    assert result[:-1] == reference
+    np.testing.assert_array_equal(out[:4 * result[0]].reshape(-1, 4), ref_descs)
+
+
+def test_describe_copies_never_writes_pairs():
+    src, dst, sizes = scattered(4096, 2048)
+    result, _, descs = describe(src, dst, sizes)
+    assert len(result) == 7
+    np.testing.assert_array_equal(descs[:, 2], sizes)

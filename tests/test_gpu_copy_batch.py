@@ -71,6 +71,31 @@ def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direc
     assert used == "kernel"
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("count, size, align", [(1001, 2048, 1), (4097, 16384, 16),
+                                                (3333, 1000, 61), (2000, "mixed", 1)])
+def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, direction, count,
+                                                     size, align):
+    """Past one launch's inline descriptors, copies of one size (at most a tile) are
+    described in 16-byte pairs and copied by the pairs kernel, at odd sizes and
+    addresses too; a batch of several sizes keeps its 32-byte descriptors."""
+    from kvcopy._cuda import launch as kv_launch
+
+    calls = []
+    real = kv_launch.launch_pairs
+
+    def spy(*args):
+        calls.append((args[2], args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(kv_launch, "launch_pairs", spy)
+    sizes = np.random.default_rng(count).integers(1, 16385, count) if size == "mixed" else size
+    used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
+                    align=align, seed=count)
+    assert used == "kernel"
+    assert calls == ([] if size == "mixed" else [(count, size)])
+
+
 @pytest.mark.parametrize("count", [16, 20_000])
 @pytest.mark.parametrize("method", ["batch", "loop", "kernel"])
 def test_counts_every_method(torch_cuda, count, method):

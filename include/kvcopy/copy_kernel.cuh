@@ -138,7 +138,8 @@ __device__ __forceinline__ kvcopy_desc kvcopy_share_desc(const kvcopy_desc& d, i
  * of the warp's next 32 copies and shuffles share them, and the loads of the
  * following 32 are issued before the current ones are copied, so their
  * latency hides behind 32 copies instead of adding to each. */
-__device__ __forceinline__ void kvcopy_scatter_single_tiles(const kvcopy_desc* descs,
+template <typename Source>
+__device__ __forceinline__ void kvcopy_scatter_single_tiles(Source descs,
                                                             unsigned long long count,
                                                             unsigned long long warp,
                                                             unsigned long long num_warps,
@@ -215,6 +216,28 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
                                                     unsigned long long count,
                                                     unsigned long long total_tiles) {
     kvcopy_scatter_warps(descs, count, total_tiles, kvcopy_warp_index(), kvcopy_warp_count());
+}
+
+/* kvcopy_pair entries seen as descriptors: copy i is tile i, of the batch's one size. */
+struct kvcopy_pairs_source {
+    const kvcopy_pair* pairs;
+    unsigned long long size;
+    __device__ __forceinline__ kvcopy_desc operator[](unsigned long long i) const {
+        // one 16-byte load (entries are 16-byte aligned)
+        const ulonglong2 p = reinterpret_cast<const ulonglong2*>(pairs)[i];
+        const kvcopy_desc d = {p.x, p.y, size, i};
+        return d;
+    }
+};
+
+/* A batch of ``count`` copies of ``size`` bytes each (at most one tile), as
+ * kvcopy_pair entries in device memory or in pinned host memory mapped for the
+ * device. Launched with at most one warp per copy. */
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pairs(
+    const kvcopy_pair* __restrict__ pairs, unsigned long long count, unsigned long long size) {
+    const kvcopy_pairs_source source = {pairs, size};
+    kvcopy_scatter_single_tiles(source, count, kvcopy_warp_index(), kvcopy_warp_count(),
+                                threadIdx.x & 31u);
 }
 
 /* Descriptors in device memory, or in pinned host memory mapped for the device

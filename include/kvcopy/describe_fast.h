@@ -28,6 +28,7 @@ static inline int kvcopy_fast_describe_available(void) { return 0; }
 /* Bits of kvcopy_describe_in_ranges' answer. */
 #define KVCOPY_FAST_MISFIT 1u   /* a copy is empty, too long, or outside its side's range */
 #define KVCOPY_FAST_MERGES 2u   /* a copy continues the previous one on both sides */
+#define KVCOPY_FAST_SIZES 4u    /* not every copy has the first one's size */
 
 /* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
 static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
@@ -49,17 +50,26 @@ KVCOPY_FAST_TARGET static inline __m256i kvcopy_gt_u64(__m256i a, __m256i b) {
     return _mm256_cmpgt_epi64(_mm256_xor_si256(a, sign), _mm256_xor_si256(b, sign));
 }
 
-/* Copies [first, n) four at a time; returns the first copy not done. Descriptors
- * go out with streaming stores when the buffer is 32-byte aligned: they are
- * for the GPU, and writing them around the cache spares the CPU the reads
- * for ownership of lines the device has just snooped. */
+/* One 32-byte store: streaming (aligned ``at`` only) or plain. */
+KVCOPY_FAST_TARGET static inline void kvcopy_put(__m256i* at, __m256i v, int stream) {
+    if (stream)
+        _mm256_stream_si256(at, v);
+    else
+        _mm256_storeu_si256(at, v);
+}
+
+/* Copies [first, n) four at a time; returns the first copy not done. Writes
+ * kvcopy_desc entries to out, or kvcopy_pair entries with ``pairs``. They go
+ * out with streaming stores when the first one written is 32-byte aligned:
+ * they are for the GPU, and writing them around the cache spares the CPU the
+ * reads for ownership of lines the device has just snooped. */
 KVCOPY_FAST_TARGET
 static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64_t* __restrict dst,
-                                    const uint64_t* __restrict sizes, kvcopy_desc* __restrict d,
-                                    int64_t first, int64_t n, uint64_t src_start,
+                                    const uint64_t* __restrict sizes, void* entries,
+                                    int pairs, int64_t first, int64_t n, uint64_t src_start,
                                     uint64_t src_span, int64_t src_delta, uint64_t dst_start,
                                     uint64_t dst_span, int64_t dst_delta, uint64_t* misfit_io,
-                                    uint64_t* merges_io, uint64_t* total_io) {
+                                    uint64_t* merges_io, uint64_t* sizes_io, uint64_t* total_io) {
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
     const __m256i s_span = _mm256_set1_epi64x((long long)src_span);
     const __m256i t_start = _mm256_set1_epi64x((long long)dst_start);
@@ -69,9 +79,12 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     const __m256i tile = _mm256_set1_epi64x((long long)KVCOPY_TILE_BYTES);
     const __m256i zero = _mm256_setzero_si256();
     const __m256i four = _mm256_set1_epi64x(4);
-    const int stream = ((uintptr_t)d & 31u) == 0;
+    const __m256i size0 = _mm256_set1_epi64x((long long)sizes[0]);
+    kvcopy_desc* d = (kvcopy_desc*)entries;   /* one of the two is written */
+    kvcopy_pair* p = (kvcopy_pair*)entries;
+    const int stream = ((uintptr_t)(pairs ? (void*)(p + first) : (void*)(d + first)) & 31u) == 0;
     __m256i index = _mm256_setr_epi64x(first, first + 1, first + 2, first + 3);
-    __m256i misfit = zero, merges = zero, total = zero;
+    __m256i misfit = zero, merges = zero, differ = zero, total = zero;
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
         const __m256i s = _mm256_loadu_si256((const __m256i*)(src + i));
@@ -94,26 +107,30 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
             _mm256_cmpeq_epi64(s, _mm256_add_epi64(ps, pz)),
             _mm256_cmpeq_epi64(t, _mm256_add_epi64(pt, pz))));
         total = _mm256_add_epi64(total, z);
-        /* four descriptors {src, dst, size, tile_start}: a 4x4 transpose */
+        differ = _mm256_or_si256(differ, _mm256_xor_si256(z, size0));
         const __m256i a = _mm256_add_epi64(s, s_delta), b = _mm256_add_epi64(t, t_delta);
         const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
+        if (pairs) {
+            /* four pairs {src, dst}: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+            const __m256i p0 = _mm256_permute2x128_si256(ab_lo, ab_hi, 0x20);
+            const __m256i p1 = _mm256_permute2x128_si256(ab_lo, ab_hi, 0x31);
+            __m256i* po = (__m256i*)(p + i);
+            kvcopy_put(po, p0, stream);
+            kvcopy_put(po + 1, p1, stream);
+            index = _mm256_add_epi64(index, four);
+            continue;
+        }
+        /* four descriptors {src, dst, size, tile_start}: a 4x4 transpose */
         const __m256i cd_lo = _mm256_unpacklo_epi64(z, index), cd_hi = _mm256_unpackhi_epi64(z, index);
         const __m256i d0 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
         const __m256i d1 = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
         const __m256i d2 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
         const __m256i d3 = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31);
         __m256i* out = (__m256i*)(d + i);
-        if (stream) {
-            _mm256_stream_si256(out, d0);
-            _mm256_stream_si256(out + 1, d1);
-            _mm256_stream_si256(out + 2, d2);
-            _mm256_stream_si256(out + 3, d3);
-        } else {
-            _mm256_storeu_si256(out, d0);
-            _mm256_storeu_si256(out + 1, d1);
-            _mm256_storeu_si256(out + 2, d2);
-            _mm256_storeu_si256(out + 3, d3);
-        }
+        kvcopy_put(out, d0, stream);
+        kvcopy_put(out + 1, d1, stream);
+        kvcopy_put(out + 2, d2, stream);
+        kvcopy_put(out + 3, d3, stream);
         index = _mm256_add_epi64(index, four);
     }
     if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
@@ -122,53 +139,78 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     *misfit_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
     _mm256_storeu_si256((__m256i*)lanes, merges);
     *merges_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    _mm256_storeu_si256((__m256i*)lanes, differ);
+    *sizes_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
     _mm256_storeu_si256((__m256i*)lanes, total);
     *total_io += lanes[0] + lanes[1] + lanes[2] + lanes[3];
     return i;
 }
 #endif
 
-/* Writes descriptor i for copy i (device views: pointer + delta; tile_start = i)
- * for all n copies and *total_out = their bytes, and says whether the batch
- * qualified: 0, or KVCOPY_FAST_* bits (the descriptors are then to be
- * rewritten by the general loop). A side's range is [start, start + span]. */
+/* One copy's entry, by the scalar loops. */
+static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t s, uint64_t t,
+                                      uint64_t z) {
+    if (pairs) {
+        kvcopy_pair* p = (kvcopy_pair*)out + i;
+        p->src = s;
+        p->dst = t;
+    } else {
+        kvcopy_desc* d = (kvcopy_desc*)out + i;
+        d->src = s;
+        d->dst = t;
+        d->size = z;
+        d->tile_start = (uint64_t)i;
+    }
+}
+
+/* Writes entry i for copy i (device views: pointer + delta) for all n copies,
+ * as kvcopy_desc (tile_start = i) or, with ``pairs``, as kvcopy_pair, and
+ * *total_out = their bytes; says whether the batch qualified: 0, or
+ * KVCOPY_FAST_* bits (the entries are then to be rewritten: by the general
+ * loop for MISFIT or MERGES, as kvcopy_desc for SIZES alone, which pairs
+ * cannot describe). A side's range is [start, start + span]. */
 KVCOPY_FAST_TARGET
 static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           const uint64_t* __restrict dst,
                                           const uint64_t* __restrict sizes, void* descs_out,
-                                          int64_t n, uint64_t src_start, uint64_t src_span,
-                                          int64_t src_delta, uint64_t dst_start, uint64_t dst_span,
-                                          int64_t dst_delta, uint64_t* total_out) {
-    kvcopy_desc* __restrict d = (kvcopy_desc*)descs_out;
-    uint64_t misfit = 0, merges = 0, total = 0;
+                                          int pairs, int64_t n, uint64_t src_start,
+                                          uint64_t src_span, int64_t src_delta, uint64_t dst_start,
+                                          uint64_t dst_span, int64_t dst_delta,
+                                          uint64_t* total_out) {
+    uint64_t misfit = 0, merges = 0, differ = 0, total = 0;
     int64_t i = 0;
-    /* copy 0 here, so that the vector loop may always look one copy back */
-    for (; i < n && i < 1; ++i) {
+    /* copy 0 (and 1, for pairs: the vector loop's first store is then 32-byte aligned)
+     * here, so that the vector loop may always look one copy back */
+    const int64_t head = pairs ? 2 : 1;
+    for (; i < n && i < head; ++i) {
         misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
                                      dst_span);
+        if (i > 0)
+            merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
+                    & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
-        d[i].src = src[i] + (uint64_t)src_delta;
-        d[i].dst = dst[i] + (uint64_t)dst_delta;
-        d[i].size = sizes[i];
-        d[i].tile_start = (uint64_t)i;
+        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
+                           dst[i] + (uint64_t)dst_delta, sizes[i]);
     }
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    i = kvcopy_describe_avx2(src, dst, sizes, d, i, n, src_start, src_span, src_delta, dst_start,
-                             dst_span, dst_delta, &misfit, &merges, &total);
+    i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, i, n, src_start, src_span,
+                             src_delta, dst_start, dst_span, dst_delta, &misfit, &merges, &differ,
+                             &total);
 #endif
     for (; i < n; ++i) {
         misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
                                      dst_span);
         merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                 & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
-        d[i].src = src[i] + (uint64_t)src_delta;
-        d[i].dst = dst[i] + (uint64_t)dst_delta;
-        d[i].size = sizes[i];
-        d[i].tile_start = (uint64_t)i;
+        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
+                           dst[i] + (uint64_t)dst_delta, sizes[i]);
     }
     *total_out = total;
-    return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u);
+    return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u)
+         | (differ ? KVCOPY_FAST_SIZES : 0u);
 }
 
 #endif /* KVCOPY_DESCRIBE_FAST_H */

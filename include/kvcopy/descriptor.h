@@ -23,6 +23,16 @@ typedef struct kvcopy_desc {
     unsigned long long tile_start;
 } kvcopy_desc;
 
+/* A batch's copies in half the bytes, where every copy has the same size (one tile
+ * at most, passed to the kernel beside them) and copy i is tile i: the common
+ * KV-cache batch. Written by the host and read by the kernel in place, so half
+ * the bytes cost half the time on both sides (and half the descriptor reads
+ * over the link). */
+typedef struct kvcopy_pair {
+    unsigned long long src;
+    unsigned long long dst;
+} kvcopy_pair;
+
 /* Descriptors passed by value as a kernel parameter. Kernel parameters are
  * copied into the launch (and into a captured graph node), so no host or device
  * buffer has to outlive the call: this is what makes the kernel path safe under

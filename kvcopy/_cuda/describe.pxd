@@ -5,4 +5,4 @@ from kvcopy._cuda.classify cimport _Classifier
 
 cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst,
                          const uint64_t[::1] sizes, uintptr_t descs_out, bint merge,
-                         _Classifier* sides, bint* fast)
+                         _Classifier* sides, bint* fast, uint64_t* pair_size)

@@ -2,7 +2,10 @@
 import numpy as np
 
 DESCRIPTOR_BYTES: int
+PAIR_BYTES: int
 
 def describe_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, descs_out: int,
                     merge: bool = True) -> tuple[int, int, int, int, int, int, int]: ...
+def describe_compact(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, descs_out: int,
+                     merge: bool = True) -> tuple[int, int, int, int, int, int, int, int]: ...
 def fast_describe_available() -> bool: ...

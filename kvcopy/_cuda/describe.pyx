@@ -8,7 +8,7 @@ from libc.stdlib cimport malloc, free
 
 from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_STRADDLE, classifier_init,
                                     classify)
-from kvcopy._cuda.descriptor cimport kvcopy_desc, KVCOPY_TILE_BYTES
+from kvcopy._cuda.descriptor cimport kvcopy_desc, kvcopy_pair, KVCOPY_TILE_BYTES
 from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem, COPY_OK)
 
 from kvcopy._plan import bad_copy_error, length_error
@@ -17,14 +17,16 @@ cdef extern from "kvcopy/describe_fast.h":
     int kvcopy_fast_describe_available() nogil
     unsigned KVCOPY_FAST_MISFIT
     unsigned KVCOPY_FAST_MERGES
+    unsigned KVCOPY_FAST_SIZES
     unsigned kvcopy_describe_in_ranges(const uint64_t* src, const uint64_t* dst,
-                                       const uint64_t* sizes, void* descs_out, int64_t n,
+                                       const uint64_t* sizes, void* descs_out, int pairs, int64_t n,
                                        uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                        uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                        uint64_t* total_out) nogil
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
+PAIR_BYTES = sizeof(kvcopy_pair)
 
 
 cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,
@@ -40,14 +42,17 @@ cdef bint _fast_describe = kvcopy_fast_describe_available()
 
 
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
-                         Py_ssize_t n, kvcopy_desc* descs, _Classifier* sides, bint merge,
-                         unsigned long long* total) noexcept nogil:
+                         Py_ssize_t n, void* descs, _Classifier* sides, bint merge,
+                         unsigned long long* total, uint64_t* pair_size) noexcept nogil:
     """The common batch in one branch-free pass (describe_fast.h): True when it
-    applied, with exactly what the general loop would have written."""
+    applied, with exactly what the general loop would have written. *pair_size
+    in: may pairs be written (kvcopy_pair); out: their copies' size, else 0."""
     cdef _Range* rs
     cdef _Range* rd
     cdef uint64_t nbytes = 0
     cdef unsigned misfit
+    cdef bint pairs = pair_size[0] != 0 and sizes[n - 1] == sizes[0]
+    pair_size[0] = 0
     if not _fast_describe or sizes[0] == 0 or sizes[0] > KVCOPY_TILE_BYTES:
         return False
     if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
@@ -59,18 +64,26 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
         return False
     rs = &sides[0].cache[sides[0].last]
     rd = &sides[1].cache[sides[1].last]
-    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, n, rs.start, rs.end - rs.start,
-                                       rs.delta, rd.start, rd.end - rd.start, rd.delta, &nbytes)
+    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, n, rs.start,
+                                       rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
+                                       rd.delta, &nbytes)
     if misfit & KVCOPY_FAST_MISFIT or (merge and misfit & KVCOPY_FAST_MERGES):
         return False
+    if pairs and misfit & KVCOPY_FAST_SIZES:
+        # sizes differ: pairs cannot say so, descriptors can
+        kvcopy_describe_in_ranges(src, dst, sizes, descs, False, n, rs.start, rs.end - rs.start,
+                                  rs.delta, rd.start, rd.end - rd.start, rd.delta, &nbytes)
+    elif pairs:
+        pair_size[0] = sizes[0]
     total[0] = nbytes
     return True
 
 
 cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                     uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast):
+                     uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast,
+                     uint64_t* pair_size):
     """describe_copies over the given classifiers; *fast in: may the vectorised pass
-    run, out: did it apply."""
+    run, out: did it apply; *pair_size as for _describe_fast."""
     cdef Py_ssize_t n = sizes.shape[0], k = 0
     cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
     cdef unsigned long long tiles = 0, total = 0
@@ -78,13 +91,17 @@ cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const
     if src.shape[0] != n or dst.shape[0] != n:
         raise length_error(src.shape[0], dst.shape[0], n)
     if n == 0:
+        pair_size[0] = 0
         return 0, 0, 0, -1, 0, -1, 0
     if descs == NULL:
         raise ValueError("describe_copies: no descriptor buffer")
     plan_cursor_init(&cursor, n, merge)
     with nogil:
-        fast[0] = fast[0] and _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge,
-                                             &total)
+        if fast[0]:
+            fast[0] = _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge, &total,
+                                     pair_size)
+        else:
+            pair_size[0] = 0
         if fast[0]:
             k = tiles = n
         else:
@@ -116,14 +133,30 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     Raises:
         ValueError: as plan_arrays, naming the caller's index.
     """
+    return _describe(src, dst, sizes, descs_out, merge, False)[:7]
+
+
+def describe_compact(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                     uintptr_t descs_out, bint merge=True):
+    """describe_copies, writing a kvcopy_pair per copy (half the bytes) where the
+    vectorised pass applies and every copy has the same size; else what
+    describe_copies writes. Returns describe_copies' tuple and the pairs' copy
+    size last: 0 where kvcopy_desc entries were written."""
+    return _describe(src, dst, sizes, descs_out, merge, True)
+
+
+cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
+                     uintptr_t descs_out, bint merge, bint compact):
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint fast = True
+    cdef uint64_t pair_size = compact
     if sides == NULL:
         raise MemoryError()
     classifier_init(&sides[0])
     classifier_init(&sides[1])
     try:
-        return describe_with(src, dst, sizes, descs_out, merge, sides, &fast)
+        return describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &pair_size) + (
+            pair_size,)
     finally:
         free(sides)
 

@@ -11,6 +11,9 @@ cdef extern from "kvcopy/descriptor.h":
         unsigned long long dst
         unsigned long long size
         unsigned long long tile_start
+    ctypedef struct kvcopy_pair:
+        unsigned long long src
+        unsigned long long dst
     ctypedef struct kvcopy_block_tensor:
         unsigned long long src_base
         unsigned long long dst_base

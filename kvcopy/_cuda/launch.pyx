@@ -10,7 +10,7 @@ from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule
 
 from kvcopy._cuda.driver cimport check
-from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_block_tensor, kvcopy_inline_batch,
+from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_pair, kvcopy_block_tensor, kvcopy_inline_batch,
                                       KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
                                       KVCOPY_INLINE_MAX_SMALL, KVCOPY_INLINE_MAX_TINY,
                                       KVCOPY_MAX_SPLIT)
@@ -49,6 +49,19 @@ cdef unsigned int _grid(unsigned long long tiles, unsigned int threads, unsigned
 cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except -1:
     if max_ctas == 0 or threads == 0 or threads % 32 != 0:
         raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
+    return 0
+
+
+cdef int _launch_after_upload(uintptr_t function, CUdeviceptr dev, uintptr_t upload_from,
+                              size_t upload_bytes, unsigned int grid, unsigned int threads,
+                              uintptr_t stream, void** params) except -1 nogil:
+    """One launch of ``grid`` CTAs, after copying ``upload_bytes`` from ``upload_from``
+    (pinned host memory) to ``dev`` on the stream where ``upload_from`` is set."""
+    if upload_from:
+        check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, upload_bytes,
+                                      <CUstream>stream))
+    check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
+                                   <CUstream>stream, params, NULL))
     return 0
 
 
@@ -111,27 +124,48 @@ def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned lon
     the graph would keep reading buffers that later calls overwrite. Returns
     the number of launches (0 or 1).
     """
-    cdef CUdeviceptr dev = <CUdeviceptr>descs
-    cdef unsigned long long count = <unsigned long long>n
-    cdef void* params[3]
     _check_launch_shape(max_ctas, threads)
     if n <= 0 or tiles == 0:
         return 0
+    return _launch_table(function, descs, n, tiles, sizeof(kvcopy_desc), tiles, max_ctas, threads,
+                         stream, upload_from)
+
+
+cdef int _launch_table(uintptr_t function, uintptr_t table, unsigned long long count,
+                       unsigned long long third, size_t entry_bytes, unsigned long long tiles,
+                       unsigned int max_ctas, unsigned int threads, uintptr_t stream,
+                       uintptr_t upload_from) except -1:
+    """One launch of a kernel taking (table, count, third) over ``count`` entries of
+    ``entry_bytes``, uploaded first where ``upload_from`` is set. One warp per tile at
+    most: a grid sized for splitting tiles would send each warp of a mid-sized batch
+    (a few thousand copies inside one GPU) searching entries that may sit in pinned
+    host memory, a PCIe round trip per step."""
+    cdef CUdeviceptr dev = <CUdeviceptr>table
+    cdef void* params[3]
     params[0] = &dev
     params[1] = &count
-    params[2] = &tiles
+    params[2] = &third
     with nogil:
-        if upload_from:
-            check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, n * sizeof(kvcopy_desc),
-                                          <CUstream>stream))
-        # one warp per tile at most: a grid sized for splitting tiles would send each
-        # warp of a mid-sized batch (a few thousand copies inside one GPU) searching
-        # descriptors that may sit in pinned host memory, a PCIe round trip per step
-        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas, 1),
-                                       1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
+        _launch_after_upload(function, dev, upload_from, count * entry_bytes,
+                             _grid(tiles, threads, max_ctas, 1), threads, stream, params)
     return 1
 
 
+def launch_pairs(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned long long size,
+                 unsigned int max_ctas, unsigned int threads, uintptr_t stream,
+                 uintptr_t upload_from=0) -> int:
+    """Launch ``kvcopy_scatter_pairs`` once over ``n`` kvcopy_pair entries at ``pairs``
+    (from describe_compact: every copy ``size`` bytes, at most one tile), a
+    device-visible address as for launch_descs, which the kernel reads in place;
+    with ``upload_from``, the entries are first copied from there. Buffers as
+    for launch_descs. Returns the number of launches (0 or 1)."""
+    _check_launch_shape(max_ctas, threads)
+    if size == 0 or size > KVCOPY_TILE_BYTES:
+        raise ValueError(f"launch_pairs: size must be 1..{KVCOPY_TILE_BYTES} bytes, got {size}")
+    if n <= 0:
+        return 0
+    return _launch_table(function, pairs, n, size, sizeof(kvcopy_pair), n, max_ctas, threads,
+                         stream, upload_from)
 
 
 def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
@@ -158,12 +192,8 @@ def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
     params[4] = &cb
     params[5] = &tiles_b
     with nogil:
-        if upload_from:
-            check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from,
-                                          (count_a + count_b) * sizeof(kvcopy_desc),
-                                          <CUstream>stream))
-        check(cydriver.cuLaunchKernel(<CUfunction>function, <unsigned int>(grid_a + grid_b), 1, 1,
-                                       threads, 1, 1, 0, <CUstream>stream, params, NULL))
+        _launch_after_upload(function, dev, upload_from, (count_a + count_b) * sizeof(kvcopy_desc),
+                             <unsigned int>(grid_a + grid_b), threads, stream, params)
     return 1
 
 

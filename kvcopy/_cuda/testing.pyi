@@ -2,5 +2,5 @@
 import numpy as np
 
 def describe_copies_in(known_ranges: np.ndarray, src: np.ndarray, dst: np.ndarray,
-                       sizes: np.ndarray, descs_out: int, merge: bool = True, fast: bool = True
-                       ) -> tuple[tuple[int, int, int, int, int, int, int], bool]: ...
+                       sizes: np.ndarray, descs_out: int, merge: bool = True, fast: bool = True,
+                       compact: bool = False) -> tuple[tuple[int, ...], bool]: ...

@@ -12,14 +12,17 @@ from kvcopy._cuda.describe cimport describe_with
 
 def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] src,
                        const uint64_t[::1] dst, const uint64_t[::1] sizes, uintptr_t descs_out,
-                       bint merge=True, bint fast=True):
+                       bint merge=True, bint fast=True, bint compact=False):
     """describe_copies with memory ranges known in advance, for tests and for timing
     the pass itself: rows of (start, end, kind, ordinal, delta), as the driver's
     answers would be; pointers outside them are still asked of the driver.
-    ``fast=False`` keeps to the general loop. Returns describe_copies' tuple
-    and whether the vectorised pass applied."""
+    ``fast=False`` keeps to the general loop; ``compact`` allows kvcopy_pair
+    entries, as describe_compact. Returns describe_copies' tuple (with
+    describe_compact's pair size last, with ``compact``) and whether the
+    vectorised pass applied."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint used = fast
+    cdef uint64_t pair_size = compact
     if sides == NULL:
         raise MemoryError()
     try:
@@ -27,7 +30,8 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
         classifier_init(&sides[1])
         classifier_seed(&sides[0], known_ranges)
         classifier_seed(&sides[1], known_ranges)
-        return describe_with(src, dst, sizes, descs_out, merge, sides, &used), used
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &pair_size)
+        return (result + (pair_size,) if compact else result), used
     finally:
         free(sides)
 
