@@ -71,6 +71,21 @@ def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direc
     assert used == "kernel"
 
 
+def _spy_launches(monkeypatch):
+    """Record the (count, size or tiles) of every pairs and descriptor-table launch."""
+    from kvcopy._cuda import launch as kv_launch
+
+    calls = []
+    for name in ("launch_pairs", "launch_descs"):
+        real = getattr(kv_launch, name)
+
+        def spy(*args, real=real, name=name):
+            calls.append((name, args[2], args[3]))
+            return real(*args)
+        monkeypatch.setattr(kv_launch, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("count, size, align", [(1001, 2048, 1), (4097, 16384, 16),
                                                 (3333, 1000, 61), (2000, "mixed", 1)])
@@ -79,21 +94,36 @@ def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, di
     """Past one launch's inline descriptors, copies of one size (at most a tile) are
     described in 16-byte pairs and copied by the pairs kernel, at odd sizes and
     addresses too; a batch of several sizes keeps its 32-byte descriptors."""
-    from kvcopy._cuda import launch as kv_launch
-
-    calls = []
-    real = kv_launch.launch_pairs
-
-    def spy(*args):
-        calls.append((args[2], args[3]))
-        return real(*args)
-
-    monkeypatch.setattr(kv_launch, "launch_pairs", spy)
+    calls = _spy_launches(monkeypatch)
     sizes = np.random.default_rng(count).integers(1, 16385, count) if size == "mixed" else size
     used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
                     align=align, seed=count)
     assert used == "kernel"
-    assert calls == ([] if size == "mixed" else [(count, size)])
+    assert [c for c in calls if c[0] == "launch_pairs"] == (
+        [] if size == "mixed" else [("launch_pairs", count, size)])
+
+
+@pytest.mark.parametrize("bad", ["null", "unmapped"])
+def test_a_bad_copy_at_the_end_of_a_large_batch_is_reported_before_any_launch(torch_cuda,
+                                                                              monkeypatch, bad):
+    import torch
+
+    calls = _spy_launches(monkeypatch)
+    count, size = 32768, 2048
+    host = torch.zeros(2 * count * size, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.full((2 * count * size,), 7, dtype=torch.uint8, device="cuda")
+    src = host.data_ptr() + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * size)
+    dst = gpu.data_ptr() + np.arange(count, dtype=np.uint64) * np.uint64(2 * size)
+    src[-1] = 0 if bad == "null" else 0x2A000
+    with pytest.raises(ValueError, match=rf"src_ptrs\[{count - 1}\]"):
+        kvcopy.copy_batch(src, dst, np.full(count, size, np.uint64), method="auto")
+    torch.cuda.synchronize()
+    assert calls == []
+    assert bool((gpu == 7).all())                     # nothing was written
+    src[-1] = host.data_ptr()                         # and the library goes on working
+    assert kvcopy.copy_batch(src, dst, np.full(count, size, np.uint64)) == "kernel"
+    torch.cuda.synchronize()
+    assert bool((gpu.view(-1, 2 * size)[:, :size] == 0).all())
 
 
 @pytest.mark.parametrize("count", [16, 20_000])
