@@ -1,0 +1,142 @@
+"""Which description and which launch the kernel path picks, on the CPU with a faked
+kvcopy._cuda: batches past one launch's inline descriptors ask for 16-byte pairs,
+get the pairs kernel where the describe pass wrote pairs (read in place over PCIe,
+uploaded first between GPUs), and the descriptor kernel where it did not; smaller
+batches keep descriptors by value. The slot is fenced behind every launch that
+reads it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcopy import device, engine, kernels, ring
+from kvcopy._cuda import classify as kv_classify
+from kvcopy._cuda import describe as kv_describe
+from kvcopy._cuda import launch as kv_launch
+from kvcopy.policy import DeviceCaps, Thresholds
+
+SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
+HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
+GPU_TO_PEER = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+
+
+class FakeCuda:
+    """The parts of kvcopy._cuda one kernel-path call uses; records what it is asked."""
+
+    DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
+    INLINE_MAX = kv_launch.INLINE_MAX
+    INLINE_MAX_SMALL = kv_launch.INLINE_MAX_SMALL
+    INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
+
+    def __init__(self, kinds: tuple, pair_size: int) -> None:
+        self.kinds, self.pair_size = kinds, pair_size
+        self.calls: list[tuple] = []
+
+    def stream_capture_status(self, handle: int) -> int:
+        return 0
+
+    def context_device(self) -> int:
+        return 0
+
+    def _described(self, sizes) -> tuple:
+        return (len(sizes), int(sizes.sum()), *self.kinds, len(sizes))
+
+    def describe_compact(self, src, dst, sizes, out, merge):
+        self.calls.append(("describe_compact", out))
+        return self._described(sizes) + (self.pair_size,)
+
+    def describe_copies(self, src, dst, sizes, out, merge):
+        self.calls.append(("describe_copies", out))
+        return self._described(sizes)
+
+    def launch_pairs(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
+        self.calls.append(("launch_pairs", function, pairs, n, size, upload_from))
+        return 1
+
+    def launch_descs(self, function, descs, n, tiles, ctas, threads, stream, upload_from=0):
+        self.calls.append(("launch_descs", function, descs, n, upload_from))
+        return 1
+
+    def launch_descs_inline(self, function, per_launch, host, n, ctas, threads, stream):
+        self.calls.append(("launch_descs_inline", function, n))
+        return 1
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.calls.append(("fence", event, stream))
+
+
+class FakeScope:
+    on_default_stream = False
+
+    def follow_memory(self, ordinal: int) -> bool:
+        return False
+
+
+class FakeRing:
+    def reserve(self, nbytes: int):
+        assert nbytes <= SLOT.capacity
+        return self
+
+    def __enter__(self) -> ring.Slot:
+        return SLOT
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    def make(kinds: tuple, pair_size: int) -> FakeCuda:
+        fake = FakeCuda(kinds, pair_size)
+        for layer in ("driver", "describe", "launch"):
+            monkeypatch.setattr(engine, layer, fake)
+        monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
+        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing())
+        monkeypatch.setattr(engine, "_targets", {})
+        monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
+                                                                 DeviceCaps()))
+        monkeypatch.setitem(device._thresholds, 0, Thresholds())
+        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX)
+        monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
+        return fake
+    return make
+
+
+def run(count: int, size: int = 4096) -> str:
+    src = np.arange(count, dtype=np.uint64) * np.uint64(2 * size) + np.uint64(0x10000)
+    sizes = np.full(count, size, dtype=np.uint64)
+    return engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+                                 sizes, "auto", True, False, None)
+
+
+def test_a_large_batch_described_as_pairs_is_read_in_place_by_the_pairs_kernel(fake_cuda):
+    fake = fake_cuda(HOST_TO_GPU, 4096)
+    assert run(2000) == "kernel"
+    assert fake.calls == [("describe_compact", SLOT.host),
+                          ("launch_pairs", 8, SLOT.mapped, 2000, 4096, 0),
+                          ("fence", SLOT.event, 0x1234)]
+
+
+def test_a_large_batch_the_pass_could_not_pair_keeps_the_descriptor_kernel(fake_cuda):
+    fake = fake_cuda(HOST_TO_GPU, 0)
+    assert run(2000) == "kernel"
+    assert fake.calls == [("describe_compact", SLOT.host),
+                          ("launch_descs", 2, SLOT.mapped, 2000, 0),
+                          ("fence", SLOT.event, 0x1234)]
+
+
+def test_pairs_between_two_gpus_are_uploaded_before_the_launch(fake_cuda):
+    fake = fake_cuda(GPU_TO_PEER, 4096)
+    assert run(2000) == "kernel"
+    assert fake.calls == [("describe_compact", SLOT.host),
+                          ("launch_pairs", 8, SLOT.device, 2000, 4096, SLOT.host),
+                          ("fence", SLOT.event, 0x1234)]
+
+
+@pytest.mark.parametrize("count", [16, kv_launch.INLINE_MAX])
+def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
+    fake = fake_cuda(HOST_TO_GPU, 4096)
+    assert run(count) == "kernel"
+    assert fake.calls[0][0] == "describe_copies"
+    assert fake.calls[1][:1] == ("launch_descs_inline",) and fake.calls[1][2] == count
+    assert not any(call[0] == "launch_pairs" for call in fake.calls)
