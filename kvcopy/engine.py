@@ -193,21 +193,17 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     ctas, threads = target.ctas(max_ctas), config.threads_per_cta
-    p2p = target.request.direction == "p2p"
-    if pair_size:
-        assert isinstance(slot, ring.Slot) and not target.request.capturing
-        launch.launch_pairs(kernel.function_pairs, slot.device if p2p else slot.mapped, count,
-                            pair_size, ctas, threads, handle, slot.host if p2p else 0)
-        ring.DescriptorRing.fence(slot, handle)
-        return
-    if count > kernel.per_launch and not target.request.capturing:
+    # pairs come only from batches past one launch's inline descriptors (describe_compact)
+    if pair_size or (count > kernel.per_launch and not target.request.capturing):
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
-        if tiles == count and not p2p:
-            launch.launch_descs(kernel.function_staged, slot.mapped, count, tiles, ctas, threads,
-                                 handle)
+        in_place = tiles == count and target.request.direction != "p2p"
+        table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
+        if pair_size:
+            launch.launch_pairs(kernel.function_pairs, table, count, pair_size, ctas, threads,
+                                handle, upload)
         else:
-            launch.launch_descs(kernel.function_staged, slot.device, count, tiles, ctas, threads,
-                                 handle, slot.host)
+            launch.launch_descs(kernel.function_staged, table, count, tiles, ctas, threads,
+                                handle, upload)
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch

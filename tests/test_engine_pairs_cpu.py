@@ -28,8 +28,8 @@ class FakeCuda:
     INLINE_MAX_SMALL = kv_launch.INLINE_MAX_SMALL
     INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
 
-    def __init__(self, kinds: tuple, pair_size: int) -> None:
-        self.kinds, self.pair_size = kinds, pair_size
+    def __init__(self, kinds: tuple, pair_size: int, tiles_per_copy: int = 1) -> None:
+        self.kinds, self.pair_size, self.tiles_per_copy = kinds, pair_size, tiles_per_copy
         self.calls: list[tuple] = []
 
     def stream_capture_status(self, handle: int) -> int:
@@ -39,7 +39,7 @@ class FakeCuda:
         return 0
 
     def _described(self, sizes) -> tuple:
-        return (len(sizes), int(sizes.sum()), *self.kinds, len(sizes))
+        return (len(sizes), int(sizes.sum()), *self.kinds, self.tiles_per_copy * len(sizes))
 
     def describe_compact(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_compact", out))
@@ -86,8 +86,8 @@ class FakeRing:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    def make(kinds: tuple, pair_size: int) -> FakeCuda:
-        fake = FakeCuda(kinds, pair_size)
+    def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1) -> FakeCuda:
+        fake = FakeCuda(kinds, pair_size, tiles_per_copy)
         for layer in ("driver", "describe", "launch"):
             monkeypatch.setattr(engine, layer, fake)
         monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
@@ -122,6 +122,16 @@ def test_a_large_batch_the_pass_could_not_pair_keeps_the_descriptor_kernel(fake_
     assert run(2000) == "kernel"
     assert fake.calls == [("describe_compact", SLOT.host),
                           ("launch_descs", 2, SLOT.mapped, 2000, 0),
+                          ("fence", SLOT.event, 0x1234)]
+
+
+@pytest.mark.parametrize("kinds, tiles_per_copy", [(GPU_TO_PEER, 1), (HOST_TO_GPU, 2)])
+def test_descriptors_between_two_gpus_or_of_several_tiles_are_uploaded(fake_cuda, kinds,
+                                                                       tiles_per_copy):
+    fake = fake_cuda(kinds, 0, tiles_per_copy)
+    assert run(2000) == "kernel"
+    assert fake.calls == [("describe_compact", SLOT.host),
+                          ("launch_descs", 2, SLOT.device, 2000, SLOT.host),
                           ("fence", SLOT.event, 0x1234)]
 
 
