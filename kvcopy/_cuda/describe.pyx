@@ -133,7 +133,7 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     Raises:
         ValueError: as plan_arrays, naming the caller's index.
     """
-    return _describe(src, dst, sizes, descs_out, merge, False)[:7]
+    return _describe(src, dst, sizes, descs_out, merge, False)
 
 
 def describe_compact(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
@@ -155,8 +155,8 @@ cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uin
     classifier_init(&sides[0])
     classifier_init(&sides[1])
     try:
-        return describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &pair_size) + (
-            pair_size,)
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &pair_size)
+        return result + (pair_size,) if compact else result
     finally:
         free(sides)
 

@@ -234,10 +234,8 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
     with nogil:
         memcpy(<void*>host_buf, &tensors[0, 0], table)
         memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
-        check(cydriver.cuMemcpyAsync(<CUdeviceptr>device_buf, <CUdeviceptr>host_buf, total,
-                                      <CUstream>stream))
-        check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas, 1),
-                                       1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
+        _launch_after_upload(function, <CUdeviceptr>device_buf, host_buf, total,
+                             _grid(tiles, threads, max_ctas, 1), threads, stream, params)
     return 1
 
 
