@@ -2,8 +2,6 @@
 swap_blocks on a realistic paged KV cache (compute beside copies: bench.beside)."""
 from __future__ import annotations
 
-import statistics
-import time
 import functools
 from typing import Any, Callable, Iterator, cast
 
@@ -64,15 +62,8 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
         cases["copy_both_ways"] = functools.partial(kvcopy.copy_both_ways, b, a, stream=s1)
         pair_ms = pair_wall = None
         for name, fn in cases.items():
-            times = []
-            for i in range(repeats + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                if i:
-                    times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
+            seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
+                                            warmup=1) / 1e6
             gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
             pair_ms, pair_wall = pair_ms or gpu_ms, pair_wall or seconds
             chose = "" if name == "contiguous" else _chose()
