@@ -195,11 +195,10 @@ def enable_peer_access(int peer) -> bool:
     """Let the current context's kernels access memory of ``peer``'s primary context
     (every cuMemAlloc allocation there, present and future). Returns False when it
     was already enabled, True when this call enabled it."""
-    cdef CUdevice dev
-    cdef CUcontext ctx = NULL
     cdef CUresult status
-    check(cydriver.cuDeviceGet(&dev, peer))
-    check(cydriver.cuDevicePrimaryCtxRetain(&ctx, dev))   # kept: peer access needs it alive
+    # The peer's primary context stays retained (once per process): peer access needs
+    # it alive, and a retain per call would grow the driver's count without bound.
+    cdef CUcontext ctx = _primary_context(peer)
     status = cydriver.cuCtxEnablePeerAccess(ctx, 0)
     if status == cydriver.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
         return False
