@@ -7,6 +7,7 @@ import numpy as np
 
 from kvcopy import device as devices, peers
 from kvcopy._cuda import driver
+from kvcopy.both_ways import execute_both
 from kvcopy.engine import execute
 from kvcopy.plan import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
@@ -15,6 +16,9 @@ CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 FOOTPRINT_BLOCKS = (4 << 10, 256 << 10)
 FOOTPRINT_CTAS = (1, 2, 4, 8, 16)
 FOOTPRINT_FLOOR = 0.90
+# A store and a load at once (copy_both_ways): the copy engines' CPU cost per copy,
+# which differs between hosts, decides from which block size they beat the kernel pair.
+BOTH_WAYS_BLOCKS = (32 << 10, 64 << 10, 128 << 10, 256 << 10)
 
 
 def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
@@ -60,7 +64,7 @@ def _release(stream: int, start: int, end: int, device_memory: int) -> None:
 def _next_threshold(found: float, block: int, gbps: dict) -> float:
     """The smallest block size from which batched DMA keeps up with the kernel (within
     2%) at every larger size measured so far (sizes come in increasing order)."""
-    batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps["kernel"]
+    batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps.get("kernel", 0.0)
     if not batch_wins:
         return float("inf")
     return float(block) if found == float("inf") else found
@@ -82,9 +86,41 @@ def _footprint(src: int, dst: int, total_bytes: int, time_ms, rng) -> tuple[int,
     return fewest_ctas(worst, FOOTPRINT_FLOOR), worst
 
 
+def _both_ways_threshold(device: int, host: int, dev: int, total_bytes: int, stream: int,
+                         events: tuple[int, int], repeats: int, rng) -> tuple[float, dict]:
+    """The smallest BOTH_WAYS_BLOCKS size from which a store and a load at once by
+    copy engines (interleaved chunks) keep up with the kernel pair at every larger
+    size, each timed from the call to the end of both; and the GB/s behind it. The
+    load goes host[0:T] -> dev[0:T], the store dev[T:2T] -> host[T:2T] (T =
+    total_bytes), so the two never touch the same bytes."""
+    before = devices.thresholds(device)
+    # 'auto' with a threshold of 0 sends both sides to the engines; 'kernel' fuses them
+    devices.set_thresholds(device, dataclasses.replace(before, both_ways_batch_min_bytes=0))
+    found, measured = float("inf"), {}
+    try:
+        for block in BOTH_WAYS_BLOCKS:
+            load = _scattered_plan(host, dev, block, total_bytes // 2, rng)
+            store = _scattered_plan(dev + total_bytes, host + total_bytes, block,
+                                    total_bytes // 2, rng)
+            pair = ((store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes))
+            gbps: dict = {}
+            for method, label in (("kernel", "kernel"), ("auto", "batch")):
+                if execute_both(*pair, stream, method) != (label, label):
+                    continue   # that path is not available here
+                ms = _median_ms(lambda m=method: execute_both(*pair, stream, m), stream,
+                                *events, repeats)
+                gbps[label] = (store.total_bytes + load.total_bytes) / ms / 1e6
+            measured[f"both_ways/{block}"] = gbps
+            found = _next_threshold(found, block, gbps)
+    finally:
+        devices.set_thresholds(device, before)
+    return found, measured
+
+
 def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
               save_result: bool = True) -> Thresholds:
-    """Measure, on this GPU, where batched DMA catches up with the copy kernel, and the
+    """Measure, on this GPU and host, where batched DMA catches up with the copy
+    kernel (one way, and for a store and a load at once: copy_both_ways), and the
     fewest copy-kernel CTAs that keep each host direction at 0.90 of the contiguous
     copy (the default footprint, config.host_ctas=None).
 
@@ -125,8 +161,14 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
                 measured[f"{direction}/{block}"] = gbps
                 found[direction] = _next_threshold(found[direction], block, gbps)
         before = devices.thresholds(device)
+        both_ways = before.both_ways_batch_min_bytes
+        if info.caps.kernel_available and info.caps.batch_available:
+            both_ways, by_block = _both_ways_threshold(device, host, dev, total_bytes, stream,
+                                                       (start, end), repeats, rng)
+            measured.update(by_block)
         result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, **found},
-                                     host_ctas={**before.host_ctas, **ctas})
+                                     host_ctas={**before.host_ctas, **ctas},
+                                     both_ways_batch_min_bytes=both_ways)
         devices.set_thresholds(device, result)
         if save_result:
             devices.save_thresholds(info, result, measured)

@@ -137,7 +137,9 @@ def load_thresholds(info: DeviceInfo) -> Thresholds | None:
                                     **{k: cast(v) for k, v in data.get(name, {}).items()}}
                              for name, cast in (("batch_min_bytes", float), ("host_ctas", int),
                                                 ("both_ways_ctas", int))}
-        return Thresholds(**tables)
+        both_ways = float(data.get("both_ways_batch_min_bytes",
+                                   defaults.both_ways_batch_min_bytes))
+        return Thresholds(**tables, both_ways_batch_min_bytes=both_ways)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -155,5 +157,6 @@ def save_thresholds(info: DeviceInfo, value: Thresholds, measurements: dict) -> 
                                 "batch_min_bytes": value.batch_min_bytes,
                                 "host_ctas": value.host_ctas,
                                 "both_ways_ctas": value.both_ways_ctas,
+                                "both_ways_batch_min_bytes": value.both_ways_batch_min_bytes,
                                 "measurements": {**kept, **measurements}}, indent=1))
     return str(path)

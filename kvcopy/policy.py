@@ -72,6 +72,7 @@ BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # 0.97-1.03 / 0.92-0.96 from 256 KiB; at 64 KiB their CPU cost per copy decides the
 # wall: 0.89 in one run, 0.48 on a busier host
 # (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt, -5-after.txt).
+# So this default is the safe one; calibrate() measures the host at hand.
 BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
 
 
@@ -85,7 +86,7 @@ class Thresholds:
                                                            "p2p": 1 * MiB})
     host_ctas: dict = field(default_factory=lambda: dict(HOST_CTAS))
     both_ways_ctas: dict = field(default_factory=lambda: dict(BOTH_WAYS_CTAS))
-    both_ways_batch_min_bytes: int = BOTH_WAYS_BATCH_MIN_BYTES
+    both_ways_batch_min_bytes: float = BOTH_WAYS_BATCH_MIN_BYTES
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))

@@ -8,7 +8,8 @@ import pytest
 
 from kvcopy import device, engine
 from kvcopy.config import config
-from kvcopy.policy import (BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest, Decision, DeviceCaps,
+from kvcopy.calibrate import _next_threshold
+from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest, Decision, DeviceCaps,
                            Thresholds, fewest_ctas)
 
 MiB = 1 << 20
@@ -86,3 +87,28 @@ def test_old_calibration_file_keeps_the_default_footprint(tmp_path, monkeypatch)
     loaded = device.load_thresholds(info)
     assert loaded.host_ctas == HOST_CTAS
     assert loaded.batch_min_bytes["h2d"] == 2 * MiB
+    assert loaded.both_ways_batch_min_bytes == BOTH_WAYS_BATCH_MIN_BYTES
+
+
+@pytest.mark.parametrize("both_ways", [64 << 10, float("inf")])
+def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, monkeypatch,
+                                                                    both_ways):
+    monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
+    info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
+    device.save_thresholds(info, Thresholds(both_ways_batch_min_bytes=both_ways), {})
+    assert device.load_thresholds(info).both_ways_batch_min_bytes == both_ways
+
+
+def test_crossover_is_where_dma_keeps_up_from_then_on():
+    found = float("inf")
+    steps = [(32 << 10, {"kernel": 70.0, "batch": 40.0}),   # engines CPU-bound: kernel
+             (64 << 10, {"kernel": 70.0, "batch": 69.0}),   # within 2%: from here
+             (128 << 10, {"kernel": 70.0, "batch": 90.0})]
+    for block, gbps in steps:
+        found = _next_threshold(found, block, gbps)
+    assert found == 64 << 10
+    # a larger size where the engines fall behind again starts over
+    assert _next_threshold(found, 256 << 10, {"kernel": 70.0, "batch": 60.0}) == float("inf")
+    # only one path measured: the engines where no kernel could run, never otherwise
+    assert _next_threshold(float("inf"), 4096, {"batch": 1.0}) == 4096
+    assert _next_threshold(float("inf"), 4096, {"kernel": 1.0}) == float("inf")

@@ -63,6 +63,28 @@ def test_store_and_load_of_128_kib_and_more_by_copy_engines_in_chunks(torch_cuda
     load.check()
 
 
+@pytest.mark.parametrize("size, expected", [(65536, "batch"), (32768, "kernel")])
+def test_a_calibrated_crossover_moves_where_both_go_to_the_engines(torch_cuda, size, expected):
+    import dataclasses
+
+    from kvcopy import device
+
+    before = device.thresholds(0)
+    # what calibrate() stores on a host whose engines keep up from 64 KiB
+    device.set_thresholds(0, dataclasses.replace(before, both_ways_batch_min_bytes=64 << 10))
+    try:
+        store = Side("cuda", "pinned", 100, size, 18, align=13)
+        load = Side("pinned", "cuda", 90, size, 19, align=7)
+        stream = torch_cuda.cuda.Stream()
+        ran = kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream)
+        stream.synchronize()
+    finally:
+        device.set_thresholds(0, before)
+    assert ran == (expected, expected)
+    store.check()
+    load.check()
+
+
 def test_a_single_copy_side_is_one_dma_copy(torch_cuda):
     store = Side("cuda", "pinned", 1, 5000, 14, align=13)
     load = Side("pinned", "cuda", 30, 5000, 15, align=7)

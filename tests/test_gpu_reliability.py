@@ -12,7 +12,7 @@ import pytest
 
 import kvcopy
 from gpu_helpers import address, host_bytes, make_pool
-from kvcopy.calibrate import FOOTPRINT_CTAS
+from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(__file__)
@@ -216,6 +216,19 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
     saved = json.loads(next(tmp_path.glob("calibration-*.json")).read_text())
     assert saved["host_ctas"] == thresholds.host_ctas
     assert {"h2d/ctas", "d2h/ctas"} <= set(saved["measurements"])
+    # both ways at once: kernel pair and engines measured at each size, and the
+    # crossover is the first size from which the engines keep up to the end
+    both = {block: saved["measurements"][f"both_ways/{block}"] for block in BOTH_WAYS_BLOCKS}
+    assert all(set(gbps) == {"kernel", "batch"} and min(gbps.values()) > 0
+               for gbps in both.values())
+    keeps_up = [gbps["batch"] >= 0.98 * gbps["kernel"] for gbps in both.values()]
+    expected = float("inf")
+    for block, ok in zip(reversed(BOTH_WAYS_BLOCKS), reversed(keeps_up)):
+        if not ok:
+            break
+        expected = block
+    assert thresholds.both_ways_batch_min_bytes == expected
+    assert saved["both_ways_batch_min_bytes"] == expected
     free = torch.cuda.mem_get_info()[0]
     gpu = torch.zeros((8, 256), device="cuda")
     host = torch.ones((8, 256)).pin_memory()
