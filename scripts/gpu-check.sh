@@ -7,6 +7,7 @@
 # [profile.txt], bench-<mode>/results.{json,csv,png} (with a GPU-to-GPU section
 # where two GPUs are present).
 #   BENCH=quick (default) | full | quick+full | none
+#   BENCH_FLAGS   extra benchmark arguments, e.g. --calibrate
 #   PROFILE=1     also profile the calls (cProfile)
 #   PYTEST_ARGS   extra pytest arguments
 #   ONE_GPU_TOO=1 on a machine of several GPUs, also run the suite with GPU 0 alone
@@ -37,7 +38,7 @@ python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   [ "$mode" = none ] && continue
   flag=$([ "$mode" = quick ] && echo --quick)
-  python3 -m kvcopy.bench $flag --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
+  python3 -m kvcopy.bench $flag ${BENCH_FLAGS:-} --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
 done
 if [ -n "${PROBES:-}" ]; then
   python3 scripts/serving_probe.py $PROBES 2>&1 | grep -v Warning | tee "$OUT/serving-probe.txt"

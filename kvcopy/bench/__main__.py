@@ -1,7 +1,8 @@
-"""Command line: python -m kvcopy.bench [--quick] [--out DIR]."""
+"""Command line: python -m kvcopy.bench [--quick] [--calibrate] [--out DIR]."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import time
@@ -56,8 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-scenarios", action="store_true",
                         help="only the block sweep (no GPU-to-GPU, bidirectional, compute, "
                              "swap_blocks)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
+                             "it finds on this host, as a deployment that calibrates would")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
+    calibrated = None
+    if args.calibrate:
+        calibrated = dataclasses.asdict(kvcopy.calibrate(save_result=False))
     blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
     if args.blocks:
         try:
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": name, "python": platform.python_version(), "kvcopy": kvcopy.__version__,
             "quick": args.quick, "seconds": round(time.time() - t0, 1),
             "stage_seconds": stage_seconds,
-            "gpus": torch_device_count(),
+            "gpus": torch_device_count(), "calibrated": calibrated,
             "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
                       "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
                       "from an idle stream; medians"}
