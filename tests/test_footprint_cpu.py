@@ -2,8 +2,10 @@
 CTAs each direction gets alone and beside the other, and calibration files."""
 from __future__ import annotations
 
+import importlib
 import json
 
+import numpy as np
 import pytest
 
 from kvcopy import device, engine
@@ -112,3 +114,92 @@ def test_crossover_is_where_dma_keeps_up_from_then_on():
     # only one path measured: the engines where no kernel could run, never otherwise
     assert _next_threshold(float("inf"), 4096, {"batch": 1.0}) == 4096
     assert _next_threshold(float("inf"), 4096, {"kernel": 1.0}) == float("inf")
+
+
+def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None):
+    """calibrate's both-ways measurement against a faked engine: 'kernel' runs the
+    pair, 'auto' runs the engines only while the crossover is forced to 0; times per
+    block from ``batch_ms``. Returns the calls seen (method, forced crossover)."""
+    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+
+    seen = []
+
+    def execute_both(store, load, stream, method):
+        crossover = device.thresholds(0).both_ways_batch_min_bytes
+        seen.append((method, crossover))
+        if fail_at is not None and int(store[2][0]) == fail_at:
+            raise RuntimeError("device lost")
+        if method == "kernel":
+            return "kernel", "kernel"
+        return ("batch", "batch") if crossover == 0 else ("kernel", "kernel")
+
+    def median_ms(run, stream, start, end, repeats):
+        method = seen[-1][0]
+        run()
+        block = current["block"]
+        return kernel_ms if method == "kernel" else batch_ms[block]
+
+    current = {}
+    real_plan = calibrate._scattered_plan
+
+    def scattered_plan(src, dst, block, total, rng):
+        current["block"] = block
+        return real_plan(src, dst, block, total, rng)
+    monkeypatch.setattr(calibrate, "execute_both", execute_both)
+    monkeypatch.setattr(calibrate, "_median_ms", median_ms)
+    monkeypatch.setattr(calibrate, "_scattered_plan", scattered_plan)
+    return seen
+
+
+def test_both_ways_crossover_from_faked_timings_and_thresholds_restored(monkeypatch):
+    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+
+    before = Thresholds(both_ways_batch_min_bytes=128 << 10)
+    device.set_thresholds(0, before)
+    # engines slower than the kernel pair at 32 KiB, as fast or faster from 64 KiB
+    seen = _fake_both_ways(monkeypatch, {32 << 10: 1.5, 64 << 10: 1.01, 128 << 10: 0.9,
+                                         256 << 10: 0.8})
+    try:
+        found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
+                                                         (1, 2), 3, np.random.default_rng(0))
+        assert found == 64 << 10
+        assert set(measured) == {f"both_ways/{b}" for b in calibrate.BOTH_WAYS_BLOCKS}
+        assert measured["both_ways/32768"]["batch"] < measured["both_ways/32768"]["kernel"]
+        # the engines were measured with the crossover forced to 0, the pair as 'kernel'
+        assert {(m, c) for m, c in seen} == {("kernel", 0), ("auto", 0)}
+        assert device.thresholds(0) == before       # restored
+    finally:
+        device.set_thresholds(0, Thresholds())
+
+
+def test_both_ways_measurement_that_fails_leaves_the_thresholds_as_they_were(monkeypatch):
+    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+
+    before = Thresholds(both_ways_batch_min_bytes=128 << 10)
+    device.set_thresholds(0, before)
+    _fake_both_ways(monkeypatch, {b: 1.0 for b in calibrate.BOTH_WAYS_BLOCKS}, fail_at=64 << 10)
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7, (1, 2), 3,
+                                           np.random.default_rng(0))
+        assert device.thresholds(0) == before
+    finally:
+        device.set_thresholds(0, Thresholds())
+
+
+def test_both_ways_engines_unavailable_keep_the_kernel_pair(monkeypatch):
+    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+
+    device.set_thresholds(0, Thresholds())
+    seen = _fake_both_ways(monkeypatch, {})
+    # 'auto' that does not reach the engines (here: the crossover ignored) is not timed
+    monkeypatch.setattr(calibrate, "execute_both",
+                        lambda store, load, stream, method: seen.append((method, None))
+                        or ("kernel", "kernel"))
+    try:
+        found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
+                                                         (1, 2), 3, np.random.default_rng(0))
+        assert found == float("inf")
+        assert all(set(gbps) == {"kernel"} for gbps in measured.values())
+    finally:
+        device.set_thresholds(0, Thresholds())
