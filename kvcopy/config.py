@@ -30,6 +30,8 @@ _SETTINGS = {
     "batch_chunk": _Setting("KVCOPY_BATCH_CHUNK", 16384, 1, 1 << 24),
     "threads_per_cta": _Setting("KVCOPY_THREADS", 512, 32, MAX_THREADS_PER_CTA, multiple_of=32),
     "stores_by_dma": _Setting("KVCOPY_STORES_BY_DMA", 0, 0, 1, boolean=True),
+    "bulk_stores": _Setting("KVCOPY_BULK_STORES", 1, 0, 1, boolean=True),
+    "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
 }
 
 
@@ -130,6 +132,14 @@ class Config:
         the kernel at 46 GB/s, +0.2% beside the copy engines at 18-29 GB/s,
         as fast as one CPU thread feeds them at that size). Default False: the
         kernel, at the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
+    bulk_stores: on GPUs with a bulk copy unit (sm_90+: H100, H200, B200), the
+        copy kernel moves GPU-to-host copies through it (cp.async.bulk) rather
+        than through registers: as fast alone, and a quarter of the cost to
+        compute beside it. False: registers, as on older GPUs (env
+        KVCOPY_BULK_STORES=0/1, default 1).
+    bulk_ctas: CTAs (of two warps each) of those bulk copies; None means
+        policy.BULK_STORE_CTAS (env KVCOPY_BULK_CTAS). host_ctas does not apply
+        to them.
     """
 
     host_ctas: int | None
@@ -139,6 +149,8 @@ class Config:
     batch_chunk: int
     threads_per_cta: int
     stores_by_dma: bool
+    bulk_stores: bool
+    bulk_ctas: int | None
 
     def __init__(self) -> None:
         for name in _SETTINGS:

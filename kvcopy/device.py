@@ -59,6 +59,7 @@ def device_info(ordinal: int) -> DeviceInfo:
             can_map_host_memory=bool(attrs["can_map_host_memory"]),
             batch_available=dma.batch_abi() != 0,
             kernel_available=kernel_ok,
+            bulk_copy=kernel_ok and cc >= (9, 0),
         )
         caps = dataclasses.replace(caps, **_caps_overrides)   # type: ignore[arg-type]
         info = DeviceInfo(ordinal, str(attrs["name"]), cc, driver_version, caps)

@@ -114,6 +114,13 @@ class Target:
     host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
     both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
 
+    def launch_shape(self, max_ctas: int | None) -> tuple[int, int]:
+        """CTAs and threads per CTA of a scatter launch by the decided copier."""
+        if self.decision.variant == "bulk":
+            return (max_ctas or config.bulk_ctas or policy.BULK_STORE_CTAS,
+                    launch.BULK_THREADS)
+        return self.ctas(max_ctas), config.threads_per_cta
+
     def ctas(self, max_ctas: int | None, both_ways: bool = False) -> int:
         if max_ctas:
             return max_ctas
@@ -143,7 +150,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if capturing is None:
         capturing = driver.stream_capture_status(handle) != 0
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
-           allow_batch, config.stores_by_dma)
+           allow_batch, config.stores_by_dma, config.bulk_stores)
     target = _targets.get(key)
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
@@ -169,7 +176,7 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
                           batch_allowed=allow_batch,
                           devices=(found.src_device, found.dst_device),
                           unreachable="" if accessible else unreachable(found, ordinal),
-                          stores_by_dma=config.stores_by_dma)
+                          stores_by_dma=config.stores_by_dma, bulk_stores=config.bulk_stores)
     thresholds = device.thresholds(ordinal)
     decision = choose_method(request, info.caps, thresholds, method)
     return Target(handle, info, request, decision, thresholds.ctas_for(request.direction),
@@ -192,27 +199,28 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     which leave the slot free at once)."""
     info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
-    ctas, threads = target.ctas(max_ctas), config.threads_per_cta
+    functions = kernel.scatter(target.decision.variant)
+    ctas, threads = target.launch_shape(max_ctas)
     # pairs come only from batches past one launch's inline descriptors (describe_compact)
     if pair_size or (count > kernel.per_launch and not target.request.capturing):
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
         in_place = tiles == count and target.request.direction != "p2p"
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
         if pair_size:
-            launch.launch_pairs(kernel.function_pairs, table, count, pair_size, ctas, threads,
+            launch.launch_pairs(functions.pairs, table, count, pair_size, ctas, threads,
                                 handle, upload)
         else:
-            launch.launch_descs(kernel.function_staged, table, count, tiles, ctas, threads,
+            launch.launch_descs(functions.staged, table, count, tiles, ctas, threads,
                                 handle, upload)
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
     if count <= launch.INLINE_MAX_TINY:
-        function, per_launch = kernel.function_tiny, launch.INLINE_MAX_TINY
+        function, per_launch = functions.tiny, launch.INLINE_MAX_TINY
     elif count <= launch.INLINE_MAX_SMALL or kernel.per_launch != launch.INLINE_MAX:
-        function, per_launch = kernel.function_small, launch.INLINE_MAX_SMALL
+        function, per_launch = functions.small, launch.INLINE_MAX_SMALL
     else:
-        function, per_launch = kernel.function, kernel.per_launch
+        function, per_launch = functions.inline, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
 
 

@@ -149,6 +149,17 @@ def cached_cubin(arch: int) -> bytes:
 
 
 @dataclass(frozen=True)
+class ScatterFunctions:
+    """One copier's entry points, one per way a batch's descriptors reach the kernel."""
+
+    staged: int              # descriptors in device (or mapped pinned) memory
+    pairs: int               # kvcopy_pair entries (copies of one size)
+    inline: int              # descriptors by value, KVCOPY_INLINE_MAX per launch
+    small: int               # by value within the 4 KiB parameter limit
+    tiny: int                # up to INLINE_MAX_TINY by value (1 KiB)
+
+
+@dataclass(frozen=True)
 class CopyKernel:
     """The kernel loaded in one context."""
 
@@ -161,6 +172,15 @@ class CopyKernel:
     function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
     function_pairs: int      # kvcopy_pair entries (copies of one size), one launch per batch
     per_launch: int
+    bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
+
+    def scatter(self, variant: str) -> ScatterFunctions:
+        """The entry points of the copier a Decision's ``variant`` names ('bulk', or
+        the register copier for anything else)."""
+        if variant == "bulk":
+            return self.bulk
+        return ScatterFunctions(self.function_staged, self.function_pairs, self.function,
+                                self.function_small, self.function_tiny)
 
 
 _lock = threading.Lock()
@@ -194,16 +214,23 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             raise KernelUnavailable(_failed[ctx]) from exc
         # Parameters above 4 KiB need CUDA >= 12.1 and sm_70 or newer.
         large = driver_version >= 12010 and cc_major >= 7
+
+        def function(name: str) -> int:
+            return launch.module_function(module, name.encode())
         kernel = CopyKernel(
             module=module,
-            function_staged=launch.module_function(module, b"kvcopy_scatter"),
-            function_blocks=launch.module_function(module, b"kvcopy_blocks"),
-            function_pair=launch.module_function(module, b"kvcopy_scatter_pair"),
-            function=launch.module_function(module, b"kvcopy_scatter_inline"),
-            function_small=launch.module_function(module, b"kvcopy_scatter_inline_small"),
-            function_tiny=launch.module_function(module, b"kvcopy_scatter_inline_tiny"),
-            function_pairs=launch.module_function(module, b"kvcopy_scatter_pairs"),
+            function_staged=function("kvcopy_scatter"),
+            function_blocks=function("kvcopy_blocks"),
+            function_pair=function("kvcopy_scatter_pair"),
+            function=function("kvcopy_scatter_inline"),
+            function_small=function("kvcopy_scatter_inline_small"),
+            function_tiny=function("kvcopy_scatter_inline_tiny"),
+            function_pairs=function("kvcopy_scatter_pairs"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
+            bulk=ScatterFunctions(function("kvcopy_bulk_scatter"), function("kvcopy_bulk_pairs"),
+                                  function("kvcopy_bulk_inline"),
+                                  function("kvcopy_bulk_inline_small"),
+                                  function("kvcopy_bulk_inline_tiny")),
         )
         _loaded[ctx] = kernel
         return kernel

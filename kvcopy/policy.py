@@ -14,6 +14,7 @@ from typing import Literal
 from kvcopy.errors import CaptureError, KVCopyError
 
 Method = Literal["batch", "loop", "kernel"]          # what ran
+Variant = Literal["", "registers", "bulk"]           # how the kernel copies ('' for DMA)
 RequestedMethod = Literal["auto", "batch", "loop", "kernel"]   # what a caller may ask for
 METHODS = ("auto", "batch", "loop", "kernel")
 MiB = 1 << 20
@@ -28,6 +29,8 @@ class DeviceCaps:
     can_map_host_memory: bool = True
     batch_available: bool = True      # the driver exports cuMemcpyBatchAsync (>= 12.8)
     kernel_available: bool = True     # the copy kernel compiled and loaded
+    bulk_copy: bool = False           # sm_90 or newer: the kernel may copy through the
+                                      # SM's bulk copy unit (cp.async.bulk)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class CopyRequest:
     unreachable: str = ""             # what the device cannot access, when not accessible
     stores_by_dma: bool = False       # the caller prefers copy engines for GPU-to-host
                                       # copies (config.stores_by_dma)
+    bulk_stores: bool = True          # GPU-to-host kernel copies may use the bulk copy
+                                      # unit (config.bulk_stores)
 
     @property
     def mean_bytes(self) -> float:
@@ -74,6 +79,11 @@ BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt, -5-after.txt).
 # So this default is the safe one; calibrate() measures the host at hand.
 BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
+# CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
+# copies. H200, 16 KiB blocks (bench/results/h200-bulk-sweep-v1.txt): 2 / 4 / 8 CTAs
+# reach 0.64 / 0.94 / 0.95 of the contiguous copy alone and cost a bf16 matmul beside
+# them +3.8% / +4.3% / +18.9% (registers, 2 CTAs of 512 threads: 0.94, +28.8%).
+BULK_STORE_CTAS = 4
 
 
 @dataclass(frozen=True)
@@ -122,8 +132,28 @@ def fewest_ctas(fractions: dict, floor: float = 0.90) -> int:
 
 @dataclass(frozen=True)
 class Decision:
+    """The method to run and why; for the kernel, which copier (``variant``)."""
+
     method: Method
     reason: str
+    variant: Variant = ""
+
+
+def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:
+    """How the copy kernel moves a batch: GPU-to-host copies through the bulk copy unit
+    where the device has one and the caller allows it (its stores cost compute beside
+    them a quarter of what stores from registers do, at the same speed alone); every
+    other batch from registers."""
+    if req.direction == "d2h" and caps.bulk_copy and req.bulk_stores:
+        return "bulk"
+    return "registers"
+
+
+def _kernel(req: CopyRequest, caps: DeviceCaps, reason: str) -> Decision:
+    variant = kernel_variant(req, caps)
+    if variant == "bulk":
+        reason += "; stores through the SM's bulk copy unit"
+    return Decision("kernel", reason, variant)
 
 
 def check_method(method: object) -> None:
@@ -164,7 +194,7 @@ def _explicit(req: CopyRequest, caps: DeviceCaps, requested: str) -> Decision:
             "by DMA (use 'auto', 'batch' or 'loop'; pin host buffers with kvcopy.register)")
     if not caps.unified_addressing:
         raise KVCopyError("method='kernel' needs unified addressing, which this device lacks")
-    return Decision("kernel", "requested")
+    return _kernel(req, caps, "requested")
 
 
 def _batch_possible(req: CopyRequest, caps: DeviceCaps) -> bool:
@@ -221,9 +251,9 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
             return Decision("batch", "GPU-to-host by copy engines (config.stores_by_dma): "
                                      "no SM writes to host memory beside compute")
         if store_by_dma:
-            return Decision("kernel", f"copy kernel: {_why_no_batch(req)} rules out the copy "
+            return _kernel(req, caps, f"copy kernel: {_why_no_batch(req)} rules out the copy "
                                       "engines config.stores_by_dma prefers")
-        return Decision("kernel", "copy kernel: link-rate for blocks of every size")
+        return _kernel(req, caps, "copy kernel: link-rate for blocks of every size")
     if batch_ok:
         return Decision("batch", "memory the kernel cannot read: batched DMA")
     return Decision("loop", f"{_why_no_batch(req)}: one cuMemcpyAsync per copy")

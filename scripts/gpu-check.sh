@@ -14,6 +14,8 @@
 #                 (pytest-1gpu.log)
 #   PROBES="..."  parts of scripts/serving_probe.py to run after the benchmark, e.g.
 #                 "both_ways_beside d2d_descriptors latency" (serving-probe.txt)
+#   SCRIPTS="..." other scripts/ to run before the benchmark, each into <name>.txt,
+#                 e.g. "bulk_sweep.py"
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -35,6 +37,9 @@ fi
 python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
 (cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py && python3 cpu_breakdown.py small) 2>&1 | tee "$OUT/cpu_overhead.txt"
 [ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1
+for script in ${SCRIPTS:-}; do
+  python3 "scripts/$script" 2>&1 | grep -v Warning | tee "$OUT/${script%.py}.txt"
+done
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   [ "$mode" = none ] && continue
   flag=$([ "$mode" = quick ] && echo --quick)

@@ -3,13 +3,14 @@ kvcopy._cuda: batches past one launch's inline descriptors ask for 16-byte pairs
 get the pairs kernel where the describe pass wrote pairs (read in place over PCIe,
 uploaded first between GPUs), and the descriptor kernel where it did not; smaller
 batches keep descriptors by value. The slot is fenced behind every launch that
-reads it."""
+reads it. GPU-to-host batches on a device with a bulk copy unit get the bulk
+copier's entry points and launch shape, unless config.bulk_stores is off."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcopy import device, engine, kernels, ring
+from kvcopy import device, engine, kernels, policy, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
@@ -17,6 +18,8 @@ from kvcopy.policy import DeviceCaps, Thresholds
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
+GPU_TO_HOST = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
+BULK = kernels.ScatterFunctions(staged=11, pairs=12, inline=13, small=14, tiny=15)
 GPU_TO_PEER = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
 
 
@@ -27,10 +30,12 @@ class FakeCuda:
     INLINE_MAX = kv_launch.INLINE_MAX
     INLINE_MAX_SMALL = kv_launch.INLINE_MAX_SMALL
     INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
+    BULK_THREADS = kv_launch.BULK_THREADS
 
     def __init__(self, kinds: tuple, pair_size: int, tiles_per_copy: int = 1) -> None:
         self.kinds, self.pair_size, self.tiles_per_copy = kinds, pair_size, tiles_per_copy
         self.calls: list[tuple] = []
+        self.shapes: list[tuple[int, int]] = []   # (CTAs, threads) of every launch
 
     def stream_capture_status(self, handle: int) -> int:
         return 0
@@ -51,14 +56,17 @@ class FakeCuda:
 
     def launch_pairs(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
         self.calls.append(("launch_pairs", function, pairs, n, size, upload_from))
+        self.shapes.append((ctas, threads))
         return 1
 
     def launch_descs(self, function, descs, n, tiles, ctas, threads, stream, upload_from=0):
         self.calls.append(("launch_descs", function, descs, n, upload_from))
+        self.shapes.append((ctas, threads))
         return 1
 
     def launch_descs_inline(self, function, per_launch, host, n, ctas, threads, stream):
         self.calls.append(("launch_descs_inline", function, n))
+        self.shapes.append((ctas, threads))
         return 1
 
     def event_record(self, event: int, stream: int) -> None:
@@ -86,7 +94,8 @@ class FakeRing:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1) -> FakeCuda:
+    def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1,
+             bulk_copy: bool = False) -> FakeCuda:
         fake = FakeCuda(kinds, pair_size, tiles_per_copy)
         for layer in ("driver", "describe", "launch"):
             monkeypatch.setattr(engine, layer, fake)
@@ -94,9 +103,9 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing())
         monkeypatch.setattr(engine, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
-                                                                 DeviceCaps()))
+                                                                 DeviceCaps(bulk_copy=bulk_copy)))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())
-        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX)
+        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX, BULK)
         monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
         return fake
     return make
@@ -150,3 +159,47 @@ def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
     assert fake.calls[0][0] == "describe_copies"
     assert fake.calls[1][:1] == ("launch_descs_inline",) and fake.calls[1][2] == count
     assert not any(call[0] == "launch_pairs" for call in fake.calls)
+
+
+@pytest.mark.parametrize("pair_size, count, call", [
+    (4096, 2000, ("launch_pairs", BULK.pairs, SLOT.mapped, 2000, 4096, 0)),
+    (0, 2000, ("launch_descs", BULK.staged, SLOT.mapped, 2000, 0)),
+    (4096, 16, ("launch_descs_inline", BULK.tiny, 16)),
+    (4096, kv_launch.INLINE_MAX_SMALL, ("launch_descs_inline", BULK.small,
+                                        kv_launch.INLINE_MAX_SMALL)),
+    (4096, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
+def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
+        fake_cuda, monkeypatch, pair_size, count, call):
+    monkeypatch.setattr(engine.config, "bulk_ctas", None)
+    monkeypatch.setattr(engine.config, "bulk_stores", True)
+    fake = fake_cuda(GPU_TO_HOST, pair_size, bulk_copy=True)
+    assert run(count) == "kernel"
+    assert call in fake.calls
+    assert fake.shapes == [(policy.BULK_STORE_CTAS, kv_launch.BULK_THREADS)]
+    assert engine.last_decision().variant == "bulk"
+
+
+def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
+    monkeypatch.setattr(engine.config, "bulk_ctas", 6)
+    fake = fake_cuda(GPU_TO_HOST, 4096, bulk_copy=True)
+    run(2000)
+    src = np.arange(2000, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+                          np.full(2000, 4096, dtype=np.uint64), "auto", True, False, 3)
+    assert fake.shapes == [(6, kv_launch.BULK_THREADS), (3, kv_launch.BULK_THREADS)]
+
+
+@pytest.mark.parametrize("kinds, bulk_copy, bulk_stores", [
+    (GPU_TO_HOST, False, True),     # no bulk copy unit (before sm_90)
+    (GPU_TO_HOST, True, False),     # config.bulk_stores off
+    (HOST_TO_GPU, True, True)])     # loads from host memory stay on registers
+def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, bulk_copy,
+                                                bulk_stores):
+    monkeypatch.setattr(engine.config, "bulk_stores", bulk_stores)
+    monkeypatch.setattr(engine.config, "host_ctas", None)
+    fake = fake_cuda(kinds, 4096, bulk_copy=bulk_copy)
+    assert run(2000) == "kernel"
+    assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, 4096, 0)
+    direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
+    assert fake.shapes == [(policy.HOST_CTAS[direction], engine.config.threads_per_cta)]
+    assert engine.last_decision().variant == "registers"

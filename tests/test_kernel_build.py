@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 
 from kvcopy import kernels
+from kvcopy._cuda import launch
 from kvcopy.config import MAX_THREADS_PER_CTA
+
+BULK_ENTRIES = {"kvcopy_bulk_scatter", "kvcopy_bulk_pairs", "kvcopy_bulk_inline",
+                "kvcopy_bulk_inline_small", "kvcopy_bulk_inline_tiny"}
 
 
 def _nvrtc_or_skip():
@@ -16,7 +20,7 @@ def _nvrtc_or_skip():
 
 def test_sources_are_found():
     sources = kernels.kernel_sources()
-    assert "kvcopy_scatter_inline" in sources["copy_kernel.cuh"]
+    assert "kvcopy_scatter_pairs" in sources["copy_kernel.cuh"]
     assert "KVCOPY_INLINE_MAX" in sources["descriptor.h"]
 
 
@@ -26,19 +30,24 @@ def test_compiles_to_a_cubin_with_all_entry_points(arch):
     cubin = kernels.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
     for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small",
-                 b"kvcopy_scatter_inline_tiny", b"kvcopy_scatter_pair", b"kvcopy_blocks"):
+                 b"kvcopy_scatter_inline_tiny", b"kvcopy_scatter_pair", b"kvcopy_blocks",
+                 *(e.encode() for e in BULK_ENTRIES)):
         assert name in cubin
 
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_kernel_fits_a_cta_of_the_most_threads(arch):
     """A kernel needing more than 65536 / 512 registers per thread fails every launch of
-    512 threads (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); __launch_bounds__ must prevent it."""
+    512 threads (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); __launch_bounds__ must prevent it.
+    The bulk copier's kernels are launched with launch.BULK_THREADS threads, always."""
     _nvrtc_or_skip()
     used = kernels.registers_per_thread(arch)
     assert set(used) >= {"kvcopy_scatter", "kvcopy_scatter_inline", "kvcopy_scatter_inline_small",
-                         "kvcopy_scatter_inline_tiny", "kvcopy_scatter_pair", "kvcopy_blocks"}
-    too_many = {name: n for name, n in used.items() if n * MAX_THREADS_PER_CTA > 65536}
+                         "kvcopy_scatter_inline_tiny", "kvcopy_scatter_pair", "kvcopy_blocks",
+                         *BULK_ENTRIES}
+    most = {name: launch.BULK_THREADS if name in BULK_ENTRIES else MAX_THREADS_PER_CTA
+            for name in used}
+    too_many = {name: n for name, n in used.items() if n * most[name] > 65536}
     assert not too_many, f"registers per thread above {65536 // MAX_THREADS_PER_CTA}: {too_many}"
 
 

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 
 from kvcopy.errors import CaptureError, KVCopyError
-from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
+from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method, kernel_variant
 
-H200 = DeviceCaps()
+H200 = DeviceCaps(bulk_copy=True)
+A100 = DeviceCaps(sm_count=108, bulk_copy=False)
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -225,3 +226,32 @@ def test_stores_by_dma_leaves_single_copies_and_unreadable_memory_alone():
     assert choose_method(stores(count=1), H200).method == "loop"
     assert choose_method(stores(accessible=False), H200).method == "batch"
     assert choose_method(stores(accessible=False, stream="legacy"), H200).method == "loop"
+
+
+@pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
+@pytest.mark.parametrize("requested", ["auto", "kernel"])
+def test_gpu_to_host_kernel_copies_go_through_the_bulk_copy_unit_where_there_is_one(block,
+                                                                                    requested):
+    decision = choose_method(req("d2h", block=block), H200, requested=requested)
+    assert (decision.method, decision.variant) == ("kernel", "bulk")
+    assert "bulk copy unit" in decision.reason
+    under_capture = choose_method(req("d2h", block=block, capturing=True), H200,
+                                  requested=requested)
+    assert under_capture.variant == "bulk"
+    older = choose_method(req("d2h", block=block), A100, requested=requested)
+    assert (older.method, older.variant) == ("kernel", "registers")
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2d", "p2p", "mixed"])
+def test_other_directions_keep_the_register_copier(direction):
+    decision = choose_method(req(direction), H200)
+    assert (decision.method, decision.variant) == ("kernel", "registers")
+    assert "bulk" not in decision.reason
+
+
+def test_bulk_stores_off_keeps_registers_and_dma_decisions_name_no_variant():
+    off = dataclasses.replace(req("d2h"), bulk_stores=False)
+    assert kernel_variant(off, H200) == "registers"
+    assert choose_method(off, H200).variant == "registers"
+    assert choose_method(req("d2h", block=4 * MiB), H200).variant == ""
+    assert choose_method(req("d2h", count=1), H200).variant == ""

@@ -14,6 +14,14 @@
  * the launches size their grids for it. */
 #define KVCOPY_MAX_SPLIT 16ULL
 
+/* The bulk copier's kernels (sm_90+, GPU-to-host): CTAs of KVCOPY_BULK_WARPS warps,
+ * each with a ring of KVCOPY_BULK_STAGES shared-memory buffers of
+ * KVCOPY_BULK_STAGE_BYTES (32 KiB per CTA). */
+#define KVCOPY_BULK_WARPS 2
+#define KVCOPY_BULK_THREADS (32 * KVCOPY_BULK_WARPS)
+#define KVCOPY_BULK_STAGES 4
+#define KVCOPY_BULK_STAGE_BYTES 4096ULL
+
 /* One copy: device-visible source and destination, byte count, and the index of
  * its first tile in the batch (an exclusive prefix sum of tile counts). */
 typedef struct kvcopy_desc {

@@ -6,6 +6,7 @@ cdef extern from "kvcopy/descriptor.h":
     int KVCOPY_INLINE_MAX_SMALL
     int KVCOPY_INLINE_MAX_TINY
     unsigned long long KVCOPY_MAX_SPLIT
+    int KVCOPY_BULK_THREADS
     ctypedef struct kvcopy_desc:
         unsigned long long src
         unsigned long long dst

@@ -6,6 +6,7 @@ INLINE_MAX: int
 INLINE_MAX_SMALL: int
 INLINE_MAX_TINY: int
 BLOCK_TENSOR_BYTES: int
+BULK_THREADS: int
 
 def module_load(image: bytes) -> int: ...
 def module_function(module: int, name: bytes) -> int: ...

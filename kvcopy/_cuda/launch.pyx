@@ -13,13 +13,14 @@ from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_pair, kvcopy_block_tensor, kvcopy_inline_batch,
                                       KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
                                       KVCOPY_INLINE_MAX_SMALL, KVCOPY_INLINE_MAX_TINY,
-                                      KVCOPY_MAX_SPLIT)
+                                      KVCOPY_MAX_SPLIT, KVCOPY_BULK_THREADS)
 
 TILE_BYTES = KVCOPY_TILE_BYTES
 INLINE_MAX = KVCOPY_INLINE_MAX
 INLINE_MAX_SMALL = KVCOPY_INLINE_MAX_SMALL
 INLINE_MAX_TINY = KVCOPY_INLINE_MAX_TINY
 BLOCK_TENSOR_BYTES = sizeof(kvcopy_block_tensor)
+BULK_THREADS = KVCOPY_BULK_THREADS   # every CTA of the kvcopy_bulk_* kernels has this many
 
 
 def module_load(bytes image) -> int:

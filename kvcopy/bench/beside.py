@@ -148,21 +148,25 @@ def _batch(pools: Pools, block: int, count: int, seed: int) -> tuple:
 
 COMPUTE_VARIANTS: list[tuple[str, dict]] = [
     ("batch", {"method": "batch"}), ("kernel", {"method": "kernel"}),
+    ("kernel, registers", {"method": "kernel", "bulk_stores": False}),
     ("kernel 1 CTA", {"method": "kernel", "max_ctas": 1}),
     ("auto, stores_by_dma", {"stores_by_dma": True})]
+_CONFIG_OPTIONS = ("stores_by_dma", "bulk_stores")
 
 
 @contextlib.contextmanager
 def _settings(options: dict) -> Iterator[dict]:
     """copy_batch options, with kvcopy.config settings among them applied meanwhile."""
-    copy_options = dict(options)
-    stores_by_dma = copy_options.pop("stores_by_dma", kvcopy.config.stores_by_dma)
-    before = kvcopy.config.stores_by_dma
-    kvcopy.config.stores_by_dma = stores_by_dma
+    copy_options = {k: v for k, v in options.items() if k not in _CONFIG_OPTIONS}
+    before = {k: getattr(kvcopy.config, k) for k in _CONFIG_OPTIONS}
     try:
+        for name in _CONFIG_OPTIONS:
+            if name in options:
+                setattr(kvcopy.config, name, options[name])
         yield copy_options
     finally:
-        kvcopy.config.stores_by_dma = before
+        for name, value in before.items():
+            setattr(kvcopy.config, name, value)
 
 
 def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB,
