@@ -124,40 +124,38 @@ struct kvcopy_register_copier {
     __device__ __forceinline__ void drain(unsigned) {}
 };
 
-/* Each warp's ring of shared-memory buffers for the bulk copier (one CTA's worth). */
+/* Each warp's ring for the bulk copier (one CTA's worth): buffers, the mbarrier that
+ * says a buffer's load is complete, and where the piece in it goes. */
 struct kvcopy_bulk_ring {
     alignas(128) unsigned char buf[KVCOPY_BULK_WARPS][KVCOPY_BULK_STAGES][KVCOPY_BULK_STAGE_BYTES];
     unsigned long long bars[KVCOPY_BULK_WARPS][KVCOPY_BULK_STAGES];
+    unsigned long long dst[KVCOPY_BULK_WARPS][KVCOPY_BULK_STAGES];
+    unsigned len[KVCOPY_BULK_WARPS][KVCOPY_BULK_STAGES];
 };
 
 /* Hopper's bulk copy unit (cp.async.bulk, sm_90+): lane 0 of each warp loads each
  * piece (at most a stage) into its ring with one instruction and stores it with
  * another, which the unit carries out from its own queue. GPU-to-host stores issued
- * this way cost a matmul beside them a quarter of what the same stores from
- * registers do (H200, 16 KiB blocks at the link's rate: +7.5% against +29%;
- * bench/results/h200-bulk-probe.txt). A piece's store is issued once the next
- * piece's load is under way, so a warp keeps up to KVCOPY_BULK_STAGES loads and
- * stores in flight. Spans the unit cannot take (addresses or length not multiples
- * of 16 bytes) go through registers; on older GPUs every span does. */
+ * this way cost a matmul beside them a fraction of what the same stores from
+ * registers do (H200, 16 KiB blocks: +4.3% against +28.8%;
+ * bench/results/h200-bulk-sweep-v1.txt). Piece k's store is issued once piece
+ * k + KVCOPY_BULK_LAG's load is under way, so a warp keeps LAG + 1 loads in flight
+ * (loads from device memory take about a microsecond; with one in flight, 2 KiB
+ * blocks ran at half the link). Spans the unit cannot take (addresses or length not
+ * multiples of 16 bytes) go through registers; on older GPUs every span does. */
 struct kvcopy_bulk_copier {
-    unsigned buf;                 // shared address of this warp's first buffer
-    unsigned bars;                // shared address of its first mbarrier
+    kvcopy_bulk_ring* ring;
+    unsigned warp;                // this warp's ring in the CTA's
     unsigned long long pieces;    // pieces loaded so far (lane 0)
-    unsigned long long held_dst;  // where the last piece loaded is to be stored
-    unsigned held_len;
 
-    __device__ __forceinline__ void init(kvcopy_bulk_ring* ring, unsigned lane) {
-        const unsigned warp = threadIdx.x >> 5;
-        buf = (unsigned)__cvta_generic_to_shared(&ring->buf[warp][0][0]);
-        bars = (unsigned)__cvta_generic_to_shared(&ring->bars[warp][0]);
+    __device__ __forceinline__ void init(kvcopy_bulk_ring* shared_ring, unsigned lane) {
+        ring = shared_ring;
+        warp = threadIdx.x >> 5;
         pieces = 0;
-        held_dst = 0;
-        held_len = 0;
 #if __CUDA_ARCH__ >= 900
         if (lane == 0) {
             for (int s = 0; s < KVCOPY_BULK_STAGES; ++s)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * s)
-                             : "memory");
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar(s)) : "memory");
             // make the initialised barriers visible to the bulk copy unit
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -186,40 +184,50 @@ struct kvcopy_bulk_copier {
         kvcopy_copy_span(src, dst, len, lane);
     }
 
-    /* Store the piece still held and wait until every store is done. */
+    /* Store the pieces still held and wait until every store is done. */
     __device__ __forceinline__ void drain(unsigned lane) {
 #if __CUDA_ARCH__ >= 900
         if (lane == 0) {
-            if (pieces > 0) store(pieces - 1);
+            const unsigned long long first = pieces > KVCOPY_BULK_LAG ? pieces - KVCOPY_BULK_LAG : 0;
+            for (unsigned long long p = first; p < pieces; ++p) store(p);
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         }
 #endif
     }
 
 #if __CUDA_ARCH__ >= 900
-    __device__ __forceinline__ void push(unsigned long long src, unsigned long long dst,
-                                         unsigned len) {
-        const unsigned s = (unsigned)(pieces % KVCOPY_BULK_STAGES);
-        if (pieces >= KVCOPY_BULK_STAGES) {
-            // the stage's previous piece (pieces - STAGES) must have been read by its store;
-            // stores issued: pieces 0 .. pieces - 2, so STAGES - 2 may still be pending
-            asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(KVCOPY_BULK_STAGES - 2)
-                         : "memory");
-        }
-        const unsigned bar = bars + 8 * s;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(bar), "r"(len) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                     " [%0], [%1], %2, [%3];"
-                     :: "r"(buf + s * (unsigned)KVCOPY_BULK_STAGE_BYTES), "l"(src), "r"(len), "r"(bar)
-                     : "memory");
-        if (pieces > 0) store(pieces - 1);
-        held_dst = dst;
-        held_len = len;
-        ++pieces;
+    __device__ __forceinline__ unsigned bar(unsigned s) const {
+        return (unsigned)__cvta_generic_to_shared(&ring->bars[warp][s]);
     }
 
-    /* Wait for piece p's load, then store it (p is the piece held). */
+    __device__ __forceinline__ unsigned buffer(unsigned s) const {
+        return (unsigned)__cvta_generic_to_shared(&ring->buf[warp][s][0]);
+    }
+
+    /* Load piece k (= pieces) into its stage, then store piece k - LAG. */
+    __device__ __forceinline__ void push(unsigned long long src, unsigned long long dst,
+                                         unsigned len) {
+        const unsigned long long k = pieces;
+        const unsigned s = (unsigned)(k % KVCOPY_BULK_STAGES);
+        if (k >= KVCOPY_BULK_STAGES) {
+            // the stage's previous piece, k - STAGES, must have been read by its store;
+            // stores issued so far: pieces 0 .. k - 1 - LAG, so the newest
+            // STAGES - 1 - LAG of them may still be pending
+            asm volatile("cp.async.bulk.wait_group.read %0;"
+                         :: "n"(KVCOPY_BULK_STAGES - 1 - KVCOPY_BULK_LAG) : "memory");
+        }
+        ring->dst[warp][s] = dst;
+        ring->len[warp][s] = len;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar(s)), "r"(len) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1], %2, [%3];"
+                     :: "r"(buffer(s)), "l"(src), "r"(len), "r"(bar(s)) : "memory");
+        if (k >= KVCOPY_BULK_LAG) store(k - KVCOPY_BULK_LAG);
+        pieces = k + 1;
+    }
+
+    /* Wait for piece p's load, then store it. */
     __device__ __forceinline__ void store(unsigned long long p) {
         const unsigned s = (unsigned)(p % KVCOPY_BULK_STAGES);
         const unsigned parity = (unsigned)((p / KVCOPY_BULK_STAGES) & 1);
@@ -227,10 +235,10 @@ struct kvcopy_bulk_copier {
         while (!done) {
             asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
                          " selp.u32 %0, 1, 0, p; }"
-                         : "=r"(done) : "r"(bars + 8 * s), "r"(parity) : "memory");
+                         : "=r"(done) : "r"(bar(s)), "r"(parity) : "memory");
         }
         asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                     :: "l"(held_dst), "r"(buf + s * (unsigned)KVCOPY_BULK_STAGE_BYTES), "r"(held_len)
+                     :: "l"(ring->dst[warp][s]), "r"(buffer(s)), "r"(ring->len[warp][s])
                      : "memory");
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }

@@ -16,11 +16,13 @@
 
 /* The bulk copier's kernels (sm_90+, GPU-to-host): CTAs of KVCOPY_BULK_WARPS warps,
  * each with a ring of KVCOPY_BULK_STAGES shared-memory buffers of
- * KVCOPY_BULK_STAGE_BYTES (32 KiB per CTA). */
+ * KVCOPY_BULK_STAGE_BYTES (32 KiB per CTA), and KVCOPY_BULK_LAG + 1 loads in flight
+ * (LAG < STAGES: a buffer is refilled only once its piece's store has read it). */
 #define KVCOPY_BULK_WARPS 2
 #define KVCOPY_BULK_THREADS (32 * KVCOPY_BULK_WARPS)
-#define KVCOPY_BULK_STAGES 4
-#define KVCOPY_BULK_STAGE_BYTES 4096ULL
+#define KVCOPY_BULK_STAGES 8
+#define KVCOPY_BULK_STAGE_BYTES 2048ULL
+#define KVCOPY_BULK_LAG 5
 
 /* One copy: device-visible source and destination, byte count, and the index of
  * its first tile in the batch (an exclusive prefix sum of tile counts). */
