@@ -80,10 +80,15 @@ BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # So this default is the safe one; calibrate() measures the host at hand.
 BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
 # CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
-# copies. H200, 16 KiB blocks (bench/results/h200-bulk-sweep-v1.txt): 2 / 4 / 8 CTAs
-# reach 0.64 / 0.94 / 0.95 of the contiguous copy alone and cost a bf16 matmul beside
-# them +3.8% / +4.3% / +18.9% (registers, 2 CTAs of 512 threads: 0.94, +28.8%).
+# copies. H200, 16 KiB blocks (bench/results/h200-bulk-sweep.txt): 2 / 4 / 8 CTAs
+# reach 0.67 / 0.94 / 0.95 of the contiguous copy alone and cost a bf16 matmul beside
+# them +3.8% / +4.4% / +23% (registers, 2 CTAs of 512 threads: 0.94, +28.9%).
 BULK_STORE_CTAS = 4
+# Mean block sizes for which those 4 CTAs keep 0.90 of the contiguous copy alone
+# (same file, GPU time): 16 KiB 0.94, 64 KiB 0.94; outside, the register copier does
+# better (2 KiB 0.77 against 0.94, 4 KiB 0.88 against 0.94, 256 KiB 0.86-0.91
+# against 0.94), and more bulk CTAs would cost compute beside them what registers do.
+BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 
 
 @dataclass(frozen=True)
@@ -140,11 +145,13 @@ class Decision:
 
 
 def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:
-    """How the copy kernel moves a batch: GPU-to-host copies through the bulk copy unit
-    where the device has one and the caller allows it (its stores cost compute beside
-    them a quarter of what stores from registers do, at the same speed alone); every
-    other batch from registers."""
-    if req.direction == "d2h" and caps.bulk_copy and req.bulk_stores:
+    """How the copy kernel moves a batch: GPU-to-host copies of mean block size in
+    [BULK_MIN_BYTES, BULK_MAX_BYTES] through the bulk copy unit, where the device has
+    one and the caller allows it (there its stores cost compute beside them a sixth of
+    what stores from registers do, at the same speed alone); every other batch from
+    registers."""
+    if (req.direction == "d2h" and caps.bulk_copy and req.bulk_stores
+            and BULK_MIN_BYTES <= req.mean_bytes <= BULK_MAX_BYTES):
         return "bulk"
     return "registers"
 

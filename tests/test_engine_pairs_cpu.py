@@ -162,18 +162,18 @@ def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
 
 
 @pytest.mark.parametrize("pair_size, count, call", [
-    (4096, 2000, ("launch_pairs", BULK.pairs, SLOT.mapped, 2000, 4096, 0)),
+    (16384, 2000, ("launch_pairs", BULK.pairs, SLOT.mapped, 2000, 16384, 0)),
     (0, 2000, ("launch_descs", BULK.staged, SLOT.mapped, 2000, 0)),
-    (4096, 16, ("launch_descs_inline", BULK.tiny, 16)),
-    (4096, kv_launch.INLINE_MAX_SMALL, ("launch_descs_inline", BULK.small,
-                                        kv_launch.INLINE_MAX_SMALL)),
-    (4096, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
+    (16384, 16, ("launch_descs_inline", BULK.tiny, 16)),
+    (16384, kv_launch.INLINE_MAX_SMALL, ("launch_descs_inline", BULK.small,
+                                         kv_launch.INLINE_MAX_SMALL)),
+    (16384, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
 def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
         fake_cuda, monkeypatch, pair_size, count, call):
     monkeypatch.setattr(engine.config, "bulk_ctas", None)
     monkeypatch.setattr(engine.config, "bulk_stores", True)
     fake = fake_cuda(GPU_TO_HOST, pair_size, bulk_copy=True)
-    assert run(count) == "kernel"
+    assert run(count, 16384) == "kernel"
     assert call in fake.calls
     assert fake.shapes == [(policy.BULK_STORE_CTAS, kv_launch.BULK_THREADS)]
     assert engine.last_decision().variant == "bulk"
@@ -181,25 +181,26 @@ def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
 
 def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
     monkeypatch.setattr(engine.config, "bulk_ctas", 6)
-    fake = fake_cuda(GPU_TO_HOST, 4096, bulk_copy=True)
-    run(2000)
-    src = np.arange(2000, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    fake = fake_cuda(GPU_TO_HOST, 16384, bulk_copy=True)
+    run(2000, 16384)
+    src = np.arange(2000, dtype=np.uint64) * np.uint64(32768) + np.uint64(0x10000)
     engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
-                          np.full(2000, 4096, dtype=np.uint64), "auto", True, False, 3)
+                          np.full(2000, 16384, dtype=np.uint64), "auto", True, False, 3)
     assert fake.shapes == [(6, kv_launch.BULK_THREADS), (3, kv_launch.BULK_THREADS)]
 
 
-@pytest.mark.parametrize("kinds, bulk_copy, bulk_stores", [
-    (GPU_TO_HOST, False, True),     # no bulk copy unit (before sm_90)
-    (GPU_TO_HOST, True, False),     # config.bulk_stores off
-    (HOST_TO_GPU, True, True)])     # loads from host memory stay on registers
+@pytest.mark.parametrize("kinds, bulk_copy, bulk_stores, size", [
+    (GPU_TO_HOST, False, True, 16384),     # no bulk copy unit (before sm_90)
+    (GPU_TO_HOST, True, False, 16384),     # config.bulk_stores off
+    (GPU_TO_HOST, True, True, 4096),       # blocks below the bulk window
+    (HOST_TO_GPU, True, True, 16384)])     # loads from host memory stay on registers
 def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, bulk_copy,
-                                                bulk_stores):
+                                                bulk_stores, size):
     monkeypatch.setattr(engine.config, "bulk_stores", bulk_stores)
     monkeypatch.setattr(engine.config, "host_ctas", None)
-    fake = fake_cuda(kinds, 4096, bulk_copy=bulk_copy)
-    assert run(2000) == "kernel"
-    assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, 4096, 0)
+    fake = fake_cuda(kinds, size, bulk_copy=bulk_copy)
+    assert run(2000, size) == "kernel"
+    assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, size, 0)
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
     assert fake.shapes == [(policy.HOST_CTAS[direction], engine.config.threads_per_cta)]
     assert engine.last_decision().variant == "registers"

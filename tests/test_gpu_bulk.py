@@ -11,12 +11,19 @@ import pytest
 
 import kvcopy
 from gpu_helpers import address, expected_after, host_bytes, make_pool
+from kvcopy.policy import BULK_MAX_BYTES, BULK_MIN_BYTES
 
 pytestmark = pytest.mark.gpu
 
 
 def has_bulk_unit(torch) -> bool:
     return torch.cuda.get_device_capability() >= (9, 0)
+
+
+def expected_variant(torch, sizes, bulk_stores: bool = True) -> str:
+    """The copier a GPU-to-host batch of these sizes should get (policy.kernel_variant)."""
+    in_window = BULK_MIN_BYTES <= float(np.mean(sizes)) <= BULK_MAX_BYTES
+    return "bulk" if bulk_stores and has_bulk_unit(torch) and in_window else "registers"
 
 
 def slots(count: int, slot: int, rng, odd: bool) -> np.ndarray:
@@ -51,12 +58,13 @@ CASES = {   # count, sizes, addresses moved off 16 bytes
     "3 tiles split over warps": (3, 16384, False),
     "16 by value (tiny)": (16, 16384, False),
     "200 mixed by value": (200, "mixed16", False),
-    "1000 by value": (1000, 4096, False),
+    "1000 by value": (1000, 16384, False),
     "5000 as pairs, read in place": (5000, 16384, False),
     "3000 multi-tile, uploaded": (3000, "multi", False),
-    "2 KiB pairs": (20000, 2048, False),
+    "2 KiB pairs (below the window)": (20000, 2048, False),
+    "256 KiB (above the window)": (64, 256 << 10, False),
     "odd sizes": (300, "odd", False),
-    "odd addresses": (2000, 4096, True),
+    "odd addresses": (2000, 16384, True),
 }
 
 
@@ -77,16 +85,15 @@ def test_gpu_to_host_batches_are_exact_on_either_copier(torch_cuda, monkeypatch,
                                                         bulk_stores):
     monkeypatch.setattr(kvcopy.config, "bulk_stores", bulk_stores)
     count, kind, odd = CASES[case]
-    decision = copy_to_host(torch_cuda, count, _sizes(kind, count, count), odd=odd,
-                            seed=count, method="kernel")
-    expected = "bulk" if bulk_stores and has_bulk_unit(torch_cuda) else "registers"
-    assert decision.variant == expected
+    sizes = np.broadcast_to(_sizes(kind, count, count), (count,))
+    decision = copy_to_host(torch_cuda, count, sizes, odd=odd, seed=count, method="kernel")
+    assert decision.variant == expected_variant(torch_cuda, sizes, bulk_stores)
 
 
 def test_auto_takes_the_bulk_copier_where_the_gpu_has_one(torch_cuda):
     decision = copy_to_host(torch_cuda, 4096, 16384)
     assert decision.method == "kernel"
-    assert decision.variant == ("bulk" if has_bulk_unit(torch_cuda) else "registers")
+    assert decision.variant == expected_variant(torch_cuda, [16384])
 
 
 @pytest.mark.parametrize("ctas", [1, 3])
@@ -94,7 +101,7 @@ def test_few_ctas_cycle_their_rings_many_times(torch_cuda, ctas):
     """One or three CTAs of two warps over 6000 copies: each ring stage is refilled
     hundreds of times, so every mbarrier phase and every wait on a store's read of
     its buffer is exercised."""
-    copy_to_host(torch_cuda, 6000, 4096, seed=5, max_ctas=ctas)
+    copy_to_host(torch_cuda, 6000, 16384, seed=5, max_ctas=ctas)
     copy_to_host(torch_cuda, 700, 40_000 // 16 * 16, seed=6, max_ctas=ctas)
 
 
@@ -124,7 +131,7 @@ def test_work_after_the_copy_on_its_stream_sees_every_byte(torch_cuda):
 
 def test_a_captured_bulk_copy_replays_with_new_bytes(torch_cuda):
     torch = torch_cuda
-    n, block = 600, 8192
+    n, block = 600, 16384
     src = make_pool("cuda", 2 * n * block, 21)
     dst = make_pool("pinned", 2 * n * block, 22)
     rng = np.random.default_rng(4)
@@ -135,7 +142,7 @@ def test_a_captured_bulk_copy_replays_with_new_bytes(torch_cuda):
     with torch.cuda.graph(graph, stream=stream):
         kvcopy.copy_batch(src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes,
                           stream=stream)
-    assert kvcopy.last_decision().variant == ("bulk" if has_bulk_unit(torch) else "registers")
+    assert kvcopy.last_decision().variant == expected_variant(torch, [block])
     for seed in (31, 32):
         src.random_(0, 256, generator=torch.Generator("cuda").manual_seed(seed))
         torch.cuda.synchronize()

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from kvcopy.errors import CaptureError, KVCopyError
-from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method, kernel_variant
+from kvcopy.policy import (BULK_MAX_BYTES, BULK_MIN_BYTES, CopyRequest, DeviceCaps, Thresholds,
+                           choose_method, kernel_variant)
 
 H200 = DeviceCaps(bulk_copy=True)
 A100 = DeviceCaps(sm_count=108, bulk_copy=False)
@@ -228,7 +229,7 @@ def test_stores_by_dma_leaves_single_copies_and_unreadable_memory_alone():
     assert choose_method(stores(accessible=False, stream="legacy"), H200).method == "loop"
 
 
-@pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
+@pytest.mark.parametrize("block", [16 * KiB, 32 * KiB, 64 * KiB])
 @pytest.mark.parametrize("requested", ["auto", "kernel"])
 def test_gpu_to_host_kernel_copies_go_through_the_bulk_copy_unit_where_there_is_one(block,
                                                                                     requested):
@@ -255,3 +256,14 @@ def test_bulk_stores_off_keeps_registers_and_dma_decisions_name_no_variant():
     assert choose_method(off, H200).variant == "registers"
     assert choose_method(req("d2h", block=4 * MiB), H200).variant == ""
     assert choose_method(req("d2h", count=1), H200).variant == ""
+
+
+@pytest.mark.parametrize("block", [2 * KiB, 4 * KiB, BULK_MIN_BYTES - 16, BULK_MAX_BYTES + 16,
+                                   256 * KiB])
+def test_blocks_outside_the_bulk_window_keep_the_register_copier(block):
+    """Below 16 KiB and above 64 KiB, four bulk CTAs stay under 0.90 of the link alone
+    on the H200 where registers reach 0.94."""
+    decision = choose_method(req("d2h", block=block), H200)
+    assert (decision.method, decision.variant) == ("kernel", "registers")
+    assert kernel_variant(req("d2h", block=BULK_MIN_BYTES), H200) == "bulk"
+    assert kernel_variant(req("d2h", block=BULK_MAX_BYTES), H200) == "bulk"
