@@ -127,15 +127,17 @@ class Config:
     stores_by_dma: 'auto' sends GPU-to-host copies of every block size to the
         copy engines (cuMemcpyBatchAsync) wherever the stream allows them, for
         engines that store KV blocks while the model computes: the copy
-        kernel's writes to host memory slow compute beside them far more than
-        their share of SMs (H200, bf16 matmul beside 16 KiB stores: +28% beside
-        the kernel at 46 GB/s, +0.2% beside the copy engines at 18-29 GB/s,
-        as fast as one CPU thread feeds them at that size). Default False: the
-        kernel, at the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
+        kernel's writes to host memory slow compute beside them more than
+        their share of SMs (H200, bf16 matmul beside 16 KiB stores: +4-6%
+        beside the bulk copier at 43-45 GB/s, +28% beside register stores at
+        46 GB/s, +0.2% beside the copy engines at 18-29 GB/s, as fast as one
+        CPU thread feeds them at that size). Default False: the kernel, at the
+        link's rate (env KVCOPY_STORES_BY_DMA=0/1).
     bulk_stores: on GPUs with a bulk copy unit (sm_90+: H100, H200, B200), the
-        copy kernel moves GPU-to-host copies through it (cp.async.bulk) rather
-        than through registers: as fast alone, and a quarter of the cost to
-        compute beside it. False: registers, as on older GPUs (env
+        copy kernel moves GPU-to-host copies of mean block 16-64 KiB
+        (policy.BULK_MIN_BYTES..BULK_MAX_BYTES) through it (cp.async.bulk)
+        rather than through registers: as fast alone, and a sixth of the cost
+        to compute beside it. False: registers, as on older GPUs (env
         KVCOPY_BULK_STORES=0/1, default 1).
     bulk_ctas: CTAs (of two warps each) of those bulk copies; None means
         policy.BULK_STORE_CTAS (env KVCOPY_BULK_CTAS). host_ctas does not apply
