@@ -13,6 +13,8 @@ from kvcopy.plan import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
 
 CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# Outside policy.BULK_MIN_BYTES..BULK_MAX_BYTES: the footprint is the register copier's
+# (host_ctas), and max_ctas would set the bulk copier's CTAs inside that window.
 FOOTPRINT_BLOCKS = (4 << 10, 256 << 10)
 FOOTPRINT_CTAS = (1, 2, 4, 8, 16)
 FOOTPRINT_FLOOR = 0.90

@@ -203,3 +203,15 @@ def test_both_ways_engines_unavailable_keep_the_kernel_pair(monkeypatch):
         assert all(set(gbps) == {"kernel"} for gbps in measured.values())
     finally:
         device.set_thresholds(0, Thresholds())
+
+
+def test_the_footprint_is_measured_on_the_register_copier():
+    """calibrate's footprint sizes lie outside the bulk copier's window, so the CTAs it
+    keeps (host_ctas) are those of the copier they are used for."""
+    from kvcopy.calibrate import FOOTPRINT_BLOCKS
+    from kvcopy.policy import BULK_MAX_BYTES, BULK_MIN_BYTES, kernel_variant
+
+    for block in FOOTPRINT_BLOCKS:
+        request = CopyRequest("d2h", 64, 64 * block, True, "created")
+        assert kernel_variant(request, DeviceCaps(bulk_copy=True)) == "registers"
+        assert not BULK_MIN_BYTES <= block <= BULK_MAX_BYTES
