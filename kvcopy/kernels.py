@@ -7,6 +7,7 @@ under $KVCOPY_CACHE_DIR, else $XDG_CACHE_HOME/kvcopy, else ~/.cache/kvcopy.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -174,13 +175,16 @@ class CopyKernel:
     per_launch: int
     bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
 
+    @functools.cached_property
+    def registers(self) -> ScatterFunctions:
+        """The register copier's entry points (built once: scatter() is on every launch)."""
+        return ScatterFunctions(self.function_staged, self.function_pairs, self.function,
+                                self.function_small, self.function_tiny)
+
     def scatter(self, variant: str) -> ScatterFunctions:
         """The entry points of the copier a Decision's ``variant`` names ('bulk', or
         the register copier for anything else)."""
-        if variant == "bulk":
-            return self.bulk
-        return ScatterFunctions(self.function_staged, self.function_pairs, self.function,
-                                self.function_small, self.function_tiny)
+        return self.bulk if variant == "bulk" else self.registers
 
 
 _lock = threading.Lock()
