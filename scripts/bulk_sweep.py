@@ -16,12 +16,11 @@ import contextlib
 import sys
 from typing import Iterator
 
-import numpy as np
 import torch
 
 import kvcopy
 from kvcopy.bench.beside import Copier, Matmuls, paired
-from kvcopy.bench.scenarios import Pools, scattered_offsets
+from kvcopy.bench.scenarios import Pools
 from kvcopy.bench.timing import call_to_completion_us, measure
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -41,18 +40,11 @@ def copier(bulk_ctas: int | None) -> Iterator[str]:
         kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas = before
 
 
-def batch(pools: Pools, block: int, count: int, seed: int) -> tuple:
-    src_off, dst_off = scattered_offsets(count, block, np.random.default_rng(seed))
-    return (np.uint64(pools.src.data_ptr()) + src_off.astype(np.uint64),
-            np.uint64(pools.dst.data_ptr()) + dst_off.astype(np.uint64),
-            np.full(count, block, dtype=np.uint64))
-
-
 def alone() -> None:
     stream = torch.cuda.Stream()
     pools = Pools("d2h", TOTAL, "torch")
     for block in (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB):
-        ptrs = batch(pools, block, TOTAL // block, 1)
+        ptrs = pools.scattered(block, TOTAL // block, 1)
 
         def contiguous() -> None:
             with torch.cuda.stream(stream):
@@ -71,7 +63,7 @@ def alone() -> None:
 def beside(pairs: int = 10) -> None:
     matmuls = Matmuls()
     pools = Pools("d2h", TOTAL, "torch")
-    ptrs = batch(pools, 16 * KiB, TOTAL // (16 * KiB), 2)
+    ptrs = pools.scattered(16 * KiB, TOTAL // (16 * KiB), 2)
     stream = torch.cuda.Stream()
     for ctas in (None, *BULK_CTAS):
         with copier(ctas) as name:
@@ -86,7 +78,7 @@ def small() -> None:
     pools = Pools("d2h", 4 * MiB, "torch")
     stream = torch.cuda.Stream()
     for count in (16, 64, 256):
-        ptrs = batch(pools, 16 * KiB, count, 3)
+        ptrs = pools.scattered(16 * KiB, count, 3)
         line = f"small d2h {count:3d} x 16 KiB call to completion"
         for ctas in (None, 4):
             with copier(ctas) as name:

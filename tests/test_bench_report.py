@@ -74,3 +74,32 @@ def test_bench_variants_set_stores_by_dma_only_meanwhile():
         with beside._settings({"stores_by_dma": not before}):
             raise RuntimeError("a failing variant")
     assert kvcopy.config.stores_by_dma is before
+
+
+def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
+    """Pools.scattered (what the benchmark and the probes copy): every copy starts at
+    a block boundary inside its pool, no slot twice, and the same seed gives the
+    same batch."""
+    import numpy as np
+
+    from kvcopy.bench.scenarios import Pools
+
+    class Buffer:
+        def __init__(self, address: int) -> None:
+            self.address = address
+
+        def data_ptr(self) -> int:
+            return self.address
+
+    pools = Pools.__new__(Pools)       # no GPU: only the two base addresses are used
+    pools.src, pools.dst = Buffer(0x10000), Buffer(0x7F0000000000)
+    block, count = 4096, 100
+    src, dst, sizes = pools.scattered(block, count, 3)
+    assert src.dtype == dst.dtype == sizes.dtype == np.uint64
+    assert (sizes == block).all() and len(src) == len(dst) == count
+    for ptrs, base in ((src, 0x10000), (dst, 0x7F0000000000)):
+        slots = (ptrs - np.uint64(base)) // np.uint64(block)
+        assert ((ptrs - np.uint64(base)) % np.uint64(block) == 0).all()
+        assert len(set(slots.tolist())) == count and slots.max() < 2 * count
+    again = pools.scattered(block, count, 3)
+    assert all((a == b).all() for a, b in zip((src, dst, sizes), again))

@@ -17,10 +17,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, cast
 
-import numpy as np
 
 import kvcopy
-from kvcopy.bench.scenarios import Pools, scattered_offsets
+from kvcopy.bench.scenarios import Pools
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -139,13 +138,6 @@ def paired(matmuls: Matmuls, copiers: list[Copier], pairs: int) -> tuple[dict, d
             statistics.median(alone))
 
 
-def _batch(pools: Pools, block: int, count: int, seed: int) -> tuple:
-    src_off, dst_off = scattered_offsets(count, block, np.random.default_rng(seed))
-    return (np.uint64(pools.src.data_ptr()) + src_off.astype(np.uint64),
-            np.uint64(pools.dst.data_ptr()) + dst_off.astype(np.uint64),
-            np.full(count, block, dtype=np.uint64))
-
-
 COMPUTE_VARIANTS: list[tuple[str, dict]] = [
     ("batch", {"method": "batch"}), ("kernel", {"method": "kernel"}),
     ("kernel, registers", {"method": "kernel", "bulk_stores": False}),
@@ -178,7 +170,7 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
 
     matmuls = Matmuls()
     pools = Pools(direction, total, "torch")
-    ptrs = _batch(pools, block, total // block, 3)
+    ptrs = pools.scattered(block, total // block, 3)
     stream = torch.cuda.Stream()
     for label, options in variants or COMPUTE_VARIANTS:
         with _settings(options) as copy_options:
@@ -199,7 +191,7 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
     matmuls = Matmuls()
     store_pools, load_pools = Pools("d2h", total, "torch"), Pools("h2d", total, "torch")
     count = total // block
-    store, load = _batch(store_pools, block, count, 5), _batch(load_pools, block, count, 6)
+    store, load = store_pools.scattered(block, count, 5), load_pools.scattered(block, count, 6)
     s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
     for method in ("auto", "kernel", "batch", "copy_both_ways", "auto, stores_by_dma"):
         settings = {"stores_by_dma": True} if method.endswith("stores_by_dma") else {}

@@ -8,19 +8,12 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.scenarios import Pools, scattered_offsets
+from kvcopy.bench.scenarios import Pools
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-def _pointers(pools: Pools, block: int, count: int, seed: int):
-    src_off, dst_off = scattered_offsets(count, block, np.random.default_rng(seed))
-    return (np.uint64(pools.src.data_ptr()) + src_off.astype(np.uint64),
-            np.uint64(pools.dst.data_ptr()) + dst_off.astype(np.uint64),
-            np.full(count, block, dtype=np.uint64))
 
 
 def _chose() -> str:
@@ -49,7 +42,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
     h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
     for block in blocks:
         count = total // block
-        a, b = _pointers(h2d, block, count, 1), _pointers(d2h, block, count, 2)
+        a, b = h2d.scattered(block, count, 1), d2h.scattered(block, count, 2)
 
         def contiguous() -> None:
             with torch.cuda.stream(s1):
@@ -120,7 +113,7 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
     for direction in ("h2d", "d2h"):
         pools = Pools(direction, max(counts) * block, "torch")
         for count in counts:
-            ptrs = _pointers(pools, block, count, count)
+            ptrs = pools.scattered(block, count, count)
             nbytes = count * block
             src, dst = pools.src.data_ptr(), pools.dst.data_ptr()
             cases: dict[str, Callable[[], object]] = {

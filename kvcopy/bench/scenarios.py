@@ -48,6 +48,15 @@ class Pools:
         else:
             self.src.copy_(torch.randint(0, 255, self.src.shape, dtype=torch.uint8))
 
+    def scattered(self, block: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray,
+                                                                    np.ndarray]:
+        """``count`` copies of ``block`` bytes between random slots of the two pools
+        (scattered_offsets, seeded): source and destination pointers and sizes, uint64."""
+        src_off, dst_off = scattered_offsets(count, block, np.random.default_rng(seed))
+        return (np.uint64(self.src.data_ptr()) + src_off.astype(np.uint64),
+                np.uint64(self.dst.data_ptr()) + dst_off.astype(np.uint64),
+                np.full(count, block, dtype=np.uint64))
+
     @staticmethod
     def _alloc(kind: str, nbytes: int, memory: str):
         import torch
