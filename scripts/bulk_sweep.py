@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 import kvcopy
-from kvcopy.bench.beside import Copier, Matmuls, paired
+from kvcopy.bench.beside import Copier, Matmuls, paired, settings
 from kvcopy.bench.scenarios import Pools
 from kvcopy.bench.timing import call_to_completion_us, measure
 
@@ -31,13 +31,8 @@ BULK_CTAS = (2, 4, 8)
 @contextlib.contextmanager
 def copier(bulk_ctas: int | None) -> Iterator[str]:
     """Registers where ``bulk_ctas`` is None, else the bulk copier with that many CTAs."""
-    before = kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas
-    kvcopy.config.bulk_stores = bulk_ctas is not None
-    kvcopy.config.bulk_ctas = bulk_ctas
-    try:
+    with settings({"bulk_stores": bulk_ctas is not None, "bulk_ctas": bulk_ctas}):
         yield "registers" if bulk_ctas is None else f"bulk x{bulk_ctas}"
-    finally:
-        kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas = before
 
 
 def alone() -> None:

@@ -61,19 +61,24 @@ def test_block_pairs_are_distinct_ids_in_range():
         assert len(set(column.tolist())) == 1024 and column.min() >= 0 and column.max() < 2048
 
 
-def test_bench_variants_set_stores_by_dma_only_meanwhile():
+def test_bench_variants_set_config_settings_only_meanwhile():
     import kvcopy
     from kvcopy.bench import beside
 
     before = kvcopy.config.stores_by_dma
-    with beside._settings({"stores_by_dma": not before, "method": "auto"}) as options:
+    with beside.settings({"stores_by_dma": not before, "method": "auto"}) as options:
         assert options == {"method": "auto"}
         assert kvcopy.config.stores_by_dma is (not before)
     assert kvcopy.config.stores_by_dma is before
     with pytest.raises(RuntimeError):
-        with beside._settings({"stores_by_dma": not before}):
+        with beside.settings({"stores_by_dma": not before}):
             raise RuntimeError("a failing variant")
     assert kvcopy.config.stores_by_dma is before
+    bulk_before = kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas
+    with beside.settings({"bulk_stores": False, "bulk_ctas": 8, "max_ctas": 2}) as options:
+        assert options == {"max_ctas": 2}
+        assert (kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas) == (False, 8)
+    assert (kvcopy.config.bulk_stores, kvcopy.config.bulk_ctas) == bulk_before
 
 
 def test_pools_scatter_copies_between_distinct_slots_of_both_pools():

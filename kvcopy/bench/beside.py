@@ -143,18 +143,18 @@ COMPUTE_VARIANTS: list[tuple[str, dict]] = [
     ("kernel, registers", {"method": "kernel", "bulk_stores": False}),
     ("kernel 1 CTA", {"method": "kernel", "max_ctas": 1}),
     ("auto, stores_by_dma", {"stores_by_dma": True})]
-_CONFIG_OPTIONS = ("stores_by_dma", "bulk_stores")
 
 
 @contextlib.contextmanager
-def _settings(options: dict) -> Iterator[dict]:
-    """copy_batch options, with kvcopy.config settings among them applied meanwhile."""
-    copy_options = {k: v for k, v in options.items() if k not in _CONFIG_OPTIONS}
-    before = {k: getattr(kvcopy.config, k) for k in _CONFIG_OPTIONS}
+def settings(options: dict) -> Iterator[dict]:
+    """The copy_batch options among ``options``; the others, kvcopy.config settings by
+    name, are applied meanwhile and restored after."""
+    names = vars(kvcopy.config)
+    copy_options = {k: v for k, v in options.items() if k not in names}
+    before = {k: getattr(kvcopy.config, k) for k in options if k in names}
     try:
-        for name in _CONFIG_OPTIONS:
-            if name in options:
-                setattr(kvcopy.config, name, options[name])
+        for name in before:
+            setattr(kvcopy.config, name, options[name])
         yield copy_options
     finally:
         for name, value in before.items():
@@ -173,7 +173,7 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
     ptrs = pools.scattered(block, total // block, 3)
     stream = torch.cuda.Stream()
     for label, options in variants or COMPUTE_VARIANTS:
-        with _settings(options) as copy_options:
+        with settings(options) as copy_options:
             def call(options: dict = copy_options) -> object:
                 return kvcopy.copy_batch(*ptrs, stream=stream, **options)
             spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)],
@@ -194,8 +194,8 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
     store, load = store_pools.scattered(block, count, 5), load_pools.scattered(block, count, 6)
     s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
     for method in ("auto", "kernel", "batch", "copy_both_ways", "auto, stores_by_dma"):
-        settings = {"stores_by_dma": True} if method.endswith("stores_by_dma") else {}
-        with _settings(settings):
+        chosen = {"stores_by_dma": True} if method.endswith("stores_by_dma") else {}
+        with settings(chosen):
             if method == "copy_both_ways":
                 both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
                                                               stream=s_store), s_store, 2 * total)
