@@ -355,16 +355,27 @@ __device__ __forceinline__ void kvcopy_scatter_body(const kvcopy_desc* descs,
                          kvcopy_warp_count());
 }
 
-/* The same through the bulk copier: CTAs of exactly KVCOPY_BULK_THREADS threads. */
+/* Runs work(copier) with a bulk copier whose ring lives in this CTA's shared
+ * memory, then waits until the stores it issued have completed. CTAs of exactly
+ * KVCOPY_BULK_THREADS threads. */
+template <typename Work>
+__device__ __forceinline__ void kvcopy_with_bulk_copier(Work work) {
+    __shared__ kvcopy_bulk_ring ring;
+    const unsigned lane = threadIdx.x & 31u;
+    kvcopy_bulk_copier copier;
+    copier.init(&ring, lane);
+    work(copier);
+    copier.drain(lane);
+}
+
+/* The same as kvcopy_scatter_body, through the bulk copier. */
 __device__ __forceinline__ void kvcopy_bulk_body(const kvcopy_desc* descs,
                                                  unsigned long long count,
                                                  unsigned long long total_tiles) {
-    __shared__ kvcopy_bulk_ring ring;
-    kvcopy_bulk_copier copier;
-    copier.init(&ring, threadIdx.x & 31u);
-    kvcopy_scatter_warps(copier, descs, count, total_tiles, kvcopy_warp_index(),
-                         kvcopy_warp_count());
-    copier.drain(threadIdx.x & 31u);
+    kvcopy_with_bulk_copier([&](kvcopy_bulk_copier& copier) {
+        kvcopy_scatter_warps(copier, descs, count, total_tiles, kvcopy_warp_index(),
+                             kvcopy_warp_count());
+    });
 }
 
 /* kvcopy_pair entries seen as descriptors: copy i is tile i, of the batch's one size. */
@@ -392,13 +403,11 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_
 
 extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS) kvcopy_bulk_pairs(
     const kvcopy_pair* __restrict__ pairs, unsigned long long count, unsigned long long size) {
-    __shared__ kvcopy_bulk_ring ring;
     const kvcopy_pairs_source source = {pairs, size};
-    kvcopy_bulk_copier copier;
-    copier.init(&ring, threadIdx.x & 31u);
-    kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(), kvcopy_warp_count(),
-                                threadIdx.x & 31u);
-    copier.drain(threadIdx.x & 31u);
+    kvcopy_with_bulk_copier([&](kvcopy_bulk_copier& copier) {
+        kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(),
+                                    kvcopy_warp_count(), threadIdx.x & 31u);
+    });
 }
 
 /* Descriptors in device memory, or in pinned host memory mapped for the device
