@@ -108,3 +108,29 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
         assert len(set(slots.tolist())) == count and slots.max() < 2 * count
     again = pools.scattered(block, count, 3)
     assert all((a == b).all() for a, b in zip((src, dst, sizes), again))
+
+
+@pytest.mark.parametrize("decision, copier", [
+    (("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"),
+    (("batch", ""), ""), (None, "")])
+def test_rows_name_the_copier_only_where_the_kernel_ran(monkeypatch, decision, copier):
+    from kvcopy import engine
+    from kvcopy.bench.scenarios import last_copier
+    from kvcopy.policy import Decision
+
+    made = Decision(decision[0], "faked", decision[1]) if decision else None
+    monkeypatch.setattr(engine._last, "decision", made, raising=False)
+    assert last_copier() == copier
+
+
+def test_table_prints_the_copier_column(capsys):
+    from kvcopy.bench.__main__ import print_table
+
+    row = {"direction": "d2h", "block_bytes": 16384, "memory": "torch", "method": "auto",
+           "chose": "kernel", "copier": "bulk", "gbps": 51.5, "fraction_of_ceiling": 0.94,
+           "wall_gbps": 50.0, "cpu_us": 30.0}
+    print_table([row, dict(row, method="batch", chose="batch", copier="")], {})
+    header, bulk, batch = capsys.readouterr().out.splitlines()
+    assert header.split()[5] == "copier"
+    assert bulk.split()[5] == "bulk" and bulk.split()[6] == "51.5"
+    assert batch.split()[3:6] == ["batch", "batch", "51.5"]   # no copier: the column is blank

@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], scenarios: dict) -> None:
-    print(f"{'dir':4} {'block':>8} {'memory':>6} {'method':>22} {'chose':>7} {'GB/s':>8} "
-          f"{'ceil':>6} {'wallGB/s':>9} {'cpu_us':>9}")
+    print(f"{'dir':4} {'block':>8} {'memory':>6} {'method':>22} {'chose':>7} {'copier':>9} "
+          f"{'GB/s':>8} {'ceil':>6} {'wallGB/s':>9} {'cpu_us':>9}")
     for r in rows:
         print(f"{r['direction']:4} {r['block_bytes'] // KiB:>6}Ki {r['memory']:>6} {r['method']:>22} "
-              f"{r['chose']:>7} {r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} "
+              f"{r['chose']:>7} {r.get('copier', ''):>9} {r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} "
               f"{r['wall_gbps']:9.1f} {r['cpu_us']:9.1f}")
     for name, items in scenarios.items():
         print(f"-- {name}")

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.scenarios import Pools
+from kvcopy.bench.scenarios import Pools, last_copier
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
@@ -121,12 +121,14 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
             for method in ("auto", "kernel", "batch"):
                 cases[method] = functools.partial(kvcopy.copy_batch, *ptrs, stream=handle,
                                                   method=cast(RequestedMethod, method))
-            walls, chose = {}, {}
+            walls, chose, copier = {}, {}, {}
             for name, fn in cases.items():
                 walls[name] = call_to_completion_us(fn, synchronize, repeats=repeats)
                 chose[name] = "" if name == "contiguous" else _chose()
+                copier[name] = "" if name == "contiguous" else last_copier()
             for name, us in walls.items():
                 yield {"scenario": "small_batches", "direction": direction, "blocks": count,
                        "block_bytes": block, "method": name, "chose": chose[name],
+                       "copier": copier[name],
                        "wall_us": us, "wall_gbps": nbytes / us / 1e3,
                        "of_contiguous_wall": walls["contiguous"] / us}

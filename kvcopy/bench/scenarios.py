@@ -28,9 +28,17 @@ class Row:
     gpu_ms: float
     cpu_us: float
     wall_gbps: float      # bytes / (call + completion), from an idle stream
+    copier: str = ""      # for kernel rows, the copier that ran ('registers' or 'bulk')
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def last_copier() -> str:
+    """The copier of kvcopy's last copy on this thread, if the copy kernel ran it
+    ('registers' or 'bulk'); '' otherwise."""
+    decision = kvcopy.last_decision()
+    return decision.variant if decision and decision.method == "kernel" else ""
 
 
 class Pools:
@@ -99,7 +107,7 @@ def block_copy_rows(direction: str, block: int, total: int, memory: str,
         gbps = nbytes / (t.wall_ms * 1e6) if host_work else nbytes / (t.gpu_ms * 1e6)
         return Row("blocks", direction, block, count, memory, method, chose, gbps,
                    gbps / ceiling if ceiling else 1.0, t.gpu_ms, t.cpu_us,
-                   nbytes / (t.wall_ms * 1e6))
+                   nbytes / (t.wall_ms * 1e6), last_copier() if chose == "kernel" else "")
 
     contiguous_src, contiguous_dst = pools.src[:nbytes], pools.dst[:nbytes]
     with torch.cuda.stream(stream):
