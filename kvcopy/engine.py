@@ -206,12 +206,20 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
         in_place = tiles == count and target.request.direction != "p2p"
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
-        if pair_size:
-            launch.launch_pairs(functions.pairs, table, count, pair_size, ctas, threads,
-                                handle, upload)
-        else:
-            launch.launch_descs(functions.staged, table, count, tiles, ctas, threads,
-                                handle, upload)
+        entry = describe.PAIR_BYTES if pair_size else describe.DESCRIPTOR_BYTES
+        step = policy.copies_per_launch(target.request.direction, count,
+                                        target.request.total_bytes, tiles == count,
+                                        config.launch_bytes)
+        # one-tile copies need no tile numbering: any slice of the table is a batch
+        for start in range(0, count, step):
+            n, offset = min(step, count - start), start * entry
+            if pair_size:
+                launch.launch_pairs(functions.pairs, table + offset, n, pair_size, ctas,
+                                    threads, handle, upload + offset if upload else 0)
+            else:
+                launch.launch_descs(functions.staged, table + offset, n,
+                                    n if step < count else tiles, ctas, threads, handle,
+                                    upload + offset if upload else 0)
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch

@@ -27,6 +27,7 @@ class FakeCuda:
     """The parts of kvcopy._cuda one kernel-path call uses; records what it is asked."""
 
     DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
+    PAIR_BYTES = kv_describe.PAIR_BYTES
     INLINE_MAX = kv_launch.INLINE_MAX
     INLINE_MAX_SMALL = kv_launch.INLINE_MAX_SMALL
     INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
@@ -36,6 +37,7 @@ class FakeCuda:
         self.kinds, self.pair_size, self.tiles_per_copy = kinds, pair_size, tiles_per_copy
         self.calls: list[tuple] = []
         self.shapes: list[tuple[int, int]] = []   # (CTAs, threads) of every launch
+        self.tiles: list[int] = []                 # tiles of every launch_descs
 
     def stream_capture_status(self, handle: int) -> int:
         return 0
@@ -61,6 +63,7 @@ class FakeCuda:
 
     def launch_descs(self, function, descs, n, tiles, ctas, threads, stream, upload_from=0):
         self.calls.append(("launch_descs", function, descs, n, upload_from))
+        self.tiles.append(tiles)
         self.shapes.append((ctas, threads))
         return 1
 
@@ -109,6 +112,12 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
         return fake
     return make
+
+
+@pytest.fixture(autouse=True)
+def one_launch_by_default(monkeypatch):
+    """The tests below that do not test launch_bytes see every batch as one launch."""
+    monkeypatch.setattr(engine.config, "launch_bytes", 0)
 
 
 def run(count: int, size: int = 4096) -> str:
@@ -204,3 +213,44 @@ def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, b
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
     assert fake.shapes == [(policy.HOST_CTAS[direction], engine.config.threads_per_cta)]
     assert engine.last_decision().variant == "registers"
+
+
+@pytest.mark.parametrize("kinds", [HOST_TO_GPU, GPU_TO_HOST])
+def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cuda, monkeypatch,
+                                                                       kinds):
+    monkeypatch.setattr(engine.config, "launch_bytes", 600 * 16384)
+    monkeypatch.setattr(engine.config, "bulk_stores", False)
+    fake = fake_cuda(kinds, 16384)
+    assert run(2000, 16384) == "kernel"
+    entry = kv_describe.PAIR_BYTES
+    assert fake.calls == [("describe_compact", SLOT.host),
+                          ("launch_pairs", 8, SLOT.mapped, 600, 16384, 0),
+                          ("launch_pairs", 8, SLOT.mapped + 600 * entry, 600, 16384, 0),
+                          ("launch_pairs", 8, SLOT.mapped + 1200 * entry, 600, 16384, 0),
+                          ("launch_pairs", 8, SLOT.mapped + 1800 * entry, 200, 16384, 0),
+                          ("fence", SLOT.event, 0x1234)]   # one fence, behind the last
+
+
+def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_counts(
+        fake_cuda, monkeypatch):
+    monkeypatch.setattr(engine.config, "launch_bytes", 1000 * 4096)
+    fake = fake_cuda(HOST_TO_GPU, 0)
+    assert run(2500) == "kernel"
+    entry = kv_describe.DESCRIPTOR_BYTES
+    assert fake.calls[1:] == [("launch_descs", 2, SLOT.mapped, 1000, 0),
+                              ("launch_descs", 2, SLOT.mapped + 1000 * entry, 1000, 0),
+                              ("launch_descs", 2, SLOT.mapped + 2000 * entry, 500, 0),
+                              ("fence", SLOT.event, 0x1234)]
+    assert fake.tiles == [1000, 1000, 500]
+
+
+@pytest.mark.parametrize("kinds, tiles_per_copy", [
+    (GPU_TO_PEER, 1),     # between GPUs: launches are short
+    (HOST_TO_GPU, 2)])    # several tiles per copy: tiles are numbered across the batch
+def test_other_batches_stay_one_launch_past_launch_bytes(fake_cuda, monkeypatch, kinds,
+                                                         tiles_per_copy):
+    monkeypatch.setattr(engine.config, "launch_bytes", 100 * 4096)
+    fake = fake_cuda(kinds, 0, tiles_per_copy)
+    assert run(2000) == "kernel"
+    launches = [call for call in fake.calls if call[0].startswith("launch")]
+    assert launches == [("launch_descs", 2, SLOT.device, 2000, SLOT.host)]

@@ -286,9 +286,12 @@ __device__ __forceinline__ void kvcopy_scatter_single_tiles(Copier& copier, Sour
         const kvcopy_desc ahead = next + lane * num_warps < count ? descs[next + lane * num_warps]
                                                                   : none;
         for (int j = 0; j < 32; ++j) {
-            const unsigned long long t = base + (unsigned long long)j * num_warps;
-            if (t >= count) break;
-            kvcopy_copy_tile(copier, kvcopy_share_desc(mine, j), t, lane);
+            if (base + (unsigned long long)j * num_warps >= count) break;
+            // the whole copy (one tile): tile_start is not read, so a launch may take
+            // any slice of a table described for a larger batch
+            const kvcopy_desc d = kvcopy_share_desc(mine, j);
+            copier.span(reinterpret_cast<const char*>(d.src), reinterpret_cast<char*>(d.dst),
+                        d.size, lane);
         }
         mine = ahead;
         base = next;
@@ -312,7 +315,9 @@ __device__ __forceinline__ void kvcopy_scatter_split(Copier& copier, const kvcop
         // one tile per copy: tile t is copy t, no search (descriptors may be in host memory)
         const kvcopy_desc desc = descs[total_tiles == count ? t
                                                             : kvcopy_find_desc(descs, 0, count, t, lane)];
-        const unsigned long long offset = (t - desc.tile_start) * KVCOPY_TILE_BYTES;
+        // one-tile copies start at their first byte whatever tile_start says (a slice)
+        const unsigned long long offset =
+            total_tiles == count ? 0ULL : (t - desc.tile_start) * KVCOPY_TILE_BYTES;
         unsigned long long len = desc.size - offset;
         if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
         const unsigned long long piece = ((len + split - 1) / split + 15) & ~15ULL;
