@@ -93,14 +93,18 @@ def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, di
                                                      size, align):
     """Past one launch's inline descriptors, copies of one size (at most a tile) are
     described in 16-byte pairs and copied by the pairs kernel, at odd sizes and
-    addresses too; a batch of several sizes keeps its 32-byte descriptors."""
+    addresses too; a batch of several sizes keeps its 32-byte descriptors. Past
+    16 MiB (config.launch_bytes), host copies go as several launches of 16 MiB."""
+    monkeypatch.setattr(kvcopy.config, "launch_bytes", 16 << 20)
     calls = _spy_launches(monkeypatch)
     sizes = np.random.default_rng(count).integers(1, 16385, count) if size == "mixed" else size
     used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
                     align=align, seed=count)
     assert used == "kernel"
+    sliced = direction != "d2d" and size == 16384 and count == 4097   # 64 MiB + 16 KiB
+    slices = [1024, 1024, 1024, 1024, 1] if sliced else [count]
     assert [c for c in calls if c[0] == "launch_pairs"] == (
-        [] if size == "mixed" else [("launch_pairs", count, size)])
+        [] if size == "mixed" else [("launch_pairs", n, size) for n in slices])
 
 
 @pytest.mark.parametrize("bad", ["null", "unmapped"])
