@@ -28,6 +28,9 @@ import kvcopy
 from kvcopy.bench.beside import Copier, Matmuls, paired
 from kvcopy.bench.scenarios import Pools
 
+import bulk_probe   # scripts/: the ring kernel, and cuda.core's device, compiler and launch
+from bulk_probe import CC, DEVICE, LaunchConfig, Program, ProgramOptions, launch
+
 KiB, MiB = 1 << 10, 1 << 20
 
 SOURCE = r"""
@@ -61,21 +64,6 @@ extern "C" __global__ void hold(unsigned long long ns, int* sink) {
     if (sum == -1.f) { pad[0] = 1; *sink = pad[0]; }   // never: keeps v and pad alive
 }
 """
-
-
-def _core():
-    try:
-        from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
-    except ImportError:  # cuda.core < 0.4
-        from cuda.core.experimental import (Device, LaunchConfig, Program, ProgramOptions,
-                                            launch)
-    return Device, LaunchConfig, Program, ProgramOptions, launch
-
-
-Device, LaunchConfig, Program, ProgramOptions, launch = _core()
-DEVICE = Device(0)
-DEVICE.set_current()
-CC = DEVICE.compute_capability
 
 
 def compile_hold(live: int):
@@ -171,10 +159,9 @@ FOOTPRINTS = [   # name, CTAs, threads, live registers, dynamic shared memory, h
 
 
 def lean_bulk_rows(matmuls: Matmuls, pairs: int) -> None:
-    """bulk_probe's one-thread ring kernel, as compiled there and capped at 32 registers
-    (a warp of 32 x 32 registers fits in what the matmul's CTA leaves of a register
-    file), GPU-to-host beside the matmul."""
-    import bulk_probe
+    """bulk_probe's one-thread ring kernel (11 registers: a warp of it fits in what the
+    matmul's CTA leaves of a register file, and its ring in what it leaves of shared
+    memory), GPU-to-host beside the matmul, with the default carveout and the largest."""
     batch = bulk_probe.Batch("d2h", 16 * KiB, 2)
     stream = bulk_probe.Streams(1)
     cs, ts = stream.core[0], stream.torch[0]
