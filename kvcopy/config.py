@@ -127,13 +127,12 @@ class Config:
         were reported to hang on some parts; env KVCOPY_BATCH_CHUNK).
     stores_by_dma: 'auto' sends GPU-to-host copies of every block size to the
         copy engines (cuMemcpyBatchAsync) wherever the stream allows them, for
-        engines that store KV blocks while the model computes: the copy
-        kernel's writes to host memory slow compute beside them more than
-        their share of SMs (H200, bf16 matmul beside 16 KiB stores: +4-6%
-        beside the bulk copier at 43-45 GB/s, +28% beside register stores at
-        46 GB/s, +0.2% beside the copy engines at 18-29 GB/s, as fast as one
-        CPU thread feeds them at that size). Default False: the kernel, at the
-        link's rate (env KVCOPY_STORES_BY_DMA=0/1).
+        engines that store KV blocks while the model computes and must not
+        lose even 1% to the copies (H200, bf16 matmul beside continuous
+        16 KiB stores: +1.1% beside the default kernel at 40 GB/s, +0.2%
+        beside the copy engines at 17-29 GB/s, as fast as one CPU thread
+        feeds them at that size). Default False: the kernel, at the link's
+        rate (env KVCOPY_STORES_BY_DMA=0/1).
     bulk_stores: on GPUs with a bulk copy unit (sm_90+: H100, H200, B200), the
         copy kernel moves GPU-to-host copies of mean block 16-64 KiB
         (policy.BULK_MIN_BYTES..BULK_MAX_BYTES) through it (cp.async.bulk)
