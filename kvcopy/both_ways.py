@@ -82,7 +82,8 @@ def _describe(batch: Arrays, out: int, name: str) -> tuple:
 
 
 def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, method: str,
-           names: tuple[str, str]) -> tuple[str, str] | Decision | None:
+           names: tuple[str, str],
+           thresholds: policy.Thresholds | None) -> tuple[str, str] | Decision | None:
     """Describe (so validate) both batches into one slot and, where the policy picks
     the kernel for both, launch them as one. A Decision: both go to the copy
     engines together (policy.choose_both_ways). None: run them apart (another
@@ -102,7 +103,8 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             a = engine.decide(handle, method, count_a, bytes_a, found_a, False)
             b = engine.decide(handle, method, count_b, bytes_b, found_b, False)
             joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
-                                            device.thresholds(a.info.ordinal), method)
+                                            thresholds or device.thresholds(a.info.ordinal),
+                                            method)
             if joint is not None:
                 return joint
             if a.decision.method != "kernel" or b.decision.method != "kernel":
@@ -120,14 +122,17 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
 
 
 def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",
-                 names: tuple[str, str] = ("first", "second")) -> tuple[str, str]:
+                 names: tuple[str, str] = ("first", "second"),
+                 thresholds: policy.Thresholds | None = None) -> tuple[str, str]:
     """Issue two batches together, ordered after the work on ``stream_handle`` and
     before the work enqueued there next (see the module doc); returns the method
     each ran with. Raises ValueError (prefixed with the side's name) for a bad copy
-    of either batch before either is issued."""
+    of either batch before either is issued. ``thresholds``: the joint choice's, in
+    place of the device's (calibrate measures both paths without changing what
+    other threads' calls decide)."""
     handle = effective_handle(stream_handle)
     try:
-        return _execute_both(handle, first, second, method, names)
+        return _execute_both(handle, first, second, method, names, thresholds)
     except NoDriverError:
         # without a GPU, bad input is still reported as such
         for (src, dst, sizes), name in zip((first, second), names):
@@ -139,12 +144,12 @@ def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str 
 
 
 def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
-                  names: tuple[str, str]) -> tuple[str, str]:
+                  names: tuple[str, str], thresholds: policy.Thresholds | None) -> tuple[str, str]:
     with ContextScope(handle) as scope:
         capturing = driver.stream_capture_status(handle) != 0
         ran = None
         if not capturing and method in ("auto", "kernel"):
-            ran = _fused(scope, handle, first, second, method, names)
+            ran = _fused(scope, handle, first, second, method, names, thresholds)
             if isinstance(ran, tuple):
                 return ran
         # apart: both are checked as the DMA paths check (host memory readable or

@@ -95,27 +95,25 @@ def _both_ways_threshold(device: int, host: int, dev: int, total_bytes: int, str
     size, each timed from the call to the end of both; and the GB/s behind it. The
     load goes host[0:T] -> dev[0:T], the store dev[T:2T] -> host[T:2T] (T =
     total_bytes), so the two never touch the same bytes."""
-    before = devices.thresholds(device)
-    # 'auto' with a threshold of 0 sends both sides to the engines; 'kernel' fuses them
-    devices.set_thresholds(device, dataclasses.replace(before, both_ways_batch_min_bytes=0))
+    # 'auto' with a crossover of 0 sends both sides to the engines, 'kernel' fuses them;
+    # the crossover is this measurement's own: other threads' copies decide as before
+    engines = dataclasses.replace(devices.thresholds(device), both_ways_batch_min_bytes=0)
     found, measured = float("inf"), {}
-    try:
-        for block in BOTH_WAYS_BLOCKS:
-            load = _scattered_plan(host, dev, block, total_bytes // 2, rng)
-            store = _scattered_plan(dev + total_bytes, host + total_bytes, block,
-                                    total_bytes // 2, rng)
-            pair = ((store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes))
-            gbps: dict = {}
-            for method, label in (("kernel", "kernel"), ("auto", "batch")):
-                if execute_both(*pair, stream, method) != (label, label):
-                    continue   # that path is not available here
-                ms = _median_ms(lambda m=method: execute_both(*pair, stream, m), stream,
-                                *events, repeats)
-                gbps[label] = (store.total_bytes + load.total_bytes) / ms / 1e6
-            measured[f"both_ways/{block}"] = gbps
-            found = _next_threshold(found, block, gbps)
-    finally:
-        devices.set_thresholds(device, before)
+    for block in BOTH_WAYS_BLOCKS:
+        load = _scattered_plan(host, dev, block, total_bytes // 2, rng)
+        store = _scattered_plan(dev + total_bytes, host + total_bytes, block,
+                                total_bytes // 2, rng)
+        pair = ((store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes))
+        gbps: dict = {}
+        for method, label in (("kernel", "kernel"), ("auto", "batch")):
+            def run(m: str = method) -> tuple[str, str]:
+                return execute_both(*pair, stream, m, thresholds=engines)
+            if run() != (label, label):
+                continue   # that path is not available here
+            ms = _median_ms(run, stream, *events, repeats)
+            gbps[label] = (store.total_bytes + load.total_bytes) / ms / 1e6
+        measured[f"both_ways/{block}"] = gbps
+        found = _next_threshold(found, block, gbps)
     return found, measured
 
 

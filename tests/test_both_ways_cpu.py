@@ -10,7 +10,7 @@ import pytest
 import kvcopy
 from kvcopy import both_ways
 from kvcopy.errors import CudaError
-from kvcopy.policy import Decision
+from kvcopy.policy import Decision, Thresholds
 
 HANDLE, SIDE = 0x1234, 0x5678
 
@@ -93,6 +93,17 @@ def test_one_launch_when_both_go_to_the_kernel(record):
     rec = record(fused=("kernel", "kernel"))
     assert both_ways.execute_both(batch(2), batch(3), HANDLE) == ("kernel", "kernel")
     assert rec.calls == []
+
+
+@pytest.mark.parametrize("given", [None, Thresholds(both_ways_batch_min_bytes=0)])
+def test_the_joint_choice_takes_the_thresholds_passed_else_the_devices(record, monkeypatch,
+                                                                       given):
+    record(fused=("kernel", "kernel"))
+    passed = []
+    monkeypatch.setattr(both_ways, "_fused", lambda *a: passed.append(a[-1]) or ("kernel",
+                                                                                 "kernel"))
+    both_ways.execute_both(batch(2), batch(3), HANDLE, thresholds=given)
+    assert passed == [given]   # None: _fused asks device.thresholds for the device's own
 
 
 def test_under_capture_both_stay_on_the_capturing_stream(record):

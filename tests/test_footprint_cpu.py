@@ -118,15 +118,16 @@ def test_crossover_is_where_dma_keeps_up_from_then_on():
 
 def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None):
     """calibrate's both-ways measurement against a faked engine: 'kernel' runs the
-    pair, 'auto' runs the engines only while the crossover is forced to 0; times per
-    block from ``batch_ms``. Returns the calls seen (method, forced crossover)."""
+    pair, 'auto' runs the engines only where the thresholds passed set the crossover
+    to 0; times per block from ``batch_ms``. Returns the calls seen (method, the
+    crossover passed, the device's crossover meanwhile)."""
     calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
 
     seen = []
 
-    def execute_both(store, load, stream, method):
-        crossover = device.thresholds(0).both_ways_batch_min_bytes
-        seen.append((method, crossover))
+    def execute_both(store, load, stream, method, thresholds=None):
+        crossover = (thresholds or device.thresholds(0)).both_ways_batch_min_bytes
+        seen.append((method, crossover, device.thresholds(0).both_ways_batch_min_bytes))
         if fail_at is not None and int(store[2][0]) == fail_at:
             raise RuntimeError("device lost")
         if method == "kernel":
@@ -165,9 +166,10 @@ def test_both_ways_crossover_from_faked_timings_and_thresholds_restored(monkeypa
         assert found == 64 << 10
         assert set(measured) == {f"both_ways/{b}" for b in calibrate.BOTH_WAYS_BLOCKS}
         assert measured["both_ways/32768"]["batch"] < measured["both_ways/32768"]["kernel"]
-        # the engines were measured with the crossover forced to 0, the pair as 'kernel'
-        assert {(m, c) for m, c in seen} == {("kernel", 0), ("auto", 0)}
-        assert device.thresholds(0) == before       # restored
+        # the engines were measured with a crossover of 0 passed to each call, the pair
+        # as 'kernel'; the device's own crossover never changed (other threads' copies)
+        assert set(seen) == {("kernel", 0, 128 << 10), ("auto", 0, 128 << 10)}
+        assert device.thresholds(0) == before
     finally:
         device.set_thresholds(0, Thresholds())
 
@@ -194,7 +196,8 @@ def test_both_ways_engines_unavailable_keep_the_kernel_pair(monkeypatch):
     seen = _fake_both_ways(monkeypatch, {})
     # 'auto' that does not reach the engines (here: the crossover ignored) is not timed
     monkeypatch.setattr(calibrate, "execute_both",
-                        lambda store, load, stream, method: seen.append((method, None))
+                        lambda store, load, stream, method, thresholds=None:
+                        seen.append((method, None, None))
                         or ("kernel", "kernel"))
     try:
         found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
