@@ -17,7 +17,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, cast
 
-
 import kvcopy
 from kvcopy.bench.scenarios import Pools
 from kvcopy.policy import RequestedMethod

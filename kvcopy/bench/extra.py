@@ -8,18 +8,12 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.scenarios import Pools, last_copier
+from kvcopy.bench.scenarios import Pools, last_copier, last_method
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-def _chose() -> str:
-    """The method kvcopy's last copy on this thread used."""
-    decision = kvcopy.last_decision()
-    return decision.method if decision else ""
 
 
 def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) -> Callable[[], None]:
@@ -59,7 +53,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
                                             warmup=1) / 1e6
             gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
             pair_ms, pair_wall = pair_ms or gpu_ms, pair_wall or seconds
-            chose = "" if name == "contiguous" else _chose()
+            chose = "" if name == "contiguous" else last_method()
             yield {"scenario": "bidirectional", "block_bytes": block, "count": count,
                    "method": name, "chose": chose, "total_gbps": 2 * total / gpu_ms / 1e6,
                    "of_contiguous_pair": pair_ms / gpu_ms,
@@ -124,7 +118,7 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
             walls, chose, copier = {}, {}, {}
             for name, fn in cases.items():
                 walls[name] = call_to_completion_us(fn, synchronize, repeats=repeats)
-                chose[name] = "" if name == "contiguous" else _chose()
+                chose[name] = "" if name == "contiguous" else last_method()
                 copier[name] = "" if name == "contiguous" else last_copier()
             for name, us in walls.items():
                 yield {"scenario": "small_batches", "direction": direction, "blocks": count,

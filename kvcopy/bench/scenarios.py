@@ -34,6 +34,12 @@ class Row:
         return asdict(self)
 
 
+def last_method() -> str:
+    """The method kvcopy's last copy on this thread used; '' before any."""
+    decision = kvcopy.last_decision()
+    return decision.method if decision else ""
+
+
 def last_copier() -> str:
     """The copier of kvcopy's last copy on this thread, if the copy kernel ran it
     ('registers' or 'bulk'); '' otherwise."""
