@@ -255,13 +255,14 @@ __device__ __forceinline__ void kvcopy_copy_tile(Copier& copier, const kvcopy_de
                 reinterpret_cast<char*>(desc.dst) + offset, len, lane);
 }
 
-/* The descriptor held by lane src_lane, for the whole warp. */
+/* The copy held by lane src_lane, for the whole warp: source, destination and size
+ * (its one caller copies one-tile copies, which need no tile_start). */
 __device__ __forceinline__ kvcopy_desc kvcopy_share_desc(const kvcopy_desc& d, int src_lane) {
     kvcopy_desc r;
     r.src = __shfl_sync(0xffffffffu, d.src, src_lane);
     r.dst = __shfl_sync(0xffffffffu, d.dst, src_lane);
     r.size = __shfl_sync(0xffffffffu, d.size, src_lane);
-    r.tile_start = __shfl_sync(0xffffffffu, d.tile_start, src_lane);
+    r.tile_start = 0;
     return r;
 }
 
