@@ -72,15 +72,26 @@ def compile_hold(live: int):
                    options=options).compile("cubin").get_kernel("hold")
 
 
+def set_attribute(kernel, name: str, value: int) -> None:
+    """cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_<name>) for ``kernel`` on this device."""
+    from cuda.bindings import driver as cu
+    (err,) = cu.cuKernelSetAttribute(getattr(cu.CUfunction_attribute,
+                                             f"CU_FUNC_ATTRIBUTE_{name}"), value,
+                                     kernel.handle, DEVICE.device_id)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+
+
 def prefer_max_shared(kernel) -> None:
     """Ask for the SM's largest shared-memory carveout for ``kernel``: an SM runs CTAs of
     one carveout at a time, so a CTA launched with a smaller one keeps a matmul CTA
     that wants the largest off its SM even where registers and shared memory would fit."""
-    from cuda.bindings import driver as cu
-    (err,) = cu.cuKernelSetAttribute(
-        cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
-        kernel.handle, DEVICE.device_id)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
+    set_attribute(kernel, "PREFERRED_SHARED_MEMORY_CARVEOUT", 100)
+
+
+def registers(kernel) -> int:
+    """Registers per thread of ``kernel``."""
+    regs = kernel.attributes.num_regs
+    return regs() if callable(regs) else int(regs)   # a method in older cuda.core
 
 
 class Throttled:
@@ -109,19 +120,11 @@ class Holder:
         if carveout:
             prefer_max_shared(self.kernel)
         if smem > 48 * KiB:   # past 48 KiB of dynamic shared memory, a kernel must opt in
-            from cuda.bindings import driver as cu
-            (err,) = cu.cuKernelSetAttribute(
-                cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem,
-                self.kernel.handle, DEVICE.device_id)
-            assert err == cu.CUresult.CUDA_SUCCESS, err
+            set_attribute(self.kernel, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem)
         self.config = LaunchConfig(grid=ctas, block=threads, shmem_size=smem)
         self.core_stream = DEVICE.create_stream()
         self.torch_stream = torch.cuda.ExternalStream(int(self.core_stream.handle))
         self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-
-    def registers(self) -> int:
-        regs = self.kernel.attributes.num_regs
-        return regs() if callable(regs) else int(regs)   # a method in older cuda.core
 
     def __call__(self) -> None:
         DEVICE.set_current()   # called from the copy loop's thread
@@ -174,8 +177,7 @@ def lean_bulk_rows(matmuls: Matmuls, pairs: int) -> None:
                 "cubin").get_kernel("bulk_pairs")
             if carveout:
                 prefer_max_shared(kernel)
-            regs = kernel.attributes.num_regs
-            regs = regs() if callable(regs) else int(regs)
+            regs = registers(kernel)
             batch.bulk(kernel, 4, cs)
             ok = batch.check()
             for ctas in (2, 4, 8) if carveout else (4,):
@@ -242,7 +244,7 @@ def main(parts: list[str]) -> None:
             name += ", max carveout" if carveout else ""
             copier = Copier("hold", Throttled(holder, holder.torch_stream), holder.torch_stream, 0)
             spread, _, alone = paired(matmuls, [copier], pairs)
-            print(f"hold {name:64s} regs/thread {holder.registers():3d} launches "
+            print(f"hold {name:64s} regs/thread {registers(holder.kernel):3d} launches "
                   f"{holder.launched:5d}  median {spread['median_slowdown']:+.3f} p25 "
                   f"{spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  "
                   f"(alone {alone:.2f} ms)", flush=True)
