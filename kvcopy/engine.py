@@ -236,14 +236,20 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
 
 
+def pinned_descriptors(host: int, count: int) -> np.ndarray:
+    """The ``count`` 32-byte descriptors at ``host`` (pinned), as a (count, 4) uint64 view:
+    src, dst, size, tile_start."""
+    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host)
+    return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
+
+
 def _number_tiles_per_slice(host_table: int, count: int, tiles: int, step: int) -> list[int]:
     """Renumber the tiles of the ``count`` descriptors at ``host_table`` (pinned, not yet
     read by the GPU) so that each slice of ``step`` descriptors counts its tiles from
     0, as a batch of its own; return each slice's tile count. The kernel finds a
     tile's copy by its tile_start, so a slice launched alone must start at 0 (copies
     of one tile ignore it)."""
-    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host_table)
-    table = np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
+    table = pinned_descriptors(host_table, count)
     starts = table[::step, 3].copy()          # the first tile of each slice
     ends = np.append(starts[1:], np.uint64(tiles))
     table[:, 3] -= np.repeat(starts, step)[:count]
