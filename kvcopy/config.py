@@ -143,8 +143,8 @@ class Config:
         policy.BULK_STORE_CTAS (env KVCOPY_BULK_CTAS). host_ctas does not apply
         to them.
     launch_bytes: the most bytes one copy-kernel launch moves between host and
-        GPU memory; larger batches of blocks up to 16 KiB go out as several
-        launches in a row on the stream (0: one launch, however large; env
+        GPU memory; larger batches go out as several launches in a row on the
+        stream (0: one launch, however large; env
         KVCOPY_LAUNCH_BYTES, default 16 MiB). A long-running copy launch holds
         its SMs across the starts of the model's kernels beside it: on an H200,
         a bf16 matmul beside continuous 16 KiB GPU-to-host copies slowed by +5.4%

@@ -2,6 +2,7 @@
 remembered per question), and issues the batch by the chosen method."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from dataclasses import dataclass
@@ -208,18 +209,21 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
         entry = describe.PAIR_BYTES if pair_size else describe.DESCRIPTOR_BYTES
         step = policy.copies_per_launch(target.request.direction, count,
-                                        target.request.total_bytes, tiles == count,
-                                        config.launch_bytes)
-        # one-tile copies need no tile numbering: any slice of the table is a batch
-        for start in range(0, count, step):
+                                        target.request.total_bytes, config.launch_bytes)
+        if step >= count:
+            slice_tiles = [tiles]
+        elif pair_size or tiles == count:   # one tile per copy: the kernel ignores tile_start
+            slice_tiles = [min(step, count - start) for start in range(0, count, step)]
+        else:
+            slice_tiles = _number_tiles_per_slice(slot.host, count, tiles, step)
+        for k, start in enumerate(range(0, count, step)):
             n, offset = min(step, count - start), start * entry
             if pair_size:
                 launch.launch_pairs(functions.pairs, table + offset, n, pair_size, ctas,
                                     threads, handle, upload + offset if upload else 0)
             else:
-                launch.launch_descs(functions.staged, table + offset, n,
-                                    n if step < count else tiles, ctas, threads, handle,
-                                    upload + offset if upload else 0)
+                launch.launch_descs(functions.staged, table + offset, n, slice_tiles[k], ctas,
+                                    threads, handle, upload + offset if upload else 0)
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
@@ -230,6 +234,26 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     else:
         function, per_launch = functions.inline, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
+
+
+def pinned_descriptors(host: int, count: int) -> np.ndarray:
+    """The ``count`` 32-byte descriptors at ``host`` (pinned), as a (count, 4) uint64 view:
+    src, dst, size, tile_start."""
+    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host)
+    return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
+
+
+def _number_tiles_per_slice(host_table: int, count: int, tiles: int, step: int) -> list[int]:
+    """Renumber the tiles of the ``count`` descriptors at ``host_table`` (pinned, not yet
+    read by the GPU) so that each slice of ``step`` descriptors counts its tiles from
+    0, as a batch of its own; return each slice's tile count. The kernel finds a
+    tile's copy by its tile_start, so a slice launched alone must start at 0 (copies
+    of one tile ignore it)."""
+    table = pinned_descriptors(host_table, count)
+    starts = table[::step, 3].copy()          # the first tile of each slice
+    ends = np.append(starts[1:], np.uint64(tiles))
+    table[:, 3] -= np.repeat(starts, step)[:count]
+    return [int(t) for t in ends - starts]
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,

@@ -156,16 +156,16 @@ def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:
     return "registers"
 
 
-def copies_per_launch(direction: str, count: int, total_bytes: int, single_tiles: bool,
+def copies_per_launch(direction: str, count: int, total_bytes: int,
                       launch_bytes: int) -> int:
     """How many of a described batch's ``count`` copies one kernel launch takes.
 
-    Batches between host and GPU memory whose copies are one tile each (blocks up
-    to 16 KiB) are cut into launches of about ``launch_bytes`` (config.launch_bytes;
-    0: no limit), in order on one stream: a launch that runs for milliseconds holds
-    its SMs across the starts of the model's kernels beside it, and slows them more
-    than its share of the GPU. Every other batch is one launch."""
-    if (not launch_bytes or direction not in ("h2d", "d2h") or not single_tiles
+    Batches between host and GPU memory are cut into launches of about
+    ``launch_bytes`` (config.launch_bytes; 0: no limit), in order on one stream: a
+    launch that runs for milliseconds holds its SMs across the starts of the
+    model's kernels beside it, and slows them more than its share of the GPU.
+    Every other batch is one launch."""
+    if (not launch_bytes or direction not in ("h2d", "d2h")
             or total_bytes <= launch_bytes or count <= 1):
         return count
     return max(launch_bytes // max(total_bytes // count, 1), 1)

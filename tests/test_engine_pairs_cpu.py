@@ -244,13 +244,34 @@ def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_c
     assert fake.tiles == [1000, 1000, 500]
 
 
-@pytest.mark.parametrize("kinds, tiles_per_copy", [
-    (GPU_TO_PEER, 1),     # between GPUs: launches are short
-    (HOST_TO_GPU, 2)])    # several tiles per copy: tiles are numbered across the batch
-def test_other_batches_stay_one_launch_past_launch_bytes(fake_cuda, monkeypatch, kinds,
-                                                         tiles_per_copy):
+def test_batches_between_gpus_stay_one_launch_past_launch_bytes(fake_cuda, monkeypatch):
     monkeypatch.setattr(engine.config, "launch_bytes", 100 * 4096)
-    fake = fake_cuda(kinds, 0, tiles_per_copy)
+    fake = fake_cuda(GPU_TO_PEER, 0)
     assert run(2000) == "kernel"
     launches = [call for call in fake.calls if call[0].startswith("launch")]
     assert launches == [("launch_descs", 2, SLOT.device, 2000, SLOT.host)]
+
+
+def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
+        fake_cuda, monkeypatch):
+    """Each slice of a multi-tile table is uploaded and launched as a batch of its own:
+    its descriptors' tile_start renumbered from 0 in the pinned table before any upload,
+    and its launch given its own tile count."""
+    count, per_copy = 2000, 3                       # 2000 copies of 3 tiles (48 KiB) each
+    table = np.zeros((count, 4), dtype=np.uint64)
+    table[:, 2] = 3 * 16384
+    table[:, 3] = np.arange(count, dtype=np.uint64) * per_copy   # as describe_copies numbers them
+    slot = ring.Slot(capacity=1 << 20, host=table.ctypes.data, mapped=0x2000, device=0x3000,
+                     event=0x77)
+    monkeypatch.setattr(engine.config, "launch_bytes", 600 * 3 * 16384)   # 600 copies a slice
+    fake = fake_cuda(HOST_TO_GPU, 0, tiles_per_copy=per_copy)
+    monkeypatch.setattr(FakeRing, "__enter__", lambda self: slot)
+    assert run(count, 3 * 16384) == "kernel"
+    entry = kv_describe.DESCRIPTOR_BYTES
+    launches = [call for call in fake.calls if call[0].startswith("launch")]
+    slices = (600, 600, 600, 200)
+    assert launches == [("launch_descs", 2, 0x3000 + k * 600 * entry, n,
+                         table.ctypes.data + k * 600 * entry) for k, n in enumerate(slices)]
+    assert fake.tiles == [per_copy * n for n in slices]
+    expected = np.concatenate([np.arange(n, dtype=np.uint64) * per_copy for n in slices])
+    np.testing.assert_array_equal(table[:, 3], expected)

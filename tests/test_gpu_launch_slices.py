@@ -1,9 +1,10 @@
 """Batches past config.launch_bytes go out as several launches, each over a slice of
 the described table, in order on the caller's stream: on a real GPU every
 destination byte must be right, host to GPU and GPU to host, for 16-byte pairs
-and for full descriptors (mixed and odd sizes, odd addresses), with a last
-slice small enough to be split over warps; and work queued behind the batch
-must see all of it. Skipped without a GPU."""
+and for full descriptors (mixed and odd sizes, odd addresses, copies of
+several tiles, whose tiles each slice numbers from 0), with a last slice small
+enough to be split over warps; and work queued behind the batch must see all
+of it. Skipped without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +22,8 @@ CASES = {   # count, sizes, addresses moved off 16 bytes, launch_bytes
     "16 and 4 KiB, last slice split over warps": (1003, "two", False, 1024000),
     "mixed sizes up to 16 KiB": (2500, "mixed", False, 1 << 20),
     "odd sizes and addresses": (2000, "odd", True, 1 << 20),
+    "64 KiB copies of 4 tiles each": (1100, 65536, False, 100 * 65536),
+    "several tiles, mixed and odd sizes": (1500, "multi", True, 4 << 20),
 }
 
 
@@ -31,6 +34,8 @@ def _sizes(kind, count: int, rng) -> np.ndarray:
         return rng.integers(1, 1025, count) * 16
     if kind == "odd":
         return rng.integers(1, 16385, count)
+    if kind == "multi":   # 1 to 5 tiles each: tile numbering restarts in every slice
+        return rng.integers(1, 5 * 16384, count)
     return np.full(count, kind, dtype=np.int64)
 
 

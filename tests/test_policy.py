@@ -269,18 +269,18 @@ def test_blocks_outside_the_bulk_window_keep_the_register_copier(block):
     assert kernel_variant(req("d2h", block=BULK_MAX_BYTES), H200) == "bulk"
 
 
-@pytest.mark.parametrize("direction, count, total, single, limit, expected", [
-    ("d2h", 4096, 64 << 20, True, 16 << 20, 1024),     # 64 MiB of 16 KiB: four launches
-    ("h2d", 32768, 64 << 20, True, 16 << 20, 8192),    # of 2 KiB
-    ("h2d", 3000, 3000 * 5000, True, 1 << 20, 209),    # odd sizes: by the mean block
-    ("d2h", 1024, 16 << 20, True, 16 << 20, 1024),     # at the limit: one launch
-    ("d2h", 4096, 64 << 20, True, 0, 4096),            # 0: no limit
-    ("d2h", 4096, 64 << 20, False, 16 << 20, 4096),    # copies of several tiles: one launch
-    ("d2d", 4096, 64 << 20, True, 16 << 20, 4096),     # inside the GPU: short anyway
-    ("p2p", 4096, 64 << 20, True, 16 << 20, 4096),
-    ("h2d", 10, 10 << 20, True, 1 << 10, 1),           # a block larger than the limit: one each
+@pytest.mark.parametrize("direction, count, total, limit, expected", [
+    ("d2h", 4096, 64 << 20, 16 << 20, 1024),     # 64 MiB of 16 KiB: four launches
+    ("h2d", 32768, 64 << 20, 16 << 20, 8192),    # of 2 KiB
+    ("h2d", 3000, 3000 * 5000, 1 << 20, 209),    # odd sizes: by the mean block
+    ("d2h", 1024, 16 << 20, 16 << 20, 1024),     # at the limit: one launch
+    ("d2h", 4096, 64 << 20, 0, 4096),            # 0: no limit
+    ("d2h", 1024, 64 << 20, 16 << 20, 256),      # 64 KiB copies (4 tiles each) too
+    ("d2d", 4096, 64 << 20, 16 << 20, 4096),     # inside the GPU: short anyway
+    ("p2p", 4096, 64 << 20, 16 << 20, 4096),
+    ("h2d", 10, 10 << 20, 1 << 10, 1),           # a block larger than the limit: one each
 ])
-def test_copies_per_launch(direction, count, total, single, limit, expected):
+def test_copies_per_launch(direction, count, total, limit, expected):
     from kvcopy.policy import copies_per_launch
 
-    assert copies_per_launch(direction, count, total, single, limit) == expected
+    assert copies_per_launch(direction, count, total, limit) == expected
