@@ -14,7 +14,6 @@ caller's stream) that forks from the caller's stream and joins it again.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -140,7 +139,7 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
             np.arange(k * step_a, min((k + 1) * step_a, count_a)),
             count_a + np.arange(k * step_b, min((k + 1) * step_b, count_b))))
             for k in range(launches)])
-        table = _pinned_descriptors(slot.host, count_a + count_b)
+        table = engine.pinned_descriptors(slot.host, count_a + count_b)
         table[:] = table[order]
     else:
         step_a, step_b = count_a, count_b
@@ -151,12 +150,6 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
         launch.launch_pair(function, slot.mapped + first * describe.DESCRIPTOR_BYTES, n_a, n_a,
                            ctas[0], n_b, n_b, ctas[1], config.threads_per_cta, handle, 0)
         first += n_a + n_b
-
-
-def _pinned_descriptors(host: int, count: int) -> np.ndarray:
-    """The ``count`` 32-byte descriptors at ``host`` (pinned), as a (count, 4) uint64 view."""
-    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host)
-    return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
 
 
 def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",

@@ -2,6 +2,7 @@
 remembered per question), and issues the batch by the chosen method."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from dataclasses import dataclass
@@ -230,6 +231,13 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     else:
         function, per_launch = functions.inline, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
+
+
+def pinned_descriptors(host: int, count: int) -> np.ndarray:
+    """The ``count`` 32-byte descriptors at ``host`` (pinned), as a (count, 4) uint64 view:
+    src, dst, size, tile_start."""
+    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host)
+    return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
