@@ -113,12 +113,43 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             # one-tile copies over PCIe: the kernel reads the descriptors where they are
             in_place = (tiles_a == count_a and tiles_b == count_b
                         and not {a.request.direction, b.request.direction} & {"d2d", "p2p"})
-            launch.launch_pair(kernel.function_pair, slot.mapped if in_place else slot.device,
-                               count_a, tiles_a, a.ctas(None, both_ways=True), count_b, tiles_b,
-                               b.ctas(None, both_ways=True), config.threads_per_cta, handle,
-                               0 if in_place else slot.host)
+            ctas = (a.ctas(None, both_ways=True), b.ctas(None, both_ways=True))
+            if in_place:
+                launches = policy.both_ways_launches(bytes_a, bytes_b, config.launch_bytes)
+                _launch_in_slices(kernel.function_pair, slot, count_a, count_b, ctas,
+                                  launches, handle)
+            else:
+                launch.launch_pair(kernel.function_pair, slot.device, count_a, tiles_a,
+                                   ctas[0], count_b, tiles_b, ctas[1], config.threads_per_cta,
+                                   handle, slot.host)
             ring.DescriptorRing.fence(slot, handle)
             return "kernel", "kernel"
+
+
+def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int,
+                      ctas: tuple[int, int], launches: int, handle: int) -> None:
+    """The fused kernel over two batches of one-tile copies described back to back in
+    ``slot``, read in place, as ``launches`` launches in a row: slice k of both
+    batches in each. The kernel takes the second batch's descriptors right after the
+    first's, so the table is first reordered, slice by slice, into A0 B0 A1 B1 ...
+    (one-tile copies ignore tile_start: any order is a batch)."""
+    if launches > 1:
+        step_a, step_b = -(-count_a // launches), -(-count_b // launches)
+        order = np.concatenate([np.concatenate((
+            np.arange(k * step_a, min((k + 1) * step_a, count_a)),
+            count_a + np.arange(k * step_b, min((k + 1) * step_b, count_b))))
+            for k in range(launches)])
+        table = engine.pinned_descriptors(slot.host, count_a + count_b)
+        table[:] = table[order]
+    else:
+        step_a, step_b = count_a, count_b
+    first = 0
+    for k in range(launches):
+        n_a = max(min(step_a, count_a - k * step_a), 0)
+        n_b = max(min(step_b, count_b - k * step_b), 0)
+        launch.launch_pair(function, slot.mapped + first * describe.DESCRIPTOR_BYTES, n_a, n_a,
+                           ctas[0], n_b, n_b, ctas[1], config.threads_per_cta, handle, 0)
+        first += n_a + n_b
 
 
 def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",

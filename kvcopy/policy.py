@@ -171,6 +171,16 @@ def copies_per_launch(direction: str, count: int, total_bytes: int,
     return max(launch_bytes // max(total_bytes // count, 1), 1)
 
 
+def both_ways_launches(store_bytes: int, load_bytes: int, launch_bytes: int) -> int:
+    """How many launches copy_both_ways' fused kernel takes for a store and a load of
+    one-tile copies (each launch a slice of both, in step): enough that none moves
+    more than ``launch_bytes`` (config.launch_bytes; 0: one launch), for the reason
+    copies_per_launch gives."""
+    if not launch_bytes:
+        return 1
+    return max(-(-(store_bytes + load_bytes) // launch_bytes), 1)
+
+
 def _kernel(req: CopyRequest, caps: DeviceCaps, reason: str) -> Decision:
     variant = kernel_variant(req, caps)
     if variant == "bulk":

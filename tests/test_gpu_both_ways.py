@@ -50,6 +50,28 @@ def test_store_and_load_by_the_kernel(torch_cuda, size, count):
     load.check()
 
 
+@pytest.mark.parametrize("size, store_count, load_count, limit", [
+    (16384, 1000, 1003, 100 * 16384),    # 21 launches: slices of 48 and 48 copies
+    (2048, 5000, 300, 1 << 20),          # 11 launches: 455 stores and 28 loads each
+    (16384, 3, 2000, 1 << 20),           # 32 launches: only the first 3 with a store
+    (4000, 900, 2000, 1 << 20)])         # odd sizes
+def test_store_and_load_past_launch_bytes_go_as_slices_of_both(torch_cuda, size, store_count,
+                                                                  load_count, limit):
+    store = Side("cuda", "pinned", store_count, size, 31, align=13)
+    load = Side("pinned", "cuda", load_count, size, 32, align=7)
+    stream = torch_cuda.cuda.Stream()
+    before = kvcopy.config.launch_bytes
+    kvcopy.config.launch_bytes = limit
+    try:
+        ran = kvcopy.copy_both_ways(store.triple(), load.triple(), stream=stream)
+    finally:
+        kvcopy.config.launch_bytes = before
+    stream.synchronize()
+    assert ran == ("kernel", "kernel")
+    store.check()
+    load.check()
+
+
 @pytest.mark.parametrize("size, count", [(200_000, 40), (131072, 150), (300_001, 70)])
 def test_store_and_load_of_128_kib_and_more_by_copy_engines_in_chunks(torch_cuda, size, count):
     store = Side("cuda", "pinned", count, size, 16, align=13)
