@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import address, host_bytes, make_pool
+from gpu_helpers import make_pool
 from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 
 pytestmark = pytest.mark.gpu
