@@ -216,6 +216,11 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
             slice_tiles = [min(step, count - start) for start in range(0, count, step)]
         else:
             slice_tiles = _number_tiles_per_slice(slot.host, count, tiles, step)
+        if upload and len(slice_tiles) > 1:
+            # one upload ahead of all the launches: one per launch sat between each
+            # two on the stream, a copy engine's round trip each
+            launch.upload(table, upload, count * entry, handle)
+            upload = 0
         for k, start in enumerate(range(0, count, step)):
             n, offset = min(step, count - start), start * entry
             if pair_size:

@@ -173,12 +173,16 @@ def copies_per_launch(direction: str, count: int, total_bytes: int,
 
 def both_ways_launches(store_bytes: int, load_bytes: int, launch_bytes: int) -> int:
     """How many launches copy_both_ways' fused kernel takes for a store and a load of
-    one-tile copies (each launch a slice of both, in step): enough that none moves
-    more than ``launch_bytes`` (config.launch_bytes; 0: one launch), for the reason
-    copies_per_launch gives."""
+    one-tile copies (each launch a slice of both, in step): enough that neither side
+    moves more than ``launch_bytes`` in one (config.launch_bytes; 0: one launch).
+    The sides run at once, each at about one direction's rate, so such a launch
+    lasts about as long as a one-way launch of ``launch_bytes``: what slows the
+    model's kernels beside it is how long a launch holds its SMs (see
+    copies_per_launch). Counting both sides' bytes instead halved the launches'
+    length and cost 0.05 of the pair at 4 KiB (H200: 0.77 -> 0.72)."""
     if not launch_bytes:
         return 1
-    return max(-(-(store_bytes + load_bytes) // launch_bytes), 1)
+    return max(-(-max(store_bytes, load_bytes) // launch_bytes), 1)
 
 
 def _kernel(req: CopyRequest, caps: DeviceCaps, reason: str) -> Decision:

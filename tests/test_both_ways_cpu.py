@@ -220,8 +220,9 @@ def test_one_launch_keeps_the_table_as_described(monkeypatch):
 
 
 @pytest.mark.parametrize("store, load, limit, expected", [
-    (64 << 20, 64 << 20, 16 << 20, 8), (8 << 20, 8 << 20, 16 << 20, 1),
-    (10 << 20, 7 << 20, 16 << 20, 2), (64 << 20, 64 << 20, 0, 1)])
+    (64 << 20, 64 << 20, 16 << 20, 4), (8 << 20, 8 << 20, 16 << 20, 1),
+    (10 << 20, 7 << 20, 16 << 20, 1), (7 << 20, 20 << 20, 16 << 20, 2),
+    (64 << 20, 1, 16 << 20, 4), ((16 << 20) + 1, 0, 16 << 20, 2), (64 << 20, 64 << 20, 0, 1)])
 def test_both_ways_launches(store, load, limit, expected):
     from kvcopy.policy import both_ways_launches
 

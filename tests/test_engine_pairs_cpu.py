@@ -67,6 +67,9 @@ class FakeCuda:
         self.shapes.append((ctas, threads))
         return 1
 
+    def upload(self, device, host, nbytes, stream):
+        self.calls.append(("upload", device, host, nbytes))
+
     def launch_descs_inline(self, function, per_launch, host, n, ctas, threads, stream):
         self.calls.append(("launch_descs_inline", function, n))
         self.shapes.append((ctas, threads))
@@ -254,9 +257,10 @@ def test_batches_between_gpus_stay_one_launch_past_launch_bytes(fake_cuda, monke
 
 def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
         fake_cuda, monkeypatch):
-    """Each slice of a multi-tile table is uploaded and launched as a batch of its own:
-    its descriptors' tile_start renumbered from 0 in the pinned table before any upload,
-    and its launch given its own tile count."""
+    """Each slice of a multi-tile table is launched as a batch of its own: its
+    descriptors' tile_start renumbered from 0 in the pinned table before the table is
+    uploaded (once, ahead of every launch, so that no copy sits between two launches on
+    the stream), and its launch given its own tile count."""
     count, per_copy = 2000, 3                       # 2000 copies of 3 tiles (48 KiB) each
     table = np.zeros((count, 4), dtype=np.uint64)
     table[:, 2] = 3 * 16384
@@ -268,10 +272,10 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
     monkeypatch.setattr(FakeRing, "__enter__", lambda self: slot)
     assert run(count, 3 * 16384) == "kernel"
     entry = kv_describe.DESCRIPTOR_BYTES
-    launches = [call for call in fake.calls if call[0].startswith("launch")]
+    launches = [call for call in fake.calls if call[0] in ("upload", "launch_descs")]
     slices = (600, 600, 600, 200)
-    assert launches == [("launch_descs", 2, 0x3000 + k * 600 * entry, n,
-                         table.ctypes.data + k * 600 * entry) for k, n in enumerate(slices)]
+    assert launches == [("upload", 0x3000, table.ctypes.data, count * entry)] + [
+        ("launch_descs", 2, 0x3000 + k * 600 * entry, n, 0) for k, n in enumerate(slices)]
     assert fake.tiles == [per_copy * n for n in slices]
     expected = np.concatenate([np.arange(n, dtype=np.uint64) * per_copy for n in slices])
     np.testing.assert_array_equal(table[:, 3], expected)

@@ -51,8 +51,8 @@ def test_store_and_load_by_the_kernel(torch_cuda, size, count):
 
 
 @pytest.mark.parametrize("size, store_count, load_count, limit", [
-    (16384, 1000, 1003, 100 * 16384),    # 21 launches: slices of 48 and 48 copies
-    (2048, 5000, 300, 1 << 20),          # 11 launches: 455 stores and 28 loads each
+    (16384, 1000, 1003, 100 * 16384),    # 11 launches: slices of 91 and 92 copies
+    (2048, 5000, 300, 1 << 20),          # 10 launches: 500 stores and 30 loads each
     (16384, 3, 2000, 1 << 20),           # 32 launches: only the first 3 with a store
     (4000, 900, 2000, 1 << 20)])         # odd sizes
 def test_store_and_load_past_launch_bytes_go_as_slices_of_both(torch_cuda, size, store_count,

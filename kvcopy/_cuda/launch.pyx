@@ -66,6 +66,15 @@ cdef int _launch_after_upload(uintptr_t function, CUdeviceptr dev, uintptr_t upl
     return 0
 
 
+def upload(uintptr_t device, uintptr_t host, size_t nbytes, uintptr_t stream) -> None:
+    """Copy ``nbytes`` of descriptors from ``host`` (pinned) to ``device`` on the stream:
+    once for a table that several launches in a row read slices of, so that no copy
+    sits between two of them on the stream."""
+    with nogil:
+        check(cydriver.cuMemcpyAsync(<CUdeviceptr>device, <CUdeviceptr>host, nbytes,
+                                      <CUstream>stream))
+
+
 def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
                         unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
     """Launch the copy kernel with ``n`` descriptors (from describe_copies) passed by value.
