@@ -19,13 +19,21 @@ Then, for assumed TLP sizes, the bytes each pairing puts on the GPU-to-host lane
 if the model holds, that figure is about the same for every pairing that fills the
 link, and the pairings' data rates follow from it.
 
+Last, where the copy engines' CPU cost per copy may allow them on one side (32-128 KiB
+blocks): copy_both_ways as it decides now, against the load by batched DMA on one
+stream beside the store by the kernel with 2 or 4 CTAs on another, GPU time and wall
+(call to completion), fractions of the contiguous pair's.
+
 Run on a GPU: python3 scripts/link_budget.py
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 import kvcopy
+from kvcopy.bench.timing import call_to_completion_us
 
 from serving_probe import TOTAL, KiB, MiB, BothWays, per_stream_ms   # scripts/
 
@@ -113,6 +121,35 @@ def main() -> None:
               f"({(h + d) / reference:.2f} of the engines' pair)  up {up:5.1f}", flush=True)
 
 
+
+def engines_for_the_load(blocks=(32 * KiB, 64 * KiB, 128 * KiB)) -> None:
+    """copy_both_ways against the load by the engines beside the store by the kernel."""
+    both = BothWays()
+    s1, s2 = both.s1, both.s2
+
+    def sync() -> None:
+        s1.synchronize()
+        s2.synchronize()
+    pair_gpu = both.span_ms(both.contiguous)
+    pair_wall = call_to_completion_us(both.contiguous, sync, repeats=30)
+    for block in blocks:
+        load, store = both.batches(block)
+        cases: dict[str, Callable[[], object]] = {
+            "copy_both_ways": lambda: kvcopy.copy_both_ways(store, load, stream=s2)}
+        for ctas in (2, 4):
+            def mixed(ctas: int = ctas) -> None:
+                kvcopy.copy_batch(*load, stream=s1, method="batch")
+                kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=ctas)
+            cases[f"engines load + kernel store {ctas}"] = mixed
+        cells = []
+        for name, fn in cases.items():
+            gpu = pair_gpu / both.span_ms(fn)
+            wall = pair_wall / call_to_completion_us(fn, sync, repeats=30)
+            cells.append(f"{name}: gpu {gpu:.3f} wall {wall:.3f}")
+        print(f"mix {block // KiB:>3} KiB  " + "  ".join(cells), flush=True)
+
+
 if __name__ == "__main__":
     torch.cuda.init()
     main()
+    engines_for_the_load()
