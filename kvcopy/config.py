@@ -149,7 +149,10 @@ class Config:
         its SMs across the starts of the model's kernels beside it: on an H200,
         a bf16 matmul beside continuous 16 KiB GPU-to-host copies slowed by +5.4%
         with 64 MiB launches and +0.3-1.1% with 1-16 MiB ones; host-to-GPU
-        +2.0% and +0.9-1.3% (bench/results/h200-occupancy-probe.txt).
+        +2.0% and +0.9-1.3% (bench/results/h200-occupancy-probe.txt). 32 MiB:
+        +1.1-1.4% beside compute with copies 8% faster there, and 0.003-0.013
+        more of the link alone (bench/results/h200-slice-sweep.txt).
+        copy_both_ways counts the larger side against it.
     """
 
     host_ctas: int | None
