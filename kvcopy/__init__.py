@@ -3,7 +3,8 @@
 Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
-from kvcopy.api import copy_batch, copy_both_ways, last_decision, swap_blocks
+from kvcopy.api import (copy_batch, copy_both_ways, last_decision, swap_blocks,
+                        swap_blocks_both_ways)
 from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
 from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
@@ -19,5 +20,5 @@ __all__ = [
     "TransferResult", "block_view", "calibrate", "calibrate_peers", "config", "copy_batch",
     "copy_both_ways",
     "device_pointer", "last_decision", "pinned_empty", "register", "resolve_stream",
-    "swap_blocks",
+    "swap_blocks", "swap_blocks_both_ways",
 ]

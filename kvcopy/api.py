@@ -1,18 +1,20 @@
 """The public copy functions: argument checks, the stream to use, then the engine.
 
 copy_batch copies raw pointer triples; swap_blocks copies blocks of paged KV
-caches by block id. Both validate everything before anything is enqueued.
+caches by block id; copy_both_ways and swap_blocks_both_ways take a store and a
+load at once. All validate everything before anything is enqueued.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from kvcopy import both_ways, engine
-from kvcopy.blocks import plan_blocks
+from kvcopy.blocks import BlockPlan, plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
+from kvcopy.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
 from kvcopy.plan import find_overlap, plan_copies
@@ -95,11 +97,16 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
                                  None if max_ctas is None else int(max_ctas), allow_batch)
 
 
-def _triple(batch: Any, name: str) -> tuple:
+def _require_triple(batch: Any, name: str, parts: str) -> None:
+    """Raise TypeError unless ``batch`` is a tuple or list of three."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 3:
         what = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
                 else type(batch).__name__)
-        raise TypeError(f"{name} must be a (src_ptrs, dst_ptrs, sizes) triple; got {what}")
+        raise TypeError(f"{name} must be a ({parts}) triple; got {what}")
+
+
+def _triple(batch: Any, name: str) -> tuple:
+    _require_triple(batch, name, "src_ptrs, dst_ptrs, sizes")
     return tuple(as_u64_array(a, f"{name}: {part}")
                  for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch))
 
@@ -170,6 +177,59 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     return _between_devices(plan, streams, method)
 
 
+def _block_side(side: Any, name: str, split_blocks: bool, handle: int) -> BlockPlan:
+    """One side of swap_blocks_both_ways, validated; errors named after the side."""
+    try:
+        return plan_blocks(*side, split_blocks=split_blocks, stream=handle)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
+                          method: RequestedMethod = "auto",
+                          split_blocks: bool = False) -> tuple[str, str]:
+    """swap_blocks of a store and a load at once, as one copy_both_ways.
+
+    Each side is a ``(src, dst, block_mapping)`` triple as swap_blocks takes,
+    typically the store from a GPU cache to a host cache and the load back.
+    Both sides' block copies go out together: below 128 KiB blocks as one kernel
+    launch whose CTAs are split by direction, so neither direction starves the
+    other on the PCIe link (two swap_blocks calls on two streams get 0.60-0.66
+    of the contiguous pair where one launch gets 0.71-0.81 on an H200), from
+    there on the copy engines, both sides started at once (see copy_both_ways).
+
+    Ordering as copy_both_ways: after the work queued on ``stream`` (None: the
+    framework's current stream of the first tensors' device) and the pending
+    writes array-interface producers declared, before the work queued there
+    next. Both sides are validated before either is issued; the load must not
+    write blocks the store reads, nor the store blocks the load reads.
+
+    Returns the method each side ran with, e.g. ('kernel', 'kernel').
+
+    Raises:
+        TypeError, ValueError: bad tensors or ids, named with the side
+            ('store' or 'load'), before anything is copied.
+    """
+    check_method(method)
+    require_bool(split_blocks, "split_blocks")
+    for side, name in ((store, "store"), (load, "load")):
+        _require_triple(side, name, "src, dst, block_mapping")
+    # None: the stream of the first tensor of each side's src and dst, as swap_blocks
+    tensors = [as_list(part)[0] for side in (store, load) for part in side[:2] if as_list(part)]
+    handle = effective_handle(resolve_stream(stream) if stream is not None
+                              else current_framework_stream(*tensors))
+    plans = [_block_side(side, name, split_blocks, handle)
+             for side, name in ((store, "store"), (load, "load"))]
+    producers = [p for plan in plans for p in plan.geometry.producer_streams]
+    if producers:
+        with ContextScope(handle):
+            if driver.stream_capture_status(handle) == 0:   # a graph cannot wait outside it
+                for producer in dict.fromkeys(producers):
+                    driver.stream_wait_stream(handle, producer)
+    return both_ways.execute_both(plans[0].copy_arrays(), plans[1].copy_arrays(), handle,
+                                  method, ("store", "load"))
+
+
 def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> str:
     """swap_blocks between two GPUs on torch's current streams, ordered as torch's
     copy_ orders a copy between devices (see swap_blocks)."""
@@ -184,4 +244,4 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     return ran
 
 
-__all__ = ["copy_batch", "copy_both_ways", "last_decision", "swap_blocks"]
+__all__ = ["copy_batch", "copy_both_ways", "last_decision", "swap_blocks", "swap_blocks_both_ways"]

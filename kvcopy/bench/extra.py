@@ -3,6 +3,8 @@ swap_blocks on a realistic paged KV cache (compute beside copies: bench.beside).
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from typing import Any, Callable, Iterator, cast
 
 import numpy as np
@@ -89,6 +91,44 @@ def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
                        "tensors": 2 * layers, "method": method, "chose": chose,
                        "gbps": nbytes / (t.gpu_ms * 1e6), "wall_gbps": nbytes / (t.wall_ms * 1e6),
                        "cpu_us": t.cpu_us}
+        if 64 <= n and 2 * n <= blocks:
+            yield from _swap_both_ways(gpu, host, n, blocks, nbytes, repeats, rng)
+
+
+def _swap_both_ways(gpu: list, host: list, n: int, blocks: int, nbytes: int, repeats: int,
+                    rng: Any) -> Iterator[dict]:
+    """A store of n blocks and a load of n others at once: two swap_blocks calls on two
+    streams, as an engine with an offload and a reload stream issues them, against one
+    swap_blocks_both_ways. GPU time spanning both, and wall (call to completion)."""
+    import torch
+
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    gpu_ids, host_ids = rng.permutation(blocks), rng.permutation(blocks)
+    store = (gpu, host, np.stack([gpu_ids[:n], host_ids[:n]], axis=1))
+    load = (host, gpu, np.stack([host_ids[n:2 * n], gpu_ids[n:2 * n]], axis=1))
+
+    def two_streams() -> tuple[str, str]:
+        return (kvcopy.swap_blocks(*store, stream=s1), kvcopy.swap_blocks(*load, stream=s2))
+    cases: dict[str, Callable[[], tuple[str, str]]] = {
+        "swap_blocks x2, two streams": two_streams,
+        "swap_blocks_both_ways": functools.partial(kvcopy.swap_blocks_both_ways, store, load,
+                                                   stream=s1)}
+    for name, fn in cases.items():
+        chose = "/".join(fn())
+        gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
+        seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
+                                        warmup=1) / 1e6
+        cpu_us = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            cpu_us.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+        yield {"scenario": "swap_blocks", "direction": "both", "blocks": n,
+               "tensors": len(gpu), "method": name, "chose": chose,
+               "gbps": 2 * nbytes / gpu_ms / 1e6, "wall_gbps": 2 * nbytes / seconds / 1e9,
+               "cpu_us": statistics.median(cpu_us)}
 
 
 def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:

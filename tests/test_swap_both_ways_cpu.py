@@ -1,0 +1,85 @@
+"""swap_blocks_both_ways without a GPU: its arguments are checked and named by side
+before anything is issued, and what reaches copy_both_ways' engine is every block
+copy of both sides, at the addresses the block ids name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import api
+
+BLOCK = 4096
+
+
+def caches(blocks: int, tensors: int = 2) -> list[np.ndarray]:
+    return [np.zeros((blocks, BLOCK), dtype=np.uint8) for _ in range(tensors)]
+
+
+@pytest.fixture
+def issued(monkeypatch):
+    """What swap_blocks_both_ways hands to both_ways.execute_both."""
+    calls: list[tuple] = []
+
+    def execute_both(first, second, handle, method, names):
+        calls.append((first, second, handle, method, names))
+        return "kernel", "kernel"
+    monkeypatch.setattr(api.both_ways, "execute_both", execute_both)
+    return calls
+
+
+def test_both_sides_reach_the_engine_as_every_block_copy_named_by_side(issued):
+    gpu, host = caches(8), caches(12)
+    store, load = np.array([[0, 11], [3, 2]]), np.array([[5, 7]])
+    ran = kvcopy.swap_blocks_both_ways((gpu, host, store), (host, gpu, load), stream=0x1234,
+                                       method="kernel")
+    assert ran == ("kernel", "kernel")
+    (first, second, handle, method, names), = issued
+    assert (handle, method, names) == (0x1234, "kernel", ("store", "load"))
+
+    def at(arrays, tensor, block):
+        return arrays[tensor].ctypes.data + block * BLOCK
+    # tensor-major: each tensor's pairs in mapping order
+    assert first[0].tolist() == [at(gpu, t, s) for t in range(2) for s, _ in store]
+    assert first[1].tolist() == [at(host, t, d) for t in range(2) for _, d in store]
+    assert second[0].tolist() == [at(host, t, s) for t in range(2) for s, _ in load]
+    assert second[1].tolist() == [at(gpu, t, d) for t in range(2) for _, d in load]
+    assert first[2].tolist() == [BLOCK] * 4 and second[2].tolist() == [BLOCK] * 2
+
+
+@pytest.mark.parametrize("store, load, error, message", [
+    ("nope", None, TypeError, r"^store must be a \(src, dst, block_mapping\) triple; got str$"),
+    ((1, 2, 3, 4), None, TypeError, r"^store must be a \(src, dst, block_mapping\) triple; "
+                                    r"got a tuple of 4$"),
+    (None, [1, 2], TypeError, r"^load must be a \(src, dst, block_mapping\) triple; "
+                              r"got a list of 2$"),
+    ("ids", None, ValueError, r"^store: block_mapping\[1\]: destination block 12 is out of "
+                              r"range for dst\[0\], which has 12 blocks$"),
+    (None, "ids", ValueError, r"^load: block_mapping\[0\] and block_mapping\[1\] both write "
+                              r"destination block 4$"),
+    (None, "sizes", ValueError, r"^load: src\[0\] has blocks of 4096 bytes but dst\[0\] of "
+                                r"2048"),
+])
+def test_bad_sides_are_named_and_nothing_is_issued(issued, store, load, error, message):
+    gpu, host = caches(8), caches(12)
+    good_store, good_load = (gpu, host, [[0, 1]]), (host, gpu, [[2, 3]])
+    if store == "ids":
+        store = (gpu, host, [[0, 1], [1, 12]])
+    if load == "ids":
+        load = (host, gpu, [[0, 4], [1, 4]])
+    if load == "sizes":
+        load = (host, [np.zeros((8, 2048), np.uint8)] * 2, [[0, 1]])
+    with pytest.raises(error, match=message):
+        kvcopy.swap_blocks_both_ways(good_store if store is None else store,
+                                     good_load if load is None else load, stream=0x1234)
+    assert issued == []
+
+
+@pytest.mark.parametrize("options, error", [({"method": "fast"}, ValueError),
+                                            ({"split_blocks": 1}, TypeError)])
+def test_bad_options_are_refused(issued, options, error):
+    gpu, host = caches(8), caches(12)
+    with pytest.raises(error):
+        kvcopy.swap_blocks_both_ways((gpu, host, [[0, 1]]), (host, gpu, [[2, 3]]),
+                                     stream=0x1234, **options)
+    assert issued == []
