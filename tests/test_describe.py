@@ -69,17 +69,40 @@ def test_a_scattered_batch_of_one_tile_copies_takes_the_vectorised_pass(n, misal
     np.testing.assert_array_equal(descs[:, 3], np.arange(n, dtype=np.uint64))
 
 
-@pytest.mark.parametrize("case", ["merges", "empty copy", "multi-tile", "second allocation"])
+@pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("n", [8192, 8190, 1, 2, 5])
+@pytest.mark.parametrize("block", [TILE + 1, 2 * TILE, 3 * TILE + 16, 64 << 10])
+def test_a_batch_of_one_size_of_several_tiles_takes_the_vectorised_pass(n, block):
+    """Each copy then counts as the same number of tiles: copy i starts at tile i * k."""
+    src, dst, sizes = scattered(n, block)
+    per_copy = -(-block // TILE)
+    (count, total, *kinds, tiles), used, descs = describe(src, dst, sizes)
+    reference, _, ref_descs = describe(src, dst, sizes, fast=False)
+    assert used
+    assert (count, total, tiles) == (n, n * block, n * per_copy)
+    assert (count, total, *kinds, tiles) == reference
+    np.testing.assert_array_equal(descs, ref_descs)
+    want, _ = expected_descriptors(src, dst, sizes, True)
+    np.testing.assert_array_equal(descs, want)
+    np.testing.assert_array_equal(descs[:, 3], np.arange(n, dtype=np.uint64) * np.uint64(per_copy))
+
+
+@pytest.mark.parametrize("case", ["merges", "empty copy", "multi-tile of two sizes",
+                                  "a longer copy after shorter ones", "second allocation"])
 def test_batches_the_vectorised_pass_cannot_take_fall_back_to_the_general_loop(case):
     src, dst, sizes = scattered(64, 4096)
     if case == "merges":
         src[1], dst[1] = src[0] + sizes[0], dst[0] + sizes[0]
     elif case == "empty copy":
         sizes[5] = 0
-    elif case == "multi-tile":
+    elif case.startswith("multi-tile") or case.startswith("a longer"):
         sizes[:] = TILE + 16
-        src, dst = HOST_A + np.arange(64, dtype=np.uint64) * np.uint64(2 * TILE), \
-            DEVICE + np.arange(64, dtype=np.uint64)[::-1].copy() * np.uint64(2 * TILE)
+        if case.startswith("multi-tile"):
+            sizes[40] = TILE + 8        # two tiles as well, but another size
+        else:
+            sizes[40] = 2 * TILE + 1    # three tiles where the first copy has two
+        src, dst = HOST_A + np.arange(64, dtype=np.uint64) * np.uint64(4 * TILE), \
+            DEVICE + np.arange(64, dtype=np.uint64)[::-1].copy() * np.uint64(4 * TILE)
     else:
         src[7] = HOST_B + 4096
     result, used, descs = describe(src, dst, sizes)
@@ -122,8 +145,27 @@ def batches(draw):
     return src, dst, sizes
 
 
-@given(batches(), st.booleans(), st.sampled_from([0, 8]))
-@settings(max_examples=400, deadline=None)
+@st.composite
+def batches_of_one_size(draw):
+    """Copies of one size (one tile or several), scattered or continuing each other."""
+    n = draw(st.integers(1, 40))
+    size = draw(st.sampled_from([1, 16, 4096, TILE, TILE + 1, 2 * TILE, 3 * TILE - 5]))
+    slots = draw(st.permutations(range(2 * n)))
+    src = [HOST_A + k * 4 * TILE for k in slots[:n]]
+    dst = [DEVICE + k * 4 * TILE for k in slots[n:]]
+    for i in range(1, n):
+        if draw(st.integers(0, 4)) == 0:   # continue the previous copy on both sides
+            src[i], dst[i] = src[i - 1] + size, dst[i - 1] + size
+    if draw(st.integers(0, 5)) == 0:       # one copy of another size
+        k = draw(st.integers(0, n - 1))
+        src_sizes = [size] * n
+        src_sizes[k] = draw(st.sampled_from([8, TILE - 1, TILE + 2, 4 * TILE]))
+        return src, dst, src_sizes
+    return src, dst, [size] * n
+
+
+@given(st.one_of(batches(), batches_of_one_size()), st.booleans(), st.sampled_from([0, 8]))
+@settings(max_examples=600, deadline=None)
 def test_both_passes_describe_what_the_planner_plans(batch, merge, misalign):
     src, dst, sizes = batch
     result, _, descs = describe(src, dst, sizes, merge, misalign=misalign)

@@ -33,12 +33,13 @@ static inline int kvcopy_fast_describe_available(void) { return 0; }
 /* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
 static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
                                           uint64_t src_start, uint64_t src_span,
-                                          uint64_t dst_start, uint64_t dst_span) {
+                                          uint64_t dst_start, uint64_t dst_span,
+                                          uint64_t max_size) {
     const uint64_t s_end = s + z, t_end = t + z;
     /* unsigned wrap-around folds "below start" into "above span" */
     return (uint64_t)((s - src_start) > src_span) | (uint64_t)((s_end - src_start) > src_span)
          | (uint64_t)((t - dst_start) > dst_span) | (uint64_t)((t_end - dst_start) > dst_span)
-         | (uint64_t)(s_end <= s) | (uint64_t)(t_end <= t) | (uint64_t)(z > KVCOPY_TILE_BYTES);
+         | (uint64_t)(s_end <= s) | (uint64_t)(t_end <= t) | (uint64_t)(z > max_size);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -66,9 +67,10 @@ KVCOPY_FAST_TARGET static inline void kvcopy_put(__m256i* at, __m256i v, int str
 KVCOPY_FAST_TARGET
 static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64_t* __restrict dst,
                                     const uint64_t* __restrict sizes, void* entries,
-                                    int pairs, int64_t first, int64_t n, uint64_t src_start,
-                                    uint64_t src_span, int64_t src_delta, uint64_t dst_start,
-                                    uint64_t dst_span, int64_t dst_delta, uint64_t* misfit_io,
+                                    int pairs, uint64_t tiles_per_copy, int64_t first, int64_t n,
+                                    uint64_t src_start, uint64_t src_span, int64_t src_delta,
+                                    uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
+                                    uint64_t* misfit_io,
                                     uint64_t* merges_io, uint64_t* sizes_io, uint64_t* total_io) {
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
     const __m256i s_span = _mm256_set1_epi64x((long long)src_span);
@@ -76,14 +78,16 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     const __m256i t_span = _mm256_set1_epi64x((long long)dst_span);
     const __m256i s_delta = _mm256_set1_epi64x((long long)src_delta);
     const __m256i t_delta = _mm256_set1_epi64x((long long)dst_delta);
-    const __m256i tile = _mm256_set1_epi64x((long long)KVCOPY_TILE_BYTES);
+    const __m256i tile = _mm256_set1_epi64x((long long)(tiles_per_copy * KVCOPY_TILE_BYTES));
     const __m256i zero = _mm256_setzero_si256();
-    const __m256i four = _mm256_set1_epi64x(4);
+    const __m256i four = _mm256_set1_epi64x((long long)(4 * tiles_per_copy));
     const __m256i size0 = _mm256_set1_epi64x((long long)sizes[0]);
     kvcopy_desc* d = (kvcopy_desc*)entries;   /* one of the two is written */
     kvcopy_pair* p = (kvcopy_pair*)entries;
     const int stream = ((uintptr_t)(pairs ? (void*)(p + first) : (void*)(d + first)) & 31u) == 0;
-    __m256i index = _mm256_setr_epi64x(first, first + 1, first + 2, first + 3);
+    const uint64_t k = tiles_per_copy;   /* copy i's first tile is i * k */
+    __m256i index = _mm256_setr_epi64x((long long)(first * k), (long long)((first + 1) * k),
+                                       (long long)((first + 2) * k), (long long)((first + 3) * k));
     __m256i misfit = zero, merges = zero, differ = zero, total = zero;
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
@@ -149,7 +153,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
 
 /* One copy's entry, by the scalar loops. */
 static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t s, uint64_t t,
-                                      uint64_t z) {
+                                      uint64_t z, uint64_t tiles_per_copy) {
     if (pairs) {
         kvcopy_pair* p = (kvcopy_pair*)out + i;
         p->src = s;
@@ -159,24 +163,29 @@ static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t 
         d->src = s;
         d->dst = t;
         d->size = z;
-        d->tile_start = (uint64_t)i;
+        d->tile_start = (uint64_t)i * tiles_per_copy;
     }
 }
 
 /* Writes entry i for copy i (device views: pointer + delta) for all n copies,
- * as kvcopy_desc (tile_start = i) or, with ``pairs``, as kvcopy_pair, and
- * *total_out = their bytes; says whether the batch qualified: 0, or
- * KVCOPY_FAST_* bits (the entries are then to be rewritten: by the general
- * loop for MISFIT or MERGES, as kvcopy_desc for SIZES alone, which pairs
- * cannot describe). A side's range is [start, start + span]. */
+ * as kvcopy_desc (tile_start = i * tiles_per_copy) or, with ``pairs``, as
+ * kvcopy_pair, and *total_out = their bytes; says whether the batch qualified:
+ * 0, or KVCOPY_FAST_* bits (the entries are then to be rewritten: by the
+ * general loop for MISFIT or MERGES, and for SIZES where tiles_per_copy > 1,
+ * since tile_start then counts every copy as that many tiles; as kvcopy_desc for
+ * SIZES alone with one tile per copy, which pairs cannot describe). A copy
+ * longer than tiles_per_copy tiles is a MISFIT. A side's range is
+ * [start, start + span]. */
 KVCOPY_FAST_TARGET
 static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           const uint64_t* __restrict dst,
                                           const uint64_t* __restrict sizes, void* descs_out,
-                                          int pairs, int64_t n, uint64_t src_start,
-                                          uint64_t src_span, int64_t src_delta, uint64_t dst_start,
+                                          int pairs, uint64_t tiles_per_copy, int64_t n,
+                                          uint64_t src_start, uint64_t src_span,
+                                          int64_t src_delta, uint64_t dst_start,
                                           uint64_t dst_span, int64_t dst_delta,
                                           uint64_t* total_out) {
+    const uint64_t max_size = tiles_per_copy * KVCOPY_TILE_BYTES;
     uint64_t misfit = 0, merges = 0, differ = 0, total = 0;
     int64_t i = 0;
     /* copy 0 (and 1, for pairs: the vector loop's first store is then 32-byte aligned)
@@ -184,29 +193,29 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
     const int64_t head = pairs ? 2 : 1;
     for (; i < n && i < head; ++i) {
         misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
-                                     dst_span);
+                                     dst_span, max_size);
         if (i > 0)
             merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                     & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
         differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
         kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
-                           dst[i] + (uint64_t)dst_delta, sizes[i]);
+                           dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
     }
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, i, n, src_start, src_span,
-                             src_delta, dst_start, dst_span, dst_delta, &misfit, &merges, &differ,
-                             &total);
+    i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
+                             src_span, src_delta, dst_start, dst_span, dst_delta, &misfit,
+                             &merges, &differ, &total);
 #endif
     for (; i < n; ++i) {
         misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
-                                     dst_span);
+                                     dst_span, max_size);
         merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                 & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
         differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
         kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
-                           dst[i] + (uint64_t)dst_delta, sizes[i]);
+                           dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
     }
     *total_out = total;
     return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u)

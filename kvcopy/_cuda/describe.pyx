@@ -19,7 +19,8 @@ cdef extern from "kvcopy/describe_fast.h":
     unsigned KVCOPY_FAST_MERGES
     unsigned KVCOPY_FAST_SIZES
     unsigned kvcopy_describe_in_ranges(const uint64_t* src, const uint64_t* dst,
-                                       const uint64_t* sizes, void* descs_out, int pairs, int64_t n,
+                                       const uint64_t* sizes, void* descs_out, int pairs,
+                                       uint64_t tiles_per_copy, int64_t n,
                                        uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                        uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                        uint64_t* total_out) nogil
@@ -43,20 +44,27 @@ cdef bint _fast_describe = kvcopy_fast_describe_available()
 
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                          Py_ssize_t n, void* descs, _Classifier* sides, bint merge,
-                         unsigned long long* total, uint64_t* pair_size) noexcept nogil:
+                         unsigned long long* total, unsigned long long* tiles,
+                         uint64_t* pair_size) noexcept nogil:
     """The common batch in one branch-free pass (describe_fast.h): True when it
-    applied, with exactly what the general loop would have written. *pair_size
-    in: may pairs be written (kvcopy_pair); out: their copies' size, else 0."""
+    applied, with exactly what the general loop would have written. Copies of one
+    size longer than a tile take it too (each then counts that many tiles).
+    *pair_size in: may pairs be written (kvcopy_pair); out: their copies' size,
+    else 0."""
     cdef _Range* rs
     cdef _Range* rd
     cdef uint64_t nbytes = 0
     cdef unsigned misfit
-    cdef bint pairs = pair_size[0] != 0 and sizes[n - 1] == sizes[0]
+    cdef uint64_t per_copy
+    cdef bint pairs
+    cdef uint64_t pair_size_in = pair_size[0]
     pair_size[0] = 0
-    if not _fast_describe or sizes[0] == 0 or sizes[0] > KVCOPY_TILE_BYTES:
+    if not _fast_describe or sizes[0] == 0:
         return False
     if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
         return False
+    per_copy = (sizes[0] + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+    pairs = pair_size_in != 0 and per_copy == 1 and sizes[n - 1] == sizes[0]
     # the first copy picks the range each side is checked against
     classify(&sides[0], src[0], sizes[0])
     classify(&sides[1], dst[0], sizes[0])
@@ -64,18 +72,22 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
         return False
     rs = &sides[0].cache[sides[0].last]
     rd = &sides[1].cache[sides[1].last]
-    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, n, rs.start,
+    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, per_copy, n, rs.start,
                                        rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
                                        rd.delta, &nbytes)
     if misfit & KVCOPY_FAST_MISFIT or (merge and misfit & KVCOPY_FAST_MERGES):
         return False
+    if per_copy > 1 and misfit & KVCOPY_FAST_SIZES:
+        return False   # tile_start counted per_copy tiles for every copy
     if pairs and misfit & KVCOPY_FAST_SIZES:
         # sizes differ: pairs cannot say so, descriptors can
-        kvcopy_describe_in_ranges(src, dst, sizes, descs, False, n, rs.start, rs.end - rs.start,
-                                  rs.delta, rd.start, rd.end - rd.start, rd.delta, &nbytes)
+        kvcopy_describe_in_ranges(src, dst, sizes, descs, False, 1, n, rs.start,
+                                  rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
+                                  rd.delta, &nbytes)
     elif pairs:
         pair_size[0] = sizes[0]
     total[0] = nbytes
+    tiles[0] = n * per_copy
     return True
 
 
@@ -99,11 +111,11 @@ cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const
     with nogil:
         if fast[0]:
             fast[0] = _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge, &total,
-                                     pair_size)
+                                     &tiles, pair_size)
         else:
             pair_size[0] = 0
         if fast[0]:
-            k = tiles = n
+            k = n
         else:
             total = 0
             while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
