@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy import both_ways, engine
-from kvcopy.blocks import BlockPlan, plan_blocks
+from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
@@ -177,9 +177,13 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     return _between_devices(plan, streams, method)
 
 
-def _block_side(side: Any, name: str, split_blocks: bool, handle: int) -> BlockPlan:
-    """One side of swap_blocks_both_ways, validated; errors named after the side."""
+def _block_side(side: Any, name: str, split_blocks: bool, handle: int,
+                geometry: BlockGeometry | None = None) -> BlockPlan:
+    """One side of swap_blocks_both_ways, validated (its tensors read again unless
+    ``geometry`` is given); errors named after the side."""
     try:
+        if geometry is not None:
+            return geometry.with_mapping(side[2])
         return plan_blocks(*side, split_blocks=split_blocks, stream=handle)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
@@ -218,8 +222,11 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     tensors = [as_list(part)[0] for side in (store, load) for part in side[:2] if as_list(part)]
     handle = effective_handle(resolve_stream(stream) if stream is not None
                               else current_framework_stream(*tensors))
-    plans = [_block_side(side, name, split_blocks, handle)
-             for side, name in ((store, "store"), (load, "load"))]
+    # the load usually goes back between the store's caches: read them once
+    both = (geometry_and_reverse(store[0], store[1])
+            if load[0] is store[1] and load[1] is store[0] else None)
+    plans = [_block_side(side, name, split_blocks, handle, both and both[k])
+             for k, (side, name) in enumerate(((store, "store"), (load, "load")))]
     producers = [p for plan in plans for p in plan.geometry.producer_streams]
     if producers:
         with ContextScope(handle):

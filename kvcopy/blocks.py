@@ -102,6 +102,14 @@ class BlockGeometry:
     def num_tensors(self) -> int:
         return int(self.src_base.shape[0])
 
+    def reversed(self) -> "BlockGeometry":
+        """The same tensor pairs with src and dst swapped. Only where either side may be
+        written (geometry_and_reverse: torch tensors); a read-only side is not recorded."""
+        return BlockGeometry(self.block_bytes, self.dst_base, self.src_base, self.dst_extent,
+                             self.src_extent, self.dst_stride, self.src_stride, self.dst_factor,
+                             self.src_factor, self.dst_blocks, self.src_blocks,
+                             self.producer_streams)
+
     def with_mapping(self, block_mapping: Any) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
@@ -264,6 +272,18 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
                          column(ls.num_blocks), column(ld.num_blocks))
 
 
+def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeometry] | None:
+    """The geometry of src -> dst and of dst -> src from one reading of the tensors, for
+    lists of torch tensors of one layout per side and one block size (the usual
+    per-layer caches: reading them is most of a swap_blocks call's CPU time); else
+    None, and each direction is to be read by block_geometry."""
+    srcs, dsts = as_list(src), as_list(dst)
+    if not srcs or len(srcs) != len(dsts):
+        return None
+    forward = _uniform_geometry(srcs, dsts)
+    return None if forward is None else (forward, forward.reversed())
+
+
 def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False,
                 stream: int | None = None) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
@@ -277,4 +297,5 @@ def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: b
         as_list(src) + as_list(dst)
 
 
-__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "plan_block_copies", "plan_blocks"]
+__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "geometry_and_reverse",
+           "plan_block_copies", "plan_blocks"]

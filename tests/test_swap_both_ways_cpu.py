@@ -83,3 +83,60 @@ def test_bad_options_are_refused(issued, options, error):
         kvcopy.swap_blocks_both_ways((gpu, host, [[0, 1]]), (host, gpu, [[2, 3]]),
                                      stream=0x1234, **options)
     assert issued == []
+
+
+def test_a_load_back_between_the_stores_caches_reads_them_once(issued, monkeypatch):
+    """Lists of torch tensors of one layout per side (per-layer caches): the load's
+    geometry is the store's reversed, not read again, and the copies are the same as
+    when the lists are read side by side."""
+    torch = pytest.importorskip("torch")
+    from kvcopy import blocks
+
+    gpu = [torch.zeros(8, 16, 128, dtype=torch.bfloat16) for _ in range(4)]
+    host = [torch.zeros(12, 16, 128, dtype=torch.bfloat16) for _ in range(4)]
+    store, load = np.array([[0, 11], [3, 2]]), np.array([[5, 7], [9, 1]])
+    reads = []
+    layout = blocks.uniform_torch_layout
+    monkeypatch.setattr(blocks, "uniform_torch_layout",
+                        lambda tensors: reads.append(len(tensors)) or layout(tensors))
+    kvcopy.swap_blocks_both_ways((gpu, host, store), (host, gpu, load), stream=0x1234)
+    assert reads == [4, 4]                       # each side's list once
+    kvcopy.swap_blocks_both_ways((gpu, host, store), (list(host), list(gpu), load),
+                                 stream=0x1234)
+    assert reads == [4, 4] + [4] * 4             # other lists: each direction read
+    shared, apart = issued
+    for a, b in zip(shared[:2], apart[:2]):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    # the load's sources are host blocks 5 and 9, its destinations GPU blocks 7 and 1
+    block = 16 * 128 * 2
+    assert shared[1][0][:2].tolist() == [host[0].data_ptr() + 5 * block,
+                                         host[0].data_ptr() + 9 * block]
+    assert shared[1][1][:2].tolist() == [gpu[0].data_ptr() + 7 * block,
+                                         gpu[0].data_ptr() + 1 * block]
+
+
+def test_a_bad_load_id_is_named_when_the_geometry_is_shared(issued):
+    torch = pytest.importorskip("torch")
+    gpu = [torch.zeros(8, 1024, dtype=torch.uint8) for _ in range(2)]
+    host = [torch.zeros(12, 1024, dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"^load: block_mapping\[0\]: destination block 8 is "
+                                         r"out of range for dst\[0\], which has 8 blocks$"):
+        kvcopy.swap_blocks_both_ways((gpu, host, [[0, 1]]), (host, gpu, [[2, 8]]), stream=0x1234)
+    assert issued == []
+
+
+def test_the_reversed_geometry_is_what_reading_the_other_way_gives():
+    torch = pytest.importorskip("torch")
+    from kvcopy.blocks import block_geometry, geometry_and_reverse
+
+    a = [torch.zeros(2, 8, 16, 64)[k] for k in range(2)]      # K and V views of one layer
+    b = [torch.zeros(30, 16, 64) for _ in range(2)]
+    forward, backward = geometry_and_reverse(a, b)
+    for got, want in ((forward, block_geometry(a, b)), (backward, block_geometry(b, a))):
+        assert got.block_bytes == want.block_bytes
+        for field in ("src_base", "dst_base", "src_extent", "dst_extent", "src_stride",
+                      "dst_stride", "src_factor", "dst_factor", "src_blocks", "dst_blocks"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), field)
+    assert geometry_and_reverse(a, b[:1]) is None                        # unequal lists
+    assert geometry_and_reverse(a, [torch.zeros(30, 8, 64)] * 2) is None  # two block sizes
