@@ -53,14 +53,19 @@ cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except
     return 0
 
 
+cdef int _upload(CUdeviceptr device, uintptr_t host, size_t nbytes,
+                 uintptr_t stream) except -1 nogil:
+    """Copy ``nbytes`` of descriptors from ``host`` (pinned) to ``device`` on the stream."""
+    return check(cydriver.cuMemcpyAsync(device, <CUdeviceptr>host, nbytes, <CUstream>stream))
+
+
 cdef int _launch_after_upload(uintptr_t function, CUdeviceptr dev, uintptr_t upload_from,
                               size_t upload_bytes, unsigned int grid, unsigned int threads,
                               uintptr_t stream, void** params) except -1 nogil:
     """One launch of ``grid`` CTAs, after copying ``upload_bytes`` from ``upload_from``
     (pinned host memory) to ``dev`` on the stream where ``upload_from`` is set."""
     if upload_from:
-        check(cydriver.cuMemcpyAsync(dev, <CUdeviceptr>upload_from, upload_bytes,
-                                      <CUstream>stream))
+        _upload(dev, upload_from, upload_bytes, stream)
     check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
                                    <CUstream>stream, params, NULL))
     return 0
@@ -71,8 +76,7 @@ def upload(uintptr_t device, uintptr_t host, size_t nbytes, uintptr_t stream) ->
     once for a table that several launches in a row read slices of, so that no copy
     sits between two of them on the stream."""
     with nogil:
-        check(cydriver.cuMemcpyAsync(<CUdeviceptr>device, <CUdeviceptr>host, nbytes,
-                                      <CUstream>stream))
+        _upload(<CUdeviceptr>device, host, nbytes, stream)
 
 
 def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
