@@ -223,12 +223,13 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
             upload = 0
         for k, start in enumerate(range(0, count, step)):
             n, offset = min(step, count - start), start * entry
+            # (an upload left here is a single launch's, at offset 0)
             if pair_size:
                 launch.launch_pairs(functions.pairs, table + offset, n, pair_size, ctas,
-                                    threads, handle, upload + offset if upload else 0)
+                                    threads, handle, upload)
             else:
                 launch.launch_descs(functions.staged, table + offset, n, slice_tiles[k], ctas,
-                                    threads, handle, upload + offset if upload else 0)
+                                    threads, handle, upload)
         ring.DescriptorRing.fence(slot, handle)
         return
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
