@@ -219,7 +219,7 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     for side, name in ((store, "store"), (load, "load")):
         _require_triple(side, name, "src, dst, block_mapping")
     # None: the stream of the first tensor of each side's src and dst, as swap_blocks
-    tensors = [as_list(part)[0] for side in (store, load) for part in side[:2] if as_list(part)]
+    tensors = [parts[0] for side in (store, load) for parts in map(as_list, side[:2]) if parts]
     handle = effective_handle(resolve_stream(stream) if stream is not None
                               else current_framework_stream(*tensors))
     # the load usually goes back between the store's caches: read them once
@@ -231,8 +231,7 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     if producers:
         with ContextScope(handle):
             if driver.stream_capture_status(handle) == 0:   # a graph cannot wait outside it
-                for producer in dict.fromkeys(producers):
-                    driver.stream_wait_stream(handle, producer)
+                engine.wait_for_streams(handle, producers)
     return both_ways.execute_both(plans[0].copy_arrays(), plans[1].copy_arrays(), handle,
                                   method, ("store", "load"))
 

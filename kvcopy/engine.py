@@ -6,7 +6,7 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -389,6 +389,13 @@ def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
                          *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
 
 
+def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
+    """Make the stream ``handle`` wait (on the GPU) for the work queued so far on each of
+    ``streams``, once each: the streams array-interface producers declared."""
+    for stream in dict.fromkeys(streams):
+        driver.stream_wait_stream(handle, stream)
+
+
 def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
                    wait_for_producers: bool = True) -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
@@ -410,8 +417,7 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:
-            for producer in blocks.geometry.producer_streams:
-                driver.stream_wait_stream(handle, producer)
+            wait_for_streams(handle, blocks.geometry.producer_streams)
         if target.decision.method != "kernel" or target.request.capturing:
             src, dst, sizes = blocks.copy_arrays()
             return execute_copies(scope, handle, src, dst, sizes, target.decision.method,
