@@ -172,6 +172,7 @@ class CopyKernel:
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
     function_pairs: int      # kvcopy_pair entries (copies of one size), one launch per batch
+    function_blocks_pair: int   # two swap_blocks in one launch, each with its own CTAs
     per_launch: int
     bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
 
@@ -225,6 +226,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             module=module,
             function_staged=function("kvcopy_scatter"),
             function_blocks=function("kvcopy_blocks"),
+            function_blocks_pair=function("kvcopy_blocks_pair"),
             function_pair=function("kvcopy_scatter_pair"),
             function=function("kvcopy_scatter_inline"),
             function_small=function("kvcopy_scatter_inline_small"),

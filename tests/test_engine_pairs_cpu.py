@@ -111,7 +111,7 @@ def fake_cuda(monkeypatch):
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps(bulk_copy=bulk_copy)))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())
-        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX, BULK)
+        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, BULK)
         monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
         return fake
     return make

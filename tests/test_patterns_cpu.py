@@ -76,7 +76,7 @@ def capture_engine(monkeypatch):
     monkeypatch.setattr(engine, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
-    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX,
+    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
                                      kernels.ScatterFunctions(11, 12, 13, 14, 15))
     monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: fake_kernel)
 
@@ -102,7 +102,7 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
                                             (127, (6, 127)), (128, (5, 1000)), (1000, (5, 1000))])
 def test_launches_by_value_take_the_smallest_parameter_block_that_fits(capture_engine,
                                                                        monkeypatch, count, variant):
-    kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, kv_launch.INLINE_MAX,
+    kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
                                 kernels.ScatterFunctions(11, 12, 13, 14, 15))
     monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
     src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000

@@ -483,17 +483,18 @@ __device__ __forceinline__ unsigned long long kvcopy_block_address(unsigned long
                        : base + (id / factor) * stride + (id % factor) * block_bytes;
 }
 
-/* swap_blocks: tile t is part (t % tiles_per_block) of pair (t / tiles_per_block) % num_pairs
- * of tensor t / (tiles_per_block * num_pairs). mapping holds [src id, dst id] pairs. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
-                                         unsigned long long num_tensors,
-                                         const long long* __restrict__ mapping,
-                                         unsigned long long num_pairs,
-                                         unsigned long long block_bytes,
-                                         unsigned long long tiles_per_block) {
+/* swap_blocks' copies, warp `warp` of `num_warps`: tile t is part (t % tiles_per_block)
+ * of pair (t / tiles_per_block) % num_pairs of tensor t / (tiles_per_block * num_pairs).
+ * mapping holds [src id, dst id] pairs. */
+__device__ __forceinline__ void kvcopy_blocks_warps(const kvcopy_block_tensor* __restrict__ tensors,
+                                                    unsigned long long num_tensors,
+                                                    const long long* __restrict__ mapping,
+                                                    unsigned long long num_pairs,
+                                                    unsigned long long block_bytes,
+                                                    unsigned long long tiles_per_block,
+                                                    unsigned long long warp,
+                                                    unsigned long long num_warps) {
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned long long warp = kvcopy_warp_index();
-    const unsigned long long num_warps = kvcopy_warp_count();
     const unsigned long long tiles_per_tensor = tiles_per_block * num_pairs;
     const unsigned long long total = tiles_per_tensor * num_tensors;
     for (unsigned long long t = warp; t < total; t += num_warps) {
@@ -513,5 +514,40 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(c
         if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
         kvcopy_copy_span(reinterpret_cast<const char*>(src) + offset,
                          reinterpret_cast<char*>(dst) + offset, len, lane);
+    }
+}
+
+/* swap_blocks: the block copies of one tensor table and id mapping, over the grid. */
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
+                                         unsigned long long num_tensors,
+                                         const long long* __restrict__ mapping,
+                                         unsigned long long num_pairs,
+                                         unsigned long long block_bytes,
+                                         unsigned long long tiles_per_block) {
+    kvcopy_blocks_warps(tensors, num_tensors, mapping, num_pairs, block_bytes, tiles_per_block,
+                        kvcopy_warp_index(), kvcopy_warp_count());
+}
+
+/* swap_blocks_both_ways: two swap_blocks in one launch, each with its own CTAs (as
+ * kvcopy_scatter_pair): CTAs [0, ctas_a) copy side a, the others side b. Side b's
+ * tensor rows follow side a's num_tensors_a rows, its id pairs side a's num_pairs_a. */
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks_pair(
+    const kvcopy_block_tensor* __restrict__ tensors, const long long* __restrict__ mapping,
+    unsigned long long num_tensors_a, unsigned long long num_pairs_a,
+    unsigned long long block_bytes_a, unsigned long long ctas_a,
+    unsigned long long num_tensors_b, unsigned long long num_pairs_b,
+    unsigned long long block_bytes_b) {
+    const unsigned long long per_cta = blockDim.x >> 5;
+    const unsigned long long in_cta = threadIdx.x >> 5;
+    if (blockIdx.x < ctas_a) {
+        kvcopy_blocks_warps(tensors, num_tensors_a, mapping, num_pairs_a, block_bytes_a,
+                            (block_bytes_a + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES,
+                            blockIdx.x * per_cta + in_cta, ctas_a * per_cta);
+    } else {
+        kvcopy_blocks_warps(tensors + num_tensors_a, num_tensors_b, mapping + 2 * num_pairs_a,
+                            num_pairs_b, block_bytes_b,
+                            (block_bytes_b + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES,
+                            (blockIdx.x - ctas_a) * per_cta + in_cta,
+                            (gridDim.x - ctas_a) * per_cta);
     }
 }

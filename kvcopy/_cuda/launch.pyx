@@ -211,6 +211,10 @@ def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
     return 1
 
 
+cdef unsigned long long _block_tiles(unsigned long long block_bytes) noexcept nogil:
+    return (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+
+
 def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
                          const uint64_t[:, ::1] tensors, const int64_t[:, ::1] mapping,
                          unsigned long long block_bytes, unsigned int max_ctas,
@@ -237,7 +241,7 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
     _check_launch_shape(max_ctas, threads)
     if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
         return 0
-    tiles_per_block = (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+    tiles_per_block = _block_tiles(block_bytes)
     tiles = tiles_per_block * n_pairs * n_tensors
     params[0] = &dev_tensors
     params[1] = &n_tensors
@@ -257,3 +261,60 @@ def blocks_staging_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
     """Bytes of staging launch_blocks_staged needs for T tensors and n pairs."""
     return ((num_tensors * sizeof(kvcopy_block_tensor) + 15) & ~15) + num_pairs * 2 * sizeof(int64_t)
 
+
+
+def launch_blocks_pair_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
+                              const uint64_t[:, ::1] tensors_a, const int64_t[:, ::1] mapping_a,
+                              unsigned long long block_bytes_a, unsigned int ctas_a,
+                              const uint64_t[:, ::1] tensors_b, const int64_t[:, ::1] mapping_b,
+                              unsigned long long block_bytes_b, unsigned int ctas_b,
+                              unsigned int threads, uintptr_t stream) -> int:
+    """Launch ``kvcopy_blocks_pair``: two swap_blocks (tensor table and id mapping
+    each, as launch_blocks_staged takes them) copied by up to ctas_a and ctas_b CTAs
+    of one launch. Staged as launch_blocks_staged stages one, into room for
+    blocks_pair_staging_bytes(Ta, na, Tb, nb). Each side needs tensors, pairs and
+    bytes (the caller runs an empty side apart). Returns the number of launches (1)."""
+    cdef Py_ssize_t ta = tensors_a.shape[0], tb = tensors_b.shape[0]
+    cdef Py_ssize_t na = mapping_a.shape[0], nb = mapping_b.shape[0]
+    cdef size_t table_a = ta * sizeof(kvcopy_block_tensor)
+    cdef size_t table_b = tb * sizeof(kvcopy_block_tensor)
+    cdef size_t offset = (table_a + table_b + 15) & ~(<size_t>15)
+    cdef size_t ids_a = na * 2 * sizeof(int64_t), ids_b = nb * 2 * sizeof(int64_t)
+    cdef unsigned long long n_ta = ta, n_na = na, n_tb = tb, n_nb = nb
+    cdef unsigned long long bb_a = block_bytes_a, bb_b = block_bytes_b
+    cdef unsigned long long grid_a, grid_b
+    cdef CUdeviceptr dev_tensors = <CUdeviceptr>device_buf
+    cdef CUdeviceptr dev_mapping = <CUdeviceptr>(device_buf + offset)
+    cdef void* params[9]
+    if tensors_a.shape[1] != 6 or tensors_b.shape[1] != 6 or mapping_a.shape[1] != 2 \
+            or mapping_b.shape[1] != 2:
+        raise ValueError("launch_blocks_pair_staged: tensors must be (T, 6) and mappings (n, 2)")
+    if ta == 0 or tb == 0 or na == 0 or nb == 0 or block_bytes_a == 0 or block_bytes_b == 0:
+        raise ValueError("launch_blocks_pair_staged: each side needs tensors, pairs and bytes")
+    _check_launch_shape(ctas_a, threads)
+    _check_launch_shape(ctas_b, threads)
+    grid_a = _grid(_block_tiles(bb_a) * n_na * n_ta, threads, ctas_a, 1)
+    grid_b = _grid(_block_tiles(bb_b) * n_nb * n_tb, threads, ctas_b, 1)
+    params[0] = &dev_tensors
+    params[1] = &dev_mapping
+    params[2] = &n_ta
+    params[3] = &n_na
+    params[4] = &bb_a
+    params[5] = &grid_a
+    params[6] = &n_tb
+    params[7] = &n_nb
+    params[8] = &bb_b
+    with nogil:
+        memcpy(<void*>host_buf, &tensors_a[0, 0], table_a)
+        memcpy(<void*>(host_buf + table_a), &tensors_b[0, 0], table_b)
+        memcpy(<void*>(host_buf + offset), &mapping_a[0, 0], ids_a)
+        memcpy(<void*>(host_buf + offset + ids_a), &mapping_b[0, 0], ids_b)
+        _launch_after_upload(function, dev_tensors, host_buf, offset + ids_a + ids_b,
+                             <unsigned int>(grid_a + grid_b), threads, stream, params)
+    return 1
+
+
+def blocks_pair_staging_bytes(Py_ssize_t tensors_a, Py_ssize_t pairs_a, Py_ssize_t tensors_b,
+                              Py_ssize_t pairs_b) -> int:
+    """Bytes of staging launch_blocks_pair_staged needs."""
+    return blocks_staging_bytes(tensors_a + tensors_b, pairs_a + pairs_b)
