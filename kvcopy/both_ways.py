@@ -11,6 +11,9 @@ instead, issued in chunks that alternate between the two sides, so that both
 directions start at once and neither waits for the CPU to issue the other.
 Wherever the sides run apart, the second runs on a stream of kvcopy's own (one per
 caller's stream) that forks from the caller's stream and joins it again.
+swap_blocks_both_ways' sides, where both go to the kernel, are one launch of the
+block kernel instead (execute_blocks_both): it computes each block's addresses from
+the tensor tables and ids, so no copy is described on the CPU.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from kvcopy.config import config
 from kvcopy.context import ContextScope, PerContext
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
+from kvcopy.blocks import BlockPlan
 from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.policy import Decision
 
@@ -230,3 +234,60 @@ def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
                                     plan.caller_index(index)) from None
     finally:
         driver.stream_wait_stream(handle, side)
+
+
+def execute_blocks_both(first: BlockPlan, second: BlockPlan, stream_handle: int,
+                        method: str = "auto") -> tuple[str, str] | None:
+    """Two validated swap_blocks plans as one launch of the block kernel, CTAs split by
+    direction as execute_both splits them, ordered as execute_both orders its work.
+    Memory is classified per tensor, as swap_blocks classifies it. Returns None,
+    having issued nothing, where this does not apply: a method other than auto or
+    kernel, an empty side, stream capture (the block kernel's tables live in the
+    descriptor ring), memory of several devices or of a peer, no driver, or the
+    policy choosing anything but the kernel for either side (the copy engines for
+    both from 128 KiB blocks); the caller then runs execute_both over every copy."""
+    if method not in ("auto", "kernel") or not first.num_pairs or not second.num_pairs:
+        return None
+    handle = effective_handle(stream_handle)
+    try:
+        with ContextScope(handle) as scope:
+            return _blocks_both(scope, handle, first, second, method)
+    except NoDriverError:
+        return None
+
+
+def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: BlockPlan,
+                 method: str) -> tuple[str, str] | None:
+    if driver.stream_capture_status(handle) != 0:
+        return None
+    views = [(np.empty_like(p.geometry.src_base), np.empty_like(p.geometry.dst_base))
+             for p in (first, second)]
+    while True:
+        found = [engine.classify_tensors(p, *v) for p, v in zip((first, second), views)]
+        owners = {f.owner for f in found if f.owner != -1}
+        if len(owners) > 1 or -2 in owners:
+            return None
+        if not scope.follow_memory(owners.pop() if owners else -1):
+            break   # else switched device: classify again there
+    targets = [engine.decide(handle, method, p.num_copies, p.total_bytes, f, False)
+               for p, f in zip((first, second), found)]
+    a, b = targets
+    if {a.request.direction, b.request.direction} - {"h2d", "d2h", "d2d"}:
+        return None
+    if policy.choose_both_ways(a.request, b.request, a.info.caps,
+                               device.thresholds(a.info.ordinal), method) is not None:
+        return None
+    if a.decision.method != "kernel" or b.decision.method != "kernel":
+        return None
+    kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
+    tables = [p.tensor_table(*v) for p, v in zip((first, second), views)]
+    nbytes = launch.blocks_pair_staging_bytes(tables[0].shape[0], first.num_pairs,
+                                              tables[1].shape[0], second.num_pairs)
+    with ring.ring_for_current_context().reserve(nbytes) as slot:
+        launch.launch_blocks_pair_staged(
+            kernel.function_blocks_pair, slot.host, slot.device,
+            tables[0], first.mapping, first.geometry.block_bytes, a.ctas(None, both_ways=True),
+            tables[1], second.mapping, second.geometry.block_bytes,
+            b.ctas(None, both_ways=True), config.threads_per_cta, handle)
+        ring.DescriptorRing.fence(slot, handle)
+    return "kernel", "kernel"

@@ -382,8 +382,10 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         raise
 
 
-def _classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
-                      dst_view: np.ndarray) -> MemoryClasses:
+def classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
+                     dst_view: np.ndarray) -> MemoryClasses:
+    """Classify a swap_blocks plan's memory per tensor, writing each tensor's base as
+    the device sees it into ``src_view`` and ``dst_view``."""
     g = blocks.geometry
     return MemoryClasses(*classify.classify_pointers(g.src_base, g.src_extent, src_view),
                          *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
@@ -409,11 +411,11 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
     with ContextScope(handle) as scope:
         src_view = np.empty_like(blocks.geometry.src_base)
         dst_view = np.empty_like(blocks.geometry.dst_base)
-        found = _classify_tensors(blocks, src_view, dst_view)
+        found = classify_tensors(blocks, src_view, dst_view)
         if scope.follow_memory(found.owner):
-            found = _classify_tensors(blocks, src_view, dst_view)
+            found = classify_tensors(blocks, src_view, dst_view)
         if reach_peers(found, method):
-            found = _classify_tensors(blocks, src_view, dst_view)
+            found = classify_tensors(blocks, src_view, dst_view)
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:

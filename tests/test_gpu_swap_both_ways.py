@@ -121,3 +121,90 @@ def test_bad_ids_on_either_side_raise_before_anything_is_copied(torch_cuda):
     assert ran in (("kernel", "kernel"), ("batch", "batch"))
     for g, h in zip(gpu, host):
         assert torch.equal(h[1], g[0].cpu()) and torch.equal(g[3].cpu(), h[2])
+
+
+@pytest.fixture
+def block_launches(monkeypatch):
+    """The arguments of every fused block-kernel launch; the per-copy path (every
+    block copy described on the CPU) fails the test if it runs."""
+    from kvcopy import both_ways
+    launches: list[tuple] = []
+    real = both_ways.launch.launch_blocks_pair_staged
+
+    def counted(*args):
+        launches.append(args)
+        return real(*args)
+
+    def per_copy(*args, **kwargs):
+        raise AssertionError("swap_blocks_both_ways described every block copy")
+    monkeypatch.setattr(both_ways.launch, "launch_blocks_pair_staged", counted)
+    monkeypatch.setattr(both_ways, "execute_both", per_copy)
+    return launches
+
+
+@pytest.mark.parametrize("store_shape, load_shape, split_blocks", [
+    ((16, 128), (16, 128), False),            # 4 KiB both ways
+    ((16, 8, 128), (16, 8, 128), False),      # 32 KiB, vLLM's 16 tokens x 8 heads x 128
+    ((16, 128), (16, 8, 128), False),         # the sides' caches differ: 4 KiB out, 32 KiB in
+    ((32, 128), (32, 128), True)])            # GPU blocks of two host blocks (sub-block ids)
+def test_kernel_sides_go_out_as_one_block_kernel_launch(torch_cuda, block_launches,
+                                                        store_shape, load_shape, split_blocks):
+    """Where both sides go to the kernel, they are one launch of the block kernel: the
+    GPU computes every block's addresses from the tensor tables and ids."""
+    torch = torch_cuda
+    rng = np.random.default_rng(2)
+    factor = 2 if split_blocks else 1
+
+    def host_shape(shape):   # a host block is one GPU sub-block
+        return (shape[0] // factor,) + shape[1:]
+    gpu_out = layered(torch, 3, 24, store_shape, True, 11)
+    host_in = layered(torch, 3, 40, host_shape(store_shape), False, 12)
+    host_out = layered(torch, 2, 40, host_shape(load_shape), False, 13)
+    gpu_in = layered(torch, 2, 24, load_shape, True, 14)
+    n = 17
+    store_map = np.stack([rng.permutation(24 * factor)[:n], rng.permutation(40)[:n]], axis=1)
+    load_map = np.stack([rng.permutation(40)[:n], rng.permutation(24 * factor)[:n]], axis=1)
+
+    def sub_blocks(views):   # GPU views as the ids address them
+        if not split_blocks:
+            return views
+        return [v.reshape((v.shape[0] * factor, v.shape[1] // factor) + tuple(v.shape[2:]))
+                for v in views]
+    host_want = expected_after(torch, sub_blocks(gpu_out), host_in, store_map)
+    gpu_want = expected_after(torch, host_out, sub_blocks(gpu_in), load_map)
+    stream = torch.cuda.Stream()
+    ran = kvcopy.swap_blocks_both_ways((gpu_out, host_in, store_map),
+                                       (host_out, gpu_in, load_map), stream=stream,
+                                       split_blocks=split_blocks)
+    stream.synchronize()
+    assert ran == ("kernel", "kernel")
+    assert len(block_launches) == 1
+    assert_equal(torch, host_in, host_want)
+    assert_equal(torch, sub_blocks(gpu_in), gpu_want)
+
+
+def test_captured_in_a_graph_after_a_warm_up_call(torch_cuda):
+    """Captured after an eager call of the same shapes (what engines do before they
+    capture): the capture records the copies and a replay moves the bytes current at
+    replay time."""
+    torch = torch_cuda
+    gpu = layered(torch, 2, 16, (16, 128), True, 15)
+    host = layered(torch, 2, 16, (16, 128), False, 16)
+    store_map, load_map = np.array([[0, 1], [2, 3]]), np.array([[8, 9], [10, 11]])
+    stream = torch.cuda.Stream()
+    assert kvcopy.swap_blocks_both_ways((gpu, host, store_map), (host, gpu, load_map),
+                                        stream=stream) == ("kernel", "kernel")
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        ran = kvcopy.swap_blocks_both_ways((gpu, host, store_map), (host, gpu, load_map))
+    for view in gpu:
+        view[[0, 2]] = 5
+    for view in host:
+        view[[8, 10]] = -3
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ran in (("kernel", "kernel"), ("batch", "batch"))
+    for g, h in zip(gpu, host):
+        assert bool((h[[1, 3]] == 5).all()) and bool((g[[9, 11]] == -3).all())

@@ -16,15 +16,28 @@ def caches(blocks: int, tensors: int = 2) -> list[np.ndarray]:
     return [np.zeros((blocks, BLOCK), dtype=np.uint8) for _ in range(tensors)]
 
 
+class Issued(list):
+    """execute_both's calls; ``offered``: the block plans execute_blocks_both got first
+    (it declines here, as it does where the block kernel does not apply)."""
+    offered: list[tuple]
+
+
 @pytest.fixture
 def issued(monkeypatch):
-    """What swap_blocks_both_ways hands to both_ways.execute_both."""
-    calls: list[tuple] = []
+    """What swap_blocks_both_ways hands to both_ways.execute_both. The driver is never
+    reached: the handles these tests pass are not streams."""
+    calls = Issued()
+    calls.offered = []
 
     def execute_both(first, second, handle, method, names):
         calls.append((first, second, handle, method, names))
         return "kernel", "kernel"
+
+    def execute_blocks_both(first, second, handle, method):
+        calls.offered.append((first, second, handle, method))
+        return None
     monkeypatch.setattr(api.both_ways, "execute_both", execute_both)
+    monkeypatch.setattr(api.both_ways, "execute_blocks_both", execute_blocks_both)
     return calls
 
 
@@ -36,6 +49,12 @@ def test_both_sides_reach_the_engine_as_every_block_copy_named_by_side(issued):
     assert ran == ("kernel", "kernel")
     (first, second, handle, method, names), = issued
     assert (handle, method, names) == (0x1234, "kernel", ("store", "load"))
+    # the block kernel's path was offered both validated plans first
+    (plan_a, plan_b, handle, method), = issued.offered
+    assert (handle, method) == (0x1234, "kernel")
+    assert plan_a.mapping.tolist() == store.tolist() and plan_b.mapping.tolist() == load.tolist()
+    assert plan_a.geometry.src_base.tolist() == [a.ctypes.data for a in gpu]
+    assert plan_b.geometry.dst_base.tolist() == [a.ctypes.data for a in gpu]
 
     def at(arrays, tensor, block):
         return arrays[tensor].ctypes.data + block * BLOCK
@@ -72,7 +91,7 @@ def test_bad_sides_are_named_and_nothing_is_issued(issued, store, load, error, m
     with pytest.raises(error, match=message):
         kvcopy.swap_blocks_both_ways(good_store if store is None else store,
                                      good_load if load is None else load, stream=0x1234)
-    assert issued == []
+    assert issued == [] and issued.offered == []
 
 
 @pytest.mark.parametrize("options, error", [({"method": "fast"}, ValueError),
@@ -82,7 +101,7 @@ def test_bad_options_are_refused(issued, options, error):
     with pytest.raises(error):
         kvcopy.swap_blocks_both_ways((gpu, host, [[0, 1]]), (host, gpu, [[2, 3]]),
                                      stream=0x1234, **options)
-    assert issued == []
+    assert issued == [] and issued.offered == []
 
 
 def test_a_load_back_between_the_stores_caches_reads_them_once(issued, monkeypatch):
@@ -123,7 +142,7 @@ def test_a_bad_load_id_is_named_when_the_geometry_is_shared(issued):
     with pytest.raises(ValueError, match=r"^load: block_mapping\[0\]: destination block 8 is "
                                          r"out of range for dst\[0\], which has 8 blocks$"):
         kvcopy.swap_blocks_both_ways((gpu, host, [[0, 1]]), (host, gpu, [[2, 8]]), stream=0x1234)
-    assert issued == []
+    assert issued == [] and issued.offered == []
 
 
 def test_the_reversed_geometry_is_what_reading_the_other_way_gives():
