@@ -160,11 +160,19 @@ class _Named:
 def test_resolve_event_recognises_each_library():
     driver = pytest.importorskip("cuda.bindings.driver")
     assert resolve_event(driver.CUevent(0xABC0)) == 0xABC0
-    assert resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=0x10).obj) == 0x10
-    assert resolve_event(_Named("cupy.cuda.stream", "Event", ptr=0x20).obj) == 0x20
-    assert resolve_event(_Named("cuda.core._event", "Event", handle=0x30).obj) == 0x30
-    assert resolve_event(_Named("cupy.cuda.stream", "Stream", ptr=0x20).obj) is None
+    assert resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=0x1000).obj) == 0x1000
+    assert resolve_event(_Named("cupy.cuda.stream", "Event", ptr=0x2000).obj) == 0x2000
+    assert resolve_event(_Named("cuda.core._event", "Event", handle=0x3000).obj) == 0x3000
+    assert resolve_event(_Named("cupy.cuda.stream", "Stream", ptr=0x2000).obj) is None
+    # torch creates its event lazily: 0 until first recorded
+    assert resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=0).obj) == 0
     assert resolve_event(5) is None and resolve_event(None) is None
+
+
+def test_resolve_event_refuses_handles_inside_the_first_page():
+    with pytest.raises(ValueError, match=r"^event: handle 16 is not a valid CUevent value: "
+                                         r"handles are the address of a CUevent, never below 4096"):
+        resolve_event(_Named("torch.cuda.streams", "Event", cuda_event=16).obj)
 
 
 def test_resolve_event_rejects_float_handles():

@@ -124,7 +124,7 @@ def test_queue_between_gpus_waits_for_both_current_streams(fake_torch):
     legacy = streams.effective_handle(0)
     # the producer's stream (0x77) is waited for by submit, for every job, whatever after says
     assert queue._dependencies(None) == [("stream", 0x100, 0), ("stream", legacy, 1)]
-    assert queue._dependencies([0x55]) == [("stream", 0x55, -1)]
+    assert queue._dependencies([0x5500]) == [("stream", 0x5500, -1)]
     queue._touches_gpu = False
     assert queue._dependencies(None) == []
 
@@ -172,7 +172,7 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch)
     queue._geometry = types.SimpleNamespace(
         producer_streams=[0x77],
         with_mapping=lambda mapping: types.SimpleNamespace(total_bytes=4096))
-    for after, own in (([0x55], ["0x5 waits for 0x55"]), ([], [])):
+    for after, own in (([0x5500], ["0x5 waits for 0x5500"]), ([], [])):
         calls.clear()
         queue.submit("job", [[0, 0]], after=after)
         assert calls == ["push", *own, "0x5 waits for 0x77", "record on 0x5",

@@ -1,6 +1,7 @@
 """resolve_stream and default-stream handling (CPU)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvcopy
@@ -16,12 +17,24 @@ class ProtocolStream:
 
 
 class PropertyProtocolStream:
-    __cuda_stream__ = (0, 0xABC)
+    __cuda_stream__ = (0, 0xABC000)
 
 
-@pytest.mark.parametrize("value", [0, 1, 2, 0xDEADBEEF, 2**64 - 1])
+@pytest.mark.parametrize("value", [0, 1, 2, 4096, 0xDEADBEEF, 2**64 - 1])
 def test_ints_are_handles(value):
     assert kvcopy.resolve_stream(value) == value
+
+
+@pytest.mark.parametrize("value", [3, 35, 4095])
+def test_small_ints_past_the_default_streams_are_refused(value):
+    """A torch stream's stream_id (small: 3, 35, ...) or a device index passed as a
+    handle would crash the driver: a ValueError that says what a handle is instead."""
+    message = (rf"^stream: handle {value} is not a valid CUstream value: handles are 0 "
+               r"\(default\), 1 \(legacy\), 2 \(per-thread\) or the address of a CUstream, "
+               r"never below 4096 \(a torch stream's stream_id")
+    for given in (value, np.int64(value), ProtocolStream(value)):
+        with pytest.raises(ValueError, match=message):
+            kvcopy.resolve_stream(given)
 
 
 def test_none_is_default_stream():
@@ -30,7 +43,7 @@ def test_none_is_default_stream():
 
 def test_cuda_stream_protocol_method_and_attribute():
     assert kvcopy.resolve_stream(ProtocolStream(0x1234)) == 0x1234
-    assert kvcopy.resolve_stream(PropertyProtocolStream()) == 0xABC
+    assert kvcopy.resolve_stream(PropertyProtocolStream()) == 0xABC000
 
 
 @pytest.mark.parametrize("bad", ["0", 1.5, object(), [1], b"\x01"])

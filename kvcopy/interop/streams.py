@@ -19,6 +19,10 @@ STREAM_DEFAULT = 0
 STREAM_LEGACY = 1
 STREAM_PER_THREAD = 2
 _MAX_HANDLE = 2**64 - 1
+# Other handles are addresses of the driver's objects, never inside the first page,
+# which no OS maps. A small int is a mistake (torch's stream_id, a device index) that
+# the driver would dereference and crash on: refused instead.
+_MIN_ADDRESS = 4096
 
 
 def _from_cuda_stream_protocol(obj: Any) -> int:
@@ -39,6 +43,14 @@ def _from_int(value: Any, origin: Any, what: str = "stream") -> int:
     value = int(value)
     if value < 0 or value > _MAX_HANDLE:
         raise ValueError(f"{what}: handle {value} is not a valid CU{what} value")
+    # (a stream's 0-2 are the default streams; an event's 0 is one not created yet)
+    if (STREAM_PER_THREAD if what == "stream" else 0) < value < _MIN_ADDRESS:
+        special = "0 (default), 1 (legacy), 2 (per-thread) or " if what == "stream" else ""
+        raise ValueError(
+            f"{what}: handle {value} is not a valid CU{what} value: handles are {special}"
+            f"the address of a CU{what}, never below {_MIN_ADDRESS} (a torch stream's "
+            "stream_id or a device index is not a handle; pass the stream or event "
+            "object itself)")
     return value
 
 
@@ -58,9 +70,10 @@ def resolve_stream(obj: Any) -> int:
 
     Raises:
         TypeError: ``obj`` names no stream kvcopy knows.
-        ValueError: the handle is negative or wider than 64 bits.
+        ValueError: the handle is negative, wider than 64 bits, or 3-4095 (no
+            stream lives in the first page: a small int is an id or an index).
     """
-    if type(obj) is int and 0 <= obj <= _MAX_HANDLE:
+    if type(obj) is int and (_MIN_ADDRESS <= obj <= _MAX_HANDLE or 0 <= obj <= STREAM_PER_THREAD):
         return obj   # a raw handle, the common case of engines' hot loops: kept cheap
     if obj is None:
         return STREAM_DEFAULT
