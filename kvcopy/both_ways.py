@@ -18,6 +18,7 @@ the tensor tables and ids, so no copy is described on the CPU.
 from __future__ import annotations
 
 import threading
+from typing import Iterable
 
 import numpy as np
 
@@ -85,6 +86,36 @@ def _describe(batch: Arrays, out: int, name: str) -> tuple:
         raise ValueError(f"{name}: {exc}") from None
 
 
+def _one_owner(found: Iterable[engine.MemoryClasses]) -> int | None:
+    """The one device whose memory both sides hold (-1: no device memory); None where
+    they hold memory of several devices."""
+    owners = {f.owner for f in found if f.owner != -1}
+    if len(owners) > 1 or -2 in owners:
+        return None
+    return owners.pop() if owners else -1
+
+
+Side = tuple[int, int, engine.MemoryClasses]   # copies, bytes, memory
+
+
+def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
+                 thresholds: policy.Thresholds | None
+                 ) -> tuple[engine.Target, engine.Target] | Decision | None:
+    """Each side's target, from its (copies, bytes, MemoryClasses), and their joint
+    choice: a Decision where both go to the copy engines together
+    (policy.choose_both_ways), both targets where the kernel takes both, else None
+    (each side apart, as the policy says)."""
+    a, b = (engine.decide(handle, method, count, nbytes, found, False)
+            for count, nbytes, found in sides)
+    joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
+                                    thresholds or device.thresholds(a.info.ordinal), method)
+    if joint is not None:
+        return joint
+    if a.decision.method != "kernel" or b.decision.method != "kernel":
+        return None
+    return a, b
+
+
 def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, method: str,
            names: tuple[str, str],
            thresholds: policy.Thresholds | None) -> tuple[str, str] | Decision | None:
@@ -99,20 +130,16 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             offset = slot.host + count_a * describe.DESCRIPTOR_BYTES
             count_b, bytes_b, *kinds_b, tiles_b = _describe(second, offset, names[1])
             found_a, found_b = engine.MemoryClasses(*kinds_a), engine.MemoryClasses(*kinds_b)
-            owners = {o for o in (found_a.owner, found_b.owner) if o != -1}
-            if len(owners) > 1 or -2 in owners or not count_a or not count_b:
+            owner = _one_owner((found_a, found_b))
+            if owner is None or not count_a or not count_b:
                 return None
-            if scope.follow_memory(owners.pop() if owners else -1):
+            if scope.follow_memory(owner):
                 continue  # switched device: describe again there
-            a = engine.decide(handle, method, count_a, bytes_a, found_a, False)
-            b = engine.decide(handle, method, count_b, bytes_b, found_b, False)
-            joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
-                                            thresholds or device.thresholds(a.info.ordinal),
-                                            method)
-            if joint is not None:
+            joint = _kernel_pair(handle, method, ((count_a, bytes_a, found_a),
+                                                  (count_b, bytes_b, found_b)), thresholds)
+            if not isinstance(joint, tuple):
                 return joint
-            if a.decision.method != "kernel" or b.decision.method != "kernel":
-                return None
+            a, b = joint
             kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
             # one-tile copies over PCIe: the kernel reads the descriptors where they are
             in_place = (tiles_a == count_a and tiles_b == count_b
@@ -264,20 +291,17 @@ def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: Blo
              for p in (first, second)]
     while True:
         found = [engine.classify_tensors(p, *v) for p, v in zip((first, second), views)]
-        owners = {f.owner for f in found if f.owner != -1}
-        if len(owners) > 1 or -2 in owners:
+        owner = _one_owner(found)
+        if owner is None:
             return None
-        if not scope.follow_memory(owners.pop() if owners else -1):
+        if not scope.follow_memory(owner):
             break   # else switched device: classify again there
-    targets = [engine.decide(handle, method, p.num_copies, p.total_bytes, f, False)
-               for p, f in zip((first, second), found)]
-    a, b = targets
+    joint = _kernel_pair(handle, method, [(p.num_copies, p.total_bytes, f)
+                                          for p, f in zip((first, second), found)], None)
+    if not isinstance(joint, tuple):
+        return None   # the copy engines for both, or either side apart
+    a, b = joint
     if {a.request.direction, b.request.direction} - {"h2d", "d2h", "d2d"}:
-        return None
-    if policy.choose_both_ways(a.request, b.request, a.info.caps,
-                               device.thresholds(a.info.ordinal), method) is not None:
-        return None
-    if a.decision.method != "kernel" or b.decision.method != "kernel":
         return None
     kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
     tables = [p.tensor_table(*v) for p, v in zip((first, second), views)]
