@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import both_ways
+from kvcopy import both_ways, side_streams
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, Thresholds
 
@@ -157,15 +157,15 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
             made.append(next(created))
             return made[-1]
 
-    monkeypatch.setattr(both_ways, "driver", FakeDriver)
-    sides = both_ways.SideStreams()
+    monkeypatch.setattr(side_streams, "driver", FakeDriver)
+    sides = side_streams.SideStreams()
     first, second = sides.for_caller(0x10), sides.for_caller(0x20)
     assert first != second
     assert sides.for_caller(0x10) == first and sides.for_caller(0x20) == second
-    callers = [0x100 + k for k in range(both_ways.MAX_SIDE_STREAMS + 5)]
+    callers = [0x100 + k for k in range(side_streams.MAX_SIDE_STREAMS + 5)]
     got = [sides.for_caller(h) for h in callers]
-    assert len(made) == both_ways.MAX_SIDE_STREAMS          # never more streams than the limit
-    assert len(set(got[:both_ways.MAX_SIDE_STREAMS - 2])) == both_ways.MAX_SIDE_STREAMS - 2
+    assert len(made) == side_streams.MAX_SIDE_STREAMS          # never more streams than the limit
+    assert len(set(got[:side_streams.MAX_SIDE_STREAMS - 2])) == side_streams.MAX_SIDE_STREAMS - 2
     assert set(got) <= set(made)
     assert [sides.for_caller(h) for h in callers] == got    # the same one every time
 
