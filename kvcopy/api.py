@@ -73,7 +73,12 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             where the batch API misbehaves.
 
     Returns:
-        The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty batch).
+        The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty
+        batch), or 'staged': with 'auto', a batch of 8 MiB and more between host
+        and GPU whose host side is a few long spans (an LMCache chunk, a host
+        pool handed out in order) goes through a GPU staging buffer, each span
+        whole by the copy engines and the blocks scattered inside the GPU by
+        the copy kernel (kvcopy.staged; config.staging_bytes, 0 turns it off).
 
     Raises:
         TypeError, ValueError: bad arguments, named in the message.
@@ -124,7 +129,12 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     afterwards starts after both. Both batches are validated before either is
     issued; copies of one batch must not overlap the other's destinations.
 
-    Returns the method each side ran with, e.g. ('kernel', 'kernel').
+    Where each side's host side is a few long spans (as copy_batch's 'staged'),
+    both go through GPU staging buffers, which keeps both directions near the
+    link's limit where the kernel pair stops near 0.8 of it.
+
+    Returns the method each side ran with, e.g. ('kernel', 'kernel') or
+    ('staged', 'staged').
 
     Raises:
         TypeError, ValueError: bad arguments, named with the side ('store' or 'load').

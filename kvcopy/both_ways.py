@@ -11,21 +11,24 @@ instead, issued in chunks that alternate between the two sides, so that both
 directions start at once and neither waits for the CPU to issue the other.
 Wherever the sides run apart, the second runs on a stream of kvcopy's own (one per
 caller's stream) that forks from the caller's stream and joins it again.
+Where both sides' host memory is a few long spans, both go through GPU staging
+buffers instead (kvcopy.staged): the copy engines move the spans, the kernel
+scatters inside the GPU, and both directions stay near the link's limit.
 swap_blocks_both_ways' sides, where both go to the kernel, are one launch of the
 block kernel instead (execute_blocks_both): it computes each block's addresses from
 the tensor tables and ids, so no copy is described on the CPU.
 """
 from __future__ import annotations
 
-import threading
 from typing import Iterable
 
 import numpy as np
 
-from kvcopy import device, engine, kernels, policy, ring
+from kvcopy import device, engine, kernels, policy, ring, side_streams, staged
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
-from kvcopy.context import ContextScope, PerContext
+from kvcopy.context import ContextScope
+from kvcopy.descriptors import pinned_descriptors
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
 from kvcopy.blocks import BlockPlan
@@ -38,44 +41,11 @@ Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (128 KiB: 0.97/0.95
 # against 0.91/0.85; h200-serving-probe-4-latency-both-ways-methods.txt).
 DMA_CHUNK = 64
-# side streams per context, beyond which callers' streams share them
-MAX_SIDE_STREAMS = 16
-
-
-class SideStreams:
-    """kvcopy's second stream for each stream copy_both_ways is called on, in one
-    context. With one side stream shared by all callers, a caller on one stream
-    (one thread of an engine) would wait for the side work of callers on other
-    streams. Created on first use and never destroyed; past MAX_SIDE_STREAMS
-    callers' streams, a caller shares one, chosen by its handle."""
-
-    def __init__(self) -> None:
-        self._by_caller: dict[int, int] = {}
-        self._created: list[int] = []
-        self._lock = threading.Lock()
-
-    def for_caller(self, handle: int) -> int:
-        side = self._by_caller.get(handle)   # entries are only ever added
-        if side is not None:
-            return side
-        with self._lock:
-            side = self._by_caller.get(handle)
-            if side is None:
-                if len(self._created) < MAX_SIDE_STREAMS:
-                    side = driver.stream_create(non_blocking=True)
-                    self._created.append(side)
-                    self._by_caller[handle] = side
-                else:   # handles are aligned pointers: hash them, not their low bits
-                    side = self._created[hash((handle,)) % MAX_SIDE_STREAMS]
-            return side
-
-
-_side_streams = PerContext(SideStreams)
 
 
 def _side_stream(handle: int) -> int:
     """The side stream of the caller's stream ``handle`` in the current context."""
-    return _side_streams.current().for_caller(handle)
+    return side_streams.for_caller(handle)
 
 
 def _describe(batch: Arrays, out: int, name: str) -> tuple:
@@ -118,10 +88,12 @@ def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
 
 def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, method: str,
            names: tuple[str, str],
-           thresholds: policy.Thresholds | None) -> tuple[str, str] | Decision | None:
+           thresholds: policy.Thresholds | None
+           ) -> tuple[str, str] | Decision | list[staged.StagedBatch] | None:
     """Describe (so validate) both batches into one slot and, where the policy picks
     the kernel for both, launch them as one. A Decision: both go to the copy
-    engines together (policy.choose_both_ways). None: run them apart (another
+    engines together (policy.choose_both_ways). Staged batches: both go through
+    GPU staging buffers (the caller issues them). None: run them apart (another
     method, memory of several devices, or an empty side)."""
     nbytes = (len(first[2]) + len(second[2])) * describe.DESCRIPTOR_BYTES
     while True:
@@ -140,6 +112,9 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             if not isinstance(joint, tuple):
                 return joint
             a, b = joint
+            both_staged = _staged_pair((a, b), (first, second), method, names, thresholds)
+            if both_staged:
+                return both_staged   # issued once the slot is given back
             kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
             # one-tile copies over PCIe: the kernel reads the descriptors where they are
             in_place = (tiles_a == count_a and tiles_b == count_b
@@ -157,6 +132,23 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             return "kernel", "kernel"
 
 
+def _staged_pair(targets: tuple[engine.Target, engine.Target], batches: tuple[Arrays, Arrays],
+                 method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
+                 ) -> list[staged.StagedBatch]:
+    """Both sides as staged batches, where the policy stages both (kvcopy.staged); else
+    none: one side staged beside the kernel pair's other side fell below the kernel
+    pair (H200, 16 KiB: 0.51-0.77 of the contiguous pair against 0.82;
+    bench/results/h200-staged-probe.txt)."""
+    found = []
+    for target, (src, dst, sizes), name in zip(targets, batches, names):
+        side = staged.plan_batch(target.request, target.decision, src, dst, sizes, method,
+                                 thresholds or device.thresholds(target.info.ordinal), name)
+        if side is None:
+            return []
+        found.append(side)
+    return found
+
+
 def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int,
                       ctas: tuple[int, int], launches: int, handle: int) -> None:
     """The fused kernel over two batches of one-tile copies described back to back in
@@ -170,7 +162,7 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
             np.arange(k * step_a, min((k + 1) * step_a, count_a)),
             count_a + np.arange(k * step_b, min((k + 1) * step_b, count_b))))
             for k in range(launches)])
-        table = engine.pinned_descriptors(slot.host, count_a + count_b)
+        table = pinned_descriptors(slot.host, count_a + count_b)
         table[:] = table[order]
     else:
         step_a, step_b = count_a, count_b
@@ -214,6 +206,11 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             ran = _fused(scope, handle, first, second, method, names, thresholds)
             if isinstance(ran, tuple):
                 return ran
+            if isinstance(ran, list):
+                info = device.device_info(driver.context_device())
+                staged.run(handle, ran, info.cc, info.driver_version)
+                engine.note_decision(ran[0].decision)
+                return "staged", "staged"
         # apart: both are checked as the DMA paths check (host memory readable or
         # writable by this process) before either is issued
         plans = []

@@ -33,6 +33,7 @@ _SETTINGS = {
     "bulk_stores": _Setting("KVCOPY_BULK_STORES", 1, 0, 1, boolean=True),
     "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
+    "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
 }
 
 
@@ -153,6 +154,12 @@ class Config:
         +1.1-1.4% beside compute with copies 8% faster there, and 0.003-0.013
         more of the link alone (bench/results/h200-slice-sweep.txt).
         copy_both_ways counts the larger side against it.
+    staging_bytes: the chunk of a batch staged through GPU memory (kvcopy.staged:
+        batches whose host side is a few long spans, as LMCache's chunks are,
+        at 8 MiB and more: the copy engines move each span whole and the copy
+        kernel scatters inside the GPU). Four such buffers per GPU, allocated
+        on first use (16 MiB at the default). 0 turns staging off; a multiple
+        of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES, default 4 MiB).
     """
 
     host_ctas: int | None
@@ -165,6 +172,7 @@ class Config:
     bulk_stores: bool
     bulk_ctas: int | None
     launch_bytes: int
+    staging_bytes: int
 
     def __init__(self) -> None:
         for name in _SETTINGS:

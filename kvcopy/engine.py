@@ -2,7 +2,6 @@
 remembered per question), and issues the batch by the chosen method."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from dataclasses import dataclass
@@ -10,11 +9,12 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, peers, policy, ring
+from kvcopy import device, kernels, peers, policy, ring, staged
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
 from kvcopy.context import ContextScope
+from kvcopy.descriptors import number_tiles_per_slice
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle, stream_kind
 from kvcopy.plan import CopyPlan, plan_copies
@@ -212,10 +212,11 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
                                         target.request.total_bytes, config.launch_bytes)
         if step >= count:
             slice_tiles = [tiles]
-        elif pair_size or tiles == count:   # one tile per copy: the kernel ignores tile_start
+        elif pair_size:   # pairs have no tile_start: any slice is a batch
             slice_tiles = [min(step, count - start) for start in range(0, count, step)]
         else:
-            slice_tiles = _number_tiles_per_slice(slot.host, count, tiles, step)
+            slice_tiles = number_tiles_per_slice(slot.host, count, tiles,
+                                                 np.arange(0, count, step))
         if upload and len(slice_tiles) > 1:
             # one upload ahead of all the launches: one per launch sat between each
             # two on the stream, a copy engine's round trip each
@@ -240,26 +241,6 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     else:
         function, per_launch = functions.inline, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
-
-
-def pinned_descriptors(host: int, count: int) -> np.ndarray:
-    """The ``count`` 32-byte descriptors at ``host`` (pinned), as a (count, 4) uint64 view:
-    src, dst, size, tile_start."""
-    pinned = (ctypes.c_char * (count * describe.DESCRIPTOR_BYTES)).from_address(host)
-    return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
-
-
-def _number_tiles_per_slice(host_table: int, count: int, tiles: int, step: int) -> list[int]:
-    """Renumber the tiles of the ``count`` descriptors at ``host_table`` (pinned, not yet
-    read by the GPU) so that each slice of ``step`` descriptors counts its tiles from
-    0, as a batch of its own; return each slice's tile count. The kernel finds a
-    tile's copy by its tile_start, so a slice launched alone must start at 0 (copies
-    of one tile ignore it)."""
-    table = pinned_descriptors(host_table, count)
-    starts = table[::step, 3].copy()          # the first tile of each slice
-    ends = np.append(starts[1:], np.uint64(tiles))
-    table[:, 3] -= np.repeat(starts, step)[:count]
-    return [int(t) for t in ends - starts]
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
@@ -325,7 +306,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     nbytes = len(sizes) * describe.DESCRIPTOR_BYTES
     # batches too large to pass by value are described in half the bytes where they can be
     compact = not capturing and len(sizes) > launch.INLINE_MAX
-    target = None
+    target, staging = None, None
     while target is None:
         space = (_HostScratch(nbytes) if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
                  else ring.ring_for_current_context().reserve(nbytes))
@@ -346,8 +327,17 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 continue  # peer access enabled: another GPU's memory is now reachable
             target = decide(handle, method, count, total_bytes, found, capturing, allow_batch)
             if target.decision.method == "kernel":
-                launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
-                return "kernel"
+                if max_ctas is None:   # (a caller's CTA limit asks for the kernel itself)
+                    staging = staged.plan_batch(target.request, target.decision, src, dst,
+                                                sizes, method,
+                                                device.thresholds(target.info.ordinal))
+                if staging is None:
+                    launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
+                    return "kernel"
+    if staging is not None:   # (its descriptors go to a slot of their own)
+        staged.run(handle, [staging], target.info.cc, target.info.driver_version)
+        note_decision(staging.decision)
+        return "staged"
     issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
 

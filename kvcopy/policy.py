@@ -13,7 +13,7 @@ from typing import Literal
 
 from kvcopy.errors import CaptureError, KVCopyError
 
-Method = Literal["batch", "loop", "kernel"]          # what ran
+Method = Literal["batch", "loop", "kernel", "staged"]   # what ran
 Variant = Literal["", "registers", "bulk"]           # how the kernel copies ('' for DMA)
 RequestedMethod = Literal["auto", "batch", "loop", "kernel"]   # what a caller may ask for
 METHODS = ("auto", "batch", "loop", "kernel")
@@ -89,6 +89,19 @@ BULK_STORE_CTAS = 4
 # better (2 KiB 0.77 against 0.94, 4 KiB 0.88 against 0.94, 256 KiB 0.86-0.91
 # against 0.94), and more bulk CTAs would cost compute beside them what registers do.
 BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
+# Batches whose host side is a few long spans (LMCache's chunks, a host pool handed out
+# in order) go through a GPU staging buffer (kvcopy.staged): the copy engines move each
+# span whole and the copy kernel scatters (or gathers) the GPU's blocks inside the GPU.
+# H200, 64 MiB of 4-64 KiB blocks, host side one span (bench/results/h200-staged-probe.txt):
+# one way 0.95 of the contiguous copy (the kernel 0.91); both ways at once 0.94-0.95 of
+# the contiguous pair (the kernel pair 0.80-0.82). A staged batch pays a chunk's copy
+# before its first scatter, so small batches stay with the kernel; and each span is
+# one cuMemcpyAsync (a few microseconds of CPU), so spans must be long.
+STAGING_MIN_BYTES = 8 << 20
+STAGING_MIN_SPAN_BYTES = 1 << 20
+# CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
+# takes a small part of the time its copy over PCIe takes, and the SMs stay with the model.
+STAGING_CTAS = 16
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,8 @@ class Thresholds:
     host_ctas: dict = field(default_factory=lambda: dict(HOST_CTAS))
     both_ways_ctas: dict = field(default_factory=lambda: dict(BOTH_WAYS_CTAS))
     both_ways_batch_min_bytes: float = BOTH_WAYS_BATCH_MIN_BYTES
+    staging_min_bytes: int = STAGING_MIN_BYTES
+    staging_min_span_bytes: int = STAGING_MIN_SPAN_BYTES
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))
@@ -315,3 +330,34 @@ def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
     return Decision("batch", f"both ways at once, blocks of {smaller / 1024:.0f} KiB and more: "
                              "copy engines in interleaved chunks keep both directions at the "
                              "link's limit")
+
+
+@dataclass(frozen=True)
+class HostSpans:
+    """How a batch's host side lies: ``count`` spans of host-adjacent copies (copy i+1's
+    host bytes start where copy i's end), and its largest copy."""
+
+    count: int
+    largest_copy: int
+
+
+def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk_bytes: int,
+                   thresholds: Thresholds | None = None, requested: str = "auto"
+                   ) -> Decision | None:
+    """Whether a batch the policy gave the copy kernel goes through a GPU staging buffer
+    instead (kvcopy.staged): 'auto' only, between host and GPU, outside capture (the
+    staging buffer is shared by every call; a graph would keep its addresses), with
+    staging on (``chunk_bytes``: config.staging_bytes, 0 turns it off), every copy
+    fitting one chunk, at least ``thresholds.staging_min_bytes`` in all and host spans
+    of ``thresholds.staging_min_span_bytes`` on average. None: the kernel as decided."""
+    thresholds = thresholds or Thresholds()
+    if (requested != "auto" or decision.method != "kernel" or not chunk_bytes
+            or req.direction not in ("h2d", "d2h") or req.capturing or not spans.count
+            or spans.largest_copy > chunk_bytes or req.total_bytes < thresholds.staging_min_bytes):
+        return None
+    mean_span = req.total_bytes / spans.count
+    if mean_span < thresholds.staging_min_span_bytes:
+        return None
+    return Decision("staged", f"host side in {spans.count} span(s) of {mean_span / MiB:.1f} MiB "
+                              "on average: copy engines move each whole through a GPU staging "
+                              "buffer, the copy kernel scatters inside the GPU")

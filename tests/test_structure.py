@@ -21,8 +21,8 @@ PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvc
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
     {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
-     "kvcopy.peers"},
-    {"kvcopy.engine", "kvcopy.both_ways"},
+     "kvcopy.peers", "kvcopy.descriptors", "kvcopy.side_streams"},
+    {"kvcopy.engine", "kvcopy.both_ways", "kvcopy.staged"},
     {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API

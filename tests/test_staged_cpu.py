@@ -1,0 +1,404 @@
+"""Staged copies (kvcopy.staged) on the CPU: the host-span and chunk planning, the
+policy that chooses staging (faked requests and thresholds), the tile renumbering of
+a chunked descriptor table, and the order in which a staged call issues its work,
+with the driver, the ring, the describe pass and the launches faked."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import descriptors, policy, staged
+from kvcopy._cuda import describe as kv_describe
+from kvcopy.errors import CudaError
+from kvcopy.policy import CopyRequest, Decision, HostSpans, Thresholds
+
+KiB, MiB = 1 << 10, 1 << 20
+KERNEL = Decision("kernel", "copy kernel")
+HOST, GPU = 0x7F00_0000_0000, 0x7E00_0000_0000
+
+
+def u64(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.uint64)
+
+
+# ---- host spans and chunks
+
+def test_span_starts_mark_each_copy_that_does_not_continue_the_one_before():
+    sizes = u64([4, 4, 4, 4, 4])
+    host = u64([100, 104, 108, 200, 204])
+    assert staged.span_starts(host, sizes).tolist() == [0, 3]
+    assert staged.span_starts(host[::-1].copy(), sizes).tolist() == [0, 1, 2, 3, 4]
+    assert staged.span_starts(u64([100, 100]), u64([4, 4])).tolist() == [0, 1]   # repeats
+    assert staged.span_starts(u64([]), u64([])).tolist() == []
+
+
+@pytest.mark.parametrize("sizes, host, chunk", [
+    ([16 * KiB] * 100, None, 64 * KiB),                         # one span, even chunks
+    ([16 * KiB] * 100, None, 100 * KiB),                        # chunk not a block multiple
+    ([4 * KiB, 12 * KiB, 64 * KiB, 8 * KiB, 64 * KiB] * 7, None, 64 * KiB),   # mixed sizes
+    ([8 * KiB] * 40, "gaps", 32 * KiB),                         # spans of 3 copies
+])
+def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, host,
+                                                                                  chunk):
+    sizes = u64(sizes)
+    if host is None:
+        host = HOST + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+    else:   # a 4 KiB gap after every third copy
+        host = u64([HOST + i * 8 * KiB + (i // 3) * 4 * KiB for i in range(len(sizes))])
+    starts = staged.span_starts(host, sizes)
+    chunks, offsets = staged.plan_chunks(host, sizes, starts, chunk)
+    assert chunks[0].first == 0 and chunks[-1].stop == len(sizes)
+    assert all(a.stop == b.first for a, b in zip(chunks, chunks[1:]))
+    starts_set = set(starts.tolist())
+    for c in chunks:
+        inside = sizes[c.first:c.stop]
+        assert int(inside.sum()) <= chunk
+        # greedy: the next copy would not have fit
+        if c.stop < len(sizes):
+            assert int(inside.sum()) + int(sizes[c.stop]) > chunk
+        # copies packed back to back from offset 0
+        assert offsets[c.first:c.stop].tolist() == (np.cumsum(inside) - inside).tolist()
+        # spans: cut at the chunk's start and at every span start inside it
+        firsts = [s[0] for s in c.spans]
+        assert firsts == [c.first] + sorted(i for i in starts_set if c.first < i < c.stop)
+        for (a, address, offset, nbytes), b in zip(c.spans, firsts[1:] + [c.stop]):
+            assert address == int(host[a])
+            assert offset == int(offsets[a])
+            assert nbytes == int(sizes[a:b].sum())
+            # the span really is contiguous on the host
+            assert (host[a:b] == host[a] + np.concatenate(([0], np.cumsum(sizes[a:b])[:-1]))
+                    .astype(np.uint64)).all()
+
+
+def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own():
+    sizes = u64([4 * KiB, 64 * KiB, 4 * KiB])
+    host = HOST + u64([0, 4 * KiB, 68 * KiB])
+    chunks, _ = staged.plan_chunks(host, sizes, staged.span_starts(host, sizes), 64 * KiB)
+    assert [(c.first, c.stop) for c in chunks] == [(0, 1), (1, 2), (2, 3)]
+
+
+# ---- the policy
+
+def request(direction: str = "h2d", total: int = 64 * MiB, count: int = 4096,
+            capturing: bool = False) -> CopyRequest:
+    return CopyRequest(direction=direction, count=count, total_bytes=total,
+                       device_accessible=True, stream_kind="created", capturing=capturing)
+
+
+def test_long_host_spans_between_host_and_gpu_are_staged():
+    for direction in ("h2d", "d2h"):
+        decision = policy.choose_staging(request(direction), KERNEL, HostSpans(1, 16 * KiB),
+                                         4 * MiB)
+        assert decision is not None and decision.method == "staged"
+        assert "1 span(s) of 64.0 MiB" in decision.reason and "staging buffer" in decision.reason
+    # spans of 1 MiB on average (64 of them) are still long enough by default
+    assert policy.choose_staging(request(), KERNEL, HostSpans(64, 16 * KiB), 4 * MiB)
+
+
+@pytest.mark.parametrize("why, args, kwargs", [
+    ("DMA was chosen", (request(), Decision("batch", "large"), HostSpans(1, 16 * KiB), 4 * MiB), {}),
+    ("explicit kernel", (request(), KERNEL, HostSpans(1, 16 * KiB), 4 * MiB), {"requested": "kernel"}),
+    ("inside the GPU", (request("d2d"), KERNEL, HostSpans(1, 16 * KiB), 4 * MiB), {}),
+    ("between GPUs", (request("p2p"), KERNEL, HostSpans(1, 16 * KiB), 4 * MiB), {}),
+    ("capture", (request(capturing=True), KERNEL, HostSpans(1, 16 * KiB), 4 * MiB), {}),
+    ("staging off", (request(), KERNEL, HostSpans(1, 16 * KiB), 0), {}),
+    ("a copy over a chunk", (request(), KERNEL, HostSpans(1, 8 * MiB), 4 * MiB), {}),
+    ("a small batch", (request(total=4 * MiB, count=256), KERNEL, HostSpans(1, 16 * KiB),
+                       4 * MiB), {}),
+    ("short spans", (request(), KERNEL, HostSpans(65, 16 * KiB), 4 * MiB), {}),
+    ("scattered host blocks", (request(), KERNEL, HostSpans(4096, 16 * KiB), 4 * MiB), {}),
+])
+def test_everything_else_stays_with_the_kernel(why, args, kwargs):
+    assert policy.choose_staging(*args, **kwargs) is None, why
+
+
+def test_thresholds_move_where_staging_starts():
+    small = request(total=2 * MiB, count=128)
+    assert policy.choose_staging(small, KERNEL, HostSpans(8, 16 * KiB), 1 * MiB) is None
+    lower = Thresholds(staging_min_bytes=1 * MiB, staging_min_span_bytes=256 * KiB)
+    assert policy.choose_staging(small, KERNEL, HostSpans(8, 16 * KiB), 1 * MiB, lower)
+    assert policy.choose_staging(small, KERNEL, HostSpans(9, 16 * KiB), 1 * MiB, lower) is None
+
+
+def test_staging_bytes_setting_is_checked():
+    saved = kvcopy.config.staging_bytes
+    try:
+        kvcopy.config.staging_bytes = 0
+        kvcopy.config.staging_bytes = 8 * MiB
+        assert kvcopy.config.staging_bytes == 8 * MiB
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            kvcopy.config.staging_bytes = 5000
+        with pytest.raises(TypeError):
+            kvcopy.config.staging_bytes = "4M"
+    finally:
+        kvcopy.config.staging_bytes = saved
+
+
+# ---- tile renumbering of a chunked table
+
+def table_of(sizes: list[int]) -> tuple[np.ndarray, int]:
+    """A descriptor table as describe writes it (tile_start counted over the whole
+    table), in ordinary memory standing in for the pinned slot; and its tile count."""
+    table = np.zeros((len(sizes), 4), dtype=np.uint64)
+    tiles = 0
+    for i, size in enumerate(sizes):
+        table[i] = (0, 0, size, tiles)
+        tiles += -(-size // kv_describe_tile())
+    return table, tiles
+
+
+def kv_describe_tile() -> int:
+    from kvcopy._cuda import launch
+    return launch.TILE_BYTES
+
+
+def test_each_slice_counts_its_tiles_from_zero():
+    tile = kv_describe_tile()
+    sizes = [tile, 4 * tile, 2 * tile, tile, 3 * tile, tile]
+    table, tiles = table_of(sizes)
+    counts = descriptors.number_tiles_per_slice(table.ctypes.data, len(sizes), tiles,
+                                                np.array([0, 2, 5]))
+    assert counts == [5, 6, 1]
+    assert table[:, 3].tolist() == [0, 1, 0, 2, 3, 0]
+
+
+def test_one_tile_copies_keep_their_table():
+    table, tiles = table_of([1024] * 7)
+    before = table.copy()
+    counts = descriptors.number_tiles_per_slice(table.ctypes.data, 7, tiles, np.array([0, 3]))
+    assert counts == [3, 4] and (table == before).all()
+
+
+# ---- what a staged call issues, in order
+
+class Recorder:
+    """The driver, ring, describe and launch calls of staged.run, in order; the
+    describe pass writes a real table into ordinary memory."""
+
+    def __init__(self, chunk: int) -> None:
+        self.calls: list[tuple] = []
+        self.table = np.zeros((1 << 16, 4), dtype=np.uint64)
+        self.slot = kvcopy.ring.Slot(capacity=1 << 30, host=self.table.ctypes.data,
+                                     mapped=0x2000, device=0xD000_0000, event=0x77)
+        self.buffers = staged.StagingBuffers.__new__(staged.StagingBuffers)
+        self.buffers.capacity, self.buffers.base = chunk, 0xB000_0000
+        self.buffers.lock = threading.Lock()
+        self.buffers.free = [0xF0, 0xF1, 0xF2, 0xF3]
+        self.buffers.filled = [0xE0, 0xE1, 0xE2, 0xE3]
+        self.fail_copy: int | None = None
+
+    # driver
+    def stream_wait_event(self, stream, event):
+        self.calls.append(("wait", stream, event))
+
+    def event_record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def stream_wait_stream(self, consumer, producer):
+        self.calls.append(("join", consumer, producer))
+
+    # describe
+    DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
+
+    def describe_copies(self, src, dst, sizes, out, merge):
+        assert out == self.slot.host and merge is False
+        table, tiles = table_of([int(s) for s in sizes])
+        table[:, 0], table[:, 1] = src, dst
+        self.table[:len(sizes)] = table
+        self.calls.append(("describe", len(sizes)))
+        return (len(sizes), int(sizes.sum()), 0, -1, 0, 0, tiles)
+
+    # launch
+    def upload(self, device, host, nbytes, stream):
+        self.calls.append(("upload", device, nbytes, stream))
+
+    def launch_descs(self, function, descs, n, tiles, ctas, threads, stream, upload_from):
+        self.calls.append(("kernel", stream, (descs - self.slot.device) // 32, n, tiles, ctas))
+        return 1
+
+    # dma
+    def memcpy_loop(self, dst, src, sizes, stream):
+        if self.fail_copy is not None and self.fail_copy < len(sizes):
+            raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", self.fail_copy)
+        self.calls.append(("copy", stream, dst.tolist(), src.tolist(), sizes.tolist()))
+
+
+CALLER, SIDES = 0x5000, {0: 0x5100, 1: 0x5101, 2: 0x5102}
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder(64 * KiB)
+
+    class Ring:
+        def reserve(self, nbytes):
+            assert nbytes <= r.table.nbytes
+            r.calls.append(("reserve", nbytes))
+            return self
+
+        def __enter__(self):
+            return r.slot
+
+        def __exit__(self, *exc):
+            r.calls.append(("release",))
+
+    class Functions:
+        staged = 0xF00
+
+    class Kernel:
+        @staticmethod
+        def scatter(variant):
+            assert variant == "registers"
+            return Functions
+
+    monkeypatch.setattr(staged, "driver", r)
+    monkeypatch.setattr(staged, "describe", r)
+    monkeypatch.setattr(staged, "launch", r)
+    monkeypatch.setattr(staged, "dma", r)
+    monkeypatch.setattr(staged.ring, "ring_for_current_context", lambda: Ring())
+    monkeypatch.setattr(staged.ring.DescriptorRing, "fence",
+                        staticmethod(lambda slot, stream: r.calls.append(("fence", stream))))
+    monkeypatch.setattr(staged.kernels, "kernel_for_current_context", lambda *a: Kernel)
+    monkeypatch.setattr(staged.side_streams, "for_caller", lambda handle, index=0: SIDES[index])
+    monkeypatch.setattr(staged._buffers, "current", lambda: r.buffers)
+    return r
+
+
+def batch(direction: str, count: int, block: int = 16 * KiB, name: str = "") -> staged.StagedBatch:
+    sizes = np.full(count, block, dtype=np.uint64)
+    host = HOST + np.arange(count, dtype=np.uint64) * np.uint64(block)
+    gpu = GPU + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * block)
+    return staged.StagedBatch(direction, host, gpu, sizes, staged.span_starts(host, sizes),
+                              np.arange(count), Decision("staged", "test"), 64 * KiB, name)
+
+
+def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec):
+    load = batch("h2d", 10)     # 160 KiB: chunks of 4, 4 and 2 blocks of 16 KiB
+    staged.run(CALLER, [load], (9, 0), 12080)
+    copy, base = SIDES[0], rec.buffers.base
+    # the descriptors: from the staging buffers (chunk k in buffer k % 2) to the GPU blocks
+    buffer_of = [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+    offset = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert rec.table[:10, 0].tolist() == [base + b * 64 * KiB + o * 16 * KiB
+                                          for b, o in zip(buffer_of, offset)]
+    assert rec.table[:10, 1].tolist() == load.gpu.tolist()
+    assert rec.calls[:4] == [("reserve", 10 * 32), ("describe", 10),
+                             ("upload", rec.slot.device, 10 * 32, CALLER), ("join", copy, CALLER)]
+    chunk = [
+        ("wait", copy, 0xF0),
+        ("copy", copy, [base], [HOST], [64 * KiB]),
+        ("record", 0xE0, copy), ("wait", CALLER, 0xE0),
+        ("kernel", CALLER, 0, 4, 4, policy.STAGING_CTAS),
+        ("record", 0xF0, CALLER),
+        ("wait", copy, 0xF1),
+        ("copy", copy, [base + 64 * KiB], [HOST + 64 * KiB], [64 * KiB]),
+        ("record", 0xE1, copy), ("wait", CALLER, 0xE1),
+        ("kernel", CALLER, 4, 4, 4, policy.STAGING_CTAS),
+        ("record", 0xF1, CALLER),
+        ("wait", copy, 0xF0),
+        ("copy", copy, [base], [HOST + 128 * KiB], [32 * KiB]),
+        ("record", 0xE0, copy), ("wait", CALLER, 0xE0),
+        ("kernel", CALLER, 8, 2, 2, policy.STAGING_CTAS),
+        ("record", 0xF0, CALLER),
+    ]
+    assert rec.calls[4:-3] == chunk
+    assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
+
+
+def test_a_store_gathers_each_chunk_then_copies_it_out_and_joins_the_callers_stream(rec):
+    store = batch("d2h", 6, block=32 * KiB)     # chunks of 2 blocks of 32 KiB (2 tiles each)
+    staged.run(CALLER, [store], (9, 0), 12080)
+    copy, base = SIDES[0], rec.buffers.base
+    assert rec.table[:6, 0].tolist() == store.gpu.tolist()
+    assert rec.table[:6, 1].tolist() == [base + (k // 2 % 2) * 64 * KiB + (k % 2) * 32 * KiB
+                                         for k in range(6)]
+    # each chunk's tiles counted from 0 for its own launch
+    assert rec.table[:6, 3].tolist() == [0, 2, 0, 2, 0, 2]
+    kernels = [c for c in rec.calls if c[0] == "kernel"]
+    assert kernels == [("kernel", CALLER, 2 * k, 2, 4, policy.STAGING_CTAS) for k in range(3)]
+    first_chunk = rec.calls[4:10]
+    assert first_chunk == [("wait", CALLER, 0xF0), kernels[0], ("record", 0xE0, CALLER),
+                           ("wait", copy, 0xE0),
+                           ("copy", copy, [HOST], [base], [64 * KiB]), ("record", 0xF0, copy)]
+    assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
+
+
+def test_both_ways_take_turns_chunk_by_chunk_each_on_streams_and_buffers_of_its_own(rec):
+    store, load = batch("d2h", 8, name="store"), batch("h2d", 4, name="load")
+    staged.run(CALLER, [store, load], (9, 0), 12080)
+    # the store: gathered on the caller's stream into buffers 0-1, out on side 0;
+    # the load: in on side 2 into buffers 2-3, scattered on side 1
+    kernels = [c for c in rec.calls if c[0] == "kernel"]
+    assert kernels == [("kernel", CALLER, 0, 4, 4, policy.STAGING_CTAS),
+                       ("kernel", SIDES[1], 8, 4, 4, policy.STAGING_CTAS),
+                       ("kernel", CALLER, 4, 4, 4, policy.STAGING_CTAS)]
+    copies = [c for c in rec.calls if c[0] == "copy"]
+    base = rec.buffers.base
+    assert copies == [("copy", SIDES[0], [HOST], [base], [64 * KiB]),
+                      ("copy", SIDES[2], [base + 128 * KiB], [HOST], [64 * KiB]),
+                      ("copy", SIDES[0], [HOST + 64 * KiB], [base + 64 * KiB], [64 * KiB])]
+    forks = {c[1] for c in rec.calls[:8] if c[0] == "join" and c[2] == CALLER}
+    joins = {c[2] for c in rec.calls[-6:] if c[0] == "join" and c[1] == CALLER}
+    assert forks == joins == {SIDES[0], SIDES[1], SIDES[2]}
+    assert rec.calls[-2:] == [("fence", CALLER), ("release",)]
+
+
+def test_a_failed_copy_names_the_side_and_the_callers_index_and_still_joins(rec):
+    load = batch("h2d", 10, name="load")
+    load = staged.StagedBatch(load.direction, load.host, load.gpu, load.sizes, load.starts,
+                              np.arange(10) * 3 + 1, load.decision, load.chunk_bytes, "load")   # zero-size copies dropped
+    rec.fail_copy = 0
+    with pytest.raises(CudaError, match="load: invalid argument") as info:
+        staged.run(CALLER, [load], (9, 0), 12080)
+    assert info.value.index == 1 and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), ("fence", CALLER), ("release",)]
+
+
+# ---- choosing a staged side
+
+def test_plan_batch_drops_empty_copies_and_keeps_the_callers_indices(monkeypatch):
+    class Buffers:
+        def ensure(self, chunk):
+            return True
+    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    n, block = 1024, 16 * KiB
+    sizes = np.full(n, block, dtype=np.uint64)
+    sizes[::5] = 0
+    host = HOST + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+    gpu = GPU + np.arange(n, dtype=np.uint64) * np.uint64(4 * block)
+    req = request("d2h", total=int(sizes.sum()), count=n)
+    side = staged.plan_batch(req, KERNEL, gpu, host, sizes, "auto", Thresholds(), "store")
+    assert side is not None and side.decision.method == "staged" and side.name == "store"
+    assert side.positions.tolist() == [i for i in range(n) if i % 5]
+    assert side.host.tolist() == host[side.positions].tolist()
+    assert side.gpu.tolist() == gpu[side.positions].tolist()
+    assert side.starts.tolist() == [0]     # empty copies do not break a span
+
+
+def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_room(monkeypatch):
+    room = {"ok": False}
+
+    class Buffers:
+        def ensure(self, chunk):
+            return room["ok"]
+    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    n, block = 1024, 16 * KiB
+    sizes = np.full(n, block, dtype=np.uint64)
+    host = HOST + np.arange(n, dtype=np.uint64) * np.uint64(block)
+    scattered = HOST + np.arange(n, dtype=np.uint64)[::-1] * np.uint64(block)
+    req = request("h2d", total=n * block, count=n)
+    args = (Thresholds(),)
+    assert staged.plan_batch(req, KERNEL, host, host + 1, sizes, "auto", *args) is None  # no room
+    room["ok"] = True
+    assert staged.plan_batch(req, KERNEL, host, host + 1, sizes, "auto", *args) is not None
+    assert staged.plan_batch(req, KERNEL, scattered, host, sizes, "auto", *args) is None
+    assert staged.plan_batch(req, KERNEL, host, host, sizes, "kernel", *args) is None
+    saved = kvcopy.config.staging_bytes
+    try:
+        kvcopy.config.staging_bytes = 0
+        assert staged.plan_batch(req, KERNEL, host, host, sizes, "auto", *args) is None
+    finally:
+        kvcopy.config.staging_bytes = saved
