@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 5)
+    steps = len(jobs) + (0 if args.no_scenarios else 6)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = (16, 256, 1024) if args.quick else (16, 64, 256, 1024, 4096)
         stages = [("bidirectional", "both directions at once",
                    lambda: extra.bidirectional(repeats=repeats)),
+                  ("host_spans", "host side one span (staged)",
+                   lambda: extra.host_spans(repeats=repeats)),
                   ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
                   ("compute_beside", "compute beside the copy (paired)",
                    lambda: [row for direction in ("h2d", "d2h") for row in beside.compute_beside(

@@ -1,5 +1,6 @@
-"""Scenarios beyond the block sweep: both directions at once, small batches, and
-swap_blocks on a realistic paged KV cache (compute beside copies: bench.beside)."""
+"""Scenarios beyond the block sweep: both directions at once, batches whose host side
+is one span, small batches, and swap_blocks on a realistic paged KV cache (compute
+beside copies: bench.beside)."""
 from __future__ import annotations
 
 import functools
@@ -61,6 +62,60 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
                    "of_contiguous_pair": pair_ms / gpu_ms,
                    "wall_gbps": 2 * total / seconds / 1e9, "wall_of_contiguous_pair":
                    pair_wall / seconds}
+
+
+def host_spans(blocks=(4 * KiB, 16 * KiB, 64 * KiB), total: int = 64 * MiB,
+               repeats: int = 5) -> Iterator[dict]:
+    """Batches whose host side is one span (LMCache keeps a chunk in one host buffer),
+    the GPU's blocks scattered: both ways at once (copy_both_ways) and each way alone
+    (copy_batch), by 'auto' (which stages them: kvcopy.staged) and by 'kernel', against
+    the contiguous pair (or copy) in the same run: GPU time and wall."""
+    import torch
+
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
+    rng = np.random.default_rng(7)
+    for block in blocks:
+        count = total // block
+        host = np.arange(count, dtype=np.uint64) * np.uint64(block)
+        sizes = np.full(count, block, dtype=np.uint64)
+
+        def gpu_blocks(pool) -> np.ndarray:
+            slots = rng.permutation(2 * count)[:count].astype(np.uint64)
+            return np.uint64(pool.data_ptr()) + slots * np.uint64(block)
+        load = (np.uint64(h2d.src.data_ptr()) + host, gpu_blocks(h2d.dst), sizes)
+        store = (gpu_blocks(d2h.src), np.uint64(d2h.dst.data_ptr()) + host, sizes)
+
+        def contiguous(load_too: bool = True, store_too: bool = True) -> None:
+            if load_too:
+                with torch.cuda.stream(s1):
+                    h2d.dst[:total].copy_(h2d.src[:total], non_blocking=True)
+            if store_too:
+                with torch.cuda.stream(s2):
+                    d2h.dst[:total].copy_(d2h.src[:total], non_blocking=True)
+        ways: dict[str, dict[str, Callable[[], object]]] = {
+            "both": {"contiguous": contiguous}, "h2d": {"contiguous": lambda: contiguous(True, False)},
+            "d2h": {"contiguous": lambda: contiguous(False, True)}}
+        for method in ("auto", "kernel"):
+            ways["both"][method] = functools.partial(kvcopy.copy_both_ways, store, load,
+                                                     stream=s1, method=method)
+            ways["h2d"][method] = functools.partial(kvcopy.copy_batch, *load, stream=s1,
+                                                    method=method)
+            ways["d2h"][method] = functools.partial(kvcopy.copy_batch, *store, stream=s2,
+                                                    method=method)
+        for way, cases in ways.items():
+            nbytes = 2 * total if way == "both" else total
+            reference_ms = reference_s = 0.0
+            for name, fn in cases.items():
+                seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
+                                                warmup=1) / 1e6
+                gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
+                reference_ms, reference_s = reference_ms or gpu_ms, reference_s or seconds
+                yield {"scenario": "host_spans", "way": way, "block_bytes": block, "count": count,
+                       "method": name, "chose": "" if name == "contiguous" else last_method(),
+                       "gbps": nbytes / gpu_ms / 1e6, "of_contiguous": reference_ms / gpu_ms,
+                       "wall_gbps": nbytes / seconds / 1e9, "wall_of_contiguous":
+                       reference_s / seconds}
 
 
 def swap_blocks_cache(block_counts=(16, 64, 256, 1024, 4096), repeats: int = 5,
