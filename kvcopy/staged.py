@@ -35,7 +35,7 @@ from kvcopy import kernels, policy, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
 from kvcopy.context import PerContext
-from kvcopy.descriptors import number_tiles_per_slice
+from kvcopy.descriptors import pinned_descriptors
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, HostSpans
 
@@ -53,36 +53,63 @@ def span_starts(host: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Copies [first, stop) of a side, staged together. ``spans``: one cuMemcpyAsync
-    each, as (first copy, host address, offset in the staging buffer, bytes)."""
+class ChunkPlan:
+    """A side cut into chunks of whole copies, in order: chunk k is copies
+    [bounds[k], bounds[k + 1]), and copy i lies at offsets[i] in its chunk's buffer.
+    Its host spans, cut where chunks start, are one cuMemcpyAsync each: span j starts
+    at copy span_first[j], at host address span_host[j] and span_offset[j] in its
+    chunk's buffer, and has span_bytes[j] bytes; chunk k's spans are
+    [span_bounds[k], span_bounds[k + 1])."""
 
-    first: int
-    stop: int
-    spans: tuple[tuple[int, int, int, int], ...]
+    bounds: np.ndarray
+    offsets: np.ndarray
+    span_first: np.ndarray
+    span_host: np.ndarray
+    span_offset: np.ndarray
+    span_bytes: np.ndarray
+    span_bounds: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds) - 1
 
 
 def plan_chunks(host: np.ndarray, sizes: np.ndarray, starts: np.ndarray,
-                chunk_bytes: int) -> tuple[list[Chunk], np.ndarray]:
-    """Cut a side (no copy empty, none over ``chunk_bytes``) into chunks of whole copies
-    of at most ``chunk_bytes``, in order; returns the chunks and each copy's offset in
-    its chunk's staging buffer (copies packed back to back)."""
+                chunk_bytes: int) -> ChunkPlan:
+    """Cut a side (no copy empty, none over ``chunk_bytes``) into chunks of at most
+    ``chunk_bytes``, without a loop over copies: a copy joins the chunk in which its
+    first byte falls, the side's bytes counted in steps of ``chunk_bytes`` less its
+    largest copy (plus one), so that a chunk's last copy still fits; blocks of one
+    size, in steps of the most whole blocks a chunk holds."""
+    n = len(sizes)
     ends = np.cumsum(sizes, dtype=np.uint64)
     before = ends - sizes
-    offsets = np.empty(len(sizes), dtype=np.uint64)
-    chunks: list[Chunk] = []
-    first = 0
-    while first < len(sizes):
-        limit = before[first] + np.uint64(chunk_bytes)
-        stop = max(int(np.searchsorted(ends, limit, side="right")), first + 1)
-        offsets[first:stop] = before[first:stop] - before[first]
-        lo, hi = np.searchsorted(starts, (first + 1, stop))
-        cuts = [first, *starts[lo:hi].tolist(), stop]
-        spans = tuple((a, int(host[a]), int(before[a] - before[first]),
-                       int(ends[b - 1] - before[a])) for a, b in zip(cuts, cuts[1:]))
-        chunks.append(Chunk(first, stop, spans))
-        first = stop
-    return chunks, offsets
+    largest = int(sizes.max())
+    step = (chunk_bytes - chunk_bytes % largest if int(sizes.min()) == largest
+            else chunk_bytes - largest + 1)
+    new_chunk = np.diff(before // np.uint64(step)) != 0
+    bounds = np.concatenate(([0], np.flatnonzero(new_chunk) + 1, [n]))
+    chunk_of = np.concatenate(([0], np.cumsum(new_chunk)))
+    offsets = before - before[bounds[:-1]][chunk_of]
+    span_first = np.union1d(starts, bounds[:-1])
+    span_last = np.append(span_first[1:], n) - 1
+    return ChunkPlan(bounds, offsets, span_first, host[span_first], offsets[span_first],
+                     ends[span_last] - before[span_first], np.searchsorted(span_first, bounds))
+
+
+def write_table(table: int, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                bounds: np.ndarray) -> list[int]:
+    """Write the descriptors of copies src[i] -> dst[i] (device addresses, none empty)
+    into the pinned ``table``, the tiles of each slice [bounds[k], bounds[k + 1])
+    counted from 0 for a launch of its own; return each slice's tile count. (The
+    describe pass would check and classify them again: they were, as the caller's
+    batch.)"""
+    tiles = (sizes + np.uint64(launch.TILE_BYTES - 1)) // np.uint64(launch.TILE_BYTES)
+    before = np.cumsum(tiles) - tiles
+    counts = np.diff(bounds)
+    tile_start = before - np.repeat(before[bounds[:-1]], counts)
+    pinned_descriptors(table, len(sizes))[:] = np.stack((src, dst, sizes, tile_start), axis=1)
+    return [int(t) for t in np.add.reduceat(tiles, bounds[:-1])] if len(counts) else []
 
 
 @dataclass(frozen=True)
@@ -171,11 +198,12 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
 @dataclass
 class _Side:
     batch: StagedBatch
-    chunks: list[Chunk]
+    chunks: ChunkPlan
     first_descriptor: int
-    buffers: tuple[int, int]
     copy_stream: int
     kernel_stream: int
+    span_staged: np.ndarray   # each span's address in its staging buffer
+    buffers: tuple[int, int]
     tiles: list[int]
 
 
@@ -196,9 +224,9 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
         for stream in side_work:
             driver.stream_wait_stream(stream, handle)
         try:
-            for k in range(max(len(side.chunks) for side in sides)):
+            for k in range(max(side.chunks.count for side in sides)):
                 for side in sides:
-                    if k < len(side.chunks):
+                    if k < side.chunks.count:
                         _issue_chunk(side, k, staging, function, slot.device)
         finally:
             for stream in side_work:
@@ -208,31 +236,29 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
 
 def _describe_sides(handle: int, batches: list[StagedBatch], staging: StagingBuffers,
                     table: int) -> list[_Side]:
-    """Plan each side's chunks and streams, and describe every side's copies against
-    their staging addresses into the pinned ``table``, one after the other, each
-    chunk's tiles counted from 0 for its own launch."""
+    """Plan each side's chunks and streams, and write every side's copies against their
+    staging addresses into the pinned ``table``, one side after the other."""
     sides, src, dst = [], [], []
     first = 0
     for j, batch in enumerate(batches):
-        chunks, offsets = plan_chunks(batch.host, batch.sizes, batch.starts, batch.chunk_bytes)
+        plan = plan_chunks(batch.host, batch.sizes, batch.starts, batch.chunk_bytes)
         buffers = (j * BUFFERS_PER_SIDE, j * BUFFERS_PER_SIDE + 1)
-        chunk_of = np.repeat(np.arange(len(chunks)), [c.stop - c.first for c in chunks])
-        buffer_of = (j * BUFFERS_PER_SIDE + chunk_of % BUFFERS_PER_SIDE).astype(np.uint64)
-        staged = np.uint64(staging.base) + buffer_of * np.uint64(staging.capacity) + offsets
+        # chunk k in buffer k % 2 of the side's two
+        chunk_buffer = (np.uint64(staging.address(buffers[0])) + np.uint64(staging.capacity)
+                        * (np.arange(plan.count) % BUFFERS_PER_SIDE).astype(np.uint64))
+        staged = np.repeat(chunk_buffer, np.diff(plan.bounds)) + plan.offsets
         src.append(staged if batch.direction == "h2d" else batch.gpu)
         dst.append(batch.gpu if batch.direction == "h2d" else staged)
         streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
                    (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
-        sides.append(_Side(batch, chunks, first, buffers, *streams, []))
+        sides.append(_Side(batch, plan, first, *streams, staged[plan.span_first], buffers, []))
         first += len(batch.sizes)
-    sizes = np.concatenate([b.sizes for b in batches])
-    count, _, _, _, _, _, tiles = describe.describe_copies(
-        np.concatenate(src), np.concatenate(dst), sizes, table, False)
-    assert count == first, "staged copies are never empty, so never dropped"
-    bounds = np.array([side.first_descriptor + c.first for side in sides for c in side.chunks])
-    per_chunk = number_tiles_per_slice(table, count, tiles, bounds)
+    bounds = np.concatenate([side.first_descriptor + side.chunks.bounds[:-1] for side in sides]
+                            + [[first]])
+    per_chunk = write_table(table, np.concatenate(src), np.concatenate(dst),
+                            np.concatenate([b.sizes for b in batches]), bounds)
     for side in sides:
-        side.tiles, per_chunk = per_chunk[:len(side.chunks)], per_chunk[len(side.chunks):]
+        side.tiles, per_chunk = per_chunk[:side.chunks.count], per_chunk[side.chunks.count:]
     return sides
 
 
@@ -240,36 +266,38 @@ def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
                  table: int) -> None:
     """Chunk k of a side: its spans by copy engines and its scatter (or gather) by the
     kernel, in the order its direction needs, behind the staging buffer's last use."""
-    chunk, buffer = side.chunks[k], side.buffers[k % BUFFERS_PER_SIDE]
+    plan, buffer = side.chunks, side.buffers[k % BUFFERS_PER_SIDE]
     load = side.batch.direction == "h2d"
     first_stream = side.copy_stream if load else side.kernel_stream
     second_stream = side.kernel_stream if load else side.copy_stream
     driver.stream_wait_event(first_stream, staging.free[buffer])
     for stream in (first_stream, second_stream):
         if stream == side.copy_stream:
-            _copy_spans(side.batch, chunk, staging.address(buffer), load, stream)
+            _copy_spans(side, int(plan.span_bounds[k]), int(plan.span_bounds[k + 1]), load)
         else:
-            n = chunk.stop - chunk.first
-            descs = table + (side.first_descriptor + chunk.first) * describe.DESCRIPTOR_BYTES
-            launch.launch_descs(function, descs, n, side.tiles[k], policy.STAGING_CTAS,
-                                config.threads_per_cta, stream, 0)
+            first, stop = int(plan.bounds[k]), int(plan.bounds[k + 1])
+            descs = table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
+            launch.launch_descs(function, descs, stop - first, side.tiles[k],
+                                policy.STAGING_CTAS, config.threads_per_cta, stream, 0)
         if stream == first_stream:
             driver.event_record(staging.filled[buffer], stream)
             driver.stream_wait_event(second_stream, staging.filled[buffer])
     driver.event_record(staging.free[buffer], second_stream)
 
 
-def _copy_spans(batch: StagedBatch, chunk: Chunk, buffer: int, load: bool, stream: int) -> None:
-    """One cuMemcpyAsync per host span of the chunk, to (load) or from its buffer."""
-    host = np.array([s[1] for s in chunk.spans], dtype=np.uint64)
-    staged = np.array([buffer + s[2] for s in chunk.spans], dtype=np.uint64)
-    nbytes = np.array([s[3] for s in chunk.spans], dtype=np.uint64)
+def _copy_spans(side: _Side, lo: int, hi: int, load: bool) -> None:
+    """Spans [lo, hi) of a side, one cuMemcpyAsync each, to (load) or from their
+    staging buffer."""
+    plan = side.chunks
+    host, staged, nbytes = plan.span_host[lo:hi], side.span_staged[lo:hi], plan.span_bytes[lo:hi]
     try:
         if load:
-            dma.memcpy_loop(staged, host, nbytes, stream)
+            dma.memcpy_loop(staged, host, nbytes, side.copy_stream)
         else:
-            dma.memcpy_loop(host, staged, nbytes, stream)
+            dma.memcpy_loop(host, staged, nbytes, side.copy_stream)
     except CudaError as exc:
-        index = None if exc.index is None else int(batch.positions[chunk.spans[exc.index][0]])
+        batch = side.batch
+        index = (None if exc.index is None
+                 else int(batch.positions[plan.span_first[lo + exc.index]]))
         prefix = f"{batch.name}: " if batch.name else ""
         raise type(exc)(exc.code, exc.name, prefix + exc.message, index) from None

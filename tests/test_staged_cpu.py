@@ -1,7 +1,7 @@
 """Staged copies (kvcopy.staged) on the CPU: the host-span and chunk planning, the
-policy that chooses staging (faked requests and thresholds), the tile renumbering of
+policy that chooses staging (faked requests and thresholds), the tile numbering of
 a chunked descriptor table, and the order in which a staged call issues its work,
-with the driver, the ring, the describe pass and the launches faked."""
+with the driver, the ring and the launches faked."""
 from __future__ import annotations
 
 import threading
@@ -49,35 +49,49 @@ def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends
     else:   # a 4 KiB gap after every third copy
         host = u64([HOST + i * 8 * KiB + (i // 3) * 4 * KiB for i in range(len(sizes))])
     starts = staged.span_starts(host, sizes)
-    chunks, offsets = staged.plan_chunks(host, sizes, starts, chunk)
-    assert chunks[0].first == 0 and chunks[-1].stop == len(sizes)
-    assert all(a.stop == b.first for a, b in zip(chunks, chunks[1:]))
+    plan = staged.plan_chunks(host, sizes, starts, chunk)
+    bounds = plan.bounds.tolist()
+    assert bounds[0] == 0 and bounds[-1] == len(sizes)
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))          # none empty, in order
     starts_set = set(starts.tolist())
-    for c in chunks:
-        inside = sizes[c.first:c.stop]
+    for k in range(plan.count):
+        first, stop = bounds[k], bounds[k + 1]
+        inside = sizes[first:stop]
         assert int(inside.sum()) <= chunk
-        # greedy: the next copy would not have fit
-        if c.stop < len(sizes):
-            assert int(inside.sum()) + int(sizes[c.stop]) > chunk
         # copies packed back to back from offset 0
-        assert offsets[c.first:c.stop].tolist() == (np.cumsum(inside) - inside).tolist()
+        assert plan.offsets[first:stop].tolist() == (np.cumsum(inside) - inside).tolist()
         # spans: cut at the chunk's start and at every span start inside it
-        firsts = [s[0] for s in c.spans]
-        assert firsts == [c.first] + sorted(i for i in starts_set if c.first < i < c.stop)
-        for (a, address, offset, nbytes), b in zip(c.spans, firsts[1:] + [c.stop]):
-            assert address == int(host[a])
-            assert offset == int(offsets[a])
-            assert nbytes == int(sizes[a:b].sum())
+        lo, hi = plan.span_bounds[k], plan.span_bounds[k + 1]
+        firsts = plan.span_first[lo:hi].tolist()
+        assert firsts == [first] + sorted(i for i in starts_set if first < i < stop)
+        for j, (a, b) in enumerate(zip(firsts, firsts[1:] + [stop])):
+            assert plan.span_host[lo + j] == host[a]
+            assert plan.span_offset[lo + j] == plan.offsets[a]
+            assert plan.span_bytes[lo + j] == sizes[a:b].sum()
             # the span really is contiguous on the host
             assert (host[a:b] == host[a] + np.concatenate(([0], np.cumsum(sizes[a:b])[:-1]))
                     .astype(np.uint64)).all()
+    if len(set(sizes.tolist())) == 1 and chunk % int(sizes[0]) == 0:   # whole chunks
+        assert set(np.diff(plan.bounds[:-1]).tolist()) <= {chunk // int(sizes[0])}
 
 
 def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own():
     sizes = u64([4 * KiB, 64 * KiB, 4 * KiB])
     host = HOST + u64([0, 4 * KiB, 68 * KiB])
-    chunks, _ = staged.plan_chunks(host, sizes, staged.span_starts(host, sizes), 64 * KiB)
-    assert [(c.first, c.stop) for c in chunks] == [(0, 1), (1, 2), (2, 3)]
+    plan = staged.plan_chunks(host, sizes, staged.span_starts(host, sizes), 64 * KiB)
+    assert plan.bounds.tolist() == [0, 1, 2, 3]
+    assert plan.span_bytes.tolist() == [4 * KiB, 64 * KiB, 4 * KiB]
+
+
+def test_the_table_counts_each_slices_tiles_from_zero():
+    tile = kv_describe_tile()
+    sizes = u64([tile, 4 * tile, 2 * tile, 100, 3 * tile + 1, tile])
+    table = np.zeros((len(sizes), 4), dtype=np.uint64)
+    src, dst = 0xA000 + np.arange(6, dtype=np.uint64), 0xB000 + np.arange(6, dtype=np.uint64)
+    counts = staged.write_table(table.ctypes.data, src, dst, sizes, np.array([0, 2, 5, 6]))
+    assert counts == [5, 7, 1]
+    assert table.tolist() == [[int(a), int(b), int(n), t] for a, b, n, t in
+                              zip(src, dst, sizes, [0, 1, 0, 2, 3, 0])]
 
 
 # ---- the policy
@@ -175,8 +189,8 @@ def test_one_tile_copies_keep_their_table():
 # ---- what a staged call issues, in order
 
 class Recorder:
-    """The driver, ring, describe and launch calls of staged.run, in order; the
-    describe pass writes a real table into ordinary memory."""
+    """The driver, ring and launch calls of staged.run, in order; its table is written
+    into ordinary memory standing in for the pinned slot."""
 
     def __init__(self, chunk: int) -> None:
         self.calls: list[tuple] = []
@@ -200,18 +214,10 @@ class Recorder:
     def stream_wait_stream(self, consumer, producer):
         self.calls.append(("join", consumer, producer))
 
-    # describe
+    # describe, launch
     DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
+    TILE_BYTES = kv_describe_tile()
 
-    def describe_copies(self, src, dst, sizes, out, merge):
-        assert out == self.slot.host and merge is False
-        table, tiles = table_of([int(s) for s in sizes])
-        table[:, 0], table[:, 1] = src, dst
-        self.table[:len(sizes)] = table
-        self.calls.append(("describe", len(sizes)))
-        return (len(sizes), int(sizes.sum()), 0, -1, 0, 0, tiles)
-
-    # launch
     def upload(self, device, host, nbytes, stream):
         self.calls.append(("upload", device, nbytes, stream))
 
@@ -285,8 +291,8 @@ def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec)
     assert rec.table[:10, 0].tolist() == [base + b * 64 * KiB + o * 16 * KiB
                                           for b, o in zip(buffer_of, offset)]
     assert rec.table[:10, 1].tolist() == load.gpu.tolist()
-    assert rec.calls[:4] == [("reserve", 10 * 32), ("describe", 10),
-                             ("upload", rec.slot.device, 10 * 32, CALLER), ("join", copy, CALLER)]
+    assert rec.calls[:3] == [("reserve", 10 * 32), ("upload", rec.slot.device, 10 * 32, CALLER),
+                             ("join", copy, CALLER)]
     chunk = [
         ("wait", copy, 0xF0),
         ("copy", copy, [base], [HOST], [64 * KiB]),
@@ -304,7 +310,7 @@ def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec)
         ("kernel", CALLER, 8, 2, 2, policy.STAGING_CTAS),
         ("record", 0xF0, CALLER),
     ]
-    assert rec.calls[4:-3] == chunk
+    assert rec.calls[3:-3] == chunk
     assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
 
 
@@ -319,7 +325,7 @@ def test_a_store_gathers_each_chunk_then_copies_it_out_and_joins_the_callers_str
     assert rec.table[:6, 3].tolist() == [0, 2, 0, 2, 0, 2]
     kernels = [c for c in rec.calls if c[0] == "kernel"]
     assert kernels == [("kernel", CALLER, 2 * k, 2, 4, policy.STAGING_CTAS) for k in range(3)]
-    first_chunk = rec.calls[4:10]
+    first_chunk = rec.calls[3:9]
     assert first_chunk == [("wait", CALLER, 0xF0), kernels[0], ("record", 0xE0, CALLER),
                            ("wait", copy, 0xE0),
                            ("copy", copy, [HOST], [base], [64 * KiB]), ("record", 0xF0, copy)]
