@@ -10,7 +10,8 @@ need one copy per span: each span goes whole to a staging buffer in GPU memory, 
 the copy kernel scatters the GPU's blocks from there (a load), or gathers them
 there first (a store), at HBM speed (figures: policy.STAGING_MIN_BYTES).
 
-How: each side is cut into chunks of at most config.staging_bytes. Chunk k of side j
+How: one pass over each side's copies (kvcopy._cuda.stage) cuts it into chunks of at
+most config.staging_bytes and writes the kernel's descriptors. Chunk k of side j
 uses staging buffer 2j + k % 2, its copy-engine work on a stream of kvcopy's own and
 its kernel on another (the caller's, for the first side), with events between
 them, so that chunk k+1 crosses the link while chunk k is scattered. One descriptor
@@ -32,10 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcopy import kernels, policy, ring, side_streams
-from kvcopy._cuda import describe, dma, driver, launch
+from kvcopy._cuda import describe, dma, driver, launch, stage
 from kvcopy.config import config
 from kvcopy.context import PerContext
-from kvcopy.descriptors import pinned_descriptors
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, HostSpans
 
@@ -43,88 +43,17 @@ BUFFERS_PER_SIDE = 2   # one fills while the other is scattered
 SIDES = 2              # copy_both_ways stages both of its batches
 
 
-def span_starts(host: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """The indices of the copies that start a host span: the first, and each copy
-    whose host bytes do not begin where the previous copy's end."""
-    if not len(sizes):
-        return np.zeros(0, dtype=np.int64)
-    breaks = np.flatnonzero(host[1:] != host[:-1] + sizes[:-1]) + 1
-    return np.concatenate((np.zeros(1, dtype=np.int64), breaks))
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """A side cut into chunks of whole copies, in order: chunk k is copies
-    [bounds[k], bounds[k + 1]), and copy i lies at offsets[i] in its chunk's buffer.
-    Its host spans, cut where chunks start, are one cuMemcpyAsync each: span j starts
-    at copy span_first[j], at host address span_host[j] and span_offset[j] in its
-    chunk's buffer, and has span_bytes[j] bytes; chunk k's spans are
-    [span_bounds[k], span_bounds[k + 1])."""
-
-    bounds: np.ndarray
-    offsets: np.ndarray
-    span_first: np.ndarray
-    span_host: np.ndarray
-    span_offset: np.ndarray
-    span_bytes: np.ndarray
-    span_bounds: np.ndarray
-
-    @property
-    def count(self) -> int:
-        return len(self.bounds) - 1
-
-
-def plan_chunks(host: np.ndarray, sizes: np.ndarray, starts: np.ndarray,
-                chunk_bytes: int) -> ChunkPlan:
-    """Cut a side (no copy empty, none over ``chunk_bytes``) into chunks of at most
-    ``chunk_bytes``, without a loop over copies: a copy joins the chunk in which its
-    first byte falls, the side's bytes counted in steps of ``chunk_bytes`` less its
-    largest copy (plus one), so that a chunk's last copy still fits; blocks of one
-    size, in steps of the most whole blocks a chunk holds."""
-    n = len(sizes)
-    ends = np.cumsum(sizes, dtype=np.uint64)
-    before = ends - sizes
-    largest = int(sizes.max())
-    step = (chunk_bytes - chunk_bytes % largest if int(sizes.min()) == largest
-            else chunk_bytes - largest + 1)
-    new_chunk = np.diff(before // np.uint64(step)) != 0
-    bounds = np.concatenate(([0], np.flatnonzero(new_chunk) + 1, [n]))
-    chunk_of = np.concatenate(([0], np.cumsum(new_chunk)))
-    offsets = before - before[bounds[:-1]][chunk_of]
-    span_first = np.union1d(starts, bounds[:-1])
-    span_last = np.append(span_first[1:], n) - 1
-    return ChunkPlan(bounds, offsets, span_first, host[span_first], offsets[span_first],
-                     ends[span_last] - before[span_first], np.searchsorted(span_first, bounds))
-
-
-def write_table(table: int, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
-                bounds: np.ndarray) -> list[int]:
-    """Write the descriptors of copies src[i] -> dst[i] (device addresses, none empty)
-    into the pinned ``table``, the tiles of each slice [bounds[k], bounds[k + 1])
-    counted from 0 for a launch of its own; return each slice's tile count. (The
-    describe pass would check and classify them again: they were, as the caller's
-    batch.)"""
-    tiles = (sizes + np.uint64(launch.TILE_BYTES - 1)) // np.uint64(launch.TILE_BYTES)
-    before = np.cumsum(tiles) - tiles
-    counts = np.diff(bounds)
-    tile_start = before - np.repeat(before[bounds[:-1]], counts)
-    pinned_descriptors(table, len(sizes))[:] = np.stack((src, dst, sizes, tile_start), axis=1)
-    return [int(t) for t in np.add.reduceat(tiles, bounds[:-1])] if len(counts) else []
-
-
 @dataclass(frozen=True)
 class StagedBatch:
-    """One side of a staged call: its direction ('h2d' or 'd2h'), the host and GPU
-    addresses and sizes of its non-empty copies, where its host spans start, each
-    copy's index in the caller's batch, the policy's Decision, its chunk size (the
-    staging buffers hold at least that much) and the side's name."""
+    """One side of a staged call: its direction ('h2d' or 'd2h'), the caller's host and
+    GPU addresses and sizes, how many copies are not empty, the policy's Decision, its
+    chunk size (the staging buffers hold at least that much) and the side's name."""
 
     direction: str
     host: np.ndarray
     gpu: np.ndarray
     sizes: np.ndarray
-    starts: np.ndarray
-    positions: np.ndarray
+    count: int
     decision: Decision
     chunk_bytes: int
     name: str = ""
@@ -183,28 +112,38 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
             or request.total_bytes < thresholds.staging_min_bytes):
         return None
     host, gpu = (src, dst) if request.direction == "h2d" else (dst, src)
-    positions = np.flatnonzero(sizes)
-    if len(positions) != len(sizes):
-        host, gpu, sizes = host[positions], gpu[positions], sizes[positions]
-    starts = span_starts(host, sizes)
-    spans = HostSpans(len(starts), int(sizes.max()) if len(sizes) else 0)
-    staged = policy.choose_staging(request, decision, spans, chunk_bytes, thresholds, method)
+    spans, largest, empty = stage.host_spans(host, sizes)
+    staged = policy.choose_staging(request, decision, HostSpans(spans, largest), chunk_bytes,
+                                   thresholds, method)
     if staged is None or not _buffers.current().ensure(chunk_bytes):
         return None
-    return StagedBatch(request.direction, host, gpu, sizes, starts, positions, staged,
+    return StagedBatch(request.direction, host, gpu, sizes, len(sizes) - empty, staged,
                        chunk_bytes, name)
 
 
-@dataclass
 class _Side:
-    batch: StagedBatch
-    chunks: ChunkPlan
-    first_descriptor: int
-    copy_stream: int
-    kernel_stream: int
-    span_staged: np.ndarray   # each span's address in its staging buffer
-    buffers: tuple[int, int]
-    tiles: list[int]
+    """A side as stage.plan_chunks planned it into the table at ``first_descriptor``,
+    and its streams: copy engines on ``copy_stream``, the kernel on ``kernel_stream``."""
+
+    def __init__(self, batch: StagedBatch, first_descriptor: int, buffers: tuple[int, int],
+                 staging: StagingBuffers, table: int, copy_stream: int,
+                 kernel_stream: int) -> None:
+        self.batch, self.first_descriptor, self.buffers = batch, first_descriptor, buffers
+        self.copy_stream, self.kernel_stream = copy_stream, kernel_stream
+        room = len(batch.sizes) + 1
+        self.chunk_first = np.empty(room, dtype=np.int64)
+        self.chunk_tiles = np.empty(room, dtype=np.uint64)
+        self.span_bounds = np.empty(room, dtype=np.int64)
+        self.span_first = np.empty(room, dtype=np.int64)
+        self.span_host = np.empty(room, dtype=np.uint64)
+        self.span_staged = np.empty(room, dtype=np.uint64)
+        self.span_bytes = np.empty(room, dtype=np.uint64)
+        _, self.chunks, _ = stage.plan_chunks(
+            batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
+            staging.address(buffers[0]), staging.address(buffers[1]),
+            table + first_descriptor * describe.DESCRIPTOR_BYTES, self.chunk_first,
+            self.chunk_tiles, self.span_bounds, self.span_first, self.span_host,
+            self.span_staged, self.span_bytes)
 
 
 def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
@@ -214,19 +153,26 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
     staging = _buffers.current()
     kernel = kernels.kernel_for_current_context(*cc, driver_version)
     function = kernel.scatter("registers").staged
-    count = sum(len(b.sizes) for b in batches)
+    count = sum(b.count for b in batches)
     nbytes = count * describe.DESCRIPTOR_BYTES
     # the ring's lock, then the buffers': the order plan_batch takes them in
     with ring.ring_for_current_context().reserve(nbytes) as slot, staging.lock:
-        sides = _describe_sides(handle, batches, staging, slot.host)
+        sides, first = [], 0
+        for j, batch in enumerate(batches):
+            # the first side's kernel runs on the caller's stream, the second's beside it
+            streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
+                       (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
+            buffers = (j * BUFFERS_PER_SIDE, j * BUFFERS_PER_SIDE + 1)
+            sides.append(_Side(batch, first, buffers, staging, slot.host, *streams))
+            first += batch.count
         launch.upload(slot.device, slot.host, nbytes, handle)
         side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
         for stream in side_work:
             driver.stream_wait_stream(stream, handle)
         try:
-            for k in range(max(side.chunks.count for side in sides)):
+            for k in range(max(side.chunks for side in sides)):
                 for side in sides:
-                    if k < side.chunks.count:
+                    if k < side.chunks:
                         _issue_chunk(side, k, staging, function, slot.device)
         finally:
             for stream in side_work:
@@ -234,50 +180,22 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
             ring.DescriptorRing.fence(slot, handle)
 
 
-def _describe_sides(handle: int, batches: list[StagedBatch], staging: StagingBuffers,
-                    table: int) -> list[_Side]:
-    """Plan each side's chunks and streams, and write every side's copies against their
-    staging addresses into the pinned ``table``, one side after the other."""
-    sides, src, dst = [], [], []
-    first = 0
-    for j, batch in enumerate(batches):
-        plan = plan_chunks(batch.host, batch.sizes, batch.starts, batch.chunk_bytes)
-        buffers = (j * BUFFERS_PER_SIDE, j * BUFFERS_PER_SIDE + 1)
-        # chunk k in buffer k % 2 of the side's two
-        chunk_buffer = (np.uint64(staging.address(buffers[0])) + np.uint64(staging.capacity)
-                        * (np.arange(plan.count) % BUFFERS_PER_SIDE).astype(np.uint64))
-        staged = np.repeat(chunk_buffer, np.diff(plan.bounds)) + plan.offsets
-        src.append(staged if batch.direction == "h2d" else batch.gpu)
-        dst.append(batch.gpu if batch.direction == "h2d" else staged)
-        streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
-                   (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
-        sides.append(_Side(batch, plan, first, *streams, staged[plan.span_first], buffers, []))
-        first += len(batch.sizes)
-    bounds = np.concatenate([side.first_descriptor + side.chunks.bounds[:-1] for side in sides]
-                            + [[first]])
-    per_chunk = write_table(table, np.concatenate(src), np.concatenate(dst),
-                            np.concatenate([b.sizes for b in batches]), bounds)
-    for side in sides:
-        side.tiles, per_chunk = per_chunk[:side.chunks.count], per_chunk[side.chunks.count:]
-    return sides
-
-
 def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
                  table: int) -> None:
     """Chunk k of a side: its spans by copy engines and its scatter (or gather) by the
     kernel, in the order its direction needs, behind the staging buffer's last use."""
-    plan, buffer = side.chunks, side.buffers[k % BUFFERS_PER_SIDE]
+    buffer = side.buffers[k % BUFFERS_PER_SIDE]
     load = side.batch.direction == "h2d"
     first_stream = side.copy_stream if load else side.kernel_stream
     second_stream = side.kernel_stream if load else side.copy_stream
     driver.stream_wait_event(first_stream, staging.free[buffer])
     for stream in (first_stream, second_stream):
         if stream == side.copy_stream:
-            _copy_spans(side, int(plan.span_bounds[k]), int(plan.span_bounds[k + 1]), load)
+            _copy_spans(side, int(side.span_bounds[k]), int(side.span_bounds[k + 1]), load)
         else:
-            first, stop = int(plan.bounds[k]), int(plan.bounds[k + 1])
+            first, stop = int(side.chunk_first[k]), int(side.chunk_first[k + 1])
             descs = table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
-            launch.launch_descs(function, descs, stop - first, side.tiles[k],
+            launch.launch_descs(function, descs, stop - first, int(side.chunk_tiles[k]),
                                 policy.STAGING_CTAS, config.threads_per_cta, stream, 0)
         if stream == first_stream:
             driver.event_record(staging.filled[buffer], stream)
@@ -288,16 +206,13 @@ def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
 def _copy_spans(side: _Side, lo: int, hi: int, load: bool) -> None:
     """Spans [lo, hi) of a side, one cuMemcpyAsync each, to (load) or from their
     staging buffer."""
-    plan = side.chunks
-    host, staged, nbytes = plan.span_host[lo:hi], side.span_staged[lo:hi], plan.span_bytes[lo:hi]
+    host, staged = side.span_host[lo:hi], side.span_staged[lo:hi]
     try:
         if load:
-            dma.memcpy_loop(staged, host, nbytes, side.copy_stream)
+            dma.memcpy_loop(staged, host, side.span_bytes[lo:hi], side.copy_stream)
         else:
-            dma.memcpy_loop(host, staged, nbytes, side.copy_stream)
+            dma.memcpy_loop(host, staged, side.span_bytes[lo:hi], side.copy_stream)
     except CudaError as exc:
-        batch = side.batch
-        index = (None if exc.index is None
-                 else int(batch.positions[plan.span_first[lo + exc.index]]))
-        prefix = f"{batch.name}: " if batch.name else ""
+        index = None if exc.index is None else int(side.span_first[lo + exc.index])
+        prefix = f"{side.batch.name}: " if side.batch.name else ""
         raise type(exc)(exc.code, exc.name, prefix + exc.message, index) from None

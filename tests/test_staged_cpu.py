@@ -11,6 +11,7 @@ import pytest
 
 import kvcopy
 from kvcopy import descriptors, policy, staged
+from kvcopy._cuda import stage
 from kvcopy._cuda import describe as kv_describe
 from kvcopy.errors import CudaError
 from kvcopy.policy import CopyRequest, Decision, HostSpans, Thresholds
@@ -24,74 +25,115 @@ def u64(values) -> np.ndarray:
     return np.asarray(values, dtype=np.uint64)
 
 
-# ---- host spans and chunks
+# ---- host spans and chunks (kvcopy._cuda.stage: no driver)
 
-def test_span_starts_mark_each_copy_that_does_not_continue_the_one_before():
-    sizes = u64([4, 4, 4, 4, 4])
-    host = u64([100, 104, 108, 200, 204])
-    assert staged.span_starts(host, sizes).tolist() == [0, 3]
-    assert staged.span_starts(host[::-1].copy(), sizes).tolist() == [0, 1, 2, 3, 4]
-    assert staged.span_starts(u64([100, 100]), u64([4, 4])).tolist() == [0, 1]   # repeats
-    assert staged.span_starts(u64([]), u64([])).tolist() == []
+def test_host_spans_count_runs_of_copies_that_continue_the_one_before():
+    assert stage.host_spans(u64([100, 104, 108, 200, 204]), u64([4, 4, 4, 4, 4])) == (2, 4, 0)
+    assert stage.host_spans(u64([108, 104, 100]), u64([4, 4, 4])) == (3, 4, 0)   # backwards
+    assert stage.host_spans(u64([100, 100]), u64([4, 4])) == (2, 4, 0)           # repeats
+    # an empty copy breaks no span and is counted
+    assert stage.host_spans(u64([100, 7, 104]), u64([4, 0, 8])) == (1, 8, 1)
+    assert stage.host_spans(u64([]), u64([])) == (0, 0, 0)
+    with pytest.raises(ValueError, match="2 addresses for 3 sizes"):
+        stage.host_spans(u64([1, 2]), u64([1, 2, 3]))
 
 
-@pytest.mark.parametrize("sizes, host, chunk", [
-    ([16 * KiB] * 100, None, 64 * KiB),                         # one span, even chunks
-    ([16 * KiB] * 100, None, 100 * KiB),                        # chunk not a block multiple
-    ([4 * KiB, 12 * KiB, 64 * KiB, 8 * KiB, 64 * KiB] * 7, None, 64 * KiB),   # mixed sizes
-    ([8 * KiB] * 40, "gaps", 32 * KiB),                         # spans of 3 copies
+class Planned:
+    """stage.plan_chunks of one side into ordinary memory standing in for the table."""
+
+    def __init__(self, host, gpu, sizes, load: bool, chunk: int, even=0xB000_0000,
+                 odd=0xC000_0000) -> None:
+        n = len(sizes)
+        self.table = np.zeros((n + 1, 4), dtype=np.uint64)
+        room = n + 1
+        self.chunk_first, self.span_bounds, self.span_first = (
+            np.full(room, -1, dtype=np.int64) for _ in range(3))
+        self.chunk_tiles, self.span_host, self.span_staged, self.span_bytes = (
+            np.zeros(room, dtype=np.uint64) for _ in range(4))
+        self.count, self.chunks, self.spans = stage.plan_chunks(
+            host, gpu, sizes, load, chunk, even, odd, self.table.ctypes.data, self.chunk_first,
+            self.chunk_tiles, self.span_bounds, self.span_first, self.span_host,
+            self.span_staged, self.span_bytes)
+
+
+@pytest.mark.parametrize("sizes, layout, chunk", [
+    ([16 * KiB] * 100, "one span", 64 * KiB),                      # whole chunks
+    ([16 * KiB] * 100, "one span", 100 * KiB),                     # chunk not a block multiple
+    ([4 * KiB, 12 * KiB, 64 * KiB, 8 * KiB, 64 * KiB] * 7, "one span", 64 * KiB),   # mixed sizes
+    ([8 * KiB] * 40, "gaps", 32 * KiB),                            # spans of 3 copies
+    ([8 * KiB, 0, 8 * KiB, 8 * KiB, 0] * 9, "one span", 24 * KiB),  # empty copies among them
+    ([16 * KiB, 40 * KiB, 16 * KiB] * 11, "one span", 3 * 16 * KiB * 4),   # several tiles
 ])
-def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, host,
-                                                                                  chunk):
+@pytest.mark.parametrize("load", [True, False])
+def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, layout,
+                                                                                  chunk, load):
+    from kvcopy._cuda import launch
+    tile = launch.TILE_BYTES
     sizes = u64(sizes)
-    if host is None:
-        host = HOST + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
-    else:   # a 4 KiB gap after every third copy
-        host = u64([HOST + i * 8 * KiB + (i // 3) * 4 * KiB for i in range(len(sizes))])
-    starts = staged.span_starts(host, sizes)
-    plan = staged.plan_chunks(host, sizes, starts, chunk)
-    bounds = plan.bounds.tolist()
-    assert bounds[0] == 0 and bounds[-1] == len(sizes)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    if layout == "gaps":   # a 4 KiB gap after every third copy
+        starts = starts + (np.arange(len(sizes)) // 3) * 4 * KiB
+    host = HOST + starts.astype(np.uint64)
+    gpu = GPU + np.arange(len(sizes), dtype=np.uint64)[::-1] * np.uint64(64 * KiB)
+    even, odd = 0xB000_0000, 0xC000_0000
+    p = Planned(host, gpu, sizes, load, chunk, even, odd)
+    kept = np.flatnonzero(sizes)                      # the copies that are not empty
+    assert p.count == len(kept)
+    bounds = p.chunk_first[:p.chunks + 1].tolist()
+    assert bounds[0] == 0 and bounds[-1] == p.count
     assert all(a < b for a, b in zip(bounds, bounds[1:]))          # none empty, in order
-    starts_set = set(starts.tolist())
-    for k in range(plan.count):
+    table = p.table[:p.count]
+    staged_col, gpu_col = (0, 1) if load else (1, 0)
+    assert table[:, gpu_col].tolist() == gpu[kept].tolist()
+    assert table[:, 2].tolist() == sizes[kept].tolist()
+    span_starts = {0} | {int(i) for a, i in zip(kept, kept[1:])
+                         if host[i] != host[a] + sizes[a]}
+    for k in range(p.chunks):
         first, stop = bounds[k], bounds[k + 1]
-        inside = sizes[first:stop]
+        inside = sizes[kept[first:stop]]
         assert int(inside.sum()) <= chunk
-        # copies packed back to back from offset 0
-        assert plan.offsets[first:stop].tolist() == (np.cumsum(inside) - inside).tolist()
-        # spans: cut at the chunk's start and at every span start inside it
-        lo, hi = plan.span_bounds[k], plan.span_bounds[k + 1]
-        firsts = plan.span_first[lo:hi].tolist()
-        assert firsts == [first] + sorted(i for i in starts_set if first < i < stop)
-        for j, (a, b) in enumerate(zip(firsts, firsts[1:] + [stop])):
-            assert plan.span_host[lo + j] == host[a]
-            assert plan.span_offset[lo + j] == plan.offsets[a]
-            assert plan.span_bytes[lo + j] == sizes[a:b].sum()
-            # the span really is contiguous on the host
-            assert (host[a:b] == host[a] + np.concatenate(([0], np.cumsum(sizes[a:b])[:-1]))
-                    .astype(np.uint64)).all()
-    if len(set(sizes.tolist())) == 1 and chunk % int(sizes[0]) == 0:   # whole chunks
-        assert set(np.diff(plan.bounds[:-1]).tolist()) <= {chunk // int(sizes[0])}
+        if stop < p.count:        # filled as far as the next copy fits
+            assert int(inside.sum()) + int(sizes[kept[stop]]) > chunk
+        buffer = even if k % 2 == 0 else odd
+        offsets = np.cumsum(inside) - inside           # back to back from the buffer's start
+        assert table[first:stop, staged_col].tolist() == (buffer + offsets).tolist()
+        tiles = -(-inside.astype(np.int64) // tile)
+        assert table[first:stop, 3].tolist() == (np.cumsum(tiles) - tiles).tolist()
+        assert p.chunk_tiles[k] == tiles.sum()
+        # spans: cut at the chunk's start and where a copy does not continue the one before
+        lo, hi = p.span_bounds[k], p.span_bounds[k + 1]
+        want = [int(kept[first])] + [int(i) for i in kept[first + 1:stop] if int(i) in span_starts]
+        assert p.span_first[lo:hi].tolist() == want
+        for j in range(lo, hi):
+            a = int(np.searchsorted(kept, p.span_first[j]))
+            b = int(np.searchsorted(kept, p.span_first[j + 1])) if j + 1 < hi else stop
+            assert p.span_host[j] == host[kept[a]]
+            assert p.span_staged[j] == table[a, staged_col]
+            assert p.span_bytes[j] == sizes[kept[a:b]].sum()
+            # the span really is one run on the host
+            assert host[kept[b - 1]] + sizes[kept[b - 1]] - host[kept[a]] == p.span_bytes[j]
+    assert p.span_bounds[p.chunks] == p.spans
 
 
-def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own():
+def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own_and_one_over_is_refused():
     sizes = u64([4 * KiB, 64 * KiB, 4 * KiB])
     host = HOST + u64([0, 4 * KiB, 68 * KiB])
-    plan = staged.plan_chunks(host, sizes, staged.span_starts(host, sizes), 64 * KiB)
-    assert plan.bounds.tolist() == [0, 1, 2, 3]
-    assert plan.span_bytes.tolist() == [4 * KiB, 64 * KiB, 4 * KiB]
+    p = Planned(host, host, sizes, True, 64 * KiB)
+    assert p.chunk_first[:4].tolist() == [0, 1, 2, 3]
+    assert p.span_bytes[:3].tolist() == [4 * KiB, 64 * KiB, 4 * KiB]
+    with pytest.raises(ValueError, match="copy 1 of 65536 bytes does not fit a chunk of 32768"):
+        Planned(host, host, sizes, True, 32 * KiB)
 
 
-def test_the_table_counts_each_slices_tiles_from_zero():
-    tile = kv_describe_tile()
-    sizes = u64([tile, 4 * tile, 2 * tile, 100, 3 * tile + 1, tile])
-    table = np.zeros((len(sizes), 4), dtype=np.uint64)
-    src, dst = 0xA000 + np.arange(6, dtype=np.uint64), 0xB000 + np.arange(6, dtype=np.uint64)
-    counts = staged.write_table(table.ctypes.data, src, dst, sizes, np.array([0, 2, 5, 6]))
-    assert counts == [5, 7, 1]
-    assert table.tolist() == [[int(a), int(b), int(n), t] for a, b, n, t in
-                              zip(src, dst, sizes, [0, 1, 0, 2, 3, 0])]
+def test_plan_chunks_checks_its_arrays():
+    sizes = u64([4, 4])
+    small = np.zeros(2, dtype=np.int64)
+    with pytest.raises(ValueError, match="room for 3 entries"):
+        stage.plan_chunks(sizes, sizes, sizes, True, 64, 0, 0, 0, small, small.view(np.uint64),
+                          small, small, small.view(np.uint64), small.view(np.uint64),
+                          small.view(np.uint64))
+    with pytest.raises(ValueError, match="1 host and 2 GPU addresses for 2 sizes"):
+        Planned(sizes[:1], sizes, sizes, True, 64)
 
 
 # ---- the policy
@@ -277,8 +319,8 @@ def batch(direction: str, count: int, block: int = 16 * KiB, name: str = "") -> 
     sizes = np.full(count, block, dtype=np.uint64)
     host = HOST + np.arange(count, dtype=np.uint64) * np.uint64(block)
     gpu = GPU + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * block)
-    return staged.StagedBatch(direction, host, gpu, sizes, staged.span_starts(host, sizes),
-                              np.arange(count), Decision("staged", "test"), 64 * KiB, name)
+    return staged.StagedBatch(direction, host, gpu, sizes, count, Decision("staged", "test"),
+                              64 * KiB, name)
 
 
 def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec):
@@ -354,18 +396,20 @@ def test_both_ways_take_turns_chunk_by_chunk_each_on_streams_and_buffers_of_its_
 
 def test_a_failed_copy_names_the_side_and_the_callers_index_and_still_joins(rec):
     load = batch("h2d", 10, name="load")
-    load = staged.StagedBatch(load.direction, load.host, load.gpu, load.sizes, load.starts,
-                              np.arange(10) * 3 + 1, load.decision, load.chunk_bytes, "load")   # zero-size copies dropped
+    sizes = load.sizes.copy()
+    sizes[:5] = 0                                   # the first span starts at copy 5
+    load = staged.StagedBatch("h2d", load.host, load.gpu, sizes, 5, load.decision, 64 * KiB,
+                              "load")
     rec.fail_copy = 0
     with pytest.raises(CudaError, match="load: invalid argument") as info:
         staged.run(CALLER, [load], (9, 0), 12080)
-    assert info.value.index == 1 and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert info.value.index == 5 and info.value.name == "CUDA_ERROR_INVALID_VALUE"
     assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), ("fence", CALLER), ("release",)]
 
 
 # ---- choosing a staged side
 
-def test_plan_batch_drops_empty_copies_and_keeps_the_callers_indices(monkeypatch):
+def test_plan_batch_counts_the_copies_that_are_not_empty(monkeypatch):
     class Buffers:
         def ensure(self, chunk):
             return True
@@ -378,10 +422,9 @@ def test_plan_batch_drops_empty_copies_and_keeps_the_callers_indices(monkeypatch
     req = request("d2h", total=int(sizes.sum()), count=n)
     side = staged.plan_batch(req, KERNEL, gpu, host, sizes, "auto", Thresholds(), "store")
     assert side is not None and side.decision.method == "staged" and side.name == "store"
-    assert side.positions.tolist() == [i for i in range(n) if i % 5]
-    assert side.host.tolist() == host[side.positions].tolist()
-    assert side.gpu.tolist() == gpu[side.positions].tolist()
-    assert side.starts.tolist() == [0]     # empty copies do not break a span
+    assert side.count == n - len(range(0, n, 5))
+    assert side.host is host and side.gpu is gpu and side.chunk_bytes == kvcopy.config.staging_bytes
+    assert "1 span(s)" in side.decision.reason       # empty copies do not break a span
 
 
 def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_room(monkeypatch):

@@ -1,0 +1,9 @@
+"""Type stub of kvcopy._cuda.stage: the staged path's passes over a batch."""
+import numpy as np
+
+def host_spans(host: np.ndarray, sizes: np.ndarray) -> tuple[int, int, int]: ...
+def plan_chunks(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
+                chunk_bytes: int, buffer_even: int, buffer_odd: int, table: int,
+                chunk_first: np.ndarray, chunk_tiles: np.ndarray, span_bounds: np.ndarray,
+                span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,
+                span_bytes: np.ndarray) -> tuple[int, int, int]: ...
