@@ -64,18 +64,21 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
                    pair_wall / seconds}
 
 
-def host_spans(blocks=(4 * KiB, 16 * KiB, 64 * KiB), total: int = 64 * MiB,
-               repeats: int = 5) -> Iterator[dict]:
+def host_spans(cases=((4 * KiB, 64 * MiB), (16 * KiB, 64 * MiB), (64 * KiB, 64 * MiB),
+                      (16 * KiB, 8 * MiB)), repeats: int = 5) -> Iterator[dict]:
     """Batches whose host side is one span (LMCache keeps a chunk in one host buffer),
-    the GPU's blocks scattered: both ways at once (copy_both_ways) and each way alone
-    (copy_batch), by 'auto' (which stages them: kvcopy.staged) and by 'kernel', against
-    the contiguous pair (or copy) in the same run: GPU time and wall."""
+    the GPU's blocks scattered, as (block, bytes each way) ``cases`` (8 MiB: the
+    smallest batch staged, policy.STAGING_MIN_BYTES): both ways at once
+    (copy_both_ways) and each way alone (copy_batch), by 'auto' (which stages them:
+    kvcopy.staged) and by 'kernel', against the contiguous pair (or copy) in the same
+    run: GPU time and wall."""
     import torch
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    h2d, d2h = Pools("h2d", total, "torch"), Pools("d2h", total, "torch")
+    largest = max(total for _, total in cases)
+    h2d, d2h = Pools("h2d", largest, "torch"), Pools("d2h", largest, "torch")
     rng = np.random.default_rng(7)
-    for block in blocks:
+    for block, total in cases:
         count = total // block
         host = np.arange(count, dtype=np.uint64) * np.uint64(block)
         sizes = np.full(count, block, dtype=np.uint64)
@@ -112,6 +115,7 @@ def host_spans(blocks=(4 * KiB, 16 * KiB, 64 * KiB), total: int = 64 * MiB,
                 gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
                 reference_ms, reference_s = reference_ms or gpu_ms, reference_s or seconds
                 yield {"scenario": "host_spans", "way": way, "block_bytes": block, "count": count,
+                       "bytes_each_way": total,
                        "method": name, "chose": "" if name == "contiguous" else last_method(),
                        "gbps": nbytes / gpu_ms / 1e6, "of_contiguous": reference_ms / gpu_ms,
                        "wall_gbps": nbytes / seconds / 1e9, "wall_of_contiguous":
