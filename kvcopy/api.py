@@ -74,7 +74,7 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
 
     Returns:
         The method that ran: 'batch', 'loop' or 'kernel' ('none' for an empty
-        batch), or 'staged': with 'auto', a batch of 8 MiB and more between host
+        batch), or 'staged': with 'auto', a batch of 64 MiB and more between host
         and GPU whose host side is a few long spans (an LMCache chunk, a host
         pool handed out in order) goes through a GPU staging buffer, each span
         whole by the copy engines and the blocks scattered inside the GPU by

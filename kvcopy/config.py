@@ -156,7 +156,7 @@ class Config:
         copy_both_ways counts the larger side against it.
     staging_bytes: the chunk of a batch staged through GPU memory (kvcopy.staged:
         batches whose host side is a few long spans, as LMCache's chunks are,
-        at 8 MiB and more: the copy engines move each span whole and the copy
+        at 64 MiB and more: the copy engines move each span whole and the copy
         kernel scatters inside the GPU). Four such buffers per GPU, allocated
         on first use (16 MiB at the default). 0 turns staging off; a multiple
         of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES, default 4 MiB).

@@ -95,9 +95,14 @@ BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 # H200, 64 MiB of 4-64 KiB blocks, host side one span (bench/results/h200-staged-probe.txt):
 # one way 0.95 of the contiguous copy (the kernel 0.91); both ways at once 0.94-0.95 of
 # the contiguous pair (the kernel pair 0.80-0.82). A staged batch pays a chunk's copy
-# before its first scatter, so small batches stay with the kernel; and each span is
-# one cuMemcpyAsync (a few microseconds of CPU), so spans must be long.
-STAGING_MIN_BYTES = 8 << 20
+# before its first scatter and a second pass over its copies on the CPU, so small
+# batches stay with the kernel: at 8 MiB each way of 16 KiB blocks staging lost to
+# the kernel in wall time both ways at once (0.70 against 0.84 of the contiguous
+# pair) and one way (0.73-0.76 against 0.87), where at 64 MiB it won (0.89 against
+# 0.85; 0.90-0.91 against 0.87-0.97) (bench/results/h200-quick-staged.json,
+# host_spans). Sizes between are not measured yet. Each span is one cuMemcpyAsync (a
+# few microseconds of CPU), so spans must be long.
+STAGING_MIN_BYTES = 64 << 20
 STAGING_MIN_SPAN_BYTES = 1 << 20
 # CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
 # takes a small part of the time its copy over PCIe takes, and the SMs stay with the model.

@@ -303,7 +303,14 @@ def test_batch_disabled_driver_falls_back(torch_cuda):
     with _testing.capabilities(batch_available=False):   # a driver older than 12.8
         s = torch_cuda.cuda.Stream()
         assert run_copy("pageable_h2d", 16, 4096, stream=s) == "loop"
-        assert run_copy("h2d", 16, 4 << 20, stream=s) == "kernel"
+        # 16 scattered blocks of 4 MiB: long host spans, staged (no batch API needed)
+        assert run_copy("h2d", 16, 4 << 20, stream=s) == "staged"
+        saved = kvcopy.config.staging_bytes
+        try:
+            kvcopy.config.staging_bytes = 0
+            assert run_copy("h2d", 16, 4 << 20, stream=s) == "kernel"
+        finally:
+            kvcopy.config.staging_bytes = saved
         with pytest.raises(kvcopy.KVCopyError, match="cuMemcpyBatchAsync"):
             run_copy("h2d", 16, 4096, stream=s, method="batch")
     assert run_copy("h2d", 16, 4 << 20, stream=torch_cuda.cuda.Stream()) == "batch"

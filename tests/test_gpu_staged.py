@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import kvcopy
+from kvcopy.policy import STAGING_MIN_BYTES
 
 pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
+BLOCKS = STAGING_MIN_BYTES // (16 * KiB)   # the smallest batch of 16 KiB blocks staged
 
 
 class Spans:
@@ -80,7 +82,7 @@ def staging_bytes():
     ("d2h", 16 * KiB, 1), ("d2h", 64 * KiB, 8), ("d2h", 4 * KiB, 4)])
 def test_one_way_batches_of_long_host_spans_are_staged(torch_cuda, direction, block, spans):
     torch = torch_cuda
-    s = Spans(torch, block, 16 * MiB // block, spans, seed=block + spans)
+    s = Spans(torch, block, STAGING_MIN_BYTES // block, spans, seed=block + spans)
     stream = torch.cuda.Stream()
     batch = s.load() if direction == "h2d" else s.store()
     assert kvcopy.copy_batch(*batch, stream=stream) == "staged"
@@ -93,7 +95,8 @@ def test_one_way_batches_of_long_host_spans_are_staged(torch_cuda, direction, bl
 
 def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(torch_cuda,
                                                                                 staging_bytes):
-    """16 KiB blocks in chunks of 4 (64 KiB + 4 KiB of buffer): a store out to the host
+    """16 KiB blocks in chunks of 4 (64 KiB + 4 KiB of buffer), the smallest batch
+    staged: a store out to the host
     and, queued right behind it on the same stream, a load of those host blocks into
     other GPU blocks, three rounds without waiting: every round's bytes right."""
     torch = torch_cuda
@@ -101,7 +104,7 @@ def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(
     stream = torch.cuda.Stream()
     rounds = []
     for seed in range(3):
-        out = Spans(torch, 16 * KiB, 512, seed=seed)
+        out = Spans(torch, 16 * KiB, STAGING_MIN_BYTES // (16 * KiB), seed=seed)
         back = torch.zeros_like(out.gpu)
         host, gpu, sizes = out.store()[1], out.store()[0], out.sizes()
         perm = np.random.default_rng(seed).permutation(len(sizes))
@@ -118,7 +121,7 @@ def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(
 
 def test_both_ways_are_staged_and_ordered_between_the_work_before_and_after(torch_cuda):
     torch = torch_cuda
-    out, into = Spans(torch, 16 * KiB, 1024, seed=1), Spans(torch, 16 * KiB, 1024, seed=2)
+    out, into = Spans(torch, 16 * KiB, BLOCKS, seed=1), Spans(torch, 16 * KiB, BLOCKS, seed=2)
     want_loaded = into.host_blocks().clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -134,7 +137,7 @@ def test_both_ways_are_staged_and_ordered_between_the_work_before_and_after(torc
 
 def test_both_ways_with_one_side_scattered_stay_with_the_kernel_pair(torch_cuda):
     torch = torch_cuda
-    out, into = Spans(torch, 16 * KiB, 1024, seed=3), Spans(torch, 16 * KiB, 1024, seed=4)
+    out, into = Spans(torch, 16 * KiB, BLOCKS, seed=3), Spans(torch, 16 * KiB, BLOCKS, seed=4)
     scattered = np.random.default_rng(5).permutation(len(into.host_ids))
     into.host_ids = into.host_ids[scattered]
     ran = kvcopy.copy_both_ways(out.store(), into.load(), stream=torch.cuda.Stream())
@@ -149,7 +152,7 @@ def test_captured_after_a_staged_warm_up_call_the_graph_copies_by_the_kernel(tor
     not (the staging buffers are shared), and a replay moves the bytes written to the
     host after the capture."""
     torch = torch_cuda
-    s = Spans(torch, 16 * KiB, 1024, seed=6)
+    s = Spans(torch, 16 * KiB, BLOCKS, seed=6)
     stream = torch.cuda.Stream()
     assert kvcopy.copy_batch(*s.load(), stream=stream) == "staged"
     stream.synchronize()
@@ -165,7 +168,7 @@ def test_captured_after_a_staged_warm_up_call_the_graph_copies_by_the_kernel(tor
 
 def test_the_legacy_default_stream_is_ordered_with_torchs_default_stream(torch_cuda):
     torch = torch_cuda
-    s = Spans(torch, 16 * KiB, 1024, seed=7)
+    s = Spans(torch, 16 * KiB, BLOCKS, seed=7)
     s.gpu.add_(3)                       # torch's default stream: the legacy one
     assert kvcopy.copy_batch(*s.store(), stream=0) == "staged"
     s.check()                           # (synchronizes the device)
@@ -173,7 +176,7 @@ def test_the_legacy_default_stream_is_ordered_with_torchs_default_stream(torch_c
 
 def test_threads_on_streams_of_their_own_share_the_buffers_safely(torch_cuda):
     torch = torch_cuda
-    sides = [Spans(torch, 16 * KiB, 1024, seed=10 + k) for k in range(4)]
+    sides = [Spans(torch, 16 * KiB, BLOCKS, seed=10 + k) for k in range(4)]
     errors: list[BaseException] = []
 
     def work(s: Spans) -> None:
@@ -196,10 +199,10 @@ def test_threads_on_streams_of_their_own_share_the_buffers_safely(torch_cuda):
         s.check()
 
 
-@pytest.mark.parametrize("why", ["staging off", "explicit kernel", "below 8 MiB", "scattered"])
+@pytest.mark.parametrize("why", ["staging off", "explicit kernel", "too small", "scattered"])
 def test_what_is_not_staged_goes_to_the_kernel(torch_cuda, staging_bytes, why):
     torch = torch_cuda
-    s = Spans(torch, 16 * KiB, 256 if why == "below 8 MiB" else 1024, seed=20)
+    s = Spans(torch, 16 * KiB, BLOCKS - 1 if why == "too small" else BLOCKS, seed=20)
     method = "kernel" if why == "explicit kernel" else "auto"
     if why == "staging off":
         kvcopy.config.staging_bytes = 0

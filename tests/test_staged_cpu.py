@@ -414,7 +414,7 @@ def test_plan_batch_counts_the_copies_that_are_not_empty(monkeypatch):
         def ensure(self, chunk):
             return True
     monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
-    n, block = 1024, 16 * KiB
+    n, block = 2 * policy.STAGING_MIN_BYTES // (16 * KiB), 16 * KiB
     sizes = np.full(n, block, dtype=np.uint64)
     sizes[::5] = 0
     host = HOST + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
@@ -434,7 +434,7 @@ def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_roo
         def ensure(self, chunk):
             return room["ok"]
     monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
-    n, block = 1024, 16 * KiB
+    n, block = 2 * policy.STAGING_MIN_BYTES // (16 * KiB), 16 * KiB
     sizes = np.full(n, block, dtype=np.uint64)
     host = HOST + np.arange(n, dtype=np.uint64) * np.uint64(block)
     scattered = HOST + np.arange(n, dtype=np.uint64)[::-1] * np.uint64(block)
