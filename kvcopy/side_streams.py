@@ -36,8 +36,10 @@ class SideStreams:
                     side = driver.stream_create(non_blocking=True)
                     self._created.append(side)
                     self._by_caller[key] = side
-                else:   # handles are aligned pointers: hash them, not their low bits
-                    side = self._created[hash(key) % MAX_SIDE_STREAMS]
+                else:   # handles are aligned pointers: hash them, not their low bits;
+                    # a caller's shared side streams are distinct from each other, so
+                    # its staged copies and kernels still overlap
+                    side = self._created[(hash((handle,)) + index) % MAX_SIDE_STREAMS]
             return side
 
 

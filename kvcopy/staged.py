@@ -186,20 +186,24 @@ def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
     kernel, in the order its direction needs, behind the staging buffer's last use."""
     buffer = side.buffers[k % BUFFERS_PER_SIDE]
     load = side.batch.direction == "h2d"
-    first_stream = side.copy_stream if load else side.kernel_stream
-    second_stream = side.kernel_stream if load else side.copy_stream
+
+    def copy() -> None:
+        _copy_spans(side, int(side.span_bounds[k]), int(side.span_bounds[k + 1]), load)
+
+    def scatter() -> None:
+        first, stop = int(side.chunk_first[k]), int(side.chunk_first[k + 1])
+        descs = table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
+        launch.launch_descs(function, descs, stop - first, int(side.chunk_tiles[k]),
+                            policy.STAGING_CTAS, config.threads_per_cta, side.kernel_stream, 0)
+
+    # (by role, not by stream: where side streams are shared, both may be one stream)
+    steps = ((copy, side.copy_stream), (scatter, side.kernel_stream))
+    (first_step, first_stream), (second_step, second_stream) = steps if load else steps[::-1]
     driver.stream_wait_event(first_stream, staging.free[buffer])
-    for stream in (first_stream, second_stream):
-        if stream == side.copy_stream:
-            _copy_spans(side, int(side.span_bounds[k]), int(side.span_bounds[k + 1]), load)
-        else:
-            first, stop = int(side.chunk_first[k]), int(side.chunk_first[k + 1])
-            descs = table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
-            launch.launch_descs(function, descs, stop - first, int(side.chunk_tiles[k]),
-                                policy.STAGING_CTAS, config.threads_per_cta, stream, 0)
-        if stream == first_stream:
-            driver.event_record(staging.filled[buffer], stream)
-            driver.stream_wait_event(second_stream, staging.filled[buffer])
+    first_step()
+    driver.event_record(staging.filled[buffer], first_stream)
+    driver.stream_wait_event(second_stream, staging.filled[buffer])
+    second_step()
     driver.event_record(staging.free[buffer], second_stream)
 
 

@@ -394,6 +394,20 @@ def test_both_ways_take_turns_chunk_by_chunk_each_on_streams_and_buffers_of_its_
     assert rec.calls[-2:] == [("fence", CALLER), ("release",)]
 
 
+def test_where_side_streams_are_shared_every_chunk_still_copies_and_scatters(rec, monkeypatch):
+    """Past side_streams.MAX_SIDE_STREAMS callers share side streams: a side's copy and
+    kernel streams may be one stream, and each chunk must still issue both, in order
+    (the first GPU run of copy_both_ways at 64 MiB lost the load's scatter so)."""
+    monkeypatch.setattr(staged.side_streams, "for_caller", lambda handle, index=0: 0x5100)
+    store, load = batch("d2h", 8, name="store"), batch("h2d", 8, name="load")
+    staged.run(CALLER, [store, load], (9, 0), 12080)
+    steps = [c[0] for c in rec.calls if c[0] in ("copy", "kernel")]
+    # chunk by chunk: the store gathers then copies out, the load copies in then scatters
+    assert steps == ["kernel", "copy", "copy", "kernel"] * 2
+    loads = [c for c in rec.calls if c[0] == "kernel" and c[2] >= 8]
+    assert [c[1] for c in loads] == [0x5100, 0x5100]
+
+
 def test_a_failed_copy_names_the_side_and_the_callers_index_and_still_joins(rec):
     load = batch("h2d", 10, name="load")
     sizes = load.sizes.copy()
