@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvcopy import both_ways, device, engine, kernels, ring
+from kvcopy import both_ways, device, engine, kernels, policy, ring, staged
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
@@ -203,3 +203,33 @@ def test_copy_both_ways_of_two_devices_or_an_empty_side_runs_apart(fake, classes
     rec = fake(classes)
     assert fused(batch(counts[0], 4096), batch(counts[1], 4096)) is None
     assert rec.calls == []
+
+
+def long_span(count: int, block: int, host_side: str) -> tuple:
+    """A batch whose host side (``host_side``: 'src' or 'dst') is one span and whose GPU
+    side is scattered."""
+    host = np.uint64(0x10000) + np.arange(count, dtype=np.uint64) * np.uint64(block)
+    gpu = np.uint64(0x7F0000000000) + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * block)
+    sizes = np.full(count, block, np.uint64)
+    return (host, gpu, sizes) if host_side == "src" else (gpu, host, sizes)
+
+
+def test_copy_both_ways_stages_both_sides_or_neither(fake, monkeypatch):
+    """Both sides' host memory one long span: both staged, handed back to be issued once
+    the slot is given back (nothing launched); one side scattered: the kernel pair."""
+    class Buffers:
+        def ensure(self, chunk_bytes: int) -> bool:
+            return True
+    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    block = 16 << 10
+    count = policy.STAGING_MIN_BYTES // block
+    rec = fake((GPU_TO_HOST, HOST_TO_GPU))
+    sides = fused(long_span(count, block, "dst"), long_span(count, block, "src"))
+    assert isinstance(sides, list) and [s.direction for s in sides] == ["d2h", "h2d"]
+    assert [s.name for s in sides] == ["store", "load"]
+    assert all(s.decision.method == "staged" for s in sides)
+    assert rec.calls == []
+    scattered = long_span(count, block, "src")
+    scattered = (scattered[0][::-1].copy(), scattered[1], scattered[2])
+    assert fused(long_span(count, block, "dst"), scattered) == ("kernel", "kernel")
+    assert [c[0] for c in rec.calls] == ["launch_pair", "fence"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcopy import device, engine, kernels, policy, ring
+from kvcopy import device, engine, kernels, policy, ring, staged
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
@@ -279,3 +279,39 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
     assert fake.tiles == [per_copy * n for n in slices]
     expected = np.concatenate([np.arange(n, dtype=np.uint64) * per_copy for n in slices])
     np.testing.assert_array_equal(table[:, 3], expected)
+
+
+def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_cuda,
+                                                                           monkeypatch):
+    """A batch of STAGING_MIN_BYTES whose host side is one span is checked by the
+    describe pass, then handed to kvcopy.staged (nothing launched or fenced here);
+    'kernel' or a CTA limit keep the kernel, and so does a scattered host side."""
+    fake = fake_cuda(HOST_TO_GPU, 4096)
+    handed: list[tuple] = []
+
+    class Buffers:
+        def ensure(self, chunk_bytes: int) -> bool:
+            return True
+    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    monkeypatch.setattr(staged, "run", lambda handle, batches, cc, version:
+                        handed.append((handle, batches, cc)))
+    size = 4096
+    count = policy.STAGING_MIN_BYTES // size
+    host = np.uint64(0x10000) + np.arange(count, dtype=np.uint64) * np.uint64(size)
+    gpu = np.uint64(0x7F0000000000) + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * size)
+    sizes = np.full(count, size, dtype=np.uint64)
+
+    def call(method: str = "auto", max_ctas: int | None = None, src=host) -> str:
+        return engine.execute_copies(FakeScope(), 0x1234, src, gpu, sizes, method, True, False,
+                                     max_ctas)
+    assert call() == "staged"
+    assert fake.calls == [("describe_compact", SLOT.host)]
+    (handle, batches, cc), = handed
+    assert handle == 0x1234 and cc == (9, 0)
+    assert batches[0].direction == "h2d" and batches[0].host is host and batches[0].gpu is gpu
+    assert engine.last_decision().method == "staged"
+    handed.clear()
+    assert call("kernel") == "kernel"
+    assert call(max_ctas=4) == "kernel"
+    assert call(src=host[::-1].copy()) == "kernel"
+    assert not handed
