@@ -50,18 +50,29 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
         for method in ("auto", "kernel", "batch"):
             cases[method] = _both_ways(a, b, s1, s2, method)
         cases["copy_both_ways"] = functools.partial(kvcopy.copy_both_ways, b, a, stream=s1)
-        pair_ms = pair_wall = None
-        for name, fn in cases.items():
-            seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
-                                            warmup=1) / 1e6
-            gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
-            pair_ms, pair_wall = pair_ms or gpu_ms, pair_wall or seconds
-            chose = "" if name == "contiguous" else last_method()
+        for name, chose, gpu_ms, seconds, pair_ms, pair_wall in _timed(cases, s1, s2, repeats):
             yield {"scenario": "bidirectional", "block_bytes": block, "count": count,
                    "method": name, "chose": chose, "total_gbps": 2 * total / gpu_ms / 1e6,
                    "of_contiguous_pair": pair_ms / gpu_ms,
                    "wall_gbps": 2 * total / seconds / 1e9, "wall_of_contiguous_pair":
                    pair_wall / seconds}
+
+
+def _timed(cases: dict[str, Callable[[], object]], s1: Any, s2: Any, repeats: int
+           ) -> Iterator[tuple[str, str, float, float, float, float]]:
+    """Each case (the first, 'contiguous', the reference) timed on streams s1 and s2:
+    (name, what kvcopy chose, GPU ms spanning both streams, call-to-completion
+    seconds, and the reference's two)."""
+    import torch
+
+    reference_ms = reference_s = 0.0
+    for name, fn in cases.items():
+        seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
+                                        warmup=1) / 1e6
+        gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
+        reference_ms, reference_s = reference_ms or gpu_ms, reference_s or seconds
+        chose = "" if name == "contiguous" else last_method()
+        yield name, chose, gpu_ms, seconds, reference_ms, reference_s
 
 
 def host_spans(cases=((4 * KiB, 64 * MiB), (16 * KiB, 64 * MiB), (64 * KiB, 64 * MiB)),
@@ -106,17 +117,12 @@ def host_spans(cases=((4 * KiB, 64 * MiB), (16 * KiB, 64 * MiB), (64 * KiB, 64 *
                                                     method=method)
             ways["d2h"][method] = functools.partial(kvcopy.copy_batch, *store, stream=s2,
                                                     method=method)
-        for way, cases in ways.items():
+        for way, calls in ways.items():
             nbytes = 2 * total if way == "both" else total
-            reference_ms = reference_s = 0.0
-            for name, fn in cases.items():
-                seconds = call_to_completion_us(fn, torch.cuda.synchronize, repeats=repeats,
-                                                warmup=1) / 1e6
-                gpu_ms = span_ms(fn, s1, s2, repeats=repeats, cover_cycles=None)
-                reference_ms, reference_s = reference_ms or gpu_ms, reference_s or seconds
+            for name, chose, gpu_ms, seconds, reference_ms, reference_s in _timed(
+                    calls, s1, s2, repeats):
                 yield {"scenario": "host_spans", "way": way, "block_bytes": block, "count": count,
-                       "bytes_each_way": total,
-                       "method": name, "chose": "" if name == "contiguous" else last_method(),
+                       "bytes_each_way": total, "method": name, "chose": chose,
                        "gbps": nbytes / gpu_ms / 1e6, "of_contiguous": reference_ms / gpu_ms,
                        "wall_gbps": nbytes / seconds / 1e9, "wall_of_contiguous":
                        reference_s / seconds}
