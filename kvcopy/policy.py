@@ -346,6 +346,16 @@ class HostSpans:
     largest_copy: int
 
 
+def staging_possible(req: CopyRequest, decision: Decision, chunk_bytes: int,
+                     thresholds: Thresholds, requested: str = "auto") -> bool:
+    """What choose_staging asks of a batch before its host spans are counted (a pass
+    over its copies): 'auto', the kernel chosen, staging on, between host and GPU,
+    outside capture, and at least ``thresholds.staging_min_bytes``."""
+    return (requested == "auto" and decision.method == "kernel" and bool(chunk_bytes)
+            and req.direction in ("h2d", "d2h") and not req.capturing
+            and req.total_bytes >= thresholds.staging_min_bytes)
+
+
 def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk_bytes: int,
                    thresholds: Thresholds | None = None, requested: str = "auto"
                    ) -> Decision | None:
@@ -356,9 +366,8 @@ def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk
     fitting one chunk, at least ``thresholds.staging_min_bytes`` in all and host spans
     of ``thresholds.staging_min_span_bytes`` on average. None: the kernel as decided."""
     thresholds = thresholds or Thresholds()
-    if (requested != "auto" or decision.method != "kernel" or not chunk_bytes
-            or req.direction not in ("h2d", "d2h") or req.capturing or not spans.count
-            or spans.largest_copy > chunk_bytes or req.total_bytes < thresholds.staging_min_bytes):
+    if (not staging_possible(req, decision, chunk_bytes, thresholds, requested)
+            or not spans.count or spans.largest_copy > chunk_bytes):
         return None
     mean_span = req.total_bytes / spans.count
     if mean_span < thresholds.staging_min_span_bytes:

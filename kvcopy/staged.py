@@ -106,11 +106,8 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
     """The batch as a staged side, where policy.choose_staging stages it and the
     context's staging buffers exist (allocated here on first use); else None."""
     chunk_bytes = config.staging_bytes
-    # what the policy can rule out without a pass over the copies
-    if (decision.method != "kernel" or method != "auto" or not chunk_bytes
-            or request.direction not in ("h2d", "d2h") or request.capturing
-            or request.total_bytes < thresholds.staging_min_bytes):
-        return None
+    if not policy.staging_possible(request, decision, chunk_bytes, thresholds, method):
+        return None   # ruled out without a pass over the copies
     host, gpu = (src, dst) if request.direction == "h2d" else (dst, src)
     spans, largest, empty = stage.host_spans(host, sizes)
     staged = policy.choose_staging(request, decision, HostSpans(spans, largest), chunk_bytes,
