@@ -23,6 +23,8 @@ from kvcopy.engine import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds
 
+from cpu_fakes import FakeRing
+
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 GPU_TO_HOST = MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
@@ -81,18 +83,6 @@ class FakeScope:
         return False
 
 
-class FakeRing:
-    def reserve(self, nbytes: int) -> "FakeRing":
-        assert nbytes <= SLOT.capacity
-        return self
-
-    def __enter__(self) -> ring.Slot:
-        return SLOT
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 @pytest.fixture
 def fake(monkeypatch):
     def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0) -> Fake:
@@ -104,7 +94,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(both_ways.config, "launch_bytes", 0)   # one launch
         monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
         monkeypatch.setattr(ring, "driver", rec)
-        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing())
+        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
         found = iter(classes * 4)   # the store's classes, then the load's, per classification
         rec.classes = found
 

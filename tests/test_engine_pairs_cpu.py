@@ -16,6 +16,8 @@ from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
 from kvcopy.policy import DeviceCaps, Thresholds
 
+from cpu_fakes import FakeRing
+
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
 GPU_TO_HOST = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
@@ -86,18 +88,6 @@ class FakeScope:
         return False
 
 
-class FakeRing:
-    def reserve(self, nbytes: int):
-        assert nbytes <= SLOT.capacity
-        return self
-
-    def __enter__(self) -> ring.Slot:
-        return SLOT
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch):
     def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1,
@@ -106,7 +96,7 @@ def fake_cuda(monkeypatch):
         for layer in ("driver", "describe", "launch"):
             monkeypatch.setattr(engine, layer, fake)
         monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
-        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing())
+        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
         monkeypatch.setattr(engine, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps(bulk_copy=bulk_copy)))
@@ -269,7 +259,7 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
                      event=0x77)
     monkeypatch.setattr(engine.config, "launch_bytes", 600 * 3 * 16384)   # 600 copies a slice
     fake = fake_cuda(HOST_TO_GPU, 0, tiles_per_copy=per_copy)
-    monkeypatch.setattr(FakeRing, "__enter__", lambda self: slot)
+    monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(slot))
     assert run(count, 3 * 16384) == "kernel"
     entry = kv_describe.DESCRIPTOR_BYTES
     launches = [call for call in fake.calls if call[0] in ("upload", "launch_descs")]
