@@ -87,20 +87,15 @@ def test_a_batch_of_one_size_of_several_tiles_takes_the_vectorised_pass(n, block
     np.testing.assert_array_equal(descs[:, 3], np.arange(n, dtype=np.uint64) * np.uint64(per_copy))
 
 
-@pytest.mark.parametrize("case", ["merges", "empty copy", "multi-tile of two sizes",
-                                  "a longer copy after shorter ones", "second allocation"])
+@pytest.mark.parametrize("case", ["empty copy", "a longer copy after shorter ones",
+                                  "second allocation"])
 def test_batches_the_vectorised_pass_cannot_take_fall_back_to_the_general_loop(case):
     src, dst, sizes = scattered(64, 4096)
-    if case == "merges":
-        src[1], dst[1] = src[0] + sizes[0], dst[0] + sizes[0]
-    elif case == "empty copy":
+    if case == "empty copy":
         sizes[5] = 0
-    elif case.startswith("multi-tile") or case.startswith("a longer"):
+    elif case == "a longer copy after shorter ones":
         sizes[:] = TILE + 16
-        if case.startswith("multi-tile"):
-            sizes[40] = TILE + 8        # two tiles as well, but another size
-        else:
-            sizes[40] = 2 * TILE + 1    # three tiles where the first copy has two
+        sizes[40] = 2 * TILE + 1    # three tiles where the first copy has two
         src, dst = HOST_A + np.arange(64, dtype=np.uint64) * np.uint64(4 * TILE), \
             DEVICE + np.arange(64, dtype=np.uint64)[::-1].copy() * np.uint64(4 * TILE)
     else:
@@ -113,6 +108,43 @@ def test_batches_the_vectorised_pass_cannot_take_fall_back_to_the_general_loop(c
     want, plan = expected_descriptors(src, dst, sizes, True)
     np.testing.assert_array_equal(descs, want)
     assert result[0] == plan.count
+
+
+@pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("case", ["one pair merges", "every other copy merges",
+                                  "runs of eight", "the last copy merges",
+                                  "multi-tile of two sizes"])
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("misalign", [0, 8])
+def test_merges_and_mixed_multi_tile_sizes_stay_on_the_vectorised_pass(case, merge, misalign):
+    """Copies that continue each other (an allocator that hands out consecutive blocks;
+    a random placement of 16,384 blocks has one such pair four times in ten), and
+    multi-tile copies of two sizes: every copy is still in range, so a scalar pass
+    rewrites the entries without classifying anything, exactly as the general loop."""
+    n = 1000
+    src, dst, sizes = scattered(n, 4096, seed=3)
+    if case == "multi-tile of two sizes":
+        sizes[:] = TILE + 16
+        sizes[400] = TILE + 8        # two tiles as well, but another size
+        src = HOST_A + np.arange(n, dtype=np.uint64) * np.uint64(4 * TILE)
+        dst = DEVICE + np.arange(n, dtype=np.uint64)[::-1].copy() * np.uint64(4 * TILE)
+    else:
+        step = {"one pair merges": n, "every other copy merges": 2, "runs of eight": 8,
+                "the last copy merges": n}[case]
+        first = n - 1 if case == "the last copy merges" else 1
+        for i in range(first, n, step):
+            for j in range(i, min(i + (7 if step == 8 else 1), n)):
+                src[j], dst[j] = src[j - 1] + sizes[j - 1], dst[j - 1] + sizes[j - 1]
+    result, used, descs = describe(src, dst, sizes, merge, misalign=misalign)
+    reference, _, ref_descs = describe(src, dst, sizes, merge, fast=False)
+    assert used
+    assert result == reference
+    np.testing.assert_array_equal(descs, ref_descs)
+    want, plan = expected_descriptors(src, dst, sizes, merge)
+    np.testing.assert_array_equal(descs, want)
+    assert (result[0], result[1]) == (plan.count, plan.total_bytes)
+    if merge and case != "multi-tile of two sizes":
+        assert plan.count < n   # the batch did merge
 
 
 def test_a_bad_copy_is_reported_alike_by_both_passes():

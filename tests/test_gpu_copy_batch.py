@@ -71,6 +71,34 @@ def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direc
     assert used == "kernel"
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+@pytest.mark.parametrize("run", [1, 2, 8])
+def test_large_batches_of_blocks_in_runs_merge_and_copy_right(torch_cuda, direction, run):
+    """A host pool filled in order against GPU blocks an allocator handed out in runs of
+    consecutive ids (a fresh request's blocks): copies continue each other on both
+    sides, so the describe pass merges them (into multi-tile copies) after its
+    vectorised pass; every byte still lands where its own copy says."""
+    count, block = 6000, 4096
+    rng = np.random.default_rng(run)
+    pool_bytes = 2 * count * block
+    src_kind, dst_kind = POOL_DEVICES[direction]
+    src, dst = make_pool(src_kind, pool_bytes, run), make_pool(dst_kind, pool_bytes, run + 1)
+    src_before, dst_before = host_bytes(src), host_bytes(dst)
+    starts = rng.permutation(2 * count // run)[:count // run].astype(np.int64) * run
+    slots = (starts[:, None] + np.arange(run)).reshape(-1)
+    in_order = np.arange(count, dtype=np.int64) * block
+    src_off, dst_off = (in_order, slots * block) if direction != "d2h" else (slots * block,
+                                                                             in_order)
+    sizes = np.full(count, block, dtype=np.int64)
+    torch_cuda.cuda.synchronize()
+    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
+                             stream=torch_cuda.cuda.Stream(), method="kernel")
+    torch_cuda.cuda.synchronize()
+    assert used == "kernel"
+    np.testing.assert_array_equal(host_bytes(dst),
+                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+
+
 def _spy_launches(monkeypatch):
     """Record the (count, size or tiles) of every pairs and descriptor-table launch."""
     from kvcopy._cuda import launch as kv_launch

@@ -1,10 +1,10 @@
 /* The describe pass's fast path (host code, used by kvcopy/_driver.pyx).
  *
  * Most batches have every copy inside one allocation per side, no copy
- * longer than a tile, none empty, none continuing the previous one. For those
- * the general loop (validate, merge, classify each pointer) reduces to range
- * checks, which this loop does without branches so that the compiler
- * vectorises it (by hand on x86-64, where 64-bit compares need AVX2 and
+ * longer than a tile, none empty. For those the general loop (validate, merge,
+ * classify each pointer) reduces to range checks, which this loop does without
+ * branches so that the compiler vectorises it (by hand on x86-64, where 64-bit
+ * compares need AVX2 and
  * the descriptors go out with streaming stores; the SSE2 version would be
  * slower than the general loop, so CPUs without AVX2 keep to the latter).
  */
@@ -171,9 +171,10 @@ static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t 
  * as kvcopy_desc (tile_start = i * tiles_per_copy) or, with ``pairs``, as
  * kvcopy_pair, and *total_out = their bytes; says whether the batch qualified:
  * 0, or KVCOPY_FAST_* bits (the entries are then to be rewritten: by the
- * general loop for MISFIT or MERGES, and for SIZES where tiles_per_copy > 1,
- * since tile_start then counts every copy as that many tiles; as kvcopy_desc for
- * SIZES alone with one tile per copy, which pairs cannot describe). A copy
+ * general loop for MISFIT; by kvcopy_describe_merging for MERGES, and for SIZES
+ * where tiles_per_copy > 1, since tile_start then counts every copy as that many
+ * tiles; as kvcopy_desc for SIZES alone with one tile per copy, which pairs
+ * cannot describe). A copy
  * longer than tiles_per_copy tiles is a MISFIT. A side's range is
  * [start, start + span]. */
 KVCOPY_FAST_TARGET
@@ -220,6 +221,66 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
     *total_out = total;
     return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u)
          | (differ ? KVCOPY_FAST_SIZES : 0u);
+}
+
+/* One finished entry; streaming (aligned ``at`` only) where the vector pass streams. */
+KVCOPY_FAST_TARGET static inline void kvcopy_put_desc(kvcopy_desc* at, uint64_t s, uint64_t t,
+                                                     uint64_t z, uint64_t tile_start) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (((uintptr_t)at & 31u) == 0) {
+        _mm256_stream_si256((__m256i*)at, _mm256_setr_epi64x((long long)s, (long long)t,
+                                                             (long long)z, (long long)tile_start));
+        return;
+    }
+#endif
+    at->src = s;
+    at->dst = t;
+    at->size = z;
+    at->tile_start = tile_start;
+}
+
+/* The entries the general loop writes, for a batch kvcopy_describe_in_ranges found
+ * inside one range per side with no empty or over-long copy, but with copies that
+ * continue the one before on both sides (merged into it with ``merge``) or sizes
+ * that make tile_start more than i * tiles_per_copy: one scalar pass over the
+ * caller's arrays, no pointer classified again (each side's view is pointer +
+ * delta). Merging the caller's copies one by one in the general loop cost 4x the
+ * vectorised pass, and one continuing pair in a batch of 16,384 sent it there.
+ * Returns the entries written; *tiles_out = their tiles. */
+KVCOPY_FAST_TARGET
+static int64_t kvcopy_describe_merging(const uint64_t* __restrict src,
+                                       const uint64_t* __restrict dst,
+                                       const uint64_t* __restrict sizes,
+                                       kvcopy_desc* __restrict out, int64_t n, int merge,
+                                       int64_t src_delta, int64_t dst_delta,
+                                       uint64_t* tiles_out) {
+    int64_t kept = 0;
+    uint64_t tiles = 0;
+    if (n <= 0) {
+        *tiles_out = 0;
+        return 0;
+    }
+    /* the entry being gathered, written once whole */
+    uint64_t at_src = src[0], at_dst = dst[0], size = sizes[0];
+    for (int64_t i = 1; i < n; ++i) {
+        const uint64_t s = src[i], t = dst[i], z = sizes[i];
+        if (merge && s == at_src + size && t == at_dst + size) {
+            size += z;
+            continue;
+        }
+        kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta,
+                        size, tiles);
+        tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
+        at_src = s, at_dst = t, size = z;
+    }
+    kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta,
+                    size, tiles);
+    tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    _mm_sfence();  /* streaming stores are weakly ordered */
+#endif
+    *tiles_out = tiles;
+    return kept;
 }
 
 #endif /* KVCOPY_DESCRIBE_FAST_H */

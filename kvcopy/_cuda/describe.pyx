@@ -24,6 +24,10 @@ cdef extern from "kvcopy/describe_fast.h":
                                        uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                        uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                        uint64_t* total_out) nogil
+    int64_t kvcopy_describe_merging(const uint64_t* src, const uint64_t* dst,
+                                    const uint64_t* sizes, kvcopy_desc* out, int64_t n,
+                                    int merge, int64_t src_delta, int64_t dst_delta,
+                                    uint64_t* tiles_out) nogil
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
@@ -45,15 +49,17 @@ cdef bint _fast_describe = kvcopy_fast_describe_available()
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                          Py_ssize_t n, void* descs, _Classifier* sides, bint merge,
                          unsigned long long* total, unsigned long long* tiles,
-                         uint64_t* pair_size) noexcept nogil:
-    """The common batch in one branch-free pass (describe_fast.h): True when it
-    applied, with exactly what the general loop would have written. Copies of one
-    size longer than a tile take it too (each then counts that many tiles).
-    *pair_size in: may pairs be written (kvcopy_pair); out: their copies' size,
-    else 0."""
+                         uint64_t* pair_size, Py_ssize_t* count) noexcept nogil:
+    """The common batch, inside one allocation per side, in one branch-free pass
+    (describe_fast.h): True when it applied, with exactly what the general loop would
+    have written (*count entries). Copies of one size longer than a tile take it too
+    (each then counts that many tiles); copies that continue the one before, or
+    multi-tile copies of several sizes, are then written again by one scalar pass
+    that needs no classifying. *pair_size in: may pairs be written (kvcopy_pair);
+    out: their copies' size, else 0."""
     cdef _Range* rs
     cdef _Range* rd
-    cdef uint64_t nbytes = 0
+    cdef uint64_t nbytes = 0, settled_tiles = 0
     cdef unsigned misfit
     cdef uint64_t per_copy
     cdef bint pairs
@@ -75,10 +81,15 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, per_copy, n, rs.start,
                                        rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
                                        rd.delta, &nbytes)
-    if misfit & KVCOPY_FAST_MISFIT or (merge and misfit & KVCOPY_FAST_MERGES):
+    if misfit & KVCOPY_FAST_MISFIT:
         return False
-    if per_copy > 1 and misfit & KVCOPY_FAST_SIZES:
-        return False   # tile_start counted per_copy tiles for every copy
+    total[0] = nbytes
+    if (merge and misfit & KVCOPY_FAST_MERGES) or (per_copy > 1 and misfit & KVCOPY_FAST_SIZES):
+        # every copy is in range: only the merging and the tile count are left to do
+        count[0] = kvcopy_describe_merging(src, dst, sizes, <kvcopy_desc*>descs, n, merge,
+                                           rs.delta, rd.delta, &settled_tiles)
+        tiles[0] = settled_tiles
+        return True
     if pairs and misfit & KVCOPY_FAST_SIZES:
         # sizes differ: pairs cannot say so, descriptors can
         kvcopy_describe_in_ranges(src, dst, sizes, descs, False, 1, n, rs.start,
@@ -86,7 +97,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
                                   rd.delta, &nbytes)
     elif pairs:
         pair_size[0] = sizes[0]
-    total[0] = nbytes
+    count[0] = n
     tiles[0] = n * per_copy
     return True
 
@@ -111,12 +122,10 @@ cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const
     with nogil:
         if fast[0]:
             fast[0] = _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge, &total,
-                                     &tiles, pair_size)
+                                     &tiles, pair_size, &k)
         else:
             pair_size[0] = 0
-        if fast[0]:
-            k = n
-        else:
+        if not fast[0]:
             total = 0
             while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
                 _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
@@ -137,7 +146,8 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     writes one kvcopy_desc per planned copy into ``descs_out`` (room for
     ``len(sizes)`` entries): the device's view of both pointers, the size and
     the first tile. Nothing is enqueued. A batch inside one allocation per
-    side, of one-tile copies that need no merging, takes a vectorised pass.
+    side with no empty copy takes a vectorised pass (and, where copies merge or
+    multi-tile sizes differ, a scalar one after it that classifies nothing).
 
     Returns ``(count, total_bytes, src_kinds, src_ordinal, dst_kinds,
     dst_ordinal, total_tiles)``; kinds and ordinals as for classify_pointers.
