@@ -10,12 +10,14 @@ need one copy per span: each span goes whole to a staging buffer in GPU memory, 
 the copy kernel scatters the GPU's blocks from there (a load), or gathers them
 there first (a store), at HBM speed (figures: policy.STAGING_MIN_BYTES).
 
-How: one pass over each side's copies (kvcopy._cuda.stage) cuts it into chunks of at
-most config.staging_bytes and writes the kernel's descriptors. Chunk k of side j
-uses staging buffer 2j + k % 2, its copy-engine work on a stream of kvcopy's own and
-its kernel on another (the caller's, for the first side), with events between
-them, so that chunk k+1 crosses the link while chunk k is scattered. One descriptor
-table, uploaded once, holds every chunk's copies against their staging addresses.
+How: kvcopy._cuda.stage cuts each side's copies into chunks of at most
+config.staging_bytes and writes the kernel's descriptors. Chunk k of side j uses
+staging buffer 2j + k % 2, its copy-engine work on a stream of kvcopy's own and its
+kernel on another (the caller's, for the first side), with events between them, so
+that chunk k+1 crosses the link while chunk k is scattered. One descriptor table
+holds every chunk's copies against their staging addresses: for one-tile copies
+(many per chunk) each chunk is planned just before it is issued and read by the
+kernel in place; other sides are planned whole first and uploaded once.
 The work is ordered after what is queued on the caller's stream and before what is
 queued there next, as every kvcopy call's is.
 
@@ -47,7 +49,8 @@ SIDES = 2              # copy_both_ways stages both of its batches
 class StagedBatch:
     """One side of a staged call: its direction ('h2d' or 'd2h'), the caller's host and
     GPU addresses and sizes, how many copies are not empty, the policy's Decision, its
-    chunk size (the staging buffers hold at least that much) and the side's name."""
+    chunk size (the staging buffers hold at least that much), the side's name and its
+    largest copy (0: not known)."""
 
     direction: str
     host: np.ndarray
@@ -57,6 +60,12 @@ class StagedBatch:
     decision: Decision
     chunk_bytes: int
     name: str = ""
+    largest_copy: int = 0
+
+    @property
+    def one_tile_copies(self) -> bool:
+        """Every copy is one tile of the kernel: it may read their descriptors in place."""
+        return 0 < self.largest_copy <= launch.TILE_BYTES
 
 
 class StagingBuffers:
@@ -115,32 +124,68 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
     if staged is None or not _buffers.current().ensure(chunk_bytes):
         return None
     return StagedBatch(request.direction, host, gpu, sizes, len(sizes) - empty, staged,
-                       chunk_bytes, name)
+                       chunk_bytes, name, largest)
 
 
 class _Side:
-    """A side as stage.plan_chunks planned it into the table at ``first_descriptor``,
-    and its streams: copy engines on ``copy_stream``, the kernel on ``kernel_stream``."""
+    """A side planned into the descriptor table from ``first_descriptor`` on, and its
+    streams: copy engines on ``copy_stream``, the kernel on ``kernel_stream``.
+
+    Batches of one-tile copies are planned chunk by chunk, each just before it is
+    issued, and the kernel reads their descriptors where they are written (pinned,
+    mapped): planning 16,384 copies before the first chunk's copy held the link idle
+    for as long. Other batches (few copies per chunk) are planned whole and uploaded
+    once; the kernel then reads ``table`` (the slot's device copy)."""
 
     def __init__(self, batch: StagedBatch, first_descriptor: int, buffers: tuple[int, int],
-                 staging: StagingBuffers, table: int, copy_stream: int,
+                 staging: StagingBuffers, slot: ring.Slot, copy_stream: int,
                  kernel_stream: int) -> None:
         self.batch, self.first_descriptor, self.buffers = batch, first_descriptor, buffers
         self.copy_stream, self.kernel_stream = copy_stream, kernel_stream
+        self.in_place = batch.one_tile_copies
+        self.table = slot.mapped if self.in_place else slot.device
+        self._host_table = slot.host + first_descriptor * describe.DESCRIPTOR_BYTES
+        self._staging = staging
         room = len(batch.sizes) + 1
-        self.chunk_first = np.empty(room, dtype=np.int64)
+        self.chunk_first = np.zeros(room, dtype=np.int64)
         self.chunk_tiles = np.empty(room, dtype=np.uint64)
-        self.span_bounds = np.empty(room, dtype=np.int64)
+        self.span_bounds = np.zeros(room, dtype=np.int64)
         self.span_first = np.empty(room, dtype=np.int64)
         self.span_host = np.empty(room, dtype=np.uint64)
         self.span_staged = np.empty(room, dtype=np.uint64)
         self.span_bytes = np.empty(room, dtype=np.uint64)
-        _, self.chunks, _ = stage.plan_chunks(
-            batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
-            staging.address(buffers[0]), staging.address(buffers[1]),
-            table + first_descriptor * describe.DESCRIPTOR_BYTES, self.chunk_first,
-            self.chunk_tiles, self.span_bounds, self.span_first, self.span_host,
-            self.span_staged, self.span_bytes)
+        self.planned, self._next_copy = 0, 0   # chunks planned; the first copy left
+        if not self.in_place:
+            _, self.planned, _ = stage.plan_chunks(
+                batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
+                staging.address(buffers[0]), staging.address(buffers[1]), self._host_table,
+                self.chunk_first, self.chunk_tiles, self.span_bounds, self.span_first,
+                self.span_host, self.span_staged, self.span_bytes)
+            self._next_copy = len(batch.sizes)
+
+    def has_chunk(self, k: int) -> bool:
+        """Whether the side has a chunk k, planning it first where it is not yet."""
+        batch = self.batch
+        while self.planned <= k and self._next_copy < len(batch.sizes):
+            j = self.planned
+            first = int(self.chunk_first[j])
+            self._next_copy, taken, tiles, spans = stage.plan_next_chunk(
+                batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
+                self._staging.address(self.buffers[j % BUFFERS_PER_SIDE]), self._next_copy,
+                self._host_table + first * describe.DESCRIPTOR_BYTES, self.span_first,
+                self.span_host, self.span_staged, self.span_bytes, int(self.span_bounds[j]))
+            if taken:
+                self.chunk_first[j + 1], self.chunk_tiles[j] = first + taken, tiles
+                self.span_bounds[j + 1] = spans
+                self.planned += 1
+        return k < self.planned
+
+    def upload(self, handle: int) -> None:
+        """A side planned whole: its descriptors to the slot's device copy, on ``handle``."""
+        if not self.in_place:
+            offset = self.first_descriptor * describe.DESCRIPTOR_BYTES
+            launch.upload(self.table + offset, self._host_table,
+                          int(self.chunk_first[self.planned]) * describe.DESCRIPTOR_BYTES, handle)
 
 
 def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
@@ -160,25 +205,30 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
             streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
                        (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
             buffers = (j * BUFFERS_PER_SIDE, j * BUFFERS_PER_SIDE + 1)
-            sides.append(_Side(batch, first, buffers, staging, slot.host, *streams))
+            sides.append(_Side(batch, first, buffers, staging, slot, *streams))
             first += batch.count
-        launch.upload(slot.device, slot.host, nbytes, handle)
+        for side in sides:
+            side.upload(handle)
         side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
         for stream in side_work:
             driver.stream_wait_stream(stream, handle)
         try:
-            for k in range(max(side.chunks for side in sides)):
-                for side in sides:
-                    if k < side.chunks:
-                        _issue_chunk(side, k, staging, function, slot.device)
+            k = 0
+            while True:
+                # (has_chunk plans chunk k of a side planned chunk by chunk)
+                turn = [side for side in sides if side.has_chunk(k)]
+                if not turn:
+                    break
+                for side in turn:
+                    _issue_chunk(side, k, staging, function)
+                k += 1
         finally:
             for stream in side_work:
                 driver.stream_wait_stream(handle, stream)
             ring.DescriptorRing.fence(slot, handle)
 
 
-def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
-                 table: int) -> None:
+def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int) -> None:
     """Chunk k of a side: its spans by copy engines and its scatter (or gather) by the
     kernel, in the order its direction needs, behind the staging buffer's last use."""
     buffer = side.buffers[k % BUFFERS_PER_SIDE]
@@ -189,7 +239,7 @@ def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int,
 
     def scatter() -> None:
         first, stop = int(side.chunk_first[k]), int(side.chunk_first[k + 1])
-        descs = table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
+        descs = side.table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
         launch.launch_descs(function, descs, stop - first, int(side.chunk_tiles[k]),
                             policy.STAGING_CTAS, config.threads_per_cta, side.kernel_stream, 0)
 

@@ -135,6 +135,20 @@ def test_both_ways_are_staged_and_ordered_between_the_work_before_and_after(torc
     assert torch.equal(after.cpu(), want_loaded)
 
 
+def test_both_ways_a_side_planned_whole_beside_one_planned_chunk_by_chunk(torch_cuda):
+    """A store of 64 KiB blocks (several tiles each: planned whole, its descriptors
+    uploaded) beside a load of 4 KiB blocks (planned chunk by chunk, read in place)."""
+    torch = torch_cuda
+    out = Spans(torch, 64 * KiB, STAGING_MIN_BYTES // (64 * KiB), spans=2, seed=11)
+    into = Spans(torch, 4 * KiB, STAGING_MIN_BYTES // (4 * KiB), spans=3, seed=12)
+    want_loaded = into.host_blocks().clone()
+    stream = torch.cuda.Stream()
+    assert kvcopy.copy_both_ways(out.store(), into.load(), stream=stream) == ("staged", "staged")
+    stream.synchronize()
+    out.check()
+    assert torch.equal(into.gpu_blocks(), want_loaded)
+
+
 def test_both_ways_with_one_side_scattered_stay_with_the_kernel_pair(torch_cuda):
     torch = torch_cuda
     out, into = Spans(torch, 16 * KiB, BLOCKS, seed=3), Spans(torch, 16 * KiB, BLOCKS, seed=4)

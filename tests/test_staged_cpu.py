@@ -50,12 +50,37 @@ class Planned:
             np.full(room, -1, dtype=np.int64) for _ in range(3))
         self.chunk_tiles, self.span_host, self.span_staged, self.span_bytes = (
             np.zeros(room, dtype=np.uint64) for _ in range(4))
-        self.count, self.chunks, self.spans = stage.plan_chunks(
+        self.count, self.chunks, self.spans = self.plan(host, gpu, sizes, load, chunk, even, odd)
+
+    def plan(self, host, gpu, sizes, load, chunk, even, odd) -> tuple[int, int, int]:
+        return stage.plan_chunks(
             host, gpu, sizes, load, chunk, even, odd, self.table.ctypes.data, self.chunk_first,
             self.chunk_tiles, self.span_bounds, self.span_first, self.span_host,
             self.span_staged, self.span_bytes)
 
 
+class PlannedByChunk(Planned):
+    """The same side planned by stage.plan_next_chunk, one chunk per call, as staged.run
+    plans sides of one-tile copies."""
+
+    def plan(self, host, gpu, sizes, load, chunk, even, odd) -> tuple[int, int, int]:
+        start = count = spans = chunks = 0
+        self.chunk_first[0], self.span_bounds[0] = 0, 0
+        while True:
+            start, taken, tiles, spans = stage.plan_next_chunk(
+                host, gpu, sizes, load, chunk, even if chunks % 2 == 0 else odd, start,
+                self.table.ctypes.data + count * 32, self.span_first, self.span_host,
+                self.span_staged, self.span_bytes, spans)
+            if not taken:
+                break
+            count, chunks = count + taken, chunks + 1
+            self.chunk_first[chunks], self.chunk_tiles[chunks - 1] = count, tiles
+            self.span_bounds[chunks] = spans
+        assert start == len(sizes)
+        return count, chunks, spans
+
+
+@pytest.mark.parametrize("plan", [Planned, PlannedByChunk])
 @pytest.mark.parametrize("sizes, layout, chunk", [
     ([16 * KiB] * 100, "one span", 64 * KiB),                      # whole chunks
     ([16 * KiB] * 100, "one span", 100 * KiB),                     # chunk not a block multiple
@@ -65,8 +90,9 @@ class Planned:
     ([16 * KiB, 40 * KiB, 16 * KiB] * 11, "one span", 3 * 16 * KiB * 4),   # several tiles
 ])
 @pytest.mark.parametrize("load", [True, False])
-def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, layout,
-                                                                                  chunk, load):
+def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(plan, sizes,
+                                                                                  layout, chunk,
+                                                                                  load):
     from kvcopy._cuda import launch
     tile = launch.TILE_BYTES
     sizes = u64(sizes)
@@ -76,7 +102,7 @@ def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends
     host = HOST + starts.astype(np.uint64)
     gpu = GPU + np.arange(len(sizes), dtype=np.uint64)[::-1] * np.uint64(64 * KiB)
     even, odd = 0xB000_0000, 0xC000_0000
-    p = Planned(host, gpu, sizes, load, chunk, even, odd)
+    p = plan(host, gpu, sizes, load, chunk, even, odd)
     kept = np.flatnonzero(sizes)                      # the copies that are not empty
     assert p.count == len(kept)
     bounds = p.chunk_first[:p.chunks + 1].tolist()
@@ -123,6 +149,20 @@ def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own_and_one_over_is_refus
     assert p.span_bytes[:3].tolist() == [4 * KiB, 64 * KiB, 4 * KiB]
     with pytest.raises(ValueError, match="copy 1 of 65536 bytes does not fit a chunk of 32768"):
         Planned(host, host, sizes, True, 32 * KiB)
+
+
+def test_planning_chunk_by_chunk_refuses_a_copy_over_a_chunk_and_bad_arguments():
+    sizes = u64([4 * KiB, 64 * KiB, 4 * KiB])
+    host = HOST + u64([0, 4 * KiB, 68 * KiB])
+    with pytest.raises(ValueError, match="copy 1 of 65536 bytes does not fit a chunk of 32768"):
+        PlannedByChunk(host, host, sizes, True, 32 * KiB)
+    out = np.zeros(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="start 4 or spans 0 outside 0..3"):
+        stage.plan_next_chunk(host, host, sizes, True, 64 * KiB, 0, 4, 0, out.view(np.int64),
+                              out, out, out, 0)
+    with pytest.raises(ValueError, match="room for 4 entries"):
+        stage.plan_next_chunk(host, host, sizes, True, 64 * KiB, 0, 0, 0,
+                              out[:3].view(np.int64), out, out, out, 0)
 
 
 def test_plan_chunks_checks_its_arrays():
@@ -245,6 +285,7 @@ class Recorder:
         self.buffers.free = [0xF0, 0xF1, 0xF2, 0xF3]
         self.buffers.filled = [0xE0, 0xE1, 0xE2, 0xE3]
         self.fail_copy: int | None = None
+        self.described_at_copy: list[int] = []   # descriptors written when each copy was issued
 
     # driver
     def stream_wait_event(self, stream, event):
@@ -264,7 +305,11 @@ class Recorder:
         self.calls.append(("upload", device, nbytes, stream))
 
     def launch_descs(self, function, descs, n, tiles, ctas, threads, stream, upload_from):
-        self.calls.append(("kernel", stream, (descs - self.slot.device) // 32, n, tiles, ctas))
+        # descriptors read where they were written (mapped) or from the slot's device copy
+        in_place = descs < self.slot.device
+        base = self.slot.mapped if in_place else self.slot.device
+        self.calls.append(("kernel in place" if in_place else "kernel", stream,
+                           (descs - base) // 32, n, tiles, ctas))
         return 1
 
     # dma
@@ -272,6 +317,7 @@ class Recorder:
         if self.fail_copy is not None and self.fail_copy < len(sizes):
             raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", self.fail_copy)
         self.calls.append(("copy", stream, dst.tolist(), src.tolist(), sizes.tolist()))
+        self.described_at_copy.append(int(np.count_nonzero(self.table[:, 2])))
 
 
 CALLER, SIDES = 0x5000, {0: 0x5100, 1: 0x5101, 2: 0x5102}
@@ -315,12 +361,15 @@ def rec(monkeypatch):
     return r
 
 
-def batch(direction: str, count: int, block: int = 16 * KiB, name: str = "") -> staged.StagedBatch:
+def batch(direction: str, count: int, block: int = 16 * KiB, name: str = "",
+          largest_known: bool = False) -> staged.StagedBatch:
+    """A side of ``count`` blocks, its host side one span; its largest copy given (as
+    plan_batch gives it) with ``largest_known``, else unknown (planned whole)."""
     sizes = np.full(count, block, dtype=np.uint64)
     host = HOST + np.arange(count, dtype=np.uint64) * np.uint64(block)
     gpu = GPU + np.arange(count, dtype=np.uint64)[::-1] * np.uint64(2 * block)
     return staged.StagedBatch(direction, host, gpu, sizes, count, Decision("staged", "test"),
-                              64 * KiB, name)
+                              64 * KiB, name, block if largest_known else 0)
 
 
 def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec):
@@ -354,6 +403,44 @@ def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec)
     ]
     assert rec.calls[3:-3] == chunk
     assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
+
+
+def test_one_tile_copies_are_planned_chunk_by_chunk_and_read_in_place(rec):
+    """The first chunk crosses the link while the later ones are still to be planned;
+    the table ends up as the whole-side plan writes it, with nothing uploaded."""
+    staged.run(CALLER, [batch("h2d", 10)], (9, 0), 12080)
+    planned_whole = rec.table[:10].copy()
+    rec.table[:] = 0
+    rec.calls.clear()
+    rec.described_at_copy.clear()
+    staged.run(CALLER, [batch("h2d", 10, largest_known=True)], (9, 0), 12080)
+    np.testing.assert_array_equal(rec.table[:10], planned_whole)
+    assert not [c for c in rec.calls if c[0] == "upload"]
+    assert rec.described_at_copy == [4, 8, 10]      # chunks of 4, 4 and 2 blocks
+    kernels = [c for c in rec.calls if c[0].startswith("kernel")]
+    assert kernels == [("kernel in place", CALLER, 0, 4, 4, policy.STAGING_CTAS),
+                       ("kernel in place", CALLER, 4, 4, 4, policy.STAGING_CTAS),
+                       ("kernel in place", CALLER, 8, 2, 2, policy.STAGING_CTAS)]
+    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), ("fence", CALLER), ("release",)]
+
+
+def test_both_ways_a_side_of_multi_tile_copies_is_uploaded_beside_one_read_in_place(rec):
+    store = batch("d2h", 6, block=32 * KiB, name="store", largest_known=True)   # 2 tiles each
+    load = batch("h2d", 8, name="load", largest_known=True)
+    staged.run(CALLER, [store, load], (9, 0), 12080)
+    assert [c for c in rec.calls if c[0] == "upload"] == [
+        ("upload", rec.slot.device, 6 * 32, CALLER)]   # the store's table only, before all
+    assert rec.calls[1][0] == "upload"
+    kernels = [c for c in rec.calls if c[0].startswith("kernel")]
+    assert kernels == [("kernel", CALLER, 0, 2, 4, policy.STAGING_CTAS),
+                       ("kernel in place", SIDES[1], 6, 4, 4, policy.STAGING_CTAS),
+                       ("kernel", CALLER, 2, 2, 4, policy.STAGING_CTAS),
+                       ("kernel in place", SIDES[1], 10, 4, 4, policy.STAGING_CTAS),
+                       ("kernel", CALLER, 4, 2, 4, policy.STAGING_CTAS)]
+    # the load's descriptors follow the store's, from its staging buffers to its blocks
+    assert rec.table[6:14, 1].tolist() == load.gpu.tolist()
+    assert rec.table[6:14, 0].tolist() == [rec.buffers.base + (2 + k // 4 % 2) * 64 * KiB
+                                           + (k % 4) * 16 * KiB for k in range(8)]
 
 
 def test_a_store_gathers_each_chunk_then_copies_it_out_and_joins_the_callers_stream(rec):

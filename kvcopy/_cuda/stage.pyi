@@ -7,3 +7,7 @@ def plan_chunks(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool
                 chunk_first: np.ndarray, chunk_tiles: np.ndarray, span_bounds: np.ndarray,
                 span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,
                 span_bytes: np.ndarray) -> tuple[int, int, int]: ...
+def plan_next_chunk(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
+                    chunk_bytes: int, buffer: int, start: int, table: int,
+                    span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,
+                    span_bytes: np.ndarray, spans: int) -> tuple[int, int, int, int]: ...

@@ -33,6 +33,67 @@ def host_spans(const uint64_t[::1] host, const uint64_t[::1] sizes) -> tuple:
     return spans, largest, empty
 
 
+cdef Py_ssize_t _plan_chunk(const uint64_t* host, const uint64_t* gpu, const uint64_t* sizes,
+                            Py_ssize_t n, Py_ssize_t start, bint load, uint64_t chunk_bytes,
+                            uint64_t buffer, kvcopy_desc* d, int64_t* count_out,
+                            uint64_t* tiles_out, int64_t* span_first, uint64_t* span_host,
+                            uint64_t* span_staged, uint64_t* span_bytes, int64_t* spans_io,
+                            Py_ssize_t* too_large) noexcept nogil:
+    """One chunk from copy ``start`` on: its copies' descriptors from d[0] (tiles counted
+    from 0), its spans appended from span *spans_io; returns the first copy it did not
+    take (n at the end; a copy over a chunk sets *too_large and ends it)."""
+    cdef Py_ssize_t i = start
+    cdef int64_t count = 0, spans = spans_io[0]
+    cdef uint64_t size, used = 0, tiles = 0, staged, next_host = 0
+    while i < n:
+        size = sizes[i]
+        if size == 0:
+            i += 1
+            continue
+        if size > chunk_bytes:
+            too_large[0] = i
+            break
+        if count and used + size > chunk_bytes:
+            break
+        staged = buffer + used
+        if count == 0 or host[i] != next_host:
+            span_first[spans] = i
+            span_host[spans] = host[i]
+            span_staged[spans] = staged
+            span_bytes[spans] = 0
+            spans += 1
+        span_bytes[spans - 1] += size
+        next_host = host[i] + size
+        if load:
+            d[count].src = staged
+            d[count].dst = gpu[i]
+        else:
+            d[count].src = gpu[i]
+            d[count].dst = staged
+        d[count].size = size
+        d[count].tile_start = tiles
+        tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
+        used += size
+        count += 1
+        i += 1
+    count_out[0] = count
+    tiles_out[0] = tiles
+    spans_io[0] = spans
+    return i
+
+
+cdef _check_room(str name, Py_ssize_t n, Py_ssize_t host_n, Py_ssize_t gpu_n, tuple outputs):
+    if host_n != n or gpu_n != n:
+        raise ValueError(f"{name}: {host_n} host and {gpu_n} GPU addresses for {n} sizes")
+    for length in outputs:
+        if length <= n:
+            raise ValueError(f"{name}: every output needs room for {n + 1} entries")
+
+
+cdef _too_large(str name, Py_ssize_t i, uint64_t size, uint64_t chunk_bytes):
+    return ValueError(f"{name}: copy {i} of {size} bytes does not fit a chunk of {chunk_bytes}")
+
+
 def plan_chunks(const uint64_t[::1] host, const uint64_t[::1] gpu, const uint64_t[::1] sizes,
                 bint load, uint64_t chunk_bytes, uint64_t buffer_even, uint64_t buffer_odd,
                 uintptr_t table, int64_t[::1] chunk_first, uint64_t[::1] chunk_tiles,
@@ -50,63 +111,56 @@ def plan_chunks(const uint64_t[::1] host, const uint64_t[::1] gpu, const uint64_
     chunk_tiles[k] tiles and spans [span_bounds[k], span_bounds[k + 1]); span j starts
     at the caller's copy span_first[j], at host address span_host[j] and staged address
     span_staged[j], and has span_bytes[j] bytes. ValueError for a copy over a chunk."""
-    cdef Py_ssize_t i, n = sizes.shape[0]
-    if host.shape[0] != n or gpu.shape[0] != n:
-        raise ValueError(f"plan_chunks: {host.shape[0]} host and {gpu.shape[0]} GPU addresses "
-                         f"for {n} sizes")
-    if chunk_first.shape[0] <= n or chunk_tiles.shape[0] <= n or span_bounds.shape[0] <= n \
-            or span_first.shape[0] <= n or span_host.shape[0] <= n \
-            or span_staged.shape[0] <= n or span_bytes.shape[0] <= n:
-        raise ValueError(f"plan_chunks: every output needs room for {n + 1} entries")
+    cdef Py_ssize_t n = sizes.shape[0], i = 0, too_large = -1
+    _check_room("plan_chunks", n, host.shape[0], gpu.shape[0], (
+        chunk_first.shape[0], chunk_tiles.shape[0], span_bounds.shape[0], span_first.shape[0],
+        span_host.shape[0], span_staged.shape[0], span_bytes.shape[0]))
     cdef kvcopy_desc* d = <kvcopy_desc*>table
-    cdef int64_t count = 0, chunks = 0, spans = 0, too_large = -1
-    cdef uint64_t size, used = 0, tiles = 0, buffer = 0, staged, next_host = 0
-    cdef bint new_span
+    cdef int64_t count = 0, chunks = 0, spans = 0, taken
+    cdef uint64_t tiles
+    if n == 0:
+        chunk_first[0] = span_bounds[0] = 0
+        return 0, 0, 0
     with nogil:
-        for i in range(n):
-            size = sizes[i]
-            if size == 0:
-                continue
-            if size > chunk_bytes:
-                too_large = i
+        while True:
+            chunk_first[chunks] = count
+            span_bounds[chunks] = spans
+            i = _plan_chunk(&host[0], &gpu[0], &sizes[0], n, i, load, chunk_bytes,
+                            buffer_even if chunks % 2 == 0 else buffer_odd, d + count, &taken,
+                            &tiles, &span_first[0], &span_host[0], &span_staged[0],
+                            &span_bytes[0], &spans, &too_large)
+            if taken == 0:
                 break
-            if chunks == 0 or used + size > chunk_bytes:
-                if chunks:
-                    chunk_tiles[chunks - 1] = tiles
-                chunk_first[chunks] = count
-                span_bounds[chunks] = spans
-                buffer = buffer_even if chunks % 2 == 0 else buffer_odd
-                chunks += 1
-                used = 0
-                tiles = 0
-                new_span = True
-            else:
-                new_span = host[i] != next_host
-            staged = buffer + used
-            if new_span:
-                span_first[spans] = i
-                span_host[spans] = host[i]
-                span_staged[spans] = staged
-                span_bytes[spans] = 0
-                spans += 1
-            span_bytes[spans - 1] += size
-            next_host = host[i] + size
-            if load:
-                d[count].src = staged
-                d[count].dst = gpu[i]
-            else:
-                d[count].src = gpu[i]
-                d[count].dst = staged
-            d[count].size = size
-            d[count].tile_start = tiles
-            tiles += (size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
-            used += size
-            count += 1
-        if chunks:
-            chunk_tiles[chunks - 1] = tiles
-        chunk_first[chunks] = count
-        span_bounds[chunks] = spans
+            chunk_tiles[chunks] = tiles
+            count += taken
+            chunks += 1
     if too_large >= 0:
-        raise ValueError(f"plan_chunks: copy {too_large} of {sizes[too_large]} bytes does not "
-                         f"fit a chunk of {chunk_bytes}")
+        raise _too_large("plan_chunks", too_large, sizes[too_large], chunk_bytes)
     return count, chunks, spans
+
+
+def plan_next_chunk(const uint64_t[::1] host, const uint64_t[::1] gpu, const uint64_t[::1] sizes,
+                    bint load, uint64_t chunk_bytes, uint64_t buffer, Py_ssize_t start,
+                    uintptr_t table, int64_t[::1] span_first, uint64_t[::1] span_host,
+                    uint64_t[::1] span_staged, uint64_t[::1] span_bytes, int64_t spans) -> tuple:
+    """One chunk of plan_chunks, planned just before it is issued: the copies from
+    ``start`` on that fill ``buffer`` as far as the next copy fits, their descriptors
+    written from ``table`` on (tiles counted from 0), their spans from span ``spans``
+    on. Returns (the first copy not taken, descriptors, tiles, spans in all): no
+    descriptors where no copy is left. ValueError for a copy over a chunk."""
+    cdef Py_ssize_t n = sizes.shape[0], too_large = -1
+    _check_room("plan_next_chunk", n, host.shape[0], gpu.shape[0], (
+        span_first.shape[0], span_host.shape[0], span_staged.shape[0], span_bytes.shape[0]))
+    if not 0 <= start <= n or not 0 <= spans <= n:
+        raise ValueError(f"plan_next_chunk: start {start} or spans {spans} outside 0..{n}")
+    cdef int64_t taken = 0
+    cdef uint64_t tiles = 0
+    if start < n:
+        with nogil:
+            start = _plan_chunk(&host[0], &gpu[0], &sizes[0], n, start, load, chunk_bytes,
+                                buffer, <kvcopy_desc*>table, &taken, &tiles, &span_first[0],
+                                &span_host[0], &span_staged[0], &span_bytes[0], &spans,
+                                &too_large)
+    if too_large >= 0:
+        raise _too_large("plan_next_chunk", too_large, sizes[too_large], chunk_bytes)
+    return start, taken, tiles, spans
