@@ -28,7 +28,6 @@ from kvcopy import device, engine, kernels, policy, ring, side_streams, staged
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
 from kvcopy.context import ContextScope
-from kvcopy.descriptors import pinned_descriptors
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
 from kvcopy.blocks import BlockPlan
@@ -153,27 +152,15 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
                       ctas: tuple[int, int], launches: int, handle: int) -> None:
     """The fused kernel over two batches of one-tile copies described back to back in
     ``slot``, read in place, as ``launches`` launches in a row: slice k of both
-    batches in each. The kernel takes the second batch's descriptors right after the
-    first's, so the table is first reordered, slice by slice, into A0 B0 A1 B1 ...
-    (one-tile copies ignore tile_start: any order is a batch)."""
-    if launches > 1:
-        step_a, step_b = -(-count_a // launches), -(-count_b // launches)
-        table = pinned_descriptors(slot.host, count_a + count_b)
-        # slices copied whole: gathering the table row by row through an index array
-        # cost 5x as much (32,768 descriptors: 455 us against 87)
-        pieces = [piece for k in range(launches) for piece in (
-            table[k * step_a:min((k + 1) * step_a, count_a)],
-            table[count_a + k * step_b:count_a + min((k + 1) * step_b, count_b)])]
-        table[:] = np.concatenate(pieces)
-    else:
-        step_a, step_b = count_a, count_b
-    first = 0
+    batches in each (one-tile copies ignore tile_start: any slice is a batch)."""
+    step_a, step_b = -(-count_a // launches), -(-count_b // launches)
+    entry = describe.DESCRIPTOR_BYTES
     for k in range(launches):
         n_a = max(min(step_a, count_a - k * step_a), 0)
         n_b = max(min(step_b, count_b - k * step_b), 0)
-        launch.launch_pair(function, slot.mapped + first * describe.DESCRIPTOR_BYTES, n_a, n_a,
-                           ctas[0], n_b, n_b, ctas[1], config.threads_per_cta, handle, 0)
-        first += n_a + n_b
+        launch.launch_pair(function, slot.mapped + k * step_a * entry, n_a, n_a, ctas[0], n_b, n_b,
+                           ctas[1], config.threads_per_cta, handle, 0,
+                           slot.mapped + (count_a + k * step_b) * entry)
 
 
 def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",

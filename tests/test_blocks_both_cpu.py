@@ -63,7 +63,8 @@ class Fake:
         return (len(sizes), int(sizes.sum()), *next(self.classes), len(sizes))
 
     def launch_pair(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
-                    threads, stream, upload_from=0) -> int:
+                    threads, stream, upload_from=0, descs_b=0) -> int:
+        assert descs_b in (0, descs + count_a * 32)   # described back to back
         self.calls.append(("launch_pair", function, descs, count_a, ctas_a, count_b, ctas_b,
                            upload_from))
         return 1

@@ -176,39 +176,14 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
 
 
 def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeypatch):
-    """The fused kernel reads the second batch right after the first, so the table is
-    reordered A0 B0 A1 B1 ... and each launch takes one slice of each."""
+    """Each launch takes slice k of each batch where it was described (the fused kernel
+    takes the second batch's own address): the table is left as it is."""
     from kvcopy import ring
     from kvcopy._cuda import describe
 
     count_a, count_b = 10, 7
     table = np.zeros((count_a + count_b, 4), dtype=np.uint64)
     table[:, 0] = np.arange(count_a + count_b)          # src names the descriptor
-    slot = ring.Slot(capacity=1 << 20, host=table.ctypes.data, mapped=0x2000, device=0x3000,
-                     event=0x77)
-    launches = []
-
-    class FakeLaunch:
-        @staticmethod
-        def launch_pair(function, descs, n_a, tiles_a, ctas_a, n_b, tiles_b, ctas_b, threads,
-                        stream, upload_from):
-            launches.append((descs, n_a, tiles_a, ctas_a, n_b, tiles_b, ctas_b, upload_from))
-    monkeypatch.setattr(both_ways, "launch", FakeLaunch)
-    both_ways._launch_in_slices(9, slot, count_a, count_b, (8, 1), 3, HANDLE)
-    entry = describe.DESCRIPTOR_BYTES
-    # slices of 4, 4, 2 (A) and 3, 3, 1 (B)
-    assert launches == [(0x2000, 4, 4, 8, 3, 3, 1, 0),
-                        (0x2000 + 7 * entry, 4, 4, 8, 3, 3, 1, 0),
-                        (0x2000 + 14 * entry, 2, 2, 8, 1, 1, 1, 0)]
-    assert table[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 12,
-                                    4, 5, 6, 7, 13, 14, 15,
-                                    8, 9, 16]
-
-
-def test_one_launch_keeps_the_table_as_described(monkeypatch):
-    from kvcopy import ring
-
-    table = np.arange(12 * 4, dtype=np.uint64).reshape(12, 4)
     before = table.copy()
     slot = ring.Slot(capacity=1 << 20, host=table.ctypes.data, mapped=0x2000, device=0x3000,
                      event=0x77)
@@ -216,12 +191,38 @@ def test_one_launch_keeps_the_table_as_described(monkeypatch):
 
     class FakeLaunch:
         @staticmethod
+        def launch_pair(function, descs, n_a, tiles_a, ctas_a, n_b, tiles_b, ctas_b, threads,
+                        stream, upload_from, descs_b):
+            launches.append((descs, n_a, tiles_a, ctas_a, descs_b, n_b, tiles_b, ctas_b,
+                             upload_from))
+    monkeypatch.setattr(both_ways, "launch", FakeLaunch)
+    both_ways._launch_in_slices(9, slot, count_a, count_b, (8, 1), 3, HANDLE)
+    entry = describe.DESCRIPTOR_BYTES
+    # slices of 4, 4, 2 (A, from descriptor 0) and 3, 3, 1 (B, from descriptor 10)
+    assert launches == [(0x2000, 4, 4, 8, 0x2000 + 10 * entry, 3, 3, 1, 0),
+                        (0x2000 + 4 * entry, 4, 4, 8, 0x2000 + 13 * entry, 3, 3, 1, 0),
+                        (0x2000 + 8 * entry, 2, 2, 8, 0x2000 + 16 * entry, 1, 1, 1, 0)]
+    np.testing.assert_array_equal(table, before)
+
+
+def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(monkeypatch):
+    from kvcopy import ring
+    from kvcopy._cuda import describe
+
+    slot = ring.Slot(capacity=1 << 20, host=0x9000, mapped=0x2000, device=0x3000, event=0x77)
+    launches = []
+
+    class FakeLaunch:
+        @staticmethod
         def launch_pair(*args):
             launches.append(args)
     monkeypatch.setattr(both_ways, "launch", FakeLaunch)
-    both_ways._launch_in_slices(9, slot, 5, 7, (8, 1), 1, HANDLE)
-    assert [call[1:7] for call in launches] == [(0x2000, 5, 5, 8, 7, 7)]
-    np.testing.assert_array_equal(table, before)
+    both_ways._launch_in_slices(9, slot, 9, 2, (8, 1), 3, HANDLE)
+    entry = describe.DESCRIPTOR_BYTES
+    assert [(call[1], call[2], call[5], call[11]) for call in launches] == [
+        (0x2000, 3, 1, 0x2000 + 9 * entry), (0x2000 + 3 * entry, 3, 1, 0x2000 + 10 * entry),
+        (0x2000 + 6 * entry, 3, 0, 0x2000 + 11 * entry)]
+
 
 
 @pytest.mark.parametrize("store, load, limit, expected", [

@@ -451,16 +451,17 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS) kvcopy_bulk_sc
 
 KVCOPY_INLINE_ENTRIES(kvcopy_bulk, KVCOPY_BULK_THREADS, kvcopy_bulk_body)
 
-/* Two batches in one launch, each with its own CTAs: CTAs [0, ctas_a) copy
- * descriptors [0, count_a), the others the count_b after them (each batch's
- * tile_start counts from 0). Used for a store and a load over PCIe at the same
+/* Two batches in one launch, each with its own CTAs: CTAs [0, ctas_a) copy the
+ * count_a descriptors at descs, the others the count_b at descs_b (each batch's
+ * tile_start counts from 0; a launch over slices of two tables needs no reordering). Used for a store and a load over PCIe at the same
  * time, whose shares of the link depend on how many SMs issue each. */
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
                                                unsigned long long count_a,
                                                unsigned long long tiles_a,
                                                unsigned long long ctas_a,
                                                unsigned long long count_b,
-                                               unsigned long long tiles_b) {
+                                               unsigned long long tiles_b,
+                                               const kvcopy_desc* __restrict__ descs_b) {
     const unsigned long long per_cta = blockDim.x >> 5;
     const unsigned long long in_cta = threadIdx.x >> 5;
     kvcopy_register_copier copier;
@@ -468,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_
         kvcopy_scatter_warps(copier, descs, count_a, tiles_a, blockIdx.x * per_cta + in_cta,
                              ctas_a * per_cta);
     } else {
-        kvcopy_scatter_warps(copier, descs + count_a, count_b, tiles_b,
+        kvcopy_scatter_warps(copier, descs_b, count_b, tiles_b,
                              (blockIdx.x - ctas_a) * per_cta + in_cta,
                              (gridDim.x - ctas_a) * per_cta);
     }

@@ -185,14 +185,19 @@ def launch_pairs(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned lon
 def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
                 unsigned long long tiles_a, unsigned int ctas_a, Py_ssize_t count_b,
                 unsigned long long tiles_b, unsigned int ctas_b, unsigned int threads,
-                uintptr_t stream, uintptr_t upload_from=0) -> int:
-    """Launch ``kvcopy_scatter_pair``: two described batches, back to back at ``descs``
-    (each with tile_start counted from 0), copied by ctas_a and ctas_b CTAs of one
-    launch. Buffers as for launch_descs. Returns the number of launches (0 or 1)."""
+                uintptr_t stream, uintptr_t upload_from=0, uintptr_t descs_b=0) -> int:
+    """Launch ``kvcopy_scatter_pair``: two described batches (each with tile_start
+    counted from 0), the first at ``descs`` and the second at ``descs_b`` (0: right
+    after the first), copied by ctas_a and ctas_b CTAs of one launch. With
+    ``upload_from``, both are uploaded back to back first. Buffers as for
+    launch_descs. Returns the number of launches (0 or 1)."""
     cdef CUdeviceptr dev = <CUdeviceptr>descs
+    cdef CUdeviceptr dev_b = <CUdeviceptr>(descs_b or descs + count_a * sizeof(kvcopy_desc))
     cdef unsigned long long ca = <unsigned long long>count_a, cb = <unsigned long long>count_b
     cdef unsigned long long grid_a, grid_b
-    cdef void* params[6]
+    cdef void* params[7]
+    if upload_from and descs_b and dev_b != dev + count_a * sizeof(kvcopy_desc):
+        raise ValueError("launch_pair: an uploaded pair lies back to back")
     _check_launch_shape(ctas_a or 1, threads)
     _check_launch_shape(ctas_b or 1, threads)
     grid_a = _grid(tiles_a, threads, ctas_a) if tiles_a else 0
@@ -205,6 +210,7 @@ def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
     params[3] = &grid_a
     params[4] = &cb
     params[5] = &tiles_b
+    params[6] = &dev_b
     with nogil:
         _launch_after_upload(function, dev, upload_from, (count_a + count_b) * sizeof(kvcopy_desc),
                              <unsigned int>(grid_a + grid_b), threads, stream, params)
