@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcopy import kernels, policy, ring, side_streams
-from kvcopy._cuda import describe, dma, driver, launch, stage
+from kvcopy._cuda import describe, driver, launch, stage
 from kvcopy.config import config
 from kvcopy.context import PerContext
 from kvcopy.errors import CudaError
@@ -154,6 +154,9 @@ class _Side:
         self.span_host = np.empty(room, dtype=np.uint64)
         self.span_staged = np.empty(room, dtype=np.uint64)
         self.span_bytes = np.empty(room, dtype=np.uint64)
+        # (the addresses, for launch.issue_staged_chunk: asking NumPy costs microseconds)
+        self.span_addresses: tuple[int, int, int] = (
+            self.span_host.ctypes.data, self.span_staged.ctypes.data, self.span_bytes.ctypes.data)
         self.planned, self._next_copy = 0, 0   # chunks planned; the first copy left
         if not self.in_place:
             _, self.planned, _ = stage.plan_chunks(
@@ -230,40 +233,20 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
 
 def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int) -> None:
     """Chunk k of a side: its spans by copy engines and its scatter (or gather) by the
-    kernel, in the order its direction needs, behind the staging buffer's last use."""
+    kernel, in the order its direction needs, behind the staging buffer's last use
+    (launch.issue_staged_chunk). A failed span copy is reported with the side's name
+    and the caller's index of the span's first copy."""
     buffer = side.buffers[k % BUFFERS_PER_SIDE]
-    load = side.batch.direction == "h2d"
-
-    def copy() -> None:
-        _copy_spans(side, int(side.span_bounds[k]), int(side.span_bounds[k + 1]), load)
-
-    def scatter() -> None:
-        first, stop = int(side.chunk_first[k]), int(side.chunk_first[k + 1])
-        descs = side.table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
-        launch.launch_descs(function, descs, stop - first, int(side.chunk_tiles[k]),
-                            policy.STAGING_CTAS, config.threads_per_cta, side.kernel_stream, 0)
-
-    # (by role, not by stream: where side streams are shared, both may be one stream)
-    steps = ((copy, side.copy_stream), (scatter, side.kernel_stream))
-    (first_step, first_stream), (second_step, second_stream) = steps if load else steps[::-1]
-    driver.stream_wait_event(first_stream, staging.free[buffer])
-    first_step()
-    driver.event_record(staging.filled[buffer], first_stream)
-    driver.stream_wait_event(second_stream, staging.filled[buffer])
-    second_step()
-    driver.event_record(staging.free[buffer], second_stream)
-
-
-def _copy_spans(side: _Side, lo: int, hi: int, load: bool) -> None:
-    """Spans [lo, hi) of a side, one cuMemcpyAsync each, to (load) or from their
-    staging buffer."""
-    host, staged = side.span_host[lo:hi], side.span_staged[lo:hi]
+    lo, hi = int(side.span_bounds[k]), int(side.span_bounds[k + 1])
+    first = int(side.chunk_first[k])
+    descs = side.table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
     try:
-        if load:
-            dma.memcpy_loop(staged, host, side.span_bytes[lo:hi], side.copy_stream)
-        else:
-            dma.memcpy_loop(host, staged, side.span_bytes[lo:hi], side.copy_stream)
+        launch.issue_staged_chunk(side.batch.direction == "h2d", side.copy_stream,
+                                  side.kernel_stream, staging.free[buffer], staging.filled[buffer],
+                                  *side.span_addresses, lo, hi, function, descs,
+                                  int(side.chunk_first[k + 1]) - first, int(side.chunk_tiles[k]),
+                                  policy.STAGING_CTAS, config.threads_per_cta)
     except CudaError as exc:
-        index = None if exc.index is None else int(side.span_first[lo + exc.index])
+        index = None if exc.index is None else int(side.span_first[exc.index])
         prefix = f"{side.batch.name}: " if side.batch.name else ""
         raise type(exc)(exc.code, exc.name, prefix + exc.message, index) from None

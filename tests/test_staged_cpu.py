@@ -4,6 +4,7 @@ a chunked descriptor table, and the order in which a staged call issues its work
 with the driver, the ring and the launches faked."""
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -176,6 +177,16 @@ def test_plan_chunks_checks_its_arrays():
         Planned(sizes[:1], sizes, sizes, True, 64)
 
 
+def test_issuing_a_chunk_checks_its_launch_shape_and_span_arrays_before_any_driver_call():
+    from kvcopy._cuda import launch
+    spans = np.zeros(4, dtype=np.uint64)
+    ok = (spans.ctypes.data,) * 3
+    with pytest.raises(ValueError, match="max_ctas must be positive"):
+        launch.issue_staged_chunk(True, 1, 2, 3, 4, *ok, 0, 1, 5, 6, 1, 1, 0, 512)
+    with pytest.raises(ValueError, match="no span arrays"):
+        launch.issue_staged_chunk(True, 1, 2, 3, 4, 0, 0, 0, 0, 1, 5, 6, 1, 1, 16, 512)
+
+
 # ---- the policy
 
 def request(direction: str = "h2d", total: int = 64 * MiB, count: int = 4096,
@@ -312,12 +323,34 @@ class Recorder:
                            (descs - base) // 32, n, tiles, ctas))
         return 1
 
-    # dma
-    def memcpy_loop(self, dst, src, sizes, stream):
-        if self.fail_copy is not None and self.fail_copy < len(sizes):
-            raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", self.fail_copy)
-        self.calls.append(("copy", stream, dst.tolist(), src.tolist(), sizes.tolist()))
-        self.described_at_copy.append(int(np.count_nonzero(self.table[:, 2])))
+    def issue_staged_chunk(self, load, copy_stream, kernel_stream, free_event, filled_event,
+                           span_host, span_staged, span_bytes, lo, hi, function, descs, n,
+                           tiles, ctas, threads):
+        """Records what the chunk issues, in the order launch.issue_staged_chunk's
+        contract gives (the driver calls themselves run on the GPU tests)."""
+        def span_array(address):
+            return np.ctypeslib.as_array((ctypes.c_uint64 * hi).from_address(address))[lo:hi]
+        host, staged_at, sizes = (span_array(a) for a in (span_host, span_staged, span_bytes))
+
+        def copy():
+            if self.fail_copy is not None and self.fail_copy < hi - lo:
+                raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument",
+                                lo + self.fail_copy)
+            dst, src = (staged_at, host) if load else (host, staged_at)
+            self.calls.append(("copy", copy_stream, dst.tolist(), src.tolist(), sizes.tolist()))
+            self.described_at_copy.append(int(np.count_nonzero(self.table[:, 2])))
+
+        def kernel():
+            self.launch_descs(function, descs, n, tiles, ctas, threads, kernel_stream, 0)
+        first, second = (copy, kernel) if load else (kernel, copy)
+        first_stream, second_stream = ((copy_stream, kernel_stream) if load
+                                       else (kernel_stream, copy_stream))
+        self.stream_wait_event(first_stream, free_event)
+        first()
+        self.event_record(filled_event, first_stream)
+        self.stream_wait_event(second_stream, filled_event)
+        second()
+        self.event_record(free_event, second_stream)
 
 
 CALLER, SIDES = 0x5000, {0: 0x5100, 1: 0x5101, 2: 0x5102}
@@ -351,7 +384,6 @@ def rec(monkeypatch):
     monkeypatch.setattr(staged, "driver", r)
     monkeypatch.setattr(staged, "describe", r)
     monkeypatch.setattr(staged, "launch", r)
-    monkeypatch.setattr(staged, "dma", r)
     monkeypatch.setattr(staged.ring, "ring_for_current_context", lambda: Ring())
     monkeypatch.setattr(staged.ring.DescriptorRing, "fence",
                         staticmethod(lambda slot, stream: r.calls.append(("fence", stream))))

@@ -1,13 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""The copy kernel: module loading and launches over described batches."""
+"""The copy kernel: module loading and launches over described batches (and the
+staged path's chunks, each a kernel launch between copy-engine copies)."""
 
 from libc.stdint cimport uint64_t, uintptr_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
 from cuda.bindings cimport cydriver
-from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule
+from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule, CUevent
 
 from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_pair, kvcopy_block_tensor, kvcopy_inline_batch,
@@ -163,6 +164,72 @@ cdef int _launch_table(uintptr_t function, uintptr_t table, unsigned long long c
         _launch_after_upload(function, dev, upload_from, count * entry_bytes,
                              _grid(tiles, threads, max_ctas, 1), threads, stream, params)
     return 1
+
+
+cdef int _copy_spans(bint load, const uint64_t* host, const uint64_t* staged,
+                     const uint64_t* nbytes, Py_ssize_t lo, Py_ssize_t hi,
+                     CUstream stream) except -1 nogil:
+    """Spans [lo, hi), one cuMemcpyAsync each, into (load) or out of the staging buffer."""
+    cdef Py_ssize_t j
+    for j in range(lo, hi):
+        if load:
+            check(cydriver.cuMemcpyAsync(<CUdeviceptr>staged[j], <CUdeviceptr>host[j],
+                                          <size_t>nbytes[j], stream), j)
+        else:
+            check(cydriver.cuMemcpyAsync(<CUdeviceptr>host[j], <CUdeviceptr>staged[j],
+                                          <size_t>nbytes[j], stream), j)
+    return 0
+
+
+def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream,
+                       uintptr_t free_event, uintptr_t filled_event, uintptr_t span_host,
+                       uintptr_t span_staged, uintptr_t span_bytes, Py_ssize_t lo,
+                       Py_ssize_t hi, uintptr_t function, uintptr_t descs, Py_ssize_t n,
+                       unsigned long long tiles, unsigned int ctas, unsigned int threads) -> None:
+    """One chunk of a staged side (kvcopy.staged) in one call: spans [lo, hi) of the
+    side's span arrays (``span_host``, ``span_staged``, ``span_bytes``: addresses of
+    uint64 arrays), one cuMemcpyAsync each on ``copy_stream``, and the kernel over
+    its ``n`` descriptors at ``descs`` (``tiles`` tiles) on ``kernel_stream``. A
+    ``load`` copies the spans into the staging buffer, then scatters; a store
+    gathers, then copies the spans out. The first step waits for ``free_event``
+    (the buffer's last reader), the second for ``filled_event`` (recorded behind the
+    first), and ``free_event`` is recorded behind the second. Where both streams are
+    one, both steps still run, in that order. Issuing a chunk from Python (six
+    driver calls, NumPy slices) made a staged call of 64 MiB each way CPU-bound on a
+    slow host. Raises CudaError; a failed span copy carries the span's index."""
+    cdef const uint64_t* host = <const uint64_t*>span_host
+    cdef const uint64_t* staged = <const uint64_t*>span_staged
+    cdef const uint64_t* nbytes = <const uint64_t*>span_bytes
+    cdef CUstream copies = <CUstream>copy_stream
+    cdef CUstream kernel = <CUstream>kernel_stream
+    cdef CUstream first = copies if load else kernel
+    cdef CUstream second = kernel if load else copies
+    cdef CUdeviceptr dev = <CUdeviceptr>descs
+    cdef unsigned long long count = <unsigned long long>n
+    cdef unsigned int grid
+    cdef void* params[3]
+    _check_launch_shape(ctas, threads)
+    if (host == NULL or staged == NULL or nbytes == NULL) and hi > lo:
+        raise ValueError("issue_staged_chunk: no span arrays")
+    grid = _grid(tiles, threads, ctas, 1) if n > 0 else 0
+    params[0] = &dev
+    params[1] = &count
+    params[2] = &tiles
+    with nogil:
+        check(cydriver.cuStreamWaitEvent(first, <CUevent>free_event, 0))
+        if load:
+            _copy_spans(True, host, staged, nbytes, lo, hi, copies)
+        elif grid:
+            check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
+                                           kernel, params, NULL))
+        check(cydriver.cuEventRecord(<CUevent>filled_event, first))
+        check(cydriver.cuStreamWaitEvent(second, <CUevent>filled_event, 0))
+        if not load:
+            _copy_spans(False, host, staged, nbytes, lo, hi, copies)
+        elif grid:
+            check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
+                                           kernel, params, NULL))
+        check(cydriver.cuEventRecord(<CUevent>free_event, second))
 
 
 def launch_pairs(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned long long size,
