@@ -4,9 +4,9 @@
  * longer than a tile, none empty. For those the general loop (validate, merge,
  * classify each pointer) reduces to range checks, which this loop does without
  * branches so that the compiler vectorises it (by hand on x86-64, where 64-bit
- * compares need AVX2 and
- * the descriptors go out with streaming stores; the SSE2 version would be
- * slower than the general loop, so CPUs without AVX2 keep to the latter).
+ * compares need AVX2 and the descriptors go out with streaming stores; the SSE2
+ * version would be slower than the general loop, so CPUs without AVX2 keep to
+ * the latter).
  */
 #ifndef KVCOPY_DESCRIBE_FAST_H
 #define KVCOPY_DESCRIBE_FAST_H
@@ -174,9 +174,8 @@ static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t 
  * general loop for MISFIT; by kvcopy_describe_merging for MERGES, and for SIZES
  * where tiles_per_copy > 1, since tile_start then counts every copy as that many
  * tiles; as kvcopy_desc for SIZES alone with one tile per copy, which pairs
- * cannot describe). A copy
- * longer than tiles_per_copy tiles is a MISFIT. A side's range is
- * [start, start + span]. */
+ * cannot describe). A copy longer than tiles_per_copy tiles is a MISFIT. A
+ * side's range is [start, start + span]. */
 KVCOPY_FAST_TARGET
 static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           const uint64_t* __restrict dst,
@@ -223,20 +222,20 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
          | (differ ? KVCOPY_FAST_SIZES : 0u);
 }
 
-/* One finished entry; streaming (aligned ``at`` only) where the vector pass streams. */
+/* One finished entry, as kvcopy_put writes the vector pass's (``stream``: streaming). */
 KVCOPY_FAST_TARGET static inline void kvcopy_put_desc(kvcopy_desc* at, uint64_t s, uint64_t t,
-                                                     uint64_t z, uint64_t tile_start) {
+                                                     uint64_t z, uint64_t tile_start,
+                                                     int stream) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (((uintptr_t)at & 31u) == 0) {
-        _mm256_stream_si256((__m256i*)at, _mm256_setr_epi64x((long long)s, (long long)t,
-                                                             (long long)z, (long long)tile_start));
-        return;
-    }
-#endif
+    kvcopy_put((__m256i*)at, _mm256_setr_epi64x((long long)s, (long long)t, (long long)z,
+                                                (long long)tile_start), stream);
+#else
+    (void)stream;
     at->src = s;
     at->dst = t;
     at->size = z;
     at->tile_start = tile_start;
+#endif
 }
 
 /* The entries the general loop writes, for a batch kvcopy_describe_in_ranges found
@@ -256,6 +255,8 @@ static int64_t kvcopy_describe_merging(const uint64_t* __restrict src,
                                        uint64_t* tiles_out) {
     int64_t kept = 0;
     uint64_t tiles = 0;
+    /* streaming where the entries are 32-byte aligned, as in the vector pass */
+    const int stream = ((uintptr_t)out & 31u) == 0;
     if (n <= 0) {
         *tiles_out = 0;
         return 0;
@@ -269,15 +270,15 @@ static int64_t kvcopy_describe_merging(const uint64_t* __restrict src,
             continue;
         }
         kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta,
-                        size, tiles);
+                        size, tiles, stream);
         tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
         at_src = s, at_dst = t, size = z;
     }
     kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta,
-                    size, tiles);
+                    size, tiles, stream);
     tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    _mm_sfence();  /* streaming stores are weakly ordered */
+    if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
 #endif
     *tiles_out = tiles;
     return kept;
