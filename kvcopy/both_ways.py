@@ -42,11 +42,6 @@ Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 DMA_CHUNK = 64
 
 
-def _side_stream(handle: int) -> int:
-    """The side stream of the caller's stream ``handle`` in the current context."""
-    return side_streams.for_caller(handle)
-
-
 def _describe(batch: Arrays, out: int, name: str) -> tuple:
     """describe_copies of one side, its errors named after the side."""
     try:
@@ -214,7 +209,7 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
         if capturing:   # one stream: the graph keeps the two in order
             return (engine.execute_copies(scope, handle, *first, method, True, False, None),
                     engine.execute_copies(scope, handle, *second, method, True, False, None))
-        side = _side_stream(handle)
+        side = side_streams.for_caller(handle)
         driver.stream_wait_stream(side, handle)
         ran_a = engine.execute_copies(scope, handle, *first, method, True, False, None)
         # the side stream is a created stream of this context: its scope never moves
@@ -229,7 +224,7 @@ def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
     """cuMemcpyBatchAsync of two planned batches, DMA_CHUNK copies at a time in
     turn: the first on ``handle``, the second on the side stream (forked from
     ``handle`` before, joined into it after, even when a call fails)."""
-    side = _side_stream(handle)
+    side = side_streams.for_caller(handle)
     driver.stream_wait_stream(side, handle)
     try:
         for start in range(0, max(first.count, second.count), DMA_CHUNK):

@@ -70,7 +70,7 @@ def record(monkeypatch):
         monkeypatch.setattr(both_ways, "dma", rec)
         monkeypatch.setattr(both_ways.engine, "execute_copies", rec.execute_copies)
         monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
-        monkeypatch.setattr(both_ways, "_side_stream", lambda handle: SIDE)
+        monkeypatch.setattr(both_ways.side_streams, "for_caller", lambda handle, index=0: SIDE)
         monkeypatch.setattr(both_ways, "_fused", lambda *a: rec.fused)
         return rec
     return install
