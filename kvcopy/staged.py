@@ -159,12 +159,7 @@ class _Side:
             self.span_host.ctypes.data, self.span_staged.ctypes.data, self.span_bytes.ctypes.data)
         self.planned, self._next_copy = 0, 0   # chunks planned; the first copy left
         if not self.in_place:
-            _, self.planned, _ = stage.plan_chunks(
-                batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
-                staging.address(buffers[0]), staging.address(buffers[1]), self._host_table,
-                self.chunk_first, self.chunk_tiles, self.span_bounds, self.span_first,
-                self.span_host, self.span_staged, self.span_bytes)
-            self._next_copy = len(batch.sizes)
+            self.has_chunk(len(batch.sizes))   # every chunk now: the table is uploaded whole
 
     def has_chunk(self, k: int) -> bool:
         """Whether the side has a chunk k, planning it first where it is not yet."""

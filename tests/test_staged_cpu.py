@@ -40,7 +40,10 @@ def test_host_spans_count_runs_of_copies_that_continue_the_one_before():
 
 
 class Planned:
-    """stage.plan_chunks of one side into ordinary memory standing in for the table."""
+    """A side planned by stage.plan_next_chunk, one chunk per call, as staged.run plans
+    it, into ordinary memory standing in for the table: chunk k's descriptors
+    [chunk_first[k], chunk_first[k + 1]) of chunk_tiles[k] tiles, its spans
+    [span_bounds[k], span_bounds[k + 1])."""
 
     def __init__(self, host, gpu, sizes, load: bool, chunk: int, even=0xB000_0000,
                  odd=0xC000_0000) -> None:
@@ -51,20 +54,6 @@ class Planned:
             np.full(room, -1, dtype=np.int64) for _ in range(3))
         self.chunk_tiles, self.span_host, self.span_staged, self.span_bytes = (
             np.zeros(room, dtype=np.uint64) for _ in range(4))
-        self.count, self.chunks, self.spans = self.plan(host, gpu, sizes, load, chunk, even, odd)
-
-    def plan(self, host, gpu, sizes, load, chunk, even, odd) -> tuple[int, int, int]:
-        return stage.plan_chunks(
-            host, gpu, sizes, load, chunk, even, odd, self.table.ctypes.data, self.chunk_first,
-            self.chunk_tiles, self.span_bounds, self.span_first, self.span_host,
-            self.span_staged, self.span_bytes)
-
-
-class PlannedByChunk(Planned):
-    """The same side planned by stage.plan_next_chunk, one chunk per call, as staged.run
-    plans sides of one-tile copies."""
-
-    def plan(self, host, gpu, sizes, load, chunk, even, odd) -> tuple[int, int, int]:
         start = count = spans = chunks = 0
         self.chunk_first[0], self.span_bounds[0] = 0, 0
         while True:
@@ -77,11 +66,10 @@ class PlannedByChunk(Planned):
             count, chunks = count + taken, chunks + 1
             self.chunk_first[chunks], self.chunk_tiles[chunks - 1] = count, tiles
             self.span_bounds[chunks] = spans
-        assert start == len(sizes)
-        return count, chunks, spans
+        assert start == n
+        self.count, self.chunks, self.spans = count, chunks, spans
 
 
-@pytest.mark.parametrize("plan", [Planned, PlannedByChunk])
 @pytest.mark.parametrize("sizes, layout, chunk", [
     ([16 * KiB] * 100, "one span", 64 * KiB),                      # whole chunks
     ([16 * KiB] * 100, "one span", 100 * KiB),                     # chunk not a block multiple
@@ -91,9 +79,8 @@ class PlannedByChunk(Planned):
     ([16 * KiB, 40 * KiB, 16 * KiB] * 11, "one span", 3 * 16 * KiB * 4),   # several tiles
 ])
 @pytest.mark.parametrize("load", [True, False])
-def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(plan, sizes,
-                                                                                  layout, chunk,
-                                                                                  load):
+def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, layout,
+                                                                                  chunk, load):
     from kvcopy._cuda import launch
     tile = launch.TILE_BYTES
     sizes = u64(sizes)
@@ -103,7 +90,7 @@ def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends
     host = HOST + starts.astype(np.uint64)
     gpu = GPU + np.arange(len(sizes), dtype=np.uint64)[::-1] * np.uint64(64 * KiB)
     even, odd = 0xB000_0000, 0xC000_0000
-    p = plan(host, gpu, sizes, load, chunk, even, odd)
+    p = Planned(host, gpu, sizes, load, chunk, even, odd)
     kept = np.flatnonzero(sizes)                      # the copies that are not empty
     assert p.count == len(kept)
     bounds = p.chunk_first[:p.chunks + 1].tolist()
@@ -152,11 +139,9 @@ def test_a_copy_of_exactly_one_chunk_is_a_chunk_of_its_own_and_one_over_is_refus
         Planned(host, host, sizes, True, 32 * KiB)
 
 
-def test_planning_chunk_by_chunk_refuses_a_copy_over_a_chunk_and_bad_arguments():
+def test_plan_next_chunk_checks_its_arguments():
     sizes = u64([4 * KiB, 64 * KiB, 4 * KiB])
     host = HOST + u64([0, 4 * KiB, 68 * KiB])
-    with pytest.raises(ValueError, match="copy 1 of 65536 bytes does not fit a chunk of 32768"):
-        PlannedByChunk(host, host, sizes, True, 32 * KiB)
     out = np.zeros(4, dtype=np.uint64)
     with pytest.raises(ValueError, match="start 4 or spans 0 outside 0..3"):
         stage.plan_next_chunk(host, host, sizes, True, 64 * KiB, 0, 4, 0, out.view(np.int64),
@@ -164,17 +149,12 @@ def test_planning_chunk_by_chunk_refuses_a_copy_over_a_chunk_and_bad_arguments()
     with pytest.raises(ValueError, match="room for 4 entries"):
         stage.plan_next_chunk(host, host, sizes, True, 64 * KiB, 0, 0, 0,
                               out[:3].view(np.int64), out, out, out, 0)
-
-
-def test_plan_chunks_checks_its_arrays():
-    sizes = u64([4, 4])
-    small = np.zeros(2, dtype=np.int64)
+    two, small = u64([4, 4]), np.zeros(2, dtype=np.int64)
     with pytest.raises(ValueError, match="room for 3 entries"):
-        stage.plan_chunks(sizes, sizes, sizes, True, 64, 0, 0, 0, small, small.view(np.uint64),
-                          small, small, small.view(np.uint64), small.view(np.uint64),
-                          small.view(np.uint64))
+        stage.plan_next_chunk(two, two, two, True, 64, 0, 0, 0, small, small.view(np.uint64),
+                              small.view(np.uint64), small.view(np.uint64), 0)
     with pytest.raises(ValueError, match="1 host and 2 GPU addresses for 2 sizes"):
-        Planned(sizes[:1], sizes, sizes, True, 64)
+        Planned(two[:1], two, two, True, 64)
 
 
 def test_issuing_a_chunk_checks_its_launch_shape_and_span_arrays_before_any_driver_call():

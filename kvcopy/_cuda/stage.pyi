@@ -2,11 +2,6 @@
 import numpy as np
 
 def host_spans(host: np.ndarray, sizes: np.ndarray) -> tuple[int, int, int]: ...
-def plan_chunks(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
-                chunk_bytes: int, buffer_even: int, buffer_odd: int, table: int,
-                chunk_first: np.ndarray, chunk_tiles: np.ndarray, span_bounds: np.ndarray,
-                span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,
-                span_bytes: np.ndarray) -> tuple[int, int, int]: ...
 def plan_next_chunk(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
                     chunk_bytes: int, buffer: int, start: int, table: int,
                     span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,

@@ -90,64 +90,21 @@ cdef _check_room(str name, Py_ssize_t n, Py_ssize_t host_n, Py_ssize_t gpu_n, tu
             raise ValueError(f"{name}: every output needs room for {n + 1} entries")
 
 
-cdef _too_large(str name, Py_ssize_t i, uint64_t size, uint64_t chunk_bytes):
-    return ValueError(f"{name}: copy {i} of {size} bytes does not fit a chunk of {chunk_bytes}")
-
-
-def plan_chunks(const uint64_t[::1] host, const uint64_t[::1] gpu, const uint64_t[::1] sizes,
-                bint load, uint64_t chunk_bytes, uint64_t buffer_even, uint64_t buffer_odd,
-                uintptr_t table, int64_t[::1] chunk_first, uint64_t[::1] chunk_tiles,
-                int64_t[::1] span_bounds, int64_t[::1] span_first, uint64_t[::1] span_host,
-                uint64_t[::1] span_staged, uint64_t[::1] span_bytes) -> tuple:
-    """Cut a side into chunks of whole copies of at most ``chunk_bytes``, in order, each
-    filled as far as the next copy fits; chunk k is staged in ``buffer_even`` (k even)
-    or ``buffer_odd``, its copies back to back. Write each non-empty copy's descriptor
-    (staging buffer to GPU for a ``load``, GPU to staging buffer for a store; tiles
-    counted from 0 in each chunk, which is launched alone) into the pinned ``table``,
-    and each chunk's host spans (cut where chunks start), one cuMemcpyAsync each.
-
-    Every output array has room for len(sizes) + 1 entries. Returns (descriptors,
-    chunks, spans): chunk k is descriptors [chunk_first[k], chunk_first[k + 1]) of
-    chunk_tiles[k] tiles and spans [span_bounds[k], span_bounds[k + 1]); span j starts
-    at the caller's copy span_first[j], at host address span_host[j] and staged address
-    span_staged[j], and has span_bytes[j] bytes. ValueError for a copy over a chunk."""
-    cdef Py_ssize_t n = sizes.shape[0], i = 0, too_large = -1
-    _check_room("plan_chunks", n, host.shape[0], gpu.shape[0], (
-        chunk_first.shape[0], chunk_tiles.shape[0], span_bounds.shape[0], span_first.shape[0],
-        span_host.shape[0], span_staged.shape[0], span_bytes.shape[0]))
-    cdef kvcopy_desc* d = <kvcopy_desc*>table
-    cdef int64_t count = 0, chunks = 0, spans = 0, taken
-    cdef uint64_t tiles
-    if n == 0:
-        chunk_first[0] = span_bounds[0] = 0
-        return 0, 0, 0
-    with nogil:
-        while True:
-            chunk_first[chunks] = count
-            span_bounds[chunks] = spans
-            i = _plan_chunk(&host[0], &gpu[0], &sizes[0], n, i, load, chunk_bytes,
-                            buffer_even if chunks % 2 == 0 else buffer_odd, d + count, &taken,
-                            &tiles, &span_first[0], &span_host[0], &span_staged[0],
-                            &span_bytes[0], &spans, &too_large)
-            if taken == 0:
-                break
-            chunk_tiles[chunks] = tiles
-            count += taken
-            chunks += 1
-    if too_large >= 0:
-        raise _too_large("plan_chunks", too_large, sizes[too_large], chunk_bytes)
-    return count, chunks, spans
-
-
 def plan_next_chunk(const uint64_t[::1] host, const uint64_t[::1] gpu, const uint64_t[::1] sizes,
                     bint load, uint64_t chunk_bytes, uint64_t buffer, Py_ssize_t start,
                     uintptr_t table, int64_t[::1] span_first, uint64_t[::1] span_host,
                     uint64_t[::1] span_staged, uint64_t[::1] span_bytes, int64_t spans) -> tuple:
-    """One chunk of plan_chunks, planned just before it is issued: the copies from
-    ``start`` on that fill ``buffer`` as far as the next copy fits, their descriptors
-    written from ``table`` on (tiles counted from 0), their spans from span ``spans``
-    on. Returns (the first copy not taken, descriptors, tiles, spans in all): no
-    descriptors where no copy is left. ValueError for a copy over a chunk."""
+    """The next chunk of a side, from copy ``start`` on: whole copies, in order, filling
+    ``buffer`` back to back as far as the next copy fits in ``chunk_bytes``. Writes
+    each non-empty copy's descriptor (staging buffer to GPU for a ``load``, GPU to
+    staging buffer for a store; tiles counted from 0, as the chunk is launched alone)
+    from ``table`` (pinned) on, and the chunk's host spans (runs of host-adjacent
+    copies, one cuMemcpyAsync each) from span ``spans`` on: span j starts at the
+    caller's copy span_first[j], at host address span_host[j] and staged address
+    span_staged[j], and has span_bytes[j] bytes. Every span array has room for
+    len(sizes) + 1 entries. Returns (the first copy not taken, descriptors, tiles,
+    spans in all): no descriptors where no copy is left. ValueError for a copy over
+    a chunk."""
     cdef Py_ssize_t n = sizes.shape[0], too_large = -1
     _check_room("plan_next_chunk", n, host.shape[0], gpu.shape[0], (
         span_first.shape[0], span_host.shape[0], span_staged.shape[0], span_bytes.shape[0]))
@@ -162,5 +119,6 @@ def plan_next_chunk(const uint64_t[::1] host, const uint64_t[::1] gpu, const uin
                                 &span_host[0], &span_staged[0], &span_bytes[0], &spans,
                                 &too_large)
     if too_large >= 0:
-        raise _too_large("plan_next_chunk", too_large, sizes[too_large], chunk_bytes)
+        raise ValueError(f"plan_next_chunk: copy {too_large} of {sizes[too_large]} bytes does "
+                         f"not fit a chunk of {chunk_bytes}")
     return start, taken, tiles, spans
