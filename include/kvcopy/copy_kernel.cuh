@@ -453,8 +453,9 @@ KVCOPY_INLINE_ENTRIES(kvcopy_bulk, KVCOPY_BULK_THREADS, kvcopy_bulk_body)
 
 /* Two batches in one launch, each with its own CTAs: CTAs [0, ctas_a) copy the
  * count_a descriptors at descs, the others the count_b at descs_b (each batch's
- * tile_start counts from 0; a launch over slices of two tables needs no reordering). Used for a store and a load over PCIe at the same
- * time, whose shares of the link depend on how many SMs issue each. */
+ * tile_start counts from 0; a launch over slices of two tables needs no
+ * reordering). Used for a store and a load over PCIe at the same time, whose
+ * shares of the link depend on how many SMs issue each. */
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
                                                unsigned long long count_a,
                                                unsigned long long tiles_a,
