@@ -258,12 +258,22 @@ def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_
 
 # ---------------------------------------------------------------- per-copy DMA
 
+cdef int memcpy_each(const uint64_t* dst, const uint64_t* src, const uint64_t* sizes,
+                     Py_ssize_t lo, Py_ssize_t hi, CUstream stream) except -1 nogil:
+    """Copies [lo, hi) of the three arrays, one cuMemcpyAsync each; a failure raises
+    CudaError carrying the copy's index in the arrays."""
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
+                                      <size_t>sizes[i], stream), i)
+    return 0
+
+
 def memcpy_loop(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t[::1] sizes,
                 uintptr_t stream) -> None:
     """One cuMemcpyAsync per copy: works on every stream, in capture, on any driver."""
-    cdef Py_ssize_t n = dst.shape[0], i
+    cdef Py_ssize_t n = dst.shape[0]
+    if n == 0:
+        return
     with nogil:
-        for i in range(n):
-            check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
-                                          <size_t>sizes[i], <CUstream>stream), i)
-
+        memcpy_each(&dst[0], &src[0], &sizes[0], 0, n, <CUstream>stream)

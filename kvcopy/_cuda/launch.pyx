@@ -11,6 +11,7 @@ from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule, CUevent
 
 from kvcopy._cuda.driver cimport check
+from kvcopy._cuda.dma cimport memcpy_each
 from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_pair, kvcopy_block_tensor, kvcopy_inline_batch,
                                       KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
                                       KVCOPY_INLINE_MAX_SMALL, KVCOPY_INLINE_MAX_TINY,
@@ -166,21 +167,6 @@ cdef int _launch_table(uintptr_t function, uintptr_t table, unsigned long long c
     return 1
 
 
-cdef int _copy_spans(bint load, const uint64_t* host, const uint64_t* staged,
-                     const uint64_t* nbytes, Py_ssize_t lo, Py_ssize_t hi,
-                     CUstream stream) except -1 nogil:
-    """Spans [lo, hi), one cuMemcpyAsync each, into (load) or out of the staging buffer."""
-    cdef Py_ssize_t j
-    for j in range(lo, hi):
-        if load:
-            check(cydriver.cuMemcpyAsync(<CUdeviceptr>staged[j], <CUdeviceptr>host[j],
-                                          <size_t>nbytes[j], stream), j)
-        else:
-            check(cydriver.cuMemcpyAsync(<CUdeviceptr>host[j], <CUdeviceptr>staged[j],
-                                          <size_t>nbytes[j], stream), j)
-    return 0
-
-
 def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream,
                        uintptr_t free_event, uintptr_t filled_event, uintptr_t span_host,
                        uintptr_t span_staged, uintptr_t span_bytes, Py_ssize_t lo,
@@ -218,14 +204,14 @@ def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream
     with nogil:
         check(cydriver.cuStreamWaitEvent(first, <CUevent>free_event, 0))
         if load:
-            _copy_spans(True, host, staged, nbytes, lo, hi, copies)
+            memcpy_each(staged, host, nbytes, lo, hi, copies)
         elif grid:
             check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
                                            kernel, params, NULL))
         check(cydriver.cuEventRecord(<CUevent>filled_event, first))
         check(cydriver.cuStreamWaitEvent(second, <CUevent>filled_event, 0))
         if not load:
-            _copy_spans(False, host, staged, nbytes, lo, hi, copies)
+            memcpy_each(host, staged, nbytes, lo, hi, copies)
         elif grid:
             check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
                                            kernel, params, NULL))
