@@ -190,9 +190,7 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             if isinstance(ran, tuple):
                 return ran
             if isinstance(ran, list):
-                info = device.device_info(driver.context_device())
-                staged.run(handle, ran, info.cc, info.driver_version)
-                engine.note_decision(ran[0].decision)
+                engine.run_staged(handle, ran, device.device_info(driver.context_device()))
                 return "staged", "staged"
         # apart: both are checked as the DMA paths check (host memory readable or
         # writable by this process) before either is issued

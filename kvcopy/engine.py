@@ -40,6 +40,14 @@ def note_decision(decision: Decision) -> None:
     _last.decision = decision
 
 
+def run_staged(handle: int, batches: list[staged.StagedBatch], info: device.DeviceInfo) -> str:
+    """Issue planned staged batches (kvcopy.staged) on ``handle`` and record their
+    decision as the calling thread's last; returns "staged"."""
+    staged.run(handle, batches, info.cc, info.driver_version)
+    note_decision(batches[0].decision)
+    return "staged"
+
+
 def memory_owner(src_device: int, dst_device: int) -> int:
     """The one device that owns a batch's device memory; -1 for none, -2 for several.
 
@@ -335,9 +343,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                     launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
                     return "kernel"
     if staging is not None:   # (its descriptors go to a slot of their own)
-        staged.run(handle, [staging], target.info.cc, target.info.driver_version)
-        note_decision(staging.decision)
-        return "staged"
+        return run_staged(handle, [staging], target.info)
     issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
 
