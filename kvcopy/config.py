@@ -33,7 +33,7 @@ _SETTINGS = {
     "bulk_stores": _Setting("KVCOPY_BULK_STORES", 1, 0, 1, boolean=True),
     "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
-    "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 8 << 20, 0, 1 << 30, multiple_of=4096),
+    "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
 }
 
 
@@ -158,11 +158,8 @@ class Config:
         batches whose host side is a few long spans, as LMCache's chunks are,
         at 64 MiB and more: the copy engines move each span whole and the copy
         kernel scatters inside the GPU). Four such buffers per GPU, allocated
-        on first use (32 MiB at the default). 8 MiB chunks beat 4 MiB ones on
-        the H200 by 2-5% in GPU time, at equal or better wall, with half the
-        driver calls (bench/results/h200-staging-chunk-probe.txt). 0 turns
-        staging off; a multiple of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES,
-        default 8 MiB).
+        on first use (16 MiB at the default). 0 turns staging off; a multiple
+        of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES, default 4 MiB).
     """
 
     host_ctas: int | None

@@ -104,7 +104,7 @@ BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 # few microseconds of CPU), so spans must be long.
 STAGING_MIN_BYTES = 64 << 20
 STAGING_MIN_SPAN_BYTES = 1 << 20
-# CTAs of each staged chunk's scatter (or gather) inside the GPU: an 8 MiB chunk then
+# CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
 # takes a small part of the time its copy over PCIe takes, and the SMs stay with the model.
 STAGING_CTAS = 16
 
