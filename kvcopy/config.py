@@ -34,6 +34,7 @@ _SETTINGS = {
     "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
     "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
+    "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 0, 0, 60_000),
 }
 
 
@@ -160,6 +161,14 @@ class Config:
         kernel scatters inside the GPU). Four such buffers per GPU, allocated
         on first use (16 MiB at the default). 0 turns staging off; a multiple
         of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES, default 4 MiB).
+    traffic_window_ms: where set, copy_batch's 'auto' treats a batch between
+        host and GPU as one side of a copy both ways when the same GPU issued a
+        copy the other way within this many milliseconds (kvcopy.traffic): from
+        the mean block at which copy_both_ways goes to the copy engines
+        (policy.BOTH_WAYS_BATCH_MIN_BYTES, 128 KiB, calibratable), it goes to
+        them too, where the copy kernel would otherwise share the link badly
+        with the other direction. 0 (the default until measured on the GPU):
+        each batch is decided alone (env KVCOPY_TRAFFIC_WINDOW_MS).
     """
 
     host_ctas: int | None
@@ -173,6 +182,7 @@ class Config:
     bulk_ctas: int | None
     launch_bytes: int
     staging_bytes: int
+    traffic_window_ms: int
 
     def __init__(self) -> None:
         for name in _SETTINGS:

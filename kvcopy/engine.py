@@ -9,7 +9,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, peers, policy, ring, staged
+from kvcopy import device, kernels, peers, policy, ring, staged, traffic
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
@@ -147,9 +147,14 @@ _TARGETS_KEPT = 256
 
 
 def decide(handle: int, method: str, count: int, total_bytes: int, found: MemoryClasses,
-           capturing: bool | None = None, allow_batch: bool = True) -> Target:
+           capturing: bool | None = None, allow_batch: bool = True,
+           note_traffic: bool = False) -> Target:
     """Ask the policy for a method, given the classified memory of a batch
     (``capturing``: the stream's capture state, asked of the driver when None).
+    With ``note_traffic`` (copy_batch's one-sided calls) and
+    config.traffic_window_ms set, the batch's direction is noted in
+    kvcopy.traffic, and whether the other direction copied lately is part of the
+    question (outside capture).
 
     The policy is a pure function of what is in the key below, and engines
     repeat the same batch shapes step after step, so its answers are
@@ -158,12 +163,17 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     ordinal = driver.context_device()
     if capturing is None:
         capturing = driver.stream_capture_status(handle) != 0
+    recent = False
+    if note_traffic and config.traffic_window_ms and not capturing:
+        direction = _direction(found.src_kinds, found.dst_kinds)
+        recent = traffic.other_way_recent(ordinal, direction, config.traffic_window_ms / 1000)
+        traffic.note(ordinal, direction)
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
-           allow_batch, config.stores_by_dma, config.bulk_stores)
+           allow_batch, config.stores_by_dma, config.bulk_stores, recent)
     target = _targets.get(key)
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                            allow_batch)
+                            allow_batch, recent)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target
@@ -174,7 +184,8 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
 
 
 def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
-               found: MemoryClasses, capturing: bool, allow_batch: bool) -> Target:
+               found: MemoryClasses, capturing: bool, allow_batch: bool,
+               other_way_recent: bool = False) -> Target:
     info = device.device_info(ordinal)
     # classify's kinds are relative to this context's device: another device's memory
     # is KIND_PEER only where this device may access it
@@ -185,7 +196,8 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
                           batch_allowed=allow_batch,
                           devices=(found.src_device, found.dst_device),
                           unreachable="" if accessible else unreachable(found, ordinal),
-                          stores_by_dma=config.stores_by_dma, bulk_stores=config.bulk_stores)
+                          stores_by_dma=config.stores_by_dma, bulk_stores=config.bulk_stores,
+                          other_way_recent=other_way_recent)
     thresholds = device.thresholds(ordinal)
     decision = choose_method(request, info.caps, thresholds, method)
     return Target(handle, info, request, decision, thresholds.ctas_for(request.direction),
@@ -333,7 +345,8 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 continue  # switched device: host memory may be mapped elsewhere there
             if reach_peers(found, method):
                 continue  # peer access enabled: another GPU's memory is now reachable
-            target = decide(handle, method, count, total_bytes, found, capturing, allow_batch)
+            target = decide(handle, method, count, total_bytes, found, capturing, allow_batch,
+                            note_traffic=True)
             if target.decision.method == "kernel":
                 if max_ctas is None:   # (a caller's CTA limit asks for the kernel itself)
                     staging = staged.plan_batch(target.request, target.decision, src, dst,
@@ -412,7 +425,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
             found = classify_tensors(blocks, src_view, dst_view)
         if reach_peers(found, method):
             found = classify_tensors(blocks, src_view, dst_view)
-        target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found)
+        target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found,
+                        note_traffic=True)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:
             wait_for_streams(handle, blocks.geometry.producer_streams)

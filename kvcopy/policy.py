@@ -53,6 +53,8 @@ class CopyRequest:
                                       # copies (config.stores_by_dma)
     bulk_stores: bool = True          # GPU-to-host kernel copies may use the bulk copy
                                       # unit (config.bulk_stores)
+    other_way_recent: bool = False    # the device copied the other way between host and
+                                      # GPU lately (kvcopy.traffic)
 
     @property
     def mean_bytes(self) -> float:
@@ -261,6 +263,13 @@ def _batch_possible(req: CopyRequest, caps: DeviceCaps) -> bool:
             and not req.capturing)
 
 
+def _one_side_of_both_ways(req: CopyRequest, thresholds: Thresholds) -> bool:
+    """A batch between host and GPU, the other direction busy lately, of blocks from
+    which copy_both_ways sends both sides to the copy engines (choose_both_ways)."""
+    return (req.other_way_recent and req.direction in ("h2d", "d2h")
+            and req.mean_bytes >= thresholds.both_ways_batch_min_bytes)
+
+
 def _why_no_batch(req: CopyRequest) -> str:
     """What rules batched DMA out, where _batch_possible is False."""
     return ("capturing stream" if req.capturing else
@@ -279,9 +288,12 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     the legacy default stream, and no capture (it would be dropped from the
     graph). Host<->device blocks and blocks between two GPUs of at least the
     calibrated size go by batched DMA, which matches or beats the kernel there
-    and leaves the SMs to compute; smaller blocks and copies inside one GPU go
-    to the kernel, except GPU-to-host copies when the caller prefers the copy
-    engines for them (``req.stores_by_dma``) and batched DMA is possible.
+    and leaves the SMs to compute; so do host<->device blocks from
+    ``thresholds.both_ways_batch_min_bytes`` when the other direction copied
+    lately (``req.other_way_recent``), as copy_both_ways would send them;
+    smaller blocks and copies inside one GPU go to the kernel, except
+    GPU-to-host copies when the caller prefers the copy engines for them
+    (``req.stores_by_dma``) and batched DMA is possible.
     Where neither applies, one cuMemcpyAsync per copy is always correct.
 
     Raises:
@@ -303,6 +315,10 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
         if batch_ok and req.mean_bytes >= thresholds.for_request(req):
             return Decision("batch", f"blocks of {req.mean_bytes / MiB:.2f} MiB: DMA engines "
                                      "reach the link's limit without using SMs")
+        if batch_ok and _one_side_of_both_ways(req, thresholds):
+            return Decision("batch", f"blocks of {req.mean_bytes / 1024:.0f} KiB with copies "
+                                     "the other way lately (config.traffic_window_ms): copy "
+                                     "engines keep both directions at the link's limit")
         if batch_ok and store_by_dma:
             return Decision("batch", "GPU-to-host by copy engines (config.stores_by_dma): "
                                      "no SM writes to host memory beside compute")

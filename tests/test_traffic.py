@@ -1,0 +1,190 @@
+"""copy_batch calls one way beside calls the other way (config.traffic_window_ms): the
+record of when each device last copied each way (kvcopy.traffic), the policy's rule
+for such a batch, and the engine's use of both (CPU, faked driver and clock)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import kvcopy
+from kvcopy import device, engine, traffic
+from kvcopy._cuda import classify as kv_classify
+from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
+from test_decide import FakeDriver   # the engine's driver calls, faked (tests/)
+
+KiB, MiB = 1 << 10, 1 << 20
+H200 = DeviceCaps(bulk_copy=True)
+HOST, GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
+FOUND = {"h2d": engine.MemoryClasses(HOST, -1, GPU, 0),
+         "d2h": engine.MemoryClasses(GPU, 0, HOST, -1),
+         "d2d": engine.MemoryClasses(GPU, 0, GPU, 0)}
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(traffic, "_clock", clock)
+    monkeypatch.setattr(traffic, "_last", {})
+    return clock
+
+
+def req(direction="h2d", block=256 * KiB, recent=True, stream="created", capturing=False,
+        batch_allowed=True) -> CopyRequest:
+    count = 256
+    return CopyRequest(direction, count, count * block, True, stream, capturing, batch_allowed,
+                       other_way_recent=recent)
+
+
+# ------------------------------------------------------------------ kvcopy.traffic
+
+def test_a_copy_one_way_is_recent_to_the_other_way_for_the_window_only(clock):
+    traffic.note(0, "d2h")
+    assert traffic.other_way_recent(0, "h2d", 0.05)
+    assert not traffic.other_way_recent(0, "d2h", 0.05)    # its own direction is not "other"
+    clock.now += 0.049
+    assert traffic.other_way_recent(0, "h2d", 0.05)
+    clock.now += 0.002
+    assert not traffic.other_way_recent(0, "h2d", 0.05)
+    traffic.note(0, "h2d")
+    assert traffic.other_way_recent(0, "d2h", 0.05)
+
+
+def test_devices_and_directions_other_than_host_and_gpu_are_kept_apart(clock):
+    traffic.note(1, "d2h")
+    assert not traffic.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
+    assert traffic.other_way_recent(1, "h2d", 1.0)
+    for direction in ("d2d", "p2p", "h2h", "mixed"):
+        traffic.note(0, direction)
+        assert not traffic.other_way_recent(0, direction, 1.0)
+    assert traffic._last.keys() == {(1, "d2h")}
+
+
+def test_no_window_means_never_recent_and_forget_drops_everything(clock):
+    traffic.note(0, "d2h")
+    assert not traffic.other_way_recent(0, "h2d", 0)
+    traffic.forget()
+    assert not traffic.other_way_recent(0, "h2d", 1.0)
+
+
+# ------------------------------------------------------------------ the policy's rule
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("block", [128 * KiB, 256 * KiB, 512 * KiB])
+def test_blocks_from_the_both_ways_threshold_go_to_the_copy_engines_beside_the_other_way(
+        direction, block):
+    decision = choose_method(req(direction, block), H200)
+    assert decision.method == "batch"
+    assert "other way" in decision.reason and "traffic_window_ms" in decision.reason
+    # alone, the same batch keeps the kernel
+    assert choose_method(req(direction, block, recent=False), H200).method == "kernel"
+
+
+@pytest.mark.parametrize("block", [4 * KiB, 16 * KiB, 64 * KiB, 127 * KiB])
+def test_smaller_blocks_keep_the_kernel_beside_the_other_way(block):
+    # (the copy engines' CPU cost per copy decides their wall time there)
+    assert choose_method(req("h2d", block), H200).method == "kernel"
+
+
+def test_the_calibrated_both_ways_threshold_moves_the_rule():
+    low = Thresholds(both_ways_batch_min_bytes=64 * KiB)
+    high = Thresholds(both_ways_batch_min_bytes=512 * KiB)
+    assert choose_method(req("d2h", 64 * KiB), H200, low).method == "batch"
+    assert choose_method(req("d2h", 256 * KiB), H200, high).method == "kernel"
+
+
+@pytest.mark.parametrize("change", [{"stream": "legacy"}, {"capturing": True},
+                                    {"batch_allowed": False}])
+def test_where_batched_dma_cannot_run_the_kernel_stays(change):
+    assert choose_method(req("h2d", **change), H200).method == "kernel"
+
+
+def test_inside_the_gpu_and_explicit_methods_ignore_the_other_way():
+    assert choose_method(req("d2d"), H200).method == "kernel"
+    assert choose_method(req("h2d"), H200, requested="kernel").method == "kernel"
+    assert choose_method(req("h2d"), H200, requested="loop").method == "loop"
+
+
+def test_a_request_is_alone_unless_said_otherwise():
+    plain = CopyRequest("h2d", 256, 256 * 256 * KiB, True, "created")
+    assert not plain.other_way_recent
+    assert choose_method(plain, H200).method == "kernel"
+    assert choose_method(dataclasses.replace(plain, other_way_recent=True), H200).method == "batch"
+
+
+# ------------------------------------------------------------------ the engine
+
+@pytest.fixture
+def engine_state(monkeypatch, clock):
+    """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
+    fake = FakeDriver()
+    monkeypatch.setattr(engine, "driver", fake)
+    monkeypatch.setattr(engine, "_targets", {})
+    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, H200))
+    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    saved = kvcopy.config.traffic_window_ms
+    kvcopy.config.traffic_window_ms = 50
+    yield fake
+    kvcopy.config.traffic_window_ms = saved
+
+
+def decide(direction: str, block: int = 256 * KiB, **kwargs) -> str:
+    kwargs.setdefault("note_traffic", True)
+    return engine.decide(7, "auto", 256, 256 * block, FOUND[direction], **kwargs).decision.method
+
+
+def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_next_store(
+        engine_state, clock):
+    assert decide("d2h") == "kernel"          # nothing the other way yet
+    assert decide("h2d") == "batch"           # the store just now
+    assert decide("d2h") == "batch"           # the load just now
+    assert decide("h2d", 16 * KiB) == "kernel"   # small blocks keep the kernel
+    clock.now += 0.051                        # past the window: each alone again
+    assert decide("h2d") == "kernel"
+    assert engine.last_decision().method == "kernel"
+
+
+def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
+    assert decide("h2d") == "kernel"
+    assert decide("d2h") == "batch"
+    clock.now += 1.0
+    assert decide("d2h") == "kernel"          # the same question, alone: asked again
+    assert decide("h2d") == "batch"           # beside the store just now
+
+
+def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, clock):
+    assert decide("d2h", note_traffic=False) == "kernel"
+    assert traffic._last == {}
+    kvcopy.config.traffic_window_ms = 0
+    assert decide("d2h") == "kernel"
+    assert decide("h2d") == "kernel"
+    assert traffic._last == {}
+
+
+def test_capture_neither_notes_nor_looks(engine_state, clock):
+    traffic.note(0, "d2h")
+    engine_state.capturing = 1
+    assert decide("h2d") == "kernel"          # (batched DMA would be left out of the graph)
+    assert traffic._last.keys() == {(0, "d2h")}
+
+
+def test_the_setting_is_checked():
+    saved = kvcopy.config.traffic_window_ms
+    try:
+        with pytest.raises(ValueError, match="traffic_window_ms"):
+            kvcopy.config.traffic_window_ms = -1
+        with pytest.raises(TypeError):
+            kvcopy.config.traffic_window_ms = "50ms"
+    finally:
+        kvcopy.config.traffic_window_ms = saved
+    assert kvcopy.config.traffic_window_ms == saved
