@@ -4,7 +4,9 @@ for such a batch, and the engine's use of both (CPU, faked driver and clock)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
+import numpy as np
 import pytest
 
 import kvcopy
@@ -188,3 +190,45 @@ def test_the_setting_is_checked():
     finally:
         kvcopy.config.traffic_window_ms = saved
     assert kvcopy.config.traffic_window_ms == saved
+
+
+class FakeScope:
+    on_default_stream = False
+
+    def __enter__(self) -> "FakeScope":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def follow_memory(self, ordinal: int) -> bool:
+        return False
+
+
+class Asked(Exception):
+    """Raised by the spy in place of deciding: the call is over once it asked."""
+
+
+def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("note_traffic"))
+        raise Asked
+
+    monkeypatch.setattr(engine, "decide", spy)
+    monkeypatch.setattr(engine, "driver", FakeDriver())
+    monkeypatch.setattr(engine, "ContextScope", lambda handle: FakeScope())
+    monkeypatch.setattr(engine, "reach_peers", lambda found, method: False)
+    monkeypatch.setattr(engine, "describe", types.SimpleNamespace(
+        DESCRIPTOR_BYTES=32, describe_copies=lambda *args: (1, 4096, *FOUND["d2h"], 1)))
+    one = np.ones(1, dtype=np.uint64)
+    with pytest.raises(Asked):
+        engine.execute_arrays(one, one, one * 4096, 7)
+    monkeypatch.setattr(engine, "classify_tensors", lambda *args: FOUND["d2h"])
+    zeros = np.zeros(1, dtype=np.uint64)
+    blocks = types.SimpleNamespace(num_pairs=1, num_copies=1, total_bytes=4096,
+                                   geometry=types.SimpleNamespace(src_base=zeros, dst_base=zeros))
+    with pytest.raises(Asked):
+        engine.execute_blocks(blocks, 7)
+    assert asked == [True, True]
