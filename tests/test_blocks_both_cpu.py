@@ -71,6 +71,8 @@ class Fake:
 
 
 class FakeScope:
+    on_default_stream = False
+
     def __init__(self, handle: int) -> None:
         pass
 

@@ -13,6 +13,7 @@ import kvcopy
 from kvcopy import device, engine, traffic
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
+from test_blocks_both_cpu import FakeScope   # (tests/) a context scope that stays put
 from test_decide import FakeDriver   # the engine's driver calls, faked (tests/)
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -192,19 +193,6 @@ def test_the_setting_is_checked():
     assert kvcopy.config.traffic_window_ms == saved
 
 
-class FakeScope:
-    on_default_stream = False
-
-    def __enter__(self) -> "FakeScope":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def follow_memory(self, ordinal: int) -> bool:
-        return False
-
-
 class Asked(Exception):
     """Raised by the spy in place of deciding: the call is over once it asked."""
 
@@ -218,7 +206,7 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
 
     monkeypatch.setattr(engine, "decide", spy)
     monkeypatch.setattr(engine, "driver", FakeDriver())
-    monkeypatch.setattr(engine, "ContextScope", lambda handle: FakeScope())
+    monkeypatch.setattr(engine, "ContextScope", FakeScope)
     monkeypatch.setattr(engine, "reach_peers", lambda found, method: False)
     monkeypatch.setattr(engine, "describe", types.SimpleNamespace(
         DESCRIPTOR_BYTES=32, describe_copies=lambda *args: (1, 4096, *FOUND["d2h"], 1)))
