@@ -9,9 +9,9 @@ writes. H200, 128 and 256 KiB blocks, the benchmark's 'bidirectional' scenario i
 the four quick runs of 1 December (bench/results/h200-quick-pipelined-staging,
 -descs-b, -memcpy-each and -staging-8mib .json): the kernel both ways 0.59-0.67 of
 the contiguous pair in GPU time and 0.60-0.63 in wall; batched DMA on the same two
-streams 0.87-1.02 and 0.59-0.87. So copy_batch notes here when each direction
-last issued a copy, and a batch whose other direction issued one within
-config.traffic_window_ms is decided as one side of a copy both ways
+streams 0.87-1.02 and 0.59-0.87. So copy_batch and swap_blocks note here when
+each direction last issued a copy, and a batch whose other direction issued one
+within config.traffic_window_ms is decided as one side of a copy both ways
 (policy.choose_method). Times only: no driver call, nothing on any stream.
 """
 from __future__ import annotations
