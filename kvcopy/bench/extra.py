@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
+from kvcopy.bench.beside import settings
 from kvcopy.bench.scenarios import Pools, last_copier, last_method
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
@@ -33,12 +34,8 @@ TRAFFIC_WINDOW_MS = 50   # the window of the 'auto, traffic window' rows (kvcopy
 def _with_traffic_window(run: Callable[[], None]) -> Callable[[], None]:
     """``run`` with config.traffic_window_ms set to TRAFFIC_WINDOW_MS, restored after."""
     def windowed() -> None:
-        saved = kvcopy.config.traffic_window_ms
-        kvcopy.config.traffic_window_ms = TRAFFIC_WINDOW_MS
-        try:
+        with settings({"traffic_window_ms": TRAFFIC_WINDOW_MS}):
             run()
-        finally:
-            kvcopy.config.traffic_window_ms = saved
     return windowed
 
 
