@@ -166,7 +166,9 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     recent = False
     if note_traffic and config.traffic_window_ms and not capturing:
         direction = _direction(found.src_kinds, found.dst_kinds)
-        recent = traffic.other_way_recent(ordinal, direction, config.traffic_window_ms / 1000)
+        # (only 'auto' asks: an explicit method's answer does not depend on it)
+        recent = method == "auto" and traffic.other_way_recent(
+            ordinal, direction, config.traffic_window_ms / 1000)
         traffic.note(ordinal, direction)
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
            allow_batch, config.stores_by_dma, config.bulk_stores, recent)

@@ -165,6 +165,13 @@ def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
     assert decide("h2d") == "batch"           # beside the store just now
 
 
+def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock):
+    traffic.note(0, "d2h")
+    target = engine.decide(7, "kernel", 256, 256 * 256 * KiB, FOUND["h2d"], note_traffic=True)
+    assert target.decision.method == "kernel" and not target.request.other_way_recent
+    assert decide("d2h") == "batch"           # the explicit load was noted
+
+
 def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, clock):
     assert decide("d2h", note_traffic=False) == "kernel"
     assert traffic._last == {}
