@@ -11,32 +11,47 @@ the four quick runs of 1 December (bench/results/h200-quick-pipelined-staging,
 the contiguous pair in GPU time and 0.60-0.63 in wall; batched DMA on the same two
 streams 0.87-1.02 and 0.59-0.87. So copy_batch and swap_blocks note here when
 each direction last issued a copy, and a batch whose other direction issued one
-within config.traffic_window_ms is decided as one side of a copy both ways
-(policy.choose_method). Times only: no driver call, nothing on any stream.
+within config.traffic_window_ms (default 50 ms) is decided as one side of a copy
+both ways (policy.choose_method). The benchmark's 'auto' rows of 1 December's
+quick run with the window on (bench/results/h200-quick-traffic-window.json),
+128 KiB-1 MiB: 0.97-1.06 in GPU time and 0.78-0.96 in wall, against 0.61-0.62 and
+0.61-0.66 with each batch decided alone. A copy the other way on the same stream
+does not count: a stream runs its copies one after another, never both at once.
+Times and stream handles only: no driver call, nothing on any stream.
 """
 from __future__ import annotations
 
 import time
 
 _OTHER = {"h2d": "d2h", "d2h": "h2d"}
-_last: dict[tuple[int, str], float] = {}   # (device, direction) -> _clock()
+# The per-thread default stream (0x2) is a different stream in each thread, and the
+# legacy one (0, 0x1) never runs batched DMA; only other handles name one stream.
+_SHARED_HANDLES = (0, 1, 2)
+_last: dict[tuple[int, str], tuple[float, int]] = {}   # (device, direction) -> (_clock(), stream)
 _clock = time.monotonic
 
 
-def note(device: int, direction: str) -> None:
-    """Record that ``device`` issued a copy in ``direction`` now (others are ignored)."""
+def note(device: int, direction: str, stream: int = 0) -> None:
+    """Record that ``device`` issued a copy in ``direction`` on ``stream`` (a handle)
+    now; directions other than 'h2d' and 'd2h' are ignored."""
     if direction in _OTHER:
-        _last[(device, direction)] = _clock()
+        _last[(device, direction)] = (_clock(), stream)
 
 
-def other_way_recent(device: int, direction: str, window_s: float) -> bool:
+def other_way_recent(device: int, direction: str, window_s: float, stream: int = 0) -> bool:
     """Whether ``device`` issued a copy the other way from ``direction`` ('h2d' or
-    'd2h') within the last ``window_s`` seconds; False for other directions."""
+    'd2h') within the last ``window_s`` seconds, on a stream other than ``stream``;
+    False for other directions."""
     other = _OTHER.get(direction)
     if other is None or window_s <= 0:
         return False
     last = _last.get((device, other))
-    return last is not None and _clock() - last < window_s
+    if last is None:
+        return False
+    when, on = last
+    if on == stream and stream not in _SHARED_HANDLES:
+        return False     # queued behind it on the same stream: not both at once
+    return _clock() - when < window_s
 
 
 def forget() -> None:

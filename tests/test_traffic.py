@@ -63,6 +63,14 @@ def test_a_copy_one_way_is_recent_to_the_other_way_for_the_window_only(clock):
     assert traffic.other_way_recent(0, "d2h", 0.05)
 
 
+def test_the_same_stream_is_not_the_other_way_but_shared_handles_are(clock):
+    traffic.note(0, "d2h", 9)
+    assert not traffic.other_way_recent(0, "h2d", 0.05, 9)
+    assert traffic.other_way_recent(0, "h2d", 0.05, 10)
+    traffic.note(0, "d2h", 2)
+    assert traffic.other_way_recent(0, "h2d", 0.05, 2)
+
+
 def test_devices_and_directions_other_than_host_and_gpu_are_kept_apart(clock):
     traffic.note(1, "d2h")
     assert not traffic.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
@@ -141,9 +149,14 @@ def engine_state(monkeypatch, clock):
     kvcopy.config.traffic_window_ms = saved
 
 
-def decide(direction: str, block: int = 256 * KiB, **kwargs) -> str:
+STREAMS = {"h2d": 8, "d2h": 7}   # loads and stores each on a stream of their own, as engines issue them
+
+
+def decide(direction: str, block: int = 256 * KiB, stream: int | None = None, **kwargs) -> str:
     kwargs.setdefault("note_traffic", True)
-    return engine.decide(7, "auto", 256, 256 * block, FOUND[direction], **kwargs).decision.method
+    handle = STREAMS[direction] if stream is None else stream
+    return engine.decide(handle, "auto", 256, 256 * block, FOUND[direction],
+                         **kwargs).decision.method
 
 
 def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_next_store(
@@ -165,9 +178,31 @@ def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
     assert decide("h2d") == "batch"           # beside the store just now
 
 
+def test_the_other_way_on_the_same_stream_does_not_count(engine_state, clock):
+    assert decide("d2h", stream=9) == "kernel"
+    assert decide("h2d", stream=9) == "kernel"     # queued behind the store: never both at once
+    assert decide("d2h", stream=9) == "kernel"
+    assert decide("h2d") == "batch"                # another stream: both at once
+
+
+def test_the_per_thread_default_stream_is_another_stream_in_each_thread(engine_state, clock):
+    # (the legacy stream 0x1 never gets batched DMA; 0x2 is each thread's own stream)
+    assert decide("d2h", stream=2) == "kernel"
+    assert decide("h2d", stream=2) == "batch"
+
+
+def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
+    from kvcopy.config import Config
+    monkeypatch.delenv("KVCOPY_TRAFFIC_WINDOW_MS", raising=False)
+    assert Config().traffic_window_ms == 50
+    monkeypatch.setenv("KVCOPY_TRAFFIC_WINDOW_MS", "0")
+    assert Config().traffic_window_ms == 0
+
+
 def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock):
     traffic.note(0, "d2h")
-    target = engine.decide(7, "kernel", 256, 256 * 256 * KiB, FOUND["h2d"], note_traffic=True)
+    target = engine.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
+                           note_traffic=True)
     assert target.decision.method == "kernel" and not target.request.other_way_recent
     assert decide("d2h") == "batch"           # the explicit load was noted
 
