@@ -34,7 +34,7 @@ _SETTINGS = {
     "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
     "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
-    "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 0, 0, 60_000),
+    "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 50, 0, 60_000),
 }
 
 
@@ -167,8 +167,13 @@ class Config:
         the mean block at which copy_both_ways goes to the copy engines
         (policy.BOTH_WAYS_BATCH_MIN_BYTES, 128 KiB, calibratable), it goes to
         them too, where the copy kernel would otherwise share the link badly
-        with the other direction. 0 (the default until measured on the GPU):
-        each batch is decided alone (env KVCOPY_TRAFFIC_WINDOW_MS).
+        with the other direction. H200, 128 KiB-1 MiB blocks each way on two
+        streams: 0.97-1.06 of the contiguous pair in GPU time against 0.61-0.62
+        for each batch decided alone (bench/results/h200-quick-traffic-window).
+        A copy that only alternates direction within the window (a store, then
+        its load, one after the other) pays batched DMA's CPU cost instead:
+        256 KiB one way, 46 GB/s wall against the kernel's 49. 0: each batch is
+        decided alone; up to 60000 (env KVCOPY_TRAFFIC_WINDOW_MS, default 50).
     """
 
     host_ctas: int | None

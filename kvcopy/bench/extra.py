@@ -28,15 +28,12 @@ def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) ->
     return run
 
 
-TRAFFIC_WINDOW_MS = 50   # the window of the 'auto, traffic window' rows (kvcopy.traffic)
-
-
-def _with_traffic_window(run: Callable[[], None]) -> Callable[[], None]:
-    """``run`` with config.traffic_window_ms set to TRAFFIC_WINDOW_MS, restored after."""
-    def windowed() -> None:
-        with settings({"traffic_window_ms": TRAFFIC_WINDOW_MS}):
+def _each_call_alone(run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with config.traffic_window_ms 0 (each call decided alone), restored after."""
+    def alone() -> None:
+        with settings({"traffic_window_ms": 0}):
             run()
-    return windowed
+    return alone
 
 
 def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 * MiB,
@@ -44,8 +41,9 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
     """Host-to-GPU and GPU-to-host at the same time: GPU time spanning both streams and
     wall time (call to completion), against two contiguous copies on two streams.
     kvcopy as an engine would call it (copy_batch per direction on two streams, by
-    each method; 'auto, traffic window': with config.traffic_window_ms set, so that
-    each call knows of the other) and with copy_both_ways (one call, one stream)."""
+    each method, 'auto' knowing of the other call through config.traffic_window_ms;
+    'auto, each call alone': with the window 0, as before 1 December) and with
+    copy_both_ways (one call, one stream)."""
     import torch
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -62,7 +60,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
         cases: dict[str, Callable[[], object]] = {"contiguous": contiguous}
         for method in ("auto", "kernel", "batch"):
             cases[method] = _both_ways(a, b, s1, s2, method)
-        cases["auto, traffic window"] = _with_traffic_window(_both_ways(a, b, s1, s2, "auto"))
+        cases["auto, each call alone"] = _each_call_alone(_both_ways(a, b, s1, s2, "auto"))
         cases["copy_both_ways"] = functools.partial(kvcopy.copy_both_ways, b, a, stream=s1)
         for name, chose, gpu_ms, seconds, pair_ms, pair_wall in _timed(cases, s1, s2, repeats):
             yield {"scenario": "bidirectional", "block_bytes": block, "count": count,
