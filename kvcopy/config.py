@@ -163,7 +163,8 @@ class Config:
         of 4096 up to 1 GiB (env KVCOPY_STAGING_BYTES, default 4 MiB).
     traffic_window_ms: where set, copy_batch's 'auto' treats a batch between
         host and GPU as one side of a copy both ways when the same GPU issued a
-        copy the other way within this many milliseconds (kvcopy.traffic): from
+        batch the other way within this many milliseconds, on another stream and
+        of at least a quarter of its bytes (kvcopy.traffic): from
         the mean block at which copy_both_ways goes to the copy engines
         (policy.BOTH_WAYS_BATCH_MIN_BYTES, 128 KiB, calibratable), it goes to
         them too, where the copy kernel would otherwise share the link badly

@@ -152,9 +152,10 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     """Ask the policy for a method, given the classified memory of a batch
     (``capturing``: the stream's capture state, asked of the driver when None).
     With ``note_traffic`` (copy_batch's one-sided calls) and
-    config.traffic_window_ms set (the default), the batch's direction and stream are
-    noted in kvcopy.traffic, and whether the other direction copied lately on
-    another stream is part of the question (outside capture).
+    config.traffic_window_ms set (the default), the batch's direction, stream and
+    bytes are noted in kvcopy.traffic, and whether the other direction copied a
+    comparable batch lately on another stream is part of the question (outside
+    capture).
 
     The policy is a pure function of what is in the key below, and engines
     repeat the same batch shapes step after step, so its answers are
@@ -168,8 +169,8 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
         direction = _direction(found.src_kinds, found.dst_kinds)
         # (only 'auto' asks: an explicit method's answer does not depend on it)
         recent = method == "auto" and traffic.other_way_recent(
-            ordinal, direction, config.traffic_window_ms / 1000, handle)
-        traffic.note(ordinal, direction, handle)
+            ordinal, direction, config.traffic_window_ms / 1000, handle, total_bytes)
+        traffic.note(ordinal, direction, handle, total_bytes)
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
            allow_batch, config.stores_by_dma, config.bulk_stores, recent)
     target = _targets.get(key)

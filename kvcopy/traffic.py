@@ -17,7 +17,8 @@ quick run with the window on (bench/results/h200-quick-traffic-window.json),
 128 KiB-1 MiB: 0.97-1.06 in GPU time and 0.78-0.96 in wall, against 0.61-0.62 and
 0.61-0.66 with each batch decided alone. A copy the other way on the same stream
 does not count: a stream runs its copies one after another, never both at once.
-Times and stream handles only: no driver call, nothing on any stream.
+Nor does one of less than a quarter of the batch's bytes (OTHER_WAY_MIN_SHARE).
+Times, byte counts and stream handles only: no driver call, nothing on any stream.
 """
 from __future__ import annotations
 
@@ -27,30 +28,42 @@ _OTHER = {"h2d": "d2h", "d2h": "h2d"}
 # The per-thread default stream (0x2) is a different stream in each thread, and the
 # legacy one (0, 0x1) never runs batched DMA; only other handles name one stream.
 _SHARED_HANDLES = (0, 1, 2)
-_last: dict[tuple[int, str], tuple[float, int]] = {}   # (device, direction) -> (_clock(), stream)
+# A batch overlaps the other way's last one for at most that one's share of its bytes.
+# Batched DMA pays off against the kernel both ways (H200, 128 KiB: 1.0 against 0.6
+# of the pair) once a fifth (host->GPU) to a third (GPU->host) of a batch overlaps,
+# given what it costs alone (wall 0.81 / 0.70 against the kernel's 0.90 / 0.91,
+# bench/results/h200-full.json); a quarter, between the two, keeps a small copy the
+# other way from moving a large batch off the kernel.
+OTHER_WAY_MIN_SHARE = 0.25
+# (device, direction) -> (_clock(), stream handle, bytes) of the last batch noted
+_last: dict[tuple[int, str], tuple[float, int, int]] = {}
 _clock = time.monotonic
 
 
-def note(device: int, direction: str, stream: int = 0) -> None:
-    """Record that ``device`` issued a copy in ``direction`` on ``stream`` (a handle)
-    now; directions other than 'h2d' and 'd2h' are ignored."""
+def note(device: int, direction: str, stream: int = 0, nbytes: int = 0) -> None:
+    """Record that ``device`` issued a batch of ``nbytes`` in ``direction`` on
+    ``stream`` (a handle) now; directions other than 'h2d' and 'd2h' are ignored."""
     if direction in _OTHER:
-        _last[(device, direction)] = (_clock(), stream)
+        _last[(device, direction)] = (_clock(), stream, nbytes)
 
 
-def other_way_recent(device: int, direction: str, window_s: float, stream: int = 0) -> bool:
-    """Whether ``device`` issued a copy the other way from ``direction`` ('h2d' or
-    'd2h') within the last ``window_s`` seconds, on a stream other than ``stream``;
-    False for other directions."""
+def other_way_recent(device: int, direction: str, window_s: float, stream: int = 0,
+                     nbytes: int = 0) -> bool:
+    """Whether ``device`` issued a batch the other way from ``direction`` ('h2d' or
+    'd2h') within the last ``window_s`` seconds, on a stream other than ``stream``,
+    of at least OTHER_WAY_MIN_SHARE of ``nbytes`` (this batch's bytes); False for
+    other directions."""
     other = _OTHER.get(direction)
     if other is None or window_s <= 0:
         return False
     last = _last.get((device, other))
     if last is None:
         return False
-    when, on = last
+    when, on, other_bytes = last
     if on == stream and stream not in _SHARED_HANDLES:
         return False     # queued behind it on the same stream: not both at once
+    if other_bytes < OTHER_WAY_MIN_SHARE * nbytes:
+        return False     # over long before this batch is
     return _clock() - when < window_s
 
 

@@ -302,3 +302,32 @@ def test_copy_batch_each_way_on_two_streams_with_a_traffic_window(torch_cuda, bl
     assert ran == (["kernel", "batch", "batch"] if both_at_once else ["kernel"] * 3)
     store.check()
     load.check()
+
+
+def test_a_small_store_beside_a_large_load_leaves_the_load_on_the_kernel(torch_cuda):
+    """A store of 4 blocks of 256 KiB, then a load of 64 on another stream: the store is
+    under a quarter of the load's bytes (over long before it), so the load keeps the
+    kernel; a store of 64 beside that load goes to the copy engines. Every byte checked."""
+    from kvcopy import device, traffic
+    from kvcopy.policy import Thresholds
+    block = 256 * 1024
+    small_store = Side("cuda", "pinned", 4, block, 43)
+    load, store = Side("pinned", "cuda", 64, block, 44), Side("cuda", "pinned", 64, block, 45)
+    s1, s2 = torch_cuda.cuda.Stream(), torch_cuda.cuda.Stream()
+    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
+    device.set_thresholds(0, Thresholds())
+    kvcopy.config.traffic_window_ms = 60_000
+    traffic.forget()
+    try:
+        ran = [kvcopy.copy_batch(*small_store.triple(), stream=s2),
+               kvcopy.copy_batch(*load.triple(), stream=s1),
+               kvcopy.copy_batch(*store.triple(), stream=s2)]
+        s1.synchronize()
+        s2.synchronize()
+    finally:
+        kvcopy.config.traffic_window_ms = saved
+        device.set_thresholds(0, before)
+        traffic.forget()
+    assert ran == ["kernel", "kernel", "batch"]
+    for side in (small_store, load, store):
+        side.check()

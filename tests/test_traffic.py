@@ -71,6 +71,13 @@ def test_the_same_stream_is_not_the_other_way_but_shared_handles_are(clock):
     assert traffic.other_way_recent(0, "h2d", 0.05, 2)
 
 
+def test_a_batch_the_other_way_counts_from_a_quarter_of_this_ones_bytes(clock):
+    traffic.note(0, "d2h", 9, 16 * MiB)
+    assert traffic.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB)       # a quarter
+    assert not traffic.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB + 4)
+    assert traffic.other_way_recent(0, "h2d", 0.05, 10, 1 * MiB)        # larger than this one
+
+
 def test_devices_and_directions_other_than_host_and_gpu_are_kept_apart(clock):
     traffic.note(1, "d2h")
     assert not traffic.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
@@ -152,10 +159,11 @@ def engine_state(monkeypatch, clock):
 STREAMS = {"h2d": 8, "d2h": 7}   # loads and stores each on a stream of their own, as engines issue them
 
 
-def decide(direction: str, block: int = 256 * KiB, stream: int | None = None, **kwargs) -> str:
+def decide(direction: str, block: int = 256 * KiB, stream: int | None = None, count: int = 256,
+           **kwargs) -> str:
     kwargs.setdefault("note_traffic", True)
     handle = STREAMS[direction] if stream is None else stream
-    return engine.decide(handle, "auto", 256, 256 * block, FOUND[direction],
+    return engine.decide(handle, "auto", count, count * block, FOUND[direction],
                          **kwargs).decision.method
 
 
@@ -183,6 +191,12 @@ def test_the_other_way_on_the_same_stream_does_not_count(engine_state, clock):
     assert decide("h2d", stream=9) == "kernel"     # queued behind the store: never both at once
     assert decide("d2h", stream=9) == "kernel"
     assert decide("h2d") == "batch"                # another stream: both at once
+
+
+def test_a_small_batch_the_other_way_leaves_a_large_one_on_the_kernel(engine_state, clock):
+    assert decide("d2h", count=16) == "kernel"      # 4 MiB of 256 KiB blocks
+    assert decide("h2d") == "kernel"                # 64 MiB: the store is long over
+    assert decide("d2h", count=64) == "batch"       # 16 MiB beside the 64 MiB load just now
 
 
 def test_the_per_thread_default_stream_is_another_stream_in_each_thread(engine_state, clock):
