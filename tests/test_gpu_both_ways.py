@@ -272,7 +272,7 @@ def test_threads_on_their_own_streams(torch_cuda, block):
 
 @pytest.mark.parametrize("one_stream", [False, True], ids=["two streams", "one stream"])
 @pytest.mark.parametrize("block", [256 * 1024, 16384])
-def test_copy_batch_each_way_on_two_streams_with_a_traffic_window(torch_cuda, block, one_stream):
+def test_copy_batch_each_way_with_a_traffic_window(torch_cuda, block, one_stream):
     """A store and a load as two copy_batch calls on two streams, as engines issue them,
     with config.traffic_window_ms set: from the both-ways crossover (128 KiB) the load,
     issued right after the store, and the next store go to the copy engines; smaller
