@@ -356,10 +356,20 @@ def beside_parts():
             print(f"beside {direction} {row['method']:<10} median {row['median_slowdown']:+.3f} "
                   f"p25 {row['p25_slowdown']:+.3f} p75 {row['p75_slowdown']:+.3f} "
                   f"copy {row['copy_gbps']:.1f} GB/s", flush=True)
-    for row in beside.serving_step(pairs=6):
-        print(f"serving {row['method']:<15} store {row['store_gbps']:.1f} load "
-              f"{row['load_gbps']:.1f} median {row['median_slowdown']:+.3f} "
-              f"p25 {row['p25_slowdown']:+.3f} p75 {row['p75_slowdown']:+.3f}", flush=True)
+    serving_blocks(blocks=(16 * KiB,), pairs=6)
+
+
+def serving_blocks(blocks=(16 * KiB, 256 * KiB, 1 * MiB), pairs=8):
+    """The benchmark's serving step (a matmul beside a store and a load on two streams)
+    for each block size, every method (kvcopy.bench.beside.SERVING_METHODS)."""
+    from kvcopy.bench import beside
+
+    for block in blocks:
+        for row in beside.serving_step(pairs=pairs, block=block):
+            print(f"serving {block // KiB:>5} KiB {row['method']:<22} store "
+                  f"{row['store_gbps']:5.1f} load {row['load_gbps']:5.1f} median "
+                  f"{row['median_slowdown']:+.3f} p25 {row['p25_slowdown']:+.3f} "
+                  f"p75 {row['p75_slowdown']:+.3f}", flush=True)
 
 
 def forked(blocks=(4 * KiB, 16 * KiB)):
@@ -628,7 +638,7 @@ def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
             print(f"compact {direction} {block // KiB:>3} KiB x{total // block:<6} "
                   + "  ".join(cells), flush=True)
 
-PARTS = {"compact": compact, "dma_attrs": dma_attrs, "beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
+PARTS = {"serving_blocks": serving_blocks, "compact": compact, "dma_attrs": dma_attrs, "beside_dma_threads": beside_dma_threads, "dma_threads": dma_threads, "both_ways_methods": both_ways_methods, "both_ways_beside": both_ways_beside, "beside": beside_parts, "forked": forked, "footprint_small": footprint_small,
          "pair": pair, "d2d_descriptors": d2d_descriptors, "profile_small": profile_small, "bidir": bidir, "footprint": footprint, "d2d": d2d, "latency": latency, "chunks": chunks}
 
 if __name__ == "__main__":

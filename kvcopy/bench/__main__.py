@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                    lambda: [row for direction in ("h2d", "d2h") for row in beside.compute_beside(
                        pairs=12 if args.quick else 24, direction=direction)]),
                   ("serving_step", "matmul beside a store and a load",
-                   lambda: beside.serving_step(pairs=8 if args.quick else 16)),
+                   lambda: [row for block in (16 * KiB, 256 * KiB) for row in beside.serving_step(
+                       pairs=8 if args.quick else 16, block=block)]),
                   ("swap_blocks", "swap_blocks on a paged cache",
                    lambda: extra.swap_blocks_cache(counts, repeats,
                                                    batch_max_copies=16384 if args.quick else None))]

@@ -182,9 +182,23 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
                "copy_gbps": gbps[direction]}
 
 
+SERVING_METHODS = ("auto", "auto, each call alone", "kernel", "batch", "copy_both_ways",
+                   "auto, stores_by_dma")
+
+
+def _settings_of(method: str) -> dict:
+    """The config settings a serving_step row runs under ('each call alone': the
+    traffic window off, as before 1 December)."""
+    if method.endswith("stores_by_dma"):
+        return {"stores_by_dma": True}
+    if method.endswith("each call alone"):
+        return {"traffic_window_ms": 0}
+    return {}
+
+
 def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) -> Iterator[dict]:
-    """A matmul loop while a store (GPU to host) and a load (host to GPU) of 16 KiB
-    blocks run on two other streams (or together on one, copy_both_ways)."""
+    """A matmul loop while a store (GPU to host) and a load (host to GPU) of ``block``
+    bytes each run on two other streams (or together on one, copy_both_ways)."""
     import torch
 
     matmuls = Matmuls()
@@ -192,9 +206,8 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
     count = total // block
     store, load = store_pools.scattered(block, count, 5), load_pools.scattered(block, count, 6)
     s_store, s_load = torch.cuda.Stream(), torch.cuda.Stream()
-    for method in ("auto", "kernel", "batch", "copy_both_ways", "auto, stores_by_dma"):
-        chosen = {"stores_by_dma": True} if method.endswith("stores_by_dma") else {}
-        with settings(chosen):
+    for method in SERVING_METHODS:
+        with settings(_settings_of(method)):
             if method == "copy_both_ways":
                 both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
                                                               stream=s_store), s_store, 2 * total)
