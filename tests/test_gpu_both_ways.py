@@ -331,3 +331,50 @@ def test_a_small_store_beside_a_large_load_leaves_the_load_on_the_kernel(torch_c
     assert ran == ["kernel", "kernel", "batch"]
     for side in (small_store, load, store):
         side.check()
+
+
+def test_swap_blocks_each_way_on_two_streams_as_vllm_offloads(torch_cuda):
+    """vLLM's offloading connector: one handler per direction, each calling swap_blocks
+    over the layers' tensors on a stream of its own. Blocks of 256 KiB: the first store
+    keeps the kernel, the load right after it and the next store go to the copy
+    engines (config.traffic_window_ms). Every block checked against torch's gather."""
+    from kvcopy import device, traffic
+    from kvcopy.policy import Thresholds
+    torch = torch_cuda
+    block, layers = 256 * 1024, 4
+    gpu = [torch.randint(0, 256, (64, block), dtype=torch.uint8, device="cuda")
+           for _ in range(layers)]
+    host = [torch.randint(0, 256, (96, block), dtype=torch.uint8).pin_memory()
+            for _ in range(layers)]
+    # the streams run at once, so no block one side writes is read or written by the
+    # other: stores read GPU blocks 0-31 and write host blocks 0-23 and 24-47; the load
+    # reads host blocks 48-95 and writes GPU blocks 32-63
+    rng = np.random.default_rng(7)
+    stores = [np.stack([rng.choice(32, 24, replace=False), rng.permutation(24) + 24 * k],
+                       axis=1) for k in range(2)]
+    load = np.stack([48 + rng.choice(48, 24, replace=False), 32 + rng.permutation(32)[:24]],
+                    axis=1)
+    expected_host = [h.clone() for h in host]
+    expected_gpu = [g.clone() for g in gpu]
+    for e, g in zip(expected_host, gpu):
+        for m in stores:
+            e[torch.from_numpy(m[:, 1])] = g[torch.from_numpy(m[:, 0]).cuda()].cpu()
+    for e, h in zip(expected_gpu, host):
+        e[torch.from_numpy(load[:, 1]).cuda()] = h[torch.from_numpy(load[:, 0])].cuda()
+    store_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
+    device.set_thresholds(0, Thresholds())
+    kvcopy.config.traffic_window_ms = 60_000
+    traffic.forget()
+    try:
+        ran = [kvcopy.swap_blocks(gpu, host, stores[0], stream=store_stream),
+               kvcopy.swap_blocks(host, gpu, load, stream=load_stream),
+               kvcopy.swap_blocks(gpu, host, stores[1], stream=store_stream)]
+        torch.cuda.synchronize()
+    finally:
+        kvcopy.config.traffic_window_ms = saved
+        device.set_thresholds(0, before)
+        traffic.forget()
+    assert ran == ["kernel", "batch", "batch"]
+    for got, want in zip(host + gpu, expected_host + expected_gpu):
+        assert torch.equal(got.cpu(), want.cpu())
