@@ -270,76 +270,74 @@ def test_threads_on_their_own_streams(torch_cuda, block):
     assert not errors, errors
 
 
+@pytest.fixture
+def traffic_window():
+    """config.traffic_window_ms long enough for a slow machine to stay inside it, the
+    default thresholds (whatever a calibration saved) and no traffic noted; all three
+    restored after."""
+    from kvcopy import device, traffic
+    from kvcopy.policy import Thresholds
+    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
+    device.set_thresholds(0, Thresholds())
+    kvcopy.config.traffic_window_ms = 60_000
+    traffic.forget()
+    yield
+    kvcopy.config.traffic_window_ms = saved
+    device.set_thresholds(0, before)
+    traffic.forget()
+
+
+def _store_load_store(first: Side, load: Side, then: Side, store_stream, load_stream) -> list:
+    """copy_batch of a store, a load and a store, in turn on their streams, waited for:
+    the methods that ran."""
+    ran = [kvcopy.copy_batch(*first.triple(), stream=store_stream),
+           kvcopy.copy_batch(*load.triple(), stream=load_stream),
+           kvcopy.copy_batch(*then.triple(), stream=store_stream)]
+    store_stream.synchronize()
+    load_stream.synchronize()
+    return ran
+
+
 @pytest.mark.parametrize("one_stream", [False, True], ids=["two streams", "one stream"])
 @pytest.mark.parametrize("block", [256 * 1024, 16384])
-def test_copy_batch_each_way_with_a_traffic_window(torch_cuda, block, one_stream):
+def test_copy_batch_each_way_with_a_traffic_window(torch_cuda, traffic_window, block,
+                                                    one_stream):
     """A store and a load as two copy_batch calls on two streams, as engines issue them,
     with config.traffic_window_ms set: from the both-ways crossover (128 KiB) the load,
     issued right after the store, and the next store go to the copy engines; smaller
     blocks keep the kernel, and so do copies on one stream, which never run both at
     once. Every byte checked."""
-    from kvcopy import device, traffic
-    from kvcopy.policy import Thresholds
     store = Side("cuda", "pinned", 64, block, 41)
     load = Side("pinned", "cuda", 64, block, 42)
     s1 = torch_cuda.cuda.Stream()
     s2 = s1 if one_stream else torch_cuda.cuda.Stream()
-    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
-    device.set_thresholds(0, Thresholds())     # the defaults, whatever a calibration saved
-    kvcopy.config.traffic_window_ms = 60_000   # (a slow machine stays inside it)
-    traffic.forget()
-    try:
-        ran = [kvcopy.copy_batch(*store.triple(), stream=s2),
-               kvcopy.copy_batch(*load.triple(), stream=s1),
-               kvcopy.copy_batch(*store.triple(), stream=s2)]
-        s1.synchronize()
-        s2.synchronize()
-    finally:
-        kvcopy.config.traffic_window_ms = saved
-        device.set_thresholds(0, before)
-        traffic.forget()
+    ran = _store_load_store(store, load, store, s2, s1)
     both_at_once = block >= 128 * 1024 and not one_stream
     assert ran == (["kernel", "batch", "batch"] if both_at_once else ["kernel"] * 3)
     store.check()
     load.check()
 
 
-def test_a_small_store_beside_a_large_load_leaves_the_load_on_the_kernel(torch_cuda):
+def test_a_small_store_beside_a_large_load_leaves_the_load_on_the_kernel(torch_cuda,
+                                                                          traffic_window):
     """A store of 4 blocks of 256 KiB, then a load of 64 on another stream: the store is
     under a quarter of the load's bytes (over long before it), so the load keeps the
     kernel; a store of 64 beside that load goes to the copy engines. Every byte checked."""
-    from kvcopy import device, traffic
-    from kvcopy.policy import Thresholds
     block = 256 * 1024
     small_store = Side("cuda", "pinned", 4, block, 43)
     load, store = Side("pinned", "cuda", 64, block, 44), Side("cuda", "pinned", 64, block, 45)
-    s1, s2 = torch_cuda.cuda.Stream(), torch_cuda.cuda.Stream()
-    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
-    device.set_thresholds(0, Thresholds())
-    kvcopy.config.traffic_window_ms = 60_000
-    traffic.forget()
-    try:
-        ran = [kvcopy.copy_batch(*small_store.triple(), stream=s2),
-               kvcopy.copy_batch(*load.triple(), stream=s1),
-               kvcopy.copy_batch(*store.triple(), stream=s2)]
-        s1.synchronize()
-        s2.synchronize()
-    finally:
-        kvcopy.config.traffic_window_ms = saved
-        device.set_thresholds(0, before)
-        traffic.forget()
+    ran = _store_load_store(small_store, load, store, torch_cuda.cuda.Stream(),
+                            torch_cuda.cuda.Stream())
     assert ran == ["kernel", "kernel", "batch"]
     for side in (small_store, load, store):
         side.check()
 
 
-def test_swap_blocks_each_way_on_two_streams_as_vllm_offloads(torch_cuda):
+def test_swap_blocks_each_way_on_two_streams_as_vllm_offloads(torch_cuda, traffic_window):
     """vLLM's offloading connector: one handler per direction, each calling swap_blocks
     over the layers' tensors on a stream of its own. Blocks of 256 KiB: the first store
     keeps the kernel, the load right after it and the next store go to the copy
     engines (config.traffic_window_ms). Every block checked against torch's gather."""
-    from kvcopy import device, traffic
-    from kvcopy.policy import Thresholds
     torch = torch_cuda
     block, layers = 256 * 1024, 4
     gpu = [torch.randint(0, 256, (64, block), dtype=torch.uint8, device="cuda")
@@ -362,19 +360,10 @@ def test_swap_blocks_each_way_on_two_streams_as_vllm_offloads(torch_cuda):
     for e, h in zip(expected_gpu, host):
         e[torch.from_numpy(load[:, 1]).cuda()] = h[torch.from_numpy(load[:, 0])].cuda()
     store_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
-    device.set_thresholds(0, Thresholds())
-    kvcopy.config.traffic_window_ms = 60_000
-    traffic.forget()
-    try:
-        ran = [kvcopy.swap_blocks(gpu, host, stores[0], stream=store_stream),
-               kvcopy.swap_blocks(host, gpu, load, stream=load_stream),
-               kvcopy.swap_blocks(gpu, host, stores[1], stream=store_stream)]
-        torch.cuda.synchronize()
-    finally:
-        kvcopy.config.traffic_window_ms = saved
-        device.set_thresholds(0, before)
-        traffic.forget()
+    ran = [kvcopy.swap_blocks(gpu, host, stores[0], stream=store_stream),
+           kvcopy.swap_blocks(host, gpu, load, stream=load_stream),
+           kvcopy.swap_blocks(gpu, host, stores[1], stream=store_stream)]
+    torch.cuda.synchronize()
     assert ran == ["kernel", "batch", "batch"]
     for got, want in zip(host + gpu, expected_host + expected_gpu):
         assert torch.equal(got.cpu(), want.cpu())
