@@ -34,9 +34,10 @@ from cuda.bindings import driver as cu
 import kvcopy
 from kvcopy import engine, kernels
 from kvcopy._cuda import describe as kv_describe, driver as kv_driver, launch as kv_launch
+from kvcopy.bench.scenarios import Pools, scattered_offsets
 
 TOTAL = 64 << 20
-KINDS = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned"), "d2d": ("cuda", "cuda")}
+DIRECTIONS = ("h2d", "d2h", "d2d")
 
 
 def _check(result: tuple) -> object:
@@ -50,12 +51,6 @@ def write_combined_alloc(nbytes: int) -> int:
     flags = (cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
              | cu.CU_MEMHOSTALLOC_WRITECOMBINED)
     return int(_check(cu.cuMemHostAlloc(nbytes, flags)))
-
-
-def _pool(kind: str) -> torch.Tensor:
-    if kind == "pinned":
-        return torch.empty(2 * TOTAL, dtype=torch.uint8, pin_memory=True)
-    return torch.empty(2 * TOTAL, dtype=torch.uint8, device="cuda")
 
 
 def _gpu_ms(run, stream: torch.cuda.Stream, repeats: int = 10) -> float:
@@ -73,11 +68,10 @@ def _gpu_ms(run, stream: torch.cuda.Stream, repeats: int = 10) -> float:
 
 def probe(direction: str, block: int) -> None:
     count = TOTAL // block
-    src_pool, dst_pool = (_pool(kind) for kind in KINDS[direction])
-    src_pool.copy_(torch.randint(0, 256, (2 * TOTAL,), dtype=torch.uint8))
+    pools = Pools(direction, TOTAL, "torch")   # (the source filled at random)
+    src_pool, dst_pool = pools.src, pools.dst
     rng = np.random.default_rng(block)
-    src_off = (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
-    dst_off = (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
+    src_off, dst_off = (o.astype(np.uint64) for o in scattered_offsets(count, block, rng))
     s, d = np.uint64(src_pool.data_ptr()) + src_off, np.uint64(dst_pool.data_ptr()) + dst_off
     sizes = np.full(count, block, dtype=np.uint64)
     stream = torch.cuda.Stream()
@@ -127,6 +121,6 @@ def probe(direction: str, block: int) -> None:
 if __name__ == "__main__":
     torch.cuda.init()
     torch.empty(1, device="cuda")   # (the primary context current, as kvcopy finds it)
-    for direction in KINDS:
+    for direction in DIRECTIONS:
         for block in (2 << 10, 4 << 10, 16 << 10):
             probe(direction, block)
