@@ -15,7 +15,7 @@ flight makes the ring move on.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcopy._cuda import driver
 from kvcopy.context import PerContext
@@ -32,24 +32,26 @@ class Slot:
     device: int = 0
     event: int = 0
     used: bool = False
+    # buffers outgrown, kept: freeing them (cuMemFreeHost, cuMemFree) waits for all
+    # work on the device, a whole model step under serving load, once per slot
+    outgrown: list[tuple[int, int]] = field(default_factory=list)
 
     def ensure(self, nbytes: int) -> None:
-        """Room for nbytes of staging (capacity in bytes, grown by powers of two)."""
+        """Room for nbytes of staging (capacity in bytes, grown by powers of two). The
+        buffers outgrown are kept, not freed: together smaller than the new ones."""
         if nbytes <= self.capacity:
             return
-        self.release()
         capacity = max(MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
-        self.host = driver.host_alloc(capacity)
-        self.mapped = driver.host_device_pointer(self.host)
-        self.device = driver.mem_alloc(capacity)
-        self.capacity = capacity
-
-    def release(self) -> None:
+        host = driver.host_alloc(capacity)
+        try:
+            device = driver.mem_alloc(capacity)
+        except BaseException:
+            driver.host_free(host)
+            raise
         if self.host:
-            driver.host_free(self.host)
-        if self.device:
-            driver.mem_free(self.device)
-        self.host = self.mapped = self.device = self.capacity = 0
+            self.outgrown.append((self.host, self.device))
+        self.host, self.device, self.capacity = host, device, capacity
+        self.mapped = driver.host_device_pointer(host)
 
 
 class DescriptorRing:

@@ -3,8 +3,8 @@
 A slot the GPU may still read (fenced, event not complete) is never handed
 out: the ring moves on, and waits only when the next slot is in flight too.
 An unfenced slot, or one whose event has completed, is handed out again at
-once; slots grow by powers of two and the lock is released even when staging
-fails.
+once; slots grow by powers of two, keeping the buffers they outgrow, and the lock
+is released even when staging fails.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class FakeDriver:
         self.log: list[str] = []
         self.next_address = 0x10000
         self.fail_alloc = False
+        self.fail_mem_alloc = False
         self.completed: set[int] = set()   # events the GPU has passed
 
     def event_query(self, event: int) -> bool:
@@ -50,6 +51,8 @@ class FakeDriver:
         return ptr + 0x1  # anything but the host address, to tell the two apart
 
     def mem_alloc(self, nbytes: int) -> int:
+        if self.fail_mem_alloc:
+            raise MemoryError("fake: out of device memory")
         self.log.append(f"mem_alloc {nbytes}")
         return self._address()
 
@@ -104,16 +107,35 @@ def test_a_slot_the_gpu_is_done_with_is_reused_at_once(driver):
     assert third is not first
 
 
-def test_slots_grow_by_powers_of_two_and_free_the_old_buffers(driver):
+def test_slots_grow_by_powers_of_two_and_keep_the_old_buffers(driver):
     r = ring.DescriptorRing(slots=1)
     with r.reserve(1000) as slot:
         assert slot.capacity == ring.MIN_CAPACITY_BYTES
+        old = (slot.host, slot.device)
     with r.reserve(ring.MIN_CAPACITY_BYTES + 1) as slot:
         assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
         assert slot.mapped == slot.host + 0x1   # the device's view of the new pinned buffer
-    assert driver.log.count("host_free") == 1 and driver.log.count("mem_free") == 1
+        assert (slot.host, slot.device) != old and slot.outgrown == [old]
+    # (freeing them would wait for all work on the device)
+    assert "host_free" not in driver.log and "mem_free" not in driver.log
     with r.reserve(10) as slot:   # never shrinks
         assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+
+
+def test_a_failed_growth_keeps_the_slot_as_it_was(driver):
+    r = ring.DescriptorRing(slots=1)
+    with r.reserve(1000) as slot:
+        before = (slot.host, slot.mapped, slot.device, slot.capacity)
+    driver.fail_mem_alloc = True
+    with pytest.raises(MemoryError):
+        with r.reserve(ring.MIN_CAPACITY_BYTES + 1):
+            pass
+    assert driver.log.count("host_free") == 1      # the new pinned buffer, not the old
+    assert (slot.host, slot.mapped, slot.device, slot.capacity) == before
+    assert slot.outgrown == []
+    driver.fail_mem_alloc = False
+    with r.reserve(1000) as again:                 # the lock was released
+        assert again is slot
 
 
 def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
