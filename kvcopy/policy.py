@@ -372,6 +372,15 @@ def staging_possible(req: CopyRequest, decision: Decision, chunk_bytes: int,
             and req.total_bytes >= thresholds.staging_min_bytes)
 
 
+def staging_max_spans(req: CopyRequest, thresholds: Thresholds) -> int:
+    """The most host spans a batch may lie in and still be staged (choose_staging's
+    mean-span rule: total bytes / spans >= thresholds.staging_min_span_bytes);
+    -1: no limit. Counting spans may stop past it."""
+    if thresholds.staging_min_span_bytes <= 0:
+        return -1
+    return req.total_bytes // thresholds.staging_min_span_bytes
+
+
 def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk_bytes: int,
                    thresholds: Thresholds | None = None, requested: str = "auto"
                    ) -> Decision | None:

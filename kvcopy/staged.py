@@ -118,7 +118,9 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
     if not policy.staging_possible(request, decision, chunk_bytes, thresholds, method):
         return None   # ruled out without a pass over the copies
     host, gpu = (src, dst) if request.direction == "h2d" else (dst, src)
-    spans, largest, empty = stage.host_spans(host, sizes)
+    # (a scattered host side is known as such after a few spans, not at its last copy)
+    spans, largest, empty = stage.host_spans(host, sizes,
+                                             policy.staging_max_spans(request, thresholds))
     staged = policy.choose_staging(request, decision, HostSpans(spans, largest), chunk_bytes,
                                    thresholds, method)
     if staged is None or not _buffers.current().ensure(chunk_bytes):

@@ -39,6 +39,31 @@ def test_host_spans_count_runs_of_copies_that_continue_the_one_before():
         stage.host_spans(u64([1, 2]), u64([1, 2, 3]))
 
 
+def test_host_spans_stop_one_span_past_the_limit():
+    host = u64([100, 104, 200, 204, 300, 400, 500])   # spans start at 100, 200, 300, 400, 500
+    sizes = u64([4] * 7)
+    assert stage.host_spans(host, sizes, 2) == (3, 4, 0)    # stopped at the 3rd span's start
+    assert stage.host_spans(host, sizes, 5) == (5, 4, 0)    # the limit not passed: all read
+    assert stage.host_spans(host, sizes, 0) == (1, 0, 0)    # no span allowed: the first ends it
+    assert stage.host_spans(host, sizes, -1) == (5, 4, 0)   # no limit
+    # what was seen before the stop is counted: an empty copy and a larger one
+    assert stage.host_spans(u64([100, 7, 104, 900, 950]), u64([4, 0, 8, 4, 4]), 1) == (2, 8, 1)
+
+
+@pytest.mark.parametrize("total, min_span, spans", [
+    (64 * MiB, 1 * MiB, 64), (64 * MiB, 1 * MiB, 65), (64 * MiB + 1, 1 * MiB, 65),
+    (64 * MiB - 1, 1 * MiB, 64), (64 * MiB - 1, 1 * MiB, 63), (96 * MiB, 3 * MiB, 32),
+    (96 * MiB, 3 * MiB, 33),
+])
+def test_the_span_limit_is_where_the_mean_span_rule_starts_refusing(total, min_span, spans):
+    thresholds = Thresholds(staging_min_bytes=1 * MiB, staging_min_span_bytes=min_span)
+    req = request(total=total, count=4096)
+    staged_at = policy.choose_staging(req, KERNEL, HostSpans(spans, 16 * KiB), 4 * MiB,
+                                      thresholds)
+    assert (staged_at is not None) == (spans <= policy.staging_max_spans(req, thresholds))
+    assert policy.staging_max_spans(req, Thresholds(staging_min_span_bytes=0)) == -1
+
+
 class Planned:
     """A side planned by stage.plan_next_chunk, one chunk per call, as staged.run plans
     it, into ordinary memory standing in for the table: chunk k's descriptors

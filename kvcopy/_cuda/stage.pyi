@@ -1,7 +1,8 @@
 """Type stub of kvcopy._cuda.stage: the staged path's passes over a batch."""
 import numpy as np
 
-def host_spans(host: np.ndarray, sizes: np.ndarray) -> tuple[int, int, int]: ...
+def host_spans(host: np.ndarray, sizes: np.ndarray,
+               max_spans: int = -1) -> tuple[int, int, int]: ...
 def plan_next_chunk(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
                     chunk_bytes: int, buffer: int, start: int, table: int,
                     span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,
