@@ -20,6 +20,9 @@ RANGES = np.array([
     [HOST_A, HOST_A + POOL, kv_classify.KIND_HOST_MAPPED, -1, DELTA],
     [HOST_B, HOST_B + POOL, kv_classify.KIND_HOST_MAPPED, -1, 0],
     [DEVICE, DEVICE + POOL, kv_classify.KIND_DEVICE, 0, 0],
+    # allocations right after two of them: a copy may run from one into the next
+    [HOST_A + POOL, HOST_A + 2 * POOL, kv_classify.KIND_HOST_MAPPED, -1, 2 * DELTA],
+    [DEVICE + POOL, DEVICE + 2 * POOL, kv_classify.KIND_DEVICE, 0, 0],
 ], dtype=np.int64)
 
 
@@ -267,3 +270,45 @@ def test_describe_copies_never_writes_pairs():
     result, _, descs = describe(src, dst, sizes)
     assert len(result) == 7
     np.testing.assert_array_equal(descs[:, 2], sizes)
+
+
+@st.composite
+def one_size_near_a_range_end(draw):
+    """Copies of one size (pairs' case) placed up to a few blocks before the end of a
+    range, some at it or over it, one maybe of another size: where the one-size pass's
+    single compare per side must agree with the general loop's two."""
+    n = draw(st.integers(2, 40))
+    size = draw(st.sampled_from([1, 16, 2048, 4096, TILE]))
+    ends = draw(st.lists(st.integers(-1, 3 * n), min_size=2 * n, max_size=2 * n))
+    # block k from the end: k = 0 ends exactly at the range's end, k = -1 runs over it
+    src = [HOST_A + POOL - (k + 1) * size for k in ends[:n]]
+    dst = [DEVICE + POOL - (k + 1) * size for k in ends[n:]]
+    sizes = [size] * n
+    if draw(st.booleans()):
+        sizes[draw(st.integers(0, n - 1))] = size + draw(st.sampled_from([-1, 1, size]))
+    return src, dst, sizes
+
+
+@pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
+@given(st.one_of(batches_of_one_size(), one_size_near_a_range_end()), st.booleans(),
+       st.sampled_from([0, 8, 16]))
+@settings(max_examples=600, deadline=None)
+def test_compact_entries_describe_what_the_general_loop_describes(batch, merge, misalign):
+    """describe_compact's one-size pass against the general loop: the same answer, and
+    pairs exactly where every planned copy has the pairs' size."""
+    src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in batch)
+    try:
+        reference, _, ref_descs = describe(src, dst, sizes, merge, fast=False)
+    except ValueError as general:
+        with pytest.raises(ValueError) as compact:
+            describe_compact(src, dst, sizes, merge, misalign=misalign)
+        assert str(compact.value) == str(general.value)
+        return
+    result, _, out = describe_compact(src, dst, sizes, merge, misalign=misalign)
+    assert result[:-1] == reference
+    count, pair_size = result[0], result[-1]
+    if pair_size:
+        assert (ref_descs[:, 2] == pair_size).all()
+        np.testing.assert_array_equal(out[:2 * count].reshape(-1, 2), ref_descs[:, :2])
+    else:
+        np.testing.assert_array_equal(out[:4 * count].reshape(-1, 4), ref_descs)
