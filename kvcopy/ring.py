@@ -53,6 +53,17 @@ class Slot:
         self.host, self.device, self.capacity = host, device, capacity
         self.mapped = driver.host_device_pointer(host)
 
+    def free(self) -> None:
+        """Free every buffer, outgrown ones too (the ring never does: only an owner of a
+        slot of its own, once the GPU is done with it)."""
+        for host, device in [(self.host, self.device), *self.outgrown]:
+            if host:
+                driver.host_free(host)
+            if device:
+                driver.mem_free(device)
+        self.outgrown.clear()
+        self.host = self.mapped = self.device = self.capacity = 0
+
 
 class DescriptorRing:
     """Slots in the context current at creation: the current one while the GPU is

@@ -101,7 +101,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     timed("event record (ring fence)", lambda: kv_driver.event_record(event, handle))
     timed("stream_capture_status", lambda: kv_driver.stream_capture_status(handle))
     stream.synchronize()
-    slot.release()
+    slot.free()
 
     def launch() -> None:
         with ring.ring_for_current_context().reserve(count * 32) as slot:

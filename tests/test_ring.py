@@ -191,3 +191,17 @@ def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
     assert table.current() == 2 and slow.current() == 3 and table.current() == 2
     current.ctx = 7
     assert table.current() == 1 and len(made) == 3
+
+
+def test_a_slot_owner_frees_the_buffers_the_slot_has_and_has_outgrown(driver):
+    slot = ring.Slot()
+    slot.ensure(1000)
+    slot.ensure(ring.MIN_CAPACITY_BYTES + 1)
+    slot.ensure(4 * ring.MIN_CAPACITY_BYTES + 1)
+    assert len(slot.outgrown) == 2
+    driver.log.clear()
+    slot.free()
+    assert driver.log.count("host_free") == 3 and driver.log.count("mem_free") == 3
+    assert (slot.host, slot.mapped, slot.device, slot.capacity, slot.outgrown) == (0, 0, 0, 0, [])
+    slot.free()                                    # nothing left: nothing freed twice
+    assert driver.log.count("host_free") == 3
