@@ -12,6 +12,7 @@ from kvcopy.host import device_pointer, pinned_empty, register
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.queue import TransferQueue, TransferResult
+from kvcopy.startup import prepare
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,6 @@ __all__ = [
     "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
     "TransferResult", "block_view", "calibrate", "calibrate_peers", "config", "copy_batch",
     "copy_both_ways",
-    "device_pointer", "last_decision", "pinned_empty", "register", "resolve_stream",
+    "device_pointer", "last_decision", "pinned_empty", "prepare", "register", "resolve_stream",
     "swap_blocks", "swap_blocks_both_ways",
 ]

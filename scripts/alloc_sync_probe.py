@@ -14,6 +14,12 @@ cuMemFree, each on a buffer of 256 KiB), and of copy_batch calls of 4096 then 81
 blocks of 16 KiB (128 and 256 KiB of descriptors) in a fresh process, ring slot by
 ring slot. A call that lasts about SLEEP_MS waited for the sleep kernel.
 
+Before those, kvcopy.prepare() beside a sleep kernel: what a process's first copy
+does (the device's facts, loading the copy kernel's module, the descriptor ring;
+bench/results/h200-alloc-sync-probe.txt saw the first copy_batch wait 52 ms beside a
+50 ms sleep, and device_info, which loads the module, 49 ms). The copy_batch calls
+after it then show whether anything else in a first copy waits.
+
 Run on a GPU: python3 scripts/alloc_sync_probe.py
 """
 from __future__ import annotations
@@ -76,6 +82,17 @@ def driver_calls() -> None:
         busy.synchronize()
 
 
+def first_call_steps() -> None:
+    """kvcopy.prepare() beside a sleep: what a process's first copy would do (the
+    device's facts, the copy kernel's module, the descriptor ring)."""
+    torch.cuda.synchronize()
+    busy = _sleep_beside()
+    prepare_us = _timed_us(kvcopy.prepare)
+    print(f"beside a {SLEEP_MS} ms sleep: kvcopy.prepare() {prepare_us:9.1f} us, "
+          f"sleep still running after: {not busy.query()}", flush=True)
+    torch.cuda.synchronize()
+
+
 def copy_calls() -> None:
     stream = torch.cuda.Stream()
     for count in (4096, 8192):
@@ -94,5 +111,6 @@ def copy_calls() -> None:
 if __name__ == "__main__":
     torch.cuda.init()
     torch.cuda.synchronize()
+    first_call_steps()
     copy_calls()      # first: the ring's slots are fresh in this process
     driver_calls()

@@ -307,3 +307,38 @@ def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
     assert first != 0 and kv_driver.primary_context(0) == first
     with torch_cuda.cuda.device(0):
         assert kv_driver.current_context() == first
+
+
+PREPARE_CHILD = r"""
+import json, threading, numpy as np, torch, kvcopy
+from kvcopy import kernels
+from kvcopy._cuda import driver as kv_driver
+seen = {}
+def worker():   # a thread of its own: no current context until kvcopy pushes one
+    seen["before"] = kv_driver.current_context()
+    kvcopy.prepare(0)
+    seen["after"] = kv_driver.current_context()
+t = threading.Thread(target=worker); t.start(); t.join()
+primary = kv_driver.primary_context(0)
+loaded = primary in kernels._loaded
+kvcopy.prepare()                       # again, here with torch's context current
+src = torch.arange(1 << 16, dtype=torch.int32).pin_memory()
+dst = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+ptr_s = src.data_ptr() + np.arange(0, 1 << 18, 8192, dtype=np.uint64)
+ptr_d = dst.data_ptr() + np.arange(0, 1 << 18, 8192, dtype=np.uint64)[::-1].copy()
+used = kvcopy.copy_batch(ptr_s, ptr_d, np.full(32, 4096, dtype=np.uint64), method="kernel")
+torch.cuda.synchronize()
+want = src.view(32, -1)[:, :1024].flip(0)
+print(json.dumps({"before": seen["before"], "after": seen["after"], "loaded": loaded,
+                  "used": used, "ok": bool(torch.equal(dst.cpu().view(32, -1)[:, :1024], want))}))
+"""
+
+
+def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_as_it_was(
+        torch_cuda):
+    """kvcopy.prepare(0) from a thread with no context: the kernel is loaded in device
+    0's primary context, the thread has no current context after, and copies run."""
+    res = run_child(PREPARE_CHILD)
+    assert (res["before"], res["after"]) == (0, 0)
+    assert res["loaded"]
+    assert res["used"] == "kernel" and res["ok"]

@@ -23,7 +23,8 @@ LAYERS = [
     {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
      "kvcopy.peers", "kvcopy.descriptors", "kvcopy.side_streams"},
     {"kvcopy.engine", "kvcopy.both_ways", "kvcopy.staged"},
-    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
+    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing",
+     "kvcopy.startup"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API
 ]

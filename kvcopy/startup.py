@@ -1,0 +1,37 @@
+"""What a process's first copy on a device does, done when the caller chooses."""
+from __future__ import annotations
+
+from kvcopy import device as devices
+from kvcopy import ring
+from kvcopy._cuda import driver
+
+
+def prepare(device: int | None = None) -> None:
+    """Learn the device's capabilities, load the copy kernel and create the
+    descriptor ring now, in ``device``'s primary context (None: the calling
+    thread's current context, else device 0's primary one).
+
+    A process's first copy on a device does this itself, and loading the
+    kernel's module waits for all work already running on that GPU (H200: 49 ms
+    beside a 50 ms kernel, bench/results/h200-alloc-sync-probe.txt). An engine
+    that calls prepare() at startup keeps that wait out of its first step.
+    Copies work without it; calling it again costs a lookup.
+
+    Raises:
+        NoDriverError: no CUDA driver.
+        CudaError: the device does not exist or its context cannot be made.
+    """
+    driver.init()
+    if device is None and driver.current_context():
+        _prepare_current_context()
+        return
+    driver.push_context(driver.primary_context(0 if device is None else device))
+    try:
+        _prepare_current_context()
+    finally:
+        driver.pop_context()
+
+
+def _prepare_current_context() -> None:
+    devices.device_info(driver.context_device())   # (loads the copy kernel)
+    ring.ring_for_current_context()
