@@ -17,6 +17,7 @@ from kvcopy.interop.arrays import as_list
 from kvcopy.interop.streams import (STREAM_LEGACY, current_framework_streams, effective_handle,
                                     resolve_event, resolve_stream)
 from kvcopy.policy import RequestedMethod, check_method
+from kvcopy.startup import prepare_current_context
 
 _GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
               | classify.KIND_PEER_UNMAPPED)
@@ -88,6 +89,9 @@ class TransferQueue:
             scope.follow_memory(home)
             self._ctx = driver.current_context()
             self._stream = driver.stream_create(non_blocking=True)
+            # a queue is made at startup: load the kernel now, not in the first step
+            # (loading a module waits for all work on the GPU)
+            prepare_current_context()
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._closed = False

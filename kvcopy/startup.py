@@ -23,15 +23,16 @@ def prepare(device: int | None = None) -> None:
     """
     driver.init()
     if device is None and driver.current_context():
-        _prepare_current_context()
+        prepare_current_context()
         return
     driver.push_context(driver.primary_context(0 if device is None else device))
     try:
-        _prepare_current_context()
+        prepare_current_context()
     finally:
         driver.pop_context()
 
 
-def _prepare_current_context() -> None:
+def prepare_current_context() -> None:
+    """prepare() for the calling thread's current context (it must have one)."""
     devices.device_info(driver.context_device())   # (loads the copy kernel)
     ring.ring_for_current_context()

@@ -342,3 +342,28 @@ def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_a
     assert (res["before"], res["after"]) == (0, 0)
     assert res["loaded"]
     assert res["used"] == "kernel" and res["ok"]
+
+
+QUEUE_PREPARES_CHILD = r"""
+import json, torch, kvcopy
+from kvcopy import kernels
+from kvcopy._cuda import driver as kv_driver
+gpu = torch.arange(8 * 1024, dtype=torch.float32, device="cuda").view(8, 1024)
+host = torch.zeros(8, 1024).pin_memory()
+before = kv_driver.primary_context(0) in kernels._loaded
+queue = kvcopy.TransferQueue(gpu, host)
+made = kv_driver.primary_context(0) in kernels._loaded   # before any job
+queue.submit("offload", [[1, 5], [6, 2]])
+results = queue.wait()
+queue.close()
+print(json.dumps({"before": before, "made": made, "jobs": [r.job_id for r in results],
+                  "ok": bool(torch.equal(host[5], gpu[1].cpu()) and torch.equal(host[2], gpu[6].cpu()))}))
+"""
+
+
+def test_a_transfer_queue_loads_the_kernel_when_made_not_at_its_first_job(torch_cuda):
+    """An engine makes its queues at startup: loading the kernel's module, which waits
+    for all work on the GPU, happens then (kvcopy.prepare), not in its first step."""
+    res = run_child(QUEUE_PREPARES_CHILD)
+    assert (res["before"], res["made"]) == (False, True)
+    assert res["jobs"] == ["offload"] and res["ok"]
