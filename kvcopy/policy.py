@@ -394,9 +394,9 @@ def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk
     if (not staging_possible(req, decision, chunk_bytes, thresholds, requested)
             or not spans.count or spans.largest_copy > chunk_bytes):
         return None
+    if spans.count > staging_max_spans(req, thresholds) >= 0:
+        return None   # spans shorter than thresholds.staging_min_span_bytes on average
     mean_span = req.total_bytes / spans.count
-    if mean_span < thresholds.staging_min_span_bytes:
-        return None
     return Decision("staged", f"host side in {spans.count} span(s) of {mean_span / MiB:.1f} MiB "
                               "on average: copy engines move each whole through a GPU staging "
                               "buffer, the copy kernel scatters inside the GPU")

@@ -50,16 +50,20 @@ def test_host_spans_stop_one_span_past_the_limit():
     assert stage.host_spans(u64([100, 7, 104, 900, 950]), u64([4, 0, 8, 4, 4]), 1) == (2, 8, 1)
 
 
-@pytest.mark.parametrize("total, min_span, spans", [
-    (64 * MiB, 1 * MiB, 64), (64 * MiB, 1 * MiB, 65), (64 * MiB + 1, 1 * MiB, 65),
-    (64 * MiB - 1, 1 * MiB, 64), (64 * MiB - 1, 1 * MiB, 63), (96 * MiB, 3 * MiB, 32),
-    (96 * MiB, 3 * MiB, 33),
+@pytest.mark.parametrize("total, min_span, spans, staged_there", [
+    (64 * MiB, 1 * MiB, 64, True), (64 * MiB, 1 * MiB, 65, False),
+    (64 * MiB + 1, 1 * MiB, 65, False), (64 * MiB - 1, 1 * MiB, 64, False),
+    (64 * MiB - 1, 1 * MiB, 63, True), (96 * MiB, 3 * MiB, 32, True),
+    (96 * MiB, 3 * MiB, 33, False),
 ])
-def test_the_span_limit_is_where_the_mean_span_rule_starts_refusing(total, min_span, spans):
+def test_the_span_limit_is_where_the_mean_span_rule_starts_refusing(total, min_span, spans,
+                                                                   staged_there):
+    """Staged exactly where the spans average at least min_span bytes."""
     thresholds = Thresholds(staging_min_bytes=1 * MiB, staging_min_span_bytes=min_span)
     req = request(total=total, count=4096)
     staged_at = policy.choose_staging(req, KERNEL, HostSpans(spans, 16 * KiB), 4 * MiB,
                                       thresholds)
+    assert (staged_at is not None) == staged_there == (total / spans >= min_span)
     assert (staged_at is not None) == (spans <= policy.staging_max_spans(req, thresholds))
     assert policy.staging_max_spans(req, Thresholds(staging_min_span_bytes=0)) == -1
 
