@@ -290,6 +290,10 @@ def one_size_near_a_range_end(draw):
 
 
 @pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")
+# a copy running over a range's end asks the driver whether the next allocation
+# continues it; without one that lookup fails (reported, ignored) and the copy
+# straddles, in both passes alike
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @given(st.one_of(batches_of_one_size(), one_size_near_a_range_end()), st.booleans(),
        st.sampled_from([0, 8, 16]))
 @settings(max_examples=600, deadline=None)
