@@ -164,7 +164,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     ordinal = driver.context_device()
     if capturing is None:
         capturing = driver.stream_capture_status(handle) != 0
-    recent = False
+    recent, direction = False, None
     if note_traffic and config.traffic_window_ms and not capturing:
         direction = _direction(found.src_kinds, found.dst_kinds)
         # (only 'auto' asks: an explicit method's answer does not depend on it)
@@ -176,7 +176,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     target = _targets.get(key)
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                            allow_batch, recent)
+                            allow_batch, recent, direction)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target
@@ -188,12 +188,16 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
 
 def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
                found: MemoryClasses, capturing: bool, allow_batch: bool,
-               other_way_recent: bool = False) -> Target:
+               other_way_recent: bool = False, direction: str | None = None) -> Target:
+    """The policy's answer for a classified batch (``direction``: where the caller
+    already derived it from ``found``)."""
     info = device.device_info(ordinal)
     # classify's kinds are relative to this context's device: another device's memory
     # is KIND_PEER only where this device may access it
     accessible = not found.kinds & _DMA_ONLY
-    request = CopyRequest(direction=_direction(found.src_kinds, found.dst_kinds), count=count,
+    if direction is None:
+        direction = _direction(found.src_kinds, found.dst_kinds)
+    request = CopyRequest(direction=direction, count=count,
                           total_bytes=total_bytes, device_accessible=accessible,
                           stream_kind=stream_kind(handle), capturing=capturing,
                           batch_allowed=allow_batch,
