@@ -168,6 +168,26 @@ class BlockPlan:
         return plan_copies(*self.copy_arrays())
 
 
+def crossing_pairs(forward: BlockPlan, back: BlockPlan) -> str | None:
+    """Where a copy one way and a copy back issued together would race, or None.
+
+    ``back`` copies between the same caches as ``forward``, the other way
+    (TransferQueue.submit's ``back``), so block ids of one cache mean the same
+    blocks in both mappings. Issued at once, neither copy is ordered before the
+    other: a block that one writes and the other reads would get either value.
+    Returns the first such block, named by both pairs, as a message."""
+    # forward reads its source caches, which back writes (column 0 against 1); back
+    # reads the destination caches, which forward writes (column 1 against 0)
+    for column, cache, verb in ((0, "source", "reads"), (1, "destination", "writes")):
+        block, i, j = np.intersect1d(forward.mapping[:, column], back.mapping[:, 1 - column],
+                                     return_indices=True)
+        if block.size:
+            other = "writes" if verb == "reads" else "reads"
+            return (f"block_mapping[{int(i[0])}] {verb} {cache} block {int(block[0])}, which "
+                    f"back[{int(j[0])}] {other}")
+    return None
+
+
 def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
                stream: int | None) -> tuple[list, int, tuple]:
     """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes),
@@ -297,5 +317,5 @@ def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: b
         as_list(src) + as_list(dst)
 
 
-__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "geometry_and_reverse",
+__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "crossing_pairs", "geometry_and_reverse",
            "plan_block_copies", "plan_blocks"]

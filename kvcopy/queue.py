@@ -1,6 +1,7 @@
 """TransferQueue: ordered asynchronous block transfers between two fixed caches."""
 from __future__ import annotations
 
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -8,9 +9,9 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-from kvcopy import engine
+from kvcopy import both_ways, engine
 from kvcopy._cuda import classify, driver
-from kvcopy.blocks import block_geometry
+from kvcopy.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
 from kvcopy.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.interop.arrays import as_list
@@ -23,9 +24,16 @@ _GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
               | classify.KIND_PEER_UNMAPPED)
 
 
+def _swap_sides(message: str) -> str:
+    """A message about the copy from dst to src, with the tensors named as the queue's."""
+    return re.sub(r"\b(src|dst)\b", lambda m: "dst" if m.group(1) == "src" else "src", message)
+
+
 @dataclass(frozen=True)
 class TransferResult:
-    """One finished job: its id, bytes moved, GPU seconds it took, and whether it succeeded."""
+    """One finished job: its id, bytes moved (both ways for a job with ``back``), GPU
+    seconds it took, whether it succeeded, and the method that ran (``back_method``:
+    the copy back's, '' for a job without one)."""
 
     job_id: Hashable
     bytes: int
@@ -33,6 +41,7 @@ class TransferResult:
     ok: bool
     method: str = ""
     error: str = ""
+    back_method: str = ""
 
 
 @dataclass
@@ -42,6 +51,7 @@ class _Job:
     method: str
     start: int
     end: int
+    back_method: str = ""
 
 
 class TransferQueue:
@@ -75,6 +85,7 @@ class TransferQueue:
         self.split_blocks = split_blocks
         # the caches are fixed: read their geometry once, not on every submit
         self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
+        self._back_geometry: BlockGeometry | None = None   # read at the first job with back
         caller = effective_handle(self._caller_streams()[0][0])
         with ContextScope(caller) as scope:
             src_kinds, src_device = classify.classify_pointers(
@@ -134,12 +145,24 @@ class TransferQueue:
                 raise TypeError(f"{where}: expected a stream or an event; {exc}") from None
         return found
 
-    def submit(self, job_id: Hashable, block_mapping: Any, *, after: Any = None) -> None:
+    def submit(self, job_id: Hashable, block_mapping: Any, *, back: Any = None,
+               after: Any = None) -> None:
         """Queue the copy of ``block_mapping`` pairs; returns without waiting for the GPU.
 
         Args:
             job_id: any hashable; :meth:`wait` and the results name the job by it.
             block_mapping: (n, 2) [source block, destination block] pairs.
+            back: (m, 2) [destination block, source block] pairs copied the other
+                way, from the ``dst`` caches back into the ``src`` caches, in the
+                same job: a step's stores and loads at once. Both go out together
+                as swap_blocks_both_ways sends them (below 128 KiB blocks one
+                kernel launch with CTAs split by direction, which two queues on
+                two streams cannot share: 0.71-0.81 of the contiguous pair
+                against 0.60-0.66 on an H200; from there the copy engines, both
+                started at once). The two are not ordered with each other, so a
+                block one of them writes must not be one the other reads
+                (ValueError); submit two jobs to order them. Needs ``src``
+                writable.
             after: what the job waits for on the GPU before it starts: a stream
                 (anything :func:`kvcopy.resolve_stream` accepts; the work queued
                 on it so far), an event (torch, CuPy, cuda.core, CUevent), or a
@@ -153,12 +176,14 @@ class TransferQueue:
                 by every job, whatever ``after`` says.
 
         Raises:
-            TypeError, ValueError: bad ids or ``after``, before anything is queued.
+            TypeError, ValueError: bad ids, ``back`` or ``after``, before anything is
+                queued.
         """
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")
             plan = self._geometry.with_mapping(block_mapping)
+            back_plan = None if back is None else self._plan_back(plan, back)
             dependencies = self._dependencies(after)
             self._push()
             start = end = 0
@@ -173,8 +198,7 @@ class TransferQueue:
                     driver.stream_wait_stream(self._stream, producer)
                 # the start event after every wait: a job's seconds are its copy's alone
                 driver.event_record(start, self._stream)
-                method = engine.execute_blocks(plan, self._stream, self.method,
-                                               wait_for_producers=False)
+                method, back_method = self._execute(plan, back_plan)
                 driver.event_record(end, self._stream)
             except BaseException:
                 for event in (start, end):
@@ -183,7 +207,39 @@ class TransferQueue:
                 raise
             finally:
                 driver.pop_context()
-            self._pending.append(_Job(job_id, plan.total_bytes, method, start, end))
+            nbytes = plan.total_bytes + (back_plan.total_bytes if back_plan else 0)
+            self._pending.append(_Job(job_id, nbytes, method, start, end, back_method))
+
+    def _plan_back(self, plan: BlockPlan, back: Any) -> BlockPlan:
+        """``back`` checked against the caches read the other way, and against ``plan``."""
+        # (messages about the other way's geometry name the queue's caches as the caller does)
+        if self._back_geometry is None:
+            try:
+                self._back_geometry = block_geometry(self.dst, self.src,
+                                                     split_blocks=self.split_blocks)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)("back: the caches cannot be copied the other way: "
+                                + _swap_sides(str(exc))) from None
+        try:
+            back_plan = self._back_geometry.with_mapping(back)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(_swap_sides(str(exc)).replace("block_mapping", "back")) from None
+        clash = crossing_pairs(plan, back_plan)
+        if clash:
+            raise ValueError(f"{clash}: a job's two ways run at once, in no order; submit "
+                             "them as two jobs to order them")
+        return back_plan
+
+    def _execute(self, plan: BlockPlan, back_plan: BlockPlan | None) -> tuple[str, str]:
+        """Issue a job's copies on the queue's stream: the methods that ran each way."""
+        if back_plan is None:
+            return engine.execute_blocks(plan, self._stream, self.method,
+                                         wait_for_producers=False), ""
+        ran = both_ways.execute_blocks_both(plan, back_plan, self._stream, self.method)
+        if ran is None:   # (not one block-kernel launch: DMA, capture, an empty side)
+            ran = both_ways.execute_both(plan.copy_arrays(), back_plan.copy_arrays(),
+                                         self._stream, self.method, ("block_mapping", "back"))
+        return ran
 
     def _finish(self, job: _Job) -> TransferResult:
         ok, error, seconds = True, "", 0.0
@@ -196,7 +252,8 @@ class TransferQueue:
                 driver.event_destroy(event)
             except KVCopyError:
                 pass
-        return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error)
+        return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error,
+                              job.back_method)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that have finished since the last call, in submission order."""

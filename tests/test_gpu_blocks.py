@@ -263,6 +263,40 @@ def test_transfer_queue_offload_and_reload(torch_cuda):
         store.submit(9, [[0, 0]])
 
 
+@pytest.mark.parametrize("tokens, expected", [(16, ("kernel", "kernel")),
+                                              (512, ("batch", "batch"))])
+def test_transfer_queue_job_stores_and_loads_at_once(torch_cuda, tokens, expected):
+    """A step's stores and loads as one job (submit(..., back=)): 8 KiB blocks go out
+    as one block-kernel launch, 256 KiB blocks to the copy engines both at once."""
+    torch = torch_cuda
+    shape = (48, tokens, 4, 64)                       # 8 KiB or 256 KiB blocks of float16
+    gpu = [rand_cuda(torch, shape, torch.float16, 20 + i) for i in range(3)]
+    original = [g.clone() for g in gpu]
+    host = [torch.zeros((64,) + shape[1:], dtype=torch.float16).pin_memory() for _ in range(3)]
+    block_bytes = tokens * 4 * 64 * 2
+    with kvcopy.TransferQueue(gpu, host) as queue:
+        queue.submit("evict", [[k, 40 + k] for k in range(8)])
+        # the next step evicts 8 more and brings the first 8 back into other GPU blocks;
+        # its load reads host blocks the job before wrote (jobs run in order)
+        queue.submit("step", [[8 + k, 48 + k] for k in range(8)],
+                     back=[[40 + k, 16 + k] for k in range(8)])
+        with pytest.raises(ValueError, match=r"back\[0\] writes"):
+            queue.submit("racy", [[24, 60]], back=[[41, 24]])   # GPU block 24 both ways
+        results = queue.wait()
+        assert [r.job_id for r in results] == ["evict", "step"]   # nothing of "racy" ran
+        assert all(r.ok for r in results)
+        assert results[0].bytes == 3 * 8 * block_bytes and results[0].back_method == ""
+        assert results[1].bytes == 2 * 3 * 8 * block_bytes
+        assert (results[1].method, results[1].back_method) == expected
+        queue.submit("after", [[30, 63]])   # the queue still works
+        assert queue.wait(["after"])[0].ok
+    for g, h, o in zip(gpu, host, original):
+        assert torch.equal(h[40:56].cuda(), o[0:16])      # both stores
+        assert torch.equal(g[16:24], o[0:8])              # the load
+        assert torch.equal(h[63].cuda(), o[30])
+        assert torch.equal(g[24:], o[24:]) and torch.equal(g[:16], o[:16])   # nothing else
+
+
 def test_transfer_queue_poll_and_context_manager(torch_cuda):
     torch = torch_cuda
     src = torch.arange(64 * 256, dtype=torch.int32).reshape(64, 256).pin_memory()
