@@ -206,6 +206,40 @@ def _swap_both_ways(gpu: list, host: list, n: int, blocks: int, nbytes: int, rep
                "tensors": len(gpu), "method": name, "chose": chose,
                "gbps": 2 * nbytes / gpu_ms / 1e6, "wall_gbps": 2 * nbytes / seconds / 1e9,
                "cpu_us": statistics.median(cpu_us)}
+    yield from _queues_both_ways(gpu, host, store[2], load[2], nbytes, repeats)
+
+
+def _queues_both_ways(gpu: list, host: list, store_ids: Any, load_ids: Any, nbytes: int,
+                      repeats: int) -> Iterator[dict]:
+    """The same store and load through TransferQueue: one queue per direction (an
+    engine's offload and reload queues), against one queue's job with ``back``. Wall:
+    the submits, then wait(); GPU time: the job's own (its events), one queue only
+    (two queues' jobs run on two streams, which their results do not span)."""
+    with kvcopy.TransferQueue(gpu, host) as out, kvcopy.TransferQueue(host, gpu) as back:
+        def two_queues() -> list:
+            out.submit(0, store_ids)
+            back.submit(0, load_ids)
+            return out.wait() + back.wait()
+
+        def one_job() -> list:
+            out.submit(0, store_ids, back=load_ids)
+            return out.wait()
+        for name, fn in (("TransferQueue x2", two_queues),
+                         ("TransferQueue, back=", one_job)):
+            results = fn()
+            chose = "/".join(r.method for r in results) if len(results) > 1 else \
+                f"{results[0].method}/{results[0].back_method}"
+            walls, gpu_seconds = [], []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                results = fn()
+                walls.append(time.perf_counter() - started)
+                gpu_seconds.append(results[0].seconds)
+            yield {"scenario": "swap_blocks", "direction": "both", "blocks": len(store_ids),
+                   "tensors": len(gpu), "method": name, "chose": chose,
+                   "gbps": (2 * nbytes / statistics.median(gpu_seconds) / 1e9
+                            if len(results) == 1 else None),
+                   "wall_gbps": 2 * nbytes / statistics.median(walls) / 1e9}
 
 
 def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:
