@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.beside import settings
+from kvcopy.bench.beside import EACH_CALL_ALONE, settings
 from kvcopy.bench.scenarios import Pools, last_copier, last_method
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
 from kvcopy.bench.workloads import layered_caches
@@ -31,7 +31,7 @@ def _both_ways(a: tuple, b: tuple, s1: Any, s2: Any, method: RequestedMethod) ->
 def _each_call_alone(run: Callable[[], None]) -> Callable[[], None]:
     """``run`` with config.traffic_window_ms 0 (each call decided alone), restored after."""
     def alone() -> None:
-        with settings({"traffic_window_ms": 0}):
+        with settings(EACH_CALL_ALONE):
             run()
     return alone
 
