@@ -438,6 +438,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
         if wait_for_producers and not target.request.capturing:
             wait_for_streams(handle, blocks.geometry.producer_streams)
         if target.decision.method != "kernel" or target.request.capturing:
+            # the per-copy path checks and classifies every copy again (per tensor is
+            # coarser) and asks the policy again, for the method decided here only
             src, dst, sizes = blocks.copy_arrays()
             return execute_copies(scope, handle, src, dst, sizes, target.decision.method,
                                   True, False, None)
