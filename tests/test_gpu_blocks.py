@@ -297,6 +297,23 @@ def test_transfer_queue_job_stores_and_loads_at_once(torch_cuda, tokens, expecte
         assert torch.equal(g[24:], o[24:]) and torch.equal(g[:16], o[:16])   # nothing else
 
 
+def test_a_load_queue_job_stores_back_at_once(torch_cuda):
+    """The queue the other way round: loads forward, stores back, in one job."""
+    torch = torch_cuda
+    gpu = [rand_cuda(torch, (32, 16, 4, 64), torch.float16, 30 + i) for i in range(2)]
+    host = [torch.randn((64, 16, 4, 64)).to(torch.float16).pin_memory() for _ in range(2)]
+    gpu_before, host_before = [g.clone() for g in gpu], [h.clone() for h in host]
+    with kvcopy.TransferQueue(host, gpu) as queue:
+        queue.submit("step", [[50 + k, 20 + k] for k in range(4)],      # load host 50-53
+                     back=[[k, 10 + k] for k in range(4)])              # store GPU 0-3
+        (result,) = queue.wait()
+        assert result.ok and (result.method, result.back_method) == ("kernel", "kernel")
+    for g, h, gb, hb in zip(gpu, host, gpu_before, host_before):
+        assert torch.equal(g[20:24].cpu(), hb[50:54])
+        assert torch.equal(h[10:14].cuda(), gb[0:4])
+        assert torch.equal(g[:20], gb[:20]) and torch.equal(h[:10], hb[:10])
+
+
 def test_transfer_queue_poll_and_context_manager(torch_cuda):
     torch = torch_cuda
     src = torch.arange(64 * 256, dtype=torch.int32).reshape(64, 256).pin_memory()
