@@ -175,14 +175,18 @@ def crossing_pairs(forward: BlockPlan, back: BlockPlan) -> str | None:
     (TransferQueue.submit's ``back``), so block ids of one cache mean the same
     blocks in both mappings. Issued at once, neither copy is ordered before the
     other: a block that one writes and the other reads would get either value.
+    Where the two caches are the same tensors, two writes of one block race too.
     Returns the first such block, named by both pairs, as a message."""
     # forward reads its source caches, which back writes (column 0 against 1); back
     # reads the destination caches, which forward writes (column 1 against 0)
-    for column, cache, verb in ((0, "source", "reads"), (1, "destination", "writes")):
-        block, i, j = np.intersect1d(forward.mapping[:, column], back.mapping[:, 1 - column],
+    checks = [(0, 1, "source", "reads", "writes"), (1, 0, "destination", "writes", "reads")]
+    g = forward.geometry
+    if np.array_equal(g.src_base, g.dst_base):   # one set of caches: every id is one block
+        checks.append((1, 1, "destination", "writes", "writes"))
+    for mine, theirs, cache, verb, other in checks:
+        block, i, j = np.intersect1d(forward.mapping[:, mine], back.mapping[:, theirs],
                                      return_indices=True)
         if block.size:
-            other = "writes" if verb == "reads" else "reads"
             return (f"block_mapping[{int(i[0])}] {verb} {cache} block {int(block[0])}, which "
                     f"back[{int(j[0])}] {other}")
     return None

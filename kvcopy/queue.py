@@ -160,9 +160,10 @@ class TransferQueue:
                 two streams cannot share: 0.71-0.81 of the contiguous pair
                 against 0.60-0.66 on an H200; from there the copy engines, both
                 started at once). The two are not ordered with each other, so a
-                block one of them writes must not be one the other reads
-                (ValueError); submit two jobs to order them. Needs ``src``
-                writable.
+                block one of them writes must not be one the other reads, nor,
+                in a queue between a set of caches and itself, one the other
+                writes (ValueError); submit two jobs to order them. Needs
+                ``src`` writable.
             after: what the job waits for on the GPU before it starts: a stream
                 (anything :func:`kvcopy.resolve_stream` accepts; the work queued
                 on it so far), an event (torch, CuPy, cuda.core, CUevent), or a

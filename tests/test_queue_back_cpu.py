@@ -66,6 +66,18 @@ def test_one_id_in_the_other_cache_is_another_block():
     assert crossing_pairs(store, load) is None
 
 
+def test_within_one_set_of_caches_two_writes_of_a_block_cross_too():
+    cache = np.zeros((16, 16), np.uint8)
+    forward = plan(cache, cache, [[0, 5]])
+    assert crossing_pairs(forward, plan(cache, cache, [[1, 6]])) is None
+    # back writes block 5 too (and reads neither of forward's blocks)
+    assert crossing_pairs(forward, plan(cache, cache, [[2, 5]])) == (
+        "block_mapping[0] writes destination block 5, which back[0] writes")
+    # between two sets of caches the same ids are different blocks
+    assert crossing_pairs(plan(GPU_LIKE, HOST_LIKE, [[0, 5]]),
+                          plan(HOST_LIKE, GPU_LIKE, [[2, 5]])) is None
+
+
 def test_sub_block_ids_cross_only_where_the_same_sub_block_is_used():
     gpu, host = np.zeros((4, 32), np.uint8), np.zeros((16, 16), np.uint8)
     store = plan(gpu, host, [[0, 0], [1, 1]], split_blocks=True)      # GPU block 0's halves
