@@ -242,11 +242,7 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
         with ContextScope(handle):
             if driver.stream_capture_status(handle) == 0:   # a graph cannot wait outside it
                 engine.wait_for_streams(handle, producers)
-    ran = both_ways.execute_blocks_both(plans[0], plans[1], handle, method)
-    if ran is not None:
-        return ran
-    return both_ways.execute_both(plans[0].copy_arrays(), plans[1].copy_arrays(), handle,
-                                  method, ("store", "load"))
+    return both_ways.execute_plans_both(plans[0], plans[1], handle, method, ("store", "load"))
 
 
 def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> str:

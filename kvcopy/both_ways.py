@@ -261,6 +261,19 @@ def execute_blocks_both(first: BlockPlan, second: BlockPlan, stream_handle: int,
         return None
 
 
+def execute_plans_both(first: BlockPlan, second: BlockPlan, stream_handle: int, method: str,
+                       names: tuple[str, str]) -> tuple[str, str]:
+    """Two validated swap_blocks plans together (swap_blocks_both_ways, a TransferQueue
+    job with ``back``): one launch of the block kernel where execute_blocks_both
+    applies, else every block copy of both through execute_both, its errors prefixed
+    with ``names``. Returns the method each ran with."""
+    ran = execute_blocks_both(first, second, stream_handle, method)
+    if ran is not None:
+        return ran
+    return execute_both(first.copy_arrays(), second.copy_arrays(), stream_handle, method,
+                        names)
+
+
 def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: BlockPlan,
                  method: str) -> tuple[str, str] | None:
     if driver.stream_capture_status(handle) != 0:

@@ -236,11 +236,8 @@ class TransferQueue:
         if back_plan is None:
             return engine.execute_blocks(plan, self._stream, self.method,
                                          wait_for_producers=False), ""
-        ran = both_ways.execute_blocks_both(plan, back_plan, self._stream, self.method)
-        if ran is None:   # (not one block-kernel launch: DMA, capture, an empty side)
-            ran = both_ways.execute_both(plan.copy_arrays(), back_plan.copy_arrays(),
-                                         self._stream, self.method, ("block_mapping", "back"))
-        return ran
+        return both_ways.execute_plans_both(plan, back_plan, self._stream, self.method,
+                                            ("block_mapping", "back"))
 
     def _finish(self, job: _Job) -> TransferResult:
         ok, error, seconds = True, "", 0.0
