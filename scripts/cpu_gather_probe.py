@@ -13,7 +13,8 @@ Measured here, per block size (64 MiB each way, blocks scattered in 128 MiB pool
   which releases the GIL) and torch.index_select with as many intra-op threads;
 - call to completion (wall), of the contiguous copy's or pair's: the load by gather
   alone, and beside a store by the copy kernel on another stream, with 2, 4 and 8
-  gather threads, against kvcopy.copy_both_ways and the kernel load alone.
+  np.take threads and 8 and 14 index_select threads, against kvcopy.copy_both_ways
+  and the kernel load alone.
 The loaded bytes are checked once per block size.
 
 Run on a GPU: python3 scripts/cpu_gather_probe.py
@@ -62,6 +63,18 @@ class Gatherer:
         wait(futures)
         for f in futures:
             f.result()
+
+
+class TorchGatherer:
+    """torch.index_select with ``threads`` intra-op threads."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def gather(self, src2d: np.ndarray, idx: np.ndarray, out2d: np.ndarray) -> None:
+        torch.set_num_threads(self.threads)
+        torch.index_select(torch.from_numpy(src2d), 0, torch.from_numpy(idx),
+                           out=torch.from_numpy(out2d))
 
 
 def main() -> None:
@@ -129,7 +142,7 @@ def main() -> None:
             print(f"  gather alone, {t} threads: np.take {TOTAL / seconds / 1e9:.1f} GB/s, "
                   f"torch.index_select {TOTAL / t_seconds / 1e9:.1f} GB/s", flush=True)
 
-        def load_by_gather(g: Gatherer) -> Callable[[], None]:
+        def load_by_gather(g: Gatherer | TorchGatherer) -> Callable[[], None]:
             def run() -> None:
                 for k, start in enumerate(range(0, n, per_chunk)):
                     buf, end = k % 2, min(n, start + per_chunk)
@@ -168,6 +181,11 @@ def main() -> None:
             cases[f"load by gather, {t} threads"] = (load_by_gather(gatherers[t]), load_ref, TOTAL)
             cases[f"load by gather, {t} threads + store, kernel"] = (
                 with_store(load_by_gather(gatherers[t])), pair_ref, 2 * TOTAL)
+        for t in (8, 14):
+            by_torch = load_by_gather(TorchGatherer(t))
+            cases[f"load by index_select, {t} threads"] = (by_torch, load_ref, TOTAL)
+            cases[f"load by index_select, {t} threads + store, kernel"] = (
+                with_store(by_torch), pair_ref, 2 * TOTAL)
         for name, (fn, ref, moved) in cases.items():
             ms = wall_ms(fn, sync)
             print(f"  {name:<44} {moved / ms / 1e6:6.1f} GB/s wall, {ref / ms:.3f} of contiguous",
