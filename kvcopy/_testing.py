@@ -6,6 +6,9 @@
 - ``describe_copies_in(known_ranges, src, dst, sizes, descs_out, merge, fast)``:
   the kernel path's describe pass with memory ranges known in advance (rows of
   start, end, kind, ordinal, delta), so that it runs without a GPU.
+- ``describe_copies_answered(driver_ranges, src, dst, sizes, descs_out, merge, fast)``:
+  the same pass with ``driver_ranges`` standing in for the driver's answers, so
+  that every range asked for (and joined with its neighbours) can be counted.
 - ``fast_describe_available()``: whether this CPU runs the vectorised pass.
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Iterator
 
 from kvcopy import device
 from kvcopy._cuda.describe import fast_describe_available
-from kvcopy._cuda.testing import describe_copies_in
+from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 
 
 @contextlib.contextmanager
@@ -28,4 +31,5 @@ def capabilities(**caps: bool | int) -> Iterator[None]:
         device.override_capabilities()
 
 
-__all__ = ["capabilities", "describe_copies_in", "fast_describe_available"]
+__all__ = ["capabilities", "describe_copies_answered", "describe_copies_in",
+           "fast_describe_available"]

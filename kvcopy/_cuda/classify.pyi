@@ -9,6 +9,7 @@ KIND_STRADDLE: int
 KIND_PAGEABLE: int
 KIND_PEER: int
 KIND_PEER_UNMAPPED: int
+WIDEN_BUDGET: int   # driver queries one side may spend joining pieces of memory, per call
 
 def classify_pointers(ptrs: np.ndarray, sizes: np.ndarray, device_view: np.ndarray
                       ) -> tuple[int, int]: ...

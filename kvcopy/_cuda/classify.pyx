@@ -20,6 +20,7 @@ KIND_STRADDLE = _KIND_STRADDLE
 KIND_PAGEABLE = _KIND_PAGEABLE
 KIND_PEER = _KIND_PEER
 KIND_PEER_UNMAPPED = _KIND_PEER_UNMAPPED
+WIDEN_BUDGET = _WIDEN_BUDGET
 
 
 # (context, peer device) pairs between which peer access is known to be enabled:
@@ -130,20 +131,86 @@ cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     return 0
 
 
-cdef bint _extend_range(_Range* r, uint64_t end) noexcept nogil:
+cdef int _ask(_Classifier* c, uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
+    """query_range, or the classifier's seeded answers where a test gave some."""
+    cdef Py_ssize_t j
+    cdef const int64_t* row
+    c.queries += 1
+    if c.answers == NULL:
+        return query_range(ptr, size, out)
+    for j in range(c.answer_count):
+        row = c.answers + 5 * j
+        if <uint64_t>row[0] <= ptr < <uint64_t>row[1]:
+            out.start, out.end = <uint64_t>row[0], <uint64_t>row[1]
+            out.kind, out.ordinal, out.delta = <int>row[2], <int>row[3], row[4]
+            return 0
+    out.start, out.end = ptr, ptr + size
+    out.kind, out.ordinal, out.delta = _KIND_HOST_UNMAPPED | _KIND_PAGEABLE, -1, 0
+    return 0
+
+
+cdef inline bint _joinable(const _Range* r) noexcept nogil:
+    """Memory the kernel reaches the same way across allocations."""
+    return r.kind == _KIND_DEVICE or r.kind == _KIND_HOST_MAPPED or r.kind == _KIND_PEER
+
+
+cdef inline bint _same_memory(const _Range* r, const _Range* other) noexcept nogil:
+    return (other.kind == r.kind and other.delta == r.delta
+            and other.ordinal == r.ordinal)
+
+
+cdef bint _extend_range(_Classifier* c, _Range* r, uint64_t end) noexcept nogil:
     """Grow r over the ranges that follow it while they are the same kind of memory,
     seen by the device at the same offset: memory registered in chunks, or
     back-to-back device allocations, is one range for the kernel."""
     cdef _Range nxt
-    if r.kind != _KIND_DEVICE and r.kind != _KIND_HOST_MAPPED and r.kind != _KIND_PEER:
+    if not _joinable(r):
         return False
     while end > r.end:
-        query_range(r.end, end - r.end, &nxt)
-        if (nxt.kind != r.kind or nxt.start != r.end or nxt.end <= r.end
-                or nxt.delta != r.delta or nxt.ordinal != r.ordinal):
+        _ask(c, r.end, end - r.end, &nxt)
+        if not _same_memory(r, &nxt) or nxt.start != r.end or nxt.end <= r.end:
             return False
         r.end = nxt.end
     return True
+
+
+cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, _Range* out) noexcept nogil:
+    """The range holding addr, for joining with r: a cached one of the same memory is
+    taken without asking the driver (and emptied, its span being r's from now on)."""
+    cdef int j
+    cdef _Range* e
+    for j in range(c.cached):
+        e = &c.cache[j]
+        if e != r and e.start <= addr < e.end and _same_memory(r, e):
+            out[0] = e[0]
+            e.start, e.end = 1, 0
+            return True
+    if c.widen_left <= 0:
+        return False
+    c.widen_left -= 1
+    _ask(c, addr, 1, out)
+    return True
+
+
+cdef void _widen(_Classifier* c, _Range* r) noexcept nogil:
+    """Join a newly asked-for range with the ranges on each side of it while they are
+    the same memory (classify.pxd: _WIDEN_*), so that copies scattered over memory
+    registered or mapped in pieces find their range among a few."""
+    cdef _Range near
+    cdef int steps = 0
+    if not _joinable(r):
+        return
+    while steps < _WIDEN_STEPS and _neighbour(c, r, r.end, &near):
+        steps += 1
+        if not _same_memory(r, &near) or near.start > r.end or near.end <= r.end:
+            break
+        r.end = near.end
+    steps = 0
+    while steps < _WIDEN_STEPS and r.start > 0 and _neighbour(c, r, r.start - 1, &near):
+        steps += 1
+        if not _same_memory(r, &near) or near.end < r.start or near.start >= r.start:
+            break
+        r.start = near.start
 
 
 
@@ -168,9 +235,12 @@ cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1
 
 cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
     """classify for a copy outside the last range used: look it up, or ask the driver."""
+    cdef int asked = c.queries
     cdef _Range* r = locate(c, p, size)
+    if c.queries != asked and c.queries > _WIDEN_AFTER:
+        _widen(c, r)
     c.kinds |= r.kind
-    if p + size > r.end and not _extend_range(r, p + size):
+    if p + size > r.end and not _extend_range(c, r, p + size):
         c.kinds |= _KIND_STRADDLE
     if r.kind & _KIND_ANY_DEVICE:
         if c.ordinal == -1:
@@ -218,7 +288,7 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
             break
     if hit < 0:
         hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
-        query_range(p, size, &c.cache[hit])
+        _ask(c, p, size, &c.cache[hit])
         if c.cached < _RANGE_CACHE:
             c.cached += 1
     c.last = hit

@@ -1,0 +1,123 @@
+"""Memory the driver knows in many pieces, on the CPU with seeded driver answers.
+
+SGLang registers its host pool with cudaHostRegister a GiB at a time; memory mapped
+in pieces (cuMemMap) is likewise many ranges to the driver. kvcopy keeps 64 ranges
+per side and call: a batch scattered over more pieces than that asked the driver
+again for nearly every copy (H200: 4096 copies over 512 registered pieces took
+1016 us of CPU against 51 us over one allocation; bench/results/
+h200-many-ranges-probe.txt). Each new range past the fourth is now joined with its
+neighbours of the same memory. Asserted here: every copy still gets the device view
+of its own piece, the pieces are asked for about once each, a gap or other memory
+beside a piece is never joined, and batches in a few allocations ask no more than
+before."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvcopy._cuda import classify as kv_classify, testing as kv_testing
+
+HOST, DEVICE = 0x7F00_0000_0000, 0x7000_0000_0000
+MAPPED, ON_GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def pieces(base: int, count: int, size: int, kind: int, ordinal: int = -1,
+           delta: int = 0) -> list[list[int]]:
+    return [[base + i * size, base + (i + 1) * size, kind, ordinal, delta] for i in range(count)]
+
+
+def describe(answers, src, dst, sizes, fast=True):
+    src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+    out = np.zeros((max(len(sizes), 1), 4), dtype=np.uint64)
+    result, _, queries = kv_testing.describe_copies_answered(
+        np.asarray(answers, dtype=np.int64), src, dst, sizes, out.ctypes.data, False, fast)
+    return result, queries, out[:result[0]]
+
+
+def scattered(n, block, src_base, src_bytes, dst_base, dst_bytes, seed=0):
+    rng = np.random.default_rng(seed)
+    src = src_base + rng.permutation(src_bytes // block)[:n].astype(np.uint64) * np.uint64(block)
+    dst = dst_base + rng.permutation(dst_bytes // block)[:n].astype(np.uint64) * np.uint64(block)
+    return src, dst, np.full(n, block, dtype=np.uint64)
+
+
+def test_a_pool_registered_in_pieces_is_asked_for_about_once_per_piece():
+    """1 GiB of host memory in 512 registrations, 2 GiB of GPU memory in 103 mappings;
+    4096 scattered 16 KiB copies between them."""
+    answers = pieces(HOST, 512, 2 * MiB, MAPPED) + pieces(DEVICE, 103, 20 * MiB, ON_GPU, 0)
+    src, dst, sizes = scattered(4096, 16 * KiB, HOST, 1 << 30, DEVICE, 103 * 20 * MiB)
+    for fast in (True, False):
+        result, queries, descs = describe(answers, src, dst, sizes, fast)
+        count, total, src_kinds, _, dst_kinds, dst_ordinal, _ = result
+        assert (count, total) == (4096, 4096 * 16 * KiB)
+        assert (src_kinds, dst_kinds, dst_ordinal) == (MAPPED, ON_GPU, 0)
+        np.testing.assert_array_equal(descs[:, 0], src)
+        np.testing.assert_array_equal(descs[:, 1], dst)
+        # each piece once, and a few steps past the pool's ends (against about one
+        # question per copy, 4096, without joining)
+        assert queries[0] <= 512 + 8 and queries[1] <= 103 + 8, queries
+
+
+def test_each_piece_keeps_its_own_device_view():
+    """Pieces the device sees at different offsets are never joined: each copy gets
+    its own piece's view, and a copy across two of them is flagged."""
+    answers = [[HOST + i * MiB, HOST + (i + 1) * MiB, MAPPED, -1, 0x1000 * (i % 3)]
+               for i in range(200)] + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0)
+    src, dst, sizes = scattered(2000, 4 * KiB, HOST, 200 * MiB, DEVICE, 1 << 30, seed=1)
+    result, queries, descs = describe(answers, src, dst, sizes)
+    piece = (src - np.uint64(HOST)) // np.uint64(MiB)
+    np.testing.assert_array_equal(descs[:, 0], src + np.uint64(0x1000) * (piece % np.uint64(3)))
+    assert result[2] == MAPPED and queries[1] == 1
+    across = describe(answers, [HOST + MiB - 2 * KiB], [DEVICE], [4 * KiB])[0]
+    assert across[2] & kv_classify.KIND_STRADDLE
+
+
+def test_a_gap_between_pieces_is_never_joined():
+    """A piece left out (unregistered): copies from it are pageable to the kernel path,
+    and copies from the pieces around it are not."""
+    answers = [row for i, row in enumerate(pieces(HOST, 300, 2 * MiB, MAPPED)) if i != 150]
+    answers += pieces(DEVICE, 1, 1 << 30, ON_GPU, 0)
+    src, dst, sizes = scattered(3000, 16 * KiB, HOST, 600 * MiB, DEVICE, 1 << 30, seed=2)
+    in_gap = (src >= np.uint64(HOST + 150 * 2 * MiB)) & (src < np.uint64(HOST + 151 * 2 * MiB))
+    assert in_gap.any() and not in_gap.all()
+    assert describe(answers, src, dst, sizes)[0][2] & kv_classify.KIND_PAGEABLE
+    keep = ~in_gap
+    result, queries, _ = describe(answers, src[keep], dst[keep], sizes[keep])
+    assert result[2] == MAPPED and queries[0] <= 300 + 8
+
+
+def test_device_memory_of_another_gpu_is_never_joined():
+    answers = (pieces(DEVICE, 100, 2 * MiB, ON_GPU, 0)
+               + pieces(DEVICE + 200 * MiB, 100, 2 * MiB, ON_GPU, 1))
+    src, dst, sizes = scattered(1000, 4 * KiB, DEVICE, 400 * MiB, HOST, 64 * MiB, seed=3)
+    answers += pieces(HOST, 1, 64 * MiB, MAPPED)
+    result = describe(answers, src, dst, sizes)[0]
+    assert result[3] == -2   # the source side holds memory of two devices
+
+
+def test_batches_in_a_few_allocations_ask_no_more_than_before():
+    """One allocation per side: one question per side. Four tensors with gaps between
+    them: one question each, nothing joined past them."""
+    one = describe(pieces(HOST, 1, 1 << 30, MAPPED) + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0),
+                   *scattered(4096, 4 * KiB, HOST, 1 << 30, DEVICE, 1 << 30))
+    assert one[1] == (1, 1)
+    tensors = [[DEVICE + i * 256 * MiB, DEVICE + i * 256 * MiB + 64 * MiB, ON_GPU, 0, 0]
+               for i in range(4)]
+    rng = np.random.default_rng(4)
+    src = np.array([DEVICE + rng.integers(4) * 256 * MiB + rng.integers(4096) * 16 * KiB
+                    for _ in range(1000)], dtype=np.uint64)
+    dst = HOST + np.arange(1000, dtype=np.uint64) * np.uint64(16 * KiB)
+    result, queries, _ = describe(tensors + pieces(HOST, 1, 1 << 30, MAPPED), src, dst,
+                                  np.full(1000, 16 * KiB, dtype=np.uint64))
+    assert result[2] == ON_GPU and queries == (4, 1)
+
+
+def test_tiny_pieces_stay_within_the_budget():
+    """20,000 registrations of 4 KiB: joining stops at its budget, and every copy is
+    still classified as its piece."""
+    answers = pieces(HOST, 20000, 4 * KiB, MAPPED) + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0)
+    src, dst, sizes = scattered(4096, 4 * KiB, HOST, 20000 * 4 * KiB, DEVICE, 1 << 30, seed=5)
+    result, queries, descs = describe(answers, src, dst, sizes)
+    assert result[2] == MAPPED
+    np.testing.assert_array_equal(descs[:, 0], src)
+    assert queries[0] <= 4096 + kv_classify.WIDEN_BUDGET
