@@ -115,3 +115,41 @@ def test_a_store_and_a_load_of_the_page_first_pool_at_once(torch_cuda, host_pool
         assert torch.equal(gpu[half][20:22], before_host[5:7, half].cuda())
         assert torch.equal(gpu[half][:20], before_gpu[half][:20])
         assert torch.equal(host_pool[:40, 2, half], before_host[:40, half])
+
+
+def test_a_pool_registered_in_many_pieces(torch_cuda):
+    """A large host pool is registered a GiB at a time (SGLang's
+    SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB): more registrations than kvcopy keeps
+    ranges per call. Here 200 pieces of 1 MiB; 4096 scattered 16 KiB blocks each way
+    go by the kernel, and every block arrives."""
+    torch = torch_cuda
+    piece, pieces, block, count = 1 << 20, 200, 16 << 10, 4096
+    area = mmap.mmap(-1, pieces * piece)
+    pool = torch.frombuffer(area, dtype=torch.uint8)
+    cudart, base = torch.cuda.cudart(), pool.data_ptr()
+    for k in range(pieces):
+        assert int(cudart.cudaHostRegister(base + k * piece, piece, 0)) == 0
+    try:
+        pool.copy_(torch.randint(0, 256, (pieces * piece,), dtype=torch.uint8))
+        gpu = torch.zeros(2 * count * block, dtype=torch.uint8, device="cuda")
+        rng = np.random.default_rng(11)
+        host_slots = rng.permutation(pieces * piece // block)[:count]
+        gpu_slots = rng.permutation(2 * count)[:count]
+        host_ptrs = np.uint64(base) + host_slots.astype(np.uint64) * np.uint64(block)
+        gpu_ptrs = np.uint64(gpu.data_ptr()) + gpu_slots.astype(np.uint64) * np.uint64(block)
+        sizes = np.full(count, block, dtype=np.uint64)
+        s = torch.cuda.Stream()
+        assert kvcopy.copy_batch(host_ptrs, gpu_ptrs, sizes, stream=s) == "kernel"
+        s.synchronize()
+        host_blocks = pool.view(-1, block)[torch.from_numpy(host_slots)]
+        gpu_index = torch.from_numpy(gpu_slots).cuda()
+        assert torch.equal(gpu.view(-1, block)[gpu_index].cpu(), host_blocks)
+        gpu.view(-1, block)[gpu_index] = gpu.view(-1, block)[gpu_index].flip(1)
+        assert kvcopy.copy_batch(gpu_ptrs, host_ptrs, sizes, stream=s) == "kernel"
+        s.synchronize()
+        assert torch.equal(pool.view(-1, block)[torch.from_numpy(host_slots)],
+                           host_blocks.flip(1))
+    finally:
+        torch.cuda.synchronize()
+        for k in range(pieces):
+            assert int(cudart.cudaHostUnregister(base + k * piece)) == 0
