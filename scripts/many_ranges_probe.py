@@ -11,8 +11,9 @@ Measured here, for each (a plain allocation alongside as the reference):
 - copy_batch of 4096 scattered 16 KiB blocks between a 2 GiB GPU cache and a host
   pool (1 GiB): the call's CPU time (median of 20, stream idle), the method, and
   whether every block arrived;
-- with expandable segments, a copy from an address inside the segment's reserved
-  range that nothing is mapped at, by each method, and whether the context survives.
+- with expandable segments, a batch of a good copy and one from an address inside the
+  segment's reserved range that nothing is mapped at, by each method, and whether the
+  context survives.
 
 Run on a GPU: python3 scripts/many_ranges_probe.py
 """
@@ -26,30 +27,29 @@ import sys
 CHILD = r"""
 import ctypes, json, mmap, statistics, time
 import numpy as np, torch, kvcopy
-from cuda.bindings import driver as cu
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BLOCK, COUNT = 16 * KiB, 4096
 out = {"alloc_conf": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
 
-A = cu.CUpointer_attribute
+libcuda = ctypes.CDLL("libcuda.so.1")
+ATTRS = (("range start", 11, True), ("range size", 12, False), ("mapped", 13, None),
+         ("mapping start", 19, True), ("mapping size", 18, False))
 def ranges(base, offsets):
-    # [offset, range start, range size, mapped, mapping start, mapping size], MiB
+    # [offset, range start, range size, mapped, mapping start, mapping size], MiB, by
+    # cuPointerGetAttribute itself (cuda.bindings' wrapper refuses the mapping ones)
     got = []
     for off in offsets:
         row = [off // MiB]
-        for attr, rel in ((A.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, True),
-                          (A.CU_POINTER_ATTRIBUTE_RANGE_SIZE, False),
-                          (A.CU_POINTER_ATTRIBUTE_MAPPED, None),
-                          (A.CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR, True),
-                          (A.CU_POINTER_ATTRIBUTE_MAPPING_SIZE, False)):
-            err, value = cu.cuPointerGetAttribute(attr, base + off)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                row.append(err.name)
+        for _, attr, rel in ATTRS:
+            value = ctypes.c_uint64(0)
+            err = libcuda.cuPointerGetAttribute(ctypes.byref(value), attr, ctypes.c_uint64(base + off))
+            if err:
+                row.append(f"error {err}")
             elif rel is None:
-                row.append(bool(value))
+                row.append(bool(value.value & 0xFF))
             else:
-                row.append(((int(value) - base) if rel else int(value)) / MiB)
+                row.append(((value.value - base) if rel else value.value) / MiB)
         got.append(row)
     return got
 
@@ -107,7 +107,9 @@ host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
 bad = gpu.data_ptr() + (100 << 30)      # inside the segment's reservation, not mapped
 s = torch.cuda.Stream()
 try:
-    chose = kvcopy.copy_batch([bad], [host.data_ptr()], [4096], stream=s, method=METHOD)
+    # a good copy first: its range is the one the bad pointer is then checked against
+    chose = kvcopy.copy_batch([gpu.data_ptr(), bad], [host.data_ptr(), host.data_ptr() + 8192],
+                              [4096, 4096], stream=s, method=METHOD)
     s.synchronize()
     out = f"copied by {chose}, no error"
 except Exception as e:
