@@ -372,3 +372,49 @@ def test_a_transfer_queue_loads_the_kernel_when_made_not_at_its_first_job(torch_
     res = run_child(QUEUE_PREPARES_CHILD)
     assert (res["before"], res["made"]) == (False, True)
     assert res["jobs"] == ["offload"] and res["ok"]
+
+
+EXPANDABLE_CHILD = r"""
+import json, numpy as np, torch, kvcopy
+MiB = 1 << 20
+gpu = torch.randint(0, 256, (512 * MiB,), dtype=torch.uint8, device="cuda")   # 26 mappings
+host = torch.zeros(512 * MiB, dtype=torch.uint8, pin_memory=True)
+s = torch.cuda.Stream()
+out = {}
+# scattered 16 KiB blocks over every mapping of the tensor, by the kernel
+rng = np.random.default_rng(3)
+slots = rng.permutation(512 * MiB // (16 << 10))[:4096].astype(np.uint64)
+src = np.uint64(gpu.data_ptr()) + slots * np.uint64(16 << 10)
+dst = np.uint64(host.data_ptr()) + np.arange(4096, dtype=np.uint64) * np.uint64(16 << 10)
+out["scattered"] = kvcopy.copy_batch(src, dst, np.full(4096, 16 << 10, np.uint64), stream=s)
+s.synchronize()
+idx = torch.from_numpy(slots.astype(np.int64)).cuda()
+out["scattered ok"] = bool(torch.equal(host[:4096 * (16 << 10)].view(-1, 16 << 10).cuda(),
+                                       gpu.view(-1, 16 << 10)[idx]))
+# a good copy, then one from the segment's reserved range where nothing is mapped
+bad = gpu.data_ptr() + (100 << 30)
+for method in ("kernel", "batch", "loop", "auto"):
+    try:
+        kvcopy.copy_batch([gpu.data_ptr(), bad], [host.data_ptr(), host.data_ptr() + 8192],
+                          [4096, 4096], stream=s, method=method)
+        s.synchronize()
+        out[method] = "no error"
+    except (ValueError, kvcopy.CudaError) as e:
+        out[method] = f"{type(e).__name__}: {e}"
+torch.cuda.synchronize()
+out["usable"] = torch.ones(4, device="cuda").sum().item() == 4
+print(json.dumps(out))
+"""
+
+
+def test_expandable_segments_holes_are_refused_and_pieces_copied(torch_cuda):
+    """torch's expandable segments map a tensor in 20 MiB pieces into one reserved
+    range, which the driver reports whole, holes included: a copy from a hole after a
+    good copy faulted the kernel and crashed the driver's copy. Now each method
+    refuses it with a ValueError naming the copy, the context stays usable, and copies
+    scattered over every piece of a tensor go by the kernel, every byte right."""
+    out = run_child(EXPANDABLE_CHILD, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert (out["scattered"], out["scattered ok"], out["usable"]) == ("kernel", True, True)
+    for method in ("kernel", "batch", "loop", "auto"):
+        assert out[method].startswith("ValueError"), (method, out[method])
+        assert "src_ptrs[1]" in out[method] or "pageable or unmapped" in out[method], out[method]

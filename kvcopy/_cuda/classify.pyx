@@ -82,36 +82,57 @@ cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
 
     One cuPointerGetAttributes call, the device pointer included; where the
     driver refuses that attribute (host memory not mapped for this context),
-    the other five are asked again without it."""
-    cdef CUpointer_attribute attrs[6]
-    cdef void* data[6]
+    the others are asked again without it, and where it refuses the mapping's
+    extent (older drivers), without that too.
+
+    The range is the mapping ptr lies in where the driver says that is narrower:
+    memory mapped in pieces into one reserved range (torch's expandable segments
+    map 20 MiB at a time) reports the whole reservation as its range, unmapped
+    holes included, and a copy from a hole there faulted the kernel and crashed
+    the driver's copy (H200, bench/results/h200-many-ranges-probe.txt)."""
+    cdef CUpointer_attribute attrs[8]
+    cdef void* data[8]
     cdef unsigned int memtype = 0
     cdef int ordinal = -1
     cdef CUdeviceptr start = 0
     cdef size_t range_size = 0
     cdef unsigned int managed = 0
+    cdef CUdeviceptr map_start = 0
+    cdef size_t map_size = 0
     cdef CUdeviceptr dptr = 0
     attrs[0] = cydriver.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
     attrs[1] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     attrs[2] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
     attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
-    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
+    attrs[6] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_SIZE
+    attrs[7] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     data[0] = &memtype
     data[1] = &ordinal
     data[2] = &start
     data[3] = &range_size
     data[4] = &managed
-    data[5] = &dptr
+    data[5] = &map_start
+    data[6] = &map_size
+    data[7] = &dptr
     out.delta = 0
     out.ordinal = -1
-    if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-        memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
-        if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-            memtype = 0
+    if cydriver.cuPointerGetAttributes(8, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        memtype, ordinal, start, range_size, managed, map_start, map_size, dptr = (
+            0, -1, 0, 0, 0, 0, 0, 0)
+        if cydriver.cuPointerGetAttributes(7, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+            memtype, ordinal, start, range_size, managed, map_start, map_size = (
+                0, -1, 0, 0, 0, 0, 0)
+            if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+                memtype = 0
     if range_size > 0 and start <= ptr:
         out.start = start
         out.end = start + range_size
+        if (map_size > 0 and start <= map_start <= ptr < map_start + map_size
+                and map_start + map_size <= start + range_size):
+            out.start = map_start
+            out.end = map_start + map_size
     else:
         out.start = ptr
         out.end = ptr + size
