@@ -80,10 +80,11 @@ cdef int _device_kind(uint64_t ptr, int ordinal) noexcept nogil:
 cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     """Asks the driver what ptr points to and which range that answer covers.
 
-    One cuPointerGetAttributes call, the device pointer included; where the
-    driver refuses that attribute (host memory not mapped for this context),
-    the others are asked again without it, and where it refuses the mapping's
-    extent (older drivers), without that too.
+    One cuPointerGetAttributes call, the device pointer and the mapping's extent
+    included. Where the driver refuses that call, it is asked as before the
+    mapping was asked for (six attributes), and where it refuses the device
+    pointer (host memory not mapped for this context), without that too: a
+    refusal never costs more than the mapping's narrower range.
 
     The range is the mapping ptr lies in where the driver says that is narrower:
     memory mapped in pieces into one reserved range (torch's expandable segments
@@ -105,25 +106,24 @@ cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     attrs[2] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
     attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
-    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
-    attrs[6] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_SIZE
-    attrs[7] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    attrs[6] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
+    attrs[7] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_SIZE
     data[0] = &memtype
     data[1] = &ordinal
     data[2] = &start
     data[3] = &range_size
     data[4] = &managed
-    data[5] = &map_start
-    data[6] = &map_size
-    data[7] = &dptr
+    data[5] = &dptr
+    data[6] = &map_start
+    data[7] = &map_size
     out.delta = 0
     out.ordinal = -1
     if cydriver.cuPointerGetAttributes(8, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-        memtype, ordinal, start, range_size, managed, map_start, map_size, dptr = (
+        memtype, ordinal, start, range_size, managed, dptr, map_start, map_size = (
             0, -1, 0, 0, 0, 0, 0, 0)
-        if cydriver.cuPointerGetAttributes(7, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-            memtype, ordinal, start, range_size, managed, map_start, map_size = (
-                0, -1, 0, 0, 0, 0, 0)
+        if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+            memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
             if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
                 memtype = 0
     if range_size > 0 and start <= ptr:
