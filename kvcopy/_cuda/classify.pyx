@@ -308,10 +308,17 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
             hit = j
             break
     if hit < 0:
-        hit = c.cached if c.cached < _RANGE_CACHE else _RANGE_CACHE - 1
-        _ask(c, p, size, &c.cache[hit])
         if c.cached < _RANGE_CACHE:
+            hit = c.cached
             c.cached += 1
+        else:
+            # a slot emptied by joining (classify_slow) before the last one
+            hit = _RANGE_CACHE - 1
+            for j in range(c.cached):
+                if c.cache[j].start > c.cache[j].end:
+                    hit = j
+                    break
+        _ask(c, p, size, &c.cache[hit])
     c.last = hit
     return &c.cache[hit]
 
