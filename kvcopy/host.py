@@ -109,10 +109,12 @@ class register:
     """Page-lock existing host memory for the duration of a ``with`` block.
 
     The memory is registered in chunks of ``chunk_bytes`` (single registrations
-    of hundreds of GiB fail), portable and mapped for every device. A copy
-    that spans two chunks still works, by DMA instead of the copy kernel: make
-    ``chunk_bytes`` a multiple of your block size to keep every block in one
-    chunk. Unregisters on exit or :meth:`close`.
+    of hundreds of GiB fail), portable and mapped for every device. The copy
+    kernel takes back-to-back chunks the device sees at one offset (as with
+    unified addressing) as one range, and kvcopy joins them as a batch meets
+    them; the driver's DMA engines refuse a copy across two registrations, so
+    make ``chunk_bytes`` a multiple of your block size to keep every block in
+    one chunk. Unregisters on exit or :meth:`close`.
 
     Attributes:
         ptr, nbytes: the registered range.
