@@ -80,26 +80,16 @@ cdef int _device_kind(uint64_t ptr, int ordinal) noexcept nogil:
 cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     """Asks the driver what ptr points to and which range that answer covers.
 
-    One cuPointerGetAttributes call, the device pointer and the mapping's extent
-    included. Where the driver refuses that call, it is asked as before the
-    mapping was asked for (six attributes), and where it refuses the device
-    pointer (host memory not mapped for this context), without that too: a
-    refusal never costs more than the mapping's narrower range.
-
-    The range is the mapping ptr lies in where the driver says that is narrower:
-    memory mapped in pieces into one reserved range (torch's expandable segments
-    map 20 MiB at a time) reports the whole reservation as its range, unmapped
-    holes included, and a copy from a hole there faulted the kernel and crashed
-    the driver's copy (H200, bench/results/h200-many-ranges-probe.txt)."""
-    cdef CUpointer_attribute attrs[8]
-    cdef void* data[8]
+    One cuPointerGetAttributes call, the device pointer included; where the
+    driver refuses that attribute (host memory not mapped for this context),
+    the other five are asked again without it."""
+    cdef CUpointer_attribute attrs[6]
+    cdef void* data[6]
     cdef unsigned int memtype = 0
     cdef int ordinal = -1
     cdef CUdeviceptr start = 0
     cdef size_t range_size = 0
     cdef unsigned int managed = 0
-    cdef CUdeviceptr map_start = 0
-    cdef size_t map_size = 0
     cdef CUdeviceptr dptr = 0
     attrs[0] = cydriver.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
     attrs[1] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
@@ -107,32 +97,21 @@ cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil:
     attrs[3] = cydriver.CU_POINTER_ATTRIBUTE_RANGE_SIZE
     attrs[4] = cydriver.CU_POINTER_ATTRIBUTE_IS_MANAGED
     attrs[5] = cydriver.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
-    attrs[6] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
-    attrs[7] = cydriver.CU_POINTER_ATTRIBUTE_MAPPING_SIZE
     data[0] = &memtype
     data[1] = &ordinal
     data[2] = &start
     data[3] = &range_size
     data[4] = &managed
     data[5] = &dptr
-    data[6] = &map_start
-    data[7] = &map_size
     out.delta = 0
     out.ordinal = -1
-    if cydriver.cuPointerGetAttributes(8, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-        memtype, ordinal, start, range_size, managed, dptr, map_start, map_size = (
-            0, -1, 0, 0, 0, 0, 0, 0)
-        if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-            memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
-            if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
-                memtype = 0
+    if cydriver.cuPointerGetAttributes(6, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+        memtype, ordinal, start, range_size, managed, dptr = 0, -1, 0, 0, 0, 0
+        if cydriver.cuPointerGetAttributes(5, attrs, data, <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:
+            memtype = 0
     if range_size > 0 and start <= ptr:
         out.start = start
         out.end = start + range_size
-        if (map_size > 0 and start <= map_start <= ptr < map_start + map_size
-                and map_start + map_size <= start + range_size):
-            out.start = map_start
-            out.end = map_start + map_size
     else:
         out.start = ptr
         out.end = ptr + size
@@ -195,9 +174,11 @@ cdef bint _extend_range(_Classifier* c, _Range* r, uint64_t end) noexcept nogil:
     return True
 
 
-cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, _Range* out) noexcept nogil:
+cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, bint ask,
+                     _Range* out) noexcept nogil:
     """The range holding addr, for joining with r: a cached one of the same memory is
-    taken without asking the driver (and emptied, its span being r's from now on)."""
+    taken without asking the driver (and emptied, its span being r's from now on);
+    otherwise, with ``ask`` and questions earned and left, the driver is asked."""
     cdef int j
     cdef _Range* e
     for j in range(c.cached):
@@ -206,33 +187,34 @@ cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, _Range* out) noex
             out[0] = e[0]
             e.start, e.end = 1, 0
             return True
-    if c.widen_left <= 0:
+    if not ask or c.widen_left <= 0 or c.widen_spent >= _WIDEN_BUDGET:
         return False
     c.widen_left -= 1
+    c.widen_spent += 1
     _ask(c, addr, 1, out)
     return True
 
 
-cdef void _widen(_Classifier* c, _Range* r) noexcept nogil:
+cdef void _widen(_Classifier* c, _Range* r, bint ask) noexcept nogil:
     """Join a newly asked-for range with the ranges on each side of it while they are
-    the same memory (classify.pxd: _WIDEN_*), so that copies scattered over memory
+    the same memory: cached ones always, ones asked of the driver with ``ask``, up to
+    _WIDEN_STEPS each way (classify.pxd), so that copies scattered over memory
     registered or mapped in pieces find their range among a few."""
     cdef _Range near
     cdef int steps = 0
     if not _joinable(r):
         return
-    while steps < _WIDEN_STEPS and _neighbour(c, r, r.end, &near):
+    while steps < _WIDEN_STEPS and _neighbour(c, r, r.end, ask, &near):
         steps += 1
         if not _same_memory(r, &near) or near.start > r.end or near.end <= r.end:
             break
         r.end = near.end
     steps = 0
-    while steps < _WIDEN_STEPS and r.start > 0 and _neighbour(c, r, r.start - 1, &near):
+    while steps < _WIDEN_STEPS and r.start > 0 and _neighbour(c, r, r.start - 1, ask, &near):
         steps += 1
         if not _same_memory(r, &near) or near.end < r.start or near.start >= r.start:
             break
         r.start = near.start
-
 
 
 cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1:
@@ -258,8 +240,9 @@ cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept 
     """classify for a copy outside the last range used: look it up, or ask the driver."""
     cdef int asked = c.queries
     cdef _Range* r = locate(c, p, size)
-    if c.queries != asked and c.queries > _WIDEN_AFTER:
-        _widen(c, r)
+    if c.queries != asked:   # a miss: r was just asked for
+        c.widen_left += 1
+        _widen(c, r, c.cached >= _WIDEN_ASKING_FROM)
     c.kinds |= r.kind
     if p + size > r.end and not _extend_range(c, r, p + size):
         c.kinds |= _KIND_STRADDLE
