@@ -18,10 +18,12 @@ cdef enum:
     _RANGE_CACHE = 64
     # Memory registered or mapped in pieces (SGLang registers its host pool a GiB at a
     # time) is many ranges: a batch scattered over more than _RANGE_CACHE of them
-    # asked the driver once per copy. From the _WIDEN_AFTER-th range a side asks for,
-    # each new range is joined with up to _WIDEN_STEPS neighbours each way of the same
-    # memory, spending at most _WIDEN_BUDGET driver queries per side and call.
-    _WIDEN_AFTER = 4
+    # asked the driver once per copy. A range a side newly asks for is joined with the
+    # cached ranges of the same memory next to it, for free; from _WIDEN_ASKING_FROM
+    # cached ranges on, also with neighbours asked of the driver, up to _WIDEN_STEPS
+    # each way, no more such questions than the side has had misses (so joining at
+    # most doubles what asking once per copy costs) and at most _WIDEN_BUDGET per call.
+    _WIDEN_ASKING_FROM = 16
     _WIDEN_STEPS = 32
     _WIDEN_BUDGET = 2048
 
@@ -44,7 +46,8 @@ cdef struct _Classifier:
     int kinds        # OR of _KIND_* over every pointer seen
     int ordinal      # device of the device memory seen (-1: none, -2: several)
     int queries      # ranges asked for (of the driver, or of the answers below)
-    int widen_left   # queries left for joining neighbours (_WIDEN_BUDGET)
+    int widen_left   # questions earned for joining neighbours (one per miss)
+    int widen_spent  # questions spent on it (at most _WIDEN_BUDGET)
     # tests: rows of (start, end, kind, ordinal, delta) answered instead of the
     # driver (NULL: ask the driver); an address in none of them is pageable
     const int64_t* answers
@@ -64,7 +67,8 @@ cdef inline void classifier_init(_Classifier* c) noexcept nogil:
     c.kinds = 0
     c.ordinal = -1
     c.queries = 0
-    c.widen_left = _WIDEN_BUDGET
+    c.widen_left = 0
+    c.widen_spent = 0
     c.answers = NULL
     c.answer_count = 0
     c.cache[0].start = 1   # an empty range: the first lookup goes the slow way
