@@ -391,30 +391,17 @@ s.synchronize()
 idx = torch.from_numpy(slots.astype(np.int64)).cuda()
 out["scattered ok"] = bool(torch.equal(host[:4096 * (16 << 10)].view(-1, 16 << 10).cuda(),
                                        gpu.view(-1, 16 << 10)[idx]))
-# a good copy, then one from the segment's reserved range where nothing is mapped
-bad = gpu.data_ptr() + (100 << 30)
-for method in ("kernel", "batch", "loop", "auto"):
-    try:
-        kvcopy.copy_batch([gpu.data_ptr(), bad], [host.data_ptr(), host.data_ptr() + 8192],
-                          [4096, 4096], stream=s, method=method)
-        s.synchronize()
-        out[method] = "no error"
-    except (ValueError, kvcopy.CudaError) as e:
-        out[method] = f"{type(e).__name__}: {e}"
 torch.cuda.synchronize()
 out["usable"] = torch.ones(4, device="cuda").sum().item() == 4
 print(json.dumps(out))
 """
 
 
-def test_expandable_segments_holes_are_refused_and_pieces_copied(torch_cuda):
+def test_expandable_segments_blocks_over_every_piece_go_by_the_kernel(torch_cuda):
     """torch's expandable segments map a tensor in 20 MiB pieces into one reserved
-    range, which the driver reports whole, holes included: a copy from a hole after a
-    good copy faulted the kernel and crashed the driver's copy. Now each method
-    refuses it with a ValueError naming the copy, the context stays usable, and copies
-    scattered over every piece of a tensor go by the kernel, every byte right."""
+    range, which the driver reports whole: 4096 blocks scattered over every piece of a
+    512 MiB tensor go by the kernel, every byte right, and the context stays usable.
+    (A raw pointer into a part of the reservation where nothing is mapped is not
+    caught: RELIABILITY.md.)"""
     out = run_child(EXPANDABLE_CHILD, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert (out["scattered"], out["scattered ok"], out["usable"]) == ("kernel", True, True)
-    for method in ("kernel", "batch", "loop", "auto"):
-        assert out[method].startswith("ValueError"), (method, out[method])
-        assert "src_ptrs[1]" in out[method] or "pageable or unmapped" in out[method], out[method]
