@@ -1,15 +1,17 @@
 """Memory the driver knows in many pieces, on the CPU with seeded driver answers.
 
-SGLang registers its host pool with cudaHostRegister a GiB at a time; memory mapped
-in pieces (cuMemMap) is likewise many ranges to the driver. kvcopy keeps 64 ranges
+SGLang registers its host pool with cudaHostRegister a GiB at a time, and the
+driver knows each registration as a range of its own. kvcopy keeps 64 ranges
 per side and call: a batch scattered over more pieces than that asked the driver
 again for nearly every copy (H200: 4096 copies over 512 registered pieces took
 1016 us of CPU against 51 us over one allocation, bench/results/
-h200-many-ranges-probe-before.txt; 175 us after, h200-many-ranges-probe.txt).
-Each new range past the fourth is now joined with its neighbours of the same memory. Asserted here: every copy still gets the device view
-of its own piece, the pieces are asked for about once each, a gap or other memory
-beside a piece is never joined, and batches in a few allocations ask no more than
-before."""
+h200-many-ranges-probe-before.txt; 175 us with a first version of joining,
+h200-many-ranges-probe.txt). A new range is now joined with its cached neighbours of
+the same memory, and from 16 ranges on with neighbours asked of the driver, never
+more often than the side has missed. Asserted here: every copy still gets the device view
+of its own piece, the pieces are asked for about twice each at most, a gap or other
+memory beside a piece is never joined, sparse batches ask at most twice per copy,
+and batches in a few allocations ask no more than before."""
 from __future__ import annotations
 
 import numpy as np

@@ -16,8 +16,8 @@ cdef enum:
 
 cdef enum:
     _RANGE_CACHE = 64
-    # Memory registered or mapped in pieces (SGLang registers its host pool a GiB at a
-    # time) is many ranges: a batch scattered over more than _RANGE_CACHE of them
+    # Memory registered in pieces (SGLang registers its host pool a GiB at a time) or
+    # allocated back to back is many ranges: a batch scattered over more than _RANGE_CACHE of them
     # asked the driver once per copy. A range a side newly asks for is joined with the
     # cached ranges of the same memory next to it, for free; from _WIDEN_ASKING_FROM
     # cached ranges on, also with neighbours asked of the driver, up to _WIDEN_STEPS

@@ -199,7 +199,8 @@ cdef void _widen(_Classifier* c, _Range* r, bint ask) noexcept nogil:
     """Join a newly asked-for range with the ranges on each side of it while they are
     the same memory: cached ones always, ones asked of the driver with ``ask``, up to
     _WIDEN_STEPS each way (classify.pxd), so that copies scattered over memory
-    registered or mapped in pieces find their range among a few."""
+    registered in pieces, or over allocations back to back, find their range among
+    a few."""
     cdef _Range near
     cdef int steps = 0
     if not _joinable(r):
