@@ -43,7 +43,8 @@ def ranges(base, offsets):
         row = [off // MiB]
         for _, attr, rel in ATTRS:
             value = ctypes.c_uint64(0)
-            err = libcuda.cuPointerGetAttribute(ctypes.byref(value), attr, ctypes.c_uint64(base + off))
+            err = libcuda.cuPointerGetAttribute(ctypes.byref(value), attr,
+                                                ctypes.c_uint64(base + off))
             if err:
                 row.append(f"error {err}")
             elif rel is None:
@@ -79,16 +80,15 @@ h_slots = rng.permutation(host.numel() // BLOCK)[:COUNT].astype(np.uint64)
 g_ptrs = np.uint64(gpu.data_ptr()) + g_slots * np.uint64(BLOCK)
 h_ptrs = np.uint64(host.data_ptr()) + h_slots * np.uint64(BLOCK)
 sizes = np.full(COUNT, BLOCK, dtype=np.uint64)
+g_index = torch.from_numpy(g_slots.astype(np.int64)).cuda()
+h_index = torch.from_numpy(h_slots.astype(np.int64))
 s = torch.cuda.Stream()
 for name, src, dst in (("h2d", h_ptrs, g_ptrs), ("d2h", g_ptrs, h_ptrs)):
     chose = kvcopy.copy_batch(src, dst, sizes, stream=s)
     s.synchronize()
-    if name == "h2d":
-        ok = torch.equal(gpu.view(-1, BLOCK)[torch.from_numpy(g_slots.astype(np.int64)).cuda()].cpu(),
-                         host.view(-1, BLOCK)[torch.from_numpy(h_slots.astype(np.int64))])
-    else:
-        ok = torch.equal(host.view(-1, BLOCK)[torch.from_numpy(h_slots.astype(np.int64))],
-                         gpu.view(-1, BLOCK)[torch.from_numpy(g_slots.astype(np.int64)).cuda()].cpu())
+    gpu_blocks = gpu.view(-1, BLOCK)[g_index].cpu()
+    host_blocks = host.view(-1, BLOCK)[h_index]
+    ok = torch.equal(gpu_blocks, host_blocks)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()

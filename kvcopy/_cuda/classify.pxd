@@ -16,13 +16,14 @@ cdef enum:
 
 cdef enum:
     _RANGE_CACHE = 64
-    # Memory registered in pieces (SGLang registers its host pool a GiB at a time) or
-    # allocated back to back is many ranges: a batch scattered over more than _RANGE_CACHE of them
-    # asked the driver once per copy. A range a side newly asks for is joined with the
-    # cached ranges of the same memory next to it, for free; from _WIDEN_ASKING_FROM
-    # cached ranges on, also with neighbours asked of the driver, up to _WIDEN_STEPS
-    # each way, no more such questions than the side has had misses (so joining at
-    # most doubles what asking once per copy costs) and at most _WIDEN_BUDGET per call.
+    # Memory registered in pieces (SGLang registers its host pool a GiB at a time),
+    # or allocated back to back, is many ranges: a batch scattered over more than
+    # _RANGE_CACHE of them asked the driver once per copy. A range a side newly asks
+    # for is joined with the cached ranges of the same memory next to it, for free;
+    # from _WIDEN_ASKING_FROM cached ranges on, also with neighbours asked of the
+    # driver, up to _WIDEN_STEPS each way, no more such questions than the side has
+    # had misses (so joining at most doubles what asking once per copy costs) and at
+    # most _WIDEN_BUDGET per call.
     _WIDEN_ASKING_FROM = 16
     _WIDEN_STEPS = 32
     _WIDEN_BUDGET = 2048

@@ -1,4 +1,5 @@
-"""Type stub of kvcopy._cuda.testing: the describe pass over known memory ranges or seeded driver answers."""
+"""Type stub of kvcopy._cuda.testing: the describe pass over known memory ranges or
+seeded driver answers."""
 import numpy as np
 
 def describe_copies_in(known_ranges: np.ndarray, src: np.ndarray, dst: np.ndarray,

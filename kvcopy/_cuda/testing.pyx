@@ -37,7 +37,6 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
         free(sides)
 
 
-
 def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t[::1] src,
                              const uint64_t[::1] dst, const uint64_t[::1] sizes,
                              uintptr_t descs_out, bint merge=True, bint fast=True):
