@@ -23,11 +23,11 @@ import statistics
 import time
 
 import torch
-from cuda.bindings import driver as cu
 
 import kvcopy
+from kvcopy.bench.extra import small_batch_cases
 from kvcopy.bench.timing import call_to_completion_us
-from kvcopy.bench.scenarios import Pools, last_copier, last_method
+from kvcopy.bench.scenarios import last_copier, last_method
 
 KiB = 1 << 10
 BLOCK = 16 * KiB
@@ -50,35 +50,23 @@ def cpu_us(fn, synchronize, repeats: int = REPEATS) -> float:
 
 def main() -> None:
     kvcopy.prepare()
-    stream = torch.cuda.Stream()
-    handle = stream.cuda_stream
-
-    def synchronize() -> None:
-        cu.cuStreamSynchronize(handle)
     print(f"small_batch_probe: {torch.cuda.get_device_name()}, {BLOCK // KiB} KiB blocks, "
           f"median of {REPEATS}")
-    for direction in ("h2d", "d2h"):
-        pools = Pools(direction, max(COUNTS) * BLOCK, "torch")
-        for count in COUNTS:
-            ptrs = pools.scattered(BLOCK, count, count)
-            nbytes = count * BLOCK
-            src, dst = pools.src.data_ptr(), pools.dst.data_ptr()
-
-            def contiguous() -> None:
-                cu.cuMemcpyAsync(dst, src, nbytes, handle)
-            base = call_to_completion_us(contiguous, synchronize, repeats=REPEATS)
-            print(f"{direction} {count:4d} blocks contiguous wall {base:7.1f} us")
-            for ctas in CTAS:
-                kvcopy.config.host_ctas = ctas
-                kvcopy.config.bulk_ctas = ctas
-                fn = functools.partial(kvcopy.copy_batch, *ptrs, stream=handle)
-                wall = call_to_completion_us(fn, synchronize, repeats=REPEATS)
-                cpu = cpu_us(fn, synchronize)
-                print(f"{direction} {count:4d} blocks ctas {str(ctas or 'default'):>7} "
-                      f"({last_method()}/{last_copier()}) wall {wall:7.1f} us "
-                      f"cpu {cpu:6.1f} us  of contiguous {base / wall:.3f}")
-            kvcopy.config.host_ctas = None
-            kvcopy.config.bulk_ctas = None
+    for batch in small_batch_cases(COUNTS, BLOCK):
+        direction, count = batch.direction, batch.count
+        base = call_to_completion_us(batch.contiguous, batch.synchronize, repeats=REPEATS)
+        print(f"{direction} {count:4d} blocks contiguous wall {base:7.1f} us")
+        for ctas in CTAS:
+            kvcopy.config.host_ctas = ctas
+            kvcopy.config.bulk_ctas = ctas
+            fn = functools.partial(kvcopy.copy_batch, *batch.ptrs, stream=batch.handle)
+            wall = call_to_completion_us(fn, batch.synchronize, repeats=REPEATS)
+            cpu = cpu_us(fn, batch.synchronize)
+            print(f"{direction} {count:4d} blocks ctas {str(ctas or 'default'):>7} "
+                  f"({last_method()}/{last_copier()}) wall {wall:7.1f} us "
+                  f"cpu {cpu:6.1f} us  of contiguous {base / wall:.3f}")
+        kvcopy.config.host_ctas = None
+        kvcopy.config.bulk_ctas = None
 
 
 if __name__ == "__main__":

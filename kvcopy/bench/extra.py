@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, cast
 
 import numpy as np
@@ -252,11 +253,24 @@ def _queues_both_ways(gpu: list, host: list, store_ids: Any, load_ids: Any, nbyt
                    "wall_gbps": 2 * nbytes / statistics.median(walls) / 1e9}
 
 
-def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:
-    """What a decode step issues: tens of blocks. Call-to-completion wall time (the
-    call, then cuStreamSynchronize, from an idle stream), median of ``repeats``,
-    against one cuMemcpyAsync of the same bytes timed the same way. The stream is
-    passed as its raw handle, so no framework's own overhead is counted."""
+@dataclass(frozen=True)
+class SmallBatch:
+    """One small batch as small_batches times it: scattered pointers (src, dst,
+    sizes), the raw stream handle they go on, that stream's synchronize, and one
+    cuMemcpyAsync of the same bytes on it (the reference)."""
+
+    direction: str
+    count: int
+    nbytes: int
+    ptrs: tuple
+    handle: int
+    synchronize: Callable[[], object]
+    contiguous: Callable[[], object]
+
+
+def small_batch_cases(counts: tuple[int, ...], block: int) -> Iterator[SmallBatch]:
+    """Per direction and count, a batch of ``count`` blocks scattered in torch pools,
+    on one stream passed as its raw handle (so no framework's own overhead counts)."""
     import torch
     from cuda.bindings import driver as cu
 
@@ -268,22 +282,31 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
     for direction in ("h2d", "d2h"):
         pools = Pools(direction, max(counts) * block, "torch")
         for count in counts:
-            ptrs = pools.scattered(block, count, count)
             nbytes = count * block
-            src, dst = pools.src.data_ptr(), pools.dst.data_ptr()
-            cases: dict[str, Callable[[], object]] = {
-                "contiguous": lambda: cu.cuMemcpyAsync(dst, src, nbytes, handle)}
-            for method in ("auto", "kernel", "batch"):
-                cases[method] = functools.partial(kvcopy.copy_batch, *ptrs, stream=handle,
-                                                  method=cast(RequestedMethod, method))
-            walls, chose, copier = {}, {}, {}
-            for name, fn in cases.items():
-                walls[name] = call_to_completion_us(fn, synchronize, repeats=repeats)
-                chose[name] = "" if name == "contiguous" else last_method()
-                copier[name] = "" if name == "contiguous" else last_copier()
-            for name, us in walls.items():
-                yield {"scenario": "small_batches", "direction": direction, "blocks": count,
-                       "block_bytes": block, "method": name, "chose": chose[name],
-                       "copier": copier[name],
-                       "wall_us": us, "wall_gbps": nbytes / us / 1e3,
-                       "of_contiguous_wall": walls["contiguous"] / us}
+            contiguous = functools.partial(cu.cuMemcpyAsync, pools.dst.data_ptr(),
+                                           pools.src.data_ptr(), nbytes, handle)
+            yield SmallBatch(direction, count, nbytes, pools.scattered(block, count, count),
+                             handle, synchronize, contiguous)
+
+
+def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:
+    """What a decode step issues: tens of blocks. Call-to-completion wall time (the
+    call, then cuStreamSynchronize, from an idle stream), median of ``repeats``,
+    against one cuMemcpyAsync of the same bytes timed the same way (small_batch_cases)."""
+    for batch in small_batch_cases(counts, block):
+        cases: dict[str, Callable[[], object]] = {"contiguous": batch.contiguous}
+        for method in ("auto", "kernel", "batch"):
+            cases[method] = functools.partial(kvcopy.copy_batch, *batch.ptrs,
+                                              stream=batch.handle,
+                                              method=cast(RequestedMethod, method))
+        walls, chose, copier = {}, {}, {}
+        for name, fn in cases.items():
+            walls[name] = call_to_completion_us(fn, batch.synchronize, repeats=repeats)
+            chose[name] = "" if name == "contiguous" else last_method()
+            copier[name] = "" if name == "contiguous" else last_copier()
+        for name, us in walls.items():
+            yield {"scenario": "small_batches", "direction": batch.direction,
+                   "blocks": batch.count, "block_bytes": block, "method": name,
+                   "chose": chose[name], "copier": copier[name],
+                   "wall_us": us, "wall_gbps": batch.nbytes / us / 1e3,
+                   "of_contiguous_wall": walls["contiguous"] / us}
