@@ -21,7 +21,6 @@ Run on a GPU: python3 scripts/cpu_gather_probe.py
 """
 from __future__ import annotations
 
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 import kvcopy
+from kvcopy.bench.timing import call_to_completion_us
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 64 * MiB
@@ -37,16 +37,7 @@ CHUNK = 8 * MiB
 
 
 def wall_ms(fn: Callable[[], object], sync: Callable[[], object], repeats: int = 10) -> float:
-    for _ in range(2):
-        fn()
-        sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return call_to_completion_us(fn, sync, repeats=repeats, warmup=2) / 1e3
 
 
 class Gatherer:
