@@ -7,11 +7,13 @@ again for nearly every copy (H200: 4096 copies over 512 registered pieces took
 1016 us of CPU against 51 us over one allocation, bench/results/
 h200-many-ranges-probe-before.txt; 175 us with a first version of joining,
 h200-many-ranges-probe.txt). A new range is now joined with its cached neighbours of
-the same memory, and from 16 ranges on with neighbours asked of the driver, never
-more often than the side has missed. Asserted here: every copy still gets the device view
-of its own piece, the pieces are asked for about twice each at most, a gap or other
-memory beside a piece is never joined, sparse batches ask at most twice per copy,
-and batches in a few allocations ask no more than before."""
+the same memory, and from 16 ranges on with neighbours asked of the driver, no more
+questions per call than the batch has copies (earned one per miss instead, 4096 copies
+over 512 pieces asked ~800 times and took 666 us of CPU on the H200, against 175 for a
+first version that asked ~520; h200-many-ranges-probe-bounded.txt). Asserted here: every
+copy still gets the device view of its own piece, the pieces are asked for about once
+each, a gap or other memory beside a piece is never joined, sparse batches ask at most
+twice per copy, and batches in a few allocations ask no more than before."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,9 +57,9 @@ def test_a_pool_registered_in_pieces_is_asked_for_about_once_per_piece():
         assert (src_kinds, dst_kinds, dst_ordinal) == (MAPPED, ON_GPU, 0)
         np.testing.assert_array_equal(descs[:, 0], src)
         np.testing.assert_array_equal(descs[:, 1], dst)
-        # (without joining: about one question per copy, 4096; joining asks the
-        # driver no more often than it misses, so the pieces are asked for about twice)
-        assert queries[0] <= 2 * 512 and queries[1] <= 2 * 103, queries
+        # each piece once, and a few more where joins start or pass a pool's end
+        # (without joining: about one question per copy, 4096)
+        assert queries[0] <= 512 + 16 and queries[1] <= 103 + 16, queries
 
 
 def test_each_piece_keeps_its_own_device_view():
@@ -116,7 +118,7 @@ def test_batches_in_a_few_allocations_ask_no_more_than_before():
 
 def test_sparse_batches_over_many_pieces_ask_at_most_twice_per_copy():
     """A few copies over thousands of pieces (a large cache mapped 20 MiB at a time):
-    joining never asks the driver more often than the side has missed, so such a
+    joining never asks the driver more often than the batch has copies, so such a
     batch costs at most two questions per copy, and a batch of fewer copies than
     ranges that start joining asks once per copy."""
     answers = pieces(HOST, 1, 1 << 30, MAPPED) + pieces(DEVICE, 3072, 20 * MiB, ON_GPU, 0)

@@ -21,9 +21,9 @@ cdef enum:
     # _RANGE_CACHE of them asked the driver once per copy. A range a side newly asks
     # for is joined with the cached ranges of the same memory next to it, for free;
     # from _WIDEN_ASKING_FROM cached ranges on, also with neighbours asked of the
-    # driver, up to _WIDEN_STEPS each way, no more such questions than the side has
-    # had misses (so joining at most doubles what asking once per copy costs) and at
-    # most _WIDEN_BUDGET per call.
+    # driver, up to _WIDEN_STEPS each way, no more such questions per call than the
+    # batch has copies (so joining at most doubles what asking once per copy costs)
+    # and at most _WIDEN_BUDGET.
     _WIDEN_ASKING_FROM = 16
     _WIDEN_STEPS = 32
     _WIDEN_BUDGET = 2048
@@ -47,8 +47,7 @@ cdef struct _Classifier:
     int kinds        # OR of _KIND_* over every pointer seen
     int ordinal      # device of the device memory seen (-1: none, -2: several)
     int queries      # ranges asked for (of the driver, or of the answers below)
-    int widen_left   # questions earned for joining neighbours (one per miss)
-    int widen_spent  # questions spent on it (at most _WIDEN_BUDGET)
+    int widen_left   # questions left for joining neighbours (classifier_init)
     # tests: rows of (start, end, kind, ordinal, delta) answered instead of the
     # driver (NULL: ask the driver); an address in none of them is pageable
     const int64_t* answers
@@ -62,14 +61,18 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil
 cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1
 
 
-cdef inline void classifier_init(_Classifier* c) noexcept nogil:
+cdef inline void classifier_init(_Classifier* c, Py_ssize_t copies) noexcept nogil:
+    """An empty classifier for one side of a batch of ``copies`` copies."""
     c.cached = 0
     c.last = 0
     c.kinds = 0
     c.ordinal = -1
     c.queries = 0
-    c.widen_left = 0
-    c.widen_spent = 0
+    # Earned up front, not per miss: where a pool's pieces are dense in the batch,
+    # the first joins must walk far to pay off (4096 copies over 512 pieces: ~800
+    # questions earned one per miss, ~530 up front); where they are sparse, the
+    # questions a batch may spend stay bounded by its size.
+    c.widen_left = <int>(copies if copies < _WIDEN_BUDGET else _WIDEN_BUDGET)
     c.answers = NULL
     c.answer_count = 0
     c.cache[0].start = 1   # an empty range: the first lookup goes the slow way

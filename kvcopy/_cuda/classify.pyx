@@ -178,7 +178,7 @@ cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, bint ask,
                      _Range* out) noexcept nogil:
     """The range holding addr, for joining with r: a cached one of the same memory is
     taken without asking the driver (and emptied, its span being r's from now on);
-    otherwise, with ``ask`` and questions earned and left, the driver is asked."""
+    otherwise, with ``ask`` and questions left, the driver is asked."""
     cdef int j
     cdef _Range* e
     for j in range(c.cached):
@@ -187,10 +187,9 @@ cdef bint _neighbour(_Classifier* c, _Range* r, uint64_t addr, bint ask,
             out[0] = e[0]
             e.start, e.end = 1, 0
             return True
-    if not ask or c.widen_left <= 0 or c.widen_spent >= _WIDEN_BUDGET:
+    if not ask or c.widen_left <= 0:
         return False
     c.widen_left -= 1
-    c.widen_spent += 1
     _ask(c, addr, 1, out)
     return True
 
@@ -242,7 +241,6 @@ cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept 
     cdef int asked = c.queries
     cdef _Range* r = locate(c, p, size)
     if c.queries != asked:   # a miss: r was just asked for
-        c.widen_left += 1
         _widen(c, r, c.cached >= _WIDEN_ASKING_FROM)
     c.kinds |= r.kind
     if p + size > r.end and not _extend_range(c, r, p + size):
@@ -269,7 +267,7 @@ def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint6
     c = <_Classifier*>malloc(sizeof(_Classifier))
     if c == NULL:
         raise MemoryError()
-    classifier_init(c)
+    classifier_init(c, n)
     with nogil:
         for i in range(n):
             device_view[i] = classify(c, ptrs[i], sizes[i])

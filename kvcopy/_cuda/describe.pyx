@@ -174,8 +174,8 @@ cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uin
     cdef uint64_t pair_size = compact
     if sides == NULL:
         raise MemoryError()
-    classifier_init(&sides[0])
-    classifier_init(&sides[1])
+    classifier_init(&sides[0], src.shape[0])
+    classifier_init(&sides[1], src.shape[0])
     try:
         result = describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &pair_size)
         return result + (pair_size,) if compact else result

@@ -113,8 +113,8 @@ def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::
     sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     if sides == NULL:
         raise MemoryError()
-    classifier_init(&sides[0])
-    classifier_init(&sides[1])
+    classifier_init(&sides[0], n)
+    classifier_init(&sides[1], n)
     maps.available = 0
     plan_cursor_init(&cursor, n, False)
     try:

@@ -27,8 +27,8 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
     if sides == NULL:
         raise MemoryError()
     try:
-        classifier_init(&sides[0])
-        classifier_init(&sides[1])
+        classifier_init(&sides[0], src.shape[0])
+        classifier_init(&sides[1], src.shape[0])
         classifier_seed(&sides[0], known_ranges)
         classifier_seed(&sides[1], known_ranges)
         result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &pair_size)
@@ -55,7 +55,7 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
         raise ValueError("driver_ranges must be (k, 5)")
     try:
         for side in range(2):
-            classifier_init(&sides[side])
+            classifier_init(&sides[side], src.shape[0])
             sides[side].answers = &driver_ranges[0, 0] if driver_ranges.shape[0] else NULL
             sides[side].answer_count = driver_ranges.shape[0]
         result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &pair_size)
