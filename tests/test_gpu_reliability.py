@@ -376,21 +376,25 @@ def test_a_transfer_queue_loads_the_kernel_when_made_not_at_its_first_job(torch_
 
 EXPANDABLE_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-MiB = 1 << 20
+MiB, BLOCK, N = 1 << 20, 16 << 10, 4096
 gpu = torch.randint(0, 256, (512 * MiB,), dtype=torch.uint8, device="cuda")   # 26 mappings
 host = torch.zeros(512 * MiB, dtype=torch.uint8, pin_memory=True)
 s = torch.cuda.Stream()
 out = {}
-# scattered 16 KiB blocks over every mapping of the tensor, by the kernel
 rng = np.random.default_rng(3)
-slots = rng.permutation(512 * MiB // (16 << 10))[:4096].astype(np.uint64)
-src = np.uint64(gpu.data_ptr()) + slots * np.uint64(16 << 10)
-dst = np.uint64(host.data_ptr()) + np.arange(4096, dtype=np.uint64) * np.uint64(16 << 10)
-out["scattered"] = kvcopy.copy_batch(src, dst, np.full(4096, 16 << 10, np.uint64), stream=s)
-s.synchronize()
-idx = torch.from_numpy(slots.astype(np.int64)).cuda()
-out["scattered ok"] = bool(torch.equal(host[:4096 * (16 << 10)].view(-1, 16 << 10).cuda(),
-                                       gpu.view(-1, 16 << 10)[idx]))
+slots = rng.permutation(512 * MiB // BLOCK)[:N].astype(np.uint64)
+src = np.uint64(gpu.data_ptr()) + slots * np.uint64(BLOCK)
+wanted = gpu.view(-1, BLOCK)[torch.from_numpy(slots.astype(np.int64)).cuda()]
+# the host side scattered too (the kernel), then in one span (staged: the copy engines
+# move the span, the kernel gathers the GPU's blocks over every mapping)
+for name, host_slots in (("scattered", rng.permutation(512 * MiB // BLOCK)[:N]),
+                         ("one span", np.arange(N))):
+    host.zero_()
+    dst = np.uint64(host.data_ptr()) + host_slots.astype(np.uint64) * np.uint64(BLOCK)
+    out[name] = kvcopy.copy_batch(src, dst, np.full(N, BLOCK, np.uint64), stream=s)
+    s.synchronize()
+    got = host.view(-1, BLOCK)[torch.from_numpy(host_slots.astype(np.int64))].cuda()
+    out[name + " ok"] = bool(torch.equal(got, wanted))
 torch.cuda.synchronize()
 out["usable"] = torch.ones(4, device="cuda").sum().item() == 4
 print(json.dumps(out))
@@ -400,8 +404,10 @@ print(json.dumps(out))
 def test_expandable_segments_blocks_over_every_piece_go_by_the_kernel(torch_cuda):
     """torch's expandable segments map a tensor in 20 MiB pieces into one reserved
     range, which the driver reports whole: 4096 blocks scattered over every piece of a
-    512 MiB tensor go by the kernel, every byte right, and the context stays usable.
-    (A raw pointer into a part of the reservation where nothing is mapped is not
-    caught: RELIABILITY.md.)"""
+    512 MiB tensor go by the kernel, or staged where the host side is one span (the
+    kernel gathers them inside the GPU), every byte right, and the context stays
+    usable. (A raw pointer into a part of the reservation where nothing is mapped is
+    not caught: RELIABILITY.md.)"""
     out = run_child(EXPANDABLE_CHILD, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    assert (out["scattered"], out["scattered ok"], out["usable"]) == ("kernel", True, True)
+    assert (out["scattered"], out["scattered ok"]) == ("kernel", True), out
+    assert (out["one span"], out["one span ok"], out["usable"]) == ("staged", True, True), out
