@@ -8,7 +8,8 @@
   start, end, kind, ordinal, delta), so that it runs without a GPU.
 - ``describe_copies_answered(driver_ranges, src, dst, sizes, descs_out, merge, fast)``:
   the same pass with ``driver_ranges`` standing in for the driver's answers, so
-  that every range asked for (and joined with its neighbours) can be counted.
+  that every range asked for (and joined with its neighbours) can be counted;
+  with no rows, the driver's own answers are counted.
 - ``fast_describe_available()``: whether this CPU runs the vectorised pass.
 """
 from __future__ import annotations

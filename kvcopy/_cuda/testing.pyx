@@ -43,6 +43,7 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
     """describe_copies where ``driver_ranges`` (rows as for describe_copies_in) stand
     in for the driver itself: every range a side looks up, or joins, is asked of
     them, as it would be of the driver, and an address in none of them is pageable.
+    With no rows the driver itself answers (a GPU test counts its questions).
     Returns describe_copies' tuple, whether the vectorised pass applied, and how many
     ranges each side asked for (src, dst)."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
