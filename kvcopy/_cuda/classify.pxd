@@ -15,7 +15,12 @@ cdef enum:
     _KIND_ANY_DEVICE = _KIND_DEVICE | _KIND_PEER | _KIND_PEER_UNMAPPED
 
 cdef enum:
-    _RANGE_CACHE = 64
+    # Ranges kept per side and call. A batch that cycles through its allocations
+    # (block by block over every layer's tensor: 160 of them for 80 layers' K and V)
+    # asked the driver about once per copy when they outnumbered the 64 kept before;
+    # each range also remembers the one used after it (succ), so that such a batch
+    # finds the next range without searching.
+    _RANGE_CACHE = 256
     # Memory registered in pieces (SGLang registers its host pool a GiB at a time),
     # or allocated back to back, is many ranges: a batch scattered over more than
     # _RANGE_CACHE of them asked the driver once per copy. A range a side newly asks
@@ -42,6 +47,7 @@ cdef struct _Classifier:
     # Driver answers kept as address ranges, for one call only: the driver is
     # asked once per allocation, not once per pointer.
     _Range cache[_RANGE_CACHE]
+    int succ[_RANGE_CACHE]   # the slot used after this one last time (-1: none)
     int cached
     int last
     int kinds        # OR of _KIND_* over every pointer seen
@@ -65,6 +71,7 @@ cdef inline void classifier_init(_Classifier* c, Py_ssize_t copies) noexcept nog
     """An empty classifier for one side of a batch of ``copies`` copies."""
     c.cached = 0
     c.last = 0
+    c.succ[0] = -1
     c.kinds = 0
     c.ordinal = -1
     c.queries = 0

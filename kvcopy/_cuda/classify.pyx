@@ -233,6 +233,8 @@ cdef int classifier_seed(_Classifier* c, const int64_t[:, ::1] ranges) except -1
     c.last = k
     c.cache[k].start = 1
     c.cache[k].end = 0
+    for j in range(k + 1):
+        c.succ[j] = -1
     return 0
 
 
@@ -285,6 +287,11 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
     cdef _Range* r = &c.cache[c.last]
     if r.start <= p < r.end:
         return r
+    # (any cached range holding p is right: a stale successor only costs the search)
+    j = c.succ[c.last]
+    if 0 <= j < c.cached and c.cache[j].start <= p < c.cache[j].end:
+        c.last = j
+        return &c.cache[j]
     for j in range(c.cached):
         if c.cache[j].start <= p < c.cache[j].end:
             hit = j
@@ -301,6 +308,8 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
                     hit = j
                     break
         _ask(c, p, size, &c.cache[hit])
+        c.succ[hit] = -1
+    c.succ[c.last] = hit
     c.last = hit
     return &c.cache[hit]
 
