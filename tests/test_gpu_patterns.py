@@ -5,6 +5,8 @@
 - warm-up, then capture (what serving engines do), in torch's global capture
   mode and in a driver capture on a cuda.core stream, replayed with new bytes
   and after the descriptor ring has been reused;
+- a raw-pointer batch block by block over 160 layer tensors per side: every block
+  right, and the driver asked about each tensor a few times, not once per copy;
 - bogus host addresses: a ValueError naming the copy, never a dead process;
 - ordering: TransferQueue waits for the caller's work whatever describes the
   memory, ``after=`` events and streams, array-interface and DLPack producers
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 import kvcopy
+import kvcopy._testing
 from gpu_helpers import jax_gpu, make_pool
 from test_gpu_reliability import run_child
 
@@ -154,6 +157,50 @@ def test_separate_torch_pinned_tensors_every_method(torch_cuda):
                           stream=s, method=method)
         s.synchronize()
         assert torch.equal(gpu.cpu(), torch.cat(parts)), method
+
+
+def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
+    """A raw-pointer batch built block by block over every layer's K and V (80 layers:
+    160 pinned tensors and 160 GPU tensors, 8 blocks of 16 KiB each): every block
+    arrives both ways by the kernel, and the describe pass asks the driver about each
+    tensor a few times at most, not once per copy (as with the 64 ranges kept
+    before)."""
+    torch = torch_cuda
+    tensors, blocks, block = 160, 8, 16 * KiB
+    host = [torch.randint(0, 256, (2 * blocks * block,), dtype=torch.uint8).pin_memory()
+            for _ in range(tensors)]
+    gpu = [torch.zeros(2 * blocks * block, dtype=torch.uint8, device="cuda")
+           for _ in range(tensors)]
+    rng = np.random.default_rng(5)
+    slots = [(rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks])
+             for _ in range(tensors)]
+    host_ptrs = np.array([host[t].data_ptr() + int(slots[t][0][b]) * block
+                          for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
+    gpu_ptrs = np.array([gpu[t].data_ptr() + int(slots[t][1][b]) * block
+                         for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
+    sizes = np.full(len(host_ptrs), block, dtype=np.uint64)
+    s = torch.cuda.Stream()
+    assert kvcopy.copy_batch(host_ptrs, gpu_ptrs, sizes, stream=s) == "kernel"
+    s.synchronize()
+    for t in range(tensors):
+        h_idx, g_idx = (torch.from_numpy(x.astype(np.int64)) for x in slots[t])
+        assert torch.equal(gpu[t].view(-1, block)[g_idx.cuda()].cpu(),
+                           host[t].view(-1, block)[h_idx]), t
+    for t in range(tensors):
+        gpu[t].view(-1, block)[torch.from_numpy(slots[t][1].astype(np.int64)).cuda()] += 1
+    before = [h.clone() for h in host]
+    assert kvcopy.copy_batch(gpu_ptrs, host_ptrs, sizes, stream=s) == "kernel"
+    s.synchronize()
+    for t in range(tensors):
+        h_idx = torch.from_numpy(slots[t][0].astype(np.int64))
+        assert torch.equal(host[t].view(-1, block)[h_idx],
+                           (before[t].view(-1, block)[h_idx] + 1)), t
+    out = np.zeros((len(sizes), 4), dtype=np.uint64)
+    for src, dst in ((host_ptrs, gpu_ptrs), (gpu_ptrs, host_ptrs)):
+        result, _, questions = kvcopy._testing.describe_copies_answered(
+            np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data)
+        assert result[0] == len(sizes)
+        assert max(questions) <= 3 * tensors, questions
 
 
 # ------------------------------------------------------------------ capture after warm-up
