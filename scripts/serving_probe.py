@@ -36,31 +36,40 @@ def sliced(ptrs, start, stop):
     return tuple(a[start:stop] for a in ptrs)
 
 
-def per_stream_ms(enqueue, s1, s2, repeats=7):
-    """GPU time from a common start to the end of each of two streams; a sleep on s1
-    (sized from the call's CPU time) keeps the work from starting before it is all
-    enqueued."""
+def stream_times_ms(enqueue, streams, repeats=7):
+    """Per repeat, the GPU time from a common start to the end of each of ``streams``;
+    a sleep on the first (sized from the call's CPU time) keeps the work from starting
+    before it is all enqueued."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     enqueue()
     torch.cuda.synchronize()
     cover = int(((time.perf_counter() - t0) * 2e6 + 300) * 2000)
-    ones, twos = [], []
+    rows = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)
-        e1, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(s1):
+        with torch.cuda.stream(streams[0]):
             torch.cuda._sleep(cover)
-        start.record(s1)
-        s2.wait_event(start)
+        start.record(streams[0])
+        for s in streams[1:]:
+            s.wait_event(start)
         enqueue()
-        e1.record(s1)
-        e2.record(s2)
+        ends = []
+        for s in streams:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(s)
+            ends.append(end)
         torch.cuda.synchronize()
-        ones.append(start.elapsed_time(e1))
-        twos.append(start.elapsed_time(e2))
-    return statistics.median(ones), statistics.median(twos)
+        rows.append([start.elapsed_time(e) for e in ends])
+    return rows
+
+
+def per_stream_ms(enqueue, s1, s2, repeats=7):
+    """Median GPU time from a common start to the end of each of two streams
+    (stream_times_ms)."""
+    rows = stream_times_ms(enqueue, [s1, s2], repeats)
+    return (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
 
 
 class BothWays:

@@ -29,38 +29,15 @@ import torch
 import kvcopy
 from kvcopy.bench.timing import call_to_completion_us
 
-from serving_probe import TOTAL, KiB, BothWays, sliced   # scripts/
+from serving_probe import KiB, BothWays, sliced, stream_times_ms   # scripts/
 
 DMA_CALL = 64
 SHARES = (0.0, 0.1, 0.25, 0.4, 0.6)
 
 
-def span_ms(enqueue: Callable[[], object], streams: list, repeats: int = 7) -> float:
-    """GPU time from a common start to the end of the last of ``streams``; a sleep on
-    the first holds the start until everything is enqueued."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    enqueue()
-    torch.cuda.synchronize()
-    cover = int(((time.perf_counter() - t0) * 2e6 + 300) * 2000)
-    spans = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(streams[0]):
-            torch.cuda._sleep(cover)
-        start.record(streams[0])
-        for s in streams[1:]:
-            s.wait_event(start)
-        enqueue()
-        ends = []
-        for s in streams:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(s)
-            ends.append(end)
-        torch.cuda.synchronize()
-        spans.append(max(start.elapsed_time(e) for e in ends))
-    return statistics.median(spans)
+def span_ms(enqueue: Callable[[], object], streams: list) -> float:
+    """Median GPU time from a common start to the end of the last of ``streams``."""
+    return statistics.median(max(row) for row in stream_times_ms(enqueue, streams))
 
 
 def dma_cpu_us_per_copy(load: tuple, stream) -> float:
