@@ -44,6 +44,8 @@ cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, u
 
 
 cdef bint _fast_describe = kvcopy_fast_describe_available()
+cdef enum:
+    _KEEP_GIL_BELOW = 256   # copies
 
 
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
@@ -102,38 +104,73 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     return True
 
 
+cdef void _describe_pass(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                         Py_ssize_t n, kvcopy_desc* descs, bint merge, _Classifier* sides,
+                         PlanCursor* cursor, bint* fast, uint64_t* pair_size,
+                         unsigned long long* total, unsigned long long* tiles,
+                         Py_ssize_t* k) noexcept nogil:
+    """describe_raw's pass: the vectorised one where it applies, else the general loop
+    (a bad copy stops it, in cursor.why)."""
+    if fast[0]:
+        fast[0] = _describe_fast(src, dst, sizes, n, descs, sides, merge, total, tiles,
+                                 pair_size, k)
+    else:
+        pair_size[0] = 0
+    if not fast[0]:
+        total[0] = 0
+        while next_copy(cursor, src, dst, sizes):
+            _describe_one(&descs[k[0]], sides, cursor.src, cursor.dst, cursor.size, tiles)
+            total[0] += cursor.size
+            k[0] += 1
+
+
+cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                      Py_ssize_t n, void* descs_out, bint merge, _Classifier* sides,
+                      Described* out) except -1:
+    """describe_copies over the given classifiers and raw arrays of ``n`` copies
+    (n > 0), its results in ``out``; out.fast in: may the vectorised pass run, out:
+    did it apply; out.pair_size as _describe_fast's *pair_size. Raises ValueError
+    for a bad copy, naming the caller's index."""
+    cdef Py_ssize_t k = 0
+    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
+    cdef unsigned long long tiles = 0, total = 0
+    cdef PlanCursor cursor
+    cdef bint fast = out.fast
+    cdef uint64_t pair_size = out.pair_size
+    if descs == NULL:
+        raise ValueError("describe_copies: no descriptor buffer")
+    plan_cursor_init(&cursor, n, merge)
+    # (the GIL is kept for small batches: releasing it costs more than they take)
+    if n < _KEEP_GIL_BELOW:
+        _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &pair_size,
+                       &total, &tiles, &k)
+    else:
+        with nogil:
+            _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &pair_size,
+                           &total, &tiles, &k)
+    if cursor.why:
+        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
+    out.count, out.total, out.tiles, out.fast, out.pair_size = k, total, tiles, fast, pair_size
+    return 0
+
+
 cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
                      uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast,
                      uint64_t* pair_size):
     """describe_copies over the given classifiers; *fast in: may the vectorised pass
     run, out: did it apply; *pair_size as for _describe_fast."""
-    cdef Py_ssize_t n = sizes.shape[0], k = 0
-    cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
-    cdef unsigned long long tiles = 0, total = 0
-    cdef PlanCursor cursor
+    cdef Py_ssize_t n = sizes.shape[0]
+    cdef Described out
     if src.shape[0] != n or dst.shape[0] != n:
         raise length_error(src.shape[0], dst.shape[0], n)
     if n == 0:
         pair_size[0] = 0
         return 0, 0, 0, -1, 0, -1, 0
-    if descs == NULL:
-        raise ValueError("describe_copies: no descriptor buffer")
-    plan_cursor_init(&cursor, n, merge)
-    with nogil:
-        if fast[0]:
-            fast[0] = _describe_fast(&src[0], &dst[0], &sizes[0], n, descs, sides, merge, &total,
-                                     &tiles, pair_size, &k)
-        else:
-            pair_size[0] = 0
-        if not fast[0]:
-            total = 0
-            while next_copy(&cursor, &src[0], &dst[0], &sizes[0]):
-                _describe_one(&descs[k], sides, cursor.src, cursor.dst, cursor.size, &tiles)
-                total += cursor.size
-                k += 1
-    if cursor.why:
-        raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
-    return k, total, sides[0].kinds, sides[0].ordinal, sides[1].kinds, sides[1].ordinal, tiles
+    out.fast, out.pair_size = fast[0], pair_size[0]
+    describe_raw(&src[0], &dst[0], &sizes[0], n, <void*>descs_out, merge, sides, &out)
+    fast[0], pair_size[0] = out.fast, out.pair_size
+    return (out.count, out.total, sides[0].kinds, sides[0].ordinal, sides[1].kinds,
+            sides[1].ordinal, out.tiles)
 
 
 def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,

@@ -11,3 +11,6 @@ cdef inline int check(CUresult status, Py_ssize_t index=-1) except -1 nogil:
     if status != 0:   # CUDA_SUCCESS
         raise_cuda_error(status, index)
     return 0
+
+
+cdef bint driver_ready() noexcept nogil   # init() succeeded: a real driver answers

@@ -55,6 +55,10 @@ cdef bint _initialized = False
 cdef int _driver_version = 0
 
 
+cdef bint driver_ready() noexcept nogil:
+    return _initialized
+
+
 def init() -> None:
     """Initialise the driver once; raise NoDriverError when libcuda is absent."""
     global _initialized, _driver_version

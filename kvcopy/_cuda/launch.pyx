@@ -81,6 +81,41 @@ def upload(uintptr_t device, uintptr_t host, size_t nbytes, uintptr_t stream) ->
         _upload(<CUdeviceptr>device, host, nbytes, stream)
 
 
+cdef int launch_inline(uintptr_t function, int per_launch, const kvcopy_desc* descs,
+                       Py_ssize_t n, unsigned int max_ctas, unsigned int threads,
+                       uintptr_t stream, int* launches) except -1 nogil:
+    """launch_descs_inline's launches, the arguments checked by the caller; adds the
+    number of launches to ``*launches``."""
+    cdef Py_ssize_t start = 0, j, count
+    cdef unsigned long long first, tiles
+    cdef void* params[1]
+    cdef kvcopy_inline_batch* batch = <kvcopy_inline_batch*>malloc(sizeof(kvcopy_inline_batch))
+    if batch == NULL:
+        with gil:
+            raise MemoryError()
+    params[0] = <void*>batch
+    try:
+        while start < n:
+            count = per_launch if n - start > per_launch else n - start
+            first = descs[start].tile_start
+            for j in range(count):
+                batch.descs[j] = descs[start + j]
+                batch.descs[j].tile_start -= first
+            tiles = (batch.descs[count - 1].tile_start
+                     + (batch.descs[count - 1].size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
+            batch.count = count
+            batch.total_tiles = tiles
+            if tiles > 0:
+                check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas),
+                                               1, 1, threads, 1, 1, 0, <CUstream>stream, params,
+                                               NULL))
+                launches[0] += 1
+            start += count
+    finally:
+        free(batch)
+    return 0
+
+
 def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs, Py_ssize_t n,
                         unsigned int max_ctas, unsigned int threads, uintptr_t stream) -> int:
     """Launch the copy kernel with ``n`` descriptors (from describe_copies) passed by value.
@@ -90,39 +125,13 @@ def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs
     the launch, so ``host_descs`` may be reused as soon as this returns and
     the launch is safe to capture. Returns the number of launches.
     """
-    cdef kvcopy_desc* descs = <kvcopy_desc*>host_descs
-    cdef Py_ssize_t start, j, count
-    cdef kvcopy_inline_batch* batch
-    cdef unsigned long long first, tiles
-    cdef void* params[1]
     cdef int launches = 0
     if per_launch <= 0 or per_launch > KVCOPY_INLINE_MAX:
         raise ValueError("launch_descs_inline: per_launch out of range")
     _check_launch_shape(max_ctas, threads)
-    batch = <kvcopy_inline_batch*>malloc(sizeof(kvcopy_inline_batch))
-    if batch == NULL:
-        raise MemoryError()
-    params[0] = <void*>batch
-    try:
-        with nogil:
-            start = 0
-            while start < n:
-                count = per_launch if n - start > per_launch else n - start
-                first = descs[start].tile_start
-                for j in range(count):
-                    batch.descs[j] = descs[start + j]
-                    batch.descs[j].tile_start -= first
-                tiles = (batch.descs[count - 1].tile_start
-                         + (batch.descs[count - 1].size + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
-                batch.count = count
-                batch.total_tiles = tiles
-                if tiles > 0:
-                    check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas),
-                                                   1, 1, threads, 1, 1, 0, <CUstream>stream, params, NULL))
-                    launches += 1
-                start += count
-    finally:
-        free(batch)
+    with nogil:
+        launch_inline(function, per_launch, <const kvcopy_desc*>host_descs, n, max_ctas,
+                      threads, stream, &launches)
     return launches
 
 
