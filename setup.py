@@ -142,7 +142,7 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
-CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "stage", "testing")
+CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "repeat", "stage", "testing")
 
 
 def extensions() -> list[Extension]:

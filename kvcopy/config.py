@@ -105,6 +105,15 @@ def _from_environment(name: str) -> int | bool | None:
     return value
 
 
+_changes = 0   # assignments to kvcopy.config so far (see changes())
+
+
+def changes() -> int:
+    """How many settings have been assigned so far: what was derived from the
+    settings under another count (kvcopy.remembered's launches) is stale."""
+    return _changes
+
+
 class Config:
     """kvcopy's tunables; change them on ``kvcopy.config``. Every assignment is
     checked (TypeError for a wrong type, ValueError for a value out of range).
@@ -195,10 +204,12 @@ class Config:
             object.__setattr__(self, name, _from_environment(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
+        global _changes
         if name not in _SETTINGS:
             raise AttributeError(f"kvcopy.config has no setting {name!r}; "
                                  f"settings: {', '.join(_SETTINGS)}")
         object.__setattr__(self, name, _validate(name, value))
+        _changes += 1
 
     def __repr__(self) -> str:
         values = ", ".join(f"{name}={getattr(self, name)!r}" for name in _SETTINGS)

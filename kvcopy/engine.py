@@ -9,7 +9,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, peers, policy, ring, staged, traffic
+from kvcopy import device, kernels, peers, policy, remembered, ring, staged, traffic
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
 from kvcopy.config import config
@@ -212,7 +212,7 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
 
 
 def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _HostScratch",
-                  max_ctas: int | None, pair_size: int = 0) -> None:
+                  max_ctas: int | None, pair_size: int = 0) -> tuple[int, int, int, int] | None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``
     (kvcopy_pair entries of copies of ``pair_size`` bytes each, where not 0).
 
@@ -224,7 +224,8 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     serving_probe.py d2d_descriptors). Multi-tile batches and copies between GPUs
     have their descriptors uploaded to the slot's device buffer first. Small batches and
     capture: descriptors by value, which graphs keep with the launch (and
-    which leave the slot free at once)."""
+    which leave the slot free at once); for those, returns what they were
+    launched with: (function, descriptors per launch, CTAs, threads)."""
     info, handle = target.info, target.handle
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     functions = kernel.scatter(target.decision.variant)
@@ -259,7 +260,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
                 launch.launch_descs(functions.staged, table + offset, n, slice_tiles[k], ctas,
                                     threads, handle, upload)
         ring.DescriptorRing.fence(slot, handle)
-        return
+        return None
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
     if count <= launch.INLINE_MAX_TINY:
         function, per_launch = functions.tiny, launch.INLINE_MAX_TINY
@@ -268,6 +269,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     else:
         function, per_launch = functions.inline, kernel.per_launch
     launch.launch_descs_inline(function, per_launch, slot.host, count, ctas, threads, handle)
+    return function, per_launch, ctas, threads
 
 
 def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
@@ -360,7 +362,13 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                                                 sizes, method,
                                                 device.thresholds(target.info.ordinal))
                 if staging is None:
-                    launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
+                    launched = launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
+                    if launched and merge and max_ctas is None and allow_batch:
+                        # (copy_batch's next call like this one launches in repeat)
+                        remembered.record(target, found, method, count, total_bytes, launched,
+                                          lambda recent: ask_policy(
+                                              target.info.ordinal, handle, method, count,
+                                              total_bytes, found, False, True, recent))
                     return "kernel"
     if staging is not None:   # (its descriptors go to a slot of their own)
         return run_staged(handle, [staging], target.info)
@@ -387,6 +395,11 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     if len(sizes) == 0 and len(src) == len(dst) == 0:
         return "none"
     handle = effective_handle(stream_handle)
+    if max_ctas is None and allow_batch:
+        decision = remembered.launch_again(src, dst, sizes, handle, method)
+        if decision is not None:
+            _last.decision = decision
+            return "kernel"
     try:
         with ContextScope(handle) as scope:
             return execute_copies(scope, handle, src, dst, sizes, method, True, access_any,

@@ -182,6 +182,12 @@ class CopyKernel:
         return ScatterFunctions(self.function_staged, self.function_pairs, self.function,
                                 self.function_small, self.function_tiny)
 
+    @functools.cached_property
+    def by_value(self) -> frozenset[int]:
+        """Every entry point that takes its descriptors by value."""
+        return frozenset((self.function, self.function_small, self.function_tiny,
+                          self.bulk.inline, self.bulk.small, self.bulk.tiny))
+
     def scatter(self, variant: str) -> ScatterFunctions:
         """The entry points of the copier a Decision's ``variant`` names ('bulk', or
         the register copier for anything else)."""
@@ -191,6 +197,13 @@ class CopyKernel:
 _lock = threading.Lock()
 _loaded: dict[int, CopyKernel] = {}
 _failed: dict[int, str] = {}
+
+
+def loaded_by_value(ctx: int) -> frozenset[int]:
+    """The entry points taking descriptors by value of the kernel loaded in context
+    ``ctx`` (none where it is not loaded there)."""
+    kernel = _loaded.get(ctx)
+    return frozenset() if kernel is None else kernel.by_value
 
 
 def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int) -> CopyKernel:

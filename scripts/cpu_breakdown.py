@@ -139,7 +139,7 @@ def swap_blocks_breakdown(stream) -> None:
 def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     """The steps of one call of ``count`` host-to-GPU copies (a decode step's batch):
     which of its ~11 us are Python, which the driver."""
-    from kvcopy import engine, kernels
+    from kvcopy import engine, kernels, remembered
     from kvcopy._cuda import driver as kv_drv
     from kvcopy.context import ContextScope
     from kvcopy.interop.streams import resolve_stream
@@ -155,6 +155,14 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     label = f"small {count}:"
     timed(f"{label} copy_batch, raw handle", lambda: kvcopy.copy_batch(s, d, sizes, stream=handle),
           sync=stream.synchronize)
+    replays = remembered.replayed()
+    timed(f"{label} copy_batch, decided afresh", lambda: (
+        remembered.forget(), kvcopy.copy_batch(s, d, sizes, stream=handle)),
+          sync=stream.synchronize)
+    assert remembered.replayed() == replays   # (each call above went the full path)
+    kvcopy.copy_batch(s, d, sizes, stream=handle)   # recorded again
+    timed(f"{label} remembered.launch_again", lambda: remembered.launch_again(
+        s, d, sizes, handle, "auto"), sync=stream.synchronize)
     timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))
 
@@ -183,6 +191,9 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     timed(f"{label} engine.launch_kernel", lambda: engine.launch_kernel(
         n, tiles, target, scratch, None), sync=stream.synchronize)
     timed(f"{label} execute_arrays", lambda: engine.execute_arrays(s, d, sizes, handle),
+          sync=stream.synchronize)
+    timed(f"{label} execute_arrays, decided afresh", lambda: (
+        remembered.forget(), engine.execute_arrays(s, d, sizes, handle)),
           sync=stream.synchronize)
 
 

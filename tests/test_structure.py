@@ -21,7 +21,7 @@ PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvc
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
     {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
-     "kvcopy.peers", "kvcopy.descriptors", "kvcopy.side_streams"},
+     "kvcopy.peers", "kvcopy.descriptors", "kvcopy.side_streams", "kvcopy.remembered"},
     {"kvcopy.engine", "kvcopy.both_ways", "kvcopy.staged"},
     {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing",
      "kvcopy.startup"},

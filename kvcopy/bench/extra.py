@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
+from kvcopy import remembered
 from kvcopy.bench.beside import EACH_CALL_ALONE, settings
 from kvcopy.bench.scenarios import Pools, last_copier, last_method
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
@@ -289,6 +290,12 @@ def small_batch_cases(counts: tuple[int, ...], block: int) -> Iterator[SmallBatc
                              handle, synchronize, contiguous)
 
 
+def _afresh(call: Callable[[], object]) -> object:
+    """``call`` with kvcopy's recorded small-batch launches forgotten first."""
+    remembered.forget()
+    return call()
+
+
 def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 300) -> Iterator[dict]:
     """What a decode step issues: tens of blocks. Call-to-completion wall time (the
     call, then cuStreamSynchronize, from an idle stream), median of ``repeats``,
@@ -299,6 +306,9 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
             cases[method] = functools.partial(kvcopy.copy_batch, *batch.ptrs,
                                               stream=batch.handle,
                                               method=cast(RequestedMethod, method))
+        # the same call without its recorded launch (kvcopy.remembered): what a
+        # batch of a shape not seen before costs
+        cases["kernel, decided afresh"] = functools.partial(_afresh, cases["kernel"])
         walls, chose, copier = {}, {}, {}
         for name, fn in cases.items():
             walls[name] = call_to_completion_us(fn, batch.synchronize, repeats=repeats)

@@ -1,0 +1,92 @@
+"""Small batches that repeat one launched before go straight to their launch.
+
+A decode step's copy_batch calls repeat: tens of blocks, the same stream and
+pools, the same policy answer every time. The full path costs a 16-copy batch
+about 14 µs of CPU on an H200's host, of which the launch is 4-5 and the rest
+Python (context, classification, the remembered decision, the launch's
+arguments), all of it before the copy can start (h200-cpu-overhead-*.txt,
+'small 16'). So after the full path launches a batch of at most
+repeat.MAX_COPIES copies by value, it records here what it launched; the next
+call describes its batch in C (every copy checked and classified, as always) and,
+where context, stream, method, memory kinds, planned copies and bytes match a
+record, launches it there. What the policy reads beyond that key is part of
+the record's epoch (settings assigned, device facts changed: epoch()); the
+traffic of the other direction is read only for 'auto' with
+config.traffic_window_ms set, and a batch whose decision would differ with it
+is never recorded. last_decision() reports the recorded decision.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from kvcopy import device, kernels, traffic
+from kvcopy._cuda import repeat
+from kvcopy.config import changes, config
+from kvcopy.policy import Decision
+
+# the methods whose batches are recorded, as repeat's keys take them
+METHODS = {"auto": 1, "kernel": 2}
+MAX_COPIES: int = repeat.MAX_COPIES
+forget = repeat.forget          # drop every record
+replayed = repeat.replayed      # batches launched from a record so far
+
+
+class Decided(Protocol):
+    """What record() reads of engine.Target."""
+
+    @property
+    def handle(self) -> int: ...
+    @property
+    def info(self) -> Any: ...
+    @property
+    def request(self) -> Any: ...
+    @property
+    def decision(self) -> Decision: ...
+
+    def launch_shape(self, max_ctas: int | None) -> tuple[int, int]: ...
+
+
+def epoch() -> int:
+    """Changes with every setting assigned and every device fact the policy reads."""
+    return device.generation << 32 | changes()
+
+
+def launch_again(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
+                 method: str) -> Decision | None:
+    """Launch a batch that repeats a recorded one and return its recorded decision;
+    None where nothing was enqueued (the full path must run)."""
+    code = METHODS.get(method)
+    if code is None or len(sizes) > MAX_COPIES:
+        return None
+    return repeat.launch_again(src, dst, sizes, handle, code, epoch())
+
+
+def record(target: Decided, found: Any, method: str, count: int, total_bytes: int,
+           launched: tuple[int, int, int, int],
+           other_way: Callable[[bool], Decided]) -> bool:
+    """Record a batch the full path just launched by value (``launched``: function,
+    descriptors per launch, CTAs, threads) under ``target`` (engine.Target) for
+    ``found`` (engine.MemoryClasses). ``other_way(recent)`` is the Target the
+    policy gives with the other direction's traffic answered ``recent``: where that
+    differs from ``target``, nothing is recorded. Returns whether it recorded."""
+    code = METHODS.get(method)
+    request = target.request
+    if code is None or request.capturing or count > MAX_COPIES:
+        return False
+    noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
+    if noting and code == METHODS["auto"]:
+        other = other_way(not request.other_way_recent)
+        if (other.decision != target.decision
+                or other.launch_shape(None) != target.launch_shape(None)):
+            return False
+    # only the copy kernel kvcopy loaded in this context is ever replayed
+    ctx = repeat.current_context()
+    if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
+        return False
+    repeat.remember(ctx, target.handle, epoch(), code, found.src_kinds, found.src_device,
+                    found.dst_kinds, found.dst_device, count, total_bytes, *launched,
+                    target.decision,
+                    (traffic.note, target.info.ordinal, request.direction) if noting else None)
+    return True
