@@ -2,6 +2,7 @@
 remembered per question), and issues the batch by the chosen method."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ class Target:
     decision: Decision
     host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
     both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
+    # the same decision whichever way the other direction's traffic was answered
+    # (kvcopy.remembered replays only such batches' launches)
+    traffic_free: bool = True
 
     def launch_shape(self, max_ctas: int | None) -> tuple[int, int]:
         """CTAs and threads per CTA of a scatter launch by the decided copier."""
@@ -177,6 +181,12 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
                             allow_batch, recent, direction)
+        if method == "auto" and direction is not None:   # (traffic was part of the question)
+            other = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
+                               allow_batch, not recent, direction)
+            if (other.decision != target.decision
+                    or other.launch_shape(None) != target.launch_shape(None)):
+                target = dataclasses.replace(target, traffic_free=False)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target
@@ -365,10 +375,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                     launched = launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
                     if launched and merge and max_ctas is None and allow_batch:
                         # (copy_batch's next call like this one launches in repeat)
-                        remembered.record(target, found, method, count, total_bytes, launched,
-                                          lambda recent: ask_policy(
-                                              target.info.ordinal, handle, method, count,
-                                              total_bytes, found, False, True, recent))
+                        remembered.record(target, found, method, count, total_bytes, launched)
                     return "kernel"
     if staging is not None:   # (its descriptors go to a slot of their own)
         return run_staged(handle, [staging], target.info)

@@ -13,11 +13,12 @@ record, launches it there. What the policy reads beyond that key is part of
 the record's epoch (settings assigned, device facts changed: epoch()); the
 traffic of the other direction is read only for 'auto' with
 config.traffic_window_ms set, and a batch whose decision would differ with it
-is never recorded. last_decision() reports the recorded decision.
+(engine.Target.traffic_free) is never recorded. Replays note their own traffic,
+as the full path does. last_decision() reports the recorded decision.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,6 +45,8 @@ class Decided(Protocol):
     def request(self) -> Any: ...
     @property
     def decision(self) -> Decision: ...
+    @property
+    def traffic_free(self) -> bool: ...
 
     def launch_shape(self, max_ctas: int | None) -> tuple[int, int]: ...
 
@@ -64,23 +67,17 @@ def launch_again(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: in
 
 
 def record(target: Decided, found: Any, method: str, count: int, total_bytes: int,
-           launched: tuple[int, int, int, int],
-           other_way: Callable[[bool], Decided]) -> bool:
+           launched: tuple[int, int, int, int]) -> bool:
     """Record a batch the full path just launched by value (``launched``: function,
     descriptors per launch, CTAs, threads) under ``target`` (engine.Target) for
-    ``found`` (engine.MemoryClasses). ``other_way(recent)`` is the Target the
-    policy gives with the other direction's traffic answered ``recent``: where that
-    differs from ``target``, nothing is recorded. Returns whether it recorded."""
+    ``found`` (engine.MemoryClasses). A target whose decision depends on the other
+    direction's traffic (not ``traffic_free``) is not recorded. Returns whether it
+    recorded."""
     code = METHODS.get(method)
     request = target.request
-    if code is None or request.capturing or count > MAX_COPIES:
+    if code is None or request.capturing or count > MAX_COPIES or not target.traffic_free:
         return False
     noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
-    if noting and code == METHODS["auto"]:
-        other = other_way(not request.other_way_recent)
-        if (other.decision != target.decision
-                or other.launch_shape(None) != target.launch_shape(None)):
-            return False
     # only the copy kernel kvcopy loaded in this context is ever replayed
     ctx = repeat.current_context()
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):

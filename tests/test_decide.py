@@ -134,3 +134,23 @@ def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
     monkeypatch.setattr(config, "stores_by_dma", False)
     assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     assert len(asked) == 2   # the first answer was remembered
+
+
+@pytest.mark.parametrize("block, method, free", [
+    (256 << 10, "auto", False),    # the copy engines while the other way copies, else the kernel
+    (16 << 10, "auto", True),      # the kernel either way
+    (256 << 10, "kernel", True),   # asked for: traffic is not part of the question
+])
+def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block, method, free):
+    """kvcopy.remembered replays only launches whose decision the other direction's
+    traffic cannot change (Target.traffic_free), asked once per question."""
+    from kvcopy import config, traffic
+
+    monkeypatch.setattr(config, "traffic_window_ms", 50)
+    traffic.forget()
+    target = engine.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    again = engine.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    traffic.forget()
+    assert target.decision.method == "kernel" and again is target
+    assert target.traffic_free is free
+    assert len(asked) == (1 if method != "auto" else 2)   # the other answer asked on a miss only

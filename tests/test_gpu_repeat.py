@@ -22,13 +22,23 @@ BLOCK = 16 * KiB
 POOL_BLOCKS = 256
 
 
+_baseline = [0]
+
+
 @pytest.fixture(autouse=True)
 def fresh_records():
     remembered.forget()
     traffic.forget()
+    _baseline[0] = remembered.replayed()
     yield
     remembered.forget()
     traffic.forget()
+
+
+def replays() -> int:
+    """Batches replayed since the test began (remembered.replayed() counts for the
+    process)."""
+    return remembered.replayed() - _baseline[0]
 
 
 class Pools:
@@ -93,12 +103,12 @@ def test_repeated_small_batches_replay_and_copy_their_own_blocks(torch_cuda, dir
     first = kvcopy.copy_batch(s, d, sizes, stream=stream, method=method)
     decided = kvcopy.last_decision()
     pools.check(s_ids, d_ids)
-    assert first == "kernel" and remembered.replayed() == 0
+    assert first == "kernel" and replays() == 0
     for step in range(1, 6):      # new blocks every step, the same shape
         s, d, sizes, s_ids, d_ids = pools.batch(rng, count)
         assert kvcopy.copy_batch(s, d, sizes, stream=stream, method=method) == "kernel"
         assert kvcopy.last_decision() == decided
-        assert remembered.replayed() == step
+        assert replays() == step
         pools.check(s_ids, d_ids)
 
 
@@ -113,10 +123,10 @@ def test_a_replay_checks_every_copy_first(torch_cuda):
             kvcopy.copy_batch(s, d, sizes, stream=stream)
     torch.cuda.synchronize()
     assert bool((pools.dst == 7).all())            # nothing was written
-    assert remembered.replayed() == 0
+    assert replays() == 0
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)   # and the record still serves
-    assert remembered.replayed() == 1
+    assert replays() == 1
     pools.check(s_ids, d_ids)
 
 
@@ -127,7 +137,7 @@ def test_memory_of_another_kind_is_not_replayed(torch_cuda):
     pageable = pools.src.numpy().copy()
     s = np.uint64(pageable.ctypes.data) + s_ids * np.uint64(BLOCK)
     used = kvcopy.copy_batch(s, d, sizes, stream=stream)
-    assert used in ("batch", "loop") and remembered.replayed() == 0
+    assert used in ("batch", "loop") and replays() == 0
     pools.check(s_ids, d_ids)
 
 
@@ -137,12 +147,12 @@ def test_a_capturing_stream_is_not_replayed(torch_cuda):
     s, d, sizes, *_ = pools.batch(rng, 16)
     with torch.cuda.stream(stream):
         kvcopy.copy_batch(s, d, sizes, stream=stream)    # a warm-up replayed
-    assert remembered.replayed() == 1
+    assert replays() == 1
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         assert kvcopy.copy_batch(s, d, sizes, stream=stream) == "kernel"
-    assert remembered.replayed() == 1
+    assert replays() == 1
     pools.dst.zero_()
     graph.replay()
     pools.check(s_ids, d_ids)
@@ -152,15 +162,15 @@ def test_a_setting_changed_is_not_replayed(torch_cuda, monkeypatch):
     pools, stream, rng = recorded(torch_cuda, "h2d", seed=8)
     s, d, sizes, *_ = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
-    assert remembered.replayed() == 1
+    assert replays() == 1
     monkeypatch.setattr(kvcopy.config, "host_ctas", 1)
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
-    assert remembered.replayed() == 1                # decided again under the new setting
+    assert replays() == 1                # decided again under the new setting
     pools.check(s_ids, d_ids)
     s, d, sizes, *_ = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
-    assert remembered.replayed() == 2
+    assert replays() == 2
 
 
 def test_a_batch_the_other_way_would_move_is_never_replayed(torch_cuda):
@@ -178,12 +188,12 @@ def test_a_batch_the_other_way_would_move_is_never_replayed(torch_cuda):
         assert kvcopy.copy_batch(s, d, sizes, stream=load_stream) == "kernel"
         torch.cuda.synchronize()
         traffic.forget()
-    assert remembered.replayed() == 0
+    assert replays() == 0
     ss, sd, ssizes, *_ = store.batch(rng, 16)
     kvcopy.copy_batch(ss, sd, ssizes, stream=store_stream)
     s, d, sizes, s_ids, d_ids = load.batch(rng, 16)
     assert kvcopy.copy_batch(s, d, sizes, stream=load_stream) == "batch"
-    assert remembered.replayed() == 0
+    assert replays() == 0
     load.check(s_ids, d_ids)
 
 
@@ -199,12 +209,12 @@ def test_a_replayed_load_still_counts_as_traffic(torch_cuda):
     for _ in range(2):
         s, d, sizes, *_ = load.batch(rng, 127)
         kvcopy.copy_batch(s, d, sizes, stream=load_stream)
-    assert remembered.replayed() == 1
+    assert replays() == 1
     ss, sd, ssizes, *_ = store.batch(rng, 4)      # 1 MiB against the load's ~2 MiB
     traffic.forget()
     s, d, sizes, *_ = load.batch(rng, 127)
     kvcopy.copy_batch(s, d, sizes, stream=load_stream)   # replayed: the only note
-    assert remembered.replayed() == 2
+    assert replays() == 2
     assert kvcopy.copy_batch(ss, sd, ssizes, stream=store_stream) == "batch"
     torch.cuda.synchronize()
 
@@ -233,7 +243,7 @@ def test_threads_replaying_on_their_own_streams(torch_cuda):
     for t in threads:
         t.join()
     assert not failures, failures
-    assert remembered.replayed() == 4 * 39   # all but each thread's first
+    assert replays() == 4 * 39   # all but each thread's first
 
 
 @pytest.mark.parametrize("stream", [None, 0, 1, 2])
@@ -245,5 +255,5 @@ def test_the_default_streams_replay(torch_cuda, stream):
     for step in range(4):
         s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
         assert kvcopy.copy_batch(s, d, sizes, stream=stream) == "kernel"
-        assert remembered.replayed() == step
+        assert replays() == step
         pools.check(s_ids, d_ids)

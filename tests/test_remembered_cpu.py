@@ -77,12 +77,12 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
             other_way_recent = False
 
         decision = Decision("kernel", "test")
+        traffic_free = True
 
     class Found:
         src_kinds, src_device, dst_kinds, dst_device = 2, -1, 1, 0
 
-    recorded = remembered.record(Target, Found, "kernel", 16, 16 * 16384,
-                                 (0xBAD, 31, 4, 512), lambda recent: Target)
+    recorded = remembered.record(Target, Found, "kernel", 16, 16 * 16384, (0xBAD, 31, 4, 512))
     assert recorded is False
     assert repeat.remembered() == 0
 
