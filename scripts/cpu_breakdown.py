@@ -163,6 +163,14 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     kvcopy.copy_batch(s, d, sizes, stream=handle)   # recorded again
     timed(f"{label} remembered.launch_again", lambda: remembered.launch_again(
         s, d, sizes, handle, "auto"), sync=stream.synchronize)
+    # what a batch that matches no record costs there: another shape (no describe),
+    # and the same bytes from pageable memory (described, then no match)
+    timed(f"{label} launch_again, other bytes", lambda: remembered.launch_again(
+        s[1:], d[1:], sizes[1:], handle, "auto"))
+    pageable = np.empty(2 * count * block, dtype=np.uint8)
+    s_pageable = (s - np.uint64(host.data_ptr())) + np.uint64(pageable.ctypes.data)
+    timed(f"{label} launch_again, other memory", lambda: remembered.launch_again(
+        s_pageable, d, sizes, handle, "auto"))
     timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))
 

@@ -257,3 +257,30 @@ def test_the_default_streams_replay(torch_cuda, stream):
         assert kvcopy.copy_batch(s, d, sizes, stream=stream) == "kernel"
         assert replays() == step
         pools.check(s_ids, d_ids)
+
+
+def test_other_shapes_and_merged_copies_are_told_apart(torch_cuda):
+    """A record of 16 copies does not serve 15 copies, nor 16 copies of which two
+    continue each other (planned as 15, the same bytes); each gets its own record,
+    and the merged one replays with its blocks right."""
+    torch = torch_cuda
+    pools, stream, rng = recorded(torch, "h2d", seed=40)
+    s, d, sizes, s_ids, d_ids = pools.batch(rng, 15)
+    kvcopy.copy_batch(s, d, sizes, stream=stream)
+    assert replays() == 0
+    pools.check(s_ids, d_ids)
+
+    def merged_batch():
+        s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
+        while s_ids[3] + 1 >= POOL_BLOCKS or d_ids[3] + 1 >= POOL_BLOCKS \
+                or s_ids[3] + 1 in s_ids or d_ids[3] + 1 in d_ids:
+            s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
+        s_ids[4], d_ids[4] = s_ids[3] + 1, d_ids[3] + 1      # copy 4 continues copy 3
+        s[4], d[4] = s[3] + np.uint64(BLOCK), d[3] + np.uint64(BLOCK)
+        return s, d, sizes, s_ids, d_ids
+
+    for expected in (0, 1, 2):
+        s, d, sizes, s_ids, d_ids = merged_batch()
+        kvcopy.copy_batch(s, d, sizes, stream=stream)
+        assert replays() == expected
+        pools.check(s_ids, d_ids)

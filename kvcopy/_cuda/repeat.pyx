@@ -140,6 +140,26 @@ cdef int _find(uintptr_t ctx, uintptr_t stream, long long epoch, int method, int
     return -1
 
 
+cdef bint _may_match(uintptr_t stream, long long epoch, int method,
+                     const uint64_t* sizes, Py_ssize_t n) noexcept:
+    """Whether a record could match a batch of these ``n`` sizes, before it is
+    described: same stream, method and epoch, the same bytes (merging and dropping
+    empty copies keep them) and no more planned copies than given. A batch of a
+    shape not seen before then costs no driver call and no describe pass here."""
+    cdef unsigned long long total = 0
+    cdef Py_ssize_t i
+    cdef int k
+    cdef _Key* key
+    for i in range(n):
+        total += sizes[i]
+    for k in range(_used):
+        key = &_kept[k].key
+        if (key.stream == stream and key.epoch == epoch and key.method == method
+                and key.total_bytes == total and key.count <= n):
+            return True
+    return False
+
+
 cdef bint _may_run_here(uintptr_t stream, CUcontext* ctx) noexcept:
     """The current context, where the batch would run in it (a created stream of
     that context, or a default stream), and the stream is not capturing."""
@@ -184,6 +204,7 @@ def launch_again(object src, object dst, object sizes, uintptr_t stream, int met
             try:
                 n = bz.len // 8
                 if (bs.len != bz.len or bd.len != bz.len or n < 1 or n > KVCOPY_INLINE_MAX_SMALL
+                        or not _may_match(stream, epoch, method, <const uint64_t*>bz.buf, n)
                         or not _may_run_here(stream, &ctx)):
                     return None
                 classifier_init(&sides[0], n)
