@@ -50,7 +50,11 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     in any mix; they and the sizes may be sequences of ints, NumPy integer
     arrays, CPU torch tensors or buffers. Everything is validated before any
     copy is enqueued; zero-size copies are dropped and copies that continue
-    each other on both sides are merged.
+    each other on both sides are merged. A batch of up to 127 copies shaped like
+    one launched before (same stream, method, kinds of memory, copies after
+    merging and bytes, under the same settings) goes straight to the launch
+    recorded for it (kvcopy.remembered): still checked copy by copy, several
+    microseconds of CPU sooner.
 
     Args:
         stream: any stream kvcopy.resolve_stream accepts. None means the
