@@ -305,3 +305,84 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
     assert call(max_ctas=4) == "kernel"
     assert call(src=host[::-1].copy()) == "kernel"
     assert not handed
+
+
+class Remembered:
+    """kvcopy.remembered as the engine calls it: what it was asked to record, and
+    the decision launch_again answers with (None: no record matches)."""
+
+    MAX_COPIES = kv_launch.INLINE_MAX_SMALL
+
+    def __init__(self, replay=None) -> None:
+        self.recorded: list[tuple] = []
+        self.asked: list[int] = []
+        self.replay = replay
+
+    def record(self, target, found, method, count, total_bytes, launched) -> bool:
+        self.recorded.append((method, count, total_bytes, launched))
+        return True
+
+    def launch_again(self, src, dst, sizes, handle, method):
+        self.asked.append(len(sizes))
+        return self.replay
+
+
+@pytest.mark.parametrize("merge, max_ctas, allow_batch, count, recorded", [
+    (True, None, True, 16, True),       # copy_batch's small batch: recorded
+    (True, None, True, 127, True),      # the 4 KiB variant
+    (False, None, True, 16, False),     # a planned batch (execute): copy_batch never replays it
+    (True, 3, True, 16, False),         # a CTA limit asked for
+    (True, None, False, 16, False),     # batched DMA ruled out: another question
+    (True, None, True, 2000, False),    # the descriptor table in a slot: no launch by value
+])
+def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypatch, merge,
+                                                            max_ctas, allow_batch, count,
+                                                            recorded):
+    fake_cuda(HOST_TO_GPU, 0)
+    memory = Remembered()
+    monkeypatch.setattr(engine, "remembered", memory)
+    src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    sizes = np.full(count, 4096, dtype=np.uint64)
+    assert engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+                                 sizes, "auto", merge, False, max_ctas, allow_batch) == "kernel"
+    function = 7 if count <= kv_launch.INLINE_MAX_TINY else 6    # tiny, small (CopyKernel above)
+    per_launch = (kv_launch.INLINE_MAX_TINY if count <= kv_launch.INLINE_MAX_TINY
+                  else kv_launch.INLINE_MAX_SMALL)
+    ctas, threads = policy.HOST_CTAS["h2d"], engine.config.threads_per_cta
+    assert memory.recorded == ([("auto", count, count * 4096, (function, per_launch, ctas,
+                                                                threads))]
+                               if recorded else [])
+
+
+class EnteredScope(FakeScope):
+    def __init__(self, handle: int) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.mark.parametrize("replay", [None, policy.Decision("kernel", "remembered")])
+def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
+    fake = fake_cuda(HOST_TO_GPU, 0)
+    memory = Remembered(replay)
+    monkeypatch.setattr(engine, "remembered", memory)
+    monkeypatch.setattr(engine, "ContextScope", EnteredScope)
+    src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    sizes = np.full(16, 4096, dtype=np.uint64)
+    engine._last.decision = None
+    assert engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234) == "kernel"
+    assert memory.asked == [16]
+    if replay is not None:       # replayed: nothing described or launched here
+        assert fake.calls == [] and engine.last_decision() is replay
+    else:                        # the full path, which records its launch
+        assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
+        assert len(memory.recorded) == 1
+    # a CTA limit, or batched DMA ruled out, is another question: never replayed
+    memory.asked.clear()
+    engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, max_ctas=2)
+    engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, allow_batch=False)
+    assert memory.asked == []
