@@ -124,8 +124,9 @@ class Target:
     host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
     both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
     # the same decision whichever way the other direction's traffic was answered
-    # (kvcopy.remembered replays only such batches' launches)
-    traffic_free: bool = True
+    # (kvcopy.remembered replays only such batches' launches); None: not asked,
+    # as for batches too large ever to be recorded
+    traffic_free: bool | None = True
 
     def launch_shape(self, max_ctas: int | None) -> tuple[int, int]:
         """CTAs and threads per CTA of a scatter launch by the decided copier."""
@@ -181,12 +182,16 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
                             allow_batch, recent, direction)
-        if method == "auto" and direction is not None:   # (traffic was part of the question)
-            other = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                               allow_batch, not recent, direction)
-            if (other.decision != target.decision
-                    or other.launch_shape(None) != target.launch_shape(None)):
-                target = dataclasses.replace(target, traffic_free=False)
+        # (traffic was part of the question; asked again only where a replay could follow)
+        if method == "auto" and direction is not None:
+            if count > remembered.MAX_COPIES:
+                target = dataclasses.replace(target, traffic_free=None)
+            else:
+                other = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
+                                   allow_batch, not recent, direction)
+                if (other.decision != target.decision
+                        or other.launch_shape(None) != target.launch_shape(None)):
+                    target = dataclasses.replace(target, traffic_free=False)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target

@@ -154,3 +154,17 @@ def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block
     assert target.decision.method == "kernel" and again is target
     assert target.traffic_free is free
     assert len(asked) == (1 if method != "auto" else 2)   # the other answer asked on a miss only
+
+
+def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
+    """Whether traffic could change the answer matters only to replays, so a batch
+    larger than any record is asked once, and says it was not asked."""
+    from kvcopy import config, remembered, traffic
+
+    monkeypatch.setattr(config, "traffic_window_ms", 50)
+    traffic.forget()
+    count = remembered.MAX_COPIES + 1
+    target = engine.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)
+    traffic.forget()
+    assert target.decision.method == "kernel" and target.traffic_free is None
+    assert len(asked) == 1
