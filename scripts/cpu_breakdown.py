@@ -6,6 +6,7 @@ describe pass (into pinned and into pageable memory), and the whole call.
 """
 from __future__ import annotations
 
+import ctypes
 import resource
 import types
 import statistics
@@ -58,6 +59,12 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     timed("describe_compact -> pinned", lambda: kv_describe.describe_compact(s, d, sizes, pinned))
     timed("describe_copies -> pageable", lambda: kv_describe.describe_copies(s, d, sizes,
                                                                           pageable.ctypes.data))
+    # the least any describe pass must do: read both pointer arrays, store 16-byte pairs
+    timed("floor: min+max of src and dst", lambda: (s.min(), s.max(), d.min(), d.max()))
+    pairs = np.frombuffer((ctypes.c_uint64 * (2 * plan.count)).from_address(pinned),
+                          dtype=np.uint64).reshape(plan.count, 2)
+    timed("floor: pairs stored to pinned", lambda: (pairs[:, 0].__setitem__(slice(None), s),
+                                                    pairs[:, 1].__setitem__(slice(None), d)))
     general = np.array([[0, 1, 0, -1, 0]], dtype=np.int64)  # seeds nothing the batch uses
     timed("describe, general loop -> pinned", lambda: kv_testing.describe_copies_in(
         general, s, d, sizes, pinned, True, False))
