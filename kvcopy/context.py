@@ -62,7 +62,9 @@ class ContextScope:
 
 class PerContext(Generic[T]):
     """One ``create()`` per CUDA context, made on first use in that context and kept
-    for the process (descriptor rings, kvcopy's side stream). Threads racing on a
+    for the process (descriptor rings, kvcopy's side stream). A context destroyed
+    and made again (a primary context reset) is a new one, even under its old
+    handle: what was made for the old one went with it. Threads racing on a
     first use get the same one, and nothing is created twice (a duplicate would
     hold driver resources no one frees)."""
 
@@ -73,7 +75,7 @@ class PerContext(Generic[T]):
 
     def current(self) -> T:
         """The one for the calling thread's current context."""
-        ctx = driver.current_context()
+        ctx = driver.current_context_key()   # (not the handle: a reset reuses it)
         item = self._items.get(ctx)   # entries are only ever added: found without the lock
         if item is None:
             with self._lock:

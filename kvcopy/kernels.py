@@ -195,13 +195,16 @@ class CopyKernel:
 
 
 _lock = threading.Lock()
+# by driver.current_context_key: a context made again under an old handle (after a
+# reset) must load its own module, the old one's being gone with it
 _loaded: dict[int, CopyKernel] = {}
 _failed: dict[int, str] = {}
 
 
 def loaded_by_value(ctx: int) -> frozenset[int]:
-    """The entry points taking descriptors by value of the kernel loaded in context
-    ``ctx`` (none where it is not loaded there)."""
+    """The entry points taking descriptors by value of the kernel loaded in the
+    context of key ``ctx`` (driver.current_context_key; none where it is not loaded
+    there)."""
     kernel = _loaded.get(ctx)
     return frozenset() if kernel is None else kernel.by_value
 
@@ -212,7 +215,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
     Raises:
         KernelUnavailable: NVRTC missing, compilation failed, or the module failed to load.
     """
-    ctx = driver.current_context()
+    ctx = driver.current_context_key()
     kernel = _loaded.get(ctx)  # entries are only ever added: no lock needed to find one
     if kernel is not None:
         return kernel

@@ -12,7 +12,7 @@ from kvcopy.errors import KVCopyError
 
 log = logging.getLogger("kvcopy")
 _lock = threading.Lock()
-_attempted: set[tuple[int, int]] = set()   # (context, peer device) asked once each
+_attempted: set[tuple[int, int]] = set()   # (context key, peer device) asked once each
 _enabled_here: set[tuple[int, int]] = set()  # ... where access is now enabled
 
 
@@ -37,7 +37,7 @@ def enable_for(here: int, peers: Iterable[int]) -> bool:
     must be classified again)."""
     if not config.enable_peer_access:
         return False
-    ctx = driver.current_context()
+    ctx = driver.current_context_key()   # (a reset context must enable access again)
     changed = False
     with _lock:
         for peer in peers:
@@ -66,7 +66,7 @@ def why_unreachable(here: int, peers: Iterable[int]) -> str:
         if not driver.can_access_peer(here, peer):
             return (f"memory of device {peer}, which device {here} cannot access "
                     f"(cuDeviceCanAccessPeer is 0: no peer-to-peer path between them)")
-        if (driver.current_context(), peer) not in _enabled_here:
+        if (driver.current_context_key(), peer) not in _enabled_here:
             if not config.enable_peer_access:
                 return (f"memory of device {peer}, and kvcopy.config.enable_peer_access is False: "
                         f"kvcopy neither enables peer access from device {here} nor can ask the "

@@ -79,7 +79,7 @@ def record(target: Decided, found: Any, method: str, count: int, total_bytes: in
         return False
     noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
     # only the copy kernel kvcopy loaded in this context is ever replayed
-    ctx = repeat.current_context()
+    ctx = repeat.current_context_key()
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
     repeat.remember(ctx, target.handle, epoch(), code, found.src_kinds, found.src_device,

@@ -16,7 +16,7 @@ class FakeDriver:
     def device_count(self):
         return self.count
 
-    def current_context(self):
+    def current_context_key(self):
         return 0xC0
 
     def can_access_peer(self, here, peer):

@@ -165,7 +165,7 @@ def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
     from kvcopy import context
 
     current = threading.local()
-    monkeypatch.setattr(context.driver, "current_context", lambda: getattr(current, "ctx", 7))
+    monkeypatch.setattr(context.driver, "current_context_key", lambda: getattr(current, "ctx", 7))
     made: list[int] = []
     gate = threading.Barrier(8)
 

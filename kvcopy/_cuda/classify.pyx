@@ -12,6 +12,8 @@ from libc.stdlib cimport malloc, free
 from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport CUdeviceptr, CUdevice, CUcontext, CUpointer_attribute
 
+from kvcopy._cuda.driver cimport context_key
+
 KIND_DEVICE = _KIND_DEVICE
 KIND_HOST_MAPPED = _KIND_HOST_MAPPED
 KIND_HOST_UNMAPPED = _KIND_HOST_UNMAPPED
@@ -23,18 +25,18 @@ KIND_PEER_UNMAPPED = _KIND_PEER_UNMAPPED
 WIDEN_BUDGET = _WIDEN_BUDGET
 
 
-# (context, peer device) pairs between which peer access is known to be enabled:
+# (context key, peer device) pairs between which peer access is known to be enabled:
 # entered by kvcopy.peers, which enables it (or learns that it already was).
 # Entries are written before the count grows, so GIL-free readers see whole ones.
 cdef enum:
     _PEER_TABLE = 256
-cdef uintptr_t _peer_ctx[_PEER_TABLE]
+cdef unsigned long long _peer_ctx[_PEER_TABLE]   # driver.context_key's
 cdef int _peer_dev[_PEER_TABLE]
 cdef int _peer_count = 0
 
 
-def note_peer_access(uintptr_t ctx, int peer) -> None:
-    """Record that context ``ctx`` may access device ``peer``'s memory (its primary
+def note_peer_access(unsigned long long ctx, int peer) -> None:
+    """Record that the context of key ``ctx`` (driver.current_context_key) may access device ``peer``'s memory (its primary
     context's cuMemAlloc allocations). Callers serialise (kvcopy.peers' lock)."""
     global _peer_count
     cdef int i
@@ -47,7 +49,7 @@ def note_peer_access(uintptr_t ctx, int peer) -> None:
         _peer_count += 1
 
 
-cdef bint _peer_enabled(uintptr_t ctx, int peer) noexcept nogil:
+cdef bint _peer_enabled(unsigned long long ctx, int peer) noexcept nogil:
     cdef int i
     for i in range(_peer_count):
         if _peer_ctx[i] == ctx and _peer_dev[i] == peer:
@@ -67,7 +69,7 @@ cdef int _device_kind(uint64_t ptr, int ordinal) noexcept nogil:
     if cydriver.cuCtxGetDevice(&here) != cydriver.CUDA_SUCCESS or <int>here == ordinal:
         return _KIND_DEVICE
     if (cydriver.cuCtxGetCurrent(&ctx) != cydriver.CUDA_SUCCESS
-            or not _peer_enabled(<uintptr_t>ctx, ordinal)):
+            or not _peer_enabled(context_key(ctx), ordinal)):
         return _KIND_PEER_UNMAPPED
     if cydriver.cuPointerGetAttribute(&flags, cydriver.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
                                       <CUdeviceptr>ptr) != cydriver.CUDA_SUCCESS:

@@ -130,6 +130,31 @@ def current_context() -> int:
     return <uintptr_t>ctx
 
 
+cdef unsigned long long context_key(CUcontext ctx) noexcept nogil:
+    # A primary context reset (cuDevicePrimaryCtxReset, Numba's cuda.close(),
+    # cudaDeviceReset) destroys the context, and the one retained next comes back
+    # under the same handle: only its id (cuCtxGetId, unique for the process's
+    # life) tells it from the old one, whose modules and memory are gone. Id + 1,
+    # so that 0 stays "no context".
+    cdef unsigned long long ident = 0
+    if ctx == NULL:
+        return 0
+    if cydriver.cuCtxGetId(ctx, &ident) != cydriver.CUDA_SUCCESS:
+        return <uintptr_t>ctx   # (no ids before CUDA 12.0: the handle is all there is)
+    return ident + 1
+
+
+def current_context_key() -> int:
+    """A key of the calling thread's current context that no other context of the
+    process ever has, even one made again under the same handle after a reset;
+    0 when there is none. Per-context state (loaded kernels, rings, peer access,
+    recorded launches) is kept under it."""
+    init()
+    cdef CUcontext ctx = NULL
+    check(cydriver.cuCtxGetCurrent(&ctx))
+    return context_key(ctx)
+
+
 def context_device() -> int:
     """Ordinal of the current context's device."""
     cdef CUdevice dev

@@ -6,7 +6,7 @@ import numpy as np
 MAX_COPIES: int
 KEPT: int
 
-def current_context() -> int: ...
+def current_context_key() -> int: ...
 def remember(ctx: int, stream: int, epoch: int, method: int, src_kinds: int, src_device: int,
              dst_kinds: int, dst_device: int, count: int, total_bytes: int, function: int,
              per_launch: int, ctas: int, threads: int, decision: Any,

@@ -23,7 +23,7 @@ from cuda.bindings.cydriver cimport CUcontext, CUstream, CUstreamCaptureStatus
 from kvcopy._cuda.classify cimport _Classifier, classifier_init
 from kvcopy._cuda.describe cimport Described, describe_raw
 from kvcopy._cuda.descriptor cimport kvcopy_desc
-from kvcopy._cuda.driver cimport driver_ready
+from kvcopy._cuda.driver cimport context_key, driver_ready
 from kvcopy._cuda.launch cimport launch_inline
 
 cdef extern from "kvcopy/descriptor.h":
@@ -37,7 +37,7 @@ KEPT = _KEPT
 
 
 cdef struct _Key:
-    uintptr_t ctx
+    unsigned long long ctx   # driver.context_key: a reset context's old handle never matches
     uintptr_t stream
     long long epoch          # kvcopy.remembered.epoch(): config and device facts
     int method               # kvcopy.remembered.METHODS
@@ -65,23 +65,25 @@ cdef unsigned long long _replayed = 0
 cdef list _extras = [None] * _KEPT
 
 
-def current_context() -> int:
-    """The calling thread's current context; 0 where there is none, or where no real
-    driver was initialised (kvcopy._cuda.driver.init)."""
+def current_context_key() -> int:
+    """The calling thread's current context's key (driver.current_context_key); 0
+    where there is none, or where no real driver was initialised
+    (kvcopy._cuda.driver.init)."""
     cdef CUcontext ctx = NULL
     if not driver_ready() or cydriver.cuCtxGetCurrent(&ctx) != cydriver.CUDA_SUCCESS:
         return 0
-    return <uintptr_t>ctx
+    return context_key(ctx)
 
 
-def remember(uintptr_t ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
+def remember(unsigned long long ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
              int src_device, int dst_kinds, int dst_device, Py_ssize_t count,
              unsigned long long total_bytes, uintptr_t function, int per_launch,
              unsigned int ctas, unsigned int threads, object decision, object note) -> None:
-    """Record that a batch of this key was just launched by value in context ``ctx``
-    with ``function`` (an entry point of the copy kernel loaded there: the caller
-    checks) over ``ctas`` x ``threads``, ``per_launch`` descriptors a launch,
-    decided as ``decision``; ``note``: (callable, device, direction), called as
+    """Record that a batch of this key was just launched by value in the context of
+    key ``ctx`` (current_context_key) with ``function`` (an entry point of the copy
+    kernel loaded there: the caller checks) over ``ctas`` x ``threads``,
+    ``per_launch`` descriptors a launch, decided as ``decision``; ``note``:
+    (callable, device, direction), called as
     callable(device, direction, stream, total_bytes) after each replay, or None.
     The oldest record gives way once KEPT are kept."""
     global _used, _next
@@ -124,7 +126,7 @@ def replayed() -> int:
     return _replayed
 
 
-cdef int _find(uintptr_t ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
+cdef int _find(unsigned long long ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
                int src_device, int dst_kinds, int dst_device, Py_ssize_t count,
                unsigned long long total_bytes) noexcept:
     cdef int k
@@ -220,7 +222,7 @@ def launch_again(object src, object dst, object sizes, uintptr_t stream, int met
         PyBuffer_Release(&bs)
     if out.count == 0:
         return None
-    slot = _find(<uintptr_t>ctx, stream, epoch, method, sides[0].kinds, sides[0].ordinal,
+    slot = _find(context_key(ctx), stream, epoch, method, sides[0].kinds, sides[0].ordinal,
                  sides[1].kinds, sides[1].ordinal, out.count, out.total)
     if slot < 0:
         return None
