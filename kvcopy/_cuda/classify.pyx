@@ -36,8 +36,9 @@ cdef int _peer_count = 0
 
 
 def note_peer_access(unsigned long long ctx, int peer) -> None:
-    """Record that the context of key ``ctx`` (driver.current_context_key) may access device ``peer``'s memory (its primary
-    context's cuMemAlloc allocations). Callers serialise (kvcopy.peers' lock)."""
+    """Record that the context of key ``ctx`` (driver.current_context_key) may
+    access device ``peer``'s memory (its primary context's cuMemAlloc
+    allocations). Callers serialise (kvcopy.peers' lock)."""
     global _peer_count
     cdef int i
     for i in range(_peer_count):
