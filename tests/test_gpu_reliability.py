@@ -325,7 +325,9 @@ def worker():   # a thread of its own: no current context until kvcopy pushes on
     seen["after"] = kv_driver.current_context()
 t = threading.Thread(target=worker); t.start(); t.join()
 primary = kv_driver.primary_context(0)
-loaded = primary in kernels._loaded
+kv_driver.push_context(primary)        # (kernels are kept by context key, not handle)
+loaded = kv_driver.current_context_key() in kernels._loaded
+kv_driver.pop_context()
 kvcopy.prepare()                       # again, here with torch's context current
 src = torch.arange(1 << 16, dtype=torch.int32).pin_memory()
 dst = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
@@ -355,9 +357,11 @@ from kvcopy import kernels
 from kvcopy._cuda import driver as kv_driver
 gpu = torch.arange(8 * 1024, dtype=torch.float32, device="cuda").view(8, 1024)
 host = torch.zeros(8, 1024).pin_memory()
-before = kv_driver.primary_context(0) in kernels._loaded
+key = kv_driver.current_context_key()   # torch's: device 0's primary context
+assert kv_driver.current_context() == kv_driver.primary_context(0)
+before = key in kernels._loaded
 queue = kvcopy.TransferQueue(gpu, host)
-made = kv_driver.primary_context(0) in kernels._loaded   # before any job
+made = key in kernels._loaded   # before any job
 queue.submit("offload", [[1, 5], [6, 2]])
 results = queue.wait()
 queue.close()
