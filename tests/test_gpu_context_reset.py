@@ -4,15 +4,11 @@ cuda.close(), cudaDeviceReset in an extension): what kvcopy kept for the old one
 be used in the new one, even where the driver hands back the same handle."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from test_gpu_reliability import run_child
+
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(__file__)
 
 # Plain driver calls, no torch: resetting the primary context would pull torch's
 # memory from under it, so the child owns its context alone.
@@ -80,10 +76,7 @@ print(json.dumps(rounds))
 
 
 def test_copies_stay_right_after_the_primary_context_is_reset():
-    out = subprocess.run([sys.executable, "-c", RESET_CHILD], capture_output=True, text=True,
-                         timeout=180, cwd=HERE)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rounds = json.loads(out.stdout.strip().splitlines()[-1])
+    rounds = run_child(RESET_CHILD, timeout=180)
     assert len(rounds) == 3
     for number, result in enumerate(rounds):
         copies = {k: v for k, v in result.items() if k not in ("ctx", "id")}
