@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Any
 
 import numpy as np
 
 from kvcopy import device as devices, peers
 from kvcopy._cuda import driver
 from kvcopy.both_ways import execute_both
+from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import execute
 from kvcopy.plan import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
@@ -21,6 +24,8 @@ FOOTPRINT_FLOOR = 0.90
 # A store and a load at once (copy_both_ways): the copy engines' CPU cost per copy,
 # which differs between hosts, decides from which block size they beat the kernel pair.
 BOTH_WAYS_BLOCKS = (32 << 10, 64 << 10, 128 << 10, 256 << 10)
+# The least scratch a calibration may be given: two blocks of the largest size measured.
+CALIBRATION_MIN_BYTES = 2 * max(CALIBRATION_BLOCKS)
 
 
 def _scattered_plan(src_base: int, dst_base: int, block: int, total: int, rng):
@@ -117,6 +122,32 @@ def _both_ways_threshold(device: int, host: int, dev: int, total_bytes: int, str
     return found, measured
 
 
+def _save(info: devices.DeviceInfo, updates: dict, measured: dict) -> None:
+    """Persist a calibration; a cache folder that cannot be written costs the file, not
+    the result (it is in use in this process already)."""
+    try:
+        devices.save_thresholds(info, updates, measured)
+    except OSError as exc:
+        warnings.warn(f"kvcopy: the calibration of device {info.ordinal} is in use but could "
+                      f"not be saved ({exc}); set KVCOPY_CACHE_DIR to a writable folder",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _check_args(total_bytes: Any, repeats: Any, save_result: Any, minimum_bytes: int) -> None:
+    require_int(total_bytes, "total_bytes", minimum=minimum_bytes, maximum=1 << 40)
+    require_int(repeats, "repeats", minimum=1, maximum=1000)
+    require_bool(save_result, "save_result")
+
+
+def _check_device(value: Any, name: str) -> int:
+    ordinal = require_int(value, name, minimum=0, maximum=1 << 16)
+    count = driver.device_count()
+    if ordinal >= count:
+        raise ValueError(f"{name} is {ordinal}, but this process sees {count} device"
+                         f"{'' if count == 1 else 's'}")
+    return ordinal
+
+
 def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
               save_result: bool = True) -> Thresholds:
     """Measure, on this GPU and host, where batched DMA catches up with the copy
@@ -129,7 +160,9 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
     is used by method='auto' from then on and, with save_result, persisted per
     device model and driver version.
     """
+    _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
     driver.init()
+    device = _check_device(device, "device")
     driver.push_context(driver.primary_context(device))
     stream = dev = host = start = end = 0
     try:
@@ -161,17 +194,19 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
                 measured[f"{direction}/{block}"] = gbps
                 found[direction] = _next_threshold(found[direction], block, gbps)
         before = devices.thresholds(device)
-        both_ways = before.both_ways_batch_min_bytes
+        updates: dict = {"batch_min_bytes": found, "host_ctas": ctas}
         if info.caps.kernel_available and info.caps.batch_available:
-            both_ways, by_block = _both_ways_threshold(device, host, dev, total_bytes, stream,
-                                                       (start, end), repeats, rng)
+            updates["both_ways_batch_min_bytes"], by_block = _both_ways_threshold(
+                device, host, dev, total_bytes, stream, (start, end), repeats, rng)
             measured.update(by_block)
-        result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, **found},
-                                     host_ctas={**before.host_ctas, **ctas},
-                                     both_ways_batch_min_bytes=both_ways)
+        result = dataclasses.replace(
+            before, batch_min_bytes={**before.batch_min_bytes, **found},
+            host_ctas={**before.host_ctas, **ctas},
+            both_ways_batch_min_bytes=updates.get("both_ways_batch_min_bytes",
+                                                  before.both_ways_batch_min_bytes))
         devices.set_thresholds(device, result)
         if save_result:
-            devices.save_thresholds(info, result, measured)
+            _save(info, updates, measured)
         return result
     finally:
         _release(stream, start, end, dev)
@@ -192,7 +227,13 @@ def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: in
     (no threshold is stored). Uses scratch memory it allocates (2 x total_bytes
     on each GPU) and streams of its own. Returns the source device's thresholds.
     """
+    _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
     driver.init()
+    src_device = _check_device(src_device, "src_device")
+    dst_device = _check_device(dst_device, "dst_device")
+    if src_device == dst_device:
+        raise ValueError(f"src_device and dst_device are both {src_device}; calibrate_peers "
+                         "measures copies between two GPUs")
     for a, b in ((src_device, dst_device), (dst_device, src_device)):
         _calibrate_pair(a, b, total_bytes, repeats, save_result)
     return devices.thresholds(src_device)
@@ -232,7 +273,7 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, key: found})
         devices.set_thresholds(a, result)
         if save_result:
-            devices.save_thresholds(info, result, measured)
+            _save(info, {"batch_min_bytes": {key: found}}, measured)
     finally:
         _release(stream, start, end, src)
         driver.pop_context()

@@ -3,15 +3,12 @@ files, written by kvcopy.calibrate), and the copy kernel's availability."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from kvcopy import kernels
+from kvcopy import calibration_file, kernels
 from kvcopy._cuda import dma, driver
 from kvcopy.config import cache_dir
 from kvcopy.policy import DeviceCaps, Thresholds
@@ -122,42 +119,22 @@ def set_thresholds(ordinal: int, value: Thresholds) -> None:
 
 def thresholds_path(info: DeviceInfo) -> Path:
     """The file calibrate() writes for this device model and driver."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
-    return cache_dir() / f"calibration-{slug}-driver{info.driver_version}.json"
+    return calibration_file.path_for(cache_dir(), info.name, info.driver_version)
 
 
 def load_thresholds(info: DeviceInfo) -> Thresholds | None:
-    """Thresholds saved by calibrate() for this device model and driver, if any."""
-    try:
-        data = json.loads(thresholds_path(info).read_text())
-        if "batch_min_bytes" not in data:
-            return None
-        defaults = Thresholds()
-        # a file written before a direction or a table existed keeps the defaults there
-        tables: dict[str, Any] = {name: {**getattr(defaults, name),
-                                    **{k: cast(v) for k, v in data.get(name, {}).items()}}
-                             for name, cast in (("batch_min_bytes", float), ("host_ctas", int),
-                                                ("both_ways_ctas", int))}
-        both_ways = float(data.get("both_ways_batch_min_bytes",
-                                   defaults.both_ways_batch_min_bytes))
-        return Thresholds(**tables, both_ways_batch_min_bytes=both_ways)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    """Thresholds saved by calibrate() for this device model and driver, over the
+    defaults; None where there is no usable file (a bad one is warned about once)."""
+    return calibration_file.load(thresholds_path(info), info.name, info.driver_version)
 
 
-def save_thresholds(info: DeviceInfo, value: Thresholds, measurements: dict) -> str:
-    """Write thresholds (and the measurements behind them, merged with those already
-    in the file); returns the path."""
-    path = thresholds_path(info)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        kept = json.loads(path.read_text()).get("measurements", {})
-    except (OSError, ValueError, AttributeError):
-        kept = {}
-    path.write_text(json.dumps({"device": info.name, "driver_version": info.driver_version,
-                                "batch_min_bytes": value.batch_min_bytes,
-                                "host_ctas": value.host_ctas,
-                                "both_ways_ctas": value.both_ways_ctas,
-                                "both_ways_batch_min_bytes": value.both_ways_batch_min_bytes,
-                                "measurements": {**kept, **measurements}}, indent=1))
-    return str(path)
+def save_thresholds(info: DeviceInfo, updates: dict, measurements: dict) -> Thresholds:
+    """Merge what a calibration measured (``updates``: table -> {key: value}, or
+    'both_ways_batch_min_bytes' -> value) and the measurements behind it into the
+    device's file, under its lock; returns the thresholds the file now holds.
+
+    Raises:
+        OSError: the cache folder cannot be written.
+    """
+    return calibration_file.save(thresholds_path(info), info.name, info.driver_version,
+                                 updates, measurements, info.ordinal)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
-import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcopy import persist
 from kvcopy._cuda import driver, launch
 from kvcopy.config import cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
@@ -130,23 +130,74 @@ def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def cached_cubin(arch: int) -> bytes:
-    """The cubin for sm_<arch>, from the disk cache or freshly compiled."""
-    key = cache_key(kernel_sources(), arch, nvrtc_version())
-    path = cache_dir() / f"copy_kernel-sm{arch}-{key}.cubin"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
-    cubin = compile_cubin(arch)
-    try:  # a cache that cannot be written costs a compile per process, nothing more
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(cubin)
-        os.replace(tmp.name, path)
-    except OSError:
-        pass
+# A cached cubin is stored behind a header recording its size and SHA-256, so that a
+# truncated or overwritten file is found before it reaches the driver.
+_CUBIN_MAGIC = b"KVCOPY-CUBIN-1\n"
+_HEADER_BYTES = len(_CUBIN_MAGIC) + 32 + 8
+_warned_cache: set[str] = set()
+
+
+def _pack_cubin(cubin: bytes) -> bytes:
+    return _CUBIN_MAGIC + hashlib.sha256(cubin).digest() + len(cubin).to_bytes(8, "little") + cubin
+
+
+def _unpack_cubin(data: bytes) -> bytes | None:
+    """The cubin in a cache file, or None where the file is not whole and intact."""
+    if len(data) < _HEADER_BYTES or not data.startswith(_CUBIN_MAGIC):
+        return None
+    digest = data[len(_CUBIN_MAGIC):len(_CUBIN_MAGIC) + 32]
+    size = int.from_bytes(data[len(_CUBIN_MAGIC) + 32:_HEADER_BYTES], "little")
+    cubin = data[_HEADER_BYTES:]
+    if size == 0 or len(cubin) != size or hashlib.sha256(cubin).digest() != digest:
+        return None
     return cubin
+
+
+def cubin_path(arch: int) -> Path:
+    """Where the cubin for sm_<arch> of this source, NVRTC and options is cached."""
+    key = cache_key(kernel_sources(), arch, nvrtc_version())
+    return cache_dir() / f"copy_kernel-sm{arch}-{key}.cubin"
+
+
+def _warn_cache_once(problem: str) -> None:
+    if problem not in _warned_cache:
+        _warned_cache.add(problem)
+        warnings.warn(f"kvcopy: {problem}; the copy kernel is compiled in memory in each "
+                      "process (set KVCOPY_CACHE_DIR to a writable folder)",
+                      RuntimeWarning, stacklevel=4)
+
+
+def cached_cubin(arch: int, *, rebuild: bool = False) -> bytes:
+    """The cubin for sm_<arch>, from the disk cache where the file there is intact
+    (size and digest checked), else freshly compiled and cached. ``rebuild``: compile
+    whatever the cache holds (a cached cubin the driver refused). A cache that cannot
+    be written costs a compile per process, with one warning."""
+    path = cubin_path(arch)
+    if not rebuild:
+        try:
+            found = _unpack_cubin(path.read_bytes())
+        except OSError:
+            found = None
+        if found is not None:
+            return found
+    cubin = compile_cubin(arch)
+    try:
+        persist.atomic_write(path, _pack_cubin(cubin))
+    except OSError as exc:
+        _warn_cache_once(f"the kernel cache {path.parent} cannot be written "
+                         f"({exc.strerror or exc})")
+    return cubin
+
+
+def _load_module(arch: int) -> int:
+    """The copy kernel's module in the current context; a cached cubin the driver
+    refuses is compiled again once before the failure counts."""
+    try:
+        return launch.module_load(cached_cubin(arch))
+    except KernelUnavailable:
+        raise
+    except KVCopyError:
+        return launch.module_load(cached_cubin(arch, rebuild=True))
 
 
 @dataclass(frozen=True)
@@ -225,8 +276,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
         if ctx in _failed:
             raise KernelUnavailable(_failed[ctx])
         try:
-            cubin = cached_cubin(cc_major * 10 + cc_minor)
-            module = launch.module_load(cubin)
+            module = _load_module(cc_major * 10 + cc_minor)
         except KernelUnavailable as exc:
             _failed[ctx] = str(exc)
             raise

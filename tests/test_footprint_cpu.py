@@ -71,9 +71,8 @@ def test_host_ctas_from_the_environment(monkeypatch):
 def test_calibration_file_round_trip_keeps_ctas_and_measurements(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
-    saved = Thresholds(host_ctas={"h2d": 4, "d2h": 2})
-    device.save_thresholds(info, saved, {"h2d/ctas": {"4": 0.91}})
-    device.save_thresholds(info, saved, {"p2p 0>1/65536": {"kernel": 300.0}})
+    device.save_thresholds(info, {"host_ctas": {"h2d": 4, "d2h": 2}}, {"h2d/ctas": {"4": 0.91}})
+    device.save_thresholds(info, {}, {"p2p 0>1/65536": {"kernel": 300.0}})
     data = json.loads(device.thresholds_path(info).read_text())
     assert set(data["measurements"]) == {"h2d/ctas", "p2p 0>1/65536"}
     loaded = device.load_thresholds(info)
@@ -97,7 +96,7 @@ def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, mon
                                                                     both_ways):
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
-    device.save_thresholds(info, Thresholds(both_ways_batch_min_bytes=both_ways), {})
+    device.save_thresholds(info, {"both_ways_batch_min_bytes": both_ways}, {})
     assert device.load_thresholds(info).both_ways_batch_min_bytes == both_ways
 
 

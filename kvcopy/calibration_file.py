@@ -1,0 +1,215 @@
+"""The calibration file: kvcopy.calibrate's thresholds for one device model and driver.
+
+One file per (device name, driver version) under kvcopy.config.cache_dir(), shared
+by every process on the host (one per GPU of a node, typically). Guarantees:
+
+- Saves are read-merge-write cycles under the file's lock and replace the file
+  atomically (kvcopy.persist): concurrent saves lose no update and a reader never
+  sees a torn file. A save merges only the entries its calibration measured.
+- Loads validate every field's type and range. A file that fails gives one
+  RuntimeWarning naming the file and the fault, is remembered as bad until it
+  changes, and the built-in defaults serve: a copy never fails because of a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvcopy import persist
+from kvcopy.policy import Thresholds
+
+SCHEMA = 2
+MAX_SAVES_KEPT = 64        # the newest save records kept in the file
+MAX_MEASUREMENTS = 4096
+MAX_THRESHOLD_BYTES = 1 << 40
+MAX_CTAS = 65535
+
+_THRESHOLD_KEY = re.compile(r"^(h2d|d2h|d2d|p2p|p2p \d{1,4}>\d{1,4})$")
+_CTA_KEYS = ("h2d", "d2h")
+_TOP_KEYS = {"schema", "device", "driver_version", "batch_min_bytes", "host_ctas",
+             "both_ways_ctas", "both_ways_batch_min_bytes", "measurements", "saves"}
+
+_lock = threading.Lock()
+_bad: dict[Path, tuple[int, int, int]] = {}   # path -> (mtime_ns, size, inode) when found bad
+
+
+def path_for(cache: Path, device_name: str, driver_version: int) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
+    return cache / f"calibration-{slug}-driver{driver_version}.json"
+
+
+def _threshold(value: Any, where: str) -> float:
+    """A block-size threshold: a number of bytes, or never (null, 'inf', Infinity)."""
+    if value is None or value == "inf" or value == float("inf"):
+        return float("inf")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise persist.BadFile(f"{where} is {value!r}, not a number of bytes")
+    if not 0 <= value <= MAX_THRESHOLD_BYTES:
+        raise persist.BadFile(f"{where} is {value}, outside 0..{MAX_THRESHOLD_BYTES}")
+    return float(value)
+
+
+def _ctas(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CTAS:
+        raise persist.BadFile(f"{where} is {value!r}, not a CTA count in 1..{MAX_CTAS}")
+    return value
+
+
+def _table(data: Mapping, name: str, keys: Any, check: Any) -> dict:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise persist.BadFile(f"{name} is a {type(table).__name__}, not an object")
+    out = {}
+    for key, value in table.items():
+        if not (keys.match(key) if hasattr(keys, "match") else key in keys):
+            raise persist.BadFile(f"{name} has the unknown key {key!r}")
+        out[key] = check(value, f"{name}[{key!r}]")
+    return out
+
+
+def _measurements(data: Mapping) -> dict:
+    found = data.get("measurements", {})
+    if not isinstance(found, dict) or len(found) > MAX_MEASUREMENTS:
+        raise persist.BadFile("measurements is not an object of at most "
+                              f"{MAX_MEASUREMENTS} entries")
+    for key, row in found.items():
+        if not isinstance(row, dict) or not all(
+                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
+                and math.isfinite(v) for k, v in row.items()):
+            raise persist.BadFile(f"measurements[{key!r}] is not an object of finite numbers")
+    return found
+
+
+def validate(data: Any, device_name: str, driver_version: int) -> dict:
+    """The file's content, every field checked; raises persist.BadFile naming the fault.
+    Returns the parsed tables: batch_min_bytes, host_ctas, both_ways_ctas,
+    both_ways_batch_min_bytes (where present), measurements, saves."""
+    if not isinstance(data, dict):
+        raise persist.BadFile(f"holds a {type(data).__name__}, not an object")
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise persist.BadFile(f"has unknown entries {sorted(unknown)}")
+    schema = data.get("schema", 1)
+    if schema not in (1, SCHEMA):
+        raise persist.BadFile(f"has schema {schema!r}; this kvcopy reads 1 and {SCHEMA}")
+    for key, want in (("device", device_name), ("driver_version", driver_version)):
+        if key in data and data[key] != want:
+            raise persist.BadFile(f"is for {key} {data[key]!r}, not {want!r}")
+    if "batch_min_bytes" not in data:
+        raise persist.BadFile("has no batch_min_bytes")
+    out: dict[str, Any] = {
+        "batch_min_bytes": _table(data, "batch_min_bytes", _THRESHOLD_KEY, _threshold),
+        "host_ctas": _table(data, "host_ctas", _CTA_KEYS, _ctas),
+        "both_ways_ctas": _table(data, "both_ways_ctas", _CTA_KEYS, _ctas),
+        "measurements": _measurements(data),
+    }
+    if "both_ways_batch_min_bytes" in data:
+        out["both_ways_batch_min_bytes"] = _threshold(data["both_ways_batch_min_bytes"],
+                                                      "both_ways_batch_min_bytes")
+    saves = data.get("saves", [])
+    if not isinstance(saves, list) or not all(isinstance(s, dict) for s in saves):
+        raise persist.BadFile("saves is not a list of objects")
+    out["saves"] = saves[-MAX_SAVES_KEPT:]
+    return out
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _warn_bad(path: Path, fault: str) -> None:
+    warnings.warn(f"kvcopy: ignoring the calibration file {path}: it {fault}; the built-in "
+                  "defaults are used (run kvcopy.calibrate() again to rewrite it)",
+                  RuntimeWarning, stacklevel=4)
+
+
+def load(path: Path, device_name: str, driver_version: int) -> Thresholds | None:
+    """The thresholds in ``path`` over the defaults, or None where there is no usable
+    file (missing; or bad, with one warning per version of the file)."""
+    signature = _signature(path)
+    if signature is None:
+        return None
+    with _lock:
+        if _bad.get(path) == signature:
+            return None
+        try:
+            tables = validate(persist.read_json(path, allow_infinity=True), device_name,
+                              driver_version)
+        except persist.BadFile as exc:
+            _bad[path] = signature
+            _warn_bad(path, str(exc))
+            return None
+        _bad.pop(path, None)
+    return _over_defaults(tables)
+
+
+def _over_defaults(tables: Mapping) -> Thresholds:
+    """The defaults with the file's entries over them (a file written before a direction
+    or a table existed keeps the defaults there)."""
+    defaults = Thresholds()
+    merged = {name: {**getattr(defaults, name), **tables[name]}
+              for name in ("batch_min_bytes", "host_ctas", "both_ways_ctas")}
+    return dataclasses.replace(defaults, **merged,
+                               both_ways_batch_min_bytes=tables.get(
+                                   "both_ways_batch_min_bytes",
+                                   defaults.both_ways_batch_min_bytes))
+
+
+def _encode_threshold(value: float) -> float | None:
+    return None if value == float("inf") else value
+
+
+def save(path: Path, device_name: str, driver_version: int, updates: Mapping[str, Any],
+         measurements: Mapping[str, Mapping[str, float]], ordinal: int = -1) -> Thresholds:
+    """Merge ``updates`` (table name -> {key: value}, or both_ways_batch_min_bytes ->
+    value) and ``measurements`` into the file under its lock and replace it atomically.
+    A bad file is replaced (with a warning). Returns the thresholds the file now holds.
+
+    Raises:
+        OSError: the folder cannot be written (nothing is left behind).
+    """
+    with persist.locked(path):
+        try:
+            current = validate(persist.read_json(path, allow_infinity=True) or
+                               {"batch_min_bytes": {}}, device_name, driver_version)
+        except persist.BadFile as exc:
+            _warn_bad(path, f"{exc} (it is being replaced)")
+            current = validate({"batch_min_bytes": {}}, device_name, driver_version)
+        for name, value in updates.items():
+            if name == "both_ways_batch_min_bytes":
+                current[name] = float(value)
+            else:
+                current[name] = {**current[name], **value}
+        current["measurements"] = {**current["measurements"], **measurements}
+        current["saves"] = (current["saves"] + [{
+            "pid": os.getpid(), "host": socket.gethostname(), "ordinal": ordinal,
+            "at": round(time.time(), 3), "measured": sorted(measurements)}])[-MAX_SAVES_KEPT:]
+        document = {
+            "schema": SCHEMA, "device": device_name, "driver_version": driver_version,
+            "batch_min_bytes": {k: _encode_threshold(v)
+                                for k, v in current["batch_min_bytes"].items()},
+            "host_ctas": current["host_ctas"], "both_ways_ctas": current["both_ways_ctas"],
+            "measurements": current["measurements"], "saves": current["saves"],
+        }
+        if "both_ways_batch_min_bytes" in current:
+            document["both_ways_batch_min_bytes"] = _encode_threshold(
+                current["both_ways_batch_min_bytes"])
+        persist.atomic_write(path, persist.dump_json(document))
+        with _lock:
+            _bad.pop(path, None)
+    return _over_defaults(current)
+
+
+__all__ = ["SCHEMA", "load", "path_for", "save", "validate"]
