@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy import both_ways, engine
+from kvcopy.block_races import race_between
 from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
 from kvcopy.checks import require_bool, require_int
 from kvcopy.engine import last_decision
@@ -17,7 +18,8 @@ from kvcopy._cuda import driver
 from kvcopy.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
-from kvcopy.plan import find_overlap, plan_copies
+from kvcopy.plan import find_overlap, find_read_of_written, plan_copies
+from kvcopy.overlaps import first_overlap_between
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
@@ -100,6 +102,12 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         clash = find_overlap(dst, size_arr)
         if clash:
             raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
+        crossing = find_read_of_written(src, dst, size_arr)
+        if crossing:
+            i, j = crossing
+            what = (f"copy {i} reads bytes that it writes itself" if i == j else
+                    f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes")
+            raise ValueError(f"{what}; the copies of one batch run in no defined order")
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
     return engine.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
@@ -118,6 +126,27 @@ def _triple(batch: Any, name: str) -> tuple:
     _require_triple(batch, name, "src_ptrs, dst_ptrs, sizes")
     return tuple(as_u64_array(a, f"{name}: {part}")
                  for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch))
+
+
+def _refuse_crossing(store: tuple, load: tuple) -> None:
+    """ValueError where a store and a load issued at once would touch the same bytes
+    with at least one of them writing: the result would depend on which ran first."""
+    for name, (src, dst, sizes) in (("store", store), ("load", load)):
+        if not len(src) == len(dst) == len(sizes):
+            raise ValueError(f"{name}: src_ptrs, dst_ptrs and sizes differ in length: "
+                             f"{len(src)}, {len(dst)} and {len(sizes)}")
+    checks = (("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0],
+               load[2], "reads"),
+              ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0],
+               store[2], "reads"),
+              ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1],
+               load[2], "writes"))
+    for name_a, a, a_sizes, verb_a, name_b, b, b_sizes, verb_b in checks:
+        clash = first_overlap_between(a, a_sizes, b, b_sizes)
+        if clash:
+            raise ValueError(f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
+                             f"{verb_b}; a store and a load at once run in no order with each "
+                             "other: issue them one after the other to order them")
 
 
 def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
@@ -146,6 +175,7 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     """
     check_method(method)
     first, second = _triple(store, "store"), _triple(load, "load")
+    _refuse_crossing(first, second)
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(*store, *load))
     return both_ways.execute_both(first, second, handle, method, ("store", "load"))
@@ -241,6 +271,10 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
             if load[0] is store[1] and load[1] is store[0] else None)
     plans = [_block_side(side, name, split_blocks, handle, both and both[k])
              for k, (side, name) in enumerate(((store, "store"), (load, "load")))]
+    race = race_between(plans[0], plans[1], ("store: block_mapping", "load: block_mapping"))
+    if race:
+        raise ValueError(f"{race}: a store and a load at once run in no order with each "
+                         "other; issue them one after the other to order them")
     producers = [p for plan in plans for p in plan.geometry.producer_streams]
     if producers:
         with ContextScope(handle):

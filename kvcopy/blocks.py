@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy.block_races import race_in_plan
 from kvcopy.checks import require_bool
 from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
@@ -97,6 +98,8 @@ class BlockGeometry:
     dst_blocks: np.ndarray
     producer_streams: tuple = ()   # streams __cuda_array_interface__ producers declared
                                    # pending writes on: copies wait for them first
+    key: tuple | None = None       # identifies the memory layout (every column above), so
+                                   # that what depends only on it is worked out once
 
     @property
     def num_tensors(self) -> int:
@@ -108,7 +111,8 @@ class BlockGeometry:
         return BlockGeometry(self.block_bytes, self.dst_base, self.src_base, self.dst_extent,
                              self.src_extent, self.dst_stride, self.src_stride, self.dst_factor,
                              self.src_factor, self.dst_blocks, self.src_blocks,
-                             self.producer_streams)
+                             self.producer_streams,
+                             None if self.key is None else ("reversed", self.key))
 
     def with_mapping(self, block_mapping: Any) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
@@ -117,7 +121,11 @@ class BlockGeometry:
         _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
         _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
         _check_unique_destinations(mapping[:, 1])
-        return BlockPlan(self, mapping)
+        plan = BlockPlan(self, mapping)
+        race = race_in_plan(plan)
+        if race:
+            raise ValueError(f"{race}: the copies of one call run in no defined order")
+        return plan
 
 
 @dataclass(frozen=True)
@@ -274,7 +282,8 @@ def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
     (src_base, dst_base, src_extent, dst_extent, src_stride, dst_stride, src_factor, dst_factor,
      src_blocks, dst_blocks) = (np.ascontiguousarray(table[:, i]) for i in range(10))
     return BlockGeometry(block, src_base, dst_base, src_extent, dst_extent, src_stride,
-                         dst_stride, src_factor, dst_factor, src_blocks, dst_blocks, producers)
+                         dst_stride, src_factor, dst_factor, src_blocks, dst_blocks, producers,
+                         ("rows", block, table.tobytes()))
 
 
 def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
@@ -293,7 +302,8 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
 
     return BlockGeometry(ls.block_bytes, ptr_s, ptr_d, column(_extent(ls)), column(_extent(ld)),
                          column(ls.block_stride), column(ld.block_stride), column(1), column(1),
-                         column(ls.num_blocks), column(ld.num_blocks))
+                         column(ls.num_blocks), column(ld.num_blocks),
+                         key=("uniform", ls, ld, ptr_s.tobytes(), ptr_d.tobytes()))
 
 
 def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeometry] | None:

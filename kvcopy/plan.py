@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcopy._plan import plan_arrays
+from kvcopy.overlaps import first_overlap, first_overlap_between
+
 
 @dataclass(frozen=True)
 class CopyPlan:
@@ -51,20 +53,13 @@ def plan_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, *, merge: b
 
 
 def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
-    """Indices (i, j) of two non-empty copies whose destinations overlap, or None.
+    """Indices (i, j) of two non-empty copies whose destinations overlap, or None
+    (kvcopy.overlaps; O(n log n))."""
+    return first_overlap(dst, sizes)
 
-    O(n log n); copy_batch runs it only with check_overlap=True, since the copies
-    of one batch run in no defined order and overlapping destinations end up
-    with unspecified bytes.
-    """
-    live = np.flatnonzero(sizes != 0)
-    if live.size < 2:
-        return None
-    order = live[np.argsort(dst[live], kind="stable")]
-    ends = dst[order] + sizes[order]
-    clash = ends[:-1] > dst[order[1:]]
-    if not clash.any():
-        return None
-    k = int(np.argmax(clash))
-    first, second = sorted((int(order[k]), int(order[k + 1])))
-    return first, second
+
+def find_read_of_written(src: np.ndarray, dst: np.ndarray,
+                         sizes: np.ndarray) -> tuple[int, int] | None:
+    """Indices (i, j) where copy i reads bytes that copy j writes (i may equal j: a
+    copy onto itself, in part), or None."""
+    return first_overlap_between(src, sizes, dst, sizes)

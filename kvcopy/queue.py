@@ -141,8 +141,9 @@ class TransferQueue:
                 continue
             try:
                 found.append(("stream", effective_handle(resolve_stream(item)), -1))
-            except TypeError as exc:
-                raise TypeError(f"{where}: expected a stream or an event; {exc}") from None
+            except (TypeError, ValueError) as exc:
+                detail = str(exc).removeprefix("stream: ")
+                raise type(exc)(f"{where}: expected a stream or an event; {detail}") from None
         return found
 
     def submit(self, job_id: Hashable, block_mapping: Any, *, back: Any = None,
@@ -180,6 +181,11 @@ class TransferQueue:
             TypeError, ValueError: bad ids, ``back`` or ``after``, before anything is
                 queued.
         """
+        try:
+            hash(job_id)
+        except TypeError:
+            raise TypeError(f"job_id must be hashable (wait() and the results name the job "
+                            f"by it); got a {type(job_id).__name__}") from None
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")

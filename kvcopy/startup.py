@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvcopy import device as devices
 from kvcopy import ring
 from kvcopy._cuda import driver
+from kvcopy.checks import require_int
 
 
 def prepare(device: int | None = None) -> None:
@@ -18,9 +19,12 @@ def prepare(device: int | None = None) -> None:
     Copies work without it; calling it again costs a lookup.
 
     Raises:
+        TypeError, ValueError: ``device`` is not an int, or negative.
         NoDriverError: no CUDA driver.
         CudaError: the device does not exist or its context cannot be made.
     """
+    if device is not None:
+        require_int(device, "device", minimum=0, maximum=1 << 16)
     driver.init()
     if device is None and driver.current_context():
         prepare_current_context()

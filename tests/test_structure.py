@@ -17,7 +17,8 @@ MAX_LINES = 500
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
 PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.plan",
-        "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop", "kvcopy.traffic"}
+        "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop", "kvcopy.traffic",
+        "kvcopy.overlaps", "kvcopy.block_races", "kvcopy.persist", "kvcopy.calibration_file"}
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
     {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",

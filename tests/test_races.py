@@ -1,0 +1,167 @@
+"""Batches whose result would depend on the order of their copies are refused, from
+memory ranges (CPU: every refusal comes before any driver call)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvcopy
+from kvcopy import block_races, overlaps
+from kvcopy.blocks import plan_blocks
+
+
+def pool(blocks: int = 8, block: int = 64) -> np.ndarray:
+    return np.zeros((blocks, block), dtype=np.uint8)
+
+
+def test_a_block_read_and_written_in_one_call_is_refused():
+    p = pool()
+    with pytest.raises(ValueError, match=r"block_mapping\[1\] writes block 2 .*"
+                                         r"block_mapping\[2\] reads block 2"):
+        plan_blocks(p, p, [[0, 1], [3, 2], [2, 4]])
+    with pytest.raises(ValueError, match="run in no defined order"):
+        plan_blocks(p, p, [[0, 1], [1, 2]])
+
+
+def test_copies_inside_one_cache_that_do_not_cross_are_accepted():
+    p = pool()
+    assert plan_blocks(p, p, [[0, 4], [1, 5], [2, 6]]).num_pairs == 3
+    assert plan_blocks(p, p, [[3, 3]]).num_pairs == 1   # a block onto itself: same bytes
+
+
+def test_two_views_of_one_cache_are_compared_by_memory_not_identity():
+    p = pool()
+    with pytest.raises(ValueError, match="reads block 1"):
+        plan_blocks(p, p[:], [[1, 2], [0, 1]])
+
+
+def test_the_same_destination_memory_twice_in_a_layer_list_is_refused():
+    src = [pool(), pool()]
+    dst = pool()
+    with pytest.raises(ValueError, match=r"dst\[0\].*dst\[1\]"):
+        plan_blocks(src, [dst, dst[:]], [[0, 1]])
+    halves = pool(8, 128)
+    with pytest.raises(ValueError, match=r"dst\[1\]"):
+        # two views whose blocks overlap by half: each pair writes bytes the other writes
+        plan_blocks(src, [halves[:, :64], halves[:, 32:96]], [[0, 1]])
+
+
+def test_k_and_v_views_that_interleave_without_meeting_are_accepted():
+    cache = np.zeros((8, 2, 64), dtype=np.uint8)     # [blocks, K/V, bytes] as flashinfer's
+    host = [pool(), pool()]
+    plan = plan_blocks(host, [cache[:, 0], cache[:, 1]], [[0, 1], [1, 2]])
+    assert plan.num_copies == 4
+
+
+def test_a_load_writing_blocks_the_store_reads_is_refused_before_the_driver():
+    gpu, host = pool(), pool()
+    store = (gpu, host, [[0, 4], [1, 5]])
+    load = (host, gpu, [[6, 1]])          # writes gpu block 1, which the store reads
+    with pytest.raises(ValueError, match=r"load: block_mapping\[0\] writes block 1.*"
+                                         r"store: block_mapping\[1\] reads block 1"):
+        kvcopy.swap_blocks_both_ways(store, load, stream=0)
+
+
+def test_a_store_and_a_load_between_other_caches_are_compared_by_memory():
+    gpu, host = pool(), pool()
+    other_host = host[:]                  # the same memory, another object
+    with pytest.raises(ValueError, match="store: block_mapping.* writes block 4"):
+        kvcopy.swap_blocks_both_ways((gpu, host, [[0, 4]]), (other_host, pool(), [[4, 0]]),
+                                     stream=0)
+
+
+def test_a_store_and_a_load_both_writing_a_block_are_refused():
+    cache = pool()
+    with pytest.raises(ValueError, match="writes block 5"):
+        kvcopy.swap_blocks_both_ways((pool(), cache, [[0, 5]]), (pool(), cache, [[1, 5]]),
+                                     stream=0)
+
+
+def _triple(src, dst, size):
+    return (np.array(src, np.uint64), np.array(dst, np.uint64), np.array(size, np.uint64))
+
+
+@pytest.mark.parametrize("store, load, message", [
+    ((0x10000, 0x20000, 64), (0x20020, 0x30000, 64), r"store: dst_ptrs\[0\] writes bytes that "
+                                                     r"load: src_ptrs\[0\] reads"),
+    ((0x10000, 0x20000, 64), (0x40000, 0x10020, 64), r"load: dst_ptrs\[0\] writes bytes that "
+                                                     r"store: src_ptrs\[0\] reads"),
+    ((0x10000, 0x20000, 64), (0x40000, 0x20010, 8), r"store: dst_ptrs\[0\] writes bytes that "
+                                                    r"load: dst_ptrs\[0\] writes"),
+])
+def test_copy_both_ways_refuses_crossing_sides_before_the_driver(store, load, message):
+    with pytest.raises(ValueError, match=message):
+        kvcopy.copy_both_ways(_triple(*[[v] for v in store]), _triple(*[[v] for v in load]),
+                              stream=0)
+
+
+def test_check_overlap_covers_reads_of_bytes_another_copy_writes():
+    src, dst, sizes = [0x10000, 0x20000], [0x20010, 0x30000], [64, 64]
+    with pytest.raises(ValueError, match=r"src_ptrs\[1\] reads bytes that dst_ptrs\[0\] writes"):
+        kvcopy.copy_batch(src, dst, sizes, check_overlap=True, stream=0)
+    with pytest.raises(ValueError, match="copy 0 reads bytes that it writes itself"):
+        kvcopy.copy_batch([0x10000], [0x10020], [64], check_overlap=True, stream=0)
+
+
+# --- against a byte-level oracle -----------------------------------------------------------
+
+def _brute(a_lo, a_sz, b_lo, b_sz):
+    return any(x and y and s < t + y and t < s + x
+               for s, x in zip(a_lo, a_sz) for t, y in zip(b_lo, b_sz))
+
+
+ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 12)), max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=ranges, b=ranges, high=st.booleans())
+def test_overlap_between_matches_the_oracle(a, b, high):
+    base = (1 << 62) if high else 0     # high: addresses too wide to pack, the other sort
+    a_lo = np.array([base + s for s, _ in a], np.uint64)
+    b_lo = np.array([base + s for s, _ in b], np.uint64)
+    a_sz = np.array([n for _, n in a], np.uint64)
+    b_sz = np.array([n for _, n in b], np.uint64)
+    found = overlaps.overlap_between(a_lo, a_sz, b_lo, b_sz)
+    assert (found is not None) == _brute(a_lo.tolist(), a_sz.tolist(), b_lo.tolist(), b_sz.tolist())
+    if found:
+        i, j = found
+        assert a_sz[i] and b_sz[j] and a_lo[i] < b_lo[j] + b_sz[j] and b_lo[j] < a_lo[i] + a_sz[i]
+
+
+@settings(max_examples=300, deadline=None)
+@given(mapping=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), min_size=1, max_size=6,
+                        unique_by=lambda p: p[1]),
+       offset=st.sampled_from([0, 16, 32, 64]), kv=st.booleans())
+def test_swap_blocks_inside_one_buffer_refuses_exactly_the_racing_calls(mapping, offset, kv):
+    """Source and destination views of one buffer, shifted by ``offset`` bytes: the call
+    is refused exactly where some pair writes bytes another pair reads, or a pair's own
+    source and destination overlap through views that are not the same (a block copied
+    onto itself within one view is the same bytes, whatever the order)."""
+    buffer = np.zeros(8 * 64 + 64, dtype=np.uint8)
+    src = buffer[:512].reshape(8, 64)
+    dst = buffer[offset:offset + 512].reshape(8, 64)
+    if kv:   # blocks of 32 bytes every 64: a K-like and a V-like view
+        src, dst = src[:, :32], dst[:, :32]
+    size = src.shape[1]
+    reads = [(0 + s * 64, size) for s, _ in mapping]
+    writes = [(offset + d * 64, size) for _, d in mapping]
+    racing = any((i != j or offset != 0) and w0 < r0 + rn and r0 < w0 + wn
+                 for i, (w0, wn) in enumerate(writes) for j, (r0, rn) in enumerate(reads))
+    racing = racing or any(i != j and w0 < v0 + vn and v0 < w0 + wn
+                           for i, (w0, wn) in enumerate(writes)
+                           for j, (v0, vn) in enumerate(writes))
+    if racing:
+        with pytest.raises(ValueError, match="no defined order"):
+            plan_blocks(src, dst, mapping)
+    else:
+        plan_blocks(src, dst, mapping)
+
+
+def test_the_tensor_pairs_of_a_geometry_are_worked_out_once():
+    p = pool()
+    plan_blocks([p], [pool()], [[0, 1]])
+    before = len(block_races._pairs)
+    for _ in range(3):
+        plan_blocks([p], [pool()], [[0, 1]])
+    assert len(block_races._pairs) <= before + 6
