@@ -159,12 +159,13 @@ def _over_defaults(tables: Mapping) -> Thresholds:
     """The defaults with the file's entries over them (a file written before a direction
     or a table existed keeps the defaults there)."""
     defaults = Thresholds()
-    merged = {name: {**getattr(defaults, name), **tables[name]}
-              for name in ("batch_min_bytes", "host_ctas", "both_ways_ctas")}
-    return dataclasses.replace(defaults, **merged,
-                               both_ways_batch_min_bytes=tables.get(
-                                   "both_ways_batch_min_bytes",
-                                   defaults.both_ways_batch_min_bytes))
+    return dataclasses.replace(
+        defaults,
+        batch_min_bytes={**defaults.batch_min_bytes, **tables["batch_min_bytes"]},
+        host_ctas={**defaults.host_ctas, **tables["host_ctas"]},
+        both_ways_ctas={**defaults.both_ways_ctas, **tables["both_ways_ctas"]},
+        both_ways_batch_min_bytes=tables.get("both_ways_batch_min_bytes",
+                                             defaults.both_ways_batch_min_bytes))
 
 
 def _encode_threshold(value: float) -> float | None:

@@ -72,10 +72,27 @@ def env_int(variable: str, default: int | None, *, minimum: int, maximum: int) -
     return value
 
 
+_PTDS = "CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"
+
+
 def per_thread_default_stream() -> bool:
-    """Whether cuda-python maps stream handle 0 to the per-thread default stream
-    (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM, read by cuda-python itself)."""
-    return os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
+    """Whether cuda-python maps stream handle 0 to the per-thread default stream.
+
+    Read as cuda-python reads CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM: unset means
+    no, else Python's int() of the text, non-zero meaning yes (so '00' and ' 0' are
+    no, '+1' yes), so that the two libraries mean one stream by handle 0.
+
+    Raises:
+        ValueError: the value is not an integer (cuda-python cannot read it either).
+    """
+    text = os.environ.get(_PTDS)
+    if text is None:
+        return False
+    try:
+        return int(text) != 0
+    except ValueError:
+        raise ValueError(f"environment variable {_PTDS}={text!r} is not an integer; "
+                         "cuda-python reads it with int() too (0: legacy, 1: per-thread)") from None
 
 
 def cache_dir() -> Path:
@@ -116,7 +133,8 @@ def changes() -> int:
 
 class Config:
     """kvcopy's tunables; change them on ``kvcopy.config``. Every assignment is
-    checked (TypeError for a wrong type, ValueError for a value out of range).
+    checked (TypeError for a wrong type, ValueError for a value out of range);
+    ``del kvcopy.config.X`` restores X's default.
 
     host_ctas: CTAs the copy kernel uses for copies that touch host memory
         (1-65535, env KVCOPY_HOST_CTAS). None (default) means the device's:
@@ -209,6 +227,16 @@ class Config:
             raise AttributeError(f"kvcopy.config has no setting {name!r}; "
                                  f"settings: {', '.join(_SETTINGS)}")
         object.__setattr__(self, name, _validate(name, value))
+        _changes += 1
+
+    def __delattr__(self, name: str) -> None:
+        """``del kvcopy.config.X`` puts setting X back to its default (the environment
+        variable's value where one is set, as at import)."""
+        global _changes
+        if name not in _SETTINGS:
+            raise AttributeError(f"kvcopy.config has no setting {name!r}; "
+                                 f"settings: {', '.join(_SETTINGS)}")
+        object.__setattr__(self, name, _from_environment(name))
         _changes += 1
 
     def __repr__(self) -> str:

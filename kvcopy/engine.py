@@ -404,7 +404,10 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
                    max_ctas: int | None = None, allow_batch: bool = True) -> str:
     """Validate and issue three uint64 arrays (copy_batch's path: no CopyPlan is built
     unless a DMA method runs). Raises ValueError for a bad copy before issuing any."""
-    if len(sizes) == 0 and len(src) == len(dst) == 0:
+    if not len(src) == len(dst) == len(sizes):
+        raise ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, "
+                         f"{len(dst)} and {len(sizes)}")
+    if len(sizes) == 0:
         return "none"
     handle = effective_handle(stream_handle)
     if max_ctas is None and allow_batch:
@@ -420,6 +423,11 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         # without a GPU, bad input is still reported as such, and empty copies need none
         if plan_copies(src, dst, sizes).count == 0:
             return "none"
+        raise
+    except CudaError:
+        # a driver failure before or during the describe pass (a stream of a destroyed
+        # context, say) must not hide a bad argument: that is reported first
+        plan_copies(src, dst, sizes)
         raise
 
 

@@ -33,6 +33,8 @@ class _PinnedAllocation:
         self.nbytes = nbytes
         self.__array_interface__ = {"shape": shape, "typestr": dtype.str,
                                     "data": (self.ptr, False), "version": 3}
+        if dtype.fields is not None:   # structured: typestr alone would say raw void
+            self.__array_interface__["descr"] = dtype.descr
         weakref.finalize(self, _free_pinned, self.ptr)
 
 
@@ -92,7 +94,8 @@ def device_pointer(obj: Any) -> int:
 
     Raises:
         TypeError: ``obj`` is neither an int address nor a buffer.
-        ValueError: an address that is not positive or wider than 64 bits.
+        ValueError: an address that is not positive or wider than 64 bits, or an
+            empty buffer.
         CudaError: the memory is not pinned host memory the driver knows.
     """
     if isinstance(obj, (int, np.integer)) and not isinstance(obj, (bool, np.bool_)):
@@ -100,7 +103,9 @@ def device_pointer(obj: Any) -> int:
         if not 0 < ptr < 2**64:
             raise ValueError(f"device_pointer: address must be positive and below 2**64, got {ptr}")
     else:
-        ptr = _host_range(obj, "device_pointer")[0]
+        ptr, nbytes, _ = _host_range(obj, "device_pointer")
+        if nbytes == 0:
+            raise ValueError("device_pointer: an empty buffer has no address")
     with ContextScope():
         return driver.host_device_pointer(ptr)
 

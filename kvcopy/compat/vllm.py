@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcopy.checks import require_bool
 from kvcopy.api import copy_batch
+from kvcopy.errors import NoDriverError
 
 
 def _check(tensor: Any, name: str) -> None:
@@ -46,5 +47,10 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
         _check(tensor, name)
     access_any = require_bool(is_src_access_order_any, "is_src_access_order_any")
     allow_batch = require_bool(use_batch_api, "use_batch_api")
-    copy_batch(src_ptrs, dst_ptrs, sizes, stream=torch.cuda.current_stream(),
+    try:
+        stream = torch.cuda.current_stream()
+    except (AssertionError, RuntimeError) as exc:   # a torch without CUDA, or no GPU
+        raise NoDriverError(f"swap_blocks_batch copies on torch's current CUDA stream, and "
+                            f"torch has none here: {exc}") from None
+    copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
                src_access_order="any" if access_any else "stream", allow_batch=allow_batch)

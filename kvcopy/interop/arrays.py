@@ -23,7 +23,9 @@ def _from_sequence(obj: Any, name: str) -> np.ndarray:
         if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
             raise TypeError(f"{name}[{index}] is {type(item).__name__} ({item!r}); "
                             "pointers and sizes must be integers")
-        if not (-(2**63) <= int(item) <= _U64_MAX):
+        if int(item) < 0:
+            raise ValueError(f"{name}[{index}] = {item} is negative")
+        if int(item) > _U64_MAX:
             raise ValueError(f"{name}[{index}] = {item} does not fit in 64 bits")
     if any(int(item) > 2**63 - 1 for item in obj):
         return np.array([int(item) for item in obj], dtype=np.uint64)
@@ -31,6 +33,20 @@ def _from_sequence(obj: Any, name: str) -> np.ndarray:
 
 
 _U64 = np.dtype(np.uint64)
+# The most copies one batch may name: 2**31 descriptors are 64 GiB of pointer arrays
+# alone, past any real batch; a longer sequence is a mistake, refused before it is read.
+MAX_BATCH = 2**31 - 1
+
+
+def _refuse_absurd_length(obj: Any, name: str) -> None:
+    try:
+        length = len(obj)
+    except OverflowError:
+        raise ValueError(f"{name}: a sequence too long to count is no batch") from None
+    except TypeError:
+        return   # no length: let the array conversion decide
+    if length > MAX_BATCH:
+        raise ValueError(f"{name}: {length} entries, more than the {MAX_BATCH} a batch may hold")
 
 
 def as_u64_array(obj: Any, name: str) -> np.ndarray:
@@ -52,12 +68,18 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
     elif isinstance(obj, np.ndarray):
         arr = obj
     elif isinstance(obj, (list, tuple)):
+        _refuse_absurd_length(obj, name)
         arr = _from_sequence(obj, name)
     else:
+        _refuse_absurd_length(obj, name)
         try:
             arr = np.asarray(memoryview(obj))
         except TypeError:
-            arr = np.asarray(obj)
+            try:
+                arr = np.asarray(obj)
+            except (OverflowError, MemoryError, ValueError) as exc:
+                raise ValueError(f"{name}: cannot be read as an array of integers "
+                                 f"({type(exc).__name__}: {exc})") from None
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
@@ -85,6 +107,11 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
             if (not isinstance(pair, (list, tuple, np.ndarray)) or len(pair) != 2
                     or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)):
                 raise TypeError(f"block_mapping[{i}] must be a pair of ints, got {pair!r}")
+            for column, v in enumerate(pair):
+                if not -_ID_MAX - 1 <= int(v) <= _ID_MAX:
+                    side = "source" if column == 0 else "destination"
+                    raise ValueError(f"block_mapping[{i}]: {side} block {int(v)} is out of range "
+                                     "(block ids must be below 2**63)")
     arr = np.asarray(block_mapping)
     if arr.size == 0:
         return np.empty((0, 2), dtype=np.int64)

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvcopy.config import per_thread_default_stream
 from kvcopy.interop.frameworks import framework_of, type_name
+from kvcopy.interop.protocols import cuda_stream_handle
 
 STREAM_DEFAULT = 0
 STREAM_LEGACY = 1
@@ -28,10 +29,19 @@ _MIN_ADDRESS = 4096
 def _from_cuda_stream_protocol(obj: Any) -> int:
     attr = obj.__cuda_stream__
     value = attr() if callable(attr) else attr
-    if not (isinstance(value, tuple) and len(value) == 2):
-        raise TypeError(f"stream: {type(obj).__name__}.__cuda_stream__ returned {value!r}, "
-                        "expected a (version, handle) tuple")
-    return _from_int(value[1], obj)
+    return _from_int(cuda_stream_handle(value, type(obj).__name__), obj)
+
+
+def interface_stream(value: Any, where: str) -> int:
+    """The stream a __cuda_array_interface__ (v3) names for its pending writes, by the
+    rules of resolve_stream. The protocol forbids 0; producers that send it mean the
+    legacy default stream, and get it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where} has stream {value!r}; expected an int handle")
+    try:
+        return _from_int(value, value) or STREAM_LEGACY
+    except ValueError as exc:
+        raise ValueError(f"{where}: {str(exc).removeprefix('stream: ')}") from None
 
 
 def _from_int(value: Any, origin: Any, what: str = "stream") -> int:

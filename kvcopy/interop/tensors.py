@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvcopy.interop.frameworks import framework_of, type_name
+from kvcopy.interop.protocols import c_strides, read_array_interface
+from kvcopy.interop.streams import interface_stream
 
 
 class BlockLayout(NamedTuple):
@@ -28,16 +30,6 @@ class BlockLayout(NamedTuple):
 
 _NOT_ARRAYS = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _U64_LIMIT = 1 << 64
-
-
-def _interface_stream(face: dict) -> int | None:
-    """The stream a __cuda_array_interface__ (v3) says pending writes are on, or None."""
-    stream = face.get("stream")
-    if stream is None:
-        return None
-    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0:
-        raise TypeError(f"__cuda_array_interface__ has stream {stream!r}; expected an int handle")
-    return int(stream) or 1   # 0 is not allowed by the protocol; producers that send it mean legacy
 
 
 _DLPACK_GPU_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
@@ -73,30 +65,38 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
     if isinstance(obj, _NOT_ARRAYS):
         raise TypeError(f"{name}: expected a tensor or array, got {type(obj).__name__}")
     if framework_of(obj) == "torch":
+        refusal = torch_refusal(obj)
+        if refusal:
+            raise TypeError(f"{name}: {refusal}")
         size = obj.element_size()
         return (obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
                 False, None)
     if isinstance(obj, np.ndarray):
+        if isinstance(obj, np.ma.MaskedArray):
+            raise TypeError(f"{name}: a masked array's bytes are not its values; pass "
+                            "array.data (and copy the mask separately)")
         if obj.dtype.hasobject:
             raise TypeError(f"{name}: a NumPy array of dtype {obj.dtype} holds Python objects, "
                             "not block data")
         return obj.ctypes.data, obj.shape, obj.strides, obj.itemsize, not obj.flags.writeable, None
     for attr in ("__cuda_array_interface__", "__array_interface__"):
-        face = getattr(obj, attr, None)
+        try:
+            face = getattr(obj, attr, None)
+        except Exception as exc:  # noqa: BLE001 - a producer's property that fails
+            raise TypeError(f"{name}: reading {attr} raised {type(exc).__name__}: {exc}") from None
+        if face is not None and not isinstance(face, dict):
+            raise TypeError(f"{name}: {attr} is a {type(face).__name__}, not a dict")
         if isinstance(face, dict):
-            itemsize = np.dtype(face["typestr"]).itemsize
-            shape = tuple(face["shape"])
-            strides = face.get("strides") or _c_strides(shape, itemsize)
-            ptr, readonly = face["data"]
-            producer = _interface_stream(face) if attr == "__cuda_array_interface__" else None
-            return int(ptr), shape, tuple(strides), itemsize, bool(readonly), producer
+            fields = read_array_interface(face, attr, name, interface_stream)
+            return (fields.ptr, fields.shape, fields.strides, fields.itemsize, fields.readonly,
+                    fields.stream)
     try:
         StridedMemoryView = _strided_memory_view()
         view: Any = (obj if isinstance(obj, StridedMemoryView)
                 else StridedMemoryView(obj, stream_ptr=_dlpack_consumer_stream(obj, stream)))
         itemsize = np.dtype(view.dtype).itemsize
         strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
-                   else _c_strides(tuple(view.shape), itemsize))
+                   else c_strides(tuple(view.shape), itemsize))
         return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly), None
     except Exception:  # noqa: BLE001 - anything that is not an array
         raise TypeError(f"{name}: {type_name(obj)} is not a tensor "
@@ -111,16 +111,33 @@ def _prod(extents) -> int:
     return out
 
 
-def _c_strides(shape: tuple, itemsize: int) -> tuple:
-    strides, step = [], itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return tuple(reversed(strides))
+def torch_refusal(t: Any) -> str | None:
+    """Why a torch tensor's memory is not its values as bytes, or None: a meta tensor
+    has no memory, sparse and nested tensors keep their values elsewhere than one
+    strided buffer, and conjugate or negative views only mark their bytes to be
+    transformed."""
+    if t.is_meta:
+        return "a meta tensor has no memory to copy"
+    if t.is_nested:
+        return "a nested tensor is not one strided buffer; copy its components"
+    if t.layout is not _torch_strided(t):
+        return f"a {t.layout} tensor is not one strided buffer (to_dense() first)"
+    if t.is_conj():
+        return "a conjugate view's bytes are not its values (resolve_conj() first)"
+    if t.is_neg():
+        return "a negative view's bytes are not its values (resolve_neg() first)"
+    return None
+
+
+def _torch_strided(t: Any) -> Any:
+    import sys
+    return sys.modules["torch"].strided
 
 
 def _torch_layout(t: Any) -> BlockLayout | None:
     """Fast path for torch tensors whose blocks are contiguous (the usual case)."""
+    if torch_refusal(t):
+        return None   # the full path names the problem
     shape = t.shape
     if not shape:
         return None
@@ -177,12 +194,20 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
     if layout is None:
         return None
     shape, stride, dtype = first.shape, first.stride(), first.dtype
+    complex_values = dtype.is_complex   # only complex tensors carry the conjugate bit
     ptrs = []
-    for t in tensors:
-        if type(t) is not kind or t.shape != shape or t.stride() != stride or t.dtype != dtype:
-            return None
-        ptrs.append(t.data_ptr())
-    return layout, np.array(ptrs, dtype=np.uint64)
+    try:
+        for t in tensors:
+            if (type(t) is not kind or t.shape != shape or t.stride() != stride
+                    or t.dtype != dtype or t.is_neg() or (complex_values and t.is_conj())):
+                return None
+            ptrs.append(t.data_ptr())   # sparse tensors raise here, nested ones at .shape
+    except RuntimeError:
+        return None   # the full path names the tensor and what it is
+    found = np.array(ptrs, dtype=np.uint64)
+    if not found.all():
+        return None   # a meta tensor (no memory) or an empty one: the full path decides
+    return layout, found
 
 
 def is_flat_buffer(obj: Any) -> bool:
@@ -211,6 +236,9 @@ class BlockView:
     __slots__ = ("layout", "owner")
 
     def __init__(self, layout: BlockLayout, owner: Any = None) -> None:
+        if not isinstance(layout, BlockLayout):
+            raise TypeError(f"BlockView takes a BlockLayout, got {type(layout).__name__}; make "
+                            "views with kvcopy.block_view(memory, block_bytes, ...)")
         self.layout = layout
         self.owner = owner   # keeps a Buffer alive as long as the view
 
