@@ -102,9 +102,9 @@ def main() -> None:
         report(f"copy_batch method={method} count={count} block={block}", times)
 
 
-def swap_blocks_overhead() -> None:
-    """swap_blocks over 64 tensors (32 layers, K and V) and 1024 block pairs, kernel path."""
-    layers, blocks, pairs = 32, 2048, 1024
+def swap_blocks_overhead(pairs: int = 1024) -> None:
+    """swap_blocks over 64 tensors (32 layers, K and V) and ``pairs`` block pairs, kernel path."""
+    layers, blocks = 32, max(2048, 2 * pairs)
     gpu, host = layered_caches(blocks, layers)
     mapping = block_pairs(blocks, pairs)
     stream = torch.cuda.Stream()
@@ -116,5 +116,7 @@ def swap_blocks_overhead() -> None:
 
 
 if __name__ == "__main__":
+    import sys
     main()
-    swap_blocks_overhead()
+    for pairs in [int(a) for a in sys.argv[1:]] or [1024]:
+        swap_blocks_overhead(pairs)
