@@ -71,9 +71,10 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             work on the GPU may still be writing them (e.g. GPU-to-host right
             after compute).
         max_ctas: CTAs for the copy kernel (default: kvcopy.config).
-        check_overlap: raise ValueError if two copies write overlapping bytes.
-            Off by default (it sorts the batch); copies of one batch run in no
-            defined order, so overlapping destinations get unspecified bytes.
+        check_overlap: raise ValueError if two copies write overlapping bytes,
+            or a copy reads bytes a copy writes. Off by default (it sorts the
+            batch); copies of one batch run in no defined order, so such a
+            batch gives unspecified bytes.
         allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
             the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
             where the batch API misbehaves.
@@ -160,7 +161,8 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     kvcopy's own forked from ``stream`` and joined back. Either way the copies
     start after the work already queued on ``stream`` and work queued on it
     afterwards starts after both. Both batches are validated before either is
-    issued; copies of one batch must not overlap the other's destinations.
+    issued, and a pair of them in which one side writes bytes the other reads or
+    writes is refused (ValueError naming both copies): the two run in no order.
 
     Where each side's host side is a few long spans (as copy_batch's 'staged'),
     both go through GPU staging buffers, which keeps both directions near the
@@ -203,10 +205,15 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     does: the copy runs on the source GPU's current stream after the work
     queued on the destination GPU's current stream, which then waits for it.
 
+    The copies of one call run in no defined order, so a call in which one pair
+    writes memory another pair reads, or two destination tensors reach the same
+    memory, is refused (a block copied onto itself is allowed).
+
     Returns the method that ran ('kernel', 'batch', 'loop', or 'none').
 
     Raises:
-        TypeError, ValueError: bad tensors or ids, before anything is copied.
+        TypeError, ValueError: bad tensors or ids, or racing pairs, before anything
+            is copied.
     """
     check_method(method)
     if stream is not None:
@@ -249,8 +256,9 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     Ordering as copy_both_ways: after the work queued on ``stream`` (None: the
     framework's current stream of the first tensors' device) and the pending
     writes array-interface producers declared, before the work queued there
-    next. Both sides are validated before either is issued; the load must not
-    write blocks the store reads, nor the store blocks the load reads.
+    next. Both sides are validated before either is issued; where one side writes
+    memory the other reads or writes (compared by memory, not by tensor), the
+    call is refused with a ValueError naming both pairs.
 
     Returns the method each side ran with, e.g. ('kernel', 'kernel').
 

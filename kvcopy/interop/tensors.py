@@ -135,16 +135,22 @@ def _torch_strided(t: Any) -> Any:
 
 
 def _torch_layout(t: Any) -> BlockLayout | None:
-    """Fast path for torch tensors whose blocks are contiguous (the usual case)."""
-    if torch_refusal(t):
-        return None   # the full path names the problem
-    shape = t.shape
-    if not shape:
+    """Fast path for torch tensors whose blocks are contiguous (the usual case); None
+    sends the tensor down the full path, which names any problem. Sparse and nested
+    tensors raise RuntimeError at data_ptr() or .shape and meta tensors have address
+    0, so those cost nothing here; conjugate and negative bits are the caller's to
+    check (a call each)."""
+    try:
+        shape = t.shape
+        ptr = t.data_ptr()
+    except RuntimeError:
+        return None
+    if not shape or not ptr:
         return None
     if t.is_contiguous():
         size = t.element_size()
         block = size * (t.numel() // shape[0] if shape[0] else _prod(shape[1:]))
-        return BlockLayout(t.data_ptr(), shape[0], block, block, False)
+        return BlockLayout(ptr, shape[0], block, block, False)
     strides = t.stride()
     step = 1
     for k in range(len(shape) - 1, 0, -1):
@@ -154,7 +160,7 @@ def _torch_layout(t: Any) -> BlockLayout | None:
     size = t.element_size()
     if shape[0] > 1 and strides[0] < step:
         return None
-    return BlockLayout(t.data_ptr(), shape[0], strides[0] * size, step * size, False)
+    return BlockLayout(ptr, shape[0], strides[0] * size, step * size, False)
 
 
 def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
@@ -166,7 +172,7 @@ def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
         return obj.layout
     if framework_of(obj) == "torch":
         fast = _torch_layout(obj)
-        if fast is not None:
+        if fast is not None and not (obj.is_neg() or obj.is_conj()):
             return fast
     ptr, shape, strides, itemsize, readonly, producer = _raw(obj, name, stream)
     if len(shape) == 0:
@@ -194,12 +200,10 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
     if layout is None:
         return None
     shape, stride, dtype = first.shape, first.stride(), first.dtype
-    complex_values = dtype.is_complex   # only complex tensors carry the conjugate bit
     ptrs = []
     try:
         for t in tensors:
-            if (type(t) is not kind or t.shape != shape or t.stride() != stride
-                    or t.dtype != dtype or t.is_neg() or (complex_values and t.is_conj())):
+            if type(t) is not kind or t.shape != shape or t.stride() != stride or t.dtype != dtype:
                 return None
             ptrs.append(t.data_ptr())   # sparse tensors raise here, nested ones at .shape
     except RuntimeError:
@@ -207,7 +211,20 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
     found = np.array(ptrs, dtype=np.uint64)
     if not found.all():
         return None   # a meta tensor (no memory) or an empty one: the full path decides
+    # Conjugate and negative bits are per tensor and cost a call each: a list is checked
+    # once per set of addresses (an engine passes the same caches every step).
+    key = (kind, shape, stride, dtype, found.tobytes())
+    if key not in _plain_lists:
+        if any(t.is_neg() or t.is_conj() for t in tensors):
+            return None
+        if len(_plain_lists) >= _PLAIN_LISTS_KEPT:
+            _plain_lists.clear()
+        _plain_lists[key] = None
     return layout, found
+
+
+_PLAIN_LISTS_KEPT = 256
+_plain_lists: dict[tuple, None] = {}   # tensor lists found free of conjugate/negative bits
 
 
 def is_flat_buffer(obj: Any) -> bool:
