@@ -13,6 +13,7 @@ overlapping tensors are compared copy by copy, by kvcopy.overlaps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -133,13 +134,15 @@ def _describe(a: Side, i: int, x: int, b: Side, j: int, y: int, multi: bool) -> 
 
 
 def first_race(a: Side, b: Side, *, same_side: bool = False, same_plan: bool = False,
-               key: tuple | None = None) -> str | None:
+               key: tuple | None = None, harmless: Any = None) -> str | None:
     """A message naming two copies of which one writes memory the other touches, or None.
 
     ``a`` and ``b`` are sides of one or two plans; ``same_side``: they are one side
     compared with itself (a destination tensor list that reaches one memory twice);
     ``same_plan``: they belong to one plan, where a pair copying a block onto itself
-    is no race; ``key``: identifies the geometries, to remember which tensors overlap."""
+    is no race; ``key``: identifies the geometries, to remember which tensors overlap;
+    ``harmless``: tensor pairs (x, y) of a same-side comparison whose double writes
+    are the same bytes."""
     pairs = _pairs_for(a, b, same_side, key)
     if not pairs:
         return None
@@ -150,7 +153,7 @@ def first_race(a: Side, b: Side, *, same_side: bool = False, same_plan: bool = F
             continue
         if _alike(a, x, b, y):
             if same_side:   # the same destination memory twice: every pair writes it twice
-                if a.ids.size:
+                if a.ids.size and not (harmless and harmless((x, y))):
                     return _describe(a, 0, x, b, 0, y, multi)
                 continue
             itself_ok = same_plan and x == y
@@ -168,6 +171,16 @@ def first_race(a: Side, b: Side, *, same_side: bool = False, same_plan: bool = F
     return None
 
 
+def _duplicate_copies(plan: object, race_pair: tuple[int, int]) -> bool:
+    """Whether destination tensors x and y, laid out alike, are fed by sources laid out
+    alike too: then every pair copies the same bytes to the same place twice, which no
+    order can change (a layer list that names one cache several times)."""
+    g = plan.geometry  # type: ignore[attr-defined]
+    x, y = race_pair
+    return bool(g.src_base[x] == g.src_base[y] and g.src_stride[x] == g.src_stride[y]
+                and g.src_factor[x] == g.src_factor[y])
+
+
 def race_in_plan(plan: object, label: str = "block_mapping") -> str | None:
     """Within one swap_blocks call: a block read by one pair and written by another, a
     pair whose source and destination overlap through two different views, or one
@@ -179,7 +192,8 @@ def race_in_plan(plan: object, label: str = "block_mapping") -> str | None:
         return None   # no tensors of this layout overlap: the usual case, kept cheap
     reads, writes = side_of(plan, 0, label), side_of(plan, 1, label)
     return (first_race(writes, reads, same_plan=True, key=key)
-            or first_race(writes, writes, same_side=True, key=key))
+            or first_race(writes, writes, same_side=True, key=key,
+                          harmless=lambda pair: _duplicate_copies(plan, pair)))
 
 
 def race_between(first: object, second: object, labels: tuple[str, str]) -> str | None:

@@ -156,7 +156,9 @@ def _unpack_cubin(data: bytes) -> bytes | None:
 def cubin_path(arch: int) -> Path:
     """Where the cubin for sm_<arch> of this source, NVRTC and options is cached."""
     key = cache_key(kernel_sources(), arch, nvrtc_version())
-    return cache_dir() / f"copy_kernel-sm{arch}-{key}.cubin"
+    # '.checked': the file holds the header, so a kvcopy that stores bare cubins under
+    # the older name and this one never read each other's files
+    return cache_dir() / f"copy_kernel-sm{arch}-{key}.checked.cubin"
 
 
 def _warn_cache_once(problem: str) -> None:

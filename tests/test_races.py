@@ -47,6 +47,12 @@ def test_the_same_destination_memory_twice_in_a_layer_list_is_refused():
         plan_blocks(src, [halves[:, :64], halves[:, 32:96]], [[0, 1]])
 
 
+def test_one_cache_listed_twice_on_both_sides_copies_the_same_bytes_twice_and_is_accepted():
+    gpu, host = pool(), pool()
+    plan = plan_blocks([gpu, gpu], [host, host], [[0, 1], [2, 3]])
+    assert plan.num_copies == 4
+
+
 def test_k_and_v_views_that_interleave_without_meeting_are_accepted():
     cache = np.zeros((8, 2, 64), dtype=np.uint8)     # [blocks, K/V, bytes] as flashinfer's
     host = [pool(), pool()]
