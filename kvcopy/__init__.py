@@ -14,7 +14,7 @@ from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy.startup import prepare
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",

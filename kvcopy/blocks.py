@@ -48,7 +48,8 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
     low, high = int(ids.min()), int(ids.max())
     if low >= 0 and high < int(limits.min()):
         return
-    for k, limit in enumerate(limits.astype(np.int64).tolist()):
+    counts: list[int] = limits.astype(np.int64).tolist()
+    for k, limit in enumerate(counts):
         bad = (ids < 0) | (ids >= limit)
         if bad.any():
             pair = int(np.argmax(bad))

@@ -3,7 +3,7 @@
 # test suite with the GPU tests, the CPU-overhead probes and the benchmark.
 # Results land in $OUT (default ./gpu-out); the device tool brings back at most
 # 8 files, so logs are few: pytest.log (GPU name first), patterns.txt (other
-# projects' call patterns, scripts/patterns_probe.py), cpu_overhead.txt,
+# projects' call patterns, bench/patterns.py), cpu_overhead.txt,
 # [profile.txt], bench-<mode>/results.{json,csv,png} (with a GPU-to-GPU section
 # where two GPUs are present).
 #   BENCH=quick (default) | full | quick+full | none
@@ -12,9 +12,9 @@
 #   PYTEST_ARGS   extra pytest arguments
 #   ONE_GPU_TOO=1 on a machine of several GPUs, also run the suite with GPU 0 alone
 #                 (pytest-1gpu.log)
-#   PROBES="..."  parts of scripts/serving_probe.py to run after the benchmark, e.g.
+#   PROBES="..."  parts of experiments/serving_probe.py to run after the benchmark, e.g.
 #                 "both_ways_beside d2d_descriptors latency" (serving-probe.txt)
-#   SCRIPTS="..." other scripts/ to run before the benchmark, each into <name>.txt,
+#   SCRIPTS="..." experiments/ to run before the benchmark, each into <name>.txt,
 #                 e.g. "bulk_sweep.py"
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -34,11 +34,11 @@ if [ -n "${ONE_GPU_TOO:-}" ]; then
     | tee "$OUT/pytest-1gpu.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-python3 scripts/patterns_probe.py 2>&1 | tee "$OUT/patterns.txt"
-(cd scripts && python3 cpu_overhead.py && python3 cpu_breakdown.py && python3 cpu_breakdown.py small) 2>&1 | tee "$OUT/cpu_overhead.txt"
-[ -n "${PROFILE:-}" ] && python3 scripts/profile_calls.py > "$OUT/profile.txt" 2>&1
+python3 bench/patterns.py 2>&1 | tee "$OUT/patterns.txt"
+(python3 bench/cpu_overhead.py 1024 4096 && cd experiments && python3 cpu_breakdown.py && python3 cpu_breakdown.py small) 2>&1 | tee "$OUT/cpu_overhead.txt"
+[ -n "${PROFILE:-}" ] && python3 experiments/profile_calls.py > "$OUT/profile.txt" 2>&1
 for script in ${SCRIPTS:-}; do
-  python3 "scripts/$script" 2>&1 | grep -v Warning | tee "$OUT/${script%.py}.txt"
+  python3 "experiments/$script" 2>&1 | grep -v Warning | tee "$OUT/${script%.py}.txt"
 done
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   [ "$mode" = none ] && continue
@@ -46,6 +46,6 @@ for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   python3 -m kvcopy.bench $flag ${BENCH_FLAGS:-} --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
 done
 if [ -n "${PROBES:-}" ]; then
-  python3 scripts/serving_probe.py $PROBES 2>&1 | grep -v Warning | tee "$OUT/serving-probe.txt"
+  python3 experiments/serving_probe.py $PROBES 2>&1 | grep -v Warning | tee "$OUT/serving-probe.txt"
 fi
 exit "$status"

@@ -135,3 +135,44 @@ def test_table_prints_the_copier_column(capsys):
     assert header.split()[5] == "copier"
     assert bulk.split()[5] == "bulk" and bulk.split()[6] == "51.5"
     assert batch.split()[3:6] == ["batch", "batch", "51.5"]   # no copier: the column is blank
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--blocks", "0"], "block sizes must be from 1"),
+    (["--blocks", "-16"], "block sizes must be from 1"),
+    (["--blocks", "16,x"], "KiB integers"),
+    (["--blocks", "131072"], "block sizes must be from 1"),
+    (["--device", "-1"], "at least 0"),
+    (["--device", "gpu"], "GPU index"),
+])
+def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, capsys, tmp_path):
+    from kvcopy.bench.__main__ import parse_args
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv + ["--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring(tmp_path, capsys):
+    from kvcopy.bench.__main__ import parse_args
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(blocker / "out")])
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_every_benchmark_flag_has_help():
+    import argparse
+    from kvcopy.bench import __main__ as cli
+    parser_actions = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, *a, **k):
+        parser_actions.extend(self._actions)
+        return real(self, *a, **k)
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        cli.parse_args(["--quick", "--out", "/tmp/kvcopy-bench-help-test"])
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    assert parser_actions and all(a.help for a in parser_actions)

@@ -1,4 +1,4 @@
-"""Command line: python -m kvcopy.bench [--quick] [--calibrate] [--out DIR]."""
+"""Command line: python -m kvcopy.bench [--quick] [--device N] [--calibrate] [--out DIR]."""
 from __future__ import annotations
 
 import argparse
@@ -14,13 +14,16 @@ from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
+BATCH_BYTES = 64 * MiB   # bytes per batch of the block sweep (GPU-to-GPU: four times that)
+SCHEMA_VERSION = 2       # of results.json: meta says device, driver, CUDA, torch, kvcopy, date
 QUICK_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 PEER_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 FULL_BLOCKS = [2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
                512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB]
 
 
-def gpu_or_exit() -> str:
+def gpu_or_exit(device: int = 0) -> str:
+    """The name of GPU ``device``, made torch's current device; exits 2 where there is none."""
     try:
         import torch
     except ImportError:
@@ -30,7 +33,12 @@ def gpu_or_exit() -> str:
         print("kvcopy.bench: no CUDA GPU found on this machine; the benchmark needs one.",
               file=sys.stderr)
         sys.exit(2)
-    return torch.cuda.get_device_name(0)
+    if device >= torch.cuda.device_count():
+        print(f"kvcopy.bench: --device {device}, but this machine has "
+              f"{torch.cuda.device_count()} GPU(s)", file=sys.stderr)
+        sys.exit(2)
+    torch.cuda.set_device(device)   # every "cuda" allocation of the run goes there
+    return torch.cuda.get_device_name(device)
 
 
 def torch_device_count() -> int:
@@ -46,13 +54,43 @@ def progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _block_list(text: str) -> list[int]:
+    """--blocks: KiB integers separated by commas, each from 1 KiB to the batch's 64 MiB."""
+    try:
+        sizes = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KiB integers separated by commas, got {text!r}")
+    bad = [k for k in sizes if not 1 <= k <= BATCH_BYTES // KiB]
+    if bad:
+        raise argparse.ArgumentTypeError(f"block sizes must be from 1 to {BATCH_BYTES // KiB} KiB "
+                                         f"(the batch's size); got {bad}")
+    return [k * KiB for k in sizes]
+
+
+def _device_index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a GPU index, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a GPU index is at least 0, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Every argument checked before anything is measured (the output folder made and
+    written to once), so that a run never ends in an error after its stages."""
     parser = argparse.ArgumentParser(prog="python -m kvcopy.bench",
                                      description="kvcopy against the ceiling and the alternatives")
-    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON/CSV/PNG")
-    parser.add_argument("--no-alternatives", action="store_true")
-    parser.add_argument("--blocks", type=str, default=None,
+    parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"),
+                        help="folder for results.json, results.csv and the plots (default "
+                             "bench-out; made if missing, files in it replaced)")
+    parser.add_argument("--device", type=_device_index, default=0,
+                        help="the GPU to measure (default 0); GPU-to-GPU rows use it and the next")
+    parser.add_argument("--no-alternatives", action="store_true",
+                        help="leave out the other libraries' paths (Triton, cuda.core, torch)")
+    parser.add_argument("--blocks", type=_block_list, default=None,
                         help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="only the block sweep (no GPU-to-GPU, bidirectional, compute, "
@@ -61,17 +99,49 @@ def main(argv: list[str] | None = None) -> int:
                         help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
                              "it finds on this host, as a deployment that calibrates would")
     args = parser.parse_args(argv)
-    name = gpu_or_exit()
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".kvcopy-bench-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot write there ({exc.strerror or exc})")
+    return args
+
+
+def run_metadata(name: str, device: int) -> dict:
+    """What a result file must say about where and with what it was measured."""
+    import datetime
+    import subprocess
+
+    import torch
+    from cuda.bindings import driver as cu
+
+    err, version = cu.cuDriverGetVersion()
+    commit = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(kvcopy.__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"schema_version": SCHEMA_VERSION, "device": name, "device_index": device,
+            "driver_version": int(version) if int(err) == 0 else None,
+            "driver": (f"{int(version) // 1000}.{int(version) % 1000 // 10}"
+                       if int(err) == 0 else None),
+            "cuda_runtime": torch.version.cuda, "torch": torch.__version__,
+            "kvcopy": kvcopy.__version__, "kvcopy_commit": commit,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = gpu_or_exit(args.device)
     calibrated = None
     if args.calibrate:
         calibrated = dataclasses.asdict(kvcopy.calibrate(save_result=False))
-    blocks = QUICK_BLOCKS if args.quick else FULL_BLOCKS
-    if args.blocks:
-        try:
-            blocks = [int(k) * KiB for k in args.blocks.split(",")]
-        except ValueError:
-            parser.error(f"--blocks: expected KiB integers separated by commas, got {args.blocks!r}")
-    total = 64 * MiB
+    blocks = args.blocks or (QUICK_BLOCKS if args.quick else FULL_BLOCKS)
+    total = BATCH_BYTES
     repeats = 5 if args.quick else 9
     methods: list[RequestedMethod] = ["auto", "kernel", "batch", "loop"]
     jobs = [(d, b, "torch") for d in ("h2d", "d2h") for b in blocks]
@@ -122,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     progress(steps, steps, "done")
     sys.stderr.write("\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": name, "python": platform.python_version(), "kvcopy": kvcopy.__version__,
+    meta = {**run_metadata(name, args.device),
             "quick": args.quick, "seconds": round(time.time() - t0, 1),
             "stage_seconds": stage_seconds,
             "gpus": torch_device_count(), "calibrated": calibrated,
@@ -133,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     report.write_csv(args.out / "results.csv", rows)
     plotted = report.plot(args.out / "results.png", rows, f"kvcopy on {name}: scattered blocks, "
                           f"{total >> 20} MiB per batch (GPU-to-GPU {4 * total >> 20} MiB)")
+    plotted_scenarios = report.plot_scenarios(args.out / "scenarios.png", scenarios,
+                                              f"kvcopy on {name}: serving-like load")
     print_table(rows, scenarios)
-    print(f"wrote {args.out}/results.json, results.csv" + (", results.png" if plotted else ""))
+    print(f"wrote {args.out}/results.json, results.csv" + (", results.png" if plotted else "")
+          + (", scenarios.png" if plotted_scenarios else ""))
     return 0
 
 

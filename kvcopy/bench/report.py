@@ -61,9 +61,72 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
         ax.set_ylabel("GB/s")
         ax.set_title(names[direction])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2,
+                  frameon=False)   # below the axes: over the curves it hid them
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_scenarios(path: Path, scenarios: dict, title: str) -> bool:
+    """The serving-like scenarios: a store and a load at once (fraction of the contiguous
+    pair, GPU time and wall), small batches (call to completion), and a matmul beside
+    copies (its slowdown against the copies' GB/s). Panels for what the run measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [key for key in ("bidirectional", "small_batches", "serving_step", "compute_beside")
+              if scenarios.get(key)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        rows = scenarios[key]
+        if key == "bidirectional":
+            for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "contiguous"):
+                pts = sorted((r["block_bytes"], r["of_contiguous_pair"], r["wall_of_contiguous_pair"])
+                             for r in rows if r["method"] == method)
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
+                                label=f"{method}, GPU time")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color(),
+                        label=f"{method}, wall")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("block size (bytes)")
+            ax.set_ylabel("of the contiguous pair")
+            ax.set_title("a store and a load at once")
+        elif key == "small_batches":
+            for (direction, method) in dict.fromkeys((r["direction"], r["method"]) for r in rows):
+                pts = sorted((r["blocks"], r["wall_us"]) for r in rows
+                             if r["direction"] == direction and r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
+                        label=f"{direction} {method}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("blocks of 16 KiB")
+            ax.set_ylabel("call to completion (us)")
+            ax.set_title("small batches")
+        else:
+            labels = [f"{r['method']} {r['block_bytes'] // KiB}K"
+                      + (f" {r['direction']}" if "direction" in r else "") for r in rows]
+            slow = [100 * r["median_slowdown"] for r in rows]
+            ax.barh(range(len(rows)), slow, color="tab:red", alpha=0.7)
+            ax.set_yticks(range(len(rows)))
+            ax.set_yticklabels(labels, fontsize=7)
+            ax.set_xlabel("matmul slowdown (%), median")
+            ax.set_title("a matmul beside a store and a load" if key == "serving_step"
+                         else "a matmul beside copies")
+        ax.grid(alpha=0.3)
+        if key in ("bidirectional", "small_batches"):
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                      frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
