@@ -1,5 +1,5 @@
 # The planning loop shared by the planner (_plan.pyx, for the DMA paths) and the
-# fused describe pass (_driver.pyx, for the kernel path): both walk a batch with
+# fused describe pass (_cuda/describe.pyx, for the kernel path): both walk a batch with
 # next_copy, so both validate, drop and merge copies exactly alike.
 from libc.stdint cimport uint64_t
 

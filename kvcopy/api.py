@@ -249,8 +249,7 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     typically the store from a GPU cache to a host cache and the load back.
     Both sides' block copies go out together: below 128 KiB blocks as one kernel
     launch whose CTAs are split by direction, so neither direction starves the
-    other on the PCIe link (two swap_blocks calls on two streams get 0.60-0.66
-    of the contiguous pair where one launch gets 0.71-0.81 on an H200), from
+    other on the PCIe link as two swap_blocks calls on two streams do, from
     there on the copy engines, both sides started at once (see copy_both_ways).
 
     Ordering as copy_both_ways: after the work queued on ``stream`` (None: the

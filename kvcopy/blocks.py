@@ -48,7 +48,7 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
     low, high = int(ids.min()), int(ids.max())
     if low >= 0 and high < int(limits.min()):
         return
-    counts: list[int] = limits.astype(np.int64).tolist()
+    counts = [int(v) for v in limits]
     for k, limit in enumerate(counts):
         bad = (ids < 0) | (ids >= limit)
         if bad.any():

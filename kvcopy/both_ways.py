@@ -36,9 +36,7 @@ from kvcopy.policy import Decision
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # Copies per cuMemcpyBatchAsync call when both sides go to the copy engines: smaller
-# chunks start both directions sooner, larger ones cost less CPU per copy. On the
-# H200, 64 beat 16 at 64-256 KiB blocks in GPU time and wall (128 KiB: 0.97/0.95
-# against 0.91/0.85; h200-serving-probe-4-latency-both-ways-methods.txt).
+# chunks start both directions sooner, larger ones cost less CPU per copy.
 DMA_CHUNK = 64
 
 
@@ -130,9 +128,8 @@ def _staged_pair(targets: tuple[engine.Target, engine.Target], batches: tuple[Ar
                  method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
                  ) -> list[staged.StagedBatch]:
     """Both sides as staged batches, where the policy stages both (kvcopy.staged); else
-    none: one side staged beside the kernel pair's other side fell below the kernel
-    pair (H200, 16 KiB: 0.51-0.77 of the contiguous pair against 0.82;
-    bench/results/h200-staged-probe.txt)."""
+    none: one side staged beside the kernel pair's other side falls below the kernel
+    pair."""
     found = []
     for target, (src, dst, sizes), name in zip(targets, batches, names):
         side = staged.plan_batch(target.request, target.decision, src, dst, sizes, method,

@@ -139,8 +139,8 @@ class Config:
     host_ctas: CTAs the copy kernel uses for copies that touch host memory
         (1-65535, env KVCOPY_HOST_CTAS). None (default) means the device's:
         the fewest that reach 0.90 of the contiguous copy in each direction,
-        found by kvcopy.calibrate, else the H200's: 4 host-to-GPU, 2
-        GPU-to-host (2 KiB-1 MiB blocks), leaving the other SMs to the model.
+        found by kvcopy.calibrate, else policy.HOST_CTAS: 4 host-to-GPU, 2
+        GPU-to-host, leaving the other SMs to the model.
     device_ctas: CTAs for copies inside one GPU; None means four per SM
         (env KVCOPY_DEVICE_CTAS).
     peer_ctas: CTAs for copies between two GPUs (NVLink or PCIe peer-to-peer);
@@ -157,11 +157,9 @@ class Config:
     stores_by_dma: 'auto' sends GPU-to-host copies of every block size to the
         copy engines (cuMemcpyBatchAsync) wherever the stream allows them, for
         engines that store KV blocks while the model computes and must not
-        lose even 1% to the copies (H200, bf16 matmul beside continuous
-        16 KiB stores: +1.1% beside the default kernel at 40 GB/s, +0.2%
-        beside the copy engines at 17-29 GB/s, as fast as one CPU thread
-        feeds them at that size). Default False: the kernel, at the link's
-        rate (env KVCOPY_STORES_BY_DMA=0/1).
+        lose even 1% to the copies: the engines cost compute next to nothing,
+        at the rate one CPU thread feeds them. Default False: the kernel, at
+        the link's rate (env KVCOPY_STORES_BY_DMA=0/1).
     bulk_stores: on GPUs with a bulk copy unit (sm_90+: H100, H200, B200), the
         copy kernel moves GPU-to-host copies of mean block 16-64 KiB
         (policy.BULK_MIN_BYTES..BULK_MAX_BYTES) through it (cp.async.bulk)
@@ -173,15 +171,10 @@ class Config:
         to them.
     launch_bytes: the most bytes one copy-kernel launch moves between host and
         GPU memory; larger batches go out as several launches in a row on the
-        stream (0: one launch, however large; env
-        KVCOPY_LAUNCH_BYTES, default 16 MiB). A long-running copy launch holds
-        its SMs across the starts of the model's kernels beside it: on an H200,
-        a bf16 matmul beside continuous 16 KiB GPU-to-host copies slowed by +5.4%
-        with 64 MiB launches and +0.3-1.1% with 1-16 MiB ones; host-to-GPU
-        +2.0% and +0.9-1.3% (bench/results/h200-occupancy-probe.txt). 32 MiB:
-        +1.1-1.4% beside compute with copies 8% faster there, and 0.003-0.013
-        more of the link alone (bench/results/h200-slice-sweep.txt).
-        copy_both_ways counts the larger side against it.
+        stream (0: one launch, however large; env KVCOPY_LAUNCH_BYTES, default
+        16 MiB). A long-running copy launch holds its SMs across the starts of
+        the model's kernels beside it; launches of a few MiB keep that small at
+        no cost to the copy. copy_both_ways counts the larger side against it.
     staging_bytes: the chunk of a batch staged through GPU memory (kvcopy.staged:
         batches whose host side is a few long spans, as LMCache's chunks are,
         at 64 MiB and more: the copy engines move each span whole and the copy
@@ -191,17 +184,13 @@ class Config:
     traffic_window_ms: where set, copy_batch's 'auto' treats a batch between
         host and GPU as one side of a copy both ways when the same GPU issued a
         batch the other way within this many milliseconds, on another stream and
-        of at least a quarter of its bytes (kvcopy.traffic): from
-        the mean block at which copy_both_ways goes to the copy engines
-        (policy.BOTH_WAYS_BATCH_MIN_BYTES, 128 KiB, calibratable), it goes to
-        them too, where the copy kernel would otherwise share the link badly
-        with the other direction. H200, 128 KiB-1 MiB blocks each way on two
-        streams: 0.97-1.06 of the contiguous pair in GPU time against 0.61-0.62
-        for each batch decided alone (bench/results/h200-quick-traffic-window).
-        A copy that only alternates direction within the window (a store, then
-        its load, one after the other) pays batched DMA's CPU cost instead:
-        256 KiB one way, 46 GB/s wall against the kernel's 49. 0: each batch is
-        decided alone; up to 60000 (env KVCOPY_TRAFFIC_WINDOW_MS, default 50).
+        of at least a quarter of its bytes (kvcopy.traffic): from the mean block
+        at which copy_both_ways goes to the copy engines
+        (policy.BOTH_WAYS_BATCH_MIN_BYTES, calibratable), it goes to them too,
+        where the copy kernel would share the link badly with the other
+        direction. A copy that only alternates direction within the window pays
+        batched DMA's CPU cost instead. 0: each batch is decided alone; up to
+        60000 (env KVCOPY_TRAFFIC_WINDOW_MS, default 50).
     """
 
     host_ctas: int | None

@@ -78,17 +78,13 @@ def override_capabilities(**caps: bool | int) -> None:
         generation += 1
 
 
-# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None.
-# Two H200s over NVLink (bench/results/h200x2-peer-probe.txt), 128 MiB batches, of the
-# contiguous peer copy: 16 KiB blocks 0.85 with 16 CTAs, 0.87 with 32, 0.89-0.91 with 64,
-# 0.90-0.92 with 132; 256 KiB 0.89 / 0.90 / 0.93 / 0.94. Launching on the source or
-# the destination GPU differs by under 3% from 32 CTAs on.
+# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None:
+# enough to keep NVLink near its rate, far fewer than the whole GPU.
 PEER_CTAS = 64
 
 
 # CTAs per SM of the copy kernel for copies inside one GPU when config.device_ctas is
-# None: with four, every SM keeps more copies in flight (H200, 16 KiB blocks, descriptors
-# read in place: 0.88-0.89 of the contiguous copy with 4 per SM, 0.81-0.83 with one).
+# None: with four, every SM keeps enough copies in flight for HBM's rate.
 DEVICE_CTAS_PER_SM = 4
 
 
@@ -103,7 +99,7 @@ def default_peer_ctas(info: DeviceInfo) -> int:
 
 
 def thresholds(ordinal: int) -> Thresholds:
-    """Calibrated thresholds of a device, else the H200 defaults."""
+    """Calibrated thresholds of a device, else the built-in defaults."""
     found = _thresholds.get(ordinal)
     if found is None:
         found = load_thresholds(device_info(ordinal)) or Thresholds()

@@ -234,9 +234,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     Large batches: one launch. Where every copy is one tile, the kernel reads
     the descriptors where they were written (pinned, mapped): each warp
     fetches its next 32 while it copies, so the fetch hides behind the copies
-    instead of an upload running before the kernel (inside an H200, 16 KiB
-    blocks: 0.88 of the contiguous copy in place, 0.80 uploaded; scripts/
-    serving_probe.py d2d_descriptors). Multi-tile batches and copies between GPUs
+    instead of an upload running before the kernel. Multi-tile batches and copies between GPUs
     have their descriptors uploaded to the slot's device buffer first. Small batches and
     capture: descriptors by value, which graphs keep with the launch (and
     which leave the slot free at once); for those, returns what they were

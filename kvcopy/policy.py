@@ -1,10 +1,10 @@
 """Which copy method to use: a pure function of device facts and the request.
 
 Nothing here touches the driver, so every rule is unit-tested on the CPU with
-faked capabilities. Defaults come from measurements on an H200 (bench/results,
-README "Results"): the copy kernel reaches ~51 GB/s over PCIe at every block
-size and 1.4-1.8 TB/s inside the GPU; cuMemcpyBatchAsync is as fast only for
-blocks of about 1 MiB and more, and uses copy engines instead of SMs.
+faked capabilities. The copy kernel keeps about 0.9 of the PCIe link at every block
+size and most of HBM's rate inside the GPU; cuMemcpyBatchAsync is as fast only for
+blocks of about 1 MiB and more, and uses copy engines instead of SMs. Each
+default's value and the measurement behind it are in docs/design.md.
 """
 from __future__ import annotations
 
@@ -62,48 +62,30 @@ class CopyRequest:
 
 
 # Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep
-# an H200 at 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks (host-to-GPU:
-# 2 CTAs 0.65-0.72, 4 CTAs 0.90-0.93; GPU-to-host: 1 CTA 0.62-0.81, 2 CTAs 0.92-0.94;
-# bench/results/h200-serving-probe-1-before.txt, -3.txt).
+# 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks, leaving the SMs to the model.
 HOST_CTAS = {"h2d": 4, "d2h": 2}
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
 # equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
-# host memory slow a matmul beside them far more than their share of SMs. On the H200
-# (16 KiB blocks, bench/results/h200-both-ways-beside.txt), of the contiguous pair /
-# matmul slowdown: 16 + 8 CTAs 0.78 / +99%, 8 + 2 0.72 / +46%, 8 + 1 0.79 / +9%.
+# host memory slow compute beside them far more than their share of SMs.
 BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # Mean block size from which a store and a load at once go by copy engines, issued in
-# interleaved chunks (copy_both_ways). The kernel pair stays at 0.81-0.84 of the
-# contiguous pair at every size (GPU time and wall). The engines, 64 copies per call
-# alternating sides, reach 0.99 / 0.92-0.95 (GPU time / wall) at 128 KiB and
-# 0.97-1.03 / 0.92-0.96 from 256 KiB; at 64 KiB their CPU cost per copy decides the
-# wall: 0.89 in one run, 0.48 on a busier host
-# (bench/results/h200-serving-probe-4-latency-both-ways-methods.txt, -5-after.txt).
-# So this default is the safe one; calibrate() measures the host at hand.
+# interleaved chunks (copy_both_ways): the kernel pair stays near 0.8 of the contiguous
+# pair at every size, the engines reach it from here; below, their CPU cost per copy
+# decides, which differs between hosts: calibrate() measures the host at hand.
 BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
 # CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
-# copies. H200, 16 KiB blocks (bench/results/h200-bulk-sweep.txt): 2 / 4 / 8 CTAs
-# reach 0.67 / 0.94 / 0.95 of the contiguous copy alone and cost a bf16 matmul beside
-# them +3.8% / +4.4% / +23% (registers, 2 CTAs of 512 threads: 0.94, +28.9%).
+# copies: the fewest that keep the link's rate, at a small part of what register
+# stores cost compute beside them.
 BULK_STORE_CTAS = 4
-# Mean block sizes for which those 4 CTAs keep 0.90 of the contiguous copy alone
-# (same file, GPU time): 16 KiB 0.94, 64 KiB 0.94; outside, the register copier does
-# better (2 KiB 0.77 against 0.94, 4 KiB 0.88 against 0.94, 256 KiB 0.86-0.91
-# against 0.94), and more bulk CTAs would cost compute beside them what registers do.
+# Mean block sizes for which those CTAs keep 0.90 of the contiguous copy alone; outside,
+# the register copier does better, and more bulk CTAs would cost what registers do.
 BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 # Batches whose host side is a few long spans (LMCache's chunks, a host pool handed out
 # in order) go through a GPU staging buffer (kvcopy.staged): the copy engines move each
 # span whole and the copy kernel scatters (or gathers) the GPU's blocks inside the GPU.
-# H200, 64 MiB of 4-64 KiB blocks, host side one span (bench/results/h200-staged-probe.txt):
-# one way 0.95 of the contiguous copy (the kernel 0.91); both ways at once 0.94-0.95 of
-# the contiguous pair (the kernel pair 0.80-0.82). A staged batch pays a chunk's copy
-# before its first scatter and a second pass over its copies on the CPU, so small
-# batches stay with the kernel: at 8 MiB each way of 16 KiB blocks staging lost to
-# the kernel in wall time both ways at once (0.70 against 0.84 of the contiguous
-# pair) and one way (0.73-0.76 against 0.87), where at 64 MiB it won (0.89 against
-# 0.85; 0.90-0.91 against 0.87-0.97) (bench/results/h200-quick-staged.json,
-# host_spans). Sizes between are not measured yet. Each span is one cuMemcpyAsync (a
-# few microseconds of CPU), so spans must be long.
+# A staged batch pays a chunk's copy before its first scatter and a second pass over
+# its copies on the CPU, so small batches stay with the kernel; each span is one
+# cuMemcpyAsync (a few microseconds of CPU), so spans must be long.
 STAGING_MIN_BYTES = 64 << 20
 STAGING_MIN_SPAN_BYTES = 1 << 20
 # CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
@@ -200,8 +182,8 @@ def both_ways_launches(store_bytes: int, load_bytes: int, launch_bytes: int) -> 
     The sides run at once, each at about one direction's rate, so such a launch
     lasts about as long as a one-way launch of ``launch_bytes``: what slows the
     model's kernels beside it is how long a launch holds its SMs (see
-    copies_per_launch). Counting both sides' bytes instead halved the launches'
-    length and cost 0.05 of the pair at 4 KiB (H200: 0.77 -> 0.72)."""
+    copies_per_launch). Counting both sides' bytes instead would halve the launches'
+    length and cost part of the pair's rate at small blocks."""
     if not launch_bytes:
         return 1
     return max(-(-max(store_bytes, load_bytes) // launch_bytes), 1)

@@ -158,8 +158,7 @@ class TransferQueue:
                 same job: a step's stores and loads at once. Both go out together
                 as swap_blocks_both_ways sends them (below 128 KiB blocks one
                 kernel launch with CTAs split by direction, which two queues on
-                two streams cannot share: 0.71-0.81 of the contiguous pair
-                against 0.60-0.66 on an H200; from there the copy engines, both
+                two streams cannot share; from there the copy engines, both
                 started at once). The two are not ordered with each other, so a
                 block one of them writes must not be one the other reads, nor,
                 in a queue between a set of caches and itself, one the other

@@ -1,11 +1,9 @@
 """Small batches that repeat one launched before go straight to their launch.
 
 A decode step's copy_batch calls repeat: tens of blocks, the same stream and
-pools, the same policy answer every time. The full path costs a 16-copy batch
-about 14 µs of CPU on an H200's host, of which the launch is 4-5 and the rest
-Python (context, classification, the remembered decision, the launch's
-arguments), all of it before the copy can start (h200-cpu-overhead-*.txt,
-'small 16'). So after the full path launches a batch of at most
+pools, the same policy answer every time. On the full path most of a small batch's
+CPU time is Python (context, classification, the remembered decision, the launch's
+arguments), not the launch, all of it before the copy can start. So after the full path launches a batch of at most
 repeat.MAX_COPIES copies by value, it records here what it launched; the next
 call describes its batch in C (every copy checked and classified, as always) and,
 where context, stream, method, memory kinds, planned copies and bytes match a

@@ -2,7 +2,7 @@
 
 The copy kernel reads and writes host memory in small requests from SMs. Both ways
 at once, a store's writes and a load's read requests share the upstream link, and
-the kernel pair stops near 0.8 of two contiguous copies (scripts/link_budget.py).
+the kernel pair stops near 0.8 of two contiguous copies.
 The copy engines reach 1.00 there, but cost CPU per copy: too much for scattered
 small blocks. Where the host side of a batch is a few long spans (LMCache keeps a
 chunk of tokens in one host buffer; a host pool handed out in order), the engines

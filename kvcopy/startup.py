@@ -13,8 +13,7 @@ def prepare(device: int | None = None) -> None:
     thread's current context, else device 0's primary one).
 
     A process's first copy on a device does this itself, and loading the
-    kernel's module waits for all work already running on that GPU (H200: 49 ms
-    beside a 50 ms kernel, bench/results/h200-alloc-sync-probe.txt). An engine
+    kernel's module waits for all work already running on that GPU. An engine
     that calls prepare() at startup keeps that wait out of its first step.
     Copies work without it; calling it again costs a lookup.
 

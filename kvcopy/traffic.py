@@ -3,22 +3,15 @@
 A serving engine stores evicted blocks and loads prefix hits in the same step, each
 as a copy_batch call on a stream of its own. copy_both_ways sees both sides and
 sends blocks of 128 KiB and more to the copy engines, which move both directions at
-the link's limit; two copy_batch calls each see one side and give both to the copy
-kernel, whose reads of host memory share the link badly with the other direction's
-writes. H200, 128 and 256 KiB blocks, the benchmark's 'bidirectional' scenario in
-the four quick runs of 1 December (bench/results/h200-quick-pipelined-staging,
--descs-b, -memcpy-each and -staging-8mib .json): the kernel both ways 0.59-0.67 of
-the contiguous pair in GPU time and 0.60-0.63 in wall; batched DMA on the same two
-streams 0.87-1.02 and 0.59-0.87. So copy_batch and swap_blocks note here when
-each direction last issued a copy, and a batch whose other direction issued one
-within config.traffic_window_ms (default 50 ms) is decided as one side of a copy
-both ways (policy.choose_method). The benchmark's 'auto' rows of 1 December's
-quick run with the window on (bench/results/h200-quick-traffic-window.json),
-128 KiB-1 MiB: 0.97-1.06 in GPU time and 0.78-0.96 in wall, against 0.61-0.62 and
-0.61-0.66 with each batch decided alone. A copy the other way on the same stream
-does not count: a stream runs its copies one after another, never both at once.
-Nor does one of less than a quarter of the batch's bytes (OTHER_WAY_MIN_SHARE).
-Times, byte counts and stream handles only: no driver call, nothing on any stream.
+the link's limit; two copy_batch calls each see one side and would give both to the
+copy kernel, whose reads of host memory share the link badly with the other
+direction's writes. So copy_batch and swap_blocks note here when each direction last
+issued a copy, and a batch whose other direction issued one within
+config.traffic_window_ms is decided as one side of a copy both ways
+(policy.choose_method). A copy the other way on the same stream does not count: a
+stream runs its copies one after another, never both at once. Nor does one of less
+than a quarter of the batch's bytes (OTHER_WAY_MIN_SHARE). Times, byte counts and
+stream handles only: no driver call, nothing on any stream.
 """
 from __future__ import annotations
 
@@ -29,11 +22,9 @@ _OTHER = {"h2d": "d2h", "d2h": "h2d"}
 # legacy one (0, 0x1) never runs batched DMA; only other handles name one stream.
 _SHARED_HANDLES = (0, 1, 2)
 # A batch overlaps the other way's last one for at most that one's share of its bytes.
-# Batched DMA pays off against the kernel both ways (H200, 128 KiB: 1.0 against 0.6
-# of the pair) once a fifth (host->GPU) to a third (GPU->host) of a batch overlaps,
-# given what it costs alone (wall 0.81 / 0.70 against the kernel's 0.90 / 0.91,
-# bench/results/h200-full.json); a quarter, between the two, keeps a small copy the
-# other way from moving a large batch off the kernel.
+# Batched DMA pays off against the kernel both ways once a fifth (host->GPU) to a
+# third (GPU->host) of a batch overlaps, given what it costs alone; a quarter, between
+# the two, keeps a small copy the other way from moving a large batch off the kernel.
 OTHER_WAY_MIN_SHARE = 0.25
 # (device, direction) -> (_clock(), stream handle, bytes) of the last batch noted
 _last: dict[tuple[int, str], tuple[float, int, int]] = {}

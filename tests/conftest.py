@@ -59,9 +59,9 @@ def torch_cuda():
 @pytest.fixture(autouse=True)
 def torch_current_stream_kept():
     """One failure stays one failure: a torch.cuda.graph whose capture fails on exit
-    raises before it restores torch's current stream, so the capture stream stayed
-    current for every later test (1 December: four ordering tests failed after one
-    capture did). The stream current before the test is put back after it."""
+    raises before it restores torch's current stream, which would leave the capture
+    stream current for every later test (the ordering tests would fail after one
+    failed capture). The stream current before the test is put back after it."""
     torch = sys.modules.get("torch")
     before = None
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():

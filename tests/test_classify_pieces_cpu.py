@@ -1,16 +1,11 @@
 """Memory the driver knows in many pieces, on the CPU with seeded driver answers.
 
 SGLang registers its host pool with cudaHostRegister a GiB at a time, and the
-driver knows each registration as a range of its own. kvcopy kept 64 ranges
-per side and call (256 now): a batch scattered over more pieces than that asked the driver
-again for nearly every copy (H200: 4096 copies over 512 registered pieces took
-1016 us of CPU against 51 us over one allocation, bench/results/
-h200-many-ranges-probe-before.txt; 175 us with a first version of joining,
-h200-many-ranges-probe.txt). A new range is now joined with its cached neighbours of
+driver knows each registration as a range of its own. kvcopy keeps 256 ranges
+per side and call; a batch scattered over more pieces than that would ask the driver
+again for nearly every copy. A new range is joined with its cached neighbours of
 the same memory, and from 16 ranges on with neighbours asked of the driver, no more
-questions per call than the batch has copies (earned one per miss instead, 4096 copies
-over 512 pieces asked ~800 times and took 666 us of CPU on the H200, against 175 for a
-first version that asked ~520; h200-many-ranges-probe-bounded.txt). Asserted here: every
+questions per call than the batch has copies. Asserted here: every
 copy still gets the device view of its own piece, the pieces are asked for about once
 each, a gap or other memory beside a piece is never joined, sparse batches ask at most
 twice per copy, and batches in a few allocations ask no more than before. And a batch

@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 
 def test_fewest_ctas_that_reach_the_floor():
-    # H200 host-to-GPU at 4 KiB and 256 KiB (bench/results/h200-serving-probe.txt)
+    # fractions of the shape one GPU gave host-to-GPU at 4 KiB and 256 KiB
     assert fewest_ctas({1: 0.35, 2: 0.63, 4: 0.90, 8: 0.90, 16: 0.91}) == 4
     assert fewest_ctas({1: 0.60, 2: 0.93, 4: 0.94, 8: 0.94}) == 2
 

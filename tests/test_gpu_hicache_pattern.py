@@ -123,8 +123,8 @@ def test_a_pool_registered_in_many_pieces(torch_cuda):
     SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB): more registrations than kvcopy keeps
     ranges per call. Here 512 pieces of 2 MiB; 4096 scattered 16 KiB blocks each way
     go by the kernel, and every block arrives; the describe pass asks the driver
-    about each piece about once (joining earned one question per miss asked ~780
-    times here, and cost 666 us of CPU per call on the H200)."""
+    about each piece about once (asking once per miss instead would ask hundreds of
+    times more)."""
     torch = torch_cuda
     piece, pieces, block, count = 2 << 20, 512, 16 << 10, 4096
     area = mmap.mmap(-1, pieces * piece)

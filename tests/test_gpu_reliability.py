@@ -232,8 +232,8 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
     gpu = torch.zeros((8, 256), device="cuda")
     host = torch.ones((8, 256)).pin_memory()
     # one queue first: its job may be the process's first block-kernel launch, and the
-    # driver loads that kernel (lazy loading) and sizes its local memory then (~100 MB
-    # when this test ran first in a process, 1 December)
+    # driver loads that kernel (lazy loading) and sizes its local memory then (about
+    # 100 MB where this test runs first in a process)
     with kvcopy.TransferQueue(host, gpu) as q:
         q.submit("first", [[0, 1]])
     free = torch.cuda.mem_get_info()[0]

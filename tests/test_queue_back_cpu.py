@@ -157,3 +157,10 @@ def test_where_one_block_kernel_launch_does_not_apply_every_copy_goes_both_ways(
     assert src.tolist() == [gpu, gpu + 16] and dst.tolist() == [host + 160, host + 176]
     src, dst, sizes = seen["second"]
     assert src.tolist() == [host + 320] and dst.tolist() == [gpu + 32] and sizes.tolist() == [16]
+
+
+@pytest.mark.parametrize("job_id", [[1, 2], {"a": 1}, {1}])
+def test_submit_refuses_a_job_id_that_is_not_hashable(job_id):
+    queue = queue_without_gpu(GPU_LIKE, HOST_LIKE)
+    with pytest.raises(TypeError, match="job_id must be hashable"):
+        queue.submit(job_id, [[0, 1]])

@@ -137,8 +137,7 @@ struct kvcopy_bulk_ring {
  * piece (at most a stage) into its ring with one instruction and stores it with
  * another, which the unit carries out from its own queue. GPU-to-host stores issued
  * this way cost a matmul beside them a fraction of what the same stores from
- * registers do (H200, 16 KiB blocks: +4.3% against +28.8%;
- * bench/results/h200-bulk-sweep-v1.txt). Piece k's store is issued once piece
+ * registers do. Piece k's store is issued once piece
  * k + KVCOPY_BULK_LAG's load is under way, so a warp keeps LAG + 1 loads in flight
  * (loads from device memory take about a microsecond; with one in flight, 2 KiB
  * blocks ran at half the link). Spans the unit cannot take (addresses or length not

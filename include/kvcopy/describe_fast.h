@@ -1,4 +1,4 @@
-/* The describe pass's fast path (host code, used by kvcopy/_driver.pyx).
+/* The describe pass's fast path (host code, used by kvcopy/_cuda/describe.pyx).
  *
  * Most batches have every copy inside one allocation per side, no copy
  * longer than a tile, none empty. For those the general loop (validate, merge,

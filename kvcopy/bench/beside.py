@@ -182,8 +182,8 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
                "copy_gbps": gbps[direction]}
 
 
-# The settings of the rows labelled 'each call alone': the traffic window off (as before
-# 1 December), so that a copy one way is decided without the other way's.
+# The settings of the rows labelled 'each call alone': the traffic window off, so that a
+# copy one way is decided without the other way's.
 EACH_CALL_ALONE = {"traffic_window_ms": 0}
 SERVING_METHODS = ("auto", "auto, each call alone", "kernel", "batch", "copy_both_ways",
                    "auto, stores_by_dma")
@@ -191,7 +191,7 @@ SERVING_METHODS = ("auto", "auto, each call alone", "kernel", "batch", "copy_bot
 
 def _settings_of(method: str) -> dict:
     """The config settings a serving_step row runs under ('each call alone': the
-    traffic window off, as before 1 December)."""
+    traffic window off)."""
     if method.endswith("stores_by_dma"):
         return {"stores_by_dma": True}
     if method.endswith("each call alone"):

@@ -44,7 +44,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
     wall time (call to completion), against two contiguous copies on two streams.
     kvcopy as an engine would call it (copy_batch per direction on two streams, by
     each method, 'auto' knowing of the other call through config.traffic_window_ms;
-    'auto, each call alone': with the window 0, as before 1 December) and with
+    'auto, each call alone': with the window 0) and with
     copy_both_ways (one call, one stream)."""
     import torch
 
@@ -77,10 +77,9 @@ def _timed(cases: dict[str, Callable[[], object]], s1: Any, s2: Any, repeats: in
     """Each case (the first, 'contiguous', the reference) timed on streams s1 and s2:
     (name, what kvcopy chose, GPU ms spanning both streams, call-to-completion
     seconds, and the reference's two). The reference is timed before the others and
-    again after them, and its better reading of each kind kept: one reading of a
-    contiguous pair came out at 65.6 GB/s where every other of that run read 95-100
-    (bench/results/h200-quick-queue-back.json, bidirectional, 4 KiB), which made
-    every ratio of its row meaningless."""
+    again after them, and its better reading of each kind kept: a single slow
+    reading of the contiguous pair (seen at two thirds of the others of its run)
+    would make every ratio of its row meaningless."""
     import torch
 
     def time_case(fn: Callable[[], object]) -> tuple[float, float]:

@@ -90,12 +90,12 @@ def plot_scenarios(path: Path, scenarios: dict, title: str) -> bool:
         rows = scenarios[key]
         if key == "bidirectional":
             for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "contiguous"):
-                pts = sorted((r["block_bytes"], r["of_contiguous_pair"], r["wall_of_contiguous_pair"])
-                             for r in rows if r["method"] == method)
-                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
+                pairs = sorted((r["block_bytes"], r["of_contiguous_pair"],
+                                r["wall_of_contiguous_pair"]) for r in rows if r["method"] == method)
+                line, = ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", ms=4,
                                 label=f"{method}, GPU time")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color(),
-                        label=f"{method}, wall")
+                ax.plot([p[0] for p in pairs], [p[2] for p in pairs], ls=":",
+                        color=line.get_color(), label=f"{method}, wall")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("block size (bytes)")
             ax.set_ylabel("of the contiguous pair")

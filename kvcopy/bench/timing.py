@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-_CYCLES_PER_US = 2000  # a safe upper bound of the SM clock (H200: 1.98 GHz)
+_CYCLES_PER_US = 2000  # a safe upper bound of the SM clock (data-centre GPUs run below 2 GHz)
 
 
 @dataclass
