@@ -33,6 +33,8 @@ def machine(meta: dict, path: Path) -> str:
     parts = [meta.get("device", "unknown GPU")]
     if meta.get("driver"):
         parts.append(f"driver {meta['driver']}")
+    else:   # files written before results recorded their driver
+        parts.append("driver not recorded in the file (the reference machines run 580)")
     if meta.get("cuda_runtime"):
         parts.append(f"CUDA {meta['cuda_runtime']}")
     parts.append(f"kvcopy {meta.get('kvcopy', '?')}")

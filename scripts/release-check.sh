@@ -63,7 +63,8 @@ for python in "${PYTHONS[@]}"; do
   SEEN[$tag]=1
   "$python" -m pip wheel -q --no-deps -w "$WORK/raw-$tag" "$SDIST" >"$WORK/wheel-$tag.log" 2>&1 \
     || { tail -30 "$WORK/wheel-$tag.log"; exit 1; }
-  auditwheel repair -q -w "$WORK/wheelhouse" "$WORK/raw-$tag"/kvcopy-*.whl
+  auditwheel repair -w "$WORK/wheelhouse" "$WORK/raw-$tag"/kvcopy-*.whl >"$WORK/repair-$tag.log" 2>&1 \
+    || { tail -20 "$WORK/repair-$tag.log"; exit 1; }
 done
 "$TOOLS/python" - "$WORK/wheelhouse" <<'CHECK'
 import pathlib, sys, zipfile
