@@ -176,3 +176,18 @@ def test_every_benchmark_flag_has_help():
     finally:
         argparse.ArgumentParser.parse_args = real
     assert parser_actions and all(a.help for a in parser_actions)
+
+
+def test_results_record_where_and_with_what_they_were_measured():
+    pytest.importorskip("torch")
+    import datetime
+
+    import kvcopy
+    from kvcopy.bench.__main__ import SCHEMA_VERSION, run_metadata
+    meta = run_metadata("Some GPU", 1)
+    assert meta["schema_version"] == SCHEMA_VERSION and meta["device"] == "Some GPU"
+    assert meta["device_index"] == 1 and meta["kvcopy"] == kvcopy.__version__
+    assert meta["torch"] and set(meta) >= {"driver_version", "driver", "cuda_runtime",
+                                           "kvcopy_commit", "python", "date"}
+    assert datetime.datetime.fromisoformat(meta["date"]).tzinfo is not None
+    json.dumps(meta)   # it goes into results.json as it is
