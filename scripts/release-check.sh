@@ -48,7 +48,8 @@ V="$WORK/sdist-venv/bin/python"
 (cd tests && "$V" -m pytest -q -p no:cacheprovider -x .)
 
 echo "== docs, warnings as errors"
-"$V" -m sphinx -W --keep-going -q -b html docs "$WORK/docs-html"
+# from another folder: the checkout's unbuilt kvcopy/ must not shadow the installed one
+(cd "$WORK" && "$V" -m sphinx -E -W --keep-going -q -b html "$OLDPWD/docs" "$WORK/docs-html")
 echo "docs: built in $WORK/docs-html"
 
 echo "== wheels"
