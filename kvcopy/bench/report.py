@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 KiB = 1 << 10
 
@@ -21,15 +22,31 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def plot(path: Path, rows: list[dict], title: str) -> bool:
-    """GB/s against block size, one line per method, a panel per direction, ceiling dashed;
-    dotted: wall-time GB/s (call to completion) of the contiguous copy, auto and batch."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or None where it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str) -> None:
+    """Title, lay out (legends below the axes included) and write a figure."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot(path: Path, rows: list[dict], title: str) -> bool:
+    """GB/s against block size, one line per method, a panel per direction, ceiling dashed;
+    dotted: wall-time GB/s (call to completion) of the contiguous copy, auto and batch."""
+    plt = _pyplot()
+    if plt is None:
         return False
     directions = [d for d in ("h2d", "d2h", "d2d") if any(r["direction"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.6), squeeze=False)
@@ -63,10 +80,7 @@ def plot(path: Path, rows: list[dict], title: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2,
                   frameon=False)   # below the axes: over the curves it hid them
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return True
 
 
@@ -74,12 +88,8 @@ def plot_scenarios(path: Path, scenarios: dict, title: str) -> bool:
     """The serving-like scenarios: a store and a load at once (fraction of the contiguous
     pair, GPU time and wall), small batches (call to completion), and a matmul beside
     copies (its slowdown against the copies' GB/s). Panels for what the run measured."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     panels = [key for key in ("bidirectional", "small_batches", "serving_step", "compute_beside")
               if scenarios.get(key)]
@@ -125,8 +135,5 @@ def plot_scenarios(path: Path, scenarios: dict, title: str) -> bool:
         if key in ("bidirectional", "small_batches"):
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
                       frameon=False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return True
