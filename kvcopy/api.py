@@ -11,7 +11,7 @@ from typing import Any
 from kvcopy import both_ways, engine
 from kvcopy.block_races import race_between
 from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
-from kvcopy.checks import require_bool, require_int
+from kvcopy.checks import require_bool, require_int, require_same_length
 from kvcopy.engine import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
@@ -19,7 +19,7 @@ from kvcopy.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
 from kvcopy.plan import find_overlap, find_read_of_written, plan_copies
-from kvcopy.overlaps import first_overlap_between
+from kvcopy.overlaps import overlap_between
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
@@ -133,9 +133,7 @@ def _refuse_crossing(store: tuple, load: tuple) -> None:
     """ValueError where a store and a load issued at once would touch the same bytes
     with at least one of them writing: the result would depend on which ran first."""
     for name, (src, dst, sizes) in (("store", store), ("load", load)):
-        if not len(src) == len(dst) == len(sizes):
-            raise ValueError(f"{name}: src_ptrs, dst_ptrs and sizes differ in length: "
-                             f"{len(src)}, {len(dst)} and {len(sizes)}")
+        require_same_length(src, dst, sizes, prefix=f"{name}: ")
     checks = (("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0],
                load[2], "reads"),
               ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0],
@@ -143,7 +141,7 @@ def _refuse_crossing(store: tuple, load: tuple) -> None:
               ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1],
                load[2], "writes"))
     for name_a, a, a_sizes, verb_a, name_b, b, b_sizes, verb_b in checks:
-        clash = first_overlap_between(a, a_sizes, b, b_sizes)
+        clash = overlap_between(a, a_sizes, b, b_sizes)
         if clash:
             raise ValueError(f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
                              f"{verb_b}; a store and a load at once run in no order with each "

@@ -26,3 +26,11 @@ def require_int(value: Any, name: str, *, minimum: int | None = None,
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def require_same_length(src: Any, dst: Any, sizes: Any, prefix: str = "") -> None:
+    """ValueError where a (src_ptrs, dst_ptrs, sizes) triple's arrays differ in length;
+    ``prefix`` names the batch in the message (e.g. 'store: ')."""
+    if not len(src) == len(dst) == len(sizes):
+        raise ValueError(f"{prefix}src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, "
+                         f"{len(dst)} and {len(sizes)}")

@@ -13,6 +13,7 @@ import numpy as np
 from kvcopy import device, kernels, peers, policy, remembered, ring, staged, traffic
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
+from kvcopy.checks import require_same_length
 from kvcopy.config import config
 from kvcopy.context import ContextScope
 from kvcopy.descriptors import number_tiles_per_slice
@@ -402,9 +403,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
                    max_ctas: int | None = None, allow_batch: bool = True) -> str:
     """Validate and issue three uint64 arrays (copy_batch's path: no CopyPlan is built
     unless a DMA method runs). Raises ValueError for a bad copy before issuing any."""
-    if not len(src) == len(dst) == len(sizes):
-        raise ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, "
-                         f"{len(dst)} and {len(sizes)}")
+    require_same_length(src, dst, sizes)
     if len(sizes) == 0:
         return "none"
     handle = effective_handle(stream_handle)

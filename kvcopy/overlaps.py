@@ -98,10 +98,4 @@ def overlap_between(a_starts: np.ndarray, a_sizes: np.ndarray, b_starts: np.ndar
     return int(a_live[found]), int(b_live[int(partner[0])])
 
 
-def first_overlap_between(a_starts: np.ndarray, a_sizes: np.ndarray, b_starts: np.ndarray,
-                          b_sizes: np.ndarray) -> tuple[int, int] | None:
-    """overlap_between (kept as the name the planner's callers use)."""
-    return overlap_between(a_starts, a_sizes, b_starts, b_sizes)
-
-
-__all__ = ["first_overlap", "first_overlap_between", "overlap_between"]
+__all__ = ["first_overlap", "overlap_between"]

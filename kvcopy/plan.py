@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcopy._plan import plan_arrays
-from kvcopy.overlaps import first_overlap, first_overlap_between
+from kvcopy.overlaps import first_overlap, overlap_between
 
 
 @dataclass(frozen=True)
@@ -62,4 +62,4 @@ def find_read_of_written(src: np.ndarray, dst: np.ndarray,
                          sizes: np.ndarray) -> tuple[int, int] | None:
     """Indices (i, j) where copy i reads bytes that copy j writes (i may equal j: a
     copy onto itself, in part), or None."""
-    return first_overlap_between(src, sizes, dst, sizes)
+    return overlap_between(src, sizes, dst, sizes)

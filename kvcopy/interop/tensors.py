@@ -208,9 +208,9 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
             ptrs.append(t.data_ptr())   # sparse tensors raise here, nested ones at .shape
     except RuntimeError:
         return None   # the full path names the tensor and what it is
-    found = np.array(ptrs, dtype=np.uint64)
-    if not found.all():
+    if 0 in ptrs:
         return None   # a meta tensor (no memory) or an empty one: the full path decides
+    found = np.array(ptrs, dtype=np.uint64)
     # Conjugate and negative bits are per tensor and cost a call each: a list is checked
     # once per set of addresses (an engine passes the same caches every step).
     key = (kind, shape, stride, dtype, found.tobytes())
