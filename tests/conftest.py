@@ -69,3 +69,18 @@ def torch_current_stream_kept():
     yield
     if before is not None and torch.cuda.current_stream(before.device) != before:
         torch.cuda.set_stream(before)
+
+
+@pytest.fixture(autouse=True)
+def device_thresholds_kept():
+    """A test that calibrates (or sets thresholds) leaves the process's thresholds as it
+    found them: a calibration measured on a small budget may find, say, that the copy
+    engines never keep up both ways, and every later test would be decided by that."""
+    from kvcopy import device
+
+    before = dict(device._thresholds)
+    yield
+    if device._thresholds != before:
+        device._thresholds.clear()
+        device._thresholds.update(before)
+        device.generation += 1   # decisions remembered since are not reused

@@ -120,6 +120,14 @@ def test_a_nested_tensor_is_refused():
         plan_blocks(nested, torch.zeros(4, 9), [[0, 1]])
 
 
+@pytest.mark.parametrize("empty_blocks", [
+    lambda: np.zeros((4, 0), np.uint8), lambda: torch.zeros(4, 0), lambda: torch.zeros(4, 8, 0),
+    lambda: np.zeros((1, 0), np.float32)])
+def test_blocks_of_zero_bytes_are_refused(empty_blocks):
+    with pytest.raises(ValueError, match=r"^src: its blocks hold 0 bytes \(shape \(\d"):
+        plan_blocks(empty_blocks(), np.zeros((4, 64), np.uint8), [[0, 1]])
+
+
 def test_a_masked_array_is_refused():
     masked = np.ma.masked_array(np.zeros((4, 64), np.uint8), mask=False)
     with pytest.raises(TypeError, match="masked array"):

@@ -150,6 +150,8 @@ def _torch_layout(t: Any) -> BlockLayout | None:
     if t.is_contiguous():
         size = t.element_size()
         block = size * (t.numel() // shape[0] if shape[0] else _prod(shape[1:]))
+        if not block:
+            return None   # blocks of 0 bytes: the full path refuses them
         return BlockLayout(ptr, shape[0], block, block, False)
     strides = t.stride()
     step = 1
@@ -177,6 +179,9 @@ def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
     ptr, shape, strides, itemsize, readonly, producer = _raw(obj, name, stream)
     if len(shape) == 0:
         raise ValueError(f"{name}: a 0-d array has no block dimension")
+    if shape[0] > 0 and _prod(shape[1:]) == 0:
+        raise ValueError(f"{name}: its blocks hold 0 bytes (shape {tuple(shape)}): there is "
+                         "nothing in them to copy")
     expected = itemsize
     for extent, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
         if extent != 1 and stride != expected:
