@@ -35,9 +35,6 @@ from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.policy import Decision
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
-# Copies per cuMemcpyBatchAsync call when both sides go to the copy engines: smaller
-# chunks start both directions sooner, larger ones cost less CPU per copy.
-DMA_CHUNK = 64
 
 
 def _describe(batch: Arrays, out: int, name: str) -> tuple:
@@ -108,9 +105,8 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             if both_staged:
                 return both_staged   # issued once the slot is given back
             kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
-            # one-tile copies over PCIe: the kernel reads the descriptors where they are
-            in_place = (tiles_a == count_a and tiles_b == count_b
-                        and not {a.request.direction, b.request.direction} & {"d2d", "p2p"})
+            in_place = (tiles_a == count_a and policy.descriptors_in_place(
+                tiles_b, count_b, (a.request.direction, b.request.direction)))
             ctas = (a.ctas(None, both_ways=True), b.ctas(None, both_ways=True))
             if in_place:
                 launches = policy.both_ways_launches(bytes_a, bytes_b, config.launch_bytes)
@@ -216,20 +212,20 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
 
 def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
                         names: tuple[str, str]) -> None:
-    """cuMemcpyBatchAsync of two planned batches, DMA_CHUNK copies at a time in
+    """cuMemcpyBatchAsync of two planned batches, policy.BOTH_WAYS_DMA_CHUNK copies at a time in
     turn: the first on ``handle``, the second on the side stream (forked from
     ``handle`` before, joined into it after, even when a call fails)."""
     side = side_streams.for_caller(handle)
     driver.stream_wait_stream(side, handle)
     try:
-        for start in range(0, max(first.count, second.count), DMA_CHUNK):
-            stop = start + DMA_CHUNK
+        for start in range(0, max(first.count, second.count), policy.BOTH_WAYS_DMA_CHUNK):
+            stop = start + policy.BOTH_WAYS_DMA_CHUNK
             for plan, stream, name in ((first, handle, names[0]), (second, side, names[1])):
                 if start >= plan.count:
                     continue
                 try:
                     dma.memcpy_batch(plan.dst[start:stop], plan.src[start:stop],
-                                     plan.sizes[start:stop], stream, False, DMA_CHUNK)
+                                     plan.sizes[start:stop], stream, False, policy.BOTH_WAYS_DMA_CHUNK)
                 except CudaError as exc:
                     index = None if exc.index is None else exc.index + start
                     raise type(exc)(exc.code, exc.name, f"{name}: {exc.message}",

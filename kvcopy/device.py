@@ -78,26 +78,6 @@ def override_capabilities(**caps: bool | int) -> None:
         generation += 1
 
 
-# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None:
-# enough to keep NVLink near its rate, far fewer than the whole GPU.
-PEER_CTAS = 64
-
-
-# CTAs per SM of the copy kernel for copies inside one GPU when config.device_ctas is
-# None: with four, every SM keeps enough copies in flight for HBM's rate.
-DEVICE_CTAS_PER_SM = 4
-
-
-def default_device_ctas(info: DeviceInfo) -> int:
-    """CTAs for a copy inside one GPU: DEVICE_CTAS_PER_SM on every SM."""
-    return DEVICE_CTAS_PER_SM * info.caps.sm_count
-
-
-def default_peer_ctas(info: DeviceInfo) -> int:
-    """CTAs for a copy between GPUs: enough to keep NVLink busy, not the whole GPU."""
-    return min(PEER_CTAS, info.caps.sm_count)
-
-
 def thresholds(ordinal: int) -> Thresholds:
     """Calibrated thresholds of a device, else the built-in defaults."""
     found = _thresholds.get(ordinal)

@@ -140,9 +140,9 @@ class Target:
         if max_ctas:
             return max_ctas
         if self.request.direction == "d2d":
-            return config.device_ctas or device.default_device_ctas(self.info)
+            return config.device_ctas or policy.device_ctas(self.info.caps)
         if self.request.direction == "p2p":
-            return config.peer_ctas or device.default_peer_ctas(self.info)
+            return config.peer_ctas or policy.peer_ctas(self.info.caps)
         if both_ways:
             return self.both_ways_ctas
         return config.host_ctas or self.host_ctas
@@ -247,7 +247,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | _Ho
     # pairs come only from batches past one launch's inline descriptors (describe_compact)
     if pair_size or (count > kernel.per_launch and not target.request.capturing):
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
-        in_place = tiles == count and target.request.direction != "p2p"
+        in_place = policy.descriptors_in_place(tiles, count, (target.request.direction,))
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
         entry = describe.PAIR_BYTES if pair_size else describe.DESCRIPTOR_BYTES
         step = policy.copies_per_launch(target.request.direction, count,

@@ -73,6 +73,22 @@ BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
 # pair at every size, the engines reach it from here; below, their CPU cost per copy
 # decides, which differs between hosts: calibrate() measures the host at hand.
 BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
+# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None:
+# enough to keep NVLink near its rate, far fewer than the whole GPU.
+PEER_CTAS = 64
+# CTAs per SM of the copy kernel for copies inside one GPU when config.device_ctas is
+# None: with four, every SM keeps enough copies in flight for HBM's rate.
+DEVICE_CTAS_PER_SM = 4
+# Copies per cuMemcpyBatchAsync call when both sides of a copy both ways go to the
+# copy engines: smaller chunks start both directions sooner, larger ones cost less CPU
+# per copy.
+BOTH_WAYS_DMA_CHUNK = 64
+# A batch counts as one side of a copy both ways only where the other direction's last
+# batch holds at least this share of its bytes. Batched DMA pays off against the kernel
+# both ways once a fifth (host->GPU) to a third (GPU->host) of a batch overlaps; a
+# quarter, between the two, keeps a small copy the other way from moving a large batch
+# off the kernel.
+OTHER_WAY_MIN_SHARE = 0.25
 # CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
 # copies: the fewest that keep the link's rate, at a small part of what register
 # stores cost compute beside them.
@@ -146,6 +162,26 @@ class Decision:
     method: Method
     reason: str
     variant: Variant = ""
+
+
+def device_ctas(caps: DeviceCaps) -> int:
+    """CTAs for a copy inside one GPU: DEVICE_CTAS_PER_SM on every SM."""
+    return DEVICE_CTAS_PER_SM * caps.sm_count
+
+
+def peer_ctas(caps: DeviceCaps) -> int:
+    """CTAs for a copy between GPUs: enough to keep NVLink busy, not the whole GPU."""
+    return min(PEER_CTAS, caps.sm_count)
+
+
+def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) -> bool:
+    """Whether the copy kernel reads a table of descriptors where the CPU wrote it
+    (mapped pinned memory) instead of from an upload that runs first: for one-tile
+    copies only (one read each), never between GPUs (the table would be read over the
+    link), and in one launch of two batches only over PCIe (h2d and d2h)."""
+    if tiles != count or "p2p" in directions:
+        return False
+    return len(directions) == 1 or "d2d" not in directions
 
 
 def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:

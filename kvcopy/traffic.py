@@ -10,22 +10,19 @@ issued a copy, and a batch whose other direction issued one within
 config.traffic_window_ms is decided as one side of a copy both ways
 (policy.choose_method). A copy the other way on the same stream does not count: a
 stream runs its copies one after another, never both at once. Nor does one of less
-than a quarter of the batch's bytes (OTHER_WAY_MIN_SHARE). Times, byte counts and
+than a quarter of the batch's bytes (policy.OTHER_WAY_MIN_SHARE). Times, byte counts and
 stream handles only: no driver call, nothing on any stream.
 """
 from __future__ import annotations
 
 import time
 
+from kvcopy import policy
+
 _OTHER = {"h2d": "d2h", "d2h": "h2d"}
 # The per-thread default stream (0x2) is a different stream in each thread, and the
 # legacy one (0, 0x1) never runs batched DMA; only other handles name one stream.
 _SHARED_HANDLES = (0, 1, 2)
-# A batch overlaps the other way's last one for at most that one's share of its bytes.
-# Batched DMA pays off against the kernel both ways once a fifth (host->GPU) to a
-# third (GPU->host) of a batch overlaps, given what it costs alone; a quarter, between
-# the two, keeps a small copy the other way from moving a large batch off the kernel.
-OTHER_WAY_MIN_SHARE = 0.25
 # (device, direction) -> (_clock(), stream handle, bytes) of the last batch noted
 _last: dict[tuple[int, str], tuple[float, int, int]] = {}
 _clock = time.monotonic
@@ -42,7 +39,7 @@ def other_way_recent(device: int, direction: str, window_s: float, stream: int =
                      nbytes: int = 0) -> bool:
     """Whether ``device`` issued a batch the other way from ``direction`` ('h2d' or
     'd2h') within the last ``window_s`` seconds, on a stream other than ``stream``,
-    of at least OTHER_WAY_MIN_SHARE of ``nbytes`` (this batch's bytes); False for
+    of at least policy.OTHER_WAY_MIN_SHARE of ``nbytes`` (this batch's bytes); False for
     other directions."""
     other = _OTHER.get(direction)
     if other is None or window_s <= 0:
@@ -53,7 +50,7 @@ def other_way_recent(device: int, direction: str, window_s: float, stream: int =
     when, on, other_bytes = last
     if on == stream and stream not in _SHARED_HANDLES:
         return False     # queued behind it on the same stream: not both at once
-    if other_bytes < OTHER_WAY_MIN_SHARE * nbytes:
+    if other_bytes < policy.OTHER_WAY_MIN_SHARE * nbytes:
         return False     # over long before this batch is
     return _clock() - when < window_s
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import both_ways, side_streams
+from kvcopy import both_ways, policy, side_streams
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, Thresholds
 
@@ -126,7 +126,7 @@ JOINT = Decision("batch", "both ways at once, blocks of 64 KiB and more")
 def test_large_blocks_both_ways_go_to_the_copy_engines_in_alternating_chunks(record):
     rec = record(fused=JOINT)
     assert both_ways.execute_both(batch(151), batch(71), HANDLE) == ("batch", "batch")
-    chunk = both_ways.DMA_CHUNK
+    chunk = policy.BOTH_WAYS_DMA_CHUNK
     assert chunk == 64
     assert rec.calls == ["check 151", "check 71", f"{SIDE:#x} waits for {HANDLE:#x}",
                          f"batch 1+64 on {HANDLE:#x}", f"batch 1+64 on {SIDE:#x}",

@@ -118,7 +118,7 @@ def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
 
     peer = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
     target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
-    assert target.ctas(None) == min(device.PEER_CTAS, DeviceCaps().sm_count)
+    assert target.ctas(None) == min(policy.PEER_CTAS, DeviceCaps().sm_count)
     monkeypatch.setattr(config, "peer_ctas", 12)
     assert target.ctas(None) == 12 and target.ctas(3) == 3
 
