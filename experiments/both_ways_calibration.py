@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 import kvcopy
-from kvcopy import device
+from kvcopy._runtime import device
 from kvcopy.bench.extra import bidirectional
 from kvcopy.policy import BOTH_WAYS_BATCH_MIN_BYTES
 

@@ -71,8 +71,9 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     print(f"breakdown vectorised describe available: {kv_describe.fast_describe_available()}")
     view = np.empty_like(plan.src)
     timed("classify_pointers src", lambda: kv_classify.classify_pointers(plan.src, plan.sizes, view))
-    from kvcopy import engine, kernels, ring
-    from kvcopy.context import ContextScope
+    from kvcopy._engine import dispatch
+    from kvcopy._runtime import kernels, ring
+    from kvcopy._runtime.context import ContextScope
     from kvcopy.interop.streams import resolve_stream
 
     handle = resolve_stream(stream)
@@ -88,9 +89,9 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
             pass
     timed("ring lookup + reserve", reserve)
     count, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, pinned)
-    found = engine.MemoryClasses(*kinds)
-    timed("_decide", lambda: engine.decide(handle, "kernel", count, total, found))
-    target = engine.decide(handle, "kernel", count, total, found)
+    found = dispatch.MemoryClasses(*kinds)
+    timed("_decide", lambda: dispatch.decide(handle, "kernel", count, total, found))
+    target = dispatch.decide(handle, "kernel", count, total, found)
     info = target.info
     timed("kernel lookup", lambda: kernels.kernel_for_current_context(*info.cc, info.driver_version))
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
@@ -113,7 +114,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     def launch() -> None:
         with ring.ring_for_current_context().reserve(count * 32) as slot:
             kv_describe.describe_copies(s, d, sizes, slot.host)
-            engine.launch_kernel(count, tiles, target, slot, None)
+            dispatch.launch_kernel(count, tiles, target, slot, None)
     timed("reserve + describe + launch", launch, sync=stream.synchronize)
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
@@ -127,7 +128,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
 
 def swap_blocks_breakdown(stream) -> None:
     """The steps of swap_blocks over 64 tensors and 1024 pairs."""
-    from kvcopy import engine
+    from kvcopy._engine import dispatch
     from kvcopy.blocks import block_geometry
     from kvcopy.interop.streams import resolve_stream
 
@@ -138,7 +139,7 @@ def swap_blocks_breakdown(stream) -> None:
     timed("swap: with_mapping", lambda: geometry.with_mapping(mapping))
     plan = geometry.with_mapping(mapping)
     handle = resolve_stream(stream)
-    timed("swap: execute_blocks", lambda: engine.execute_blocks(plan, handle), sync=stream.synchronize)
+    timed("swap: execute_blocks", lambda: dispatch.execute_blocks(plan, handle), sync=stream.synchronize)
     timed("swap: whole call", lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream),
           sync=stream.synchronize)
 
@@ -146,9 +147,10 @@ def swap_blocks_breakdown(stream) -> None:
 def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     """The steps of one call of ``count`` host-to-GPU copies (a decode step's batch):
     which of its ~11 us are Python, which the driver."""
-    from kvcopy import engine, kernels, remembered
+    from kvcopy._engine import dispatch, replay
+    from kvcopy._runtime import kernels
     from kvcopy._cuda import driver as kv_drv
-    from kvcopy.context import ContextScope
+    from kvcopy._runtime.context import ContextScope
     from kvcopy.interop.streams import resolve_stream
 
     host = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
@@ -162,21 +164,21 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     label = f"small {count}:"
     timed(f"{label} copy_batch, raw handle", lambda: kvcopy.copy_batch(s, d, sizes, stream=handle),
           sync=stream.synchronize)
-    replays = remembered.replayed()
+    replays = replay.replayed()
     timed(f"{label} copy_batch, decided afresh", lambda: (
-        remembered.forget(), kvcopy.copy_batch(s, d, sizes, stream=handle)),
+        replay.forget(), kvcopy.copy_batch(s, d, sizes, stream=handle)),
           sync=stream.synchronize)
-    assert remembered.replayed() == replays   # (each call above went the full path)
+    assert replay.replayed() == replays   # (each call above went the full path)
     kvcopy.copy_batch(s, d, sizes, stream=handle)   # recorded again
-    timed(f"{label} remembered.launch_again", lambda: remembered.launch_again(
+    timed(f"{label} replay.launch_again", lambda: replay.launch_again(
         s, d, sizes, handle, "auto"), sync=stream.synchronize)
     # what a batch that matches no record costs there: another shape (no describe),
     # and the same bytes from pageable memory (described, then no match)
-    timed(f"{label} launch_again, other bytes", lambda: remembered.launch_again(
+    timed(f"{label} launch_again, other bytes", lambda: replay.launch_again(
         s[1:], d[1:], sizes[1:], handle, "auto"))
     pageable = np.empty(2 * count * block, dtype=np.uint8)
     s_pageable = (s - np.uint64(host.data_ptr())) + np.uint64(pageable.ctypes.data)
-    timed(f"{label} launch_again, other memory", lambda: remembered.launch_again(
+    timed(f"{label} launch_again, other memory", lambda: replay.launch_again(
         s_pageable, d, sizes, handle, "auto"))
     timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))
@@ -191,11 +193,11 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     timed(f"{label} describe_copies (2 ranges)", lambda: kv_describe.describe_copies(
         s, d, sizes, scratch.host))
     n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, scratch.host)
-    found = engine.MemoryClasses(*kinds)
-    timed(f"{label} MemoryClasses", lambda: engine.MemoryClasses(*kinds))
-    timed(f"{label} decide (remembered)", lambda: engine.decide(handle, "auto", n, total, found))
+    found = dispatch.MemoryClasses(*kinds)
+    timed(f"{label} MemoryClasses", lambda: dispatch.MemoryClasses(*kinds))
+    timed(f"{label} decide (replay)", lambda: dispatch.decide(handle, "auto", n, total, found))
     timed(f"{label} context_device", kv_drv.context_device)
-    target = engine.decide(handle, "auto", n, total, found)
+    target = dispatch.decide(handle, "auto", n, total, found)
     info = target.info
     timed(f"{label} kernel lookup", lambda: kernels.kernel_for_current_context(
         *info.cc, info.driver_version))
@@ -203,12 +205,12 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     timed(f"{label} launch_descs_inline (tiny)", lambda: kv_launch.launch_descs_inline(
         kernel.function_tiny, kv_launch.INLINE_MAX_TINY, scratch.host, n, target.ctas(None),
         kvcopy.config.threads_per_cta, handle), sync=stream.synchronize)
-    timed(f"{label} engine.launch_kernel", lambda: engine.launch_kernel(
+    timed(f"{label} dispatch.launch_kernel", lambda: dispatch.launch_kernel(
         n, tiles, target, scratch, None), sync=stream.synchronize)
-    timed(f"{label} execute_arrays", lambda: engine.execute_arrays(s, d, sizes, handle),
+    timed(f"{label} execute_arrays", lambda: dispatch.execute_arrays(s, d, sizes, handle),
           sync=stream.synchronize)
     timed(f"{label} execute_arrays, decided afresh", lambda: (
-        remembered.forget(), engine.execute_arrays(s, d, sizes, handle)),
+        replay.forget(), dispatch.execute_arrays(s, d, sizes, handle)),
           sync=stream.synchronize)
 
 

@@ -266,7 +266,7 @@ def chunks():
 
 def pair(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)):
     """copy_both_ways (one launch, CTAs split by direction) for several splits."""
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     both = BothWays()
     s1 = both.s1
@@ -294,7 +294,7 @@ def d2d_descriptors():
     per SM; GPU time against the contiguous copy. (One CTA per tile, tried on the
     H200, reached 0.86-0.87 at 16 KiB with descriptors in device memory, below four
     warp-per-tile CTAs per SM at 0.89-0.90, and was dropped.)"""
-    from kvcopy import kernels
+    from kvcopy._runtime import kernels
     from kvcopy._cuda import describe, driver, launch
 
     total = 256 * MiB
@@ -384,7 +384,7 @@ def serving_blocks(blocks=(16 * KiB, 256 * KiB, 1 * MiB), pairs=8):
 def forked(blocks=(4 * KiB, 16 * KiB)):
     """Both directions as two launches on two streams (per-direction CTAs) against
     copy_both_ways' single launch with the same split."""
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     both = BothWays()
     s1, s2 = both.s1, both.s2
@@ -420,7 +420,7 @@ def footprint_small():
 def use_split(base, h2d: int, d2h: int) -> None:
     """Make copy_both_ways on device 0 split its CTAs h2d / d2h (from thresholds ``base``)."""
     import dataclasses
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h2d, "d2h": d2h}))
 
@@ -428,7 +428,7 @@ def use_split(base, h2d: int, d2h: int) -> None:
 def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))):
     """copy_both_ways per CTA split: both directions' GPU time against the contiguous
     pair (4 and 16 KiB), and a matmul window's slowdown beside it (alternating pairs)."""
-    from kvcopy import device
+    from kvcopy._runtime import device
     from kvcopy.bench import beside
 
     both = BothWays()
@@ -611,7 +611,7 @@ def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
     batches of one block size, in the same process: wall (call to completion,
     median of 50) as a fraction of the contiguous copy's, each way, the two
     variants alternating ``rounds`` times; and GPU time once each."""
-    from kvcopy import engine
+    from kvcopy._engine import dispatch
     from kvcopy._cuda import describe
 
     def full_descriptors(src, dst, sizes, out, merge):
@@ -637,11 +637,11 @@ def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
             gpus = {}
             for _ in range(rounds):
                 for name, fn in variants.items():
-                    engine.describe.describe_compact = fn
+                    dispatch.describe.describe_compact = fn
                     walls[name].append(ref_wall / call_to_completion_us(call, stream.synchronize,
                                                                         repeats=50))
                     gpus[name] = ref_gpu / measure(call, stream).gpu_ms
-            engine.describe.describe_compact = describe.describe_compact
+            dispatch.describe.describe_compact = describe.describe_compact
             cells = [f"{name} wall {' '.join(f'{w:.3f}' for w in walls[name])} gpu {gpus[name]:.3f}"
                      for name in variants]
             print(f"compact {direction} {block // KiB:>3} KiB x{total // block:<6} "

@@ -12,7 +12,7 @@ from kvcopy.host import device_pointer, pinned_empty, register
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.queue import TransferQueue, TransferResult
-from kvcopy.startup import prepare
+from kvcopy._runtime.prepare import prepare
 
 __version__ = "0.2.0"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from kvcopy import device
+from kvcopy._runtime import device
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy import both_ways, engine
+from kvcopy._engine import both_ways, dispatch
 from kvcopy.block_races import race_between
 from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
-from kvcopy.checks import require_bool, require_int, require_same_length
-from kvcopy.engine import last_decision
+from kvcopy.arguments import require_bool, require_int, require_same_length
+from kvcopy._engine.dispatch import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
-from kvcopy.context import ContextScope
+from kvcopy._runtime.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
 from kvcopy.plan import find_overlap, find_read_of_written, plan_copies
@@ -55,7 +55,7 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     each other on both sides are merged. A batch of up to 127 copies shaped like
     one launched before (same stream, method, kinds of memory, copies after
     merging and bytes, under the same settings) goes straight to the launch
-    recorded for it (kvcopy.remembered): still checked copy by copy, several
+    recorded for it (kvcopy._engine.replay): still checked copy by copy, several
     microseconds of CPU sooner.
 
     Args:
@@ -85,7 +85,7 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         and GPU whose host side is a few long spans (an LMCache chunk, a host
         pool handed out in order) goes through a GPU staging buffer, each span
         whole by the copy engines and the blocks scattered inside the GPU by
-        the copy kernel (kvcopy.staged; config.staging_bytes, 0 turns it off).
+        the copy kernel (kvcopy._engine.staged; config.staging_bytes, 0 turns it off).
 
     Raises:
         TypeError, ValueError: bad arguments, named in the message.
@@ -111,7 +111,7 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             raise ValueError(f"{what}; the copies of one batch run in no defined order")
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return engine.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
+    return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
                                  None if max_ctas is None else int(max_ctas), allow_batch)
 
 
@@ -222,7 +222,7 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
     handle = effective_handle(streams[0][0])
     plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks, stream=handle)
     if len(streams) == 1:
-        return engine.execute_blocks(plan, handle, method)
+        return dispatch.execute_blocks(plan, handle, method)
     return _between_devices(plan, streams, method)
 
 
@@ -284,7 +284,7 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
     if producers:
         with ContextScope(handle):
             if driver.stream_capture_status(handle) == 0:   # a graph cannot wait outside it
-                engine.wait_for_streams(handle, producers)
+                dispatch.wait_for_streams(handle, producers)
     return both_ways.execute_plans_both(plans[0], plans[1], handle, method, ("store", "load"))
 
 
@@ -296,7 +296,7 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     driver.init()
     for other, other_device in others:
         driver.stream_wait_stream(handle, effective_handle(other), other_device, device)
-    ran = engine.execute_blocks(plan, handle, method)
+    ran = dispatch.execute_blocks(plan, handle, method)
     for other, other_device in others:
         driver.stream_wait_stream(effective_handle(other), handle, device, other_device)
     return ran

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy.block_races import race_in_plan
-from kvcopy.checks import require_bool
+from kvcopy.arguments import require_bool
 from kvcopy.plan import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,

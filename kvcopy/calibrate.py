@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy import device as devices, peers
+from kvcopy._runtime import device as devices, peers
 from kvcopy._cuda import driver
-from kvcopy.both_ways import execute_both
-from kvcopy.checks import require_bool, require_int
-from kvcopy.engine import execute
+from kvcopy._engine.both_ways import execute_both
+from kvcopy.arguments import require_bool, require_int
+from kvcopy._engine.dispatch import execute
 from kvcopy.plan import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcopy.checks import require_bool, require_int
+from kvcopy.arguments import require_bool, require_int
 
 MAX_THREADS_PER_CTA = 512   # the copy kernel is compiled for at most 512 threads per CTA
 
@@ -127,7 +127,7 @@ _changes = 0   # assignments to kvcopy.config so far (see changes())
 
 def changes() -> int:
     """How many settings have been assigned so far: what was derived from the
-    settings under another count (kvcopy.remembered's launches) is stale."""
+    settings under another count (kvcopy._engine.replay's launches) is stale."""
     return _changes
 
 
@@ -175,7 +175,7 @@ class Config:
         16 MiB). A long-running copy launch holds its SMs across the starts of
         the model's kernels beside it; launches of a few MiB keep that small at
         no cost to the copy. copy_both_ways counts the larger side against it.
-    staging_bytes: the chunk of a batch staged through GPU memory (kvcopy.staged:
+    staging_bytes: the chunk of a batch staged through GPU memory (kvcopy._engine.staged:
         batches whose host side is a few long spans, as LMCache's chunks are,
         at 64 MiB and more: the copy engines move each span whole and the copy
         kernel scatters inside the GPU). Four such buffers per GPU, allocated
@@ -184,7 +184,7 @@ class Config:
     traffic_window_ms: where set, copy_batch's 'auto' treats a batch between
         host and GPU as one side of a copy both ways when the same GPU issued a
         batch the other way within this many milliseconds, on another stream and
-        of at least a quarter of its bytes (kvcopy.traffic): from the mean block
+        of at least a quarter of its bytes (kvcopy._engine.traffic_window): from the mean block
         at which copy_both_ways goes to the copy engines
         (policy.BOTH_WAYS_BATCH_MIN_BYTES, calibratable), it goes to them too,
         where the copy kernel would share the link badly with the other

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from kvcopy._cuda import driver
-from kvcopy.checks import require_int
-from kvcopy.context import ContextScope
+from kvcopy.arguments import require_int
+from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
 
 DEFAULT_CHUNK_BYTES = 16 << 30

@@ -54,7 +54,7 @@ class CopyRequest:
     bulk_stores: bool = True          # GPU-to-host kernel copies may use the bulk copy
                                       # unit (config.bulk_stores)
     other_way_recent: bool = False    # the device copied the other way between host and
-                                      # GPU lately (kvcopy.traffic)
+                                      # GPU lately (kvcopy._engine.traffic_window)
 
     @property
     def mean_bytes(self) -> float:
@@ -97,7 +97,7 @@ BULK_STORE_CTAS = 4
 # the register copier does better, and more bulk CTAs would cost what registers do.
 BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 # Batches whose host side is a few long spans (LMCache's chunks, a host pool handed out
-# in order) go through a GPU staging buffer (kvcopy.staged): the copy engines move each
+# in order) go through a GPU staging buffer (kvcopy._engine.staged): the copy engines move each
 # span whole and the copy kernel scatters (or gathers) the GPU's blocks inside the GPU.
 # A staged batch pays a chunk's copy before its first scatter and a second pass over
 # its copies on the CPU, so small batches stay with the kernel; each span is one
@@ -403,7 +403,7 @@ def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk
                    thresholds: Thresholds | None = None, requested: str = "auto"
                    ) -> Decision | None:
     """Whether a batch the policy gave the copy kernel goes through a GPU staging buffer
-    instead (kvcopy.staged): 'auto' only, between host and GPU, outside capture (the
+    instead (kvcopy._engine.staged): 'auto' only, between host and GPU, outside capture (the
     staging buffer is shared by every call; a graph would keep its addresses), with
     staging on (``chunk_bytes``: config.staging_bytes, 0 turns it off), every copy
     fitting one chunk, at least ``thresholds.staging_min_bytes`` in all and host spans

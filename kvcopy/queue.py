@@ -9,16 +9,16 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-from kvcopy import both_ways, engine
+from kvcopy._engine import both_ways, dispatch
 from kvcopy._cuda import classify, driver
 from kvcopy.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
-from kvcopy.context import ContextScope
+from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.interop.arrays import as_list
 from kvcopy.interop.streams import (STREAM_LEGACY, current_framework_streams, effective_handle,
                                     resolve_event, resolve_stream)
 from kvcopy.policy import RequestedMethod, check_method
-from kvcopy.startup import prepare_current_context
+from kvcopy._runtime.prepare import prepare_current_context
 
 _GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
               | classify.KIND_PEER_UNMAPPED)
@@ -94,7 +94,7 @@ class TransferQueue:
                 geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
         # The queue's stream lives on the device that holds the caches; between two
         # GPUs, on the source's, whose kernel then reads locally and writes remotely.
-        owner = engine.memory_owner(src_device, dst_device)
+        owner = dispatch.memory_owner(src_device, dst_device)
         home = src_device if owner == -2 and src_device >= 0 else owner
         with ContextScope(caller if home < 0 else STREAM_LEGACY) as scope:
             scope.follow_memory(home)
@@ -239,7 +239,7 @@ class TransferQueue:
     def _execute(self, plan: BlockPlan, back_plan: BlockPlan | None) -> tuple[str, str]:
         """Issue a job's copies on the queue's stream: the methods that ran each way."""
         if back_plan is None:
-            return engine.execute_blocks(plan, self._stream, self.method,
+            return dispatch.execute_blocks(plan, self._stream, self.method,
                                          wait_for_producers=False), ""
         return both_ways.execute_plans_both(plan, back_plan, self._stream, self.method,
                                             ("block_mapping", "back"))

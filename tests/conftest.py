@@ -76,7 +76,7 @@ def device_thresholds_kept():
     """A test that calibrates (or sets thresholds) leaves the process's thresholds as it
     found them: a calibration measured on a small budget may find, say, that the copy
     engines never keep up both ways, and every later test would be decided by that."""
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     before = dict(device._thresholds)
     yield

@@ -1,7 +1,7 @@
 """Fakes shared by the CPU tests that run kvcopy's issue paths with the driver faked."""
 from __future__ import annotations
 
-from kvcopy import ring
+from kvcopy._runtime import ring
 
 
 class FakeRing:

@@ -114,12 +114,12 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
     (("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"),
     (("batch", ""), ""), (None, "")])
 def test_rows_name_the_copier_only_where_the_kernel_ran(monkeypatch, decision, copier):
-    from kvcopy import engine
+    from kvcopy._engine import dispatch
     from kvcopy.bench.scenarios import last_copier, last_method
     from kvcopy.policy import Decision
 
     made = Decision(decision[0], "faked", decision[1]) if decision else None
-    monkeypatch.setattr(engine._last, "decision", made, raising=False)
+    monkeypatch.setattr(dispatch._last, "decision", made, raising=False)
     assert last_copier() == copier
     assert last_method() == (decision[0] if decision else "")
 

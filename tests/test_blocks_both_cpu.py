@@ -14,12 +14,14 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvcopy import both_ways, device, engine, kernels, policy, ring, staged
+from kvcopy import policy
+from kvcopy._engine import both_ways, dispatch, staged
+from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
 from kvcopy.blocks import plan_blocks
-from kvcopy.engine import MemoryClasses
+from kvcopy._engine.dispatch import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds
 
@@ -90,7 +92,7 @@ class FakeScope:
 def fake(monkeypatch):
     def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0) -> Fake:
         rec = Fake(capturing)
-        for module in (both_ways, engine):
+        for module in (both_ways, dispatch):
             monkeypatch.setattr(module, "driver", rec)
         monkeypatch.setattr(both_ways, "launch", rec)
         monkeypatch.setattr(both_ways, "describe", rec)
@@ -105,8 +107,8 @@ def fake(monkeypatch):
             src_view[:] = plan.geometry.src_base   # the device's view of each base
             dst_view[:] = plan.geometry.dst_base
             return next(found)
-        monkeypatch.setattr(engine, "classify_tensors", classify_tensors)
-        monkeypatch.setattr(engine, "_targets", {})
+        monkeypatch.setattr(dispatch, "classify_tensors", classify_tensors)
+        monkeypatch.setattr(dispatch, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps()))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())

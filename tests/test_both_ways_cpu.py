@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import both_ways, policy, side_streams
+from kvcopy import policy
+from kvcopy._engine import both_ways
+from kvcopy._runtime import side_streams
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, Thresholds
 
@@ -45,7 +47,7 @@ class Recorder:
             raise CudaError(1, "CUDA_ERROR_INVALID_VALUE", "invalid argument",
                             self.fail_at[1] - first)
 
-    # kvcopy.engine
+    # kvcopy._engine.dispatch
     def execute_copies(self, scope, handle, src, dst, sizes, method, merge, access_any, ctas):
         self.calls.append(f"issue {len(sizes)} on {handle:#x}")
         return "batch"
@@ -68,7 +70,7 @@ def record(monkeypatch):
         rec = Recorder(**kw)
         monkeypatch.setattr(both_ways, "driver", rec)
         monkeypatch.setattr(both_ways, "dma", rec)
-        monkeypatch.setattr(both_ways.engine, "execute_copies", rec.execute_copies)
+        monkeypatch.setattr(both_ways.dispatch, "execute_copies", rec.execute_copies)
         monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
         monkeypatch.setattr(both_ways.side_streams, "for_caller", lambda handle, index=0: SIDE)
         monkeypatch.setattr(both_ways, "_fused", lambda *a: rec.fused)
@@ -178,7 +180,7 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
 def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeypatch):
     """Each launch takes slice k of each batch where it was described (the fused kernel
     takes the second batch's own address): the table is left as it is."""
-    from kvcopy import ring
+    from kvcopy._runtime import ring
     from kvcopy._cuda import describe
 
     count_a, count_b = 10, 7
@@ -206,7 +208,7 @@ def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeyp
 
 
 def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(monkeypatch):
-    from kvcopy import ring
+    from kvcopy._runtime import ring
     from kvcopy._cuda import describe
 
     slot = ring.Slot(capacity=1 << 20, host=0x9000, mapped=0x2000, device=0x3000, event=0x77)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kvcopy._cuda import classify as kv_classify
-from kvcopy import device, engine, policy
+from kvcopy import policy
+from kvcopy._engine import dispatch
+from kvcopy._runtime import device
 from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
 
 MiB = 1 << 20
-H2D = engine.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
-PAGEABLE = engine.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.KIND_DEVICE, 0)
+H2D = dispatch.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
+PAGEABLE = dispatch.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.KIND_DEVICE, 0)
 
 
 class Questions(list):
@@ -42,9 +44,9 @@ def asked(monkeypatch):
         return real(request, caps, thresholds, requested)
 
     fake = FakeDriver()
-    monkeypatch.setattr(engine, "driver", fake)
-    monkeypatch.setattr(engine, "choose_method", counting)
-    monkeypatch.setattr(engine, "_targets", {})
+    monkeypatch.setattr(dispatch, "driver", fake)
+    monkeypatch.setattr(dispatch, "choose_method", counting)
+    monkeypatch.setattr(dispatch, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     questions.driver = fake
@@ -52,22 +54,22 @@ def asked(monkeypatch):
 
 
 def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(asked):
-    first = engine.decide(7, "auto", 8192, 8192 * 16384, H2D)
-    engine._last.decision = None
-    second = engine.decide(7, "auto", 8192, 8192 * 16384, H2D)
+    first = dispatch.decide(7, "auto", 8192, 8192 * 16384, H2D)
+    dispatch._last.decision = None
+    second = dispatch.decide(7, "auto", 8192, 8192 * 16384, H2D)
     assert len(asked) == 1
     assert second is first and first.decision.method == "kernel"
-    assert engine.last_decision() is first.decision
+    assert dispatch.last_decision() is first.decision
 
 
 @pytest.mark.parametrize("change", ["sizes", "count", "stream", "method", "memory"])
 def test_a_different_question_asks_again(asked, change):
-    engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
+    dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
     args = {"handle": 7, "method": "auto", "count": 64, "total_bytes": 64 * 2 * MiB, "found": H2D}
     args.update({"sizes": {"total_bytes": 64 * 16384}, "count": {"count": 1},
                  "stream": {"handle": STREAM_LEGACY}, "method": {"method": "loop"},
                  "memory": {"found": PAGEABLE}}[change])
-    target = engine.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
+    target = dispatch.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
                             args["found"])
     assert len(asked) == 2
     expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop",
@@ -76,38 +78,38 @@ def test_a_different_question_asks_again(asked, change):
 
 
 def test_capture_is_asked_every_call(asked):
-    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     asked.driver.capturing = 1
-    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_new_thresholds_are_heeded_at_once(asked):
-    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     device.set_thresholds(0, Thresholds(batch_min_bytes={"h2d": 4 * MiB, "d2h": 4 * MiB}))
-    assert engine.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_the_memory_kept_is_bounded(asked):
-    for count in range(2, engine._TARGETS_KEPT + 50):
-        engine.decide(7, "auto", count, count * 16384, H2D)
-    assert len(engine._targets) <= engine._TARGETS_KEPT
+    for count in range(2, dispatch._TARGETS_KEPT + 50):
+        dispatch.decide(7, "auto", count, count * 16384, H2D)
+    assert len(dispatch._targets) <= dispatch._TARGETS_KEPT
 
 
 def test_memory_of_another_gpu_is_a_peer_copy(asked):
-    peer = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
-    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.request.direction == "p2p" and target.request.devices == (0, 1)
     assert target.request.device_accessible and target.decision.method == "kernel"
 
 
 def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
-    from kvcopy import peers
+    from kvcopy._runtime import peers
 
     monkeypatch.setattr(peers, "why_unreachable", lambda here, found: f"peers {found} from {here}")
-    peer = engine.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
-    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = dispatch.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
+    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.request.direction == "p2p" and not target.request.device_accessible
     assert target.decision.method == "batch"
     assert target.request.unreachable == "peers [1] from 0"
@@ -116,8 +118,8 @@ def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
 def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
     from kvcopy.config import config
 
-    peer = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
-    target = engine.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.ctas(None) == min(policy.PEER_CTAS, DeviceCaps().sm_count)
     monkeypatch.setattr(config, "peer_ctas", 12)
     assert target.ctas(None) == 12 and target.ctas(3) == 3
@@ -126,13 +128,13 @@ def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
 def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
     from kvcopy.config import config
 
-    store = engine.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
-    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    store = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
+    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     monkeypatch.setattr(config, "stores_by_dma", True)
-    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
+    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
     assert asked[-1].stores_by_dma and asked[-1].direction == "d2h"
     monkeypatch.setattr(config, "stores_by_dma", False)
-    assert engine.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     assert len(asked) == 2   # the first answer was remembered
 
 
@@ -142,15 +144,16 @@ def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
     (256 << 10, "kernel", True),   # asked for: traffic is not part of the question
 ])
 def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block, method, free):
-    """kvcopy.remembered replays only launches whose decision the other direction's
+    """kvcopy._engine.replay replays only launches whose decision the other direction's
     traffic cannot change (Target.traffic_free), asked once per question."""
-    from kvcopy import config, traffic
+    from kvcopy import config
+    from kvcopy._engine import traffic_window
 
     monkeypatch.setattr(config, "traffic_window_ms", 50)
-    traffic.forget()
-    target = engine.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
-    again = engine.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
-    traffic.forget()
+    traffic_window.forget()
+    target = dispatch.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    again = dispatch.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    traffic_window.forget()
     assert target.decision.method == "kernel" and again is target
     assert target.traffic_free is free
     assert len(asked) == (1 if method != "auto" else 2)   # the other answer asked on a miss only
@@ -159,12 +162,13 @@ def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block
 def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
     """Whether traffic could change the answer matters only to replays, so a batch
     larger than any record is asked once, and says it was not asked."""
-    from kvcopy import config, remembered, traffic
+    from kvcopy import config
+    from kvcopy._engine import replay, traffic_window
 
     monkeypatch.setattr(config, "traffic_window_ms", 50)
-    traffic.forget()
-    count = remembered.MAX_COPIES + 1
-    target = engine.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)
-    traffic.forget()
+    traffic_window.forget()
+    count = replay.MAX_COPIES + 1
+    target = dispatch.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)
+    traffic_window.forget()
     assert target.decision.method == "kernel" and target.traffic_free is None
     assert len(asked) == 1

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy import context
-from kvcopy.engine import memory_owner
+from kvcopy._runtime import context
+from kvcopy._engine.dispatch import memory_owner
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 PRIMARY = {0: 0x1000, 1: 0x2000}

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcopy import device, engine, kernels, policy, ring, staged
+from kvcopy import policy
+from kvcopy._engine import dispatch, staged
+from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
@@ -94,10 +96,10 @@ def fake_cuda(monkeypatch):
              bulk_copy: bool = False) -> FakeCuda:
         fake = FakeCuda(kinds, pair_size, tiles_per_copy)
         for layer in ("driver", "describe", "launch"):
-            monkeypatch.setattr(engine, layer, fake)
+            monkeypatch.setattr(dispatch, layer, fake)
         monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
         monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
-        monkeypatch.setattr(engine, "_targets", {})
+        monkeypatch.setattr(dispatch, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps(bulk_copy=bulk_copy)))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())
@@ -110,13 +112,13 @@ def fake_cuda(monkeypatch):
 @pytest.fixture(autouse=True)
 def one_launch_by_default(monkeypatch):
     """The tests below that do not test launch_bytes see every batch as one launch."""
-    monkeypatch.setattr(engine.config, "launch_bytes", 0)
+    monkeypatch.setattr(dispatch.config, "launch_bytes", 0)
 
 
 def run(count: int, size: int = 4096) -> str:
     src = np.arange(count, dtype=np.uint64) * np.uint64(2 * size) + np.uint64(0x10000)
     sizes = np.full(count, size, dtype=np.uint64)
-    return engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+    return dispatch.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
                                  sizes, "auto", True, False, None)
 
 
@@ -172,21 +174,21 @@ def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
     (16384, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
 def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
         fake_cuda, monkeypatch, pair_size, count, call):
-    monkeypatch.setattr(engine.config, "bulk_ctas", None)
-    monkeypatch.setattr(engine.config, "bulk_stores", True)
+    monkeypatch.setattr(dispatch.config, "bulk_ctas", None)
+    monkeypatch.setattr(dispatch.config, "bulk_stores", True)
     fake = fake_cuda(GPU_TO_HOST, pair_size, bulk_copy=True)
     assert run(count, 16384) == "kernel"
     assert call in fake.calls
     assert fake.shapes == [(policy.BULK_STORE_CTAS, kv_launch.BULK_THREADS)]
-    assert engine.last_decision().variant == "bulk"
+    assert dispatch.last_decision().variant == "bulk"
 
 
 def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
-    monkeypatch.setattr(engine.config, "bulk_ctas", 6)
+    monkeypatch.setattr(dispatch.config, "bulk_ctas", 6)
     fake = fake_cuda(GPU_TO_HOST, 16384, bulk_copy=True)
     run(2000, 16384)
     src = np.arange(2000, dtype=np.uint64) * np.uint64(32768) + np.uint64(0x10000)
-    engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+    dispatch.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
                           np.full(2000, 16384, dtype=np.uint64), "auto", True, False, 3)
     assert fake.shapes == [(6, kv_launch.BULK_THREADS), (3, kv_launch.BULK_THREADS)]
 
@@ -198,21 +200,21 @@ def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
     (HOST_TO_GPU, True, True, 16384)])     # loads from host memory stay on registers
 def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, bulk_copy,
                                                 bulk_stores, size):
-    monkeypatch.setattr(engine.config, "bulk_stores", bulk_stores)
-    monkeypatch.setattr(engine.config, "host_ctas", None)
+    monkeypatch.setattr(dispatch.config, "bulk_stores", bulk_stores)
+    monkeypatch.setattr(dispatch.config, "host_ctas", None)
     fake = fake_cuda(kinds, size, bulk_copy=bulk_copy)
     assert run(2000, size) == "kernel"
     assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, size, 0)
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
-    assert fake.shapes == [(policy.HOST_CTAS[direction], engine.config.threads_per_cta)]
-    assert engine.last_decision().variant == "registers"
+    assert fake.shapes == [(policy.HOST_CTAS[direction], dispatch.config.threads_per_cta)]
+    assert dispatch.last_decision().variant == "registers"
 
 
 @pytest.mark.parametrize("kinds", [HOST_TO_GPU, GPU_TO_HOST])
 def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cuda, monkeypatch,
                                                                        kinds):
-    monkeypatch.setattr(engine.config, "launch_bytes", 600 * 16384)
-    monkeypatch.setattr(engine.config, "bulk_stores", False)
+    monkeypatch.setattr(dispatch.config, "launch_bytes", 600 * 16384)
+    monkeypatch.setattr(dispatch.config, "bulk_stores", False)
     fake = fake_cuda(kinds, 16384)
     assert run(2000, 16384) == "kernel"
     entry = kv_describe.PAIR_BYTES
@@ -226,7 +228,7 @@ def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cud
 
 def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_counts(
         fake_cuda, monkeypatch):
-    monkeypatch.setattr(engine.config, "launch_bytes", 1000 * 4096)
+    monkeypatch.setattr(dispatch.config, "launch_bytes", 1000 * 4096)
     fake = fake_cuda(HOST_TO_GPU, 0)
     assert run(2500) == "kernel"
     entry = kv_describe.DESCRIPTOR_BYTES
@@ -238,7 +240,7 @@ def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_c
 
 
 def test_batches_between_gpus_stay_one_launch_past_launch_bytes(fake_cuda, monkeypatch):
-    monkeypatch.setattr(engine.config, "launch_bytes", 100 * 4096)
+    monkeypatch.setattr(dispatch.config, "launch_bytes", 100 * 4096)
     fake = fake_cuda(GPU_TO_PEER, 0)
     assert run(2000) == "kernel"
     launches = [call for call in fake.calls if call[0].startswith("launch")]
@@ -257,7 +259,7 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
     table[:, 3] = np.arange(count, dtype=np.uint64) * per_copy   # as describe_copies numbers them
     slot = ring.Slot(capacity=1 << 20, host=table.ctypes.data, mapped=0x2000, device=0x3000,
                      event=0x77)
-    monkeypatch.setattr(engine.config, "launch_bytes", 600 * 3 * 16384)   # 600 copies a slice
+    monkeypatch.setattr(dispatch.config, "launch_bytes", 600 * 3 * 16384)   # 600 copies a slice
     fake = fake_cuda(HOST_TO_GPU, 0, tiles_per_copy=per_copy)
     monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(slot))
     assert run(count, 3 * 16384) == "kernel"
@@ -274,7 +276,7 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
 def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_cuda,
                                                                            monkeypatch):
     """A batch of STAGING_MIN_BYTES whose host side is one span is checked by the
-    describe pass, then handed to kvcopy.staged (nothing launched or fenced here);
+    describe pass, then handed to kvcopy._engine.staged (nothing launched or fenced here);
     'kernel' or a CTA limit keep the kernel, and so does a scattered host side."""
     fake = fake_cuda(HOST_TO_GPU, 4096)
     handed: list[tuple] = []
@@ -292,14 +294,14 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
     sizes = np.full(count, size, dtype=np.uint64)
 
     def call(method: str = "auto", max_ctas: int | None = None, src=host) -> str:
-        return engine.execute_copies(FakeScope(), 0x1234, src, gpu, sizes, method, True, False,
+        return dispatch.execute_copies(FakeScope(), 0x1234, src, gpu, sizes, method, True, False,
                                      max_ctas)
     assert call() == "staged"
     assert fake.calls == [("describe_compact", SLOT.host)]
     (handle, batches, cc), = handed
     assert handle == 0x1234 and cc == (9, 0)
     assert batches[0].direction == "h2d" and batches[0].host is host and batches[0].gpu is gpu
-    assert engine.last_decision().method == "staged"
+    assert dispatch.last_decision().method == "staged"
     handed.clear()
     assert call("kernel") == "kernel"
     assert call(max_ctas=4) == "kernel"
@@ -308,7 +310,7 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
 
 
 class Remembered:
-    """kvcopy.remembered as the engine calls it: what it was asked to record, and
+    """kvcopy._engine.replay as the engine calls it: what it was asked to record, and
     the decision launch_again answers with (None: no record matches)."""
 
     MAX_COPIES = kv_launch.INLINE_MAX_SMALL
@@ -340,15 +342,15 @@ def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypat
                                                             recorded):
     fake_cuda(HOST_TO_GPU, 0)
     memory = Remembered()
-    monkeypatch.setattr(engine, "remembered", memory)
+    monkeypatch.setattr(dispatch, "replay", memory)
     src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
     sizes = np.full(count, 4096, dtype=np.uint64)
-    assert engine.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+    assert dispatch.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
                                  sizes, "auto", merge, False, max_ctas, allow_batch) == "kernel"
     function = 7 if count <= kv_launch.INLINE_MAX_TINY else 6    # tiny, small (CopyKernel above)
     per_launch = (kv_launch.INLINE_MAX_TINY if count <= kv_launch.INLINE_MAX_TINY
                   else kv_launch.INLINE_MAX_SMALL)
-    ctas, threads = policy.HOST_CTAS["h2d"], engine.config.threads_per_cta
+    ctas, threads = policy.HOST_CTAS["h2d"], dispatch.config.threads_per_cta
     assert memory.recorded == ([("auto", count, count * 4096, (function, per_launch, ctas,
                                                                 threads))]
                                if recorded else [])
@@ -369,20 +371,20 @@ class EnteredScope(FakeScope):
 def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     fake = fake_cuda(HOST_TO_GPU, 0)
     memory = Remembered(replay)
-    monkeypatch.setattr(engine, "remembered", memory)
-    monkeypatch.setattr(engine, "ContextScope", EnteredScope)
+    monkeypatch.setattr(dispatch, "replay", memory)
+    monkeypatch.setattr(dispatch, "ContextScope", EnteredScope)
     src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
     sizes = np.full(16, 4096, dtype=np.uint64)
-    engine._last.decision = None
-    assert engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234) == "kernel"
+    dispatch._last.decision = None
+    assert dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234) == "kernel"
     assert memory.asked == [16]
     if replay is not None:       # replayed: nothing described or launched here
-        assert fake.calls == [] and engine.last_decision() is replay
+        assert fake.calls == [] and dispatch.last_decision() is replay
     else:                        # the full path, which records its launch
         assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
         assert len(memory.recorded) == 1
     # a CTA limit, or batched DMA ruled out, is another question: never replayed
     memory.asked.clear()
-    engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, max_ctas=2)
-    engine.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, allow_batch=False)
+    dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, max_ctas=2)
+    dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, allow_batch=False)
     assert memory.asked == []

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from kvcopy import device, engine
+from kvcopy._engine import dispatch
+from kvcopy._runtime import device
 from kvcopy.config import config
 from kvcopy.calibrate import _next_threshold
 from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest, Decision, DeviceCaps,
@@ -41,10 +42,10 @@ def test_ctas_per_direction_alone_and_both_ways():
     assert Thresholds().both_ways_ctas == BOTH_WAYS_CTAS
 
 
-def _target(direction: str, thresholds: Thresholds) -> engine.Target:
+def _target(direction: str, thresholds: Thresholds) -> dispatch.Target:
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
     request = CopyRequest(direction, 64, 64 * MiB, True, "created")
-    return engine.Target(7, info, request, Decision("kernel", "test"),
+    return dispatch.Target(7, info, request, Decision("kernel", "test"),
                          thresholds.ctas_for(direction),
                          thresholds.ctas_for(direction, both_ways=True))
 

@@ -89,7 +89,7 @@ def test_store_and_load_of_128_kib_and_more_by_copy_engines_in_chunks(torch_cuda
 def test_a_calibrated_crossover_moves_where_both_go_to_the_engines(torch_cuda, size, expected):
     import dataclasses
 
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     before = device.thresholds(0)
     # what calibrate() stores on a host whose engines keep up from 64 KiB
@@ -275,16 +275,17 @@ def traffic_window():
     """config.traffic_window_ms long enough for a slow machine to stay inside it, the
     default thresholds (whatever a calibration saved) and no traffic noted; all three
     restored after."""
-    from kvcopy import device, traffic
+    from kvcopy._engine import traffic_window
+    from kvcopy._runtime import device
     from kvcopy.policy import Thresholds
     saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
     device.set_thresholds(0, Thresholds())
     kvcopy.config.traffic_window_ms = 60_000
-    traffic.forget()
+    traffic_window.forget()
     yield
     kvcopy.config.traffic_window_ms = saved
     device.set_thresholds(0, before)
-    traffic.forget()
+    traffic_window.forget()
 
 
 def _store_load_store(first: Side, load: Side, then: Side, store_stream, load_stream) -> list:

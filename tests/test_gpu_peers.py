@@ -286,5 +286,5 @@ def test_calibrate_peers(two_gpus, tmp_path, monkeypatch):
     if not kvcopy._cuda.driver.can_access_peer(0, 1):
         pytest.skip("no peer-to-peer path: nothing to calibrate")
     assert "p2p 0>1" in found.batch_min_bytes
-    from kvcopy import device
+    from kvcopy._runtime import device
     assert "p2p 1>0" in device.thresholds(1).batch_min_bytes

@@ -86,7 +86,7 @@ def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(
 
 LOAD_CHILD = r"""
 import json, warnings
-from kvcopy import device
+from kvcopy._runtime import device
 from kvcopy._cuda import driver
 warnings.simplefilter("error")
 driver.init()

@@ -83,7 +83,7 @@ def test_explicit_kernel_refuses_memory_it_cannot_map(torch_cuda):
 KERNEL_FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
 from kvcopy._cuda import driver as kv_driver, launch as kv_launch
-from kvcopy import kernels, device
+from kvcopy._runtime import kernels, device
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 info = device.device_info(0)
 k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
@@ -242,7 +242,7 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
         with kvcopy.TransferQueue(host, gpu) as q:
             q.submit(i, [[i % 8, (i + 1) % 8]])
     assert free - torch.cuda.mem_get_info()[0] < 16 << 20
-    from kvcopy import device
+    from kvcopy._runtime import device
 
     device.set_thresholds(0, kvcopy.policy.Thresholds())  # leave the defaults for other tests
 
@@ -317,7 +317,7 @@ def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
 
 PREPARE_CHILD = r"""
 import json, threading, numpy as np, torch, kvcopy
-from kvcopy import kernels
+from kvcopy._runtime import kernels
 from kvcopy._cuda import driver as kv_driver
 seen = {}
 def worker():   # a thread of its own: no current context until kvcopy pushes one
@@ -354,7 +354,7 @@ def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_a
 
 QUEUE_PREPARES_CHILD = r"""
 import json, torch, kvcopy
-from kvcopy import kernels
+from kvcopy._runtime import kernels
 from kvcopy._cuda import driver as kv_driver
 gpu = torch.arange(8 * 1024, dtype=torch.float32, device="cuda").view(8, 1024)
 host = torch.zeros(8, 1024).pin_memory()

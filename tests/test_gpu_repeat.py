@@ -1,4 +1,4 @@
-"""Small batches replayed from a record (kvcopy.remembered), on the GPU.
+"""Small batches replayed from a record (kvcopy._engine.replay), on the GPU.
 
 A decode step's batches repeat in shape with new block ids each step: every
 replay must copy its own blocks, check every copy first, and run only where the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import remembered, traffic
+from kvcopy._engine import replay, traffic_window
 
 pytestmark = pytest.mark.gpu
 KiB = 1 << 10
@@ -27,18 +27,18 @@ _baseline = [0]
 
 @pytest.fixture(autouse=True)
 def fresh_records():
-    remembered.forget()
-    traffic.forget()
-    _baseline[0] = remembered.replayed()
+    replay.forget()
+    traffic_window.forget()
+    _baseline[0] = replay.replayed()
     yield
-    remembered.forget()
-    traffic.forget()
+    replay.forget()
+    traffic_window.forget()
 
 
 def replays() -> int:
-    """Batches replayed since the test began (remembered.replayed() counts for the
+    """Batches replayed since the test began (replay.replayed() counts for the
     process)."""
-    return remembered.replayed() - _baseline[0]
+    return replay.replayed() - _baseline[0]
 
 
 class Pools:
@@ -187,7 +187,7 @@ def test_a_batch_the_other_way_would_move_is_never_replayed(torch_cuda):
         s, d, sizes, s_ids, d_ids = load.batch(rng, 16)
         assert kvcopy.copy_batch(s, d, sizes, stream=load_stream) == "kernel"
         torch.cuda.synchronize()
-        traffic.forget()
+        traffic_window.forget()
     assert replays() == 0
     ss, sd, ssizes, *_ = store.batch(rng, 16)
     kvcopy.copy_batch(ss, sd, ssizes, stream=store_stream)
@@ -211,7 +211,7 @@ def test_a_replayed_load_still_counts_as_traffic(torch_cuda):
         kvcopy.copy_batch(s, d, sizes, stream=load_stream)
     assert replays() == 1
     ss, sd, ssizes, *_ = store.batch(rng, 4)      # 1 MiB against the load's ~2 MiB
-    traffic.forget()
+    traffic_window.forget()
     s, d, sizes, *_ = load.batch(rng, 127)
     kvcopy.copy_batch(s, d, sizes, stream=load_stream)   # replayed: the only note
     assert replays() == 2

@@ -1,4 +1,4 @@
-"""Staged copies on a real GPU (kvcopy.staged): batches whose host side is a few long
+"""Staged copies on a real GPU (kvcopy._engine.staged): batches whose host side is a few long
 spans, as LMCache keeps its chunks, go through GPU staging buffers. Every block is
 checked against torch's gather; ordering against work queued before and after on the
 caller's stream, graph capture, the legacy default stream, threads sharing the

@@ -127,7 +127,7 @@ def test_bad_ids_on_either_side_raise_before_anything_is_copied(torch_cuda):
 def block_launches(monkeypatch):
     """The arguments of every fused block-kernel launch; the per-copy path (every
     block copy described on the CPU) fails the test if it runs."""
-    from kvcopy import both_ways
+    from kvcopy._engine import both_ways
     launches: list[tuple] = []
     real = both_ways.launch.launch_blocks_pair_staged
 

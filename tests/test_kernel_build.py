@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy import kernels
+from kvcopy._runtime import kernels
 from kvcopy._cuda import launch
 from kvcopy.config import MAX_THREADS_PER_CTA
 

@@ -15,7 +15,9 @@ from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import dma as kv_dma
 from kvcopy._cuda import launch as kv_launch
-from kvcopy import device, engine, kernels, policy, ring
+from kvcopy import policy
+from kvcopy._engine import dispatch
+from kvcopy._runtime import device, kernels, ring
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
 from kvcopy.interop.streams import resolve_event
 
@@ -72,8 +74,8 @@ class FakeScope:
 def capture_engine(monkeypatch):
     fake = CapturingDriver(capturing=1)
     for layer in ("driver", "describe", "launch"):   # the modules of kvcopy._cuda it uses
-        monkeypatch.setattr(engine, layer, fake)
-    monkeypatch.setattr(engine, "_targets", {})
+        monkeypatch.setattr(dispatch, layer, fake)
+    monkeypatch.setattr(dispatch, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
@@ -92,7 +94,7 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
     src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
     dst = np.arange(count, dtype=np.uint64) * 8192 + 0x7f0000000000
     sizes = np.full(count, 8192, dtype=np.uint64)
-    used = engine.execute_copies(FakeScope(), 0x1234, src, dst, sizes, "auto", True, False, None)
+    used = dispatch.execute_copies(FakeScope(), 0x1234, src, dst, sizes, "auto", True, False, None)
     assert used == "kernel"
     assert capture_engine.calls[0].startswith("describe into")
     assert capture_engine.calls[1] == f"inline launch of {count}"
@@ -107,7 +109,7 @@ def test_launches_by_value_take_the_smallest_parameter_block_that_fits(capture_e
     monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
     src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
     sizes = np.full(count, 4096, dtype=np.uint64)
-    engine.execute_copies(FakeScope(), 0x1234, src, src + 0x7f0000000000, sizes, "kernel", True,
+    dispatch.execute_copies(FakeScope(), 0x1234, src, src + 0x7f0000000000, sizes, "kernel", True,
                           False, None)
     assert capture_engine.variant == variant
 
@@ -115,7 +117,7 @@ def test_launches_by_value_take_the_smallest_parameter_block_that_fits(capture_e
 def test_capture_with_batch_requested_raises_before_anything(capture_engine):
     sizes = np.full(4, 1 << 20, dtype=np.uint64)
     with pytest.raises(kvcopy.CaptureError):
-        engine.execute_copies(FakeScope(), 0x1234, sizes + 0x10000, sizes + 0x7f0000000000, sizes,
+        dispatch.execute_copies(FakeScope(), 0x1234, sizes + 0x10000, sizes + 0x7f0000000000, sizes,
                                "batch", True, False, None)
     assert not any("launch" in call for call in capture_engine.calls)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy import peers
+from kvcopy._runtime import peers
 from kvcopy.config import config
 from kvcopy.errors import CudaError
 

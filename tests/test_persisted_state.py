@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcopy import calibration_file, device, kernels, persist
+from kvcopy._runtime import calibration_file, device, kernels, persist
 from kvcopy.policy import DeviceCaps, Thresholds
 
 MiB = 1 << 20

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import both_ways
+from kvcopy._engine import both_ways
 from kvcopy.blocks import block_geometry, crossing_pairs
 
 

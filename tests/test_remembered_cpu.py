@@ -1,4 +1,4 @@
-"""kvcopy.remembered and kvcopy._cuda.repeat without a GPU: what makes a record stale,
+"""kvcopy._engine.replay and kvcopy._cuda.repeat without a GPU: what makes a record stale,
 what is refused, and how many are kept. (The replays themselves: test_gpu_repeat.py.)"""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import _testing, remembered
+from kvcopy import _testing
+from kvcopy._engine import replay
 from kvcopy._cuda import repeat
 from kvcopy.policy import Decision
 
@@ -23,19 +24,19 @@ def no_records():
 
 
 def test_the_epoch_moves_with_every_setting_assigned(monkeypatch):
-    before = remembered.epoch()
+    before = replay.epoch()
     monkeypatch.setattr(kvcopy.config, "host_ctas", 3)
-    after = remembered.epoch()
+    after = replay.epoch()
     assert after != before
     kvcopy.config.host_ctas = 3              # the same value again still counts
-    assert remembered.epoch() != after
+    assert replay.epoch() != after
 
 
 def test_the_epoch_moves_when_device_facts_change():
-    before = remembered.epoch()
+    before = replay.epoch()
     with _testing.capabilities(batch_available=False):
-        inside = remembered.epoch()
-    assert len({before, inside, remembered.epoch()}) == 3
+        inside = replay.epoch()
+    assert len({before, inside, replay.epoch()}) == 3
 
 
 def test_records_are_kept_up_to_kept_and_the_oldest_gives_way():
@@ -82,7 +83,7 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
     class Found:
         src_kinds, src_device, dst_kinds, dst_device = 2, -1, 1, 0
 
-    recorded = remembered.record(Target, Found, "kernel", 16, 16 * 16384, (0xBAD, 31, 4, 512))
+    recorded = replay.record(Target, Found, "kernel", 16, 16 * 16384, (0xBAD, 31, 4, 512))
     assert recorded is False
     assert repeat.remembered() == 0
 
@@ -90,7 +91,7 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
 def test_without_records_nothing_is_launched():
     src = np.arange(1, 17, dtype=np.uint64) * np.uint64(4096)
     sizes = np.full(16, 4096, np.uint64)
-    before = remembered.replayed()          # (counted for the whole process)
-    assert remembered.launch_again(src, src + np.uint64(1 << 30), sizes, 1, "auto") is None
-    assert remembered.launch_again(src, src, sizes, 1, "batch") is None   # never recorded
-    assert remembered.replayed() == before
+    before = replay.replayed()          # (counted for the whole process)
+    assert replay.launch_again(src, src + np.uint64(1 << 30), sizes, 1, "auto") is None
+    assert replay.launch_again(src, src, sizes, 1, "batch") is None   # never recorded
+    assert replay.replayed() == before

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from kvcopy import ring
+from kvcopy._runtime import ring
 
 
 class FakeDriver:
@@ -162,7 +162,7 @@ def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
 def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
     """PerContext (rings, the side stream): one creation per context even when many
     threads ask first at once; another context gets its own."""
-    from kvcopy import context
+    from kvcopy._runtime import context
 
     current = threading.local()
     monkeypatch.setattr(context.driver, "current_context_key", lambda: getattr(current, "ctx", 7))

@@ -10,7 +10,9 @@ import types
 
 import pytest
 
-from kvcopy import api, device, engine
+from kvcopy import api
+from kvcopy._engine import dispatch
+from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.interop import streams
 from kvcopy.config import Config
@@ -62,7 +64,7 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch):
         stream_wait_stream=lambda consumer, producer, producer_device, consumer_device:
             calls.append(("wait", consumer, consumer_device, producer, producer_device)))
     monkeypatch.setattr(api, "driver", fake_driver)
-    monkeypatch.setattr(api.engine, "execute_blocks",
+    monkeypatch.setattr(api.dispatch, "execute_blocks",
                         lambda plan, handle, method: calls.append(("copy", handle)) or "kernel")
     ran = api._between_devices("plan", [(0x100, 0), (0, 1)], "auto")
     legacy = streams.effective_handle(0)
@@ -82,7 +84,7 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch):
     (kv_classify.KIND_HOST_MAPPED | kv_classify.KIND_PEER, kv_classify.KIND_DEVICE, "mixed"),
 ])
 def test_directions_with_peer_memory(src, dst, expected):
-    assert engine._direction(src, dst) == expected
+    assert dispatch._direction(src, dst) == expected
 
 
 def test_saved_thresholds_without_p2p_keep_its_default(tmp_path, monkeypatch):
@@ -165,7 +167,7 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch)
         return "kernel"
 
     monkeypatch.setattr(queue_module, "driver", FakeDriver())
-    monkeypatch.setattr(queue_module.engine, "execute_blocks", execute_blocks)
+    monkeypatch.setattr(queue_module.dispatch, "execute_blocks", execute_blocks)
     queue = object.__new__(TransferQueue)
     queue._lock, queue._closed, queue._pending = threading.Lock(), False, deque()
     queue._ctx, queue._stream, queue.method = 0xC0, 0x5, "auto"

@@ -1,4 +1,4 @@
-"""Staged copies (kvcopy.staged) on the CPU: the host-span and chunk planning, the
+"""Staged copies (kvcopy._engine.staged) on the CPU: the host-span and chunk planning, the
 policy that chooses staging (faked requests and thresholds), the tile numbering of
 a chunked descriptor table, and the order in which a staged call issues its work,
 with the driver, the ring and the launches faked."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import descriptors, policy, staged
+from kvcopy import policy
+from kvcopy._engine import descriptor_tables, staged
 from kvcopy._cuda import stage
 from kvcopy._cuda import describe as kv_describe
 from kvcopy.errors import CudaError
@@ -275,7 +276,7 @@ def test_each_slice_counts_its_tiles_from_zero():
     tile = kv_describe_tile()
     sizes = [tile, 4 * tile, 2 * tile, tile, 3 * tile, tile]
     table, tiles = table_of(sizes)
-    counts = descriptors.number_tiles_per_slice(table.ctypes.data, len(sizes), tiles,
+    counts = descriptor_tables.number_tiles_per_slice(table.ctypes.data, len(sizes), tiles,
                                                 np.array([0, 2, 5]))
     assert counts == [5, 6, 1]
     assert table[:, 3].tolist() == [0, 1, 0, 2, 3, 0]
@@ -284,7 +285,7 @@ def test_each_slice_counts_its_tiles_from_zero():
 def test_one_tile_copies_keep_their_table():
     table, tiles = table_of([1024] * 7)
     before = table.copy()
-    counts = descriptors.number_tiles_per_slice(table.ctypes.data, 7, tiles, np.array([0, 3]))
+    counts = descriptor_tables.number_tiles_per_slice(table.ctypes.data, 7, tiles, np.array([0, 3]))
     assert counts == [3, 4] and (table == before).all()
 
 
@@ -297,7 +298,7 @@ class Recorder:
     def __init__(self, chunk: int) -> None:
         self.calls: list[tuple] = []
         self.table = np.zeros((1 << 16, 4), dtype=np.uint64)
-        self.slot = kvcopy.ring.Slot(capacity=1 << 30, host=self.table.ctypes.data,
+        self.slot = kvcopy._runtime.ring.Slot(capacity=1 << 30, host=self.table.ctypes.data,
                                      mapped=0x2000, device=0xD000_0000, event=0x77)
         self.buffers = staged.StagingBuffers.__new__(staged.StagingBuffers)
         self.buffers.capacity, self.buffers.base = chunk, 0xB000_0000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvcopy
-from kvcopy import startup
+from kvcopy._runtime import prepare
 
 
 class Fakes:
@@ -50,14 +50,14 @@ class Fakes:
 @pytest.fixture
 def fakes(monkeypatch) -> Fakes:
     fake = Fakes()
-    monkeypatch.setattr(startup, "driver", fake)
-    monkeypatch.setattr(startup.devices, "device_info", fake.device_info)
-    monkeypatch.setattr(startup.ring, "ring_for_current_context", fake.ring_for_current_context)
+    monkeypatch.setattr(prepare, "driver", fake)
+    monkeypatch.setattr(prepare.devices, "device_info", fake.device_info)
+    monkeypatch.setattr(prepare.ring, "ring_for_current_context", fake.ring_for_current_context)
     return fake
 
 
 def test_prepare_is_public():
-    assert kvcopy.prepare is startup.prepare and "prepare" in kvcopy.__all__
+    assert kvcopy.prepare is prepare.prepare and "prepare" in kvcopy.__all__
 
 
 def test_a_device_is_prepared_in_its_primary_context_which_is_then_popped(fakes):

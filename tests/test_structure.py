@@ -16,16 +16,19 @@ MAX_LINES = 500
 # Layers, lowest first: a module may import its own layer's and lower layers'
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
-PURE = {"kvcopy.checks", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.plan",
-        "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop", "kvcopy.traffic",
-        "kvcopy.overlaps", "kvcopy.block_races", "kvcopy.persist", "kvcopy.calibration_file"}
+PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.plan",
+        "kvcopy.blocks", "kvcopy._plan", "kvcopy._planning", "kvcopy.interop",
+        "kvcopy.overlaps", "kvcopy.block_races", "kvcopy._engine.traffic_window",
+        "kvcopy._runtime.persist", "kvcopy._runtime.calibration_file",
+        "kvcopy._engine", "kvcopy._runtime"}          # (the packages' docstring-only __init__)
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer
-    {"kvcopy.device", "kvcopy.kernels", "kvcopy.ring", "kvcopy.context", "kvcopy.host",
-     "kvcopy.peers", "kvcopy.descriptors", "kvcopy.side_streams", "kvcopy.remembered"},
-    {"kvcopy.engine", "kvcopy.both_ways", "kvcopy.staged"},
-    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing",
-     "kvcopy.startup"},
+    {"kvcopy._runtime.device", "kvcopy._runtime.kernels", "kvcopy._runtime.ring",
+     "kvcopy._runtime.context", "kvcopy._runtime.peers", "kvcopy._runtime.side_streams",
+     "kvcopy._runtime.prepare", "kvcopy.host"},                        # per context
+    {"kvcopy._engine.descriptor_tables", "kvcopy._engine.replay"},     # parts of a path
+    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged"},
+    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API
 ]
@@ -62,12 +65,10 @@ def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""])
-            if isinstance(node, ast.ImportFrom) and node.module == "kvcopy":
-                names = [f"kvcopy.{a.name}" for a in node.names]
+                     else [_imported_module(node.module or "", a.name) for a in node.names])
             names = [n for n in names if (n == "kvcopy" or n.startswith("kvcopy."))]
             if isinstance(node, ast.ImportFrom) and node.module and node.module != "kvcopy":
-                names = [n for n in names if f"{n}.{node.names[0].name}" not in OPTIONAL]
+                names = [n for n in names if n not in OPTIONAL]
             if not names:
                 continue
             if node.col_offset > 0 and not _in_type_checking(tree, node):
@@ -75,6 +76,15 @@ def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
             else:
                 found.update(names)
     return found, nested
+
+
+def _imported_module(module: str, name: str) -> str:
+    """What `from module import name` imports: the submodule module.name where there is
+    one (kvcopy/…/name.py, .pyx or a package), else module itself."""
+    base = ROOT.joinpath(*f"{module}.{name}".split("."))
+    if base.is_dir() or any(base.with_suffix(ext).is_file() for ext in (".py", ".pyx", ".pxd")):
+        return f"{module}.{name}"
+    return module
 
 
 def _in_type_checking(tree: ast.AST, target: ast.AST) -> bool:

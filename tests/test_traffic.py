@@ -1,5 +1,5 @@
 """copy_batch calls one way beside calls the other way (config.traffic_window_ms): the
-record of when each device last copied each way (kvcopy.traffic), the policy's rule
+record of when each device last copied each way (kvcopy._engine.traffic_window), the policy's rule
 for such a batch, and the engine's use of both (CPU, faked driver and clock)."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import device, engine, traffic
+from kvcopy._engine import dispatch, traffic_window
+from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
 from test_blocks_both_cpu import FakeScope   # (tests/) a context scope that stays put
@@ -19,9 +20,9 @@ from test_decide import FakeDriver   # the engine's driver calls, faked (tests/)
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
 HOST, GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
-FOUND = {"h2d": engine.MemoryClasses(HOST, -1, GPU, 0),
-         "d2h": engine.MemoryClasses(GPU, 0, HOST, -1),
-         "d2d": engine.MemoryClasses(GPU, 0, GPU, 0)}
+FOUND = {"h2d": dispatch.MemoryClasses(HOST, -1, GPU, 0),
+         "d2h": dispatch.MemoryClasses(GPU, 0, HOST, -1),
+         "d2d": dispatch.MemoryClasses(GPU, 0, GPU, 0)}
 
 
 class Clock:
@@ -37,8 +38,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(traffic, "_clock", clock)
-    monkeypatch.setattr(traffic, "_last", {})
+    monkeypatch.setattr(traffic_window, "_clock", clock)
+    monkeypatch.setattr(traffic_window, "_last", {})
     return clock
 
 
@@ -49,50 +50,50 @@ def req(direction="h2d", block=256 * KiB, recent=True, stream="created", capturi
                        other_way_recent=recent)
 
 
-# ------------------------------------------------------------------ kvcopy.traffic
+# ------------------------------------------------------------------ kvcopy._engine.traffic_window
 
 def test_a_copy_one_way_is_recent_to_the_other_way_for_the_window_only(clock):
-    traffic.note(0, "d2h")
-    assert traffic.other_way_recent(0, "h2d", 0.05)
-    assert not traffic.other_way_recent(0, "d2h", 0.05)    # its own direction is not "other"
+    traffic_window.note(0, "d2h")
+    assert traffic_window.other_way_recent(0, "h2d", 0.05)
+    assert not traffic_window.other_way_recent(0, "d2h", 0.05)    # its own direction is not "other"
     clock.now += 0.049
-    assert traffic.other_way_recent(0, "h2d", 0.05)
+    assert traffic_window.other_way_recent(0, "h2d", 0.05)
     clock.now += 0.002
-    assert not traffic.other_way_recent(0, "h2d", 0.05)
-    traffic.note(0, "h2d")
-    assert traffic.other_way_recent(0, "d2h", 0.05)
+    assert not traffic_window.other_way_recent(0, "h2d", 0.05)
+    traffic_window.note(0, "h2d")
+    assert traffic_window.other_way_recent(0, "d2h", 0.05)
 
 
 def test_the_same_stream_is_not_the_other_way_but_shared_handles_are(clock):
-    traffic.note(0, "d2h", 9)
-    assert not traffic.other_way_recent(0, "h2d", 0.05, 9)
-    assert traffic.other_way_recent(0, "h2d", 0.05, 10)
-    traffic.note(0, "d2h", 2)
-    assert traffic.other_way_recent(0, "h2d", 0.05, 2)
+    traffic_window.note(0, "d2h", 9)
+    assert not traffic_window.other_way_recent(0, "h2d", 0.05, 9)
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10)
+    traffic_window.note(0, "d2h", 2)
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 2)
 
 
 def test_a_batch_the_other_way_counts_from_a_quarter_of_this_ones_bytes(clock):
-    traffic.note(0, "d2h", 9, 16 * MiB)
-    assert traffic.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB)       # a quarter
-    assert not traffic.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB + 4)
-    assert traffic.other_way_recent(0, "h2d", 0.05, 10, 1 * MiB)        # larger than this one
+    traffic_window.note(0, "d2h", 9, 16 * MiB)
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB)       # a quarter
+    assert not traffic_window.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB + 4)
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 1 * MiB)        # larger than this one
 
 
 def test_devices_and_directions_other_than_host_and_gpu_are_kept_apart(clock):
-    traffic.note(1, "d2h")
-    assert not traffic.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
-    assert traffic.other_way_recent(1, "h2d", 1.0)
+    traffic_window.note(1, "d2h")
+    assert not traffic_window.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
+    assert traffic_window.other_way_recent(1, "h2d", 1.0)
     for direction in ("d2d", "p2p", "h2h", "mixed"):
-        traffic.note(0, direction)
-        assert not traffic.other_way_recent(0, direction, 1.0)
-    assert traffic._last.keys() == {(1, "d2h")}
+        traffic_window.note(0, direction)
+        assert not traffic_window.other_way_recent(0, direction, 1.0)
+    assert traffic_window._last.keys() == {(1, "d2h")}
 
 
 def test_no_window_means_never_recent_and_forget_drops_everything(clock):
-    traffic.note(0, "d2h")
-    assert not traffic.other_way_recent(0, "h2d", 0)
-    traffic.forget()
-    assert not traffic.other_way_recent(0, "h2d", 1.0)
+    traffic_window.note(0, "d2h")
+    assert not traffic_window.other_way_recent(0, "h2d", 0)
+    traffic_window.forget()
+    assert not traffic_window.other_way_recent(0, "h2d", 1.0)
 
 
 # ------------------------------------------------------------------ the policy's rule
@@ -146,8 +147,8 @@ def test_a_request_is_alone_unless_said_otherwise():
 def engine_state(monkeypatch, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
     fake = FakeDriver()
-    monkeypatch.setattr(engine, "driver", fake)
-    monkeypatch.setattr(engine, "_targets", {})
+    monkeypatch.setattr(dispatch, "driver", fake)
+    monkeypatch.setattr(dispatch, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, H200))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     saved = kvcopy.config.traffic_window_ms
@@ -163,7 +164,7 @@ def decide(direction: str, block: int = 256 * KiB, stream: int | None = None, co
            **kwargs) -> str:
     kwargs.setdefault("note_traffic", True)
     handle = STREAMS[direction] if stream is None else stream
-    return engine.decide(handle, "auto", count, count * block, FOUND[direction],
+    return dispatch.decide(handle, "auto", count, count * block, FOUND[direction],
                          **kwargs).decision.method
 
 
@@ -175,7 +176,7 @@ def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_nex
     assert decide("h2d", 16 * KiB) == "kernel"   # small blocks keep the kernel
     clock.now += 0.051                        # past the window: each alone again
     assert decide("h2d") == "kernel"
-    assert engine.last_decision().method == "kernel"
+    assert dispatch.last_decision().method == "kernel"
 
 
 def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
@@ -214,8 +215,8 @@ def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
 
 
 def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock):
-    traffic.note(0, "d2h")
-    target = engine.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
+    traffic_window.note(0, "d2h")
+    target = dispatch.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
                            note_traffic=True)
     assert target.decision.method == "kernel" and not target.request.other_way_recent
     assert decide("d2h") == "batch"           # the explicit load was noted
@@ -223,18 +224,18 @@ def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock
 
 def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, clock):
     assert decide("d2h", note_traffic=False) == "kernel"
-    assert traffic._last == {}
+    assert traffic_window._last == {}
     kvcopy.config.traffic_window_ms = 0
     assert decide("d2h") == "kernel"
     assert decide("h2d") == "kernel"
-    assert traffic._last == {}
+    assert traffic_window._last == {}
 
 
 def test_capture_neither_notes_nor_looks(engine_state, clock):
-    traffic.note(0, "d2h")
+    traffic_window.note(0, "d2h")
     engine_state.capturing = 1
     assert decide("h2d") == "kernel"          # (batched DMA would be left out of the graph)
-    assert traffic._last.keys() == {(0, "d2h")}
+    assert traffic_window._last.keys() == {(0, "d2h")}
 
 
 def test_the_setting_is_checked():
@@ -260,19 +261,19 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
         asked.append(kwargs.get("note_traffic"))
         raise Asked
 
-    monkeypatch.setattr(engine, "decide", spy)
-    monkeypatch.setattr(engine, "driver", FakeDriver())
-    monkeypatch.setattr(engine, "ContextScope", FakeScope)
-    monkeypatch.setattr(engine, "reach_peers", lambda found, method: False)
-    monkeypatch.setattr(engine, "describe", types.SimpleNamespace(
+    monkeypatch.setattr(dispatch, "decide", spy)
+    monkeypatch.setattr(dispatch, "driver", FakeDriver())
+    monkeypatch.setattr(dispatch, "ContextScope", FakeScope)
+    monkeypatch.setattr(dispatch, "reach_peers", lambda found, method: False)
+    monkeypatch.setattr(dispatch, "describe", types.SimpleNamespace(
         DESCRIPTOR_BYTES=32, describe_copies=lambda *args: (1, 4096, *FOUND["d2h"], 1)))
     one = np.ones(1, dtype=np.uint64)
     with pytest.raises(Asked):
-        engine.execute_arrays(one, one, one * 4096, 7)
-    monkeypatch.setattr(engine, "classify_tensors", lambda *args: FOUND["d2h"])
+        dispatch.execute_arrays(one, one, one * 4096, 7)
+    monkeypatch.setattr(dispatch, "classify_tensors", lambda *args: FOUND["d2h"])
     zeros = np.zeros(1, dtype=np.uint64)
     blocks = types.SimpleNamespace(num_pairs=1, num_copies=1, total_bytes=4096,
                                    geometry=types.SimpleNamespace(src_base=zeros, dst_base=zeros))
     with pytest.raises(Asked):
-        engine.execute_blocks(blocks, 7)
+        dispatch.execute_blocks(blocks, 7)
     assert asked == [True, True]

@@ -26,7 +26,7 @@ WIDEN_BUDGET = _WIDEN_BUDGET
 
 
 # (context key, peer device) pairs between which peer access is known to be enabled:
-# entered by kvcopy.peers, which enables it (or learns that it already was).
+# entered by kvcopy._runtime.peers, which enables it (or learns that it already was).
 # Entries are written before the count grows, so GIL-free readers see whole ones.
 cdef enum:
     _PEER_TABLE = 256
@@ -38,7 +38,7 @@ cdef int _peer_count = 0
 def note_peer_access(unsigned long long ctx, int peer) -> None:
     """Record that the context of key ``ctx`` (driver.current_context_key) may
     access device ``peer``'s memory (its primary context's cuMemAlloc
-    allocations). Callers serialise (kvcopy.peers' lock)."""
+    allocations). Callers serialise (kvcopy._runtime.peers' lock)."""
     global _peer_count
     cdef int i
     for i in range(_peer_count):

@@ -181,7 +181,7 @@ def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream
                        uintptr_t span_staged, uintptr_t span_bytes, Py_ssize_t lo,
                        Py_ssize_t hi, uintptr_t function, uintptr_t descs, Py_ssize_t n,
                        unsigned long long tiles, unsigned int ctas, unsigned int threads) -> None:
-    """One chunk of a staged side (kvcopy.staged) in one call: spans [lo, hi) of the
+    """One chunk of a staged side (kvcopy._engine.staged) in one call: spans [lo, hi) of the
     side's span arrays (``span_host``, ``span_staged``, ``span_bytes``: addresses of
     uint64 arrays), one cuMemcpyAsync each on ``copy_stream``, and the kernel over
     its ``n`` descriptors at ``descs`` (``tiles`` tiles) on ``kernel_stream``. A

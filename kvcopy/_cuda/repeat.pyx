@@ -6,7 +6,7 @@ A decode step issues the same shape of batch again and again: tens of blocks,
 the same stream, the same pools. For such a batch the policy's answer never
 changes, yet copy_batch's Python (context, classification, the remembered
 decision, the launch's arguments) cost about as much CPU as the launch itself.
-kvcopy.remembered records here what a batch of at most MAX_COPIES copies was
+kvcopy._engine.replay records here what a batch of at most MAX_COPIES copies was
 launched with; launch_again describes the next batch (every copy checked and
 classified, as always) and, where its context, stream, method, memory kinds,
 planned copies and bytes all match one recorded under the same epoch, launches
@@ -39,8 +39,8 @@ KEPT = _KEPT
 cdef struct _Key:
     unsigned long long ctx   # driver.context_key: a reset context's old handle never matches
     uintptr_t stream
-    long long epoch          # kvcopy.remembered.epoch(): config and device facts
-    int method               # kvcopy.remembered.METHODS
+    long long epoch          # kvcopy._engine.replay.epoch(): config and device facts
+    int method               # kvcopy._engine.replay.METHODS
     int src_kinds
     int src_device
     int dst_kinds

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""The staged path's passes over a batch (kvcopy.staged), one loop over the copies
+"""The staged path's passes over a batch (kvcopy._engine.staged), one loop over the copies
 each: how the host side lies, and the chunks, host spans and kernel descriptors
 against the staging buffers. A pass in NumPy cost 20-60 us per array operation on
 16,384 copies, and the planning took a dozen of them."""

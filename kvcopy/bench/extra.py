@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy import remembered
+from kvcopy._engine import replay
 from kvcopy.bench.beside import EACH_CALL_ALONE, settings
 from kvcopy.bench.scenarios import Pools, last_copier, last_method
 from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
@@ -104,7 +104,7 @@ def host_spans(cases=((4 * KiB, 64 * MiB), (16 * KiB, 64 * MiB), (64 * KiB, 64 *
     the GPU's blocks scattered, as (block, bytes each way) ``cases`` (below
     policy.STAGING_MIN_BYTES 'auto' runs the kernel): both ways at once
     (copy_both_ways) and each way alone (copy_batch), by 'auto' (which stages them:
-    kvcopy.staged) and by 'kernel', against the contiguous pair (or copy) in the same
+    kvcopy._engine.staged) and by 'kernel', against the contiguous pair (or copy) in the same
     run: GPU time and wall."""
     import torch
 
@@ -291,7 +291,7 @@ def small_batch_cases(counts: tuple[int, ...], block: int) -> Iterator[SmallBatc
 
 def _afresh(call: Callable[[], object]) -> object:
     """``call`` with kvcopy's recorded small-batch launches forgotten first."""
-    remembered.forget()
+    replay.forget()
     return call()
 
 
@@ -305,7 +305,7 @@ def small_batches(counts=(16, 64, 256), block: int = 16 * KiB, repeats: int = 30
             cases[method] = functools.partial(kvcopy.copy_batch, *batch.ptrs,
                                               stream=batch.handle,
                                               method=cast(RequestedMethod, method))
-        # the same call without its recorded launch (kvcopy.remembered): what a
+        # the same call without its recorded launch (kvcopy._engine.replay): what a
         # batch of a shape not seen before costs
         cases["kernel, decided afresh"] = functools.partial(_afresh, cases["kernel"])
         walls, chose, copier = {}, {}, {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy.checks import require_bool
+from kvcopy.arguments import require_bool
 from kvcopy.api import copy_batch
 from kvcopy.errors import NoDriverError
 

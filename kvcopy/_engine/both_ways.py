@@ -12,7 +12,7 @@ directions start at once and neither waits for the CPU to issue the other.
 Wherever the sides run apart, the second runs on a stream of kvcopy's own (one per
 caller's stream) that forks from the caller's stream and joins it again.
 Where both sides' host memory is a few long spans, both go through GPU staging
-buffers instead (kvcopy.staged): the copy engines move the spans, the kernel
+buffers instead (kvcopy._engine.staged): the copy engines move the spans, the kernel
 scatters inside the GPU, and both directions stay near the link's limit.
 swap_blocks_both_ways' sides, where both go to the kernel, are one launch of the
 block kernel instead (execute_blocks_both): it computes each block's addresses from
@@ -24,10 +24,12 @@ from typing import Iterable
 
 import numpy as np
 
-from kvcopy import device, engine, kernels, policy, ring, side_streams, staged
+from kvcopy import policy
+from kvcopy._engine import dispatch, staged
+from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
-from kvcopy.context import ContextScope
+from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
 from kvcopy.blocks import BlockPlan
@@ -45,7 +47,7 @@ def _describe(batch: Arrays, out: int, name: str) -> tuple:
         raise ValueError(f"{name}: {exc}") from None
 
 
-def _one_owner(found: Iterable[engine.MemoryClasses]) -> int | None:
+def _one_owner(found: Iterable[dispatch.MemoryClasses]) -> int | None:
     """The one device whose memory both sides hold (-1: no device memory); None where
     they hold memory of several devices."""
     owners = {f.owner for f in found if f.owner != -1}
@@ -54,17 +56,17 @@ def _one_owner(found: Iterable[engine.MemoryClasses]) -> int | None:
     return owners.pop() if owners else -1
 
 
-Side = tuple[int, int, engine.MemoryClasses]   # copies, bytes, memory
+Side = tuple[int, int, dispatch.MemoryClasses]   # copies, bytes, memory
 
 
 def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
                  thresholds: policy.Thresholds | None
-                 ) -> tuple[engine.Target, engine.Target] | Decision | None:
+                 ) -> tuple[dispatch.Target, dispatch.Target] | Decision | None:
     """Each side's target, from its (copies, bytes, MemoryClasses), and their joint
     choice: a Decision where both go to the copy engines together
     (policy.choose_both_ways), both targets where the kernel takes both, else None
     (each side apart, as the policy says)."""
-    a, b = (engine.decide(handle, method, count, nbytes, found, False)
+    a, b = (dispatch.decide(handle, method, count, nbytes, found, False)
             for count, nbytes, found in sides)
     joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
                                     thresholds or device.thresholds(a.info.ordinal), method)
@@ -90,7 +92,7 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             count_a, bytes_a, *kinds_a, tiles_a = _describe(first, slot.host, names[0])
             offset = slot.host + count_a * describe.DESCRIPTOR_BYTES
             count_b, bytes_b, *kinds_b, tiles_b = _describe(second, offset, names[1])
-            found_a, found_b = engine.MemoryClasses(*kinds_a), engine.MemoryClasses(*kinds_b)
+            found_a, found_b = dispatch.MemoryClasses(*kinds_a), dispatch.MemoryClasses(*kinds_b)
             owner = _one_owner((found_a, found_b))
             if owner is None or not count_a or not count_b:
                 return None
@@ -120,10 +122,10 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             return "kernel", "kernel"
 
 
-def _staged_pair(targets: tuple[engine.Target, engine.Target], batches: tuple[Arrays, Arrays],
+def _staged_pair(targets: tuple[dispatch.Target, dispatch.Target], batches: tuple[Arrays, Arrays],
                  method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
                  ) -> list[staged.StagedBatch]:
-    """Both sides as staged batches, where the policy stages both (kvcopy.staged); else
+    """Both sides as staged batches, where the policy stages both (kvcopy._engine.staged); else
     none: one side staged beside the kernel pair's other side falls below the kernel
     pair."""
     found = []
@@ -183,7 +185,7 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             if isinstance(ran, tuple):
                 return ran
             if isinstance(ran, list):
-                engine.run_staged(handle, ran, device.device_info(driver.context_device()))
+                dispatch.run_staged(handle, ran, device.device_info(driver.context_device()))
                 return "staged", "staged"
         # apart: both are checked as the DMA paths check (host memory readable or
         # writable by this process) before either is issued
@@ -194,17 +196,17 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         if isinstance(ran, Decision):
-            engine.note_decision(ran)
+            dispatch.note_decision(ran)
             _interleave_batches(handle, plans[0], plans[1], names)
             return "batch", "batch"
         if capturing:   # one stream: the graph keeps the two in order
-            return (engine.execute_copies(scope, handle, *first, method, True, False, None),
-                    engine.execute_copies(scope, handle, *second, method, True, False, None))
+            return (dispatch.execute_copies(scope, handle, *first, method, True, False, None),
+                    dispatch.execute_copies(scope, handle, *second, method, True, False, None))
         side = side_streams.for_caller(handle)
         driver.stream_wait_stream(side, handle)
-        ran_a = engine.execute_copies(scope, handle, *first, method, True, False, None)
+        ran_a = dispatch.execute_copies(scope, handle, *first, method, True, False, None)
         # the side stream is a created stream of this context: its scope never moves
-        ran_b = engine.execute_copies(ContextScope(side), side, *second, method, True, False,
+        ran_b = dispatch.execute_copies(ContextScope(side), side, *second, method, True, False,
                                       None)
         driver.stream_wait_stream(handle, side)
         return ran_a, ran_b
@@ -274,7 +276,7 @@ def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: Blo
     views = [(np.empty_like(p.geometry.src_base), np.empty_like(p.geometry.dst_base))
              for p in (first, second)]
     while True:
-        found = [engine.classify_tensors(p, *v) for p, v in zip((first, second), views)]
+        found = [dispatch.classify_tensors(p, *v) for p, v in zip((first, second), views)]
         owner = _one_owner(found)
         if owner is None:
             return None

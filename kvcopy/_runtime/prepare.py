@@ -1,10 +1,10 @@
 """What a process's first copy on a device does, done when the caller chooses."""
 from __future__ import annotations
 
-from kvcopy import device as devices
-from kvcopy import ring
+from kvcopy._runtime import device as devices
+from kvcopy._runtime import ring
 from kvcopy._cuda import driver
-from kvcopy.checks import require_int
+from kvcopy.arguments import require_int
 
 
 def prepare(device: int | None = None) -> None:

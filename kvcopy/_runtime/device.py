@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcopy import calibration_file, kernels
+from kvcopy._runtime import calibration_file, kernels
 from kvcopy._cuda import dma, driver
 from kvcopy.config import cache_dir
 from kvcopy.policy import DeviceCaps, Thresholds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from kvcopy._cuda import driver
-from kvcopy.context import PerContext
+from kvcopy._runtime.context import PerContext
 
 # side streams per context, beyond which callers' streams share them
 MAX_SIDE_STREAMS = 16

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcopy import kernels, policy, ring, side_streams
+from kvcopy import policy
+from kvcopy._runtime import kernels, ring, side_streams
 from kvcopy._cuda import describe, driver, launch, stage
 from kvcopy.config import config
-from kvcopy.context import PerContext
+from kvcopy._runtime.context import PerContext
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, HostSpans
 

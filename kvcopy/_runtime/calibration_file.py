@@ -4,7 +4,7 @@ One file per (device name, driver version) under kvcopy.config.cache_dir(), shar
 by every process on the host (one per GPU of a node, typically). Guarantees:
 
 - Saves are read-merge-write cycles under the file's lock and replace the file
-  atomically (kvcopy.persist): concurrent saves lose no update and a reader never
+  atomically (kvcopy._runtime.persist): concurrent saves lose no update and a reader never
   sees a torn file. A save merges only the entries its calibration measured.
 - Loads validate every field's type and range. A file that fails gives one
   RuntimeWarning naming the file and the fault, is remembered as bad until it
@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvcopy import persist
+from kvcopy._runtime import persist
 from kvcopy.policy import Thresholds
 
 SCHEMA = 2

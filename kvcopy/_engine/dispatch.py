@@ -10,13 +10,15 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from kvcopy import device, kernels, peers, policy, remembered, ring, staged, traffic
+from kvcopy import policy
+from kvcopy._engine import replay, staged, traffic_window
+from kvcopy._runtime import device, kernels, peers, ring
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy.blocks import BlockPlan
-from kvcopy.checks import require_same_length
+from kvcopy.arguments import require_same_length
 from kvcopy.config import config
-from kvcopy.context import ContextScope
-from kvcopy.descriptors import number_tiles_per_slice
+from kvcopy._runtime.context import ContextScope
+from kvcopy._engine.descriptor_tables import number_tiles_per_slice
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle, stream_kind
 from kvcopy.plan import CopyPlan, plan_copies
@@ -43,7 +45,7 @@ def note_decision(decision: Decision) -> None:
 
 
 def run_staged(handle: int, batches: list[staged.StagedBatch], info: device.DeviceInfo) -> str:
-    """Issue planned staged batches (kvcopy.staged) on ``handle`` and record their
+    """Issue planned staged batches (kvcopy._engine.staged) on ``handle`` and record their
     decision as the calling thread's last; returns "staged"."""
     staged.run(handle, batches, info.cc, info.driver_version)
     note_decision(batches[0].decision)
@@ -125,7 +127,7 @@ class Target:
     host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
     both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
     # the same decision whichever way the other direction's traffic was answered
-    # (kvcopy.remembered replays only such batches' launches); None: not asked,
+    # (kvcopy._engine.replay replays only such batches' launches); None: not asked,
     # as for batches too large ever to be recorded
     traffic_free: bool | None = True
 
@@ -159,7 +161,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     (``capturing``: the stream's capture state, asked of the driver when None).
     With ``note_traffic`` (copy_batch's one-sided calls) and
     config.traffic_window_ms set (the default), the batch's direction, stream and
-    bytes are noted in kvcopy.traffic, and whether the other direction copied a
+    bytes are noted in kvcopy._engine.traffic_window, and whether the other direction copied a
     comparable batch lately on another stream is part of the question (outside
     capture).
 
@@ -174,9 +176,9 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if note_traffic and config.traffic_window_ms and not capturing:
         direction = _direction(found.src_kinds, found.dst_kinds)
         # (only 'auto' asks: an explicit method's answer does not depend on it)
-        recent = method == "auto" and traffic.other_way_recent(
+        recent = method == "auto" and traffic_window.other_way_recent(
             ordinal, direction, config.traffic_window_ms / 1000, handle, total_bytes)
-        traffic.note(ordinal, direction, handle, total_bytes)
+        traffic_window.note(ordinal, direction, handle, total_bytes)
     key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
            allow_batch, config.stores_by_dma, config.bulk_stores, recent)
     target = _targets.get(key)
@@ -185,7 +187,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
                             allow_batch, recent, direction)
         # (traffic was part of the question; asked again only where a replay could follow)
         if method == "auto" and direction is not None:
-            if count > remembered.MAX_COPIES:
+            if count > replay.MAX_COPIES:
                 target = dataclasses.replace(target, traffic_free=None)
             else:
                 other = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
@@ -379,7 +381,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                     launched = launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
                     if launched and merge and max_ctas is None and allow_batch:
                         # (copy_batch's next call like this one launches in repeat)
-                        remembered.record(target, found, method, count, total_bytes, launched)
+                        replay.record(target, found, method, count, total_bytes, launched)
                     return "kernel"
     if staging is not None:   # (its descriptors go to a slot of their own)
         return run_staged(handle, [staging], target.info)
@@ -408,7 +410,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         return "none"
     handle = effective_handle(stream_handle)
     if max_ctas is None and allow_batch:
-        decision = remembered.launch_again(src, dst, sizes, handle, method)
+        decision = replay.launch_again(src, dst, sizes, handle, method)
         if decision is not None:
             _last.decision = decision
             return "kernel"

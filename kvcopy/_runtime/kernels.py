@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcopy import persist
+from kvcopy._runtime import persist
 from kvcopy._cuda import driver, launch
 from kvcopy.config import cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
@@ -31,7 +31,8 @@ class KernelUnavailable(KVCopyError):
 
 def _source_dir() -> Path:
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_include" / "kvcopy", here.parent / "include" / "kvcopy"):
+    package = here.parent   # kvcopy/
+    for candidate in (package / "_include" / "kvcopy", package.parent / "include" / "kvcopy"):
         if (candidate / "copy_kernel.cuh").is_file():
             return candidate
     raise KernelUnavailable("kvcopy's kernel source (copy_kernel.cuh) is not installed")

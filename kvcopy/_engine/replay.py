@@ -11,7 +11,7 @@ record, launches it there. What the policy reads beyond that key is part of
 the record's epoch (settings assigned, device facts changed: epoch()); the
 traffic of the other direction is read only for 'auto' with
 config.traffic_window_ms set, and a batch whose decision would differ with it
-(engine.Target.traffic_free) is never recorded. Replays note their own traffic,
+(dispatch.Target.traffic_free) is never recorded. Replays note their own traffic,
 as the full path does. last_decision() reports the recorded decision.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcopy import device, kernels, traffic
+from kvcopy._engine import traffic_window
+from kvcopy._runtime import device, kernels
 from kvcopy._cuda import repeat
 from kvcopy.config import changes, config
 from kvcopy.policy import Decision
@@ -83,5 +84,5 @@ def record(target: Decided, found: Any, method: str, count: int, total_bytes: in
     repeat.remember(ctx, target.handle, epoch(), code, found.src_kinds, found.src_device,
                     found.dst_kinds, found.dst_device, count, total_bytes, *launched,
                     target.decision,
-                    (traffic.note, target.info.ordinal, request.direction) if noting else None)
+                    (traffic_window.note, target.info.ordinal, request.direction) if noting else None)
     return True

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvcopy._cuda import driver
-from kvcopy.context import PerContext
+from kvcopy._runtime.context import PerContext
 
 SLOTS = 8
 MIN_CAPACITY_BYTES = 128 << 10
