@@ -89,9 +89,9 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
             pass
     timed("ring lookup + reserve", reserve)
     count, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, pinned)
-    found = dispatch.MemoryClasses(*kinds)
-    timed("_decide", lambda: dispatch.decide(handle, "kernel", count, total, found))
-    target = dispatch.decide(handle, "kernel", count, total, found)
+    found = decide.MemoryClasses(*kinds)
+    timed("_decide", lambda: decide.decide(handle, "kernel", count, total, found))
+    target = decide.decide(handle, "kernel", count, total, found)
     info = target.info
     timed("kernel lookup", lambda: kernels.kernel_for_current_context(*info.cc, info.driver_version))
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
@@ -193,11 +193,11 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     timed(f"{label} describe_copies (2 ranges)", lambda: kv_describe.describe_copies(
         s, d, sizes, scratch.host))
     n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, scratch.host)
-    found = dispatch.MemoryClasses(*kinds)
-    timed(f"{label} MemoryClasses", lambda: dispatch.MemoryClasses(*kinds))
-    timed(f"{label} decide (replay)", lambda: dispatch.decide(handle, "auto", n, total, found))
+    found = decide.MemoryClasses(*kinds)
+    timed(f"{label} MemoryClasses", lambda: decide.MemoryClasses(*kinds))
+    timed(f"{label} decide (replay)", lambda: decide.decide(handle, "auto", n, total, found))
     timed(f"{label} context_device", kv_drv.context_device)
-    target = dispatch.decide(handle, "auto", n, total, found)
+    target = decide.decide(handle, "auto", n, total, found)
     info = target.info
     timed(f"{label} kernel lookup", lambda: kernels.kernel_for_current_context(
         *info.cc, info.driver_version))

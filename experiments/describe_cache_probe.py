@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 import kvcopy
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import kernels
 from kvcopy._cuda import describe as kv_describe, driver as kv_driver, launch as kv_launch
 from kvcopy.bench.workloads import scattered_batch
@@ -42,7 +42,7 @@ def probe(count: int, block: int) -> None:
     buffers = [kv_driver.host_alloc(nbytes) for _ in range(2)]
     device = kv_driver.mem_alloc(nbytes)
     n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, buffers[1])
-    target = dispatch.decide(handle, "kernel", n, total, dispatch.MemoryClasses(*kinds))
+    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses(*kinds))
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 

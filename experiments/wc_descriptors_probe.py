@@ -32,7 +32,7 @@ import torch
 from cuda.bindings import driver as cu
 
 import kvcopy
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import kernels
 from kvcopy._cuda import describe as kv_describe, driver as kv_driver, launch as kv_launch
 from kvcopy.bench.scenarios import Pools, scattered_offsets
@@ -81,7 +81,7 @@ def probe(direction: str, block: int) -> None:
     slots = {"cached": kv_driver.host_alloc(nbytes), "write-combined": write_combined_alloc(nbytes)}
     n, total, *kinds, tiles, pair_size = kv_describe.describe_compact(s, d, sizes,
                                                                       slots["cached"])
-    target = dispatch.decide(handle, "kernel", n, total, dispatch.MemoryClasses(*kinds))
+    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses(*kinds))
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 

@@ -12,7 +12,7 @@ from kvcopy._engine import both_ways, dispatch
 from kvcopy.block_races import race_between
 from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_int, require_same_length
-from kvcopy._engine.dispatch import last_decision
+from kvcopy._engine.decide import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
 from kvcopy._runtime.context import ContextScope

@@ -1,11 +1,8 @@
-"""Which copy method to use: a pure function of device facts and the request.
-
-Nothing here touches the driver, so every rule is unit-tested on the CPU with
-faked capabilities. The copy kernel keeps about 0.9 of the PCIe link at every block
-size and most of HBM's rate inside the GPU; cuMemcpyBatchAsync is as fast only for
-blocks of about 1 MiB and more, and uses copy engines instead of SMs. Each
-default's value and the measurement behind it are in docs/design.md.
-"""
+"""Which copy method to use, and every default behind it: pure functions of device facts
+and the request, unit-tested on the CPU with faked capabilities. The copy kernel keeps
+about 0.9 of the PCIe link at every block size; cuMemcpyBatchAsync is as fast only from
+about 1 MiB blocks, on copy engines instead of SMs. Each default's measurement is in
+docs/design.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,32 +26,25 @@ class DeviceCaps:
     can_map_host_memory: bool = True
     batch_available: bool = True      # the driver exports cuMemcpyBatchAsync (>= 12.8)
     kernel_available: bool = True     # the copy kernel compiled and loaded
-    bulk_copy: bool = False           # sm_90 or newer: the kernel may copy through the
-                                      # SM's bulk copy unit (cp.async.bulk)
+    bulk_copy: bool = False           # sm_90+: the SM's bulk copy unit (cp.async.bulk)
 
 
 @dataclass(frozen=True)
 class CopyRequest:
     """One batch, as planned and classified."""
 
-    direction: str                    # 'h2d', 'd2h', 'd2d', 'p2p' (between two GPUs),
-                                      # 'h2h', or 'mixed'
+    direction: str                    # 'h2d', 'd2h', 'd2d', 'p2p' (two GPUs), 'h2h', 'mixed'
     count: int
     total_bytes: int
-    device_accessible: bool           # every pointer is memory the launching device can
-                                      # dereference: its own, a peer's it may access, or
-                                      # pinned host memory mapped for it
+    device_accessible: bool           # the launching device can dereference every pointer
     stream_kind: str                  # 'legacy', 'per_thread', 'created'
     capturing: bool = False
     batch_allowed: bool = True        # False: the caller forbids cuMemcpyBatchAsync
     devices: tuple[int, int] = (-1, -1)   # source and destination device (-1: host memory)
     unreachable: str = ""             # what the device cannot access, when not accessible
-    stores_by_dma: bool = False       # the caller prefers copy engines for GPU-to-host
-                                      # copies (config.stores_by_dma)
-    bulk_stores: bool = True          # GPU-to-host kernel copies may use the bulk copy
-                                      # unit (config.bulk_stores)
-    other_way_recent: bool = False    # the device copied the other way between host and
-                                      # GPU lately (kvcopy._engine.traffic_window)
+    stores_by_dma: bool = False       # copy engines preferred GPU-to-host (config)
+    bulk_stores: bool = True          # GPU-to-host kernel copies may go bulk (config)
+    other_way_recent: bool = False    # the other direction copied lately (traffic_window)
 
     @property
     def mean_bytes(self) -> float:
@@ -79,15 +69,12 @@ PEER_CTAS = 64
 # CTAs per SM of the copy kernel for copies inside one GPU when config.device_ctas is
 # None: with four, every SM keeps enough copies in flight for HBM's rate.
 DEVICE_CTAS_PER_SM = 4
-# Copies per cuMemcpyBatchAsync call when both sides of a copy both ways go to the
-# copy engines: smaller chunks start both directions sooner, larger ones cost less CPU
-# per copy.
+# Copies per cuMemcpyBatchAsync call when both ways go to the copy engines: smaller
+# chunks start both directions sooner, larger ones cost less CPU per copy.
 BOTH_WAYS_DMA_CHUNK = 64
-# A batch counts as one side of a copy both ways only where the other direction's last
-# batch holds at least this share of its bytes. Batched DMA pays off against the kernel
-# both ways once a fifth (host->GPU) to a third (GPU->host) of a batch overlaps; a
-# quarter, between the two, keeps a small copy the other way from moving a large batch
-# off the kernel.
+# A batch is one side of a copy both ways only where the other direction's last batch
+# holds this share of its bytes: batched DMA pays off once a fifth (host->GPU) to a
+# third (GPU->host) of a batch overlaps; a quarter keeps small copies from counting.
 OTHER_WAY_MIN_SHARE = 0.25
 # CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
 # copies: the fewest that keep the link's rate, at a small part of what register
@@ -200,11 +187,9 @@ def copies_per_launch(direction: str, count: int, total_bytes: int,
                       launch_bytes: int) -> int:
     """How many of a described batch's ``count`` copies one kernel launch takes.
 
-    Batches between host and GPU memory are cut into launches of about
-    ``launch_bytes`` (config.launch_bytes; 0: no limit), in order on one stream: a
-    launch that runs for milliseconds holds its SMs across the starts of the
-    model's kernels beside it, and slows them more than its share of the GPU.
-    Every other batch is one launch."""
+    Batches between host and GPU are cut into launches of about ``launch_bytes``
+    (config.launch_bytes; 0: no limit), in order on one stream: a launch of milliseconds
+    holds its SMs across the starts of the model's kernels beside it. Others: one launch."""
     if (not launch_bytes or direction not in ("h2d", "d2h")
             or total_bytes <= launch_bytes or count <= 1):
         return count
@@ -213,13 +198,9 @@ def copies_per_launch(direction: str, count: int, total_bytes: int,
 
 def both_ways_launches(store_bytes: int, load_bytes: int, launch_bytes: int) -> int:
     """How many launches copy_both_ways' fused kernel takes for a store and a load of
-    one-tile copies (each launch a slice of both, in step): enough that neither side
-    moves more than ``launch_bytes`` in one (config.launch_bytes; 0: one launch).
-    The sides run at once, each at about one direction's rate, so such a launch
-    lasts about as long as a one-way launch of ``launch_bytes``: what slows the
-    model's kernels beside it is how long a launch holds its SMs (see
-    copies_per_launch). Counting both sides' bytes instead would halve the launches'
-    length and cost part of the pair's rate at small blocks."""
+    one-tile copies (each a slice of both, in step): enough that neither side moves more
+    than ``launch_bytes`` in one (0: one launch). The sides run at once, so such a launch
+    lasts about as long as a one-way launch of ``launch_bytes`` (see copies_per_launch)."""
     if not launch_bytes:
         return 1
     return max(-(-max(store_bytes, load_bytes) // launch_bytes), 1)
@@ -354,10 +335,9 @@ def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
                      requested: str = "auto") -> Decision | None:
     """For two batches copied at once (copy_both_ways, 'auto' only): batched DMA for
     both when each side goes between host and GPU, its mean block reaches
-    ``thresholds.both_ways_batch_min_bytes`` and both could take it
-    (_batch_possible). Copy engines
-    move both directions at the link's limit from there, where the kernel pair
-    shares the upstream link less well. None: each side as choose_method says."""
+    ``thresholds.both_ways_batch_min_bytes`` and both could take it. Copy engines move
+    both directions at the link's limit from there, where the kernel pair shares the
+    upstream link less well. None: each side as choose_method says."""
     if requested != "auto":
         return None
     thresholds = thresholds or Thresholds()

@@ -9,7 +9,7 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-from kvcopy._engine import both_ways, dispatch
+from kvcopy._engine import both_ways, decide, dispatch
 from kvcopy._cuda import classify, driver
 from kvcopy.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
 from kvcopy._runtime.context import ContextScope
@@ -94,7 +94,7 @@ class TransferQueue:
                 geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
         # The queue's stream lives on the device that holds the caches; between two
         # GPUs, on the source's, whose kernel then reads locally and writes remotely.
-        owner = dispatch.memory_owner(src_device, dst_device)
+        owner = decide.memory_owner(src_device, dst_device)
         home = src_device if owner == -2 and src_device >= 0 else owner
         with ContextScope(caller if home < 0 else STREAM_LEGACY) as scope:
             scope.follow_memory(home)

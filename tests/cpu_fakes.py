@@ -1,6 +1,9 @@
 """Fakes shared by the CPU tests that run kvcopy's issue paths with the driver faked."""
 from __future__ import annotations
 
+import importlib
+
+from kvcopy._engine import decide
 from kvcopy._runtime import ring
 
 
@@ -19,3 +22,20 @@ class FakeRing:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+# The modules that issue a batch (the engine's paths) and the kvcopy._cuda modules
+# they call; a CPU test fakes those calls through fake_cuda_calls, not module by module.
+ENGINE_MODULES = ("kvcopy._engine.decide", "kvcopy._engine.dispatch", "kvcopy._engine.kernel")
+CUDA_LAYERS = ("driver", "describe", "launch")
+
+
+def fake_cuda_calls(monkeypatch, fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> None:
+    """Every engine module's calls into kvcopy._cuda's ``layers`` go to ``fake`` for the
+    test, and the decisions remembered with the real driver are dropped."""
+    for name in ENGINE_MODULES:
+        module = importlib.import_module(name)
+        for layer in layers:
+            if hasattr(module, layer):
+                monkeypatch.setattr(module, layer, fake)
+    monkeypatch.setattr(decide, "_targets", {})

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvcopy._engine import decide
 from kvcopy.bench import report
 
 
@@ -119,7 +120,7 @@ def test_rows_name_the_copier_only_where_the_kernel_ran(monkeypatch, decision, c
     from kvcopy.policy import Decision
 
     made = Decision(decision[0], "faked", decision[1]) if decision else None
-    monkeypatch.setattr(dispatch._last, "decision", made, raising=False)
+    monkeypatch.setattr(decide._last, "decision", made, raising=False)
     assert last_copier() == copier
     assert last_method() == (decision[0] if decision else "")
 

@@ -15,17 +15,18 @@ import numpy as np
 import pytest
 
 from kvcopy import policy
-from kvcopy._engine import both_ways, dispatch, staged
+from kvcopy._engine import both_ways, decide, dispatch, staged
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
 from kvcopy.blocks import plan_blocks
-from kvcopy._engine.dispatch import MemoryClasses
+from kvcopy._engine.decide import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds
 
 from cpu_fakes import FakeRing
+from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -92,8 +93,8 @@ class FakeScope:
 def fake(monkeypatch):
     def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0) -> Fake:
         rec = Fake(capturing)
-        for module in (both_ways, dispatch):
-            monkeypatch.setattr(module, "driver", rec)
+        fake_cuda_calls(monkeypatch, rec, ("driver",))
+        monkeypatch.setattr(both_ways, "driver", rec)
         monkeypatch.setattr(both_ways, "launch", rec)
         monkeypatch.setattr(both_ways, "describe", rec)
         monkeypatch.setattr(both_ways.config, "launch_bytes", 0)   # one launch
@@ -108,7 +109,7 @@ def fake(monkeypatch):
             dst_view[:] = plan.geometry.dst_base
             return next(found)
         monkeypatch.setattr(dispatch, "classify_tensors", classify_tensors)
-        monkeypatch.setattr(dispatch, "_targets", {})
+        monkeypatch.setattr(decide, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps()))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())

@@ -7,14 +7,15 @@ import pytest
 
 from kvcopy._cuda import classify as kv_classify
 from kvcopy import policy
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device
 from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
+from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
 
 MiB = 1 << 20
-H2D = dispatch.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
-PAGEABLE = dispatch.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.KIND_DEVICE, 0)
+H2D = decide.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
+PAGEABLE = decide.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.KIND_DEVICE, 0)
 
 
 class Questions(list):
@@ -44,9 +45,9 @@ def asked(monkeypatch):
         return real(request, caps, thresholds, requested)
 
     fake = FakeDriver()
-    monkeypatch.setattr(dispatch, "driver", fake)
-    monkeypatch.setattr(dispatch, "choose_method", counting)
-    monkeypatch.setattr(dispatch, "_targets", {})
+    fake_cuda_calls(monkeypatch, fake, ("driver",))
+    monkeypatch.setattr(decide, "choose_method", counting)
+    monkeypatch.setattr(decide, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     questions.driver = fake
@@ -54,22 +55,22 @@ def asked(monkeypatch):
 
 
 def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(asked):
-    first = dispatch.decide(7, "auto", 8192, 8192 * 16384, H2D)
-    dispatch._last.decision = None
-    second = dispatch.decide(7, "auto", 8192, 8192 * 16384, H2D)
+    first = decide.decide(7, "auto", 8192, 8192 * 16384, H2D)
+    decide._last.decision = None
+    second = decide.decide(7, "auto", 8192, 8192 * 16384, H2D)
     assert len(asked) == 1
     assert second is first and first.decision.method == "kernel"
-    assert dispatch.last_decision() is first.decision
+    assert decide.last_decision() is first.decision
 
 
 @pytest.mark.parametrize("change", ["sizes", "count", "stream", "method", "memory"])
 def test_a_different_question_asks_again(asked, change):
-    dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
+    decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
     args = {"handle": 7, "method": "auto", "count": 64, "total_bytes": 64 * 2 * MiB, "found": H2D}
     args.update({"sizes": {"total_bytes": 64 * 16384}, "count": {"count": 1},
                  "stream": {"handle": STREAM_LEGACY}, "method": {"method": "loop"},
                  "memory": {"found": PAGEABLE}}[change])
-    target = dispatch.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
+    target = decide.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
                             args["found"])
     assert len(asked) == 2
     expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop",
@@ -78,28 +79,28 @@ def test_a_different_question_asks_again(asked, change):
 
 
 def test_capture_is_asked_every_call(asked):
-    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     asked.driver.capturing = 1
-    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_new_thresholds_are_heeded_at_once(asked):
-    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
+    assert decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "batch"
     device.set_thresholds(0, Thresholds(batch_min_bytes={"h2d": 4 * MiB, "d2h": 4 * MiB}))
-    assert dispatch.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
+    assert decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D).decision.method == "kernel"
     assert len(asked) == 2
 
 
 def test_the_memory_kept_is_bounded(asked):
-    for count in range(2, dispatch._TARGETS_KEPT + 50):
-        dispatch.decide(7, "auto", count, count * 16384, H2D)
-    assert len(dispatch._targets) <= dispatch._TARGETS_KEPT
+    for count in range(2, decide._TARGETS_KEPT + 50):
+        decide.decide(7, "auto", count, count * 16384, H2D)
+    assert len(decide._targets) <= decide._TARGETS_KEPT
 
 
 def test_memory_of_another_gpu_is_a_peer_copy(asked):
-    peer = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
-    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = decide.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = decide.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.request.direction == "p2p" and target.request.devices == (0, 1)
     assert target.request.device_accessible and target.decision.method == "kernel"
 
@@ -108,8 +109,8 @@ def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
     from kvcopy._runtime import peers
 
     monkeypatch.setattr(peers, "why_unreachable", lambda here, found: f"peers {found} from {here}")
-    peer = dispatch.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
-    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = decide.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
+    target = decide.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.request.direction == "p2p" and not target.request.device_accessible
     assert target.decision.method == "batch"
     assert target.request.unreachable == "peers [1] from 0"
@@ -118,8 +119,8 @@ def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
 def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
     from kvcopy.config import config
 
-    peer = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
-    target = dispatch.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
+    peer = decide.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
+    target = decide.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.ctas(None) == min(policy.PEER_CTAS, DeviceCaps().sm_count)
     monkeypatch.setattr(config, "peer_ctas", 12)
     assert target.ctas(None) == 12 and target.ctas(3) == 3
@@ -128,13 +129,13 @@ def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
 def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
     from kvcopy.config import config
 
-    store = dispatch.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
-    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    store = decide.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
+    assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     monkeypatch.setattr(config, "stores_by_dma", True)
-    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
+    assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
     assert asked[-1].stores_by_dma and asked[-1].direction == "d2h"
     monkeypatch.setattr(config, "stores_by_dma", False)
-    assert dispatch.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
+    assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     assert len(asked) == 2   # the first answer was remembered
 
 
@@ -151,8 +152,8 @@ def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block
 
     monkeypatch.setattr(config, "traffic_window_ms", 50)
     traffic_window.forget()
-    target = dispatch.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
-    again = dispatch.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    target = decide.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
+    again = decide.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
     traffic_window.forget()
     assert target.decision.method == "kernel" and again is target
     assert target.traffic_free is free
@@ -168,7 +169,7 @@ def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
     monkeypatch.setattr(config, "traffic_window_ms", 50)
     traffic_window.forget()
     count = replay.MAX_COPIES + 1
-    target = dispatch.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)
+    target = decide.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)
     traffic_window.forget()
     assert target.decision.method == "kernel" and target.traffic_free is None
     assert len(asked) == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvcopy._runtime import context
-from kvcopy._engine.dispatch import memory_owner
+from kvcopy._engine.decide import memory_owner
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 PRIMARY = {0: 0x1000, 1: 0x2000}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvcopy import policy
-from kvcopy._engine import dispatch, staged
+from kvcopy._engine import decide, dispatch, staged
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
@@ -19,6 +19,7 @@ from kvcopy._cuda import launch as kv_launch
 from kvcopy.policy import DeviceCaps, Thresholds
 
 from cpu_fakes import FakeRing
+from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -95,11 +96,10 @@ def fake_cuda(monkeypatch):
     def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1,
              bulk_copy: bool = False) -> FakeCuda:
         fake = FakeCuda(kinds, pair_size, tiles_per_copy)
-        for layer in ("driver", "describe", "launch"):
-            monkeypatch.setattr(dispatch, layer, fake)
+        fake_cuda_calls(monkeypatch, fake)
         monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
         monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
-        monkeypatch.setattr(dispatch, "_targets", {})
+        monkeypatch.setattr(decide, "_targets", {})
         monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
                                                                  DeviceCaps(bulk_copy=bulk_copy)))
         monkeypatch.setitem(device._thresholds, 0, Thresholds())
@@ -180,7 +180,7 @@ def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
     assert run(count, 16384) == "kernel"
     assert call in fake.calls
     assert fake.shapes == [(policy.BULK_STORE_CTAS, kv_launch.BULK_THREADS)]
-    assert dispatch.last_decision().variant == "bulk"
+    assert decide.last_decision().variant == "bulk"
 
 
 def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
@@ -207,7 +207,7 @@ def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, b
     assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, size, 0)
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
     assert fake.shapes == [(policy.HOST_CTAS[direction], dispatch.config.threads_per_cta)]
-    assert dispatch.last_decision().variant == "registers"
+    assert decide.last_decision().variant == "registers"
 
 
 @pytest.mark.parametrize("kinds", [HOST_TO_GPU, GPU_TO_HOST])
@@ -301,7 +301,7 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
     (handle, batches, cc), = handed
     assert handle == 0x1234 and cc == (9, 0)
     assert batches[0].direction == "h2d" and batches[0].host is host and batches[0].gpu is gpu
-    assert dispatch.last_decision().method == "staged"
+    assert decide.last_decision().method == "staged"
     handed.clear()
     assert call("kernel") == "kernel"
     assert call(max_ctas=4) == "kernel"
@@ -342,7 +342,8 @@ def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypat
                                                             recorded):
     fake_cuda(HOST_TO_GPU, 0)
     memory = Remembered()
-    monkeypatch.setattr(dispatch, "replay", memory)
+    for module in (decide, dispatch):
+        monkeypatch.setattr(module, "replay", memory)
     src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
     sizes = np.full(count, 4096, dtype=np.uint64)
     assert dispatch.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
@@ -371,15 +372,16 @@ class EnteredScope(FakeScope):
 def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     fake = fake_cuda(HOST_TO_GPU, 0)
     memory = Remembered(replay)
-    monkeypatch.setattr(dispatch, "replay", memory)
+    for module in (decide, dispatch):
+        monkeypatch.setattr(module, "replay", memory)
     monkeypatch.setattr(dispatch, "ContextScope", EnteredScope)
     src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
     sizes = np.full(16, 4096, dtype=np.uint64)
-    dispatch._last.decision = None
+    decide._last.decision = None
     assert dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234) == "kernel"
     assert memory.asked == [16]
     if replay is not None:       # replayed: nothing described or launched here
-        assert fake.calls == [] and dispatch.last_decision() is replay
+        assert fake.calls == [] and decide.last_decision() is replay
     else:                        # the full path, which records its launch
         assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
         assert len(memory.recorded) == 1

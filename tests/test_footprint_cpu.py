@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device
 from kvcopy.config import config
 from kvcopy.calibrate import _next_threshold
@@ -42,10 +42,10 @@ def test_ctas_per_direction_alone_and_both_ways():
     assert Thresholds().both_ways_ctas == BOTH_WAYS_CTAS
 
 
-def _target(direction: str, thresholds: Thresholds) -> dispatch.Target:
+def _target(direction: str, thresholds: Thresholds) -> decide.Target:
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
     request = CopyRequest(direction, 64, 64 * MiB, True, "created")
-    return dispatch.Target(7, info, request, Decision("kernel", "test"),
+    return decide.Target(7, info, request, Decision("kernel", "test"),
                          thresholds.ctas_for(direction),
                          thresholds.ctas_for(direction, both_ways=True))
 

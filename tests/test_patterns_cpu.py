@@ -16,10 +16,11 @@ from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import dma as kv_dma
 from kvcopy._cuda import launch as kv_launch
 from kvcopy import policy
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device, kernels, ring
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
 from kvcopy.interop.streams import resolve_event
+from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
 
 MiB = 1 << 20
 
@@ -73,9 +74,8 @@ class FakeScope:
 @pytest.fixture
 def capture_engine(monkeypatch):
     fake = CapturingDriver(capturing=1)
-    for layer in ("driver", "describe", "launch"):   # the modules of kvcopy._cuda it uses
-        monkeypatch.setattr(dispatch, layer, fake)
-    monkeypatch.setattr(dispatch, "_targets", {})
+    fake_cuda_calls(monkeypatch, fake)
+    monkeypatch.setattr(decide, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,

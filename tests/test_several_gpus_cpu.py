@@ -11,7 +11,7 @@ import types
 import pytest
 
 from kvcopy import api
-from kvcopy._engine import dispatch
+from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.interop import streams
@@ -84,7 +84,7 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch):
     (kv_classify.KIND_HOST_MAPPED | kv_classify.KIND_PEER, kv_classify.KIND_DEVICE, "mixed"),
 ])
 def test_directions_with_peer_memory(src, dst, expected):
-    assert dispatch._direction(src, dst) == expected
+    assert decide._direction(src, dst) == expected
 
 
 def test_saved_thresholds_without_p2p_keep_its_default(tmp_path, monkeypatch):

@@ -10,19 +10,20 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy._engine import dispatch, traffic_window
+from kvcopy._engine import decide, dispatch, traffic_window
 from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
 from test_blocks_both_cpu import FakeScope   # (tests/) a context scope that stays put
 from test_decide import FakeDriver   # the engine's driver calls, faked (tests/)
+from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
 
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
 HOST, GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
-FOUND = {"h2d": dispatch.MemoryClasses(HOST, -1, GPU, 0),
-         "d2h": dispatch.MemoryClasses(GPU, 0, HOST, -1),
-         "d2d": dispatch.MemoryClasses(GPU, 0, GPU, 0)}
+FOUND = {"h2d": decide.MemoryClasses(HOST, -1, GPU, 0),
+         "d2h": decide.MemoryClasses(GPU, 0, HOST, -1),
+         "d2d": decide.MemoryClasses(GPU, 0, GPU, 0)}
 
 
 class Clock:
@@ -147,8 +148,8 @@ def test_a_request_is_alone_unless_said_otherwise():
 def engine_state(monkeypatch, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
     fake = FakeDriver()
-    monkeypatch.setattr(dispatch, "driver", fake)
-    monkeypatch.setattr(dispatch, "_targets", {})
+    fake_cuda_calls(monkeypatch, fake, ("driver",))
+    monkeypatch.setattr(decide, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, H200))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())
     saved = kvcopy.config.traffic_window_ms
@@ -160,50 +161,50 @@ def engine_state(monkeypatch, clock):
 STREAMS = {"h2d": 8, "d2h": 7}   # loads and stores each on a stream of their own, as engines issue them
 
 
-def decide(direction: str, block: int = 256 * KiB, stream: int | None = None, count: int = 256,
+def decide_for(direction: str, block: int = 256 * KiB, stream: int | None = None, count: int = 256,
            **kwargs) -> str:
     kwargs.setdefault("note_traffic", True)
     handle = STREAMS[direction] if stream is None else stream
-    return dispatch.decide(handle, "auto", count, count * block, FOUND[direction],
+    return decide.decide(handle, "auto", count, count * block, FOUND[direction],
                          **kwargs).decision.method
 
 
 def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_next_store(
         engine_state, clock):
-    assert decide("d2h") == "kernel"          # nothing the other way yet
-    assert decide("h2d") == "batch"           # the store just now
-    assert decide("d2h") == "batch"           # the load just now
-    assert decide("h2d", 16 * KiB) == "kernel"   # small blocks keep the kernel
+    assert decide_for("d2h") == "kernel"          # nothing the other way yet
+    assert decide_for("h2d") == "batch"           # the store just now
+    assert decide_for("d2h") == "batch"           # the load just now
+    assert decide_for("h2d", 16 * KiB) == "kernel"   # small blocks keep the kernel
     clock.now += 0.051                        # past the window: each alone again
-    assert decide("h2d") == "kernel"
-    assert dispatch.last_decision().method == "kernel"
+    assert decide_for("h2d") == "kernel"
+    assert decide.last_decision().method == "kernel"
 
 
 def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
-    assert decide("h2d") == "kernel"
-    assert decide("d2h") == "batch"
+    assert decide_for("h2d") == "kernel"
+    assert decide_for("d2h") == "batch"
     clock.now += 1.0
-    assert decide("d2h") == "kernel"          # the same question, alone: asked again
-    assert decide("h2d") == "batch"           # beside the store just now
+    assert decide_for("d2h") == "kernel"          # the same question, alone: asked again
+    assert decide_for("h2d") == "batch"           # beside the store just now
 
 
 def test_the_other_way_on_the_same_stream_does_not_count(engine_state, clock):
-    assert decide("d2h", stream=9) == "kernel"
-    assert decide("h2d", stream=9) == "kernel"     # queued behind the store: never both at once
-    assert decide("d2h", stream=9) == "kernel"
-    assert decide("h2d") == "batch"                # another stream: both at once
+    assert decide_for("d2h", stream=9) == "kernel"
+    assert decide_for("h2d", stream=9) == "kernel"     # queued behind the store: never both at once
+    assert decide_for("d2h", stream=9) == "kernel"
+    assert decide_for("h2d") == "batch"                # another stream: both at once
 
 
 def test_a_small_batch_the_other_way_leaves_a_large_one_on_the_kernel(engine_state, clock):
-    assert decide("d2h", count=16) == "kernel"      # 4 MiB of 256 KiB blocks
-    assert decide("h2d") == "kernel"                # 64 MiB: the store is long over
-    assert decide("d2h", count=64) == "batch"       # 16 MiB beside the 64 MiB load just now
+    assert decide_for("d2h", count=16) == "kernel"      # 4 MiB of 256 KiB blocks
+    assert decide_for("h2d") == "kernel"                # 64 MiB: the store is long over
+    assert decide_for("d2h", count=64) == "batch"       # 16 MiB beside the 64 MiB load just now
 
 
 def test_the_per_thread_default_stream_is_another_stream_in_each_thread(engine_state, clock):
     # (the legacy stream 0x1 never gets batched DMA; 0x2 is each thread's own stream)
-    assert decide("d2h", stream=2) == "kernel"
-    assert decide("h2d", stream=2) == "batch"
+    assert decide_for("d2h", stream=2) == "kernel"
+    assert decide_for("h2d", stream=2) == "batch"
 
 
 def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
@@ -216,25 +217,25 @@ def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
 
 def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock):
     traffic_window.note(0, "d2h")
-    target = dispatch.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
+    target = decide.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
                            note_traffic=True)
     assert target.decision.method == "kernel" and not target.request.other_way_recent
-    assert decide("d2h") == "batch"           # the explicit load was noted
+    assert decide_for("d2h") == "batch"           # the explicit load was noted
 
 
 def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, clock):
-    assert decide("d2h", note_traffic=False) == "kernel"
+    assert decide_for("d2h", note_traffic=False) == "kernel"
     assert traffic_window._last == {}
     kvcopy.config.traffic_window_ms = 0
-    assert decide("d2h") == "kernel"
-    assert decide("h2d") == "kernel"
+    assert decide_for("d2h") == "kernel"
+    assert decide_for("h2d") == "kernel"
     assert traffic_window._last == {}
 
 
 def test_capture_neither_notes_nor_looks(engine_state, clock):
     traffic_window.note(0, "d2h")
     engine_state.capturing = 1
-    assert decide("h2d") == "kernel"          # (batched DMA would be left out of the graph)
+    assert decide_for("h2d") == "kernel"          # (batched DMA would be left out of the graph)
     assert traffic_window._last.keys() == {(0, "d2h")}
 
 
@@ -262,7 +263,7 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
         raise Asked
 
     monkeypatch.setattr(dispatch, "decide", spy)
-    monkeypatch.setattr(dispatch, "driver", FakeDriver())
+    fake_cuda_calls(monkeypatch, FakeDriver(), ("driver",))
     monkeypatch.setattr(dispatch, "ContextScope", FakeScope)
     monkeypatch.setattr(dispatch, "reach_peers", lambda found, method: False)
     monkeypatch.setattr(dispatch, "describe", types.SimpleNamespace(

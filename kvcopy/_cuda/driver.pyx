@@ -3,15 +3,11 @@
 """Thin wrappers over the CUDA driver (cuda-python's ``cydriver``): errors,
 initialisation, devices and contexts, streams, events and memory.
 
-Everything here is GIL-free and takes integer handles at the Python boundary.
-Every CUresult goes through :func:`check` (driver.pxd), which takes the GIL only
-on failure and raises :class:`kvcopy.errors.CudaError` with the error's name
-and, where known, the index of the failing copy.
-
-Only driver functions whose signatures are identical in cuda-bindings 12.9 and
-13.x are cimported anywhere in kvcopy._cuda: Cython verifies a cimported
-function's signature at import, so anything else would pin the build to one
-bindings major.
+The rules, said once: everything is GIL-free and takes integer handles at the Python
+boundary; every CUresult goes through :func:`check` (driver.pxd), which takes the GIL
+only on failure and raises :class:`kvcopy.errors.CudaError` with the error's name and,
+where known, the failing copy's index; only driver functions whose signatures are the
+same in cuda-bindings 12.9 and 13.x are cimported (Cython checks them at import).
 """
 
 from libc.stdint cimport uintptr_t
@@ -131,11 +127,9 @@ def current_context() -> int:
 
 
 cdef unsigned long long context_key(CUcontext ctx) noexcept nogil:
-    # A primary context reset (cuDevicePrimaryCtxReset, Numba's cuda.close(),
-    # cudaDeviceReset) destroys the context, and the one retained next comes back
-    # under the same handle: only its id (cuCtxGetId, unique for the process's
-    # life) tells it from the old one, whose modules and memory are gone. Id + 1,
-    # so that 0 stays "no context".
+    # After a primary context reset the next one comes back under the same handle:
+    # only its id (cuCtxGetId, unique for the process's life) tells it from the old
+    # one, whose modules and memory are gone. Id + 1: 0 stays "no context".
     cdef unsigned long long ident = 0
     if ctx == NULL:
         return 0
@@ -162,16 +156,14 @@ def context_device() -> int:
     return <int>dev
 
 
-# primary contexts kvcopy retained, per device ordinal (written once each; a race
-# between threads retains twice at worst, and the handle is the same)
+# primary contexts retained, per ordinal (a race retains twice at worst: same handle)
 cdef enum:
     _PRIMARY_KEPT = 64
 cdef CUcontext _primary[_PRIMARY_KEPT]
 
 
 cdef CUcontext _primary_context(int ordinal) except? NULL:
-    """A device's primary context, retained once per process and never released: a
-    retain per call would grow the driver's count without bound, and cost a call."""
+    """A device's primary context, retained once per process and never released."""
     cdef CUdevice dev
     cdef CUcontext ctx = NULL
     cdef bint kept = 0 <= ordinal < _PRIMARY_KEPT
@@ -225,8 +217,7 @@ def enable_peer_access(int peer) -> bool:
     (every cuMemAlloc allocation there, present and future). Returns False when it
     was already enabled, True when this call enabled it."""
     cdef CUresult status
-    # The peer's primary context stays retained (once per process): peer access needs
-    # it alive, and a retain per call would grow the driver's count without bound.
+    # The peer's primary context stays retained (once per process): access needs it.
     cdef CUcontext ctx = _primary_context(peer)
     status = cydriver.cuCtxEnablePeerAccess(ctx, 0)
     if status == cydriver.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
@@ -291,11 +282,9 @@ cdef CUcontext _stream_home(uintptr_t stream, int device, CUcontext here) except
 def stream_wait_stream(uintptr_t consumer, uintptr_t producer, int producer_device=-1,
                        int consumer_device=-1) -> None:
     """Make ``consumer`` wait (on the GPU) for the work queued on ``producer`` so far.
-
-    Either may be on another device than the current context's: the event is
-    recorded in the producer's context and waited for in the consumer's (see
-    _stream_home for what a default-stream handle means with a device). The
-    event is destroyed at once; the driver keeps it alive until the wait resolves."""
+    Either may be on another device: the event is recorded in the producer's context
+    (_stream_home) and waited for in the consumer's, and destroyed at once (the driver
+    keeps it until the wait resolves)."""
     cdef CUevent event = NULL
     cdef CUcontext here = NULL
     cdef CUcontext popped = NULL

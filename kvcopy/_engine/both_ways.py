@@ -25,7 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._engine import dispatch, staged
+from kvcopy._engine import decide, dispatch, staged
 from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
@@ -47,7 +47,7 @@ def _describe(batch: Arrays, out: int, name: str) -> tuple:
         raise ValueError(f"{name}: {exc}") from None
 
 
-def _one_owner(found: Iterable[dispatch.MemoryClasses]) -> int | None:
+def _one_owner(found: Iterable[decide.MemoryClasses]) -> int | None:
     """The one device whose memory both sides hold (-1: no device memory); None where
     they hold memory of several devices."""
     owners = {f.owner for f in found if f.owner != -1}
@@ -56,17 +56,17 @@ def _one_owner(found: Iterable[dispatch.MemoryClasses]) -> int | None:
     return owners.pop() if owners else -1
 
 
-Side = tuple[int, int, dispatch.MemoryClasses]   # copies, bytes, memory
+Side = tuple[int, int, decide.MemoryClasses]   # copies, bytes, memory
 
 
 def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
                  thresholds: policy.Thresholds | None
-                 ) -> tuple[dispatch.Target, dispatch.Target] | Decision | None:
+                 ) -> tuple[decide.Target, decide.Target] | Decision | None:
     """Each side's target, from its (copies, bytes, MemoryClasses), and their joint
     choice: a Decision where both go to the copy engines together
     (policy.choose_both_ways), both targets where the kernel takes both, else None
     (each side apart, as the policy says)."""
-    a, b = (dispatch.decide(handle, method, count, nbytes, found, False)
+    a, b = (decide.decide(handle, method, count, nbytes, found, False)
             for count, nbytes, found in sides)
     joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
                                     thresholds or device.thresholds(a.info.ordinal), method)
@@ -92,7 +92,7 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             count_a, bytes_a, *kinds_a, tiles_a = _describe(first, slot.host, names[0])
             offset = slot.host + count_a * describe.DESCRIPTOR_BYTES
             count_b, bytes_b, *kinds_b, tiles_b = _describe(second, offset, names[1])
-            found_a, found_b = dispatch.MemoryClasses(*kinds_a), dispatch.MemoryClasses(*kinds_b)
+            found_a, found_b = decide.MemoryClasses(*kinds_a), decide.MemoryClasses(*kinds_b)
             owner = _one_owner((found_a, found_b))
             if owner is None or not count_a or not count_b:
                 return None
@@ -122,7 +122,7 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             return "kernel", "kernel"
 
 
-def _staged_pair(targets: tuple[dispatch.Target, dispatch.Target], batches: tuple[Arrays, Arrays],
+def _staged_pair(targets: tuple[decide.Target, decide.Target], batches: tuple[Arrays, Arrays],
                  method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
                  ) -> list[staged.StagedBatch]:
     """Both sides as staged batches, where the policy stages both (kvcopy._engine.staged); else
@@ -196,7 +196,7 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         if isinstance(ran, Decision):
-            dispatch.note_decision(ran)
+            decide.note_decision(ran)
             _interleave_batches(handle, plans[0], plans[1], names)
             return "batch", "batch"
         if capturing:   # one stream: the graph keeps the two in order
