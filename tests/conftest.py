@@ -1,4 +1,5 @@
-"""Shared fixtures. GPU tests are marked `gpu` and skip where no GPU is found."""
+"""Shared fixtures. tests/cpu/ runs anywhere; tests/gpu/ is marked `gpu` as a whole and
+skips where no GPU is found; tests/helpers/ holds what both share."""
 from __future__ import annotations
 
 import functools
@@ -39,6 +40,10 @@ def gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Every test under tests/gpu/ is marked `gpu`, and skips where no GPU is usable."""
+    for item in items:
+        if item.path.parent.name == "gpu":
+            item.add_marker(pytest.mark.gpu)
     reason = gpu_reason()
     if reason is None:
         return

@@ -9,7 +9,7 @@ from kvcopy.config import config
 from kvcopy.errors import CudaError
 
 
-class FakeDriver:
+class FakePeerDriver:
     def __init__(self, reachable=(1,), count=3):
         self.reachable, self.count, self.enabled = set(reachable), count, []
 
@@ -31,7 +31,7 @@ class FakeDriver:
 
 @pytest.fixture
 def fake(monkeypatch):
-    driver = FakeDriver(reachable=(1, 2))
+    driver = FakePeerDriver(reachable=(1, 2))
     monkeypatch.setattr(peers, "driver", driver)
     monkeypatch.setattr(peers, "classify", type("FakeClassify", (), {
         "noted": [], "note_peer_access": lambda ctx, peer: driver.noted.append((ctx, peer))}))

@@ -24,6 +24,38 @@ class FakeRing:
         pass
 
 
+class FakeScope:
+    """A context scope that stays put: entering it changes no context, and the memory
+    of a batch never asks for another device's context."""
+
+    on_default_stream = False
+
+    def __init__(self, handle: int = 0) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> "FakeScope":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def follow_memory(self, ordinal: int) -> bool:
+        return False
+
+
+class FakeCaptureDriver:
+    """The driver calls of deciding a batch: device 0's context, and a stream that is
+    capturing when ``capturing`` is set."""
+
+    capturing = 0
+
+    def context_device(self) -> int:
+        return 0
+
+    def stream_capture_status(self, handle: int) -> int:
+        return self.capturing
+
+
 # The modules that issue a batch (the engine's paths) and the kvcopy._cuda modules
 # they call; a CPU test fakes those calls through fake_cuda_calls, not module by module.
 ENGINE_MODULES = ("kvcopy._engine.decide", "kvcopy._engine.dispatch", "kvcopy._engine.kernel")

@@ -3,27 +3,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import make_pool
+from helpers.child import run_child
+from helpers.gpu import make_pool
 from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 
-pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(__file__)
-
-
-def run_child(code: str, env: dict | None = None, timeout: int = 120) -> dict:
-    """Run code in a fresh interpreter (faults can poison a CUDA context) and read its JSON."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout, cwd=HERE, env=dict(os.environ, **(env or {})))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 FAULT_CHILD = r"""

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_reliability import run_child
+from helpers.child import run_child
 
-pytestmark = pytest.mark.gpu
 
 # Plain driver calls, no torch: resetting the primary context would pull torch's
 # memory from under it, so the child owns its context alone.

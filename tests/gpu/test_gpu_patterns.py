@@ -22,10 +22,9 @@ import pytest
 
 import kvcopy
 import kvcopy._testing
-from gpu_helpers import jax_gpu, make_pool
-from test_gpu_reliability import run_child
+from helpers.gpu import jax_gpu, make_pool
+from helpers.child import run_child
 
-pytestmark = pytest.mark.gpu
 KiB = 1 << 10
 DIRECTIONS = ("h2d", "d2h", "d2d")
 METHODS = ("auto", "batch", "loop", "kernel")

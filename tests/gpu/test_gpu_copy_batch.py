@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import (POOL_DEVICES, address, expected_after, host_bytes, make_pool,
+from helpers.gpu import (POOL_DEVICES, address, expected_after, host_bytes, make_pool,
                          scattered)
 
-pytestmark = pytest.mark.gpu
 METHODS = ["auto", "batch", "loop", "kernel"]
 
 

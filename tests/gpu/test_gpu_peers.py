@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import expected_after
-from test_gpu_reliability import run_child
+from helpers.gpu import expected_after
+from helpers.child import run_child
 
-pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
 METHODS = ("auto", "batch", "loop", "kernel")
 

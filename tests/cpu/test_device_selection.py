@@ -17,7 +17,7 @@ DEVICE_OF = {0x1000: 0, 0x2000: 1, 0x3000: 1}   # 0x3000: a non-primary context 
 STREAMS = {0xA0: 0x1000, 0xB1: 0x2000, 0xC1: 0x3000}
 
 
-class FakeDriver:
+class FakeContextDriver:
     def __init__(self, current: int = 0) -> None:
         self.stack = [current] if current else []
         self.log: list[str] = []
@@ -48,8 +48,8 @@ class FakeDriver:
 
 @pytest.fixture
 def fake(monkeypatch):
-    def make(current: int = 0) -> FakeDriver:
-        driver = FakeDriver(current)
+    def make(current: int = 0) -> FakeContextDriver:
+        driver = FakeContextDriver(current)
         monkeypatch.setattr(context, "driver", driver)
         return driver
     return make

@@ -18,7 +18,6 @@ import pytest
 import kvcopy
 import kvcopy._testing
 
-pytestmark = pytest.mark.gpu
 
 LAYERS, PAGES_HOST, PAGES_GPU = 4, 48, 32
 PAGE = (16, 8, 128)                      # tokens, heads, head dim: 32 KiB of bf16

@@ -18,8 +18,7 @@ from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
 from kvcopy.policy import DeviceCaps, Thresholds
 
-from cpu_fakes import FakeRing
-from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
+from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -83,12 +82,6 @@ class FakeCuda:
     def event_record(self, event: int, stream: int) -> None:
         self.calls.append(("fence", event, stream))
 
-
-class FakeScope:
-    on_default_stream = False
-
-    def follow_memory(self, ordinal: int) -> bool:
-        return False
 
 
 @pytest.fixture

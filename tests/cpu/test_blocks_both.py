@@ -25,8 +25,7 @@ from kvcopy._engine.decide import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds
 
-from cpu_fakes import FakeRing
-from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
+from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -72,21 +71,6 @@ class Fake:
                            upload_from))
         return 1
 
-
-class FakeScope:
-    on_default_stream = False
-
-    def __init__(self, handle: int) -> None:
-        pass
-
-    def __enter__(self) -> "FakeScope":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def follow_memory(self, ordinal: int) -> bool:
-        return False
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 import kvcopy
 from kvcopy._engine import replay, traffic_window
 
-pytestmark = pytest.mark.gpu
 KiB = 1 << 10
 BLOCK = 16 * KiB
 POOL_BLOCKS = 256

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import address, expected_after, host_bytes, make_pool
+from helpers.gpu import address, expected_after, host_bytes, make_pool
 from kvcopy.policy import BULK_MAX_BYTES, BULK_MIN_BYTES
 
-pytestmark = pytest.mark.gpu
 
 
 def has_bulk_unit(torch) -> bool:

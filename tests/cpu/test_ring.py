@@ -15,7 +15,7 @@ import pytest
 from kvcopy._runtime import ring
 
 
-class FakeDriver:
+class FakeRingDriver:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.next_address = 0x10000
@@ -64,8 +64,8 @@ class FakeDriver:
 
 
 @pytest.fixture
-def driver(monkeypatch) -> FakeDriver:
-    fake = FakeDriver()
+def driver(monkeypatch) -> FakeRingDriver:
+    fake = FakeRingDriver()
     monkeypatch.setattr(ring, "driver", fake)
     return fake
 

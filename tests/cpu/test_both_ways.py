@@ -13,6 +13,7 @@ from kvcopy._engine import both_ways
 from kvcopy._runtime import side_streams
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, Thresholds
+from helpers.cpu_fakes import FakeScope
 
 HANDLE, SIDE = 0x1234, 0x5678
 
@@ -52,16 +53,6 @@ class Recorder:
         self.calls.append(f"issue {len(sizes)} on {handle:#x}")
         return "batch"
 
-
-class FakeScope:
-    def __init__(self, handle: int = 0) -> None:
-        pass
-
-    def __enter__(self) -> "FakeScope":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 @pytest.fixture

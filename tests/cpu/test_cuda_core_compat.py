@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 CHILD = r"""
 import json, numpy as np, cuda.core

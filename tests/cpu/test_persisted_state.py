@@ -230,7 +230,7 @@ def test_any_bytes_either_parse_or_raise_badfile(data):
 @pytest.fixture
 def compiles(monkeypatch) -> list:
     """NVRTC replaced by a stand-in producing a distinct cubin per arch (the cache's
-    logic is under test here; tests/test_kernel_build.py compiles for real), and the
+    logic is under test here; tests/cpu/test_kernel_build.py compiles for real), and the
     cache key's NVRTC version fixed so that no NVRTC is needed."""
     made: list = []
 

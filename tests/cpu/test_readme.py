@@ -13,7 +13,7 @@ import pytest
 
 from conftest import gpu_reason
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 SHELL_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)

@@ -11,7 +11,7 @@ from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device
 from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
-from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
+from helpers.cpu_fakes import FakeCaptureDriver, fake_cuda_calls
 
 MiB = 1 << 20
 H2D = decide.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -21,17 +21,7 @@ PAGEABLE = decide.MemoryClasses(kv_classify.KIND_HOST_UNMAPPED, -1, kv_classify.
 class Questions(list):
     """The requests the policy was asked, and the faked driver."""
 
-    driver: "FakeDriver"
-
-
-class FakeDriver:
-    capturing = 0
-
-    def context_device(self) -> int:
-        return 0
-
-    def stream_capture_status(self, handle: int) -> int:
-        return self.capturing
+    driver: "FakeCaptureDriver"
 
 
 @pytest.fixture
@@ -44,7 +34,7 @@ def asked(monkeypatch):
         questions.append(request)
         return real(request, caps, thresholds, requested)
 
-    fake = FakeDriver()
+    fake = FakeCaptureDriver()
     fake_cuda_calls(monkeypatch, fake, ("driver",))
     monkeypatch.setattr(decide, "choose_method", counting)
     monkeypatch.setattr(decide, "_targets", {})

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import address, expected_after, host_bytes, make_pool
+from helpers.gpu import address, expected_after, host_bytes, make_pool
 
-pytestmark = pytest.mark.gpu
 
 KINDS = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned")}
 CASES = {   # count, sizes, addresses moved off 16 bytes, launch_bytes

@@ -13,7 +13,6 @@ import pytest
 import kvcopy
 from kvcopy.policy import STAGING_MIN_BYTES
 
-pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
 BLOCKS = STAGING_MIN_BYTES // (16 * KiB)   # the smallest batch of 16 KiB blocks staged
 

@@ -14,9 +14,7 @@ from kvcopy._engine import decide, dispatch, traffic_window
 from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
-from test_blocks_both_cpu import FakeScope   # (tests/) a context scope that stays put
-from test_decide import FakeDriver   # the engine's driver calls, faked (tests/)
-from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls
 
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
@@ -147,7 +145,7 @@ def test_a_request_is_alone_unless_said_otherwise():
 @pytest.fixture
 def engine_state(monkeypatch, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
-    fake = FakeDriver()
+    fake = FakeCaptureDriver()
     fake_cuda_calls(monkeypatch, fake, ("driver",))
     monkeypatch.setattr(decide, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, H200))
@@ -263,7 +261,7 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
         raise Asked
 
     monkeypatch.setattr(dispatch, "decide", spy)
-    fake_cuda_calls(monkeypatch, FakeDriver(), ("driver",))
+    fake_cuda_calls(monkeypatch, FakeCaptureDriver(), ("driver",))
     monkeypatch.setattr(dispatch, "ContextScope", FakeScope)
     monkeypatch.setattr(dispatch, "reach_peers", lambda found, method: False)
     monkeypatch.setattr(dispatch, "describe", types.SimpleNamespace(

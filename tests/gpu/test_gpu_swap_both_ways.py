@@ -9,7 +9,6 @@ import pytest
 
 import kvcopy
 
-pytestmark = pytest.mark.gpu
 
 
 def layered(torch, layers: int, blocks: int, block_shape: tuple, on_gpu: bool, seed: int):

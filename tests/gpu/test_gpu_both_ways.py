@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import address, expected_after, host_bytes, make_pool, scattered
+from helpers.gpu import address, expected_after, host_bytes, make_pool, scattered
 
-pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-KVCOPY = Path(__file__).resolve().parent.parent / "kvcopy"
+KVCOPY = Path(__file__).resolve().parents[2] / "kvcopy"
 
 
 def declared(stub: Path) -> dict[str, str]:

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from test_gpu_reliability import HERE, run_child
+from helpers.child import CHILD_CWD, run_child
 
-pytestmark = pytest.mark.gpu
 
 COPY_CHILD = r"""
 import glob, json, os, numpy as np, torch, kvcopy
@@ -62,7 +61,7 @@ print(json.dumps({"device": device, "pid": os.getpid()}))
 
 def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(tmp_path):
     env = dict(os.environ, KVCOPY_CACHE_DIR=str(tmp_path))
-    children = [subprocess.Popen([sys.executable, "-c", CALIBRATE_CHILD, str(k)], cwd=HERE,
+    children = [subprocess.Popen([sys.executable, "-c", CALIBRATE_CHILD, str(k)], cwd=CHILD_CWD,
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for k in range(2)]
     results = []

@@ -20,7 +20,7 @@ from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device, kernels, ring
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
 from kvcopy.interop.streams import resolve_event
-from cpu_fakes import fake_cuda_calls   # (tests/) the engine's kvcopy._cuda calls, faked
+from helpers.cpu_fakes import FakeScope, fake_cuda_calls
 
 MiB = 1 << 20
 
@@ -63,12 +63,6 @@ class CapturingDriver:
     def __getattr__(self, name: str):
         raise AssertionError(f"kvcopy._cuda: {name} used while the stream captures")
 
-
-class FakeScope:
-    on_default_stream = False
-
-    def follow_memory(self, ordinal: int) -> bool:
-        return False
 
 
 @pytest.fixture

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from gpu_helpers import jax_gpu
+from helpers.gpu import jax_gpu
 
-pytestmark = pytest.mark.gpu
 
 
 def mapping_for(n_src, n_dst, count, seed=0):
