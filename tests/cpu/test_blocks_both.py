@@ -25,7 +25,7 @@ from kvcopy._engine.decide import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds
 
-from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, FakeRing, FakeScope, fake_cuda_calls
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -35,18 +35,12 @@ GPU1_TO_HOST = MemoryClasses(kv_classify.KIND_DEVICE, 1, kv_classify.KIND_HOST_M
 GPU_TO_PEER = MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
 
 
-class Fake:
+class Fake(FakeCaptureDriver):
     """The driver, ring and launch calls execute_blocks_both makes, in order."""
 
     def __init__(self, capturing: int) -> None:
         self.capturing = capturing
         self.calls: list[tuple] = []
-
-    def stream_capture_status(self, handle: int) -> int:
-        return self.capturing
-
-    def context_device(self) -> int:
-        return 0
 
     def event_record(self, event: int, stream: int) -> None:
         self.calls.append(("fence", event, stream))

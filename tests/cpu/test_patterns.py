@@ -20,14 +20,14 @@ from kvcopy._engine import decide, dispatch
 from kvcopy._runtime import device, kernels, ring
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
 from kvcopy.interop.streams import resolve_event
-from helpers.cpu_fakes import FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls
 
 MiB = 1 << 20
 
 
 # ------------------------------------------------------------------ capture
 
-class CapturingDriver:
+class CapturingDriver(FakeCaptureDriver):
     """Enough of kvcopy._cuda for one kernel-path call on a stream that is capturing;
     records every call, and fails the test on anything that must not happen
     during a capture (event queries and synchronisation, allocations)."""
@@ -40,12 +40,6 @@ class CapturingDriver:
     def __init__(self, capturing: int) -> None:
         self.capturing = capturing
         self.calls: list[str] = []
-
-    def stream_capture_status(self, handle: int) -> int:
-        return self.capturing
-
-    def context_device(self) -> int:
-        return 0
 
     def describe_copies(self, src, dst, sizes, host, merge):
         self.calls.append(f"describe into {host:#x}")
