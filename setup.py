@@ -159,7 +159,8 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
-CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "repeat", "stage", "testing")
+CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "plan_arrays", "repeat", "stage",
+                "testing")
 
 
 # Optimised and without debug information: -g0 overrides the -g of Python's own
@@ -173,9 +174,7 @@ def extensions() -> list[Extension]:
                        extra_compile_args=COMPILE_ARGS + ["-std=c++17"],
                        extra_link_args=LINK_ARGS)
              for name in CUDA_MODULES]
-    planner = Extension("kvcopy._plan", ["kvcopy/_plan.pyx"], language="c++",
-                        extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
-    return layer + [planner]
+    return layer
 
 
 setup(ext_modules=extensions(),

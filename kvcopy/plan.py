@@ -2,7 +2,7 @@
 
 Planning drops zero-size copies, merges copies that continue each other on both
 sides, checks bounds, and remembers where each planned copy came from so that
-driver errors can name the caller's index. The loop itself is in _plan.pyx.
+driver errors can name the caller's index. The loop itself is in kvcopy/_cuda/plan_arrays.pyx.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcopy._plan import plan_arrays
+from kvcopy._cuda.plan_arrays import plan_arrays
 from kvcopy.overlaps import first_overlap, overlap_between
 
 

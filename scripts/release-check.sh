@@ -31,7 +31,7 @@ import sys, tarfile
 names = tarfile.open(sys.argv[1]).getnames()
 generated = [n for n in names if n.endswith((".cpp", ".so", ".o"))]
 assert not generated, f"the sdist ships generated files: {generated}"
-for needed in ("kvcopy/_cuda/driver.pyx", "kvcopy/_plan.pyx", "kvcopy/_cuda/driver.pxd",
+for needed in ("kvcopy/_cuda/driver.pyx", "kvcopy/_cuda/plan_arrays.pyx", "kvcopy/_cuda/driver.pxd",
                "include/kvcopy/copy_kernel.cuh", "setup.py", "pyproject.toml"):
     assert any(n.endswith(needed) for n in names), f"the sdist lacks {needed}"
 print(f"sdist: {sys.argv[1].rsplit('/', 1)[-1]}, {len(names)} files, sources and no generated C++")

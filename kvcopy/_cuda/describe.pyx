@@ -9,11 +9,11 @@ from libc.stdlib cimport malloc, free
 from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_STRADDLE, classifier_init,
                                     classify)
 from kvcopy._cuda.descriptor cimport kvcopy_desc, kvcopy_pair, KVCOPY_TILE_BYTES
-from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem, COPY_OK)
+from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem, COPY_OK)
 
-from kvcopy._plan import bad_copy_error, length_error
+from kvcopy._cuda.plan_arrays import bad_copy_error, length_error
 
-cdef extern from "kvcopy/describe_fast.h":
+cdef extern from "describe_fast.h":
     int kvcopy_fast_describe_available() nogil
     unsigned KVCOPY_FAST_MISFIT
     unsigned KVCOPY_FAST_MERGES
@@ -177,7 +177,7 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
                     uintptr_t descs_out, bint merge=True):
     """Plan, classify and describe a batch in one pass over it.
 
-    Validates every copy as _plan.plan_arrays does (same checks, same
+    Validates every copy as plan_arrays.plan_arrays does (same checks, same
     messages), drops zero-size copies, merges a copy that continues the
     previous one on both sides (with ``merge``), classifies both sides and
     writes one kvcopy_desc per planned copy into ``descs_out`` (room for

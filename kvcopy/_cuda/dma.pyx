@@ -16,15 +16,15 @@ from cuda.bindings.cydriver cimport CUresult, CUdeviceptr, CUstream
 
 from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_PAGEABLE, classifier_init, locate)
-from kvcopy._planning cimport PlanCursor, plan_cursor_init, next_copy
+from kvcopy._cuda.copy_loop cimport PlanCursor, plan_cursor_init, next_copy
 
 import numpy as np
 
 from kvcopy._cuda import driver
-from kvcopy._plan import bad_copy_error, empty_plan, length_error
+from kvcopy._cuda.plan_arrays import bad_copy_error, empty_plan, length_error
 from kvcopy.errors import CudaError
 
-cdef extern from "kvcopy/batch_abi.h":
+cdef extern from "batch_abi.h":
     ctypedef struct kvcopy_mem_location:
         int type
         int id
@@ -46,7 +46,7 @@ cdef extern from "kvcopy/batch_abi.h":
     int KVCOPY_BATCH_ABI_12080
     int KVCOPY_BATCH_ABI_13000
 
-cdef extern from "kvcopy/host_maps.h":
+cdef extern from "host_maps.h":
     unsigned KVCOPY_MAP_READ
     unsigned KVCOPY_MAP_WRITE
     ctypedef struct kvcopy_maps:

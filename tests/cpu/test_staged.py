@@ -12,7 +12,7 @@ import pytest
 
 import kvcopy
 from kvcopy import policy
-from kvcopy._engine import descriptor_tables, staged
+from kvcopy._engine import kernel, staged
 from kvcopy._cuda import stage
 from kvcopy._cuda import describe as kv_describe
 from kvcopy.errors import CudaError
@@ -276,7 +276,7 @@ def test_each_slice_counts_its_tiles_from_zero():
     tile = kv_describe_tile()
     sizes = [tile, 4 * tile, 2 * tile, tile, 3 * tile, tile]
     table, tiles = table_of(sizes)
-    counts = descriptor_tables.number_tiles_per_slice(table.ctypes.data, len(sizes), tiles,
+    counts = kernel.number_tiles_per_slice(table.ctypes.data, len(sizes), tiles,
                                                 np.array([0, 2, 5]))
     assert counts == [5, 6, 1]
     assert table[:, 3].tolist() == [0, 1, 0, 2, 3, 0]
@@ -285,7 +285,7 @@ def test_each_slice_counts_its_tiles_from_zero():
 def test_one_tile_copies_keep_their_table():
     table, tiles = table_of([1024] * 7)
     before = table.copy()
-    counts = descriptor_tables.number_tiles_per_slice(table.ctypes.data, 7, tiles, np.array([0, 3]))
+    counts = kernel.number_tiles_per_slice(table.ctypes.data, 7, tiles, np.array([0, 3]))
     assert counts == [3, 4] and (table == before).all()
 
 

@@ -1,4 +1,4 @@
-# The planning loop shared by the planner (_plan.pyx, for the DMA paths) and the
+# The planning loop shared by the planner (plan_arrays.pyx, for the DMA paths) and the
 # fused describe pass (_cuda/describe.pyx, for the kernel path): both walk a batch with
 # next_copy, so both validate, drop and merge copies exactly alike.
 from libc.stdint cimport uint64_t

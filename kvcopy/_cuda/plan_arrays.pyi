@@ -1,4 +1,4 @@
-"""Type stub of kvcopy._plan: the planning loop (validate, drop empty copies, merge)."""
+"""Type stub of kvcopy._cuda.plan_arrays: the planning loop (validate, drop empty copies, merge)."""
 import numpy as np
 
 def bad_copy_error(why: int, index: int, size: int) -> ValueError: ...

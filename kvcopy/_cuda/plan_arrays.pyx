@@ -3,12 +3,12 @@
 """One C pass that validates, drops zero-size copies and merges adjacent ones.
 
 Planning runs on every call, so it is a single loop instead of a dozen NumPy
-passes. The kernel path does the same in _driver.describe_copies, fused with
-pointer classification; both walk the batch with _planning.next_copy.
+passes. The kernel path does the same in describe.describe_copies, fused with
+pointer classification; both walk the batch with copy_loop.next_copy.
 """
 from libc.stdint cimport uint64_t, int64_t
 
-from kvcopy._planning cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
+from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
                                COPY_NULL_SRC, COPY_NULL_DST, COPY_SRC_WRAPS)
 
 import numpy as np

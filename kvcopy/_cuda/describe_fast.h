@@ -12,7 +12,7 @@
 #define KVCOPY_DESCRIBE_FAST_H
 
 #include <stdint.h>
-#include "descriptor.h"
+#include "kvcopy/descriptor.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVCOPY_FAST_TARGET __attribute__((target("avx2")))
