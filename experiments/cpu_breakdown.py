@@ -100,10 +100,10 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     kv_describe.describe_copies(s, d, sizes, slot.host)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
     timed("launch, descriptors read in place", lambda: kv_launch.launch_descs(
-        kernel.function_staged, slot.mapped, count, tiles, ctas, threads, handle),
+        kernel.function_uploaded, slot.mapped, count, tiles, ctas, threads, handle),
         sync=stream.synchronize)
     timed("launch, descriptors uploaded", lambda: kv_launch.launch_descs(
-        kernel.function_staged, slot.device, count, tiles, ctas, threads, handle, slot.host),
+        kernel.function_uploaded, slot.device, count, tiles, ctas, threads, handle, slot.host),
         sync=stream.synchronize)
     event = kv_driver.event_create()
     timed("event record (ring fence)", lambda: kv_driver.event_record(event, handle))

@@ -48,7 +48,7 @@ def probe(count: int, block: int) -> None:
 
     def kernel_reads(buffer: int) -> Callable[[], None]:
         mapped = kv_driver.host_device_pointer(buffer)
-        return lambda: (kv_launch.launch_descs(kernel.function_staged, mapped, n, tiles, ctas,
+        return lambda: (kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas,
                                                threads, handle), stream.synchronize())
     kv_describe.describe_copies(s, d, sizes, buffers[0])   # (a kernel over it copies the batch)
     t0 = time.perf_counter()

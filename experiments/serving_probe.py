@@ -314,15 +314,15 @@ def d2d_descriptors():
         dev = driver.mem_alloc(n * 32)
         count, _, *_, tiles = describe.describe_copies(s, d, z, host, False)
         mapped = driver.host_device_pointer(host)
-        launch.launch_descs(kernel.function_staged, dev, count, tiles, sms, 512, handle, host)
+        launch.launch_descs(kernel.function_uploaded, dev, count, tiles, sms, 512, handle, host)
         cells = []
         for label, function, descs, upload, ctas, threads in (
-                ("warp upload", kernel.function_staged, dev, host, sms, 512),
-                ("warp in-place", kernel.function_staged, mapped, 0, sms, 512),
-                ("warp 1x", kernel.function_staged, dev, 0, sms, 512),
-                ("warp 4x", kernel.function_staged, dev, 0, 4 * sms, 512),
-                ("warp 4x upload", kernel.function_staged, dev, host, 4 * sms, 512),
-                ("warp 4x in-place", kernel.function_staged, mapped, 0, 4 * sms, 512)):
+                ("warp upload", kernel.function_uploaded, dev, host, sms, 512),
+                ("warp in-place", kernel.function_uploaded, mapped, 0, sms, 512),
+                ("warp 1x", kernel.function_uploaded, dev, 0, sms, 512),
+                ("warp 4x", kernel.function_uploaded, dev, 0, 4 * sms, 512),
+                ("warp 4x upload", kernel.function_uploaded, dev, host, 4 * sms, 512),
+                ("warp 4x in-place", kernel.function_uploaded, mapped, 0, 4 * sms, 512)):
             t = measure(lambda: launch.launch_descs(function, descs, count, tiles, ctas, threads,
                                                     handle, upload), stream)
             cells.append(f"{label} {contiguous.gpu_ms / t.gpu_ms:.2f}")

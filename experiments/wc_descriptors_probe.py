@@ -79,7 +79,7 @@ def probe(direction: str, block: int) -> None:
     handle = stream.cuda_stream
     nbytes = count * kv_describe.DESCRIPTOR_BYTES
     slots = {"cached": kv_driver.host_alloc(nbytes), "write-combined": write_combined_alloc(nbytes)}
-    n, total, *kinds, tiles, pair_size = kv_describe.describe_compact(s, d, sizes,
+    n, total, *kinds, tiles, compact_size = kv_describe.describe_compact(s, d, sizes,
                                                                       slots["cached"])
     target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses(*kinds))
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
@@ -87,10 +87,10 @@ def probe(direction: str, block: int) -> None:
 
     def copy_from(slot: int):
         mapped = kv_driver.host_device_pointer(slot)
-        if pair_size:
-            return lambda: kv_launch.launch_pairs(kernel.function_pairs, mapped, n, pair_size,
+        if compact_size:
+            return lambda: kv_launch.launch_compact(kernel.function_compact, mapped, n, compact_size,
                                                   ctas, threads, handle)
-        return lambda: kv_launch.launch_descs(kernel.function_staged, mapped, n, tiles, ctas,
+        return lambda: kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas,
                                               threads, handle)
     contiguous_ms = _gpu_ms(lambda: _check(cu.cuMemcpyAsync(
         cu.CUdeviceptr(dst_pool.data_ptr()), cu.CUdeviceptr(src_pool.data_ptr()), TOTAL,
@@ -102,7 +102,7 @@ def probe(direction: str, block: int) -> None:
             kv_describe.describe_compact(s, d, sizes, slot)
             times.append((time.perf_counter() - t0) * 1e6)
         ms = _gpu_ms(copy_from(slot), stream)
-        entries = "pairs" if pair_size else "descriptors"
+        entries = "pairs" if compact_size else "descriptors"
         print(f"{direction} {block >> 10:>2} KiB x{count:<6} {name:<15} describe median "
               f"{statistics.median(times):7.1f} us min {min(times):7.1f}  kernel "
               f"{contiguous_ms / ms:.3f} of the contiguous copy ({entries})", flush=True)

@@ -8,7 +8,7 @@ cdef struct Described:
     unsigned long long total     # their bytes
     unsigned long long tiles     # their tiles
     bint fast                    # in: may the vectorised pass run; out: did it
-    uint64_t pair_size           # in: may pairs be written; out: their size, else 0
+    uint64_t compact_size           # in: may pairs be written; out: their size, else 0
 
 
 cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
@@ -17,4 +17,4 @@ cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* 
 
 cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst,
                          const uint64_t[::1] sizes, uintptr_t descs_out, bint merge,
-                         _Classifier* sides, bint* fast, uint64_t* pair_size)
+                         _Classifier* sides, bint* fast, uint64_t* compact_size)

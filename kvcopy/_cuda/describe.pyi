@@ -2,7 +2,7 @@
 import numpy as np
 
 DESCRIPTOR_BYTES: int
-PAIR_BYTES: int
+COMPACT_BYTES: int
 
 def describe_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, descs_out: int,
                     merge: bool = True) -> tuple[int, int, int, int, int, int, int]: ...

@@ -31,7 +31,7 @@ cdef extern from "describe_fast.h":
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
-PAIR_BYTES = sizeof(kvcopy_pair)
+COMPACT_BYTES = sizeof(kvcopy_pair)
 
 
 cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,
@@ -51,13 +51,13 @@ cdef enum:
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                          Py_ssize_t n, void* descs, _Classifier* sides, bint merge,
                          unsigned long long* total, unsigned long long* tiles,
-                         uint64_t* pair_size, Py_ssize_t* count) noexcept nogil:
+                         uint64_t* compact_size, Py_ssize_t* count) noexcept nogil:
     """The common batch, inside one allocation per side, in one branch-free pass
     (describe_fast.h): True when it applied, with exactly what the general loop would
     have written (*count entries). Copies of one size longer than a tile take it too
     (each then counts that many tiles); copies that continue the one before, or
     multi-tile copies of several sizes, are then written again by one scalar pass
-    that needs no classifying. *pair_size in: may pairs be written (kvcopy_pair);
+    that needs no classifying. *compact_size in: may pairs be written (kvcopy_pair);
     out: their copies' size, else 0."""
     cdef _Range* rs
     cdef _Range* rd
@@ -65,14 +65,14 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     cdef unsigned misfit
     cdef uint64_t per_copy
     cdef bint pairs
-    cdef uint64_t pair_size_in = pair_size[0]
-    pair_size[0] = 0
+    cdef uint64_t compact_size_in = compact_size[0]
+    compact_size[0] = 0
     if not _fast_describe or sizes[0] == 0:
         return False
     if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
         return False
     per_copy = (sizes[0] + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
-    pairs = pair_size_in != 0 and per_copy == 1 and sizes[n - 1] == sizes[0]
+    pairs = compact_size_in != 0 and per_copy == 1 and sizes[n - 1] == sizes[0]
     # the first copy picks the range each side is checked against
     classify(&sides[0], src[0], sizes[0])
     classify(&sides[1], dst[0], sizes[0])
@@ -98,7 +98,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
                                   rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
                                   rd.delta, &nbytes)
     elif pairs:
-        pair_size[0] = sizes[0]
+        compact_size[0] = sizes[0]
     count[0] = n
     tiles[0] = n * per_copy
     return True
@@ -106,16 +106,16 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
 
 cdef void _describe_pass(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                          Py_ssize_t n, kvcopy_desc* descs, bint merge, _Classifier* sides,
-                         PlanCursor* cursor, bint* fast, uint64_t* pair_size,
+                         PlanCursor* cursor, bint* fast, uint64_t* compact_size,
                          unsigned long long* total, unsigned long long* tiles,
                          Py_ssize_t* k) noexcept nogil:
     """describe_raw's pass: the vectorised one where it applies, else the general loop
     (a bad copy stops it, in cursor.why)."""
     if fast[0]:
         fast[0] = _describe_fast(src, dst, sizes, n, descs, sides, merge, total, tiles,
-                                 pair_size, k)
+                                 compact_size, k)
     else:
-        pair_size[0] = 0
+        compact_size[0] = 0
     if not fast[0]:
         total[0] = 0
         while next_copy(cursor, src, dst, sizes):
@@ -129,46 +129,46 @@ cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* 
                       Described* out) except -1:
     """describe_copies over the given classifiers and raw arrays of ``n`` copies
     (n > 0), its results in ``out``; out.fast in: may the vectorised pass run, out:
-    did it apply; out.pair_size as _describe_fast's *pair_size. Raises ValueError
+    did it apply; out.compact_size as _describe_fast's *compact_size. Raises ValueError
     for a bad copy, naming the caller's index."""
     cdef Py_ssize_t k = 0
     cdef kvcopy_desc* descs = <kvcopy_desc*>descs_out
     cdef unsigned long long tiles = 0, total = 0
     cdef PlanCursor cursor
     cdef bint fast = out.fast
-    cdef uint64_t pair_size = out.pair_size
+    cdef uint64_t compact_size = out.compact_size
     if descs == NULL:
         raise ValueError("describe_copies: no descriptor buffer")
     plan_cursor_init(&cursor, n, merge)
     # (the GIL is kept for small batches: releasing it costs more than they take)
     if n < _KEEP_GIL_BELOW:
-        _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &pair_size,
+        _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &compact_size,
                        &total, &tiles, &k)
     else:
         with nogil:
-            _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &pair_size,
+            _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &compact_size,
                            &total, &tiles, &k)
     if cursor.why:
         raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
-    out.count, out.total, out.tiles, out.fast, out.pair_size = k, total, tiles, fast, pair_size
+    out.count, out.total, out.tiles, out.fast, out.compact_size = k, total, tiles, fast, compact_size
     return 0
 
 
 cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
                      uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast,
-                     uint64_t* pair_size):
+                     uint64_t* compact_size):
     """describe_copies over the given classifiers; *fast in: may the vectorised pass
-    run, out: did it apply; *pair_size as for _describe_fast."""
+    run, out: did it apply; *compact_size as for _describe_fast."""
     cdef Py_ssize_t n = sizes.shape[0]
     cdef Described out
     if src.shape[0] != n or dst.shape[0] != n:
         raise length_error(src.shape[0], dst.shape[0], n)
     if n == 0:
-        pair_size[0] = 0
+        compact_size[0] = 0
         return 0, 0, 0, -1, 0, -1, 0
-    out.fast, out.pair_size = fast[0], pair_size[0]
+    out.fast, out.compact_size = fast[0], compact_size[0]
     describe_raw(&src[0], &dst[0], &sizes[0], n, <void*>descs_out, merge, sides, &out)
-    fast[0], pair_size[0] = out.fast, out.pair_size
+    fast[0], compact_size[0] = out.fast, out.compact_size
     return (out.count, out.total, sides[0].kinds, sides[0].ordinal, sides[1].kinds,
             sides[1].ordinal, out.tiles)
 
@@ -208,14 +208,14 @@ cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uin
                      uintptr_t descs_out, bint merge, bint compact):
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint fast = True
-    cdef uint64_t pair_size = compact
+    cdef uint64_t compact_size = compact
     if sides == NULL:
         raise MemoryError()
     classifier_init(&sides[0], src.shape[0])
     classifier_init(&sides[1], src.shape[0])
     try:
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &pair_size)
-        return result + (pair_size,) if compact else result
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &compact_size)
+        return result + (compact_size,) if compact else result
     finally:
         free(sides)
 

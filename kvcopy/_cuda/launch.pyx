@@ -227,7 +227,7 @@ def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream
         check(cydriver.cuEventRecord(<CUevent>free_event, second))
 
 
-def launch_pairs(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned long long size,
+def launch_compact(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned long long size,
                  unsigned int max_ctas, unsigned int threads, uintptr_t stream,
                  uintptr_t upload_from=0) -> int:
     """Launch ``kvcopy_scatter_pairs`` once over ``n`` kvcopy_pair entries at ``pairs``
@@ -237,14 +237,14 @@ def launch_pairs(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned lon
     for launch_descs. Returns the number of launches (0 or 1)."""
     _check_launch_shape(max_ctas, threads)
     if size == 0 or size > KVCOPY_TILE_BYTES:
-        raise ValueError(f"launch_pairs: size must be 1..{KVCOPY_TILE_BYTES} bytes, got {size}")
+        raise ValueError(f"launch_compact: size must be 1..{KVCOPY_TILE_BYTES} bytes, got {size}")
     if n <= 0:
         return 0
     return _launch_table(function, pairs, n, size, sizeof(kvcopy_pair), n, max_ctas, threads,
                          stream, upload_from)
 
 
-def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
+def launch_both(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
                 unsigned long long tiles_a, unsigned int ctas_a, Py_ssize_t count_b,
                 unsigned long long tiles_b, unsigned int ctas_b, unsigned int threads,
                 uintptr_t stream, uintptr_t upload_from=0, uintptr_t descs_b=0) -> int:
@@ -259,7 +259,7 @@ def launch_pair(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
     cdef unsigned long long grid_a, grid_b
     cdef void* params[7]
     if upload_from and descs_b and dev_b != dev + count_a * sizeof(kvcopy_desc):
-        raise ValueError("launch_pair: an uploaded pair lies back to back")
+        raise ValueError("launch_both: an uploaded pair lies back to back")
     _check_launch_shape(ctas_a or 1, threads)
     _check_launch_shape(ctas_b or 1, threads)
     grid_a = _grid(tiles_a, threads, ctas_a) if tiles_a else 0
@@ -283,7 +283,7 @@ cdef unsigned long long _block_tiles(unsigned long long block_bytes) noexcept no
     return (block_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
 
 
-def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
+def launch_blocks_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
                          const uint64_t[:, ::1] tensors, const int64_t[:, ::1] mapping,
                          unsigned long long block_bytes, unsigned int max_ctas,
                          unsigned int threads, uintptr_t stream) -> int:
@@ -291,8 +291,8 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
 
     ``tensors`` is (T, 6): src base, dst base, src stride, dst stride, src
     factor, dst factor (kvcopy_block_tensor); ``mapping`` is (n, 2) ids. Both
-    are staged through ``host_buf`` (pinned) into ``device_buf``, which need
-    room for blocks_staging_bytes(T, n) and must stay untouched until the
+    are uploaded through ``host_buf`` (pinned) into ``device_buf``, which need
+    room for blocks_upload_bytes(T, n) and must stay untouched until the
     stream has passed the launch. Returns the number of launches (0 or 1).
     """
     cdef Py_ssize_t num_tensors = tensors.shape[0], num_pairs = mapping.shape[0]
@@ -305,7 +305,7 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
     cdef CUdeviceptr dev_mapping = <CUdeviceptr>(device_buf + offset)
     cdef void* params[6]
     if tensors.shape[1] != 6 or mapping.shape[1] != 2:
-        raise ValueError("launch_blocks_staged: tensors must be (T, 6) and mapping (n, 2)")
+        raise ValueError("launch_blocks_uploaded: tensors must be (T, 6) and mapping (n, 2)")
     _check_launch_shape(max_ctas, threads)
     if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
         return 0
@@ -325,22 +325,22 @@ def launch_blocks_staged(uintptr_t function, uintptr_t host_buf, uintptr_t devic
     return 1
 
 
-def blocks_staging_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
-    """Bytes of staging launch_blocks_staged needs for T tensors and n pairs."""
+def blocks_upload_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
+    """Bytes of upload space launch_blocks_uploaded needs for T tensors and n pairs."""
     return ((num_tensors * sizeof(kvcopy_block_tensor) + 15) & ~15) + num_pairs * 2 * sizeof(int64_t)
 
 
 
-def launch_blocks_pair_staged(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
+def launch_blocks_both_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
                               const uint64_t[:, ::1] tensors_a, const int64_t[:, ::1] mapping_a,
                               unsigned long long block_bytes_a, unsigned int ctas_a,
                               const uint64_t[:, ::1] tensors_b, const int64_t[:, ::1] mapping_b,
                               unsigned long long block_bytes_b, unsigned int ctas_b,
                               unsigned int threads, uintptr_t stream) -> int:
     """Launch ``kvcopy_blocks_pair``: two swap_blocks (tensor table and id mapping
-    each, as launch_blocks_staged takes them) copied by up to ctas_a and ctas_b CTAs
-    of one launch. Staged as launch_blocks_staged stages one, into room for
-    blocks_pair_staging_bytes(Ta, na, Tb, nb). Each side needs tensors, pairs and
+    each, as launch_blocks_uploaded takes them) copied by up to ctas_a and ctas_b CTAs
+    of one launch. Staged as launch_blocks_uploaded stages one, into room for
+    blocks_both_upload_bytes(Ta, na, Tb, nb). Each side needs tensors, pairs and
     bytes (the caller runs an empty side apart). Returns the number of launches (1)."""
     cdef Py_ssize_t ta = tensors_a.shape[0], tb = tensors_b.shape[0]
     cdef Py_ssize_t na = mapping_a.shape[0], nb = mapping_b.shape[0]
@@ -356,9 +356,9 @@ def launch_blocks_pair_staged(uintptr_t function, uintptr_t host_buf, uintptr_t 
     cdef void* params[9]
     if tensors_a.shape[1] != 6 or tensors_b.shape[1] != 6 or mapping_a.shape[1] != 2 \
             or mapping_b.shape[1] != 2:
-        raise ValueError("launch_blocks_pair_staged: tensors must be (T, 6) and mappings (n, 2)")
+        raise ValueError("launch_blocks_both_uploaded: tensors must be (T, 6) and mappings (n, 2)")
     if ta == 0 or tb == 0 or na == 0 or nb == 0 or block_bytes_a == 0 or block_bytes_b == 0:
-        raise ValueError("launch_blocks_pair_staged: each side needs tensors, pairs and bytes")
+        raise ValueError("launch_blocks_both_uploaded: each side needs tensors, pairs and bytes")
     _check_launch_shape(ctas_a, threads)
     _check_launch_shape(ctas_b, threads)
     grid_a = _grid(_block_tiles(bb_a) * n_na * n_ta, threads, ctas_a, 1)
@@ -382,7 +382,7 @@ def launch_blocks_pair_staged(uintptr_t function, uintptr_t host_buf, uintptr_t 
     return 1
 
 
-def blocks_pair_staging_bytes(Py_ssize_t tensors_a, Py_ssize_t pairs_a, Py_ssize_t tensors_b,
+def blocks_both_upload_bytes(Py_ssize_t tensors_a, Py_ssize_t pairs_a, Py_ssize_t tensors_b,
                               Py_ssize_t pairs_b) -> int:
-    """Bytes of staging launch_blocks_pair_staged needs."""
-    return blocks_staging_bytes(tensors_a + tensors_b, pairs_a + pairs_b)
+    """Bytes of upload space launch_blocks_both_uploaded needs."""
+    return blocks_upload_bytes(tensors_a + tensors_b, pairs_a + pairs_b)

@@ -211,7 +211,7 @@ def launch_again(object src, object dst, object sizes, uintptr_t stream, int met
                     return None
                 classifier_init(&sides[0], n)
                 classifier_init(&sides[1], n)
-                out.fast, out.pair_size = True, 0
+                out.fast, out.compact_size = True, 0
                 describe_raw(<const uint64_t*>bs.buf, <const uint64_t*>bd.buf,
                              <const uint64_t*>bz.buf, n, <void*>descs, True, sides, &out)
             finally:

@@ -23,7 +23,7 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
     vectorised pass applied."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint used = fast
-    cdef uint64_t pair_size = compact
+    cdef uint64_t compact_size = compact
     if sides == NULL:
         raise MemoryError()
     try:
@@ -31,8 +31,8 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
         classifier_init(&sides[1], src.shape[0])
         classifier_seed(&sides[0], known_ranges)
         classifier_seed(&sides[1], known_ranges)
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &pair_size)
-        return (result + (pair_size,) if compact else result), used
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &compact_size)
+        return (result + (compact_size,) if compact else result), used
     finally:
         free(sides)
 
@@ -48,7 +48,7 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
     ranges each side asked for (src, dst)."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint used = fast
-    cdef uint64_t pair_size = 0
+    cdef uint64_t compact_size = 0
     if sides == NULL:
         raise MemoryError()
     if driver_ranges.shape[1] != 5:
@@ -59,7 +59,7 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
             classifier_init(&sides[side], src.shape[0])
             sides[side].answers = &driver_ranges[0, 0] if driver_ranges.shape[0] else NULL
             sides[side].answer_count = driver_ranges.shape[0]
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &pair_size)
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &compact_size)
         return result, used, (sides[0].queries, sides[1].queries)
     finally:
         free(sides)

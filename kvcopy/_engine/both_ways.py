@@ -112,10 +112,10 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             ctas = (a.ctas(None, both_ways=True), b.ctas(None, both_ways=True))
             if in_place:
                 launches = policy.both_ways_launches(bytes_a, bytes_b, config.launch_bytes)
-                _launch_in_slices(kernel.function_pair, slot, count_a, count_b, ctas,
+                _launch_in_slices(kernel.function_both, slot, count_a, count_b, ctas,
                                   launches, handle)
             else:
-                launch.launch_pair(kernel.function_pair, slot.device, count_a, tiles_a,
+                launch.launch_both(kernel.function_both, slot.device, count_a, tiles_a,
                                    ctas[0], count_b, tiles_b, ctas[1], config.threads_per_cta,
                                    handle, slot.host)
             ring.DescriptorRing.fence(slot, handle)
@@ -148,7 +148,7 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
     for k in range(launches):
         n_a = max(min(step_a, count_a - k * step_a), 0)
         n_b = max(min(step_b, count_b - k * step_b), 0)
-        launch.launch_pair(function, slot.mapped + k * step_a * entry, n_a, n_a, ctas[0], n_b, n_b,
+        launch.launch_both(function, slot.mapped + k * step_a * entry, n_a, n_a, ctas[0], n_b, n_b,
                            ctas[1], config.threads_per_cta, handle, 0,
                            slot.mapped + (count_a + k * step_b) * entry)
 
@@ -291,11 +291,11 @@ def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: Blo
         return None
     kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
     tables = [p.tensor_table(*v) for p, v in zip((first, second), views)]
-    nbytes = launch.blocks_pair_staging_bytes(tables[0].shape[0], first.num_pairs,
+    nbytes = launch.blocks_both_upload_bytes(tables[0].shape[0], first.num_pairs,
                                               tables[1].shape[0], second.num_pairs)
     with ring.ring_for_current_context().reserve(nbytes) as slot:
-        launch.launch_blocks_pair_staged(
-            kernel.function_blocks_pair, slot.host, slot.device,
+        launch.launch_blocks_both_uploaded(
+            kernel.function_blocks_both, slot.host, slot.device,
             tables[0], first.mapping, first.geometry.block_bytes, a.ctas(None, both_ways=True),
             tables[1], second.mapping, second.geometry.block_bytes,
             b.ctas(None, both_ways=True), config.threads_per_cta, handle)

@@ -79,12 +79,12 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
             if compact:
-                count, total_bytes, *kinds, tiles, pair_size = describe.describe_compact(
+                count, total_bytes, *kinds, tiles, compact_size = describe.describe_compact(
                     src, dst, sizes, slot.host, merge)
             else:
                 count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
                                                                              slot.host, merge)
-                pair_size = 0
+                compact_size = 0
             if count == 0:
                 return "none"
             found = MemoryClasses(*kinds)
@@ -100,7 +100,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                                                 sizes, method,
                                                 device.thresholds(target.info.ordinal))
                 if staging is None:
-                    launched = launch_kernel(count, tiles, target, slot, max_ctas, pair_size)
+                    launched = launch_kernel(count, tiles, target, slot, max_ctas, compact_size)
                     if launched and merge and max_ctas is None and allow_batch:
                         # (copy_batch's next call like this one launches in repeat)
                         replay.record(target, found, method, count, total_bytes, launched)
@@ -199,9 +199,9 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
                                   True, False, None)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
-        nbytes = launch.blocks_staging_bytes(table.shape[0], blocks.num_pairs)
+        nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:
-            launch.launch_blocks_staged(kernel.function_blocks, slot.host, slot.device, table,
+            launch.launch_blocks_uploaded(kernel.function_blocks, slot.host, slot.device, table,
                                         blocks.mapping, blocks.geometry.block_bytes,
                                         target.ctas(None), config.threads_per_cta, handle)
             ring.DescriptorRing.fence(slot, handle)

@@ -16,9 +16,9 @@ from kvcopy.config import config
 
 
 def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | HostScratch",
-                  max_ctas: int | None, pair_size: int = 0) -> tuple[int, int, int, int] | None:
+                  max_ctas: int | None, compact_size: int = 0) -> tuple[int, int, int, int] | None:
     """Launch the copy kernel over the ``count`` descriptors described into ``slot``
-    (kvcopy_pair entries of copies of ``pair_size`` bytes each, where not 0).
+    (kvcopy_pair entries of copies of ``compact_size`` bytes each, where not 0).
 
     Large batches: one launch. Where every copy is one tile, the kernel reads
     the descriptors where they were written (pinned, mapped): each warp
@@ -33,16 +33,16 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | Hos
     functions = kernel.scatter(target.decision.variant)
     ctas, threads = target.launch_shape(max_ctas)
     # pairs come only from batches past one launch's inline descriptors (describe_compact)
-    if pair_size or (count > kernel.per_launch and not target.request.capturing):
+    if compact_size or (count > kernel.per_launch and not target.request.capturing):
         assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
         in_place = policy.descriptors_in_place(tiles, count, (target.request.direction,))
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
-        entry = describe.PAIR_BYTES if pair_size else describe.DESCRIPTOR_BYTES
+        entry = describe.COMPACT_BYTES if compact_size else describe.DESCRIPTOR_BYTES
         step = policy.copies_per_launch(target.request.direction, count,
                                         target.request.total_bytes, config.launch_bytes)
         if step >= count:
             slice_tiles = [tiles]
-        elif pair_size:   # pairs have no tile_start: any slice is a batch
+        elif compact_size:   # pairs have no tile_start: any slice is a batch
             slice_tiles = [min(step, count - start) for start in range(0, count, step)]
         else:
             slice_tiles = number_tiles_per_slice(slot.host, count, tiles,
@@ -55,11 +55,11 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | Hos
         for k, start in enumerate(range(0, count, step)):
             n, offset = min(step, count - start), start * entry
             # (an upload left here is a single launch's, at offset 0)
-            if pair_size:
-                launch.launch_pairs(functions.pairs, table + offset, n, pair_size, ctas,
+            if compact_size:
+                launch.launch_compact(functions.compact, table + offset, n, compact_size, ctas,
                                     threads, handle, upload)
             else:
-                launch.launch_descs(functions.staged, table + offset, n, slice_tiles[k], ctas,
+                launch.launch_descs(functions.uploaded, table + offset, n, slice_tiles[k], ctas,
                                     threads, handle, upload)
         ring.DescriptorRing.fence(slot, handle)
         return None

@@ -195,7 +195,7 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
     chunks of the sides in turn so that both directions start at once."""
     staging = _buffers.current()
     kernel = kernels.kernel_for_current_context(*cc, driver_version)
-    function = kernel.scatter("registers").staged
+    function = kernel.scatter("registers").uploaded
     count = sum(b.count for b in batches)
     nbytes = count * describe.DESCRIPTOR_BYTES
     # the ring's lock, then the buffers': the order plan_batch takes them in

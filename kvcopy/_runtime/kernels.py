@@ -207,8 +207,8 @@ def _load_module(arch: int) -> int:
 class ScatterFunctions:
     """One copier's entry points, one per way a batch's descriptors reach the kernel."""
 
-    staged: int              # descriptors in device (or mapped pinned) memory
-    pairs: int               # kvcopy_pair entries (copies of one size)
+    uploaded: int            # descriptors in device (or mapped pinned) memory
+    compact: int             # kvcopy_pair entries (copies of one size)
     inline: int              # descriptors by value, KVCOPY_INLINE_MAX per launch
     small: int               # by value within the 4 KiB parameter limit
     tiny: int                # up to INLINE_MAX_TINY by value (1 KiB)
@@ -219,21 +219,21 @@ class CopyKernel:
     """The kernel loaded in one context."""
 
     module: int
-    function_staged: int     # descriptors in device memory, one launch per batch
+    function_uploaded: int     # descriptors in device memory, one launch per batch
     function_blocks: int     # swap_blocks: tensor table + id mapping in device memory
-    function_pair: int       # two batches in one launch, each with its own CTAs
+    function_both: int       # two batches in one launch, each with its own CTAs
     function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int      # descriptors by value within the 4 KiB parameter limit
     function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
-    function_pairs: int      # kvcopy_pair entries (copies of one size), one launch per batch
-    function_blocks_pair: int   # two swap_blocks in one launch, each with its own CTAs
+    function_compact: int      # kvcopy_pair entries (copies of one size), one launch per batch
+    function_blocks_both: int   # two swap_blocks in one launch, each with its own CTAs
     per_launch: int
     bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
 
     @functools.cached_property
     def registers(self) -> ScatterFunctions:
         """The register copier's entry points (built once: scatter() is on every launch)."""
-        return ScatterFunctions(self.function_staged, self.function_pairs, self.function,
+        return ScatterFunctions(self.function_uploaded, self.function_compact, self.function,
                                 self.function_small, self.function_tiny)
 
     @functools.cached_property
@@ -293,14 +293,14 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             return launch.module_function(module, name.encode())
         kernel = CopyKernel(
             module=module,
-            function_staged=function("kvcopy_scatter"),
+            function_uploaded=function("kvcopy_scatter"),
             function_blocks=function("kvcopy_blocks"),
-            function_blocks_pair=function("kvcopy_blocks_pair"),
-            function_pair=function("kvcopy_scatter_pair"),
+            function_blocks_both=function("kvcopy_blocks_pair"),
+            function_both=function("kvcopy_scatter_pair"),
             function=function("kvcopy_scatter_inline"),
             function_small=function("kvcopy_scatter_inline_small"),
             function_tiny=function("kvcopy_scatter_inline_tiny"),
-            function_pairs=function("kvcopy_scatter_pairs"),
+            function_compact=function("kvcopy_scatter_pairs"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
             bulk=ScatterFunctions(function("kvcopy_bulk_scatter"), function("kvcopy_bulk_pairs"),
                                   function("kvcopy_bulk_inline"),

@@ -45,11 +45,11 @@ class Fake(FakeCaptureDriver):
     def event_record(self, event: int, stream: int) -> None:
         self.calls.append(("fence", event, stream))
 
-    def launch_blocks_pair_staged(self, *args) -> int:
+    def launch_blocks_both_uploaded(self, *args) -> int:
         self.calls.append(("launch",) + args)
         return 1
 
-    blocks_pair_staging_bytes = staticmethod(kv_launch.blocks_pair_staging_bytes)
+    blocks_both_upload_bytes = staticmethod(kv_launch.blocks_both_upload_bytes)
 
     # copy_both_ways' fused path: describe_copies reports each side's classes in turn
     DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
@@ -58,10 +58,10 @@ class Fake(FakeCaptureDriver):
     def describe_copies(self, src, dst, sizes, out, merge):
         return (len(sizes), int(sizes.sum()), *next(self.classes), len(sizes))
 
-    def launch_pair(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
+    def launch_both(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
                     threads, stream, upload_from=0, descs_b=0) -> int:
         assert descs_b in (0, descs + count_a * 32)   # described back to back
-        self.calls.append(("launch_pair", function, descs, count_a, ctas_a, count_b, ctas_b,
+        self.calls.append(("launch_both", function, descs, count_a, ctas_a, count_b, ctas_b,
                            upload_from))
         return 1
 
@@ -158,7 +158,7 @@ def test_copy_both_ways_kernel_sides_are_one_launch_of_the_descriptor_pair(fake)
     rec = fake((GPU_TO_HOST, HOST_TO_GPU))
     assert fused(batch(6, 4096), batch(9, 4096)) == ("kernel", "kernel")
     thresholds = Thresholds()
-    assert rec.calls == [("launch_pair", 4, SLOT.mapped, 6,
+    assert rec.calls == [("launch_both", 4, SLOT.mapped, 6,
                           thresholds.ctas_for("d2h", both_ways=True), 9,
                           thresholds.ctas_for("h2d", both_ways=True), 0),
                          ("fence", SLOT.event, HANDLE)]
@@ -206,4 +206,4 @@ def test_copy_both_ways_stages_both_sides_or_neither(fake, monkeypatch):
     scattered = long_span(count, block, "src")
     scattered = (scattered[0][::-1].copy(), scattered[1], scattered[2])
     assert fused(long_span(count, block, "dst"), scattered) == ("kernel", "kernel")
-    assert [c[0] for c in rec.calls] == ["launch_pair", "fence"]
+    assert [c[0] for c in rec.calls] == ["launch_both", "fence"]

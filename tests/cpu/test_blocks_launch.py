@@ -18,7 +18,7 @@ def test_a_tensor_row_is_six_words():
 @pytest.mark.parametrize("tensors, pairs", [(1, 1), (3, 5), (64, 256), (7, 0)])
 def test_one_launch_stages_its_rows_then_its_id_pairs_at_a_16_byte_boundary(tensors, pairs):
     table = tensors * ROW
-    assert launch.blocks_staging_bytes(tensors, pairs) == -(-table // 16) * 16 + pairs * 16
+    assert launch.blocks_upload_bytes(tensors, pairs) == -(-table // 16) * 16 + pairs * 16
 
 
 @pytest.mark.parametrize("ta, na, tb, nb", [(1, 1, 1, 1), (3, 5, 2, 7), (64, 256, 64, 256)])
@@ -26,7 +26,7 @@ def test_a_pair_stages_both_tables_back_to_back_then_both_mappings(ta, na, tb, n
     """The kernel finds side b's rows right after side a's, and its id pairs right
     after side a's, past the 16-byte boundary after both tables."""
     tables = (ta + tb) * ROW
-    assert launch.blocks_pair_staging_bytes(ta, na, tb, nb) == \
+    assert launch.blocks_both_upload_bytes(ta, na, tb, nb) == \
         -(-tables // 16) * 16 + (na + nb) * 16
 
 
@@ -43,5 +43,5 @@ def side(tensors: int = 2, pairs: int = 3, columns: int = 6):
 ])
 def test_a_pair_refuses_bad_arguments_before_touching_its_buffers(a, b, bytes_ab, ctas, message):
     with pytest.raises(ValueError, match=message):
-        launch.launch_blocks_pair_staged(0, 0, 0, a[0], a[1], bytes_ab[0], ctas[0],
+        launch.launch_blocks_both_uploaded(0, 0, 0, a[0], a[1], bytes_ab[0], ctas[0],
                                          b[0], b[1], bytes_ab[1], ctas[1], 512, 0)

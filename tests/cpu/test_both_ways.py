@@ -184,7 +184,7 @@ def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeyp
 
     class FakeLaunch:
         @staticmethod
-        def launch_pair(function, descs, n_a, tiles_a, ctas_a, n_b, tiles_b, ctas_b, threads,
+        def launch_both(function, descs, n_a, tiles_a, ctas_a, n_b, tiles_b, ctas_b, threads,
                         stream, upload_from, descs_b):
             launches.append((descs, n_a, tiles_a, ctas_a, descs_b, n_b, tiles_b, ctas_b,
                              upload_from))
@@ -207,7 +207,7 @@ def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(monkeypatch
 
     class FakeLaunch:
         @staticmethod
-        def launch_pair(*args):
+        def launch_both(*args):
             launches.append(args)
     monkeypatch.setattr(both_ways, "launch", FakeLaunch)
     both_ways._launch_in_slices(9, slot, 9, 2, (8, 1), 3, HANDLE)

@@ -231,9 +231,9 @@ def describe_compact(src, dst, sizes, merge=True, misalign=0):
 @pytest.mark.parametrize("misalign", [0, 8, 16])
 def test_a_batch_of_one_block_size_is_described_as_pairs(n, misalign):
     src, dst, sizes = scattered(n, 2048, seed=n)
-    (count, total, src_kinds, _, dst_kinds, _, tiles, pair_size), used, out = describe_compact(
+    (count, total, src_kinds, _, dst_kinds, _, tiles, compact_size), used, out = describe_compact(
         src, dst, sizes, misalign=misalign)
-    assert used and pair_size == 2048 and kv_describe.PAIR_BYTES == 16
+    assert used and compact_size == 2048 and kv_describe.COMPACT_BYTES == 16
     assert (count, total, tiles) == (n, n * 2048, n)
     assert (src_kinds, dst_kinds) == (kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE)
     pairs = out[:2 * n].reshape(-1, 2)
@@ -310,9 +310,9 @@ def test_compact_entries_describe_what_the_general_loop_describes(batch, merge, 
         return
     result, _, out = describe_compact(src, dst, sizes, merge, misalign=misalign)
     assert result[:-1] == reference
-    count, pair_size = result[0], result[-1]
-    if pair_size:
-        assert (ref_descs[:, 2] == pair_size).all()
+    count, compact_size = result[0], result[-1]
+    if compact_size:
+        assert (ref_descs[:, 2] == compact_size).all()
         np.testing.assert_array_equal(out[:2 * count].reshape(-1, 2), ref_descs[:, :2])
     else:
         np.testing.assert_array_equal(out[:4 * count].reshape(-1, 4), ref_descs)

@@ -383,7 +383,7 @@ def rec(monkeypatch):
             r.calls.append(("release",))
 
     class Functions:
-        staged = 0xF00
+        uploaded = 0xF00
 
     class Kernel:
         @staticmethod

@@ -103,7 +103,7 @@ def _spy_launches(monkeypatch):
     from kvcopy._cuda import launch as kv_launch
 
     calls = []
-    for name in ("launch_pairs", "launch_descs"):
+    for name in ("launch_compact", "launch_descs"):
         real = getattr(kv_launch, name)
 
         def spy(*args, real=real, name=name):
@@ -130,8 +130,8 @@ def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, di
     assert used == "kernel"
     sliced = direction != "d2d" and size == 16384 and count == 4097   # 64 MiB + 16 KiB
     slices = [1024, 1024, 1024, 1024, 1] if sliced else [count]
-    assert [c for c in calls if c[0] == "launch_pairs"] == (
-        [] if size == "mixed" else [("launch_pairs", n, size) for n in slices])
+    assert [c for c in calls if c[0] == "launch_compact"] == (
+        [] if size == "mixed" else [("launch_compact", n, size) for n in slices])
 
 
 @pytest.mark.parametrize("bad", ["null", "unmapped"])

@@ -128,7 +128,7 @@ def block_launches(monkeypatch):
     block copy described on the CPU) fails the test if it runs."""
     from kvcopy._engine import both_ways
     launches: list[tuple] = []
-    real = both_ways.launch.launch_blocks_pair_staged
+    real = both_ways.launch.launch_blocks_both_uploaded
 
     def counted(*args):
         launches.append(args)
@@ -136,7 +136,7 @@ def block_launches(monkeypatch):
 
     def per_copy(*args, **kwargs):
         raise AssertionError("swap_blocks_both_ways described every block copy")
-    monkeypatch.setattr(both_ways.launch, "launch_blocks_pair_staged", counted)
+    monkeypatch.setattr(both_ways.launch, "launch_blocks_both_uploaded", counted)
     monkeypatch.setattr(both_ways, "execute_both", per_copy)
     return launches
 

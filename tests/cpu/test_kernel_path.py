@@ -23,7 +23,7 @@ from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
 GPU_TO_HOST = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
-BULK = kernels.ScatterFunctions(staged=11, pairs=12, inline=13, small=14, tiny=15)
+BULK = kernels.ScatterFunctions(uploaded=11, compact=12, inline=13, small=14, tiny=15)
 GPU_TO_PEER = (kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
 
 
@@ -31,14 +31,14 @@ class FakeCuda:
     """The parts of kvcopy._cuda one kernel-path call uses; records what it is asked."""
 
     DESCRIPTOR_BYTES = kv_describe.DESCRIPTOR_BYTES
-    PAIR_BYTES = kv_describe.PAIR_BYTES
+    COMPACT_BYTES = kv_describe.COMPACT_BYTES
     INLINE_MAX = kv_launch.INLINE_MAX
     INLINE_MAX_SMALL = kv_launch.INLINE_MAX_SMALL
     INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY
     BULK_THREADS = kv_launch.BULK_THREADS
 
-    def __init__(self, kinds: tuple, pair_size: int, tiles_per_copy: int = 1) -> None:
-        self.kinds, self.pair_size, self.tiles_per_copy = kinds, pair_size, tiles_per_copy
+    def __init__(self, kinds: tuple, compact_size: int, tiles_per_copy: int = 1) -> None:
+        self.kinds, self.compact_size, self.tiles_per_copy = kinds, compact_size, tiles_per_copy
         self.calls: list[tuple] = []
         self.shapes: list[tuple[int, int]] = []   # (CTAs, threads) of every launch
         self.tiles: list[int] = []                 # tiles of every launch_descs
@@ -54,14 +54,14 @@ class FakeCuda:
 
     def describe_compact(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_compact", out))
-        return self._described(sizes) + (self.pair_size,)
+        return self._described(sizes) + (self.compact_size,)
 
     def describe_copies(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_copies", out))
         return self._described(sizes)
 
-    def launch_pairs(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
-        self.calls.append(("launch_pairs", function, pairs, n, size, upload_from))
+    def launch_compact(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
+        self.calls.append(("launch_compact", function, pairs, n, size, upload_from))
         self.shapes.append((ctas, threads))
         return 1
 
@@ -86,9 +86,9 @@ class FakeCuda:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    def make(kinds: tuple, pair_size: int, tiles_per_copy: int = 1,
+    def make(kinds: tuple, compact_size: int, tiles_per_copy: int = 1,
              bulk_copy: bool = False) -> FakeCuda:
-        fake = FakeCuda(kinds, pair_size, tiles_per_copy)
+        fake = FakeCuda(kinds, compact_size, tiles_per_copy)
         fake_cuda_calls(monkeypatch, fake)
         monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
         monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
@@ -119,7 +119,7 @@ def test_a_large_batch_described_as_pairs_is_read_in_place_by_the_pairs_kernel(f
     fake = fake_cuda(HOST_TO_GPU, 4096)
     assert run(2000) == "kernel"
     assert fake.calls == [("describe_compact", SLOT.host),
-                          ("launch_pairs", 8, SLOT.mapped, 2000, 4096, 0),
+                          ("launch_compact", 8, SLOT.mapped, 2000, 4096, 0),
                           ("fence", SLOT.event, 0x1234)]
 
 
@@ -145,7 +145,7 @@ def test_pairs_between_two_gpus_are_uploaded_before_the_launch(fake_cuda):
     fake = fake_cuda(GPU_TO_PEER, 4096)
     assert run(2000) == "kernel"
     assert fake.calls == [("describe_compact", SLOT.host),
-                          ("launch_pairs", 8, SLOT.device, 2000, 4096, SLOT.host),
+                          ("launch_compact", 8, SLOT.device, 2000, 4096, SLOT.host),
                           ("fence", SLOT.event, 0x1234)]
 
 
@@ -155,21 +155,21 @@ def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
     assert run(count) == "kernel"
     assert fake.calls[0][0] == "describe_copies"
     assert fake.calls[1][:1] == ("launch_descs_inline",) and fake.calls[1][2] == count
-    assert not any(call[0] == "launch_pairs" for call in fake.calls)
+    assert not any(call[0] == "launch_compact" for call in fake.calls)
 
 
-@pytest.mark.parametrize("pair_size, count, call", [
-    (16384, 2000, ("launch_pairs", BULK.pairs, SLOT.mapped, 2000, 16384, 0)),
-    (0, 2000, ("launch_descs", BULK.staged, SLOT.mapped, 2000, 0)),
+@pytest.mark.parametrize("compact_size, count, call", [
+    (16384, 2000, ("launch_compact", BULK.compact, SLOT.mapped, 2000, 16384, 0)),
+    (0, 2000, ("launch_descs", BULK.uploaded, SLOT.mapped, 2000, 0)),
     (16384, 16, ("launch_descs_inline", BULK.tiny, 16)),
     (16384, kv_launch.INLINE_MAX_SMALL, ("launch_descs_inline", BULK.small,
                                          kv_launch.INLINE_MAX_SMALL)),
     (16384, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
 def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
-        fake_cuda, monkeypatch, pair_size, count, call):
+        fake_cuda, monkeypatch, compact_size, count, call):
     monkeypatch.setattr(dispatch.config, "bulk_ctas", None)
     monkeypatch.setattr(dispatch.config, "bulk_stores", True)
-    fake = fake_cuda(GPU_TO_HOST, pair_size, bulk_copy=True)
+    fake = fake_cuda(GPU_TO_HOST, compact_size, bulk_copy=True)
     assert run(count, 16384) == "kernel"
     assert call in fake.calls
     assert fake.shapes == [(policy.BULK_STORE_CTAS, kv_launch.BULK_THREADS)]
@@ -197,7 +197,7 @@ def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, b
     monkeypatch.setattr(dispatch.config, "host_ctas", None)
     fake = fake_cuda(kinds, size, bulk_copy=bulk_copy)
     assert run(2000, size) == "kernel"
-    assert fake.calls[1] == ("launch_pairs", 8, SLOT.mapped, 2000, size, 0)
+    assert fake.calls[1] == ("launch_compact", 8, SLOT.mapped, 2000, size, 0)
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
     assert fake.shapes == [(policy.HOST_CTAS[direction], dispatch.config.threads_per_cta)]
     assert decide.last_decision().variant == "registers"
@@ -210,12 +210,12 @@ def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cud
     monkeypatch.setattr(dispatch.config, "bulk_stores", False)
     fake = fake_cuda(kinds, 16384)
     assert run(2000, 16384) == "kernel"
-    entry = kv_describe.PAIR_BYTES
+    entry = kv_describe.COMPACT_BYTES
     assert fake.calls == [("describe_compact", SLOT.host),
-                          ("launch_pairs", 8, SLOT.mapped, 600, 16384, 0),
-                          ("launch_pairs", 8, SLOT.mapped + 600 * entry, 600, 16384, 0),
-                          ("launch_pairs", 8, SLOT.mapped + 1200 * entry, 600, 16384, 0),
-                          ("launch_pairs", 8, SLOT.mapped + 1800 * entry, 200, 16384, 0),
+                          ("launch_compact", 8, SLOT.mapped, 600, 16384, 0),
+                          ("launch_compact", 8, SLOT.mapped + 600 * entry, 600, 16384, 0),
+                          ("launch_compact", 8, SLOT.mapped + 1200 * entry, 600, 16384, 0),
+                          ("launch_compact", 8, SLOT.mapped + 1800 * entry, 200, 16384, 0),
                           ("fence", SLOT.event, 0x1234)]   # one fence, behind the last
 
 
