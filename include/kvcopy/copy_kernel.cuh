@@ -10,10 +10,12 @@
  */
 #include "descriptor.h"
 
-/* Most threads a CTA of these kernels is launched with (config.MAX_THREADS_PER_CTA):
- * ptxas must keep registers within what 512 threads can have (128 each on sm_70+),
- * else launches of 512 threads fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. */
-#define KVCOPY_MAX_THREADS 512
+/* Most threads a CTA of these kernels is launched with: kvcopy.config.MAX_THREADS_PER_CTA,
+ * passed by kvcopy._runtime.kernels. ptxas must keep registers within what that many
+ * threads can have, else such launches fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. */
+#ifndef KVCOPY_MAX_THREADS
+#error "compile with -DKVCOPY_MAX_THREADS=<kvcopy.config.MAX_THREADS_PER_CTA>"
+#endif
 
 #ifndef KVCOPY_UNROLL
 #define KVCOPY_UNROLL 4

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from kvcopy._runtime import persist
 from kvcopy._cuda import driver, launch
-from kvcopy.config import cache_dir, kernel_unroll
+from kvcopy.config import MAX_THREADS_PER_CTA, cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
 
 _SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
 _OPTIONS = ("-std=c++17", "-default-device",
-            f"-DKVCOPY_UNROLL={kernel_unroll()}")
+            f"-DKVCOPY_UNROLL={kernel_unroll()}",
+            f"-DKVCOPY_MAX_THREADS={MAX_THREADS_PER_CTA}")   # the kernel's __launch_bounds__
 
 
 class KernelUnavailable(KVCopyError):
