@@ -5,7 +5,7 @@ about 1 MiB blocks, on copy engines instead of SMs. Each default's measurement i
 docs/design.md."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvcopy.errors import CaptureError, KVCopyError
@@ -281,19 +281,13 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
                   requested: str = "auto") -> Decision:
     """Pick the fastest correct method for ``req``.
 
-    Rules, in order: a single copy is one cuMemcpyAsync (already at the link's
-    limit); the kernel needs unified addressing and pointers the device can
-    dereference; batched DMA needs the driver entry point, a stream other than
-    the legacy default stream, and no capture (it would be dropped from the
-    graph). Host<->device blocks and blocks between two GPUs of at least the
-    calibrated size go by batched DMA, which matches or beats the kernel there
-    and leaves the SMs to compute; so do host<->device blocks from
-    ``thresholds.both_ways_batch_min_bytes`` when the other direction copied
-    lately (``req.other_way_recent``), as copy_both_ways would send them;
-    smaller blocks and copies inside one GPU go to the kernel, except
-    GPU-to-host copies when the caller prefers the copy engines for them
-    (``req.stores_by_dma``) and batched DMA is possible.
-    Where neither applies, one cuMemcpyAsync per copy is always correct.
+    Rules, in order: a single copy is one cuMemcpyAsync; the kernel needs unified
+    addressing and pointers the device can dereference; batched DMA needs the entry
+    point, a stream other than the legacy one, and no capture. Blocks of at least the
+    calibrated size go by batched DMA (as fast, no SMs), so do host<->GPU blocks from
+    ``thresholds.both_ways_batch_min_bytes`` while the other direction copies
+    (``req.other_way_recent``) and GPU-to-host copies where ``req.stores_by_dma``;
+    the rest go to the kernel. Where neither can, one cuMemcpyAsync per copy.
 
     Raises:
         ValueError: unknown method, or 'kernel' with memory it cannot read.
@@ -330,6 +324,14 @@ def choose_method(req: CopyRequest, caps: DeviceCaps, thresholds: Thresholds | N
     return Decision("loop", f"{_why_no_batch(req)}: one cuMemcpyAsync per copy")
 
 
+def depends_on_other_way(req: CopyRequest, decision: Decision, caps: DeviceCaps,
+                         thresholds: Thresholds | None = None, requested: str = "auto") -> bool:
+    """Whether ``decision`` (choose_method's for ``req``) would differ with the other
+    direction's traffic answered the other way: a replay, which does not look, may not."""
+    flipped = replace(req, other_way_recent=not req.other_way_recent)
+    return choose_method(flipped, caps, thresholds, requested) != decision
+
+
 def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
                      thresholds: Thresholds | None = None,
                      requested: str = "auto") -> Decision | None:
@@ -353,8 +355,7 @@ def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
 
 @dataclass(frozen=True)
 class HostSpans:
-    """How a batch's host side lies: ``count`` spans of host-adjacent copies (copy i+1's
-    host bytes start where copy i's end), and its largest copy."""
+    """A batch's host side: ``count`` spans of host-adjacent copies, its largest copy."""
 
     count: int
     largest_copy: int
@@ -371,9 +372,8 @@ def staging_possible(req: CopyRequest, decision: Decision, chunk_bytes: int,
 
 
 def staging_max_spans(req: CopyRequest, thresholds: Thresholds) -> int:
-    """The most host spans a batch may lie in and still be staged (choose_staging's
-    mean-span rule: total bytes / spans >= thresholds.staging_min_span_bytes);
-    -1: no limit. Counting spans may stop past it."""
+    """The most host spans a staged batch may lie in (total bytes / spans >=
+    thresholds.staging_min_span_bytes); -1: no limit. Counting may stop past it."""
     if thresholds.staging_min_span_bytes <= 0:
         return -1
     return req.total_bytes // thresholds.staging_min_span_bytes

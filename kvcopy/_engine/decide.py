@@ -171,16 +171,14 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
     if target is None:
         target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
                             allow_batch, recent, direction)
-        # (traffic was part of the question; asked again only where a replay could follow)
+        # (traffic was part of the question; whether it mattered is asked only where a
+        # replay could follow)
         if method == "auto" and direction is not None:
             if count > replay.MAX_COPIES:
                 target = dataclasses.replace(target, traffic_free=None)
-            else:
-                other = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                                   allow_batch, not recent, direction)
-                if (other.decision != target.decision
-                        or other.launch_shape(None) != target.launch_shape(None)):
-                    target = dataclasses.replace(target, traffic_free=False)
+            elif policy.depends_on_other_way(target.request, target.decision, target.info.caps,
+                                             device.thresholds(ordinal), method):
+                target = dataclasses.replace(target, traffic_free=False)
         if len(_targets) >= _TARGETS_KEPT:
             _targets.clear()
         _targets[key] = target

@@ -11,7 +11,7 @@ record, launches it there. What the policy reads beyond that key is part of
 the record's epoch (settings assigned, device facts changed: epoch()); the
 traffic of the other direction is read only for 'auto' with
 config.traffic_window_ms set, and a batch whose decision would differ with it
-(dispatch.Target.traffic_free) is never recorded. Replays note their own traffic,
+(policy.depends_on_other_way) is never recorded. Replays note their own traffic,
 as the full path does. last_decision() reports the recorded decision.
 """
 from __future__ import annotations

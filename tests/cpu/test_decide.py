@@ -37,6 +37,7 @@ def asked(monkeypatch):
     fake = FakeCaptureDriver()
     fake_cuda_calls(monkeypatch, fake, ("driver",))
     monkeypatch.setattr(decide, "choose_method", counting)
+    monkeypatch.setattr(policy, "choose_method", counting)   # (depends_on_other_way's question)
     monkeypatch.setattr(decide, "_targets", {})
     monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
     monkeypatch.setitem(device._thresholds, 0, Thresholds())

@@ -7,7 +7,7 @@ import pytest
 
 from kvcopy.errors import CaptureError, KVCopyError
 from kvcopy.policy import (BULK_MAX_BYTES, BULK_MIN_BYTES, CopyRequest, DeviceCaps, Thresholds,
-                           choose_method, kernel_variant)
+                           choose_method, depends_on_other_way, kernel_variant)
 
 H200 = DeviceCaps(bulk_copy=True)
 A100 = DeviceCaps(sm_count=108, bulk_copy=False)
@@ -284,3 +284,20 @@ def test_copies_per_launch(direction, count, total, limit, expected):
     from kvcopy.policy import copies_per_launch
 
     assert copies_per_launch(direction, count, total, limit) == expected
+
+
+@pytest.mark.parametrize("block, direction, depends", [
+    (256 * KiB, "h2d", True),     # the copy engines beside the other way, the kernel alone
+    (256 * KiB, "d2h", True),
+    (16 * KiB, "h2d", False),     # below the both-ways crossover: the kernel either way
+    (4 * MiB, "h2d", False),      # past the batch threshold: the copy engines either way
+    (256 * KiB, "d2d", False),    # inside one GPU: no other direction
+])
+@pytest.mark.parametrize("recent", [False, True])
+def test_a_decision_depends_on_the_other_way_only_where_the_answer_flips(block, direction,
+                                                                        depends, recent):
+    asked = dataclasses.replace(req(direction, count=64, block=block), other_way_recent=recent)
+    decision = choose_method(asked, H200)
+    assert depends_on_other_way(asked, decision, H200) is depends
+    flipped = dataclasses.replace(asked, other_way_recent=not recent)
+    assert (choose_method(flipped, H200) != decision) is depends
