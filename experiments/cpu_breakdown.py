@@ -18,7 +18,7 @@ import torch
 import kvcopy
 from kvcopy._cuda import classify as kv_classify, describe as kv_describe, driver as kv_driver, launch as kv_launch, testing as kv_testing
 from kvcopy.interop.arrays import as_u64_array
-from kvcopy.plan import plan_copies
+from kvcopy._plans.copies import plan_copies
 from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
 
 
@@ -129,7 +129,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
 def swap_blocks_breakdown(stream) -> None:
     """The steps of swap_blocks over 64 tensors and 1024 pairs."""
     from kvcopy._engine import dispatch
-    from kvcopy.blocks import block_geometry
+    from kvcopy._plans.blocks import block_geometry
     from kvcopy.interop.streams import resolve_stream
 
     gpu, host = layered_caches(2048)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy._engine import both_ways, dispatch
-from kvcopy.block_races import race_between
-from kvcopy.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
+from kvcopy._plans.races import race_between
+from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_int, require_same_length
 from kvcopy._engine.decide import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
@@ -18,8 +18,8 @@ from kvcopy._cuda import driver
 from kvcopy._runtime.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
-from kvcopy.plan import find_overlap, find_read_of_written, plan_copies
-from kvcopy.overlaps import overlap_between
+from kvcopy._plans.copies import find_overlap, find_read_of_written, plan_copies
+from kvcopy._plans.overlaps import overlap_between
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")

@@ -12,7 +12,7 @@ from kvcopy._cuda import driver
 from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
-from kvcopy.plan import plan_copies
+from kvcopy._plans.copies import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
 
 CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvcopy._engine import both_ways, decide, dispatch
 from kvcopy._cuda import classify, driver
-from kvcopy.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
+from kvcopy._plans.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
 from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.interop.arrays import as_list

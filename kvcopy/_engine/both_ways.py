@@ -32,8 +32,8 @@ from kvcopy.config import config
 from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
-from kvcopy.blocks import BlockPlan
-from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy._plans.blocks import BlockPlan
+from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.policy import Decision
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]

@@ -19,11 +19,11 @@ from kvcopy._engine.kernel import HostScratch, launch_kernel
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._runtime.context import ContextScope
 from kvcopy.arguments import require_same_length
-from kvcopy.blocks import BlockPlan
+from kvcopy._plans.blocks import BlockPlan
 from kvcopy.config import config
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
-from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy._plans.copies import CopyPlan, plan_copies
 
 
 def run_staged(handle: int, batches: list[staged.StagedBatch], info: device.DeviceInfo) -> str:

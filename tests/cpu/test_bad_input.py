@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy.plan import find_overlap
+from kvcopy._plans.copies import find_overlap
 
 
 def u64(values):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcopy
-from kvcopy.blocks import plan_blocks
+from kvcopy._plans.blocks import plan_blocks
 
 NOT_BOOLS = st.one_of(st.text(max_size=4), st.integers(), st.floats(allow_nan=False), st.none(),
                       st.lists(st.booleans(), max_size=2), st.binary(max_size=2))

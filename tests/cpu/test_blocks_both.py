@@ -20,7 +20,7 @@ from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
-from kvcopy.blocks import plan_blocks
+from kvcopy._plans.blocks import plan_blocks
 from kvcopy._engine.decide import MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import DeviceCaps, Thresholds

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy.blocks import as_block_mapping, plan_block_copies
+from kvcopy._plans.blocks import as_block_mapping, plan_block_copies
 from kvcopy.interop.tensors import block_layout
 
 
@@ -132,7 +132,7 @@ def test_swap_blocks_validates_method_before_anything():
 
 def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
     torch = pytest.importorskip("torch")
-    from kvcopy.blocks import _pair_rows, _uniform_geometry, block_geometry
+    from kvcopy._plans.blocks import _pair_rows, _uniform_geometry, block_geometry
 
     kv = torch.zeros((2, 12, 4, 8), dtype=torch.float16)       # [2, num_blocks, ...] cache
     host = [torch.zeros((20, 4, 8), dtype=torch.float16) for _ in range(2)]
@@ -151,7 +151,7 @@ def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
 
 def test_mixed_shapes_fall_back_to_per_tensor_reading():
     torch = pytest.importorskip("torch")
-    from kvcopy.blocks import _uniform_geometry, block_geometry
+    from kvcopy._plans.blocks import _uniform_geometry, block_geometry
 
     src = [torch.zeros((8, 16), dtype=torch.uint8), torch.zeros((6, 16), dtype=torch.uint8)]
     dst = [torch.zeros((8, 16), dtype=torch.uint8)] * 2
@@ -176,7 +176,7 @@ def test_uniform_path_still_rejects_bad_blocks_and_ids():
 
 
 def test_geometry_is_reused_with_new_mappings():
-    from kvcopy.blocks import block_geometry
+    from kvcopy._plans.blocks import block_geometry
 
     src = np.arange(10 * 8, dtype=np.uint8).reshape(10, 8)
     dst = np.zeros_like(src)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch, testing as kv_testing
-from kvcopy.plan import plan_copies
+from kvcopy._plans.copies import plan_copies
 
 TILE = kv_launch.TILE_BYTES
 HOST_A, HOST_B, DEVICE = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7000_0000_0000

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcopy
-from kvcopy.blocks import plan_blocks
+from kvcopy._plans.blocks import plan_blocks
 from kvcopy.interop.tensors import BlockLayout, block_layout
 
 torch = pytest.importorskip("torch")

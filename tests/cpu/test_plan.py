@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvcopy.interop.arrays import as_u64_array
-from kvcopy.plan import plan_copies
+from kvcopy._plans.copies import plan_copies
 
 
 def u64(values):

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy.blocks import plan_blocks
-from kvcopy.plan import plan_copies
+from kvcopy._plans.blocks import plan_blocks
+from kvcopy._plans.copies import plan_copies
 
 
 def apply(plan) -> None:

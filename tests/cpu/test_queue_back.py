@@ -13,7 +13,7 @@ import pytest
 
 import kvcopy
 from kvcopy._engine import both_ways
-from kvcopy.blocks import block_geometry, crossing_pairs
+from kvcopy._plans.blocks import block_geometry, crossing_pairs
 
 
 def plan(src, dst, mapping, split_blocks=False):

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcopy
-from kvcopy import block_races, overlaps
-from kvcopy.blocks import plan_blocks
+from kvcopy._plans import races, overlaps
+from kvcopy._plans.blocks import plan_blocks
 
 
 def pool(blocks: int = 8, block: int = 64) -> np.ndarray:
@@ -167,7 +167,7 @@ def test_swap_blocks_inside_one_buffer_refuses_exactly_the_racing_calls(mapping,
 def test_the_tensor_pairs_of_a_geometry_are_worked_out_once():
     p = pool()
     plan_blocks([p], [pool()], [[0, 1]])
-    before = len(block_races._pairs)
+    before = len(races._pairs)
     for _ in range(3):
         plan_blocks([p], [pool()], [[0, 1]])
-    assert len(block_races._pairs) <= before + 6
+    assert len(races._pairs) <= before + 6

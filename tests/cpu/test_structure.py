@@ -16,10 +16,11 @@ MAX_LINES = 400
 # Layers, lowest first: a module may import its own layer's and lower layers'
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
-PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.plan",
-        "kvcopy.blocks", "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop", "kvcopy.interop",
-        "kvcopy.overlaps", "kvcopy.block_races", "kvcopy._engine.traffic_window",
-        "kvcopy._runtime.persist", "kvcopy._runtime.calibration_file",
+PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.interop",
+        "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
+        "kvcopy._plans.overlaps", "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
+        "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
+        "kvcopy._runtime.calibration_file",
         "kvcopy._engine", "kvcopy._runtime"}          # (the packages' docstring-only __init__)
 LAYERS = [
     {"kvcopy._cuda"},                                                  # the driver layer

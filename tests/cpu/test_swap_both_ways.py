@@ -109,7 +109,7 @@ def test_a_load_back_between_the_stores_caches_reads_them_once(issued, monkeypat
     geometry is the store's reversed, not read again, and the copies are the same as
     when the lists are read side by side."""
     torch = pytest.importorskip("torch")
-    from kvcopy import blocks
+    from kvcopy._plans import blocks
 
     gpu = [torch.zeros(8, 16, 128, dtype=torch.bfloat16) for _ in range(4)]
     host = [torch.zeros(12, 16, 128, dtype=torch.bfloat16) for _ in range(4)]
@@ -147,7 +147,7 @@ def test_a_bad_load_id_is_named_when_the_geometry_is_shared(issued):
 
 def test_the_reversed_geometry_is_what_reading_the_other_way_gives():
     torch = pytest.importorskip("torch")
-    from kvcopy.blocks import block_geometry, geometry_and_reverse
+    from kvcopy._plans.blocks import block_geometry, geometry_and_reverse
 
     a = [torch.zeros(2, 8, 16, 64)[k] for k in range(2)]      # K and V views of one layer
     b = [torch.zeros(30, 16, 64) for _ in range(2)]

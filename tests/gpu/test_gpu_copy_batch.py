@@ -364,7 +364,7 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     """The kernel path's fused pass (plan + classify + descriptors) and the
     planner used by the DMA paths agree copy for copy, and reject the same input."""
     from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch
-    from kvcopy.plan import plan_copies
+    from kvcopy._plans.copies import plan_copies
 
     torch = torch_cuda
     host = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()

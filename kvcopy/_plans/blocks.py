@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy.block_races import race_in_plan
+from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
-from kvcopy.plan import CopyPlan, plan_copies
+from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
                             uniform_torch_layout)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcopy._cuda.plan_arrays import plan_arrays
-from kvcopy.overlaps import first_overlap, overlap_between
+from kvcopy._plans.overlaps import first_overlap, overlap_between
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def plan_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, *, merge: b
 
 def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
     """Indices (i, j) of two non-empty copies whose destinations overlap, or None
-    (kvcopy.overlaps; O(n log n))."""
+    (kvcopy._plans.overlaps; O(n log n))."""
     return first_overlap(dst, sizes)
 
 

@@ -8,7 +8,7 @@ buffer are all seen for what they are. The cost follows the call: tensors whose
 extents lie apart cost one sort of the tensors; tensors laid out alike (same
 base, stride and split) compare block ids, once per call; tensors whose blocks
 interleave but never meet (K and V in one block) cost nothing more; only other
-overlapping tensors are compared copy by copy, by kvcopy.overlaps.
+overlapping tensors are compared copy by copy, by kvcopy._plans.overlaps.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy.overlaps import first_overlap, overlap_between
+from kvcopy._plans.overlaps import first_overlap, overlap_between
 
 
 @dataclass(frozen=True)
