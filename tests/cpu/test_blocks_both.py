@@ -9,23 +9,22 @@ copy_both_ways' fused launch (both_ways._fused) makes the same joint choice: one
 launch of the descriptor pair, a Decision for the copy engines, or None (apart)."""
 from __future__ import annotations
 
-from typing import Iterator
 
 import numpy as np
 import pytest
 
 from kvcopy import policy
-from kvcopy._engine import both_ways, decide, dispatch, staged
-from kvcopy._runtime import device, kernels, ring
+from kvcopy._engine import both_ways, dispatch, staged
+from kvcopy._runtime import kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
 from kvcopy._plans.blocks import plan_blocks
 from kvcopy._engine.decide import MemoryClasses
 from kvcopy.errors import NoDriverError
-from kvcopy.policy import DeviceCaps, Thresholds
+from kvcopy.policy import Thresholds
 
-from helpers.cpu_fakes import FakeCaptureDriver, FakeRing, FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -77,8 +76,6 @@ def fake(monkeypatch):
         monkeypatch.setattr(both_ways, "describe", rec)
         monkeypatch.setattr(both_ways.config, "launch_bytes", 0)   # one launch
         monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
-        monkeypatch.setattr(ring, "driver", rec)
-        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
         found = iter(classes * 4)   # the store's classes, then the load's, per classification
         rec.classes = found
 
@@ -87,12 +84,9 @@ def fake(monkeypatch):
             dst_view[:] = plan.geometry.dst_base
             return next(found)
         monkeypatch.setattr(dispatch, "classify_tensors", classify_tensors)
-        monkeypatch.setattr(decide, "_targets", {})
-        monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
-                                                                 DeviceCaps()))
-        monkeypatch.setitem(device._thresholds, 0, Thresholds())
-        kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, None)
-        monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
+        fake_device(monkeypatch, kernel=kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                           kv_launch.INLINE_MAX, None),
+                    slot=SLOT, ring_driver=rec)
         return rec
     return make
 

@@ -7,11 +7,11 @@ import pytest
 
 from kvcopy._cuda import classify as kv_classify
 from kvcopy import policy
-from kvcopy._engine import decide, dispatch
+from kvcopy._engine import decide
 from kvcopy._runtime import device
 from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
-from helpers.cpu_fakes import FakeCaptureDriver, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, fake_cuda_calls, fake_device
 
 MiB = 1 << 20
 H2D = decide.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -38,9 +38,7 @@ def asked(monkeypatch):
     fake_cuda_calls(monkeypatch, fake, ("driver",))
     monkeypatch.setattr(decide, "choose_method", counting)
     monkeypatch.setattr(policy, "choose_method", counting)   # (depends_on_other_way's question)
-    monkeypatch.setattr(decide, "_targets", {})
-    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
-    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    fake_device(monkeypatch)
     questions.driver = fake
     return questions
 

@@ -16,9 +16,9 @@ from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import launch as kv_launch
-from kvcopy.policy import DeviceCaps, Thresholds
+from kvcopy.policy import DeviceCaps
 
-from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls, fake_device
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -90,14 +90,10 @@ def fake_cuda(monkeypatch):
              bulk_copy: bool = False) -> FakeCuda:
         fake = FakeCuda(kinds, compact_size, tiles_per_copy)
         fake_cuda_calls(monkeypatch, fake)
-        monkeypatch.setattr(ring, "driver", fake)   # the fence records an event
-        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(SLOT))
-        monkeypatch.setattr(decide, "_targets", {})
-        monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000,
-                                                                 DeviceCaps(bulk_copy=bulk_copy)))
-        monkeypatch.setitem(device._thresholds, 0, Thresholds())
         kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, BULK)
-        monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
+        # (the ring's fence records an event)
+        fake_device(monkeypatch, DeviceCaps(bulk_copy=bulk_copy), kernel=kernel, slot=SLOT,
+                    ring_driver=fake)
         return fake
     return make
 

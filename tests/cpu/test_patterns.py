@@ -16,11 +16,11 @@ from kvcopy._cuda import describe as kv_describe
 from kvcopy._cuda import dma as kv_dma
 from kvcopy._cuda import launch as kv_launch
 from kvcopy import policy
-from kvcopy._engine import decide, dispatch
-from kvcopy._runtime import device, kernels, ring
-from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds
+from kvcopy._engine import dispatch
+from kvcopy._runtime import kernels, ring
+from kvcopy.policy import CopyRequest, DeviceCaps
 from kvcopy.interop.streams import resolve_event
-from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
 
 MiB = 1 << 20
 
@@ -63,12 +63,8 @@ class CapturingDriver(FakeCaptureDriver):
 def capture_engine(monkeypatch):
     fake = CapturingDriver(capturing=1)
     fake_cuda_calls(monkeypatch, fake)
-    monkeypatch.setattr(decide, "_targets", {})
-    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, DeviceCaps()))
-    monkeypatch.setitem(device._thresholds, 0, Thresholds())
-    fake_kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
-                                     kernels.ScatterFunctions(11, 12, 13, 14, 15))
-    monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: fake_kernel)
+    fake_device(monkeypatch, kernel=kernels.CopyKernel(
+        1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, kernels.ScatterFunctions(11, 12, 13, 14, 15)))
 
     def no_ring():
         raise AssertionError("the descriptor ring was used while the stream captures")

@@ -11,10 +11,9 @@ import pytest
 
 import kvcopy
 from kvcopy._engine import decide, dispatch, traffic_window
-from kvcopy._runtime import device
 from kvcopy._cuda import classify as kv_classify
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
-from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
 
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
@@ -147,9 +146,7 @@ def engine_state(monkeypatch, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
     fake = FakeCaptureDriver()
     fake_cuda_calls(monkeypatch, fake, ("driver",))
-    monkeypatch.setattr(decide, "_targets", {})
-    monkeypatch.setitem(device._infos, 0, device.DeviceInfo(0, "fake", (9, 0), 13000, H200))
-    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    fake_device(monkeypatch, H200)
     saved = kvcopy.config.traffic_window_ms
     kvcopy.config.traffic_window_ms = 50
     yield fake

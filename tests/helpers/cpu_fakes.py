@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import importlib
 
+from typing import Any
+
 from kvcopy._engine import decide
-from kvcopy._runtime import ring
+from kvcopy._runtime import device, kernels, ring
+from kvcopy.policy import DeviceCaps, Thresholds
 
 
 class FakeRing:
@@ -71,3 +74,21 @@ def fake_cuda_calls(monkeypatch, fake: object, layers: tuple[str, ...] = CUDA_LA
             if hasattr(module, layer):
                 monkeypatch.setattr(module, layer, fake)
     monkeypatch.setattr(decide, "_targets", {})
+
+
+def fake_device(monkeypatch, caps: DeviceCaps | None = None, *, kernel: Any = None,
+                slot: ring.Slot | None = None, ring_driver: Any = None) -> None:
+    """Device 0 as the engine sees it for the test: a device with ``caps`` (an H200's
+    by default) and the default thresholds, no decision remembered; where given,
+    ``kernel`` as the copy kernel loaded in the context, every descriptor-ring
+    reservation ``slot``, and the ring's fences recorded by ``ring_driver``."""
+    info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or DeviceCaps())
+    monkeypatch.setitem(device._infos, 0, info)
+    monkeypatch.setitem(device._thresholds, 0, Thresholds())
+    monkeypatch.setattr(decide, "_targets", {})
+    if kernel is not None:
+        monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *args: kernel)
+    if slot is not None:
+        monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(slot))
+    if ring_driver is not None:
+        monkeypatch.setattr(ring, "driver", ring_driver)
