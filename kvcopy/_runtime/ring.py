@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 
 from kvcopy._cuda import driver
 from kvcopy._runtime.context import PerContext
-
-SLOTS = 8
-MIN_CAPACITY_BYTES = 128 << 10
+from kvcopy.policy import RING_MIN_CAPACITY_BYTES, RING_SLOTS
 
 
 @dataclass
@@ -41,7 +39,7 @@ class Slot:
         buffers outgrown are kept, not freed: together smaller than the new ones."""
         if nbytes <= self.capacity:
             return
-        capacity = max(MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
+        capacity = max(RING_MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
         host = driver.host_alloc(capacity)
         try:
             device = driver.mem_alloc(capacity)
@@ -69,7 +67,7 @@ class DescriptorRing:
     """Slots in the context current at creation: the current one while the GPU is
     done with it, else the next in turn."""
 
-    def __init__(self, slots: int = SLOTS) -> None:
+    def __init__(self, slots: int = RING_SLOTS) -> None:
         self._slots = [Slot(event=driver.event_create()) for _ in range(slots)]
         self._current = 0
         self._lock = threading.Lock()

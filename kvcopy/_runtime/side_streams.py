@@ -7,9 +7,7 @@ import threading
 
 from kvcopy._cuda import driver
 from kvcopy._runtime.context import PerContext
-
-# side streams per context, beyond which callers' streams share them
-MAX_SIDE_STREAMS = 16
+from kvcopy.policy import MAX_SIDE_STREAMS
 
 
 class SideStreams:

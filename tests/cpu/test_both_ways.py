@@ -155,17 +155,17 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
     first, second = sides.for_caller(0x10), sides.for_caller(0x20)
     assert first != second
     assert sides.for_caller(0x10) == first and sides.for_caller(0x20) == second
-    callers = [0x100 + k for k in range(side_streams.MAX_SIDE_STREAMS + 5)]
+    callers = [0x100 + k for k in range(policy.MAX_SIDE_STREAMS + 5)]
     got = [sides.for_caller(h) for h in callers]
-    assert len(made) == side_streams.MAX_SIDE_STREAMS          # never more streams than the limit
-    assert len(set(got[:side_streams.MAX_SIDE_STREAMS - 2])) == side_streams.MAX_SIDE_STREAMS - 2
+    assert len(made) == policy.MAX_SIDE_STREAMS          # never more streams than the limit
+    assert len(set(got[:policy.MAX_SIDE_STREAMS - 2])) == policy.MAX_SIDE_STREAMS - 2
     assert set(got) <= set(made)
     assert [sides.for_caller(h) for h in callers] == got    # the same one every time
     # a caller that comes past the limit gets distinct shared streams for its indices
     # (staged copies use three; where they meet another's, the work only serializes)
     for h in range(0x5000, 0x5010):
         assert len({sides.for_caller(h, index) for index in range(3)}) == 3
-    assert len(made) == side_streams.MAX_SIDE_STREAMS
+    assert len(made) == policy.MAX_SIDE_STREAMS
 
 
 def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeypatch):

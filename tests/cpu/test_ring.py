@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from kvcopy import policy
 from kvcopy._runtime import ring
 
 
@@ -110,16 +111,16 @@ def test_a_slot_the_gpu_is_done_with_is_reused_at_once(driver):
 def test_slots_grow_by_powers_of_two_and_keep_the_old_buffers(driver):
     r = ring.DescriptorRing(slots=1)
     with r.reserve(1000) as slot:
-        assert slot.capacity == ring.MIN_CAPACITY_BYTES
+        assert slot.capacity == policy.RING_MIN_CAPACITY_BYTES
         old = (slot.host, slot.device)
-    with r.reserve(ring.MIN_CAPACITY_BYTES + 1) as slot:
-        assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+    with r.reserve(policy.RING_MIN_CAPACITY_BYTES + 1) as slot:
+        assert slot.capacity == 2 * policy.RING_MIN_CAPACITY_BYTES
         assert slot.mapped == slot.host + 0x1   # the device's view of the new pinned buffer
         assert (slot.host, slot.device) != old and slot.outgrown == [old]
     # (freeing them would wait for all work on the device)
     assert "host_free" not in driver.log and "mem_free" not in driver.log
     with r.reserve(10) as slot:   # never shrinks
-        assert slot.capacity == 2 * ring.MIN_CAPACITY_BYTES
+        assert slot.capacity == 2 * policy.RING_MIN_CAPACITY_BYTES
 
 
 def test_a_failed_growth_keeps_the_slot_as_it_was(driver):
@@ -128,7 +129,7 @@ def test_a_failed_growth_keeps_the_slot_as_it_was(driver):
         before = (slot.host, slot.mapped, slot.device, slot.capacity)
     driver.fail_mem_alloc = True
     with pytest.raises(MemoryError):
-        with r.reserve(ring.MIN_CAPACITY_BYTES + 1):
+        with r.reserve(policy.RING_MIN_CAPACITY_BYTES + 1):
             pass
     assert driver.log.count("host_free") == 1      # the new pinned buffer, not the old
     assert (slot.host, slot.mapped, slot.device, slot.capacity) == before
@@ -145,7 +146,7 @@ def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
             raise RuntimeError("launch failed")
     driver.fail_alloc = True
     with pytest.raises(MemoryError):
-        with r.reserve(10 * ring.MIN_CAPACITY_BYTES):
+        with r.reserve(10 * policy.RING_MIN_CAPACITY_BYTES):
             pass
     driver.fail_alloc = False
     done = threading.Event()
@@ -196,8 +197,8 @@ def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
 def test_a_slot_owner_frees_the_buffers_the_slot_has_and_has_outgrown(driver):
     slot = ring.Slot()
     slot.ensure(1000)
-    slot.ensure(ring.MIN_CAPACITY_BYTES + 1)
-    slot.ensure(4 * ring.MIN_CAPACITY_BYTES + 1)
+    slot.ensure(policy.RING_MIN_CAPACITY_BYTES + 1)
+    slot.ensure(4 * policy.RING_MIN_CAPACITY_BYTES + 1)
     assert len(slot.outgrown) == 2
     driver.log.clear()
     slot.free()

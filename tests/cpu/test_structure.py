@@ -16,7 +16,8 @@ MAX_LINES = 400
 # Layers, lowest first: a module may import its own layer's and lower layers'
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
-PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy", "kvcopy.interop",
+PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
+        "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
         "kvcopy._plans.overlaps", "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
         "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
@@ -200,3 +201,43 @@ def test_probes_and_benchmark_use_no_private_names():
     files = sorted((ROOT / "bench").glob("*.py")) + sorted((PACKAGE / "bench").glob("*.py"))
     found = [use for path in files for use in _private_uses(path)]
     assert not found, "\n".join(found)
+
+
+# Constants of the paths' modules that are no default: how many sides and buffers the
+# staged path's structure has, and the codes by which replay's records name methods.
+STRUCTURAL = {"kvcopy._engine.staged": {"BUFFERS_PER_SIDE", "SIDES"},
+              "kvcopy._engine.replay": {"METHODS"}}
+# Limits of a file format, not of a path.
+FILE_FORMATS = {"kvcopy._runtime.persist", "kvcopy._runtime.calibration_file"}
+
+
+def _numeric(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, (ast.Dict, ast.Tuple)):
+        values = node.values if isinstance(node, ast.Dict) else node.elts
+        return bool(values) and all(_numeric(v) for v in values)
+    return False
+
+
+def test_no_default_of_a_path_is_defined_outside_the_policy_and_config():
+    """Every number that steers how a batch is issued lives in kvcopy.policy (or is a
+    setting in kvcopy.config): the engine's and the runtime's modules define none."""
+    found = []
+    for path in sorted((PACKAGE / "_engine").glob("*.py")) + sorted((PACKAGE / "_runtime").glob("*.py")):
+        name = module_name(path)
+        if name in FILE_FORMATS:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+            for target in targets:
+                if (isinstance(target, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]*", target.id)
+                        and node.value is not None and _numeric(node.value)
+                        and target.id not in STRUCTURAL.get(name, ())):
+                    found.append(f"{name}.{target.id} (line {node.lineno})")
+    assert not found, "defaults outside kvcopy.policy: " + ", ".join(found)

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvcopy.errors import CaptureError, KVCopyError
+from kvcopy.policy.defaults import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS,
+                                    BOTH_WAYS_DMA_CHUNK, BULK_MAX_BYTES, BULK_MIN_BYTES,
+                                    BULK_STORE_CTAS, DEVICE_CTAS_PER_SM, HOST_CTAS,
+                                    MAX_SIDE_STREAMS, OTHER_WAY_MIN_SHARE, PEER_CTAS,
+                                    RING_MIN_CAPACITY_BYTES, RING_SLOTS, STAGING_CTAS,
+                                    STAGING_MIN_BYTES, STAGING_MIN_SPAN_BYTES)
 
 Method = Literal["batch", "loop", "kernel", "staged"]   # what ran
 Variant = Literal["", "registers", "bulk"]           # how the kernel copies ('' for DMA)
@@ -51,49 +57,6 @@ class CopyRequest:
         return self.total_bytes / self.count if self.count else 0.0
 
 
-# Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep
-# 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks, leaving the SMs to the model.
-HOST_CTAS = {"h2d": 4, "d2h": 2}
-# CTAs per direction when a store and a load share one launch (copy_both_ways). With
-# equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
-# host memory slow compute beside them far more than their share of SMs.
-BOTH_WAYS_CTAS = {"h2d": 8, "d2h": 1}
-# Mean block size from which a store and a load at once go by copy engines, issued in
-# interleaved chunks (copy_both_ways): the kernel pair stays near 0.8 of the contiguous
-# pair at every size, the engines reach it from here; below, their CPU cost per copy
-# decides, which differs between hosts: calibrate() measures the host at hand.
-BOTH_WAYS_BATCH_MIN_BYTES = 128 << 10
-# CTAs of the copy kernel for copies between two GPUs when config.peer_ctas is None:
-# enough to keep NVLink near its rate, far fewer than the whole GPU.
-PEER_CTAS = 64
-# CTAs per SM of the copy kernel for copies inside one GPU when config.device_ctas is
-# None: with four, every SM keeps enough copies in flight for HBM's rate.
-DEVICE_CTAS_PER_SM = 4
-# Copies per cuMemcpyBatchAsync call when both ways go to the copy engines: smaller
-# chunks start both directions sooner, larger ones cost less CPU per copy.
-BOTH_WAYS_DMA_CHUNK = 64
-# A batch is one side of a copy both ways only where the other direction's last batch
-# holds this share of its bytes: batched DMA pays off once a fifth (host->GPU) to a
-# third (GPU->host) of a batch overlaps; a quarter keeps small copies from counting.
-OTHER_WAY_MIN_SHARE = 0.25
-# CTAs (of launch.BULK_THREADS threads, two warps) of the bulk copier for GPU-to-host
-# copies: the fewest that keep the link's rate, at a small part of what register
-# stores cost compute beside them.
-BULK_STORE_CTAS = 4
-# Mean block sizes for which those CTAs keep 0.90 of the contiguous copy alone; outside,
-# the register copier does better, and more bulk CTAs would cost what registers do.
-BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
-# Batches whose host side is a few long spans (LMCache's chunks, a host pool handed out
-# in order) go through a GPU staging buffer (kvcopy._engine.staged): the copy engines move each
-# span whole and the copy kernel scatters (or gathers) the GPU's blocks inside the GPU.
-# A staged batch pays a chunk's copy before its first scatter and a second pass over
-# its copies on the CPU, so small batches stay with the kernel; each span is one
-# cuMemcpyAsync (a few microseconds of CPU), so spans must be long.
-STAGING_MIN_BYTES = 64 << 20
-STAGING_MIN_SPAN_BYTES = 1 << 20
-# CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
-# takes a small part of the time its copy over PCIe takes, and the SMs stay with the model.
-STAGING_CTAS = 16
 
 
 @dataclass(frozen=True)
