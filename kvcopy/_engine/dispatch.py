@@ -3,18 +3,13 @@ and issues it by the chosen path: the copy kernel (kvcopy._engine.kernel), batch
 per-copy DMA, or staging (kvcopy._engine.staged)."""
 from __future__ import annotations
 
-import dataclasses
-import logging
-import threading
-from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import numpy as np
 
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy._engine import replay, staged
-from kvcopy._engine.decide import (MemoryClasses, Target, decide, note_decision, reach_peers,
-                                   unreachable)
+from kvcopy._engine.decide import MemoryClasses, Target, decide, note_decision, reach_peers
 from kvcopy._engine.kernel import HostScratch, launch_kernel
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._runtime.context import ContextScope
