@@ -88,8 +88,9 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
         with ring.ring_for_current_context().reserve(1 << 18):
             pass
     timed("ring lookup + reserve", reserve)
-    count, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, pinned)
-    found = decide.MemoryClasses(*kinds)
+    batch = kv_describe.describe_copies(s, d, sizes, pinned)
+    count, total, tiles = batch.count, batch.total_bytes, batch.tiles
+    found = decide.MemoryClasses.of(batch)
     timed("_decide", lambda: decide.decide(handle, "kernel", count, total, found))
     target = decide.decide(handle, "kernel", count, total, found)
     info = target.info
@@ -113,8 +114,8 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
 
     def launch() -> None:
         with ring.ring_for_current_context().reserve(count * 32) as slot:
-            kv_describe.describe_copies(s, d, sizes, slot.host)
-            dispatch.launch_kernel(count, tiles, target, slot, None)
+            described = kv_describe.describe_copies(s, d, sizes, slot.host)
+            dispatch.launch_kernel(described, target, slot, None)
     timed("reserve + describe + launch", launch, sync=stream.synchronize)
     timed("copy_batch kernel (synced)", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
                                                                   method="kernel"),
@@ -170,16 +171,18 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
           sync=stream.synchronize)
     assert replay.replayed() == replays   # (each call above went the full path)
     kvcopy.copy_batch(s, d, sizes, stream=handle)   # recorded again
+    buffer = np.empty(count * kv_describe.DESCRIPTOR_BYTES, dtype=np.uint8)
+    scratch = types.SimpleNamespace(host=buffer.ctypes.data)   # where the engine describes
     timed(f"{label} replay.launch_again", lambda: replay.launch_again(
-        s, d, sizes, handle, "auto"), sync=stream.synchronize)
+        s, d, sizes, handle, "auto", scratch.host), sync=stream.synchronize)
     # what a batch that matches no record costs there: another shape (no describe),
     # and the same bytes from pageable memory (described, then no match)
     timed(f"{label} launch_again, other bytes", lambda: replay.launch_again(
-        s[1:], d[1:], sizes[1:], handle, "auto"))
+        s[1:], d[1:], sizes[1:], handle, "auto", scratch.host))
     pageable = np.empty(2 * count * block, dtype=np.uint8)
     s_pageable = (s - np.uint64(host.data_ptr())) + np.uint64(pageable.ctypes.data)
     timed(f"{label} launch_again, other memory", lambda: replay.launch_again(
-        s_pageable, d, sizes, handle, "auto"))
+        s_pageable, d, sizes, handle, "auto", scratch.host))
     timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))
 
@@ -188,13 +191,12 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
             pass
     timed(f"{label} ContextScope enter+exit", scope)
     timed(f"{label} stream_capture_status", lambda: kv_drv.stream_capture_status(handle))
-    buffer = np.empty(count * kv_describe.DESCRIPTOR_BYTES, dtype=np.uint8)
-    scratch = types.SimpleNamespace(host=buffer.ctypes.data)   # where the engine describes
     timed(f"{label} describe_copies (2 ranges)", lambda: kv_describe.describe_copies(
         s, d, sizes, scratch.host))
-    n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, scratch.host)
-    found = decide.MemoryClasses(*kinds)
-    timed(f"{label} MemoryClasses", lambda: decide.MemoryClasses(*kinds))
+    batch = kv_describe.describe_copies(s, d, sizes, scratch.host)
+    n, total = batch.count, batch.total_bytes
+    found = decide.MemoryClasses.of(batch)
+    timed(f"{label} MemoryClasses", lambda: decide.MemoryClasses.of(batch))
     timed(f"{label} decide (replay)", lambda: decide.decide(handle, "auto", n, total, found))
     timed(f"{label} context_device", kv_drv.context_device)
     target = decide.decide(handle, "auto", n, total, found)
@@ -206,7 +208,7 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
         kernel.function_tiny, kv_launch.INLINE_MAX_TINY, scratch.host, n, target.ctas(None),
         kvcopy.config.threads_per_cta, handle), sync=stream.synchronize)
     timed(f"{label} dispatch.launch_kernel", lambda: dispatch.launch_kernel(
-        n, tiles, target, scratch, None), sync=stream.synchronize)
+        batch, target, scratch, None), sync=stream.synchronize)
     timed(f"{label} execute_arrays", lambda: dispatch.execute_arrays(s, d, sizes, handle),
           sync=stream.synchronize)
     timed(f"{label} execute_arrays, decided afresh", lambda: (

@@ -41,8 +41,9 @@ def probe(count: int, block: int) -> None:
     nbytes = count * kv_describe.DESCRIPTOR_BYTES
     buffers = [kv_driver.host_alloc(nbytes) for _ in range(2)]
     device = kv_driver.mem_alloc(nbytes)
-    n, total, *kinds, tiles = kv_describe.describe_copies(s, d, sizes, buffers[1])
-    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses(*kinds))
+    batch = kv_describe.describe_copies(s, d, sizes, buffers[1])
+    n, total, tiles = batch.count, batch.total_bytes, batch.tiles
+    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses.of(batch))
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 

@@ -312,7 +312,8 @@ def d2d_descriptors():
         s, d, z = pointers(src, dst, block, n, block)
         host = driver.host_alloc(n * 32)
         dev = driver.mem_alloc(n * 32)
-        count, _, *_, tiles = describe.describe_copies(s, d, z, host, False)
+        batch = describe.describe_copies(s, d, z, host, False)
+        count, tiles = batch.count, batch.tiles
         mapped = driver.host_device_pointer(host)
         launch.launch_descs(kernel.function_uploaded, dev, count, tiles, sms, 512, handle, host)
         cells = []
@@ -615,7 +616,7 @@ def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
     from kvcopy._cuda import describe
 
     def full_descriptors(src, dst, sizes, out, merge):
-        return describe.describe_copies(src, dst, sizes, out, merge) + (0,)
+        return describe.describe_copies(src, dst, sizes, out, merge)
 
     variants = {"desc32": full_descriptors, "pairs16": describe.describe_compact}
     for direction in ("h2d", "d2h", "d2d"):

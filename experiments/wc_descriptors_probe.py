@@ -79,9 +79,9 @@ def probe(direction: str, block: int) -> None:
     handle = stream.cuda_stream
     nbytes = count * kv_describe.DESCRIPTOR_BYTES
     slots = {"cached": kv_driver.host_alloc(nbytes), "write-combined": write_combined_alloc(nbytes)}
-    n, total, *kinds, tiles, compact_size = kv_describe.describe_compact(s, d, sizes,
-                                                                      slots["cached"])
-    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses(*kinds))
+    batch = kv_describe.describe_compact(s, d, sizes, slots["cached"])
+    n, total, tiles, compact_size = batch.count, batch.total_bytes, batch.tiles, batch.compact_size
+    target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses.of(batch))
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 

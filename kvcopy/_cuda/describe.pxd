@@ -15,6 +15,23 @@ cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* 
                       Py_ssize_t n, void* descs_out, bint merge, _Classifier* sides,
                       Described* out) except -1
 
-cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst,
-                         const uint64_t[::1] sizes, uintptr_t descs_out, bint merge,
-                         _Classifier* sides, bint* fast, uint64_t* compact_size)
+cdef class DescribedBatch:
+    cdef readonly Py_ssize_t count
+    cdef readonly unsigned long long total_bytes
+    cdef readonly unsigned long long tiles
+    cdef readonly int src_kinds
+    cdef readonly int src_device
+    cdef readonly int dst_kinds
+    cdef readonly int dst_device
+    cdef readonly uint64_t compact_size
+    cdef readonly uintptr_t table
+    cdef readonly object src
+    cdef readonly object dst
+    cdef readonly object sizes
+
+
+cdef DescribedBatch described(Described* out, _Classifier* sides, uintptr_t table, object src,
+                              object dst, object sizes)
+
+cdef DescribedBatch describe_with(object src, object dst, object sizes, uintptr_t descs_out,
+                                  bint merge, _Classifier* sides, bint* fast, bint compact)

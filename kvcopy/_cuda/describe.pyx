@@ -154,27 +154,73 @@ cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* 
     return 0
 
 
-cdef tuple describe_with(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                     uintptr_t descs_out, bint merge, _Classifier* sides, bint* fast,
-                     uint64_t* compact_size):
+cdef class DescribedBatch:
+    """What the describe pass found of a batch, all that a path needs to issue it.
+
+    ``count`` planned copies (merged, empty ones dropped) of ``total_bytes`` in all,
+    ``tiles`` tiles of the kernel; each side's memory kinds and device ordinal (as
+    classify_pointers reports them); ``table``: where their entries were written,
+    ``compact_size``: the copy size of kvcopy_pair entries (16 bytes), 0 where
+    kvcopy_desc entries (32 bytes) were written; ``src``, ``dst``, ``sizes``: the
+    caller's arrays, every copy in them validated.
+    """
+
+    def __init__(self, Py_ssize_t count, unsigned long long total_bytes, unsigned long long tiles,
+                 int src_kinds, int src_device, int dst_kinds, int dst_device,
+                 uint64_t compact_size=0, uintptr_t table=0, src=None, dst=None, sizes=None):
+        # (the describe pass builds its answers without this; tests' fakes use it)
+        self.count, self.total_bytes, self.tiles = count, total_bytes, tiles
+        self.src_kinds, self.src_device = src_kinds, src_device
+        self.dst_kinds, self.dst_device = dst_kinds, dst_device
+        self.compact_size, self.table = compact_size, table
+        self.src, self.dst, self.sizes = src, dst, sizes
+
+    @property
+    def one_tile_copies(self) -> bool:
+        """Every planned copy is one tile of the kernel."""
+        return self.tiles == <unsigned long long>self.count
+
+    def __repr__(self) -> str:
+        return (f"DescribedBatch(count={self.count}, total_bytes={self.total_bytes}, "
+                f"tiles={self.tiles}, src_kinds={self.src_kinds}, src_device={self.src_device}, "
+                f"dst_kinds={self.dst_kinds}, dst_device={self.dst_device}, "
+                f"compact_size={self.compact_size})")
+
+
+cdef DescribedBatch described(Described* out, _Classifier* sides, uintptr_t table, object src,
+                              object dst, object sizes):
+    """describe_raw's results (over ``sides``) as a DescribedBatch."""
+    cdef DescribedBatch batch = DescribedBatch.__new__(DescribedBatch)
+    batch.count, batch.total_bytes, batch.tiles = out.count, out.total, out.tiles
+    batch.src_kinds, batch.src_device = sides[0].kinds, sides[0].ordinal
+    batch.dst_kinds, batch.dst_device = sides[1].kinds, sides[1].ordinal
+    batch.compact_size, batch.table = out.compact_size, table
+    batch.src, batch.dst, batch.sizes = src, dst, sizes
+    return batch
+
+
+cdef DescribedBatch describe_with(object src_arr, object dst_arr, object sizes_arr,
+                                  uintptr_t descs_out, bint merge, _Classifier* sides,
+                                  bint* fast, bint compact):
     """describe_copies over the given classifiers; *fast in: may the vectorised pass
-    run, out: did it apply; *compact_size as for _describe_fast."""
+    run, out: did it apply; ``compact``: may kvcopy_pair entries be written."""
+    cdef const uint64_t[::1] src = src_arr
+    cdef const uint64_t[::1] dst = dst_arr
+    cdef const uint64_t[::1] sizes = sizes_arr
     cdef Py_ssize_t n = sizes.shape[0]
     cdef Described out
     if src.shape[0] != n or dst.shape[0] != n:
         raise length_error(src.shape[0], dst.shape[0], n)
+    out.count, out.total, out.tiles, out.fast, out.compact_size = 0, 0, 0, fast[0], compact
     if n == 0:
-        compact_size[0] = 0
-        return 0, 0, 0, -1, 0, -1, 0
-    out.fast, out.compact_size = fast[0], compact_size[0]
-    describe_raw(&src[0], &dst[0], &sizes[0], n, <void*>descs_out, merge, sides, &out)
-    fast[0], compact_size[0] = out.fast, out.compact_size
-    return (out.count, out.total, sides[0].kinds, sides[0].ordinal, sides[1].kinds,
-            sides[1].ordinal, out.tiles)
+        out.compact_size = 0   # (classifier_init left each side with no memory)
+    else:
+        describe_raw(&src[0], &dst[0], &sizes[0], n, <void*>descs_out, merge, sides, &out)
+    fast[0] = out.fast
+    return described(&out, sides, descs_out, src_arr, dst_arr, sizes_arr)
 
 
-def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                    uintptr_t descs_out, bint merge=True):
+def describe_copies(object src, object dst, object sizes, uintptr_t descs_out, bint merge=True):
     """Plan, classify and describe a batch in one pass over it.
 
     Validates every copy as plan_arrays.plan_arrays does (same checks, same
@@ -186,8 +232,7 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     side with no empty copy takes a vectorised pass (and, where copies merge or
     multi-tile sizes differ, a scalar one after it that classifies nothing).
 
-    Returns ``(count, total_bytes, src_kinds, src_ordinal, dst_kinds,
-    dst_ordinal, total_tiles)``; kinds and ordinals as for classify_pointers.
+    Returns a DescribedBatch (compact_size 0).
 
     Raises:
         ValueError: as plan_arrays, naming the caller's index.
@@ -195,27 +240,25 @@ def describe_copies(const uint64_t[::1] src, const uint64_t[::1] dst, const uint
     return _describe(src, dst, sizes, descs_out, merge, False)
 
 
-def describe_compact(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                     uintptr_t descs_out, bint merge=True):
+def describe_compact(object src, object dst, object sizes, uintptr_t descs_out,
+                     bint merge=True):
     """describe_copies, writing a kvcopy_pair per copy (half the bytes) where the
     vectorised pass applies and every copy has the same size; else what
-    describe_copies writes. Returns describe_copies' tuple and the pairs' copy
-    size last: 0 where kvcopy_desc entries were written."""
+    describe_copies writes. The DescribedBatch's compact_size says which: the pairs'
+    copy size, or 0 where kvcopy_desc entries were written."""
     return _describe(src, dst, sizes, descs_out, merge, True)
 
 
-cdef tuple _describe(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes,
-                     uintptr_t descs_out, bint merge, bint compact):
+cdef DescribedBatch _describe(object src, object dst, object sizes, uintptr_t descs_out,
+                              bint merge, bint compact):
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint fast = True
-    cdef uint64_t compact_size = compact
     if sides == NULL:
         raise MemoryError()
-    classifier_init(&sides[0], src.shape[0])
-    classifier_init(&sides[1], src.shape[0])
+    classifier_init(&sides[0], len(sizes))
+    classifier_init(&sides[1], len(sizes))
     try:
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &fast, &compact_size)
-        return result + (compact_size,) if compact else result
+        return describe_with(src, dst, sizes, descs_out, merge, sides, &fast, compact)
     finally:
         free(sides)
 

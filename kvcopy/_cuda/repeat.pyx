@@ -11,7 +11,8 @@ launched with; launch_again describes the next batch (every copy checked and
 classified, as always) and, where its context, stream, method, memory kinds,
 planned copies and bytes all match one recorded under the same epoch, launches
 it at once. Anything else, and any driver error before the launch, leaves the
-batch to the full path (nothing enqueued here).
+batch to the full path (nothing enqueued here), with its description where one
+was made.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -21,7 +22,7 @@ from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport CUcontext, CUstream, CUstreamCaptureStatus
 
 from kvcopy._cuda.classify cimport _Classifier, classifier_init
-from kvcopy._cuda.describe cimport Described, describe_raw
+from kvcopy._cuda.describe cimport Described, DescribedBatch, describe_raw, described
 from kvcopy._cuda.descriptor cimport kvcopy_desc
 from kvcopy._cuda.driver cimport context_key, driver_ready
 from kvcopy._cuda.launch cimport launch_inline
@@ -75,31 +76,32 @@ def current_context_key() -> int:
     return context_key(ctx)
 
 
-def remember(unsigned long long ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
-             int src_device, int dst_kinds, int dst_device, Py_ssize_t count,
-             unsigned long long total_bytes, uintptr_t function, int per_launch,
-             unsigned int ctas, unsigned int threads, object decision, object note) -> None:
-    """Record that a batch of this key was just launched by value in the context of
-    key ``ctx`` (current_context_key) with ``function`` (an entry point of the copy
-    kernel loaded there: the caller checks) over ``ctas`` x ``threads``,
-    ``per_launch`` descriptors a launch, decided as ``decision``; ``note``:
-    (callable, device, direction), called as
-    callable(device, direction, stream, total_bytes) after each replay, or None.
+def remember(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
+             DescribedBatch batch, tuple launched, object decision, object note) -> None:
+    """Record that ``batch`` (as launch_again's describe pass would find it again) was
+    just launched by value on ``stream`` in the context of key ``ctx``
+    (current_context_key); ``launched``: (function, descriptors per launch, CTAs,
+    threads), the function an entry point of the copy kernel loaded there (the caller
+    checks); decided as ``decision``; ``note``: (callable, device, direction), called
+    as callable(device, direction, stream, total_bytes) after each replay, or None.
     The oldest record gives way once KEPT are kept."""
     global _used, _next
     cdef int slot
-    if (ctx == 0 or count < 1 or count > KVCOPY_INLINE_MAX_SMALL or per_launch < 1
-            or ctas == 0 or threads == 0 or threads % 32):
+    cdef uintptr_t function = launched[0]
+    cdef int per_launch = launched[1]
+    cdef unsigned int ctas = launched[2], threads = launched[3]
+    if (ctx == 0 or batch.count < 1 or batch.count > KVCOPY_INLINE_MAX_SMALL or per_launch < 1
+            or ctas == 0 or threads == 0 or threads % 32 or batch.compact_size):
         raise ValueError("remember: not a launch by value of a small batch")
-    slot = _find(ctx, stream, epoch, method, src_kinds, src_device, dst_kinds,
-                 dst_device, count, total_bytes)
+    cdef _Key key = _Key(ctx, stream, epoch, method, batch.src_kinds, batch.src_device,
+                         batch.dst_kinds, batch.dst_device, batch.count, batch.total_bytes)
+    slot = _find(&key)
     if slot < 0:
         slot = _next
         _next = (_next + 1) % _KEPT
         if _used < _KEPT:
             _used += 1
-    _kept[slot].key = _Key(ctx, stream, epoch, method, src_kinds, src_device,
-                           dst_kinds, dst_device, count, total_bytes)
+    _kept[slot].key = key
     _kept[slot].function = function
     _kept[slot].per_launch = per_launch
     _kept[slot].ctas = ctas
@@ -126,38 +128,31 @@ def replayed() -> int:
     return _replayed
 
 
-cdef int _find(unsigned long long ctx, uintptr_t stream, long long epoch, int method, int src_kinds,
-               int src_device, int dst_kinds, int dst_device, Py_ssize_t count,
-               unsigned long long total_bytes) noexcept:
+cdef int _find(const _Key* want) noexcept:
     cdef int k
     cdef _Key* key
     for k in range(_used):
         key = &_kept[k].key
-        if (key.ctx == ctx and key.stream == stream and key.epoch == epoch
-                and key.method == method and key.count == count
-                and key.total_bytes == total_bytes and key.src_kinds == src_kinds
-                and key.src_device == src_device and key.dst_kinds == dst_kinds
-                and key.dst_device == dst_device):
+        if (key.ctx == want.ctx and key.stream == want.stream and key.epoch == want.epoch
+                and key.method == want.method and key.count == want.count
+                and key.total_bytes == want.total_bytes and key.src_kinds == want.src_kinds
+                and key.src_device == want.src_device and key.dst_kinds == want.dst_kinds
+                and key.dst_device == want.dst_device):
             return k
     return -1
 
 
-cdef bint _may_match(uintptr_t stream, long long epoch, int method,
-                     const uint64_t* sizes, Py_ssize_t n) noexcept:
-    """Whether a record could match a batch of these ``n`` sizes, before it is
-    described: same stream, method and epoch, the same bytes (merging and dropping
-    empty copies keep them) and no more planned copies than given. A batch of a
-    shape not seen before then costs no driver call and no describe pass here."""
-    cdef unsigned long long total = 0
-    cdef Py_ssize_t i
+cdef bint _may_match(uintptr_t stream, long long epoch, int method, Py_ssize_t n) noexcept:
+    """Whether a record could match a batch of ``n`` copies, before it is described:
+    same stream, method and epoch, and no more planned copies than given. A batch on
+    a stream with no record costs no driver call here, and one that is described
+    and then matches none is issued from that description by the full path."""
     cdef int k
     cdef _Key* key
-    for i in range(n):
-        total += sizes[i]
     for k in range(_used):
         key = &_kept[k].key
         if (key.stream == stream and key.epoch == epoch and key.method == method
-                and key.total_bytes == total and key.count <= n):
+                and key.count <= n):
             return True
     return False
 
@@ -179,24 +174,25 @@ cdef bint _may_run_here(uintptr_t stream, CUcontext* ctx) noexcept:
 
 
 def launch_again(object src, object dst, object sizes, uintptr_t stream, int method,
-                 long long epoch):
-    """Launch a batch that repeats a recorded one; return the recorded decision, or
-    None where nothing was enqueued (no match: run the full path).
+                 long long epoch, uintptr_t descs_out):
+    """Launch a batch that repeats a recorded one; return the recorded decision.
 
     ``src``, ``dst`` and ``sizes`` are C-contiguous uint64 arrays of equal length
     (kvcopy.interop.arrays.as_u64_array's), ``stream`` an effective handle (never
-    0). Every copy is checked and classified first, as the full path does: a bad
-    copy raises the same ValueError."""
+    0), ``descs_out`` host memory for MAX_COPIES descriptors. Where a record may
+    match, the batch is described into ``descs_out`` first (every copy checked and
+    classified, as the full path does: a bad copy raises the same ValueError);
+    where none then matches, the DescribedBatch is returned, for the full path to
+    issue without describing again. None: nothing described, nothing enqueued."""
     global _replayed
     cdef Py_buffer bs, bd, bz
     cdef Py_ssize_t n
     cdef CUcontext ctx = NULL
     cdef _Classifier sides[2]
-    cdef kvcopy_desc descs[KVCOPY_INLINE_MAX_SMALL]
     cdef Described out
     cdef int slot, launches = 0
     cdef _Launch chosen
-    if _used == 0 or not driver_ready():
+    if _used == 0 or not driver_ready() or descs_out == 0:
         return None
     PyObject_GetBuffer(src, &bs, PyBUF_SIMPLE)
     try:
@@ -206,31 +202,30 @@ def launch_again(object src, object dst, object sizes, uintptr_t stream, int met
             try:
                 n = bz.len // 8
                 if (bs.len != bz.len or bd.len != bz.len or n < 1 or n > KVCOPY_INLINE_MAX_SMALL
-                        or not _may_match(stream, epoch, method, <const uint64_t*>bz.buf, n)
+                        or not _may_match(stream, epoch, method, n)
                         or not _may_run_here(stream, &ctx)):
                     return None
                 classifier_init(&sides[0], n)
                 classifier_init(&sides[1], n)
                 out.fast, out.compact_size = True, 0
                 describe_raw(<const uint64_t*>bs.buf, <const uint64_t*>bd.buf,
-                             <const uint64_t*>bz.buf, n, <void*>descs, True, sides, &out)
+                             <const uint64_t*>bz.buf, n, <void*>descs_out, True, sides, &out)
             finally:
                 PyBuffer_Release(&bz)
         finally:
             PyBuffer_Release(&bd)
     finally:
         PyBuffer_Release(&bs)
-    if out.count == 0:
-        return None
-    slot = _find(context_key(ctx), stream, epoch, method, sides[0].kinds, sides[0].ordinal,
-                 sides[1].kinds, sides[1].ordinal, out.count, out.total)
+    cdef _Key key = _Key(context_key(ctx), stream, epoch, method, sides[0].kinds,
+                         sides[0].ordinal, sides[1].kinds, sides[1].ordinal, out.count, out.total)
+    slot = -1 if out.count == 0 else _find(&key)
     if slot < 0:
-        return None
+        return described(&out, sides, descs_out, src, dst, sizes)
     chosen = _kept[slot]
     decision, note = _extras[slot]
     with nogil:
-        launch_inline(chosen.function, chosen.per_launch, descs, out.count, chosen.ctas,
-                      chosen.threads, stream, &launches)
+        launch_inline(chosen.function, chosen.per_launch, <kvcopy_desc*>descs_out, out.count,
+                      chosen.ctas, chosen.threads, stream, &launches)
     _replayed += 1
     if note is not None:
         note[0](note[1], note[2], stream, out.total)

@@ -18,12 +18,10 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
     the pass itself: rows of (start, end, kind, ordinal, delta), as the driver's
     answers would be; pointers outside them are still asked of the driver.
     ``fast=False`` keeps to the general loop; ``compact`` allows kvcopy_pair
-    entries, as describe_compact. Returns describe_copies' tuple (with
-    describe_compact's pair size last, with ``compact``) and whether the
+    entries, as describe_compact. Returns the DescribedBatch and whether the
     vectorised pass applied."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint used = fast
-    cdef uint64_t compact_size = compact
     if sides == NULL:
         raise MemoryError()
     try:
@@ -31,8 +29,8 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
         classifier_init(&sides[1], src.shape[0])
         classifier_seed(&sides[0], known_ranges)
         classifier_seed(&sides[1], known_ranges)
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &compact_size)
-        return (result + (compact_size,) if compact else result), used
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, compact)
+        return result, used
     finally:
         free(sides)
 
@@ -44,11 +42,10 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
     in for the driver itself: every range a side looks up, or joins, is asked of
     them, as it would be of the driver, and an address in none of them is pageable.
     With no rows the driver itself answers (a GPU test counts its questions).
-    Returns describe_copies' tuple, whether the vectorised pass applied, and how many
+    Returns the DescribedBatch, whether the vectorised pass applied, and how many
     ranges each side asked for (src, dst)."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))
     cdef bint used = fast
-    cdef uint64_t compact_size = 0
     if sides == NULL:
         raise MemoryError()
     if driver_ranges.shape[1] != 5:
@@ -59,7 +56,7 @@ def describe_copies_answered(const int64_t[:, ::1] driver_ranges, const uint64_t
             classifier_init(&sides[side], src.shape[0])
             sides[side].answers = &driver_ranges[0, 0] if driver_ranges.shape[0] else NULL
             sides[side].answer_count = driver_ranges.shape[0]
-        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, &compact_size)
+        result = describe_with(src, dst, sizes, descs_out, merge, sides, &used, False)
         return result, used, (sides[0].queries, sides[1].queries)
     finally:
         free(sides)

@@ -39,7 +39,7 @@ from kvcopy.policy import Decision
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def _describe(batch: Arrays, out: int, name: str) -> tuple:
+def _describe(batch: Arrays, out: int, name: str) -> describe.DescribedBatch:
     """describe_copies of one side, its errors named after the side."""
     try:
         return describe.describe_copies(*batch, out, True)
@@ -89,10 +89,12 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
     nbytes = (len(first[2]) + len(second[2])) * describe.DESCRIPTOR_BYTES
     while True:
         with ring.ring_for_current_context().reserve(nbytes) as slot:
-            count_a, bytes_a, *kinds_a, tiles_a = _describe(first, slot.host, names[0])
-            offset = slot.host + count_a * describe.DESCRIPTOR_BYTES
-            count_b, bytes_b, *kinds_b, tiles_b = _describe(second, offset, names[1])
-            found_a, found_b = decide.MemoryClasses(*kinds_a), decide.MemoryClasses(*kinds_b)
+            batch_a = _describe(first, slot.host, names[0])
+            offset = slot.host + batch_a.count * describe.DESCRIPTOR_BYTES
+            batch_b = _describe(second, offset, names[1])
+            count_a, bytes_a, tiles_a = batch_a.count, batch_a.total_bytes, batch_a.tiles
+            count_b, bytes_b, tiles_b = batch_b.count, batch_b.total_bytes, batch_b.tiles
+            found_a, found_b = decide.MemoryClasses.of(batch_a), decide.MemoryClasses.of(batch_b)
             owner = _one_owner((found_a, found_b))
             if owner is None or not count_a or not count_b:
                 return None

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from kvcopy import policy
 from kvcopy._engine import replay, traffic_window
 from kvcopy._runtime import device, peers
-from kvcopy._cuda import classify, driver, launch
+from kvcopy._cuda import classify, describe, driver, launch
 from kvcopy.config import config
 from kvcopy.interop.streams import stream_kind
 from kvcopy.policy import CopyRequest, Decision, choose_method
@@ -66,6 +66,11 @@ class MemoryClasses(NamedTuple):
     src_device: int
     dst_kinds: int
     dst_device: int
+
+    @classmethod
+    def of(cls, batch: "describe.DescribedBatch") -> "MemoryClasses":
+        """What the describe pass found of ``batch``'s memory."""
+        return cls(batch.src_kinds, batch.src_device, batch.dst_kinds, batch.dst_device)
 
     @property
     def owner(self) -> int:
@@ -174,7 +179,8 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
         # (traffic was part of the question; whether it mattered is asked only where a
         # replay could follow)
         if method == "auto" and direction is not None:
-            if count > replay.MAX_COPIES:
+            if count > replay.MAX_COPIES or not policy.may_replay(method, None, allow_batch,
+                                                                  capturing):
                 target = dataclasses.replace(target, traffic_free=None)
             elif policy.depends_on_other_way(target.request, target.decision, target.info.caps,
                                              device.thresholds(ordinal), method):

@@ -7,7 +7,9 @@ from typing import Iterable
 
 import numpy as np
 
+from kvcopy import policy
 from kvcopy._cuda import classify, describe, dma, driver, launch
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine import replay, staged
 from kvcopy._engine.decide import MemoryClasses, Target, decide, note_decision, reach_peers
 from kvcopy._engine.kernel import HostScratch, launch_kernel
@@ -18,6 +20,7 @@ from kvcopy._plans.blocks import BlockPlan
 from kvcopy.config import config
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import effective_handle
+from kvcopy.policy import Decision
 from kvcopy._plans.copies import CopyPlan, plan_copies
 
 
@@ -51,16 +54,19 @@ def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, 
 
 def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
                    sizes: np.ndarray, method: str, merge: bool, access_any: bool,
-                   max_ctas: int | None, allow_batch: bool = True) -> str:
-    """Validate, classify, decide and issue a batch in the scope's context.
+                   max_ctas: int | None, allow_batch: bool = True,
+                   described: DescribedBatch | None = None) -> str:
+    """Describe, decide and issue a batch in the scope's context, by exactly one path.
 
-    One pass (describe_copies) plans the batch, classifies its memory and
-    writes the kernel's descriptors straight into a pinned descriptor slot (or,
-    for batches of one launch by value, into thread-local scratch), so the
-    kernel path touches each copy once. Large batches of one block size in one
-    allocation per side get 16-byte entries instead of 32-byte ones
-    (describe_compact): the pass is bound by its writes to pinned memory. The DMA paths, which cost far
-    more per copy anyway, plan the batch again for the DMA engines.
+    One pass (describe_copies) validates and plans the batch, classifies its
+    memory and writes the kernel's descriptors straight into a pinned descriptor
+    slot (or, for batches of one launch by value, into thread-local scratch), so
+    the kernel path touches each copy once. ``described``: that pass already made
+    into this thread's scratch (replay.launch_again's, for a small batch no record
+    matched). Large batches of one block size in one allocation per side get
+    16-byte entries instead of 32-byte ones (describe_compact): the pass is bound by
+    its writes to pinned memory. The DMA paths plan the batch for the copy engines
+    as they issue it (dma.plan_dma), staging as it issues each chunk.
     While the stream captures a graph, nothing here queries or waits on an
     event or a stream, and nothing is allocated on the device.
     """
@@ -68,39 +74,36 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     nbytes = len(sizes) * describe.DESCRIPTOR_BYTES
     # batches too large to pass by value are described in half the bytes where they can be
     compact = not capturing and len(sizes) > launch.INLINE_MAX
-    target, staging = None, None
-    while target is None:
+    while True:
         space = (HostScratch(nbytes) if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
                  else ring.ring_for_current_context().reserve(nbytes))
         with space as slot:
-            if compact:
-                count, total_bytes, *kinds, tiles, compact_size = describe.describe_compact(
+            batch = described if described is not None and described.table == slot.host else (
+                describe.describe_compact if compact else describe.describe_copies)(
                     src, dst, sizes, slot.host, merge)
-            else:
-                count, total_bytes, *kinds, tiles = describe.describe_copies(src, dst, sizes,
-                                                                             slot.host, merge)
-                compact_size = 0
-            if count == 0:
+            described = None   # (described again below, where the device changes)
+            if batch.count == 0:
                 return "none"
-            found = MemoryClasses(*kinds)
+            found = MemoryClasses.of(batch)
             if scope.on_default_stream and scope.follow_memory(found.owner):
                 continue  # switched device: host memory may be mapped elsewhere there
             if reach_peers(found, method):
                 continue  # peer access enabled: another GPU's memory is now reachable
-            target = decide(handle, method, count, total_bytes, found, capturing, allow_batch,
-                            note_traffic=True)
-            if target.decision.method == "kernel":
-                if max_ctas is None:   # (a caller's CTA limit asks for the kernel itself)
-                    staging = staged.plan_batch(target.request, target.decision, src, dst,
-                                                sizes, method,
-                                                device.thresholds(target.info.ordinal))
-                if staging is None:
-                    launched = launch_kernel(count, tiles, target, slot, max_ctas, compact_size)
-                    if launched and merge and max_ctas is None and allow_batch:
-                        # (copy_batch's next call like this one launches in repeat)
-                        replay.record(target, found, method, count, total_bytes, launched)
-                    return "kernel"
-    if staging is not None:   # (its descriptors go to a slot of their own)
+            target = decide(handle, method, batch.count, batch.total_bytes, found, capturing,
+                            allow_batch, note_traffic=True)
+            if target.decision.method != "kernel":
+                break
+            # (a caller's CTA limit asks for the kernel itself)
+            staging = None if max_ctas is not None else staged.plan_batch(
+                target.request, target.decision, src, dst, sizes, method,
+                device.thresholds(target.info.ordinal))
+            if staging is None:
+                launched = launch_kernel(batch, target, slot, max_ctas)
+                if launched and merge and policy.may_replay(method, max_ctas, allow_batch):
+                    # (copy_batch's next call like this one launches in repeat)
+                    replay.record(target, batch, method, launched)
+                return "kernel"
+        # staged batches' descriptors go to a slot of their own, once this one is free
         return run_staged(handle, [staging], target.info)
     issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
@@ -126,15 +129,18 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     if len(sizes) == 0:
         return "none"
     handle = effective_handle(stream_handle)
-    if max_ctas is None and allow_batch:
-        decision = replay.launch_again(src, dst, sizes, handle, method)
-        if decision is not None:
-            note_decision(decision)
+    described = None
+    if policy.may_replay(method, max_ctas, allow_batch):
+        scratch = HostScratch(len(sizes) * describe.DESCRIPTOR_BYTES)
+        answer = replay.launch_again(src, dst, sizes, handle, method, scratch.host)
+        if isinstance(answer, Decision):
+            note_decision(answer)
             return "kernel"
+        described = answer
     try:
         with ContextScope(handle) as scope:
             return execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
-                                  max_ctas, allow_batch)
+                                  max_ctas, allow_batch, described)
     except NoDriverError:
         # without a GPU, bad input is still reported as such, and empty copies need none
         if plan_copies(src, dst, sizes).count == 0:
@@ -167,7 +173,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
                    wait_for_producers: bool = True) -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the tensor table and the ids.
-    Other paths (DMA, kernel under capture) run the pointer-level plan. The
+    The copy engines, and the kernel under capture, take the plan's copies as
+    pointers, by the method decided here. The
     streams array-interface producers declared are waited for first, unless the
     caller already did (``wait_for_producers=False``)."""
     if blocks.num_pairs == 0:
@@ -186,12 +193,18 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:
             wait_for_streams(handle, blocks.geometry.producer_streams)
-        if target.decision.method != "kernel" or target.request.capturing:
-            # the per-copy path checks and classifies every copy again (per tensor is
-            # coarser) and asks the policy again, for the method decided here only
+        if target.decision.method != "kernel":
+            # the copy engines take pointers: the plan's copies, one each
+            issue_dma(*blocks.copy_arrays(), True, target, False)
+            return target.decision.method
+        if target.request.capturing:
+            # a graph keeps descriptors passed by value, not a ring slot: the plan's
+            # copies are described into scratch and launched as such
             src, dst, sizes = blocks.copy_arrays()
-            return execute_copies(scope, handle, src, dst, sizes, target.decision.method,
-                                  True, False, None)
+            with HostScratch(len(sizes) * describe.DESCRIPTOR_BYTES) as scratch:
+                batch = describe.describe_copies(src, dst, sizes, scratch.host, True)
+                launch_kernel(batch, target, scratch, None)
+            return "kernel"
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)

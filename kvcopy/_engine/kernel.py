@@ -10,15 +10,16 @@ import numpy as np
 
 from kvcopy import policy
 from kvcopy._cuda import describe, launch
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine.decide import Target
 from kvcopy._runtime import kernels, ring
 from kvcopy.config import config
 
 
-def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | HostScratch",
-                  max_ctas: int | None, compact_size: int = 0) -> tuple[int, int, int, int] | None:
-    """Launch the copy kernel over the ``count`` descriptors described into ``slot``
-    (kvcopy_pair entries of copies of ``compact_size`` bytes each, where not 0).
+def launch_kernel(batch: DescribedBatch, target: Target, slot: "ring.Slot | HostScratch",
+                  max_ctas: int | None) -> tuple[int, int, int, int] | None:
+    """Launch the copy kernel over ``batch``, described into ``slot`` (its entries
+    kvcopy_pair where batch.compact_size says so).
 
     Large batches: one launch. Where every copy is one tile, the kernel reads
     the descriptors where they were written (pinned, mapped): each warp
@@ -29,6 +30,7 @@ def launch_kernel(count: int, tiles: int, target: Target, slot: "ring.Slot | Hos
     which leave the slot free at once); for those, returns what they were
     launched with: (function, descriptors per launch, CTAs, threads)."""
     info, handle = target.info, target.handle
+    count, tiles, compact_size = batch.count, batch.tiles, batch.compact_size
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     functions = kernel.scatter(target.decision.variant)
     ctas, threads = target.launch_shape(max_ctas)

@@ -7,7 +7,8 @@ arguments), not the launch, all of it before the copy can start. So after the fu
 repeat.MAX_COPIES copies by value, it records here what it launched; the next
 call describes its batch in C (every copy checked and classified, as always) and,
 where context, stream, method, memory kinds, planned copies and bytes match a
-record, launches it there. What the policy reads beyond that key is part of
+record, launches it there; where none matches, the description goes on to the full
+path, which issues the batch from it (the batch is described once either way). What the policy reads beyond that key is part of
 the record's epoch (settings assigned, device facts changed: epoch()); the
 traffic of the other direction is read only for 'auto' with
 config.traffic_window_ms set, and a batch whose decision would differ with it
@@ -23,6 +24,7 @@ import numpy as np
 from kvcopy._engine import traffic_window
 from kvcopy._runtime import device, kernels
 from kvcopy._cuda import repeat
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.config import changes, config
 from kvcopy.policy import Decision
 
@@ -56,33 +58,34 @@ def epoch() -> int:
 
 
 def launch_again(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
-                 method: str) -> Decision | None:
-    """Launch a batch that repeats a recorded one and return its recorded decision;
-    None where nothing was enqueued (the full path must run)."""
+                 method: str, descs_out: int) -> Decision | DescribedBatch | None:
+    """Launch a batch that repeats a recorded one and return its recorded decision.
+    A DescribedBatch: the batch was described into ``descs_out`` (host memory for
+    MAX_COPIES descriptors) and matched no record; the full path issues it from
+    there. None: nothing described, nothing enqueued. The caller has asked
+    policy.may_replay."""
     code = METHODS.get(method)
     if code is None or len(sizes) > MAX_COPIES:
         return None
-    return repeat.launch_again(src, dst, sizes, handle, code, epoch())
+    return repeat.launch_again(src, dst, sizes, handle, code, epoch(), descs_out)
 
 
-def record(target: Decided, found: Any, method: str, count: int, total_bytes: int,
+def record(target: Decided, batch: DescribedBatch, method: str,
            launched: tuple[int, int, int, int]) -> bool:
     """Record a batch the full path just launched by value (``launched``: function,
-    descriptors per launch, CTAs, threads) under ``target`` (engine.Target) for
-    ``found`` (engine.MemoryClasses). A target whose decision depends on the other
-    direction's traffic (not ``traffic_free``) is not recorded. Returns whether it
+    descriptors per launch, CTAs, threads) under ``target`` (decide.Target). A target
+    whose decision depends on the other direction's traffic (not ``traffic_free``)
+    is not recorded. The caller has asked policy.may_replay. Returns whether it
     recorded."""
     code = METHODS.get(method)
     request = target.request
-    if code is None or request.capturing or count > MAX_COPIES or not target.traffic_free:
+    if code is None or request.capturing or batch.count > MAX_COPIES or not target.traffic_free:
         return False
     noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
     # only the copy kernel kvcopy loaded in this context is ever replayed
     ctx = repeat.current_context_key()
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
-    repeat.remember(ctx, target.handle, epoch(), code, found.src_kinds, found.src_device,
-                    found.dst_kinds, found.dst_device, count, total_bytes, *launched,
-                    target.decision,
-                    (traffic_window.note, target.info.ordinal, request.direction) if noting else None)
+    note = (traffic_window.note, target.info.ordinal, request.direction) if noting else None
+    repeat.remember(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
     return True

@@ -295,6 +295,17 @@ def depends_on_other_way(req: CopyRequest, decision: Decision, caps: DeviceCaps,
     return choose_method(flipped, caps, thresholds, requested) != decision
 
 
+def may_replay(requested: str, caller_ctas: int | None, batch_allowed: bool,
+               capturing: bool = False) -> bool:
+    """Whether a small batch may be launched from the record of an earlier one like it
+    (kvcopy._engine.replay), or recorded for that: 'auto' or 'kernel' asked, outside
+    capture (a graph keeps its own launches), no CTA limit of the caller's and
+    cuMemcpyBatchAsync not ruled out by the caller (neither is part of a record's
+    key). Both the replay and the recording ask this; nothing else decides it."""
+    return (requested in ("auto", "kernel") and caller_ctas is None and batch_allowed
+            and not capturing)
+
+
 def choose_both_ways(first: CopyRequest, second: CopyRequest, caps: DeviceCaps,
                      thresholds: Thresholds | None = None,
                      requested: str = "auto") -> Decision | None:

@@ -55,7 +55,8 @@ class Fake(FakeCaptureDriver):
     classes: "Iterator[MemoryClasses]"
 
     def describe_copies(self, src, dst, sizes, out, merge):
-        return (len(sizes), int(sizes.sum()), *next(self.classes), len(sizes))
+        return kv_describe.DescribedBatch(len(sizes), int(sizes.sum()), len(sizes),
+                                          *next(self.classes), table=out)
 
     def launch_both(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
                     threads, stream, upload_from=0, descs_b=0) -> int:

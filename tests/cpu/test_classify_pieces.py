@@ -18,6 +18,8 @@ import numpy as np
 
 from kvcopy._cuda import classify as kv_classify, testing as kv_testing
 
+from helpers.described import described_fields
+
 HOST, DEVICE = 0x7F00_0000_0000, 0x7000_0000_0000
 MAPPED, ON_GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
 KiB, MiB = 1 << 10, 1 << 20
@@ -31,9 +33,9 @@ def pieces(base: int, count: int, size: int, kind: int, ordinal: int = -1,
 def describe(answers, src, dst, sizes, fast=True):
     src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
     out = np.zeros((max(len(sizes), 1), 4), dtype=np.uint64)
-    result, _, queries = kv_testing.describe_copies_answered(
+    batch, _, queries = kv_testing.describe_copies_answered(
         np.asarray(answers, dtype=np.int64), src, dst, sizes, out.ctypes.data, False, fast)
-    return result, queries, out[:result[0]]
+    return described_fields(batch), queries, out[:batch.count]
 
 
 def scattered(n, block, src_base, src_bytes, dst_base, dst_bytes, seed=0):

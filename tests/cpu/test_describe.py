@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch, testing as kv_testing
 from kvcopy._plans.copies import plan_copies
 
+from helpers.described import described_fields
+
 TILE = kv_launch.TILE_BYTES
 HOST_A, HOST_B, DEVICE = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7000_0000_0000
 POOL = 1 << 30
@@ -33,9 +35,9 @@ def describe(src, dst, sizes, merge=True, fast=True, misalign=0):
     raw = np.zeros(4 * max(len(sizes), 1) + 8, dtype=np.uint64)
     skip = (-raw.ctypes.data % 32 + misalign) // 8
     out = raw[skip:skip + 4 * max(len(sizes), 1)]
-    result, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
-                                              merge, fast)
-    return result, used, out.reshape(-1, 4)[:result[0]]
+    batch, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+                                                merge, fast)
+    return described_fields(batch), used, out.reshape(-1, 4)[:batch.count]
 
 
 def expected_descriptors(src, dst, sizes, merge):
@@ -216,14 +218,15 @@ def test_both_passes_describe_what_the_planner_plans(batch, merge, misalign):
 
 def describe_compact(src, dst, sizes, merge=True, misalign=0):
     """describe_copies_in with compact entries allowed; the buffer as describe()'s.
-    Returns the 8-tuple, whether the vectorised pass ran, and the raw words."""
+    Returns the fields with compact_size last, whether the vectorised pass ran, and the
+    raw words."""
     src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
     raw = np.zeros(4 * max(len(sizes), 1) + 8, dtype=np.uint64)
     skip = (-raw.ctypes.data % 32 + misalign) // 8
     out = raw[skip:skip + 4 * max(len(sizes), 1)]
-    result, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
-                                                 merge, True, True)
-    return result, used, out
+    batch, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+                                                merge, True, True)
+    return described_fields(batch) + (batch.compact_size,), used, out
 
 
 @pytest.mark.skipif(not kv_describe.fast_describe_available(), reason="no AVX2 on this CPU")

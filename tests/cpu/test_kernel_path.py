@@ -7,6 +7,8 @@ reads it. GPU-to-host batches on a device with a bulk copy unit get the bulk
 copier's entry points and launch shape, unless config.bulk_stores is off."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from kvcopy._engine import decide, dispatch, staged
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._cuda import classify as kv_classify
 from kvcopy._cuda import describe as kv_describe
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._cuda import launch as kv_launch
 from kvcopy.policy import DeviceCaps
 
@@ -43,22 +46,25 @@ class FakeCuda:
         self.shapes: list[tuple[int, int]] = []   # (CTAs, threads) of every launch
         self.tiles: list[int] = []                 # tiles of every launch_descs
 
+    capturing = 0
+
     def stream_capture_status(self, handle: int) -> int:
-        return 0
+        return self.capturing
 
     def context_device(self) -> int:
         return 0
 
-    def _described(self, sizes) -> tuple:
-        return (len(sizes), int(sizes.sum()), *self.kinds, self.tiles_per_copy * len(sizes))
+    def _described(self, sizes, out: int, compact_size: int = 0) -> DescribedBatch:
+        return DescribedBatch(len(sizes), int(sizes.sum()), self.tiles_per_copy * len(sizes),
+                              *self.kinds, compact_size, out)
 
     def describe_compact(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_compact", out))
-        return self._described(sizes) + (self.compact_size,)
+        return self._described(sizes, out, self.compact_size)
 
     def describe_copies(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_copies", out))
-        return self._described(sizes)
+        return self._described(sizes, out)
 
     def launch_compact(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
         self.calls.append(("launch_compact", function, pairs, n, size, upload_from))
@@ -309,13 +315,14 @@ class Remembered:
         self.asked: list[int] = []
         self.replay = replay
 
-    def record(self, target, found, method, count, total_bytes, launched) -> bool:
-        self.recorded.append((method, count, total_bytes, launched))
+    def record(self, target, batch, method, launched) -> bool:
+        self.recorded.append((method, batch.count, batch.total_bytes, launched))
         return True
 
-    def launch_again(self, src, dst, sizes, handle, method):
+    def launch_again(self, src, dst, sizes, handle, method, descs_out):
         self.asked.append(len(sizes))
-        return self.replay
+        # (a description: the batch described into descs_out, matching no record)
+        return self.replay(descs_out, sizes) if callable(self.replay) else self.replay
 
 
 @pytest.mark.parametrize("merge, max_ctas, allow_batch, count, recorded", [
@@ -357,7 +364,12 @@ class EnteredScope(FakeScope):
         pass
 
 
-@pytest.mark.parametrize("replay", [None, policy.Decision("kernel", "remembered")])
+def described_by_replay(descs_out: int, sizes: np.ndarray) -> DescribedBatch:
+    return DescribedBatch(len(sizes), int(sizes.sum()), len(sizes), *HOST_TO_GPU, 0, descs_out)
+
+
+@pytest.mark.parametrize("replay", [None, policy.Decision("kernel", "remembered"),
+                                    described_by_replay])
 def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     fake = fake_cuda(HOST_TO_GPU, 0)
     memory = Remembered(replay)
@@ -369,13 +381,74 @@ def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     decide._last.decision = None
     assert dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234) == "kernel"
     assert memory.asked == [16]
-    if replay is not None:       # replayed: nothing described or launched here
+    if isinstance(replay, policy.Decision):   # replayed: nothing described or launched here
         assert fake.calls == [] and decide.last_decision() is replay
-    else:                        # the full path, which records its launch
+    elif replay is None:         # the full path, which records its launch
         assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
+        assert len(memory.recorded) == 1
+    else:                        # described once, by the replay's attempt: launched from there
+        assert [c[0] for c in fake.calls] == ["launch_descs_inline"]
         assert len(memory.recorded) == 1
     # a CTA limit, or batched DMA ruled out, is another question: never replayed
     memory.asked.clear()
     dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, max_ctas=2)
     dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, allow_batch=False)
     assert memory.asked == []
+
+
+class PlannedBlocks:
+    """A swap_blocks plan of ``count`` 4 KiB blocks from host to GPU, as execute_blocks reads
+    it (its memory is classified per tensor by a fake of classify_tensors)."""
+
+    def __init__(self, count: int) -> None:
+        self.num_pairs = self.num_copies = count
+        self.total_bytes = count * 4096
+        base = np.zeros(1, dtype=np.uint64)
+        self.geometry = types.SimpleNamespace(src_base=base, dst_base=base, producer_streams=())
+        self.src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+        self.arrays_made = 0
+
+    def copy_arrays(self):
+        self.arrays_made += 1
+        return self.src, self.src + np.uint64(0x7F0000000000), np.full(len(self.src), 4096,
+                                                                       dtype=np.uint64)
+
+
+@pytest.fixture
+def blocks_path(monkeypatch):
+    """execute_blocks in a context that stays put, its tensors classified host to GPU."""
+    monkeypatch.setattr(dispatch, "ContextScope", EnteredScope)
+    monkeypatch.setattr(dispatch, "classify_tensors",
+                        lambda *args: decide.MemoryClasses(*HOST_TO_GPU))
+
+
+def test_swap_blocks_under_capture_is_described_once_and_launched_by_value(fake_cuda,
+                                                                          monkeypatch,
+                                                                          blocks_path):
+    """Under capture the block kernel's ring slot cannot be used: the plan's copies are
+    described into scratch and launched by value with the decision made per tensor, not
+    sent back through copy_batch's path (which would decide again)."""
+    fake = fake_cuda(HOST_TO_GPU, 0)
+    fake.capturing = 1
+    decided = []
+    real_decide = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide", lambda *a, **k: decided.append(a) or real_decide(
+        *a, **k))
+    blocks = PlannedBlocks(40)
+    assert dispatch.execute_blocks(blocks, 0x1234) == "kernel"
+    assert len(decided) == 1 and blocks.arrays_made == 1
+    assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
+    assert fake.calls[1][2] == 40
+
+
+def test_swap_blocks_by_dma_goes_to_the_copy_engines_directly(fake_cuda, monkeypatch,
+                                                              blocks_path):
+    fake_cuda(HOST_TO_GPU, 0)
+    issued = []
+    monkeypatch.setattr(dispatch, "issue_dma", lambda *args: issued.append(args))
+    blocks = PlannedBlocks(8)
+    assert dispatch.execute_blocks(blocks, 0x1234, "loop") == "loop"
+    (src, dst, sizes, merge, target, access_any), = issued
+    np.testing.assert_array_equal(src, blocks.src)
+    assert (len(sizes), merge, access_any) == (8, True, False)
+    assert target.decision.method == "loop"

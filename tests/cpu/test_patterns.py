@@ -43,8 +43,9 @@ class CapturingDriver(FakeCaptureDriver):
 
     def describe_copies(self, src, dst, sizes, host, merge):
         self.calls.append(f"describe into {host:#x}")
-        return (len(sizes), int(sizes.sum()), kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0,
-                len(sizes))
+        return kv_describe.DescribedBatch(len(sizes), int(sizes.sum()), len(sizes),
+                                          kv_classify.KIND_HOST_MAPPED, -1,
+                                          kv_classify.KIND_DEVICE, 0, table=host)
 
     INLINE_MAX, INLINE_MAX_SMALL = kv_launch.INLINE_MAX, kv_launch.INLINE_MAX_SMALL
     INLINE_MAX_TINY = kv_launch.INLINE_MAX_TINY

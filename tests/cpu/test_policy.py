@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from kvcopy import policy
 from kvcopy.errors import CaptureError, KVCopyError
 from kvcopy.policy import (BULK_MAX_BYTES, BULK_MIN_BYTES, CopyRequest, DeviceCaps, Thresholds,
                            choose_method, depends_on_other_way, kernel_variant)
@@ -301,3 +302,18 @@ def test_a_decision_depends_on_the_other_way_only_where_the_answer_flips(block, 
     assert depends_on_other_way(asked, decision, H200) is depends
     flipped = dataclasses.replace(asked, other_way_recent=not recent)
     assert (choose_method(flipped, H200) != decision) is depends
+
+
+@pytest.mark.parametrize("requested, caller_ctas, batch_allowed, capturing, allowed", [
+    ("auto", None, True, False, True),
+    ("kernel", None, True, False, True),
+    ("batch", None, True, False, False),     # the copy engines: no launch to replay
+    ("loop", None, True, False, False),
+    ("auto", 4, True, False, False),         # a caller's CTA limit is not in a record's key
+    ("auto", None, False, False, False),     # nor is cuMemcpyBatchAsync ruled out
+    ("auto", None, True, True, False),       # a graph keeps its own launches
+])
+def test_may_replay_only_the_kernel_asked_plainly_outside_capture(requested, caller_ctas,
+                                                                  batch_allowed, capturing,
+                                                                  allowed):
+    assert policy.may_replay(requested, caller_ctas, batch_allowed, capturing) is allowed

@@ -9,11 +9,21 @@ import kvcopy
 from kvcopy import _testing
 from kvcopy._engine import replay
 from kvcopy._cuda import repeat
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.policy import Decision
 
-KEY = dict(stream=1, epoch=5, method=1, src_kinds=2, src_device=-1, dst_kinds=1, dst_device=0,
-           count=16, total_bytes=16 * 16384)
+KEY = dict(stream=1, epoch=5, method=1)
+BATCH = dict(count=16, total_bytes=16 * 16384, tiles=16, src_kinds=2, src_device=-1,
+             dst_kinds=1, dst_device=0, compact_size=0)
 LAUNCH = dict(function=0x1234, per_launch=31, ctas=4, threads=512)
+
+
+def remember(ctx: int, decision=None, **change) -> None:
+    """repeat.remember of a batch of BATCH launched as LAUNCH, either changed by ``change``."""
+    batch = {**BATCH, **{k: v for k, v in change.items() if k in BATCH}}
+    launched = {**LAUNCH, **{k: v for k, v in change.items() if k in LAUNCH}}
+    repeat.remember(ctx, **KEY, batch=DescribedBatch(**batch),
+                    launched=tuple(launched.values()), decision=decision, note=None)
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +52,10 @@ def test_the_epoch_moves_when_device_facts_change():
 def test_records_are_kept_up_to_kept_and_the_oldest_gives_way():
     decision = Decision("kernel", "test")
     for k in range(repeat.KEPT + 5):
-        repeat.remember(0x1000 + k, **KEY, **LAUNCH, decision=decision, note=None)
+        remember(0x1000 + k, decision)
     assert repeat.remembered() == repeat.KEPT
     # the same key again replaces its record instead of taking another slot
-    repeat.remember(0x1000 + repeat.KEPT + 4, **KEY, **LAUNCH, decision=decision, note=None)
+    remember(0x1000 + repeat.KEPT + 4, decision)
     assert repeat.remembered() == repeat.KEPT
     repeat.forget()
     assert repeat.remembered() == 0
@@ -57,12 +67,13 @@ def test_records_are_kept_up_to_kept_and_the_oldest_gives_way():
     (dict(count=repeat.MAX_COPIES + 1), "not a launch by value"),
     (dict(threads=100), "not a launch by value"),
     (dict(ctas=0), "not a launch by value"),
+    (dict(compact_size=4096), "not a launch by value"),   # pairs are never passed by value
 ])
 def test_remember_refuses_what_is_not_a_small_launch_by_value(change, match):
-    args = dict(ctx=0x1000, **KEY, **LAUNCH, decision=None, note=None)
-    args.update(change)
+    change = dict(change)
+    ctx = change.pop("ctx", 0x1000)
     with pytest.raises(ValueError, match=match):
-        repeat.remember(**args)
+        remember(ctx, **change)
     assert repeat.remembered() == 0
 
 
@@ -80,10 +91,7 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
         decision = Decision("kernel", "test")
         traffic_free = True
 
-    class Found:
-        src_kinds, src_device, dst_kinds, dst_device = 2, -1, 1, 0
-
-    recorded = replay.record(Target, Found, "kernel", 16, 16 * 16384, (0xBAD, 31, 4, 512))
+    recorded = replay.record(Target, DescribedBatch(**BATCH), "kernel", (0xBAD, 31, 4, 512))
     assert recorded is False
     assert repeat.remembered() == 0
 
@@ -92,6 +100,8 @@ def test_without_records_nothing_is_launched():
     src = np.arange(1, 17, dtype=np.uint64) * np.uint64(4096)
     sizes = np.full(16, 4096, np.uint64)
     before = replay.replayed()          # (counted for the whole process)
-    assert replay.launch_again(src, src + np.uint64(1 << 30), sizes, 1, "auto") is None
-    assert replay.launch_again(src, src, sizes, 1, "batch") is None   # never recorded
+    scratch = np.empty(16 * 4, np.uint64)
+    assert replay.launch_again(src, src + np.uint64(1 << 30), sizes, 1, "auto",
+                               scratch.ctypes.data) is None
+    assert replay.launch_again(src, src, sizes, 1, "batch", scratch.ctypes.data) is None
     assert replay.replayed() == before

@@ -12,6 +12,7 @@ import pytest
 import kvcopy
 from kvcopy._engine import decide, dispatch, traffic_window
 from kvcopy._cuda import classify as kv_classify
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
 from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
 
@@ -262,7 +263,8 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
     monkeypatch.setattr(dispatch, "ContextScope", FakeScope)
     monkeypatch.setattr(dispatch, "reach_peers", lambda found, method: False)
     monkeypatch.setattr(dispatch, "describe", types.SimpleNamespace(
-        DESCRIPTOR_BYTES=32, describe_copies=lambda *args: (1, 4096, *FOUND["d2h"], 1)))
+        DESCRIPTOR_BYTES=32,
+        describe_copies=lambda *args: DescribedBatch(1, 4096, 1, *FOUND["d2h"])))
     one = np.ones(1, dtype=np.uint64)
     with pytest.raises(Asked):
         dispatch.execute_arrays(one, one, one * 4096, 7)

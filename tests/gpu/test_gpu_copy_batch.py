@@ -379,8 +379,11 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     dst = np.uint64(dev.data_ptr()) + dst_off
     plan = plan_copies(src, dst, sizes)
     descs = np.zeros((len(sizes), 4), dtype=np.uint64)
-    count, total, src_kinds, src_dev, dst_kinds, dst_dev, tiles = kv_describe.describe_copies(
-        src, dst, sizes, descs.ctypes.data)
+    batch = kv_describe.describe_copies(src, dst, sizes, descs.ctypes.data)
+    count, total, tiles = batch.count, batch.total_bytes, batch.tiles
+    src_kinds, src_dev, dst_kinds, dst_dev = (batch.src_kinds, batch.src_device,
+                                              batch.dst_kinds, batch.dst_device)
+    assert batch.table == descs.ctypes.data and batch.src is src
     assert count == plan.count < int(np.count_nonzero(sizes))
     assert total == int(plan.sizes.sum())
     assert (src_kinds, src_dev) == (kv_classify.KIND_HOST_MAPPED, -1)
