@@ -29,7 +29,8 @@ import time
 import torch
 
 import kvcopy
-from kvcopy._cuda import driver as kv_driver
+from kvcopy.testing import cuda
+kv_driver = cuda.driver
 from kvcopy.bench.workloads import scattered_batch
 
 SLEEP_MS = 50

@@ -12,7 +12,8 @@ import tempfile
 import torch
 
 import kvcopy
-from kvcopy._runtime import device
+from kvcopy.testing import engine
+device = engine.device
 from kvcopy.bench.extra import bidirectional
 from kvcopy.policy import BOTH_WAYS_BATCH_MIN_BYTES
 

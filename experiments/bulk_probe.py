@@ -298,7 +298,8 @@ def sanity(kernels: dict) -> None:
         for name, kernel in kernels.items():
             batch.bulk(kernel, 4, stream)
             print(f"sanity {direction} {name}: {'ok' if batch.check() else 'WRONG'}", flush=True)
-    from kvcopy._runtime.kernels import registers_per_thread
+    from kvcopy.testing import engine
+    registers_per_thread = engine.kernels.registers_per_thread
     print(f"kvcopy kernel registers per thread: {registers_per_thread(CC[0] * 10 + CC[1])}")
 
 

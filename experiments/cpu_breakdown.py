@@ -16,7 +16,10 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy._cuda import classify as kv_classify, describe as kv_describe, driver as kv_driver, launch as kv_launch, testing as kv_testing
+from kvcopy.testing import cuda
+kv_classify, kv_describe, kv_driver, kv_launch, kv_testing = (cuda.classify, cuda.describe,
+                                                              cuda.driver, cuda.launch,
+                                                              cuda.testing)
 from kvcopy.interop.arrays import as_u64_array
 from kvcopy._plans.copies import plan_copies
 from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
@@ -71,9 +74,12 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     print(f"breakdown vectorised describe available: {kv_describe.fast_describe_available()}")
     view = np.empty_like(plan.src)
     timed("classify_pointers src", lambda: kv_classify.classify_pointers(plan.src, plan.sizes, view))
-    from kvcopy._engine import dispatch
-    from kvcopy._runtime import kernels, ring
-    from kvcopy._runtime.context import ContextScope
+    from kvcopy.testing import engine
+    dispatch = engine.dispatch
+    from kvcopy.testing import engine
+    kernels, ring = engine.kernels, engine.ring
+    from kvcopy.testing import engine
+    ContextScope = engine.context.ContextScope
     from kvcopy.interop.streams import resolve_stream
 
     handle = resolve_stream(stream)
@@ -129,7 +135,8 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
 
 def swap_blocks_breakdown(stream) -> None:
     """The steps of swap_blocks over 64 tensors and 1024 pairs."""
-    from kvcopy._engine import dispatch
+    from kvcopy.testing import engine
+    dispatch = engine.dispatch
     from kvcopy._plans.blocks import block_geometry
     from kvcopy.interop.streams import resolve_stream
 
@@ -148,10 +155,14 @@ def swap_blocks_breakdown(stream) -> None:
 def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     """The steps of one call of ``count`` host-to-GPU copies (a decode step's batch):
     which of its ~11 us are Python, which the driver."""
-    from kvcopy._engine import dispatch, replay
-    from kvcopy._runtime import kernels
-    from kvcopy._cuda import driver as kv_drv
-    from kvcopy._runtime.context import ContextScope
+    from kvcopy.testing import engine
+    dispatch, replay = engine.dispatch, engine.replay
+    from kvcopy.testing import engine
+    kernels = engine.kernels
+    from kvcopy.testing import cuda
+    kv_drv = cuda.driver
+    from kvcopy.testing import engine
+    ContextScope = engine.context.ContextScope
     from kvcopy.interop.streams import resolve_stream
 
     host = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)

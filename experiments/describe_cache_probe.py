@@ -25,9 +25,11 @@ from typing import Callable
 import torch
 
 import kvcopy
-from kvcopy._engine import decide, dispatch
-from kvcopy._runtime import kernels
-from kvcopy._cuda import describe as kv_describe, driver as kv_driver, launch as kv_launch
+from kvcopy.testing import engine
+decide, dispatch = engine.decide, engine.dispatch
+kernels = engine.kernels
+from kvcopy.testing import cuda
+kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 from kvcopy.bench.workloads import scattered_batch
 from kvcopy.interop.streams import resolve_stream
 

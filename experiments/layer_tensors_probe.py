@@ -6,7 +6,7 @@ allocations per side. kvcopy asks the driver about each allocation once per call
 and keeps the answers; measured here: copy_batch's CPU time (median of 50 calls,
 stream idle, the kernel path) for such a batch, against the same copies laid out
 in one allocation per side, and the driver questions each side's describe pass
-asked (describe_copies_answered of kvcopy._testing with no rows counts the real
+asked (describe_copies_answered of kvcopy.testing with no rows counts the real
 driver's answers).
 
 Run on a GPU: python3 scripts/layer_tensors_probe.py
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy._testing import describe_copies_answered
+from kvcopy.testing import describe_copies_answered
 
 KiB = 1 << 10
 BLOCK, BLOCKS = 16 * KiB, 8

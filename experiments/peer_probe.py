@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy._cuda import driver
+from kvcopy.testing import cuda
+driver = cuda.driver
 from kvcopy.bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20

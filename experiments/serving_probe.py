@@ -266,7 +266,8 @@ def chunks():
 
 def pair(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)):
     """copy_both_ways (one launch, CTAs split by direction) for several splits."""
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     both = BothWays()
     s1 = both.s1
@@ -294,8 +295,10 @@ def d2d_descriptors():
     per SM; GPU time against the contiguous copy. (One CTA per tile, tried on the
     H200, reached 0.86-0.87 at 16 KiB with descriptors in device memory, below four
     warp-per-tile CTAs per SM at 0.89-0.90, and was dropped.)"""
-    from kvcopy._runtime import kernels
-    from kvcopy._cuda import describe, driver, launch
+    from kvcopy.testing import engine
+    kernels = engine.kernels
+    from kvcopy.testing import cuda
+    describe, driver, launch = cuda.describe, cuda.driver, cuda.launch
 
     total = 256 * MiB
     src, dst = one_way_pools("d2d", total)
@@ -385,7 +388,8 @@ def serving_blocks(blocks=(16 * KiB, 256 * KiB, 1 * MiB), pairs=8):
 def forked(blocks=(4 * KiB, 16 * KiB)):
     """Both directions as two launches on two streams (per-direction CTAs) against
     copy_both_ways' single launch with the same split."""
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     both = BothWays()
     s1, s2 = both.s1, both.s2
@@ -421,7 +425,8 @@ def footprint_small():
 def use_split(base, h2d: int, d2h: int) -> None:
     """Make copy_both_ways on device 0 split its CTAs h2d / d2h (from thresholds ``base``)."""
     import dataclasses
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     device.set_thresholds(0, dataclasses.replace(base, both_ways_ctas={"h2d": h2d, "d2h": d2h}))
 
@@ -429,7 +434,8 @@ def use_split(base, h2d: int, d2h: int) -> None:
 def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))):
     """copy_both_ways per CTA split: both directions' GPU time against the contiguous
     pair (4 and 16 KiB), and a matmul window's slowdown beside it (alternating pairs)."""
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
     from kvcopy.bench import beside
 
     both = BothWays()
@@ -570,7 +576,8 @@ def dma_attrs(blocks=(4 * KiB, 16 * KiB, 64 * KiB)):
     copy of one call over 64 MiB of scattered blocks (the copy then waited for, not
     timed) and wall GB/s (call to completion), per source access order, flag and
     location hint, one way each, in torch's pinned memory and in kvcopy's."""
-    from kvcopy._cuda import dma
+    from kvcopy.testing import cuda
+    dma = cuda.dma
     stream = torch.cuda.Stream()
     handle = stream.cuda_stream
     dev = torch.cuda.current_device()
@@ -612,8 +619,10 @@ def compact(blocks=(2 * KiB, 4 * KiB, 16 * KiB), rounds=3):
     batches of one block size, in the same process: wall (call to completion,
     median of 50) as a fraction of the contiguous copy's, each way, the two
     variants alternating ``rounds`` times; and GPU time once each."""
-    from kvcopy._engine import dispatch
-    from kvcopy._cuda import describe
+    from kvcopy.testing import engine
+    dispatch = engine.dispatch
+    from kvcopy.testing import cuda
+    describe = cuda.describe
 
     def full_descriptors(src, dst, sizes, out, merge):
         return describe.describe_copies(src, dst, sizes, out, merge)

@@ -32,9 +32,11 @@ import torch
 from cuda.bindings import driver as cu
 
 import kvcopy
-from kvcopy._engine import decide, dispatch
-from kvcopy._runtime import kernels
-from kvcopy._cuda import describe as kv_describe, driver as kv_driver, launch as kv_launch
+from kvcopy.testing import engine
+decide, dispatch = engine.decide, engine.dispatch
+kernels = engine.kernels
+from kvcopy.testing import cuda
+kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 from kvcopy.bench.scenarios import Pools, scattered_offsets
 
 TOTAL = 64 << 20

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 try:
-    import kvcopy._cuda.driver  # noqa: F401 - the built Cython layer
+    import kvcopy.testing  # noqa: F401 - the built Cython layer, through the test seam
 except ImportError as exc:
     pytest.exit(
         f"kvcopy cannot be imported here ({exc}). Its Cython modules are built at install: run "
@@ -31,7 +31,8 @@ def gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     try:
-        from kvcopy._cuda import driver as kv_driver
+        from kvcopy.testing import cuda
+        kv_driver = cuda.driver
 
         kv_driver.init()
     except Exception as exc:  # noqa: BLE001 - any failure means no GPU here
@@ -77,11 +78,35 @@ def torch_current_stream_kept():
 
 
 @pytest.fixture(autouse=True)
+def settings_kept():
+    """A test assigns kvcopy.config's settings as a user would; each one it changed is
+    put back after it."""
+    from kvcopy.config import config
+
+    before = {name: getattr(config, name) for name in config.__dict__}
+    yield
+    for name, value in before.items():
+        if getattr(config, name) != value:
+            setattr(config, name, value)
+
+
+@pytest.fixture
+def seams():
+    """Where a test enters kvcopy.testing's seams (fake_cuda, fake_runtime, ...): each
+    is left when the test ends."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture(autouse=True)
 def device_thresholds_kept():
     """A test that calibrates (or sets thresholds) leaves the process's thresholds as it
     found them: a calibration measured on a small budget may find, say, that the copy
     engines never keep up both ways, and every later test would be decided by that."""
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     before = dict(device._thresholds)
     yield

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""Entry points for kvcopy's own tests and probes (see kvcopy._testing): the
+"""Entry points for kvcopy's own tests and probes (see kvcopy.testing): the
 describe pass with memory ranges known in advance, or with seeded answers standing
 in for the driver, so that it runs on a CPU."""
 

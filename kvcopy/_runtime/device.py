@@ -66,7 +66,7 @@ def device_info(ordinal: int) -> DeviceInfo:
 
 def override_capabilities(**caps: bool | int) -> None:
     """Make every device report these DeviceCaps fields (no arguments: the real
-    ones again). For tests of old drivers and missing features; see kvcopy._testing."""
+    ones again). For tests of old drivers and missing features; see kvcopy.testing."""
     global generation
     unknown = set(caps) - {f.name for f in dataclasses.fields(DeviceCaps)}
     if unknown:

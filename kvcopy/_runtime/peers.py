@@ -16,6 +16,13 @@ _attempted: set[tuple[int, int]] = set()   # (context key, peer device) asked on
 _enabled_here: set[tuple[int, int]] = set()  # ... where access is now enabled
 
 
+def forget() -> None:
+    """Forget which peer access was asked for and enabled (tests; a process whose
+    contexts were all reset)."""
+    _attempted.clear()
+    _enabled_here.clear()
+
+
 def peers_of(ordinals: Iterable[int], here: int) -> list[int]:
     """The devices other than ``here`` among classify's ordinals (-1: no device
     memory, -2: several devices, so every device is a candidate)."""

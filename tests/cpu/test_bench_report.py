@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kvcopy._engine import decide
+from kvcopy.testing import engine
+decide = engine.decide
 from kvcopy.bench import report
 
 
@@ -114,13 +115,12 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
 @pytest.mark.parametrize("decision, copier", [
     (("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"),
     (("batch", ""), ""), (None, "")])
-def test_rows_name_the_copier_only_where_the_kernel_ran(monkeypatch, decision, copier):
-    from kvcopy._engine import dispatch
+def test_rows_name_the_copier_only_where_the_kernel_ran(decision, copier):
     from kvcopy.bench.scenarios import last_copier, last_method
     from kvcopy.policy import Decision
 
     made = Decision(decision[0], "faked", decision[1]) if decision else None
-    monkeypatch.setattr(decide._last, "decision", made, raising=False)
+    decide.note_decision(made)
     assert last_copier() == copier
     assert last_method() == (decision[0] if decision else "")
 

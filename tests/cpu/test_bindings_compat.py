@@ -14,7 +14,10 @@ import pytest
 
 CHILD = r"""
 import cuda.bindings, kvcopy
-from kvcopy._cuda import classify, describe, dma, driver as d, launch, testing
+from kvcopy.testing import cuda as layer
+classify, describe, dma, d, launch = (layer.classify, layer.describe, layer.dma, layer.driver,
+                                      layer.launch)
+testing = layer.testing
 print("bindings", cuda.bindings.__version__)
 try:
     d.init()
@@ -39,6 +42,9 @@ def test_driver_module_under_current_bindings():
     import cuda.bindings
 
     # the imports themselves check every cimported signature
-    from kvcopy._cuda import classify, describe, dma, driver, launch, testing  # noqa: F401
+    from kvcopy.testing import cuda as layer
+    classify, describe, dma, driver, launch = (layer.classify, layer.describe, layer.dma,
+                                               layer.driver, layer.launch)
+    testing = layer.testing
 
     assert int(cuda.bindings.__version__.split(".")[0]) in (12, 13)

@@ -11,20 +11,24 @@ from __future__ import annotations
 
 
 import numpy as np
+
+import kvcopy
 import pytest
 
-from kvcopy import policy
-from kvcopy._engine import both_ways, dispatch, staged
-from kvcopy._runtime import kernels, ring
-from kvcopy._cuda import classify as kv_classify
-from kvcopy._cuda import describe as kv_describe
-from kvcopy._cuda import launch as kv_launch
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+both_ways, dispatch, staged = engine.both_ways, engine.dispatch, engine.staged
+kernels, ring = engine.kernels, engine.ring
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
+kv_describe = cuda.describe
+kv_launch = cuda.launch
 from kvcopy._plans.blocks import plan_blocks
-from kvcopy._engine.decide import MemoryClasses
+MemoryClasses = engine.decide.MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import Thresholds
 
-from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
+from helpers.cpu_fakes import FakeCaptureDriver, FakeClassify, FakeScope
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -68,26 +72,23 @@ class Fake(FakeCaptureDriver):
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0) -> Fake:
+def fake(seams):
+    """make(classes, capturing, staging): a Fake for the driver layer, its tensors
+    classified as ``classes`` (the store's, then the load's, per classification), the
+    copy kernel loaded, the ring reserving SLOT, ``staging`` as the staging buffers."""
+    def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0,
+             staging: object = None) -> Fake:
         rec = Fake(capturing)
-        fake_cuda_calls(monkeypatch, rec, ("driver",))
-        monkeypatch.setattr(both_ways, "driver", rec)
-        monkeypatch.setattr(both_ways, "launch", rec)
-        monkeypatch.setattr(both_ways, "describe", rec)
-        monkeypatch.setattr(both_ways.config, "launch_bytes", 0)   # one launch
-        monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
+        seams.enter_context(testing.fake_cuda(rec, ("driver", "launch", "describe")))
+        kvcopy.config.launch_bytes = 0   # one launch
         found = iter(classes * 4)   # the store's classes, then the load's, per classification
         rec.classes = found
 
-        def classify_tensors(plan, src_view, dst_view):
-            src_view[:] = plan.geometry.src_base   # the device's view of each base
-            dst_view[:] = plan.geometry.dst_base
-            return next(found)
-        monkeypatch.setattr(dispatch, "classify_tensors", classify_tensors)
-        fake_device(monkeypatch, kernel=kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                           kv_launch.INLINE_MAX, None),
-                    slot=SLOT, ring_driver=rec)
+        seams.enter_context(testing.fake_cuda(FakeClassify(found), ("classify",)))
+        seams.enter_context(testing.fake_runtime(
+            copy_kernel=kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
+                                           None),
+            slot=SLOT, staging=staging, scope=FakeScope))
         return rec
     return make
 
@@ -124,7 +125,7 @@ def test_kernel_sides_are_one_launch_with_each_sides_table_ids_and_ctas(fake):
 
 @pytest.mark.parametrize("case", ["copy engines", "capture", "two devices", "peer",
                                   "batch", "empty side", "no driver"])
-def test_elsewhere_nothing_is_issued_and_the_per_copy_path_runs(fake, monkeypatch, case):
+def test_elsewhere_nothing_is_issued_and_the_per_copy_path_runs(fake, seams, case):
     classes = {"two devices": (GPU1_TO_HOST, HOST_TO_GPU),
                "peer": (GPU_TO_PEER, HOST_TO_GPU)}.get(case, (GPU_TO_HOST, HOST_TO_GPU))
     rec = fake(classes, capturing=int(case == "capture"))
@@ -133,7 +134,7 @@ def test_elsewhere_nothing_is_issued_and_the_per_copy_path_runs(fake, monkeypatc
     if case == "no driver":
         def no_driver(handle):
             raise NoDriverError("no CUDA driver")
-        monkeypatch.setattr(both_ways, "ContextScope", no_driver)
+        seams.enter_context(testing.fake_runtime(scope=no_driver))
     method = "batch" if case == "batch" else "auto"
     assert both_ways.execute_blocks_both(store, load, HANDLE, method) is None
     assert rec.calls == []
@@ -189,10 +190,9 @@ def test_copy_both_ways_stages_both_sides_or_neither(fake, monkeypatch):
     class Buffers:
         def ensure(self, chunk_bytes: int) -> bool:
             return True
-    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
     block = 16 << 10
     count = policy.STAGING_MIN_BYTES // block
-    rec = fake((GPU_TO_HOST, HOST_TO_GPU))
+    rec = fake((GPU_TO_HOST, HOST_TO_GPU), staging=Buffers())
     sides = fused(long_span(count, block, "dst"), long_span(count, block, "src"))
     assert isinstance(sides, list) and [s.direction for s in sides] == ["d2h", "h2d"]
     assert [s.name for s in sides] == ["store", "load"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcopy._cuda import launch
+from kvcopy.testing import cuda
+launch = cuda.launch
 
 ROW = launch.BLOCK_TENSOR_BYTES   # one kvcopy_block_tensor: six 64-bit fields
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import policy
-from kvcopy._engine import both_ways
-from kvcopy._runtime import side_streams
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+both_ways = engine.both_ways
+side_streams = engine.side_streams
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, Thresholds
 from helpers.cpu_fakes import FakeScope
@@ -56,14 +57,14 @@ class Recorder:
 
 
 @pytest.fixture
-def record(monkeypatch):
+def record(monkeypatch, seams):
     def install(**kw) -> Recorder:
         rec = Recorder(**kw)
-        monkeypatch.setattr(both_ways, "driver", rec)
-        monkeypatch.setattr(both_ways, "dma", rec)
+        seams.enter_context(testing.fake_cuda(rec, ("driver", "dma")))
+        seams.enter_context(testing.fake_runtime(scope=FakeScope,
+                                                 side_stream=lambda handle, index=0: SIDE))
+        # each side apart, and the fused launch's answer, as the test sets them
         monkeypatch.setattr(both_ways.dispatch, "execute_copies", rec.execute_copies)
-        monkeypatch.setattr(both_ways, "ContextScope", FakeScope)
-        monkeypatch.setattr(both_ways.side_streams, "for_caller", lambda handle, index=0: SIDE)
         monkeypatch.setattr(both_ways, "_fused", lambda *a: rec.fused)
         return rec
     return install
@@ -136,7 +137,7 @@ def test_a_failing_chunk_names_its_side_and_the_callers_index_and_still_joins(re
     assert rec.calls[-2:] == [f"batch 65+6 on {SIDE:#x}", f"{HANDLE:#x} waits for {SIDE:#x}"]
 
 
-def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
+def test_each_callers_stream_has_a_side_stream_of_its_own(seams):
     """Callers on different streams (threads of an engine) never share a side stream,
     so none waits for another's side work; past the limit they share by handle,
     and no stream is created twice for one caller."""
@@ -150,7 +151,7 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
             made.append(next(created))
             return made[-1]
 
-    monkeypatch.setattr(side_streams, "driver", FakeDriver)
+    seams.enter_context(testing.fake_cuda(FakeDriver, ("driver",)))
     sides = side_streams.SideStreams()
     first, second = sides.for_caller(0x10), sides.for_caller(0x20)
     assert first != second
@@ -168,11 +169,13 @@ def test_each_callers_stream_has_a_side_stream_of_its_own(monkeypatch):
     assert len(made) == policy.MAX_SIDE_STREAMS
 
 
-def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeypatch):
+def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(seams):
     """Each launch takes slice k of each batch where it was described (the fused kernel
     takes the second batch's own address): the table is left as it is."""
-    from kvcopy._runtime import ring
-    from kvcopy._cuda import describe
+    from kvcopy.testing import engine
+    ring = engine.ring
+    from kvcopy.testing import cuda
+    describe = cuda.describe
 
     count_a, count_b = 10, 7
     table = np.zeros((count_a + count_b, 4), dtype=np.uint64)
@@ -188,7 +191,7 @@ def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeyp
                         stream, upload_from, descs_b):
             launches.append((descs, n_a, tiles_a, ctas_a, descs_b, n_b, tiles_b, ctas_b,
                              upload_from))
-    monkeypatch.setattr(both_ways, "launch", FakeLaunch)
+    seams.enter_context(testing.fake_cuda(FakeLaunch, ("launch",)))
     both_ways._launch_in_slices(9, slot, count_a, count_b, (8, 1), 3, HANDLE)
     entry = describe.DESCRIPTOR_BYTES
     # slices of 4, 4, 2 (A, from descriptor 0) and 3, 3, 1 (B, from descriptor 10)
@@ -198,9 +201,11 @@ def test_one_tile_batches_past_launch_bytes_go_as_slices_of_both_in_step(monkeyp
     np.testing.assert_array_equal(table, before)
 
 
-def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(monkeypatch):
-    from kvcopy._runtime import ring
-    from kvcopy._cuda import describe
+def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(seams):
+    from kvcopy.testing import engine
+    ring = engine.ring
+    from kvcopy.testing import cuda
+    describe = cuda.describe
 
     slot = ring.Slot(capacity=1 << 20, host=0x9000, mapped=0x2000, device=0x3000, event=0x77)
     launches = []
@@ -209,7 +214,7 @@ def test_a_side_shorter_than_the_launches_leaves_the_last_ones_empty(monkeypatch
         @staticmethod
         def launch_both(*args):
             launches.append(args)
-    monkeypatch.setattr(both_ways, "launch", FakeLaunch)
+    seams.enter_context(testing.fake_cuda(FakeLaunch, ("launch",)))
     both_ways._launch_in_slices(9, slot, 9, 2, (8, 1), 3, HANDLE)
     entry = describe.DESCRIPTOR_BYTES
     assert [(call[1], call[2], call[5], call[11]) for call in launches] == [

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcopy._cuda import classify as kv_classify, testing as kv_testing
+from kvcopy.testing import cuda
+kv_classify, kv_testing = cuda.classify, cuda.testing
 
 from helpers.described import described_fields
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy._cuda import classify as kv_classify
-from kvcopy import policy
-from kvcopy._engine import decide
-from kvcopy._runtime import device
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+decide = engine.decide
+device = engine.device
 from kvcopy.interop.streams import STREAM_LEGACY
 from kvcopy.policy import DeviceCaps, Thresholds
-from helpers.cpu_fakes import FakeCaptureDriver, fake_cuda_calls, fake_device
+from helpers.cpu_fakes import FakeCaptureDriver
 
 MiB = 1 << 20
 H2D = decide.MemoryClasses(kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -25,7 +27,7 @@ class Questions(list):
 
 
 @pytest.fixture
-def asked(monkeypatch):
+def asked(monkeypatch, seams):
     """Fresh engine and device state; returns the list of questions the policy got."""
     questions = Questions()
     real = policy.choose_method
@@ -34,11 +36,10 @@ def asked(monkeypatch):
         questions.append(request)
         return real(request, caps, thresholds, requested)
 
-    fake = FakeCaptureDriver()
-    fake_cuda_calls(monkeypatch, fake, ("driver",))
+    fake = seams.enter_context(testing.fake_cuda(FakeCaptureDriver(), ("driver",)))
     monkeypatch.setattr(decide, "choose_method", counting)
     monkeypatch.setattr(policy, "choose_method", counting)   # (depends_on_other_way's question)
-    fake_device(monkeypatch)
+    seams.enter_context(testing.fake_runtime())
     questions.driver = fake
     return questions
 
@@ -95,7 +96,8 @@ def test_memory_of_another_gpu_is_a_peer_copy(asked):
 
 
 def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
-    from kvcopy._runtime import peers
+    from kvcopy.testing import engine
+    peers = engine.peers
 
     monkeypatch.setattr(peers, "why_unreachable", lambda here, found: f"peers {found} from {here}")
     peer = decide.MemoryClasses(kv_classify.KIND_PEER_UNMAPPED, 1, kv_classify.KIND_DEVICE, 0)
@@ -111,7 +113,7 @@ def test_peer_copies_get_their_own_cta_budget(asked, monkeypatch):
     peer = decide.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_PEER, 1)
     target = decide.decide(7, "auto", 64, 64 * 16384, peer, capturing=False)
     assert target.ctas(None) == min(policy.PEER_CTAS, DeviceCaps().sm_count)
-    monkeypatch.setattr(config, "peer_ctas", 12)
+    config.peer_ctas = 12
     assert target.ctas(None) == 12 and target.ctas(3) == 3
 
 
@@ -120,10 +122,10 @@ def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
 
     store = decide.MemoryClasses(kv_classify.KIND_DEVICE, 0, kv_classify.KIND_HOST_MAPPED, -1)
     assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
-    monkeypatch.setattr(config, "stores_by_dma", True)
+    config.stores_by_dma = True
     assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "batch"
     assert asked[-1].stores_by_dma and asked[-1].direction == "d2h"
-    monkeypatch.setattr(config, "stores_by_dma", False)
+    config.stores_by_dma = False
     assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
     assert len(asked) == 2   # the first answer was remembered
 
@@ -137,9 +139,10 @@ def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block
     """kvcopy._engine.replay replays only launches whose decision the other direction's
     traffic cannot change (Target.traffic_free), asked once per question."""
     from kvcopy import config
-    from kvcopy._engine import traffic_window
+    from kvcopy.testing import engine
+    traffic_window = engine.traffic_window
 
-    monkeypatch.setattr(config, "traffic_window_ms", 50)
+    config.traffic_window_ms = 50
     traffic_window.forget()
     target = decide.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
     again = decide.decide(7, method, 16, 16 * block, H2D, note_traffic=True)
@@ -153,9 +156,10 @@ def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
     """Whether traffic could change the answer matters only to replays, so a batch
     larger than any record is asked once, and says it was not asked."""
     from kvcopy import config
-    from kvcopy._engine import replay, traffic_window
+    from kvcopy.testing import engine
+    replay, traffic_window = engine.replay, engine.traffic_window
 
-    monkeypatch.setattr(config, "traffic_window_ms", 50)
+    config.traffic_window_ms = 50
     traffic_window.forget()
     count = replay.MAX_COPIES + 1
     target = decide.decide(7, "auto", count, count * 16384, H2D, note_traffic=True)

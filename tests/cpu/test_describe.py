@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch, testing as kv_testing
+from kvcopy.testing import cuda
+kv_classify, kv_describe, kv_launch, kv_testing = (cuda.classify, cuda.describe, cuda.launch,
+                                                   cuda.testing)
 from kvcopy._plans.copies import plan_copies
 
 from helpers.described import described_fields

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy._runtime import context
-from kvcopy._engine.decide import memory_owner
+from kvcopy import testing
+
+from kvcopy.testing import engine
+context = engine.context
+memory_owner = engine.decide.memory_owner
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 PRIMARY = {0: 0x1000, 1: 0x2000}
@@ -47,11 +50,9 @@ class FakeContextDriver:
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(seams):
     def make(current: int = 0) -> FakeContextDriver:
-        driver = FakeContextDriver(current)
-        monkeypatch.setattr(context, "driver", driver)
-        return driver
+        return seams.enter_context(testing.fake_cuda(FakeContextDriver(current), ("driver",)))
     return make
 
 

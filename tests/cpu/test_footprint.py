@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from kvcopy._engine import decide, dispatch
-from kvcopy._runtime import device
+from kvcopy.testing import engine
+decide, dispatch = engine.decide, engine.dispatch
+device = engine.device
 from kvcopy.config import config
 from kvcopy.calibrate import _next_threshold
 from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest, Decision, DeviceCaps,
@@ -52,11 +53,11 @@ def _target(direction: str, thresholds: Thresholds) -> decide.Target:
 
 def test_config_host_ctas_overrides_the_device_default(monkeypatch):
     target = _target("d2h", Thresholds(host_ctas={"h2d": 4, "d2h": 2}))
-    monkeypatch.setattr(config, "host_ctas", None)
+    config.host_ctas = None
     assert target.ctas(None) == 2
     assert target.ctas(None, both_ways=True) == BOTH_WAYS_CTAS["d2h"]
     assert target.ctas(9) == 9
-    monkeypatch.setattr(config, "host_ctas", 12)
+    config.host_ctas = 12
     assert target.ctas(None) == 12
 
 
@@ -116,16 +117,22 @@ def test_crossover_is_where_dma_keeps_up_from_then_on():
     assert _next_threshold(float("inf"), 4096, {"kernel": 1.0}) == float("inf")
 
 
-def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None):
+def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None,
+                    engines_reached: bool = True):
     """calibrate's both-ways measurement against a faked engine: 'kernel' runs the
     pair, 'auto' runs the engines only where the thresholds passed set the crossover
-    to 0; times per block from ``batch_ms``. Returns the calls seen (method, the
-    crossover passed, the device's crossover meanwhile)."""
+    to 0 (never, without ``engines_reached``: the crossover ignored); times per block
+    from ``batch_ms``. Returns the calls seen (method, the crossover passed, the
+    device's crossover meanwhile)."""
     calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
 
     seen = []
 
     def execute_both(store, load, stream, method, thresholds=None):
+        current["block"] = int(store[2][0])   # (every copy of a scattered plan is one block)
+        if not engines_reached:
+            seen.append((method, None, None))
+            return "kernel", "kernel"
         crossover = (thresholds or device.thresholds(0)).both_ways_batch_min_bytes
         seen.append((method, crossover, device.thresholds(0).both_ways_batch_min_bytes))
         if fail_at is not None and int(store[2][0]) == fail_at:
@@ -141,14 +148,8 @@ def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at
         return kernel_ms if method == "kernel" else batch_ms[block]
 
     current = {}
-    real_plan = calibrate._scattered_plan
-
-    def scattered_plan(src, dst, block, total, rng):
-        current["block"] = block
-        return real_plan(src, dst, block, total, rng)
     monkeypatch.setattr(calibrate, "execute_both", execute_both)
     monkeypatch.setattr(calibrate, "_median_ms", median_ms)
-    monkeypatch.setattr(calibrate, "_scattered_plan", scattered_plan)
     return seen
 
 
@@ -193,12 +194,8 @@ def test_both_ways_engines_unavailable_keep_the_kernel_pair(monkeypatch):
     calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
 
     device.set_thresholds(0, Thresholds())
-    seen = _fake_both_ways(monkeypatch, {})
     # 'auto' that does not reach the engines (here: the crossover ignored) is not timed
-    monkeypatch.setattr(calibrate, "execute_both",
-                        lambda store, load, stream, method, thresholds=None:
-                        seen.append((method, None, None))
-                        or ("kernel", "kernel"))
+    _fake_both_ways(monkeypatch, {}, engines_reached=False)
     try:
         found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
                                                          (1, 2), 3, np.random.default_rng(0))

@@ -135,7 +135,7 @@ def test_a_masked_array_is_refused():
 
 
 def test_pinned_empty_keeps_a_structured_dtype():
-    pytest.importorskip("kvcopy._cuda.driver")
+    pytest.importorskip("kvcopy.testing")
     dtype = np.dtype([("k", np.float16, 4), ("v", np.float16, 4)])
     try:
         arr = kvcopy.pinned_empty(3, dtype)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy._runtime import kernels
-from kvcopy._cuda import launch
+from kvcopy import testing
+from kvcopy.testing import engine
+kernels = engine.kernels
+from kvcopy.testing import cuda
+launch = cuda.launch
 from kvcopy.config import MAX_THREADS_PER_CTA
 
 BULK_ENTRIES = {"kvcopy_bulk_scatter", "kvcopy_bulk_pairs", "kvcopy_bulk_inline",
@@ -58,8 +61,9 @@ def test_disk_cache_is_reused(tmp_path, monkeypatch):
     files = list(tmp_path.glob("copy_kernel-sm90-*.cubin"))
     assert len(files) == 1 and files[0].read_bytes().endswith(first)
     compiled = []
-    monkeypatch.setattr(kernels, "compile_cubin", lambda arch: compiled.append(arch) or b"x")
-    assert kernels.cached_cubin(90) == first   # read from disk: nothing compiled
+    with testing.fake_compiler(lambda arch: compiled.append(arch) or b"x",
+                               kernels.nvrtc_version()):
+        assert kernels.cached_cubin(90) == first   # read from disk: nothing compiled
     assert compiled == []
 
 

@@ -10,18 +10,22 @@ from __future__ import annotations
 import types
 
 import numpy as np
+
+import kvcopy
 import pytest
 
-from kvcopy import policy
-from kvcopy._engine import decide, dispatch, staged
-from kvcopy._runtime import device, kernels, ring
-from kvcopy._cuda import classify as kv_classify
-from kvcopy._cuda import describe as kv_describe
-from kvcopy._cuda.describe import DescribedBatch
-from kvcopy._cuda import launch as kv_launch
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+decide, dispatch, staged = engine.decide, engine.dispatch, engine.staged
+device, kernels, ring = engine.device, engine.kernels, engine.ring
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
+kv_describe = cuda.describe
+DescribedBatch = cuda.describe.DescribedBatch
+kv_launch = cuda.launch
 from kvcopy.policy import DeviceCaps
 
-from helpers.cpu_fakes import FakeRing, FakeScope, fake_cuda_calls, fake_device
+from helpers.cpu_fakes import FakeClassify, FakeScope
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -88,26 +92,39 @@ class FakeCuda:
     def event_record(self, event: int, stream: int) -> None:
         self.calls.append(("fence", event, stream))
 
+    # kvcopy._cuda.dma: every copy planned as it is
+    def plan_dma(self, src, dst, sizes, merge):
+        self.calls.append(("plan_dma", len(sizes), merge))
+        return src, dst, sizes, np.arange(len(sizes), dtype=np.int64)
+
+    def memcpy_loop(self, dst, src, sizes, stream):
+        self.calls.append(("memcpy_loop", len(sizes), int(src[0]), stream))
+
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
+def fake_cuda(seams):
+    """make(kinds, compact_size, ...): a FakeCuda for the driver layer, device 0 an H200
+    (bulk copy where asked) whose ring reserves ``slot`` and whose staging buffers are
+    ``staging``, calls entering a scope that stays put."""
     def make(kinds: tuple, compact_size: int, tiles_per_copy: int = 1,
-             bulk_copy: bool = False) -> FakeCuda:
+             bulk_copy: bool = False, slot: ring.Slot = SLOT, staging: object = None
+             ) -> FakeCuda:
         fake = FakeCuda(kinds, compact_size, tiles_per_copy)
-        fake_cuda_calls(monkeypatch, fake)
+        # (the ring's fence records an event: the fake's too)
+        seams.enter_context(testing.fake_cuda(fake, ("driver", "describe", "launch", "dma")))
         kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, BULK)
-        # (the ring's fence records an event)
-        fake_device(monkeypatch, DeviceCaps(bulk_copy=bulk_copy), kernel=kernel, slot=SLOT,
-                    ring_driver=fake)
+        seams.enter_context(testing.fake_runtime(
+            caps=DeviceCaps(bulk_copy=bulk_copy), copy_kernel=kernel, slot=slot,
+            staging=staging, scope=FakeScope))
         return fake
     return make
 
 
 @pytest.fixture(autouse=True)
-def one_launch_by_default(monkeypatch):
+def one_launch_by_default():
     """The tests below that do not test launch_bytes see every batch as one launch."""
-    monkeypatch.setattr(dispatch.config, "launch_bytes", 0)
+    kvcopy.config.launch_bytes = 0
 
 
 def run(count: int, size: int = 4096) -> str:
@@ -169,8 +186,8 @@ def test_batches_of_one_launch_by_value_keep_full_descriptors(fake_cuda, count):
     (16384, kv_launch.INLINE_MAX, ("launch_descs_inline", BULK.inline, kv_launch.INLINE_MAX))])
 def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
         fake_cuda, monkeypatch, compact_size, count, call):
-    monkeypatch.setattr(dispatch.config, "bulk_ctas", None)
-    monkeypatch.setattr(dispatch.config, "bulk_stores", True)
+    kvcopy.config.bulk_ctas = None
+    kvcopy.config.bulk_stores = True
     fake = fake_cuda(GPU_TO_HOST, compact_size, bulk_copy=True)
     assert run(count, 16384) == "kernel"
     assert call in fake.calls
@@ -179,7 +196,7 @@ def test_gpu_to_host_batches_use_the_bulk_copier_where_the_device_has_one(
 
 
 def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
-    monkeypatch.setattr(dispatch.config, "bulk_ctas", 6)
+    kvcopy.config.bulk_ctas = 6
     fake = fake_cuda(GPU_TO_HOST, 16384, bulk_copy=True)
     run(2000, 16384)
     src = np.arange(2000, dtype=np.uint64) * np.uint64(32768) + np.uint64(0x10000)
@@ -195,21 +212,21 @@ def test_bulk_ctas_and_max_ctas_set_the_bulk_launch(fake_cuda, monkeypatch):
     (HOST_TO_GPU, True, True, 16384)])     # loads from host memory stay on registers
 def test_other_batches_keep_the_register_copier(fake_cuda, monkeypatch, kinds, bulk_copy,
                                                 bulk_stores, size):
-    monkeypatch.setattr(dispatch.config, "bulk_stores", bulk_stores)
-    monkeypatch.setattr(dispatch.config, "host_ctas", None)
+    kvcopy.config.bulk_stores = bulk_stores
+    kvcopy.config.host_ctas = None
     fake = fake_cuda(kinds, size, bulk_copy=bulk_copy)
     assert run(2000, size) == "kernel"
     assert fake.calls[1] == ("launch_compact", 8, SLOT.mapped, 2000, size, 0)
     direction = "d2h" if kinds == GPU_TO_HOST else "h2d"
-    assert fake.shapes == [(policy.HOST_CTAS[direction], dispatch.config.threads_per_cta)]
+    assert fake.shapes == [(policy.HOST_CTAS[direction], kvcopy.config.threads_per_cta)]
     assert decide.last_decision().variant == "registers"
 
 
 @pytest.mark.parametrize("kinds", [HOST_TO_GPU, GPU_TO_HOST])
 def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cuda, monkeypatch,
                                                                        kinds):
-    monkeypatch.setattr(dispatch.config, "launch_bytes", 600 * 16384)
-    monkeypatch.setattr(dispatch.config, "bulk_stores", False)
+    kvcopy.config.launch_bytes = 600 * 16384
+    kvcopy.config.bulk_stores = False
     fake = fake_cuda(kinds, 16384)
     assert run(2000, 16384) == "kernel"
     entry = kv_describe.COMPACT_BYTES
@@ -223,7 +240,7 @@ def test_pairs_past_launch_bytes_go_out_as_slices_of_the_table_in_order(fake_cud
 
 def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_counts(
         fake_cuda, monkeypatch):
-    monkeypatch.setattr(dispatch.config, "launch_bytes", 1000 * 4096)
+    kvcopy.config.launch_bytes = 1000 * 4096
     fake = fake_cuda(HOST_TO_GPU, 0)
     assert run(2500) == "kernel"
     entry = kv_describe.DESCRIPTOR_BYTES
@@ -235,7 +252,7 @@ def test_one_tile_descriptors_past_launch_bytes_are_sliced_with_their_own_tile_c
 
 
 def test_batches_between_gpus_stay_one_launch_past_launch_bytes(fake_cuda, monkeypatch):
-    monkeypatch.setattr(dispatch.config, "launch_bytes", 100 * 4096)
+    kvcopy.config.launch_bytes = 100 * 4096
     fake = fake_cuda(GPU_TO_PEER, 0)
     assert run(2000) == "kernel"
     launches = [call for call in fake.calls if call[0].startswith("launch")]
@@ -254,9 +271,8 @@ def test_copies_of_several_tiles_are_sliced_with_tiles_counted_from_0_per_slice(
     table[:, 3] = np.arange(count, dtype=np.uint64) * per_copy   # as describe_copies numbers them
     slot = ring.Slot(capacity=1 << 20, host=table.ctypes.data, mapped=0x2000, device=0x3000,
                      event=0x77)
-    monkeypatch.setattr(dispatch.config, "launch_bytes", 600 * 3 * 16384)   # 600 copies a slice
-    fake = fake_cuda(HOST_TO_GPU, 0, tiles_per_copy=per_copy)
-    monkeypatch.setattr(ring, "ring_for_current_context", lambda: FakeRing(slot))
+    kvcopy.config.launch_bytes = 600 * 3 * 16384   # 600 copies a slice
+    fake = fake_cuda(HOST_TO_GPU, 0, tiles_per_copy=per_copy, slot=slot)
     assert run(count, 3 * 16384) == "kernel"
     entry = kv_describe.DESCRIPTOR_BYTES
     launches = [call for call in fake.calls if call[0] in ("upload", "launch_descs")]
@@ -273,13 +289,11 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
     """A batch of STAGING_MIN_BYTES whose host side is one span is checked by the
     describe pass, then handed to kvcopy._engine.staged (nothing launched or fenced here);
     'kernel' or a CTA limit keep the kernel, and so does a scattered host side."""
-    fake = fake_cuda(HOST_TO_GPU, 4096)
-    handed: list[tuple] = []
-
     class Buffers:
         def ensure(self, chunk_bytes: int) -> bool:
             return True
-    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    fake = fake_cuda(HOST_TO_GPU, 4096, staging=Buffers())
+    handed: list[tuple] = []
     monkeypatch.setattr(staged, "run", lambda handle, batches, cc, version:
                         handed.append((handle, batches, cc)))
     size = 4096
@@ -347,21 +361,10 @@ def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypat
     function = 7 if count <= kv_launch.INLINE_MAX_TINY else 6    # tiny, small (CopyKernel above)
     per_launch = (kv_launch.INLINE_MAX_TINY if count <= kv_launch.INLINE_MAX_TINY
                   else kv_launch.INLINE_MAX_SMALL)
-    ctas, threads = policy.HOST_CTAS["h2d"], dispatch.config.threads_per_cta
+    ctas, threads = policy.HOST_CTAS["h2d"], kvcopy.config.threads_per_cta
     assert memory.recorded == ([("auto", count, count * 4096, (function, per_launch, ctas,
                                                                 threads))]
                                if recorded else [])
-
-
-class EnteredScope(FakeScope):
-    def __init__(self, handle: int) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def described_by_replay(descs_out: int, sizes: np.ndarray) -> DescribedBatch:
@@ -375,7 +378,6 @@ def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     memory = Remembered(replay)
     for module in (decide, dispatch):
         monkeypatch.setattr(module, "replay", memory)
-    monkeypatch.setattr(dispatch, "ContextScope", EnteredScope)
     src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
     sizes = np.full(16, 4096, dtype=np.uint64)
     decide._last.decision = None
@@ -398,13 +400,14 @@ def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
 
 class PlannedBlocks:
     """A swap_blocks plan of ``count`` 4 KiB blocks from host to GPU, as execute_blocks reads
-    it (its memory is classified per tensor by a fake of classify_tensors)."""
+    it (its memory is classified per tensor by blocks_path's FakeClassify)."""
 
     def __init__(self, count: int) -> None:
         self.num_pairs = self.num_copies = count
         self.total_bytes = count * 4096
         base = np.zeros(1, dtype=np.uint64)
-        self.geometry = types.SimpleNamespace(src_base=base, dst_base=base, producer_streams=())
+        self.geometry = types.SimpleNamespace(src_base=base, dst_base=base, src_extent=base,
+                                              dst_extent=base, producer_streams=())
         self.src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
         self.arrays_made = 0
 
@@ -415,40 +418,31 @@ class PlannedBlocks:
 
 
 @pytest.fixture
-def blocks_path(monkeypatch):
-    """execute_blocks in a context that stays put, its tensors classified host to GPU."""
-    monkeypatch.setattr(dispatch, "ContextScope", EnteredScope)
-    monkeypatch.setattr(dispatch, "classify_tensors",
-                        lambda *args: decide.MemoryClasses(*HOST_TO_GPU))
+def blocks_path(seams):
+    """execute_blocks' tensors classified host to GPU."""
+    seams.enter_context(testing.fake_cuda(FakeClassify([HOST_TO_GPU] * 2), ("classify",)))
 
 
 def test_swap_blocks_under_capture_is_described_once_and_launched_by_value(fake_cuda,
-                                                                          monkeypatch,
                                                                           blocks_path):
     """Under capture the block kernel's ring slot cannot be used: the plan's copies are
     described into scratch and launched by value with the decision made per tensor, not
     sent back through copy_batch's path (which would decide again)."""
     fake = fake_cuda(HOST_TO_GPU, 0)
     fake.capturing = 1
-    decided = []
-    real_decide = dispatch.decide
-    monkeypatch.setattr(dispatch, "decide", lambda *a, **k: decided.append(a) or real_decide(
-        *a, **k))
     blocks = PlannedBlocks(40)
     assert dispatch.execute_blocks(blocks, 0x1234) == "kernel"
-    assert len(decided) == 1 and blocks.arrays_made == 1
+    # one question asked of the policy, and its answer remembered: no second decision
+    assert len(decide._targets) == 1 and blocks.arrays_made == 1
     assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
     assert fake.calls[1][2] == 40
 
 
-def test_swap_blocks_by_dma_goes_to_the_copy_engines_directly(fake_cuda, monkeypatch,
-                                                              blocks_path):
-    fake_cuda(HOST_TO_GPU, 0)
-    issued = []
-    monkeypatch.setattr(dispatch, "issue_dma", lambda *args: issued.append(args))
+def test_swap_blocks_by_dma_goes_to_the_copy_engines_directly(fake_cuda, blocks_path):
+    """The plan's copies go to the copy engines as they are (planned for them once), not
+    described for the kernel first."""
+    fake = fake_cuda(HOST_TO_GPU, 0)
     blocks = PlannedBlocks(8)
     assert dispatch.execute_blocks(blocks, 0x1234, "loop") == "loop"
-    (src, dst, sizes, merge, target, access_any), = issued
-    np.testing.assert_array_equal(src, blocks.src)
-    assert (len(sizes), merge, access_any) == (8, True, False)
-    assert target.decision.method == "loop"
+    assert fake.calls == [("plan_dma", 8, True), ("memcpy_loop", 8, int(blocks.src[0]), 0x1234)]
+    assert blocks.arrays_made == 1

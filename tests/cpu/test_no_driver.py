@@ -16,7 +16,8 @@ def test_import_and_api_surface():
 
 def test_first_copy_raises_no_driver_error():
     try:
-        from kvcopy._cuda import driver as kv_driver
+        from kvcopy.testing import cuda
+        kv_driver = cuda.driver
 
         kv_driver.init()
     except kvcopy.NoDriverError:

@@ -11,16 +11,18 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy._cuda import classify as kv_classify
-from kvcopy._cuda import describe as kv_describe
-from kvcopy._cuda import dma as kv_dma
-from kvcopy._cuda import launch as kv_launch
-from kvcopy import policy
-from kvcopy._engine import dispatch
-from kvcopy._runtime import kernels, ring
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
+kv_describe = cuda.describe
+kv_dma = cuda.dma
+kv_launch = cuda.launch
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+dispatch = engine.dispatch
+kernels, ring = engine.kernels, engine.ring
 from kvcopy.policy import CopyRequest, DeviceCaps
 from kvcopy.interop.streams import resolve_event
-from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope
 
 MiB = 1 << 20
 
@@ -60,17 +62,19 @@ class CapturingDriver(FakeCaptureDriver):
 
 
 
-@pytest.fixture
-def capture_engine(monkeypatch):
-    fake = CapturingDriver(capturing=1)
-    fake_cuda_calls(monkeypatch, fake)
-    fake_device(monkeypatch, kernel=kernels.CopyKernel(
-        1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, kernels.ScatterFunctions(11, 12, 13, 14, 15)))
+class RefusedRing:
+    """A descriptor ring no capture may reserve from (its events would be queried)."""
 
-    def no_ring():
+    def reserve(self, nbytes: int) -> None:
         raise AssertionError("the descriptor ring was used while the stream captures")
 
-    monkeypatch.setattr(ring, "ring_for_current_context", no_ring)
+
+@pytest.fixture
+def capture_engine(seams):
+    fake = seams.enter_context(testing.fake_cuda(CapturingDriver(capturing=1)))
+    seams.enter_context(testing.fake_runtime(copy_kernel=kernels.CopyKernel(
+        1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
+        kernels.ScatterFunctions(11, 12, 13, 14, 15)), descriptor_ring=RefusedRing()))
     return fake
 
 
@@ -88,10 +92,7 @@ def test_capture_describes_into_host_scratch_and_launches_by_value(capture_engin
 @pytest.mark.parametrize("count, variant", [(1, (7, 31)), (31, (7, 31)), (32, (6, 127)),
                                             (127, (6, 127)), (128, (5, 1000)), (1000, (5, 1000))])
 def test_launches_by_value_take_the_smallest_parameter_block_that_fits(capture_engine,
-                                                                       monkeypatch, count, variant):
-    kernel = kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
-                                kernels.ScatterFunctions(11, 12, 13, 14, 15))
-    monkeypatch.setattr(kernels, "kernel_for_current_context", lambda *a: kernel)
+                                                                       count, variant):
     src = np.arange(count, dtype=np.uint64) * 8192 + 0x10000
     sizes = np.full(count, 4096, dtype=np.uint64)
     dispatch.execute_copies(FakeScope(), 0x1234, src, src + 0x7f0000000000, sizes, "kernel", True,

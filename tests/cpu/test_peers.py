@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvcopy._runtime import peers
+from kvcopy import testing
+
+from kvcopy.testing import engine
+peers = engine.peers
 from kvcopy.config import config
 from kvcopy.errors import CudaError
 
@@ -12,6 +15,10 @@ from kvcopy.errors import CudaError
 class FakePeerDriver:
     def __init__(self, reachable=(1,), count=3):
         self.reachable, self.count, self.enabled = set(reachable), count, []
+        self.noted: list[tuple[int, int]] = []
+
+    def note_peer_access(self, ctx, peer):   # (kvcopy._cuda.classify's)
+        self.noted.append((ctx, peer))
 
     def device_count(self):
         return self.count
@@ -30,15 +37,12 @@ class FakePeerDriver:
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(seams):
     driver = FakePeerDriver(reachable=(1, 2))
-    monkeypatch.setattr(peers, "driver", driver)
-    monkeypatch.setattr(peers, "classify", type("FakeClassify", (), {
-        "noted": [], "note_peer_access": lambda ctx, peer: driver.noted.append((ctx, peer))}))
-    driver.noted = []
-    monkeypatch.setattr(peers, "_attempted", set())
-    monkeypatch.setattr(peers, "_enabled_here", set())
-    return driver
+    seams.enter_context(testing.fake_cuda(driver, ("driver", "classify")))
+    peers.forget()
+    yield driver
+    peers.forget()
 
 
 def test_peers_of_reads_classify_ordinals(fake):
@@ -66,7 +70,7 @@ def test_a_failure_to_enable_is_logged_not_raised(fake, caplog):
 
 
 def test_disabled_setting_enables_nothing(fake, monkeypatch):
-    monkeypatch.setattr(config, "enable_peer_access", False)
+    config.enable_peer_access = False
     assert peers.enable_for(0, [1]) is False and fake.enabled == []
     assert "enable_peer_access is False" in peers.why_unreachable(0, [1])
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import types
 import warnings
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcopy._runtime import calibration_file, device, kernels, persist
+from kvcopy import testing
+from kvcopy.testing import engine
+calibration_file, device, kernels, persist = (engine.calibration_file, engine.device,
+                                              engine.kernels, engine.persist)
 from kvcopy.policy import DeviceCaps, Thresholds
 
 MiB = 1 << 20
@@ -228,7 +232,7 @@ def test_any_bytes_either_parse_or_raise_badfile(data):
 # --- the kernel cache --------------------------------------------------------------------
 
 @pytest.fixture
-def compiles(monkeypatch) -> list:
+def compiles(seams) -> list:
     """NVRTC replaced by a stand-in producing a distinct cubin per arch (the cache's
     logic is under test here; tests/cpu/test_kernel_build.py compiles for real), and the
     cache key's NVRTC version fixed so that no NVRTC is needed."""
@@ -237,8 +241,7 @@ def compiles(monkeypatch) -> list:
     def compile_cubin(arch: int) -> bytes:
         made.append(arch)
         return b"\x7fELF" + f"cubin for sm_{arch}".encode() * 64
-    monkeypatch.setattr(kernels, "compile_cubin", compile_cubin)
-    monkeypatch.setattr(kernels, "nvrtc_version", lambda: (13, 0))
+    seams.enter_context(testing.fake_compiler(compile_cubin, (13, 0)))
     return made
 
 
@@ -257,7 +260,7 @@ def test_a_damaged_cubin_is_rebuilt(cache, compiles, damage):
     assert kernels.cached_cubin(90) == good and compiles == [90, 90]
 
 
-def test_a_cubin_the_driver_refuses_is_compiled_again(cache, compiles, monkeypatch):
+def test_a_cubin_the_driver_refuses_is_compiled_again(cache, compiles, seams):
     from kvcopy.errors import CudaError
     kernels.cached_cubin(90)
     loads = []
@@ -267,7 +270,8 @@ def test_a_cubin_the_driver_refuses_is_compiled_again(cache, compiles, monkeypat
         if len(loads) == 1:
             raise CudaError(200, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid")
         return 1234
-    monkeypatch.setattr(kernels.launch, "module_load", module_load)
+    seams.enter_context(testing.fake_cuda(types.SimpleNamespace(module_load=module_load),
+                                          ("launch",)))
     assert kernels._load_module(90) == 1234
     assert compiles == [90, 90] and len(loads) == 2
 

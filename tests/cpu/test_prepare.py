@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvcopy import testing
+
 import kvcopy
-from kvcopy._runtime import prepare
+from kvcopy.testing import engine
+prepare = engine.prepare
 
 
 class Fakes:
@@ -48,9 +51,8 @@ class Fakes:
 
 
 @pytest.fixture
-def fakes(monkeypatch) -> Fakes:
-    fake = Fakes()
-    monkeypatch.setattr(prepare, "driver", fake)
+def fakes(monkeypatch, seams) -> Fakes:
+    fake = seams.enter_context(testing.fake_cuda(Fakes(), ("driver",)))
     monkeypatch.setattr(prepare.devices, "device_info", fake.device_info)
     monkeypatch.setattr(prepare.ring, "ring_for_current_context", fake.ring_for_current_context)
     return fake

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy._engine import both_ways
+from kvcopy.testing import engine
+both_ways = engine.both_ways
 from kvcopy._plans.blocks import block_geometry, crossing_pairs
 
 

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import _testing
-from kvcopy._engine import replay
-from kvcopy._cuda import repeat
-from kvcopy._cuda.describe import DescribedBatch
+from kvcopy import testing
+from kvcopy.testing import engine
+replay = engine.replay
+from kvcopy.testing import cuda
+repeat = cuda.repeat
+DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.policy import Decision
 
 KEY = dict(stream=1, epoch=5, method=1)
@@ -35,7 +37,7 @@ def no_records():
 
 def test_the_epoch_moves_with_every_setting_assigned(monkeypatch):
     before = replay.epoch()
-    monkeypatch.setattr(kvcopy.config, "host_ctas", 3)
+    kvcopy.config.host_ctas = 3
     after = replay.epoch()
     assert after != before
     kvcopy.config.host_ctas = 3              # the same value again still counts
@@ -44,7 +46,7 @@ def test_the_epoch_moves_with_every_setting_assigned(monkeypatch):
 
 def test_the_epoch_moves_when_device_facts_change():
     before = replay.epoch()
-    with _testing.capabilities(batch_available=False):
+    with testing.capabilities(batch_available=False):
         inside = replay.epoch()
     assert len({before, inside, replay.epoch()}) == 3
 

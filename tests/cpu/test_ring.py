@@ -9,11 +9,15 @@ is released even when staging fails.
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 
+from kvcopy import testing
+
 from kvcopy import policy
-from kvcopy._runtime import ring
+from kvcopy.testing import engine
+ring = engine.ring
 
 
 class FakeRingDriver:
@@ -65,10 +69,8 @@ class FakeRingDriver:
 
 
 @pytest.fixture
-def driver(monkeypatch) -> FakeRingDriver:
-    fake = FakeRingDriver()
-    monkeypatch.setattr(ring, "driver", fake)
-    return fake
+def driver(seams) -> FakeRingDriver:
+    return seams.enter_context(testing.fake_cuda(FakeRingDriver(), ("driver",)))
 
 
 def test_unfenced_slot_is_handed_out_again_without_waiting(driver):
@@ -160,13 +162,15 @@ def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
     assert done.is_set()
 
 
-def test_threads_racing_on_first_use_share_one_per_context(monkeypatch):
+def test_threads_racing_on_first_use_share_one_per_context(seams):
     """PerContext (rings, the side stream): one creation per context even when many
     threads ask first at once; another context gets its own."""
-    from kvcopy._runtime import context
+    from kvcopy.testing import engine
+    context = engine.context
 
     current = threading.local()
-    monkeypatch.setattr(context.driver, "current_context_key", lambda: getattr(current, "ctx", 7))
+    seams.enter_context(testing.fake_cuda(types.SimpleNamespace(
+        current_context_key=lambda: getattr(current, "ctx", 7)), ("driver",)))
     made: list[int] = []
     gate = threading.Barrier(8)
 

@@ -10,10 +10,14 @@ import types
 
 import pytest
 
+from kvcopy import testing
+
 from kvcopy import api
-from kvcopy._engine import decide, dispatch
-from kvcopy._runtime import device
-from kvcopy._cuda import classify as kv_classify
+from kvcopy.testing import engine
+decide, dispatch = engine.decide, engine.dispatch
+device = engine.device
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
 from kvcopy.interop import streams
 from kvcopy.config import Config
 from kvcopy.policy import DeviceCaps, Thresholds
@@ -57,13 +61,13 @@ def test_current_streams_without_a_framework():
     assert streams.current_framework_streams([1, 2], None) == [(streams.STREAM_DEFAULT, -1)]
 
 
-def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch):
+def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch, seams):
     calls = []
     fake_driver = types.SimpleNamespace(
         init=lambda: None,
         stream_wait_stream=lambda consumer, producer, producer_device, consumer_device:
             calls.append(("wait", consumer, consumer_device, producer, producer_device)))
-    monkeypatch.setattr(api, "driver", fake_driver)
+    seams.enter_context(testing.fake_cuda(fake_driver, ("driver",)))
     monkeypatch.setattr(api.dispatch, "execute_blocks",
                         lambda plan, handle, method: calls.append(("copy", handle)) or "kernel")
     ran = api._between_devices("plan", [(0x100, 0), (0, 1)], "auto")
@@ -142,7 +146,7 @@ def test_stores_by_dma_from_the_environment(monkeypatch, text, expected):
         Config.__new__(Config).__setattr__("stores_by_dma", "yes")
 
 
-def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch):
+def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch, seams):
     """submit: the job's own waits, then the producers' streams (even with after=[]),
     then the start event, then the copy, which does not wait for them again."""
     import threading
@@ -166,7 +170,7 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch)
         calls.append(f"copy on {handle:#x}, waits for producers: {wait_for_producers}")
         return "kernel"
 
-    monkeypatch.setattr(queue_module, "driver", FakeDriver())
+    seams.enter_context(testing.fake_cuda(FakeDriver(), ("driver",)))
     monkeypatch.setattr(queue_module.dispatch, "execute_blocks", execute_blocks)
     queue = object.__new__(TransferQueue)
     queue._lock, queue._closed, queue._pending = threading.Lock(), False, deque()

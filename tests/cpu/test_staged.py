@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import policy
-from kvcopy._engine import kernel, staged
-from kvcopy._cuda import stage
-from kvcopy._cuda import describe as kv_describe
+from kvcopy import policy, testing
+from kvcopy.testing import engine
+kernel, staged = engine.kernel, engine.staged
+from kvcopy.testing import cuda
+stage = cuda.stage
+kv_describe = cuda.describe
 from kvcopy.errors import CudaError
 from kvcopy.policy import CopyRequest, Decision, HostSpans, Thresholds
 
@@ -111,7 +113,8 @@ class Planned:
 @pytest.mark.parametrize("load", [True, False])
 def test_chunks_take_whole_copies_in_order_and_spans_stop_at_gaps_and_chunk_ends(sizes, layout,
                                                                                   chunk, load):
-    from kvcopy._cuda import launch
+    from kvcopy.testing import cuda
+    launch = cuda.launch
     tile = launch.TILE_BYTES
     sizes = u64(sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -188,7 +191,8 @@ def test_plan_next_chunk_checks_its_arguments():
 
 
 def test_issuing_a_chunk_checks_its_launch_shape_and_span_arrays_before_any_driver_call():
-    from kvcopy._cuda import launch
+    from kvcopy.testing import cuda
+    launch = cuda.launch
     spans = np.zeros(4, dtype=np.uint64)
     ok = (spans.ctypes.data,) * 3
     with pytest.raises(ValueError, match="max_ctas must be positive"):
@@ -268,7 +272,8 @@ def table_of(sizes: list[int]) -> tuple[np.ndarray, int]:
 
 
 def kv_describe_tile() -> int:
-    from kvcopy._cuda import launch
+    from kvcopy.testing import cuda
+    launch = cuda.launch
     return launch.TILE_BYTES
 
 
@@ -298,7 +303,7 @@ class Recorder:
     def __init__(self, chunk: int) -> None:
         self.calls: list[tuple] = []
         self.table = np.zeros((1 << 16, 4), dtype=np.uint64)
-        self.slot = kvcopy._runtime.ring.Slot(capacity=1 << 30, host=self.table.ctypes.data,
+        self.slot = kvcopy.testing.engine.ring.Slot(capacity=1 << 30, host=self.table.ctypes.data,
                                      mapped=0x2000, device=0xD000_0000, event=0x77)
         self.buffers = staged.StagingBuffers.__new__(staged.StagingBuffers)
         self.buffers.capacity, self.buffers.base = chunk, 0xB000_0000
@@ -307,6 +312,7 @@ class Recorder:
         self.buffers.filled = [0xE0, 0xE1, 0xE2, 0xE3]
         self.fail_copy: int | None = None
         self.described_at_copy: list[int] = []   # descriptors written when each copy was issued
+        self.side_streams = dict(SIDES)   # kvcopy's side streams, by index
 
     # driver
     def stream_wait_event(self, stream, event):
@@ -364,10 +370,11 @@ class Recorder:
 
 
 CALLER, SIDES = 0x5000, {0: 0x5100, 1: 0x5101, 2: 0x5102}
+FENCE = ("record", 0x77, CALLER)   # the slot's event, recorded behind the call's work
 
 
 @pytest.fixture
-def rec(monkeypatch):
+def rec(seams):
     r = Recorder(64 * KiB)
 
     class Ring:
@@ -391,15 +398,11 @@ def rec(monkeypatch):
             assert variant == "registers"
             return Functions
 
-    monkeypatch.setattr(staged, "driver", r)
-    monkeypatch.setattr(staged, "describe", r)
-    monkeypatch.setattr(staged, "launch", r)
-    monkeypatch.setattr(staged.ring, "ring_for_current_context", lambda: Ring())
-    monkeypatch.setattr(staged.ring.DescriptorRing, "fence",
-                        staticmethod(lambda slot, stream: r.calls.append(("fence", stream))))
-    monkeypatch.setattr(staged.kernels, "kernel_for_current_context", lambda *a: Kernel)
-    monkeypatch.setattr(staged.side_streams, "for_caller", lambda handle, index=0: SIDES[index])
-    monkeypatch.setattr(staged._buffers, "current", lambda: r.buffers)
+    # (the ring's fence records the slot's event, FENCE, on the caller's stream)
+    seams.enter_context(testing.fake_cuda(r, ("driver", "describe", "launch")))
+    seams.enter_context(testing.fake_runtime(
+        copy_kernel=Kernel, descriptor_ring=Ring(), staging=r.buffers,
+        side_stream=lambda handle, index=0: r.side_streams[index]))
     return r
 
 
@@ -444,7 +447,7 @@ def test_a_load_copies_each_chunk_in_then_scatters_it_on_the_callers_stream(rec)
         ("record", 0xF0, CALLER),
     ]
     assert rec.calls[3:-3] == chunk
-    assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
+    assert rec.calls[-3:] == [("join", CALLER, copy), FENCE, ("release",)]
 
 
 def test_one_tile_copies_are_planned_chunk_by_chunk_and_read_in_place(rec):
@@ -463,7 +466,7 @@ def test_one_tile_copies_are_planned_chunk_by_chunk_and_read_in_place(rec):
     assert kernels == [("kernel in place", CALLER, 0, 4, 4, policy.STAGING_CTAS),
                        ("kernel in place", CALLER, 4, 4, 4, policy.STAGING_CTAS),
                        ("kernel in place", CALLER, 8, 2, 2, policy.STAGING_CTAS)]
-    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), ("fence", CALLER), ("release",)]
+    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), FENCE, ("release",)]
 
 
 def test_both_ways_a_side_of_multi_tile_copies_is_uploaded_beside_one_read_in_place(rec):
@@ -500,7 +503,7 @@ def test_a_store_gathers_each_chunk_then_copies_it_out_and_joins_the_callers_str
     assert first_chunk == [("wait", CALLER, 0xF0), kernels[0], ("record", 0xE0, CALLER),
                            ("wait", copy, 0xE0),
                            ("copy", copy, [HOST], [base], [64 * KiB]), ("record", 0xF0, copy)]
-    assert rec.calls[-3:] == [("join", CALLER, copy), ("fence", CALLER), ("release",)]
+    assert rec.calls[-3:] == [("join", CALLER, copy), FENCE, ("release",)]
 
 
 def test_both_ways_take_turns_chunk_by_chunk_each_on_streams_and_buffers_of_its_own(rec):
@@ -520,14 +523,14 @@ def test_both_ways_take_turns_chunk_by_chunk_each_on_streams_and_buffers_of_its_
     forks = {c[1] for c in rec.calls[:8] if c[0] == "join" and c[2] == CALLER}
     joins = {c[2] for c in rec.calls[-6:] if c[0] == "join" and c[1] == CALLER}
     assert forks == joins == {SIDES[0], SIDES[1], SIDES[2]}
-    assert rec.calls[-2:] == [("fence", CALLER), ("release",)]
+    assert rec.calls[-2:] == [FENCE, ("release",)]
 
 
-def test_where_side_streams_are_shared_every_chunk_still_copies_and_scatters(rec, monkeypatch):
+def test_where_side_streams_are_shared_every_chunk_still_copies_and_scatters(rec):
     """Past side_streams.MAX_SIDE_STREAMS callers share side streams: a side's copy and
     kernel streams may be one stream, and each chunk must still issue both, in order
     (the first GPU run of copy_both_ways at 64 MiB lost the load's scatter so)."""
-    monkeypatch.setattr(staged.side_streams, "for_caller", lambda handle, index=0: 0x5100)
+    rec.side_streams = {0: 0x5100, 1: 0x5100, 2: 0x5100}
     store, load = batch("d2h", 8, name="store"), batch("h2d", 8, name="load")
     staged.run(CALLER, [store, load], (9, 0), 12080)
     steps = [c[0] for c in rec.calls if c[0] in ("copy", "kernel")]
@@ -547,16 +550,16 @@ def test_a_failed_copy_names_the_side_and_the_callers_index_and_still_joins(rec)
     with pytest.raises(CudaError, match="load: invalid argument") as info:
         staged.run(CALLER, [load], (9, 0), 12080)
     assert info.value.index == 5 and info.value.name == "CUDA_ERROR_INVALID_VALUE"
-    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), ("fence", CALLER), ("release",)]
+    assert rec.calls[-3:] == [("join", CALLER, SIDES[0]), FENCE, ("release",)]
 
 
 # ---- choosing a staged side
 
-def test_plan_batch_counts_the_copies_that_are_not_empty(monkeypatch):
+def test_plan_batch_counts_the_copies_that_are_not_empty(seams):
     class Buffers:
         def ensure(self, chunk):
             return True
-    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    seams.enter_context(testing.fake_runtime(staging=Buffers()))
     n, block = 2 * policy.STAGING_MIN_BYTES // (16 * KiB), 16 * KiB
     sizes = np.full(n, block, dtype=np.uint64)
     sizes[::5] = 0
@@ -570,13 +573,13 @@ def test_plan_batch_counts_the_copies_that_are_not_empty(monkeypatch):
     assert "1 span(s)" in side.decision.reason       # empty copies do not break a span
 
 
-def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_room(monkeypatch):
+def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_room(seams):
     room = {"ok": False}
 
     class Buffers:
         def ensure(self, chunk):
             return room["ok"]
-    monkeypatch.setattr(staged._buffers, "current", lambda: Buffers())
+    seams.enter_context(testing.fake_runtime(staging=Buffers()))
     n, block = 2 * policy.STAGING_MIN_BYTES // (16 * KiB), 16 * KiB
     sizes = np.full(n, block, dtype=np.uint64)
     host = HOST + np.arange(n, dtype=np.uint64) * np.uint64(block)

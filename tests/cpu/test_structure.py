@@ -1,6 +1,8 @@
 """kvcopy's structure, checked on its source (CPU): imports run one way, no import
-cycles, no kvcopy module imported inside a function, small modules, and the
-probes and the benchmark use no private names of other modules."""
+cycles, no kvcopy module imported inside a function, small modules, the probes and
+the benchmark use no private names of other modules, nothing outside the package
+reaches its private layers but through kvcopy.testing, and every default of a path
+lives in the policy."""
 from __future__ import annotations
 
 import ast
@@ -30,7 +32,7 @@ LAYERS = [
      "kvcopy._runtime.prepare", "kvcopy.host"},                        # per context
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},   # parts of paths
     {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged"},
-    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy._testing"},
+    {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy.testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API
 ]
@@ -241,3 +243,71 @@ def test_no_default_of_a_path_is_defined_outside_the_policy_and_config():
                         and target.id not in STRUCTURAL.get(name, ())):
                     found.append(f"{name}.{target.id} (line {node.lineno})")
     assert not found, "defaults outside kvcopy.policy: " + ", ".join(found)
+
+
+# The package's private layers; outside kvcopy/ only kvcopy.testing (the documented test
+# seam) hands them out. setup.py names their extension modules to build them, and this
+# file names them to check the package's source.
+PRIVATE = re.compile(r"kvcopy\._(engine|runtime|cuda)(\.\w+)*")
+CHILD_IMPORT = re.compile(r"^\s*(from|import)\s+kvcopy\._(engine|runtime|cuda)\b", re.M)
+NOT_SCANNED = {"kvcopy", "build", "dist", "docs"}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else ""
+
+
+def private_reaches(path: Path, root: Path = ROOT) -> list[str]:
+    """Where a file imports or names kvcopy._engine, ._runtime or ._cuda: its imports,
+    attribute chains, module names passed as strings, and the imports of code it runs
+    in a child process; one entry per line, in order."""
+    found: dict[int, str] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Attribute):
+            names = [_dotted(node)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            child = CHILD_IMPORT.search(node.value)
+            names = [node.value] if not child else [f"{child.group(0).strip()} (child code)"]
+        for name in names:
+            if PRIVATE.fullmatch(name) or name.endswith("(child code)"):
+                found.setdefault(node.lineno, f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return [found[line] for line in sorted(found)]
+
+
+def outside_files() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py")
+                  if p.relative_to(ROOT).parts[0] not in NOT_SCANNED
+                  and not p.relative_to(ROOT).parts[0].startswith(".")
+                  and p not in (ROOT / "setup.py", Path(__file__).resolve()))
+
+
+def test_nothing_outside_the_package_reaches_its_private_layers_but_through_the_seam():
+    """Tests, the benchmark's scripts and the probes take kvcopy's private modules from
+    kvcopy.testing (its engine and cuda namespaces, and its seams to change them)."""
+    files = outside_files()
+    assert ROOT / "tests" / "cpu" / "test_describe.py" in files   # (the scan sees the tests)
+    found = [reach for path in files for reach in private_reaches(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_finds_every_way_of_reaching_in(tmp_path):
+    probe = tmp_path / "probe.py"
+    quotes = '"' * 3
+    probe.write_text("import kvcopy._cuda.driver\n"
+                     "from kvcopy._engine import dispatch\n"
+                     "x = kvcopy._runtime.ring.Slot\n"
+                     "pytest.importorskip('kvcopy._cuda.driver')\n"
+                     f"CHILD = {quotes}\nfrom kvcopy._runtime import device\n{quotes}\n"
+                     "from kvcopy.testing import engine\n"
+                     "y = engine.ring.Slot  # kvcopy._runtime.ring, named in prose\n")
+    found = private_reaches(probe, tmp_path)
+    assert [line.split(":")[1] for line in found] == ["1", "2", "3", "4", "5"], found

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy._engine import decide, dispatch, traffic_window
-from kvcopy._cuda import classify as kv_classify
-from kvcopy._cuda.describe import DescribedBatch
+from kvcopy import testing
+from kvcopy.testing import engine
+decide, dispatch, traffic_window = engine.decide, engine.dispatch, engine.traffic_window
+from kvcopy.testing import cuda
+kv_classify = cuda.classify
+DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
-from helpers.cpu_fakes import FakeCaptureDriver, FakeScope, fake_cuda_calls, fake_device
+from helpers.cpu_fakes import FakeCaptureDriver, FakeClassify, FakeScope
 
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
@@ -35,11 +38,8 @@ class Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(traffic_window, "_clock", clock)
-    monkeypatch.setattr(traffic_window, "_last", {})
-    return clock
+def clock(seams):
+    return seams.enter_context(testing.fake_clock(Clock()))
 
 
 def req(direction="h2d", block=256 * KiB, recent=True, stream="created", capturing=False,
@@ -143,15 +143,12 @@ def test_a_request_is_alone_unless_said_otherwise():
 # ------------------------------------------------------------------ the engine
 
 @pytest.fixture
-def engine_state(monkeypatch, clock):
+def engine_state(seams, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
-    fake = FakeCaptureDriver()
-    fake_cuda_calls(monkeypatch, fake, ("driver",))
-    fake_device(monkeypatch, H200)
-    saved = kvcopy.config.traffic_window_ms
+    fake = seams.enter_context(testing.fake_cuda(FakeCaptureDriver(), ("driver",)))
+    seams.enter_context(testing.fake_runtime(caps=H200))
     kvcopy.config.traffic_window_ms = 50
-    yield fake
-    kvcopy.config.traffic_window_ms = saved
+    return fake
 
 
 STREAMS = {"h2d": 8, "d2h": 7}   # loads and stores each on a stream of their own, as engines issue them
@@ -251,7 +248,16 @@ class Asked(Exception):
     """Raised by the spy in place of deciding: the call is over once it asked."""
 
 
-def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
+class DescribingDriver(FakeCaptureDriver):
+    """The driver and the describe pass of a one-copy batch from GPU to host."""
+
+    DESCRIPTOR_BYTES = 32
+
+    def describe_copies(self, *args) -> DescribedBatch:
+        return DescribedBatch(1, 4096, 1, *FOUND["d2h"])
+
+
+def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, seams):
     asked = []
 
     def spy(*args, **kwargs):
@@ -259,19 +265,17 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch):
         raise Asked
 
     monkeypatch.setattr(dispatch, "decide", spy)
-    fake_cuda_calls(monkeypatch, FakeCaptureDriver(), ("driver",))
-    monkeypatch.setattr(dispatch, "ContextScope", FakeScope)
-    monkeypatch.setattr(dispatch, "reach_peers", lambda found, method: False)
-    monkeypatch.setattr(dispatch, "describe", types.SimpleNamespace(
-        DESCRIPTOR_BYTES=32,
-        describe_copies=lambda *args: DescribedBatch(1, 4096, 1, *FOUND["d2h"])))
+    seams.enter_context(testing.fake_cuda(DescribingDriver(), ("driver", "describe")))
+    seams.enter_context(testing.fake_runtime(scope=FakeScope))
     one = np.ones(1, dtype=np.uint64)
     with pytest.raises(Asked):
         dispatch.execute_arrays(one, one, one * 4096, 7)
-    monkeypatch.setattr(dispatch, "classify_tensors", lambda *args: FOUND["d2h"])
+    seams.enter_context(testing.fake_cuda(FakeClassify([FOUND["d2h"]]), ("classify",)))
     zeros = np.zeros(1, dtype=np.uint64)
     blocks = types.SimpleNamespace(num_pairs=1, num_copies=1, total_bytes=4096,
-                                   geometry=types.SimpleNamespace(src_base=zeros, dst_base=zeros))
+                                   geometry=types.SimpleNamespace(
+                                       src_base=zeros, dst_base=zeros, src_extent=zeros,
+                                       dst_extent=zeros))
     with pytest.raises(Asked):
         dispatch.execute_blocks(blocks, 7)
     assert asked == [True, True]

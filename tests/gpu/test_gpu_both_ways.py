@@ -88,7 +88,8 @@ def test_store_and_load_of_128_kib_and_more_by_copy_engines_in_chunks(torch_cuda
 def test_a_calibrated_crossover_moves_where_both_go_to_the_engines(torch_cuda, size, expected):
     import dataclasses
 
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     before = device.thresholds(0)
     # what calibrate() stores on a host whose engines keep up from 64 KiB
@@ -274,8 +275,10 @@ def traffic_window():
     """config.traffic_window_ms long enough for a slow machine to stay inside it, the
     default thresholds (whatever a calibration saved) and no traffic noted; all three
     restored after."""
-    from kvcopy._engine import traffic_window
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    traffic_window = engine.traffic_window
+    from kvcopy.testing import engine
+    device = engine.device
     from kvcopy.policy import Thresholds
     saved, before = kvcopy.config.traffic_window_ms, device.thresholds(0)
     device.set_thresholds(0, Thresholds())

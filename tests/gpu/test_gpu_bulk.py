@@ -82,7 +82,7 @@ def _sizes(kind, count, seed):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_to_host_batches_are_exact_on_either_copier(torch_cuda, monkeypatch, case,
                                                         bulk_stores):
-    monkeypatch.setattr(kvcopy.config, "bulk_stores", bulk_stores)
+    kvcopy.config.bulk_stores = bulk_stores
     count, kind, odd = CASES[case]
     sizes = np.broadcast_to(_sizes(kind, count, count), (count,))
     decision = copy_to_host(torch_cuda, count, sizes, odd=odd, seed=count, method="kernel")

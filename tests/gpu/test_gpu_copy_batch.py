@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 import kvcopy
+from kvcopy import testing
 from helpers.gpu import (POOL_DEVICES, address, expected_after, host_bytes, make_pool,
                          scattered)
+from helpers.spies import LayerSpy
 
 METHODS = ["auto", "batch", "loop", "kernel"]
 
@@ -98,32 +100,26 @@ def test_large_batches_of_blocks_in_runs_merge_and_copy_right(torch_cuda, direct
                                   expected_after(src_before, dst_before, src_off, dst_off, sizes))
 
 
-def _spy_launches(monkeypatch):
+def _spy_launches(seams):
     """Record the (count, size or tiles) of every pairs and descriptor-table launch."""
-    from kvcopy._cuda import launch as kv_launch
-
     calls = []
-    for name in ("launch_compact", "launch_descs"):
-        real = getattr(kv_launch, name)
-
-        def spy(*args, real=real, name=name):
-            calls.append((name, args[2], args[3]))
-            return real(*args)
-        monkeypatch.setattr(kv_launch, name, spy)
+    spy = LayerSpy(testing.cuda.launch, ("launch_compact", "launch_descs"),
+                   lambda name, args: calls.append((name, args[2], args[3])))
+    seams.enter_context(testing.fake_cuda(spy, ("launch",)))
     return calls
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("count, size, align", [(1001, 2048, 1), (4097, 16384, 16),
                                                 (3333, 1000, 61), (2000, "mixed", 1)])
-def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, direction, count,
+def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, seams, direction, count,
                                                      size, align):
     """Past one launch's inline descriptors, copies of one size (at most a tile) are
     described in 16-byte pairs and copied by the pairs kernel, at odd sizes and
     addresses too; a batch of several sizes keeps its 32-byte descriptors. Past
     16 MiB (config.launch_bytes), host copies go as several launches of 16 MiB."""
-    monkeypatch.setattr(kvcopy.config, "launch_bytes", 16 << 20)
-    calls = _spy_launches(monkeypatch)
+    kvcopy.config.launch_bytes = 16 << 20
+    calls = _spy_launches(seams)
     sizes = np.random.default_rng(count).integers(1, 16385, count) if size == "mixed" else size
     used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
                     align=align, seed=count)
@@ -136,10 +132,10 @@ def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, monkeypatch, di
 
 @pytest.mark.parametrize("bad", ["null", "unmapped"])
 def test_a_bad_copy_at_the_end_of_a_large_batch_is_reported_before_any_launch(torch_cuda,
-                                                                              monkeypatch, bad):
+                                                                              seams, bad):
     import torch
 
-    calls = _spy_launches(monkeypatch)
+    calls = _spy_launches(seams)
     count, size = 32768, 2048
     host = torch.zeros(2 * count * size, dtype=torch.uint8, pin_memory=True)
     gpu = torch.full((2 * count * size,), 7, dtype=torch.uint8, device="cuda")
@@ -325,9 +321,9 @@ def test_last_decision_and_empty_batch(torch_cuda):
 
 
 def test_batch_disabled_driver_falls_back(torch_cuda):
-    from kvcopy import _testing
+    from kvcopy import testing
 
-    with _testing.capabilities(batch_available=False):   # a driver older than 12.8
+    with testing.capabilities(batch_available=False):   # a driver older than 12.8
         s = torch_cuda.cuda.Stream()
         assert run_copy("pageable_h2d", 16, 4096, stream=s) == "loop"
         # 16 scattered blocks of 4 MiB: long host spans, staged (no batch API needed)
@@ -363,7 +359,8 @@ def test_thread_without_current_context(torch_cuda):
 def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     """The kernel path's fused pass (plan + classify + descriptors) and the
     planner used by the DMA paths agree copy for copy, and reject the same input."""
-    from kvcopy._cuda import classify as kv_classify, describe as kv_describe, launch as kv_launch
+    from kvcopy.testing import cuda
+    kv_classify, kv_describe, kv_launch = cuda.classify, cuda.describe, cuda.launch
     from kvcopy._plans.copies import plan_copies
 
     torch = torch_cuda
@@ -413,7 +410,7 @@ def test_stores_by_dma_sends_stores_to_the_copy_engines(torch_cuda, monkeypatch,
     """config.stores_by_dma: 16 KiB stores go by batched DMA where the stream allows it
     and by the kernel on the legacy default stream, the bytes right either way;
     loads keep the kernel."""
-    monkeypatch.setattr(kvcopy.config, "stores_by_dma", True)
+    kvcopy.config.stores_by_dma = True
     stream = torch_cuda.cuda.Stream() if stream_kind == "created" else 1
     assert run_copy("d2h", 64, 16384, stream=stream) == expected
     assert "stores_by_dma" in kvcopy.last_decision().reason

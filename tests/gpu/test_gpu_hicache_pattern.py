@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-import kvcopy._testing
+import kvcopy.testing
 
 
 LAYERS, PAGES_HOST, PAGES_GPU = 4, 48, 32
@@ -153,7 +153,7 @@ def test_a_pool_registered_in_many_pieces(torch_cuda):
                            host_blocks.flip(1))
         out = np.zeros((count, 4), dtype=np.uint64)
         for src, dst, host_side in ((host_ptrs, gpu_ptrs, 0), (gpu_ptrs, host_ptrs, 1)):
-            result, _, questions = kvcopy._testing.describe_copies_answered(
+            result, _, questions = kvcopy.testing.describe_copies_answered(
                 np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data)
             assert result.count == count
             assert questions[host_side] <= pieces + 16 and questions[1 - host_side] == 1, questions

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-import kvcopy._testing
+import kvcopy.testing
 from helpers.gpu import jax_gpu, make_pool
 from helpers.child import run_child
 
@@ -196,7 +196,7 @@ def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
                            (before[t].view(-1, block)[h_idx] + 1)), t
     out = np.zeros((len(sizes), 4), dtype=np.uint64)
     for src, dst in ((host_ptrs, gpu_ptrs), (gpu_ptrs, host_ptrs)):
-        result, _, questions = kvcopy._testing.describe_copies_answered(
+        result, _, questions = kvcopy.testing.describe_copies_answered(
             np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data)
         assert result.count == len(sizes)
         assert max(questions) <= 3 * tensors, questions

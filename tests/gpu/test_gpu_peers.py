@@ -60,14 +60,15 @@ def test_peer_copy_bytes(two_gpus, method, pair, launch, block):
     stream.synchronize()
     assert np.array_equal(dst.cpu().numpy(),
                           expected_after(src.cpu().numpy(), before, src_off, dst_off, sizes))
-    if method == "auto" and kvcopy._cuda.driver.can_access_peer(a, b):
+    if method == "auto" and kvcopy.testing.cuda.driver.can_access_peer(a, b):
         assert chose == "kernel", kvcopy.last_decision()
         assert kvcopy.last_decision().method == "kernel"
 
 
 ENABLE_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-from kvcopy._cuda import driver
+from kvcopy.testing import cuda
+driver = cuda.driver
 kvcopy.config.enable_peer_access = ENABLE
 MiB = 1 << 20
 src = torch.arange(4 * MiB, dtype=torch.int32, device="cuda:0").view(torch.uint8)[:4 * MiB]
@@ -186,7 +187,7 @@ def test_swap_blocks_between_gpus_orders_like_torch(two_gpus):
     torch.cuda.synchronize(1)
     for s, got in zip(src, seen):
         assert torch.equal(got.cpu(), s[mapping[:, 0]].cpu())
-    if kvcopy._cuda.driver.can_access_peer(0, 1):
+    if kvcopy.testing.cuda.driver.can_access_peer(0, 1):
         assert chose == "kernel"
 
 
@@ -282,8 +283,9 @@ def test_capture_between_gpus(two_gpus):
 def test_calibrate_peers(two_gpus, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
     found = kvcopy.calibrate_peers(0, 1, total_bytes=16 * MiB, repeats=2, save_result=False)
-    if not kvcopy._cuda.driver.can_access_peer(0, 1):
+    if not kvcopy.testing.cuda.driver.can_access_peer(0, 1):
         pytest.skip("no peer-to-peer path: nothing to calibrate")
     assert "p2p 0>1" in found.batch_min_bytes
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
     assert "p2p 1>0" in device.thresholds(1).batch_min_bytes

@@ -50,7 +50,8 @@ def test_a_cubin_damaged_on_disk_is_rebuilt_and_the_kernel_runs(tmp_path, damage
 CALIBRATE_CHILD = r"""
 import json, os, sys, warnings
 import kvcopy
-from kvcopy._cuda import driver
+from kvcopy.testing import cuda
+driver = cuda.driver
 warnings.simplefilter("error")   # a torn or refused file would warn
 driver.init()
 device = int(sys.argv[1]) % driver.device_count()
@@ -85,8 +86,10 @@ def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(
 
 LOAD_CHILD = r"""
 import json, warnings
-from kvcopy._runtime import device
-from kvcopy._cuda import driver
+from kvcopy.testing import engine
+device = engine.device
+from kvcopy.testing import cuda
+driver = cuda.driver
 warnings.simplefilter("error")
 driver.init()
 driver.push_context(driver.primary_context(0))

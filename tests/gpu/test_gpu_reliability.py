@@ -17,7 +17,8 @@ from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 
 FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-from kvcopy._cuda import driver as kv_driver, launch as kv_launch
+from kvcopy.testing import cuda
+kv_driver, kv_launch = cuda.driver, cuda.launch
 torch.cuda.init(); torch.zeros(1, device="cuda")
 MiB = 1 << 20
 a, b = kv_driver.mem_alloc(MiB), kv_driver.mem_alloc(MiB)
@@ -71,8 +72,10 @@ def test_explicit_kernel_refuses_memory_it_cannot_map(torch_cuda):
 
 KERNEL_FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
-from kvcopy._cuda import driver as kv_driver, launch as kv_launch
-from kvcopy._runtime import kernels, device
+from kvcopy.testing import cuda
+kv_driver, kv_launch = cuda.driver, cuda.launch
+from kvcopy.testing import engine
+kernels, device = engine.kernels, engine.device
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 info = device.device_info(0)
 k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
@@ -231,7 +234,8 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
         with kvcopy.TransferQueue(host, gpu) as q:
             q.submit(i, [[i % 8, (i + 1) % 8]])
     assert free - torch.cuda.mem_get_info()[0] < 16 << 20
-    from kvcopy._runtime import device
+    from kvcopy.testing import engine
+    device = engine.device
 
     device.set_thresholds(0, kvcopy.policy.Thresholds())  # leave the defaults for other tests
 
@@ -295,7 +299,8 @@ def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
     """kvcopy keeps the primary context it retained: the same handle every time (a
     retain per call would grow the driver's count without bound), and the context
     torch's CUDA work runs in."""
-    from kvcopy._cuda import driver as kv_driver
+    from kvcopy.testing import cuda
+    kv_driver = cuda.driver
 
     torch_cuda.zeros(1, device="cuda:0")
     first = kv_driver.primary_context(0)
@@ -306,8 +311,10 @@ def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
 
 PREPARE_CHILD = r"""
 import json, threading, numpy as np, torch, kvcopy
-from kvcopy._runtime import kernels
-from kvcopy._cuda import driver as kv_driver
+from kvcopy.testing import engine
+kernels = engine.kernels
+from kvcopy.testing import cuda
+kv_driver = cuda.driver
 seen = {}
 def worker():   # a thread of its own: no current context until kvcopy pushes one
     seen["before"] = kv_driver.current_context()
@@ -343,8 +350,10 @@ def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_a
 
 QUEUE_PREPARES_CHILD = r"""
 import json, torch, kvcopy
-from kvcopy._runtime import kernels
-from kvcopy._cuda import driver as kv_driver
+from kvcopy.testing import engine
+kernels = engine.kernels
+from kvcopy.testing import cuda
+kv_driver = cuda.driver
 gpu = torch.arange(8 * 1024, dtype=torch.float32, device="cuda").view(8, 1024)
 host = torch.zeros(8, 1024).pin_memory()
 key = kv_driver.current_context_key()   # torch's: device 0's primary context

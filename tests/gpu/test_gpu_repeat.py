@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy._engine import replay, traffic_window
+from kvcopy.testing import engine
+replay, traffic_window = engine.replay, engine.traffic_window
 
 KiB = 1 << 10
 BLOCK = 16 * KiB
@@ -162,7 +163,7 @@ def test_a_setting_changed_is_not_replayed(torch_cuda, monkeypatch):
     s, d, sizes, *_ = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
     assert replays() == 1
-    monkeypatch.setattr(kvcopy.config, "host_ctas", 1)
+    kvcopy.config.host_ctas = 1
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
     assert replays() == 1                # decided again under the new setting

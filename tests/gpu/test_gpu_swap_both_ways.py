@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-
+from kvcopy import testing
+from helpers.spies import LayerSpy
 
 
 def layered(torch, layers: int, blocks: int, block_shape: tuple, on_gpu: bool, seed: int):
@@ -123,21 +124,17 @@ def test_bad_ids_on_either_side_raise_before_anything_is_copied(torch_cuda):
 
 
 @pytest.fixture
-def block_launches(monkeypatch):
+def block_launches(monkeypatch, seams):
     """The arguments of every fused block-kernel launch; the per-copy path (every
     block copy described on the CPU) fails the test if it runs."""
-    from kvcopy._engine import both_ways
     launches: list[tuple] = []
-    real = both_ways.launch.launch_blocks_both_uploaded
-
-    def counted(*args):
-        launches.append(args)
-        return real(*args)
+    spy = LayerSpy(testing.cuda.launch, ("launch_blocks_both_uploaded",),
+                   lambda name, args: launches.append(args))
+    seams.enter_context(testing.fake_cuda(spy, ("launch",)))
 
     def per_copy(*args, **kwargs):
         raise AssertionError("swap_blocks_both_ways described every block copy")
-    monkeypatch.setattr(both_ways.launch, "launch_blocks_both_uploaded", counted)
-    monkeypatch.setattr(both_ways, "execute_both", per_copy)
+    monkeypatch.setattr(testing.engine.both_ways, "execute_both", per_copy)
     return launches
 
 

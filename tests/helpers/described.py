@@ -1,7 +1,8 @@
 """The describe pass's answer as a tuple, for tests that compare two passes."""
 from __future__ import annotations
 
-from kvcopy._cuda.describe import DescribedBatch
+from kvcopy.testing import cuda
+DescribedBatch = cuda.describe.DescribedBatch
 
 
 def described_fields(batch: DescribedBatch) -> tuple[int, int, int, int, int, int, int]:

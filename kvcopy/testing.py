@@ -1,0 +1,216 @@
+"""Test seams: where kvcopy's own tests, and a user's, stand in for the GPU.
+
+Not part of the copying API. Each seam is a context manager that changes what
+every kvcopy module sees for the duration of a with-block and puts it back
+after, so that a test fakes the driver or a device, not the wiring of modules:
+
+- ``capabilities(**caps)``: every device reports the given DeviceCaps fields
+  (e.g. ``batch_available=False`` for a driver older than 12.8); remembered
+  decisions are forgotten.
+- ``settings(**values)``: kvcopy.config values for the block (each checked as an
+  assignment is), the previous ones back after it.
+- ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
+  ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify)
+  outside that layer goes to ``fake``, an object with the functions and constants
+  the test's path calls.
+- ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
+  copy kernel, the descriptor ring, the staging buffers, the side streams, the
+  context a call enters, device 0's facts and thresholds.
+- ``fake_compiler(compile_cubin, version)``: NVRTC replaced: ``compile_cubin(arch)``
+  returns a cubin's bytes, ``version`` is the NVRTC version in the cache key.
+- ``fake_clock(clock)``: the clock kvcopy._engine.traffic_window reads (a callable
+  returning seconds).
+- ``describe_copies_in`` / ``describe_copies_answered``: the describe pass with
+  memory ranges known in advance, or with seeded answers standing in for the
+  driver (rows of start, end, kind, ordinal, delta), so that it runs on a CPU;
+  ``fast_describe_available()``: whether this CPU runs the vectorised pass.
+- ``engine`` and ``cuda``: the private modules a white-box test reads (the seams
+  above are how it changes them): nothing outside kvcopy imports them otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Any, Callable, Iterator
+
+from kvcopy import policy
+from kvcopy._cuda import classify, describe, dma, driver, launch, repeat, stage
+from kvcopy._cuda.describe import fast_describe_available
+from kvcopy._cuda import testing as cuda_testing
+from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
+from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, traffic_window
+from kvcopy._cuda import plan_arrays
+from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
+                             ring, side_streams)
+from kvcopy.config import config
+
+CUDA_LAYERS = ("driver", "describe", "launch")
+_LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
+           "stage": stage, "classify": classify}
+
+# What white-box tests read; changing it goes through the seams above.
+cuda = types.SimpleNamespace(
+    classify=classify, describe=describe, dma=dma, driver=driver, launch=launch,
+    plan_arrays=plan_arrays, repeat=repeat, stage=stage, testing=cuda_testing)
+engine = types.SimpleNamespace(
+    both_ways=both_ways, decide=decide, dispatch=dispatch, kernel=kernel, replay=replay,
+    staged=staged, traffic_window=traffic_window, context=context, device=device,
+    kernels=kernels, peers=peers, prepare=prepare, ring=ring, side_streams=side_streams,
+    calibration_file=calibration_file, persist=persist)
+
+
+def _users() -> list[types.ModuleType]:
+    """kvcopy's modules outside the driver layer and this one, as loaded now."""
+    return [module for name, module in list(sys.modules.items())
+            if module is not None and (name == "kvcopy" or name.startswith("kvcopy."))
+            and not name.startswith("kvcopy._cuda") and name != __name__]
+
+
+@contextlib.contextmanager
+def _standing_in(replacements: list[tuple[object, object]]) -> Iterator[None]:
+    """Every module-level name in kvcopy bound to one of the real objects is bound to
+    its stand-in for the block (found by identity, so names imported either way are
+    covered); then put back."""
+    wanted = {id(real): stand_in for real, stand_in in replacements}
+    undo: list[tuple[types.ModuleType, str, object]] = []
+    try:
+        for module in _users():
+            for name, value in list(vars(module).items()):
+                if id(value) in wanted and not name.startswith("__"):
+                    undo.append((module, name, value))
+                    setattr(module, name, wanted[id(value)])
+        yield
+    finally:
+        for module, name, value in reversed(undo):
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def capabilities(**caps: bool | int) -> Iterator[None]:
+    """Fake device capabilities for the duration of a with-block."""
+    device.override_capabilities(**caps)
+    try:
+        yield
+    finally:
+        device.override_capabilities()
+
+
+@contextlib.contextmanager
+def settings(**values: Any) -> Iterator[None]:
+    """kvcopy.config's ``values`` for the block, the previous ones back after it."""
+    before = {name: getattr(config, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(config, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(config, name, value)
+
+
+@contextlib.contextmanager
+def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[object]:
+    """The driver layer's ``layers`` replaced by ``fake`` wherever kvcopy uses them, and
+    no policy answer remembered from before (they were asked of the real device)."""
+    unknown = set(layers) - set(_LAYERS)
+    if unknown:
+        raise ValueError(f"fake_cuda: no layer {sorted(unknown)}; layers: {sorted(_LAYERS)}")
+    with _standing_in([(_LAYERS[layer], fake) for layer in layers]
+                      + [(decide._targets, {})]):
+        yield fake
+
+
+class _Ring:
+    """A descriptor ring whose every reservation is ``slot`` (a larger request fails)."""
+
+    def __init__(self, slot: ring.Slot) -> None:
+        self.slot = slot
+
+    def reserve(self, nbytes: int) -> "_Ring":
+        if nbytes > self.slot.capacity:
+            raise AssertionError(f"fake ring: {nbytes} bytes asked of a {self.slot.capacity}-"
+                                 "byte slot")
+        return self
+
+    def __enter__(self) -> ring.Slot:
+        return self.slot
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_runtime(*, caps: policy.DeviceCaps | None = None,
+                 thresholds: policy.Thresholds | None = None, copy_kernel: object = None,
+                 slot: ring.Slot | None = None, descriptor_ring: object = None,
+                 staging: object = None,
+                 side_stream: Callable[..., int] | None = None,
+                 scope: type | None = None) -> Iterator[None]:
+    """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
+    by default) and ``thresholds`` (the defaults), no policy answer remembered; where
+    given, ``copy_kernel`` as the kernel loaded in every context, every descriptor-ring
+    reservation ``slot`` (or ``descriptor_ring`` as every context's ring: its
+    reserve(nbytes) a context manager of a ring.Slot), ``staging`` as every context's
+    staging buffers,
+    ``side_stream(handle, index=0)`` for kvcopy's side streams, and ``scope`` for
+    the context a call enters (kvcopy._runtime.context.ContextScope's interface)."""
+    info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or policy.DeviceCaps())
+    replacements: list[tuple[object, object]] = [(decide._targets, {})]
+    if copy_kernel is not None:
+        replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))
+    if slot is not None:
+        descriptor_ring = _Ring(slot)
+    if descriptor_ring is not None:
+        replacements.append((ring.ring_for_current_context, lambda: descriptor_ring))
+    if staging is not None:
+        replacements.append((staged._buffers, types.SimpleNamespace(current=lambda: staging)))
+    if side_stream is not None:
+        replacements.append((side_streams.for_caller, side_stream))
+    if scope is not None:
+        replacements.append((context.ContextScope, scope))
+    saved_info, saved_thresholds = device._infos.get(0), device._thresholds.get(0)
+    device._infos[0], device._thresholds[0] = info, thresholds or policy.Thresholds()
+    try:
+        with _standing_in(replacements):
+            yield
+    finally:
+        _put_back(device._infos, saved_info)
+        _put_back(device._thresholds, saved_thresholds)
+
+
+def _put_back(table: dict[int, Any], value: Any) -> None:
+    """Device 0's entry of ``table`` as it was (None: there was none)."""
+    if value is None:
+        table.pop(0, None)
+    else:
+        table[0] = value
+
+
+@contextlib.contextmanager
+def fake_compiler(compile_cubin: Callable[[int], bytes],
+                  version: tuple[int, int] = (13, 0)) -> Iterator[None]:
+    """NVRTC replaced for the block: kernels are compiled by ``compile_cubin(arch)`` and
+    the kernel cache keys them under NVRTC ``version``."""
+    with _standing_in([(kernels.compile_cubin, compile_cubin),
+                       (kernels.nvrtc_version, lambda: version)]):
+        yield
+
+
+@contextlib.contextmanager
+def fake_clock(clock: Callable[[], float]) -> Iterator[Callable[[], float]]:
+    """The clock of kvcopy._engine.traffic_window (seconds) for the block, and no batch
+    noted before it."""
+    before = traffic_window._clock
+    traffic_window.forget()
+    traffic_window._clock = clock
+    try:
+        yield clock
+    finally:
+        traffic_window._clock = before
+        traffic_window.forget()
+
+
+__all__ = ["CUDA_LAYERS", "capabilities", "cuda", "describe_copies_answered",
+           "describe_copies_in", "engine", "fake_clock", "fake_compiler", "fake_cuda",
+           "fake_runtime", "fast_describe_available", "settings"]
