@@ -10,7 +10,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
 - ``settings(**values)``: kvcopy.config values for the block (each checked as an
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
-  ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify)
+  ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify,
+  .repeat, .plan_arrays)
   outside that layer goes to ``fake``, an object with the functions and constants
   the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
@@ -47,7 +48,7 @@ from kvcopy.config import config
 
 CUDA_LAYERS = ("driver", "describe", "launch")
 _LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
-           "stage": stage, "classify": classify}
+           "stage": stage, "classify": classify, "repeat": repeat, "plan_arrays": plan_arrays}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(

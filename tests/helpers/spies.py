@@ -7,11 +7,13 @@ from typing import Any, Callable
 class LayerSpy:
     """Stands in for a kvcopy._cuda module (through kvcopy.testing.fake_cuda): each call
     of a function in ``names`` is passed to ``note(name, args)`` and then made on
-    ``real``; everything else is ``real``'s."""
+    ``real`` (``done(name, args, result)`` after it, where given); everything else is
+    ``real``'s."""
 
     def __init__(self, real: Any, names: tuple[str, ...],
-                 note: Callable[[str, tuple], None]) -> None:
-        self._real, self._names, self._note = real, set(names), note
+                 note: Callable[[str, tuple], None],
+                 done: Callable[[str, tuple, Any], None] | None = None) -> None:
+        self._real, self._names, self._note, self._done = real, set(names), note, done
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._real, name)
@@ -20,5 +22,8 @@ class LayerSpy:
 
         def spied(*args: Any, **kwargs: Any) -> Any:
             self._note(name, args)
-            return value(*args, **kwargs)
+            result = value(*args, **kwargs)
+            if self._done is not None:
+                self._done(name, args, result)
+            return result
         return spied

@@ -1,0 +1,114 @@
+"""copy_batch's path on a real GPU, followed from api.copy_batch to the driver: every
+kvcopy module that holds the batch (its source array, or the DescribedBatch made of
+it) holds it in one stretch of the call (no module is handed it, gives it up and gets
+it back), and the CPU passes over the batch are counted where kvcopy._cuda makes them:
+the describe pass (alone, or inside the replay's attempt) and the copy engines' plan.
+(A batch that is staged makes a third: its host spans are counted before its chunks
+are planned; docs/design.md.)"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import testing
+from helpers.spies import LayerSpy
+
+KiB = 1 << 10
+# the kvcopy._cuda functions that read a batch copy by copy on the CPU
+PASSES = {"describe": ("describe_copies", "describe_compact"),
+          "repeat": ("launch_again",),
+          "dma": ("plan_dma", "memcpy_loop"),
+          "stage": ("host_spans", "plan_next_chunk"),
+          "plan_arrays": ("plan_arrays",)}
+
+
+class PathRecorder:
+    """The Python frames of kvcopy that hold the batch, per module in visits (a visit:
+    a frame of the module holding it while no frame of that module was on the stack),
+    and the passes kvcopy._cuda made over it."""
+
+    def __init__(self, src: np.ndarray) -> None:
+        self.src = src
+        self.visits: dict[str, int] = {}
+        self.order: list[str] = []
+        self.on_stack: dict[str, int] = {}
+        self.frames: dict[int, str] = {}
+        self.passes: list[str] = []
+
+    def holds_batch(self, frame) -> bool:
+        for value in frame.f_locals.values():
+            if value is self.src or getattr(value, "src", None) is self.src:
+                return True
+        return False
+
+    def profile(self, frame, event, arg) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("kvcopy") or module.startswith("kvcopy.testing"):
+            return
+        if event == "call":
+            if not self.on_stack.get(module) and self.holds_batch(frame):
+                self.visits[module] = self.visits.get(module, 0) + 1
+                self.order.append(module)
+            self.on_stack[module] = self.on_stack.get(module, 0) + 1
+            self.frames[id(frame)] = module
+        elif event == "return" and id(frame) in self.frames:
+            self.on_stack[self.frames.pop(id(frame))] -= 1
+
+    def note_pass(self, name: str, args: tuple, result=None) -> None:
+        # (the replay's attempt passes over the batch only where it described it)
+        if name != "launch_again" or result is not None:
+            self.passes.append(name)
+
+
+def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
+    recorder = PathRecorder(src)
+    for layer, names in PASSES.items():
+        real = getattr(testing.cuda, layer)
+        seams.enter_context(testing.fake_cuda(
+            LayerSpy(real, names, lambda *a: None, recorder.note_pass), (layer,)))
+    sys.setprofile(recorder.profile)
+    try:
+        kvcopy.copy_batch(src, dst, sizes, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return recorder
+
+
+@pytest.mark.parametrize("case", ["small, new", "small, repeated", "small, no record matches",
+                                  "large", "by the engines"])
+def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(torch_cuda,
+                                                                           seams, case):
+    torch = torch_cuda
+    count = 4096 if case == "large" else 24
+    block = 4 * KiB
+    host = torch.arange(2 * count * block, dtype=torch.uint8).pin_memory()
+    gpu = torch.zeros(2 * count * block, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    order = np.random.default_rng(count).permutation(count).astype(np.uint64)
+    src = np.uint64(host.data_ptr()) + order * np.uint64(2 * block)
+    dst = np.uint64(gpu.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(2 * block)
+    sizes = np.full(count, block, dtype=np.uint64)
+    method = "batch" if case == "by the engines" else "auto"
+    testing.engine.replay.forget()
+    if case == "small, repeated":
+        kvcopy.copy_batch(src, dst, sizes, stream=stream)   # recorded
+    elif case == "small, no record matches":
+        # a record of fewer copies on this stream: the batch is described, matches none
+        kvcopy.copy_batch(src[:count - 4], dst[:count - 4], sizes[:count - 4], stream=stream)
+    recorder = follow(seams, src, dst, sizes, stream=stream, method=method)
+    stream.synchronize()
+    for k in (0, count - 1):   # the bytes arrived
+        s = int(order[k]) * 2 * block
+        assert torch.equal(gpu[k * 2 * block:k * 2 * block + block].cpu(), host[s:s + block])
+    # (the batch reached the engine as the caller's array: the count below is of it)
+    assert recorder.order[0] == "kvcopy.api" and "kvcopy._engine.dispatch" in recorder.order
+    assert all(n == 1 for n in recorder.visits.values()), recorder.order
+    expected = {"small, new": ["describe_copies"],
+                "small, repeated": ["launch_again"],
+                "small, no record matches": ["launch_again"],   # its description issued
+                "large": ["describe_compact"],
+                "by the engines": ["describe_copies", "plan_dma"]}[case]
+    assert recorder.passes == expected, recorder.passes
