@@ -22,6 +22,8 @@ cdef struct PlanCursor:
     uint64_t dst
     uint64_t size
     Py_ssize_t origin    # caller's index of its first part
+    uint64_t largest     # the largest of the caller's copies read so far
+    Py_ssize_t empty     # the caller's empty copies skipped so far
 
 
 cdef inline int copy_problem(uint64_t src, uint64_t dst, uint64_t size) noexcept nogil:
@@ -45,6 +47,8 @@ cdef inline void plan_cursor_init(PlanCursor* c, Py_ssize_t n, bint merge) noexc
     c.merge = merge
     c.why = COPY_OK
     c.bad = -1
+    c.largest = 0
+    c.empty = 0
 
 
 cdef inline bint next_copy(PlanCursor* c, const uint64_t* src, const uint64_t* dst,
@@ -56,6 +60,7 @@ cdef inline bint next_copy(PlanCursor* c, const uint64_t* src, const uint64_t* d
     cdef uint64_t s
     while i < c.n and sizes[i] == 0:
         i += 1
+        c.empty += 1
     if i >= c.n:
         c.next = i
         return False
@@ -64,11 +69,14 @@ cdef inline bint next_copy(PlanCursor* c, const uint64_t* src, const uint64_t* d
         c.bad = i
         return False
     c.src, c.dst, c.size, c.origin = src[i], dst[i], sizes[i], i
+    if sizes[i] > c.largest:
+        c.largest = sizes[i]
     i += 1
     while c.merge and i < c.n:
         s = sizes[i]
         if s == 0:
             i += 1
+            c.empty += 1
             continue
         if src[i] != c.src + c.size or dst[i] != c.dst + c.size:
             break
@@ -77,6 +85,8 @@ cdef inline bint next_copy(PlanCursor* c, const uint64_t* src, const uint64_t* d
             c.bad = i
             return False
         c.size += s
+        if s > c.largest:
+            c.largest = s
         i += 1
     c.next = i
     return True

@@ -8,7 +8,11 @@ cdef struct Described:
     unsigned long long total     # their bytes
     unsigned long long tiles     # their tiles
     bint fast                    # in: may the vectorised pass run; out: did it
-    uint64_t compact_size           # in: may pairs be written; out: their size, else 0
+    uint64_t compact_size        # in: may pairs be written; out: their size, else 0
+    Py_ssize_t src_spans         # runs of copies each starting where the one before ends
+    Py_ssize_t dst_spans         # (empty copies skipped), on each side
+    uint64_t largest             # the caller's largest copy (or its bound: DescribedBatch)
+    Py_ssize_t empty             # the caller's empty copies
 
 
 cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
@@ -24,6 +28,10 @@ cdef class DescribedBatch:
     cdef readonly int dst_kinds
     cdef readonly int dst_device
     cdef readonly uint64_t compact_size
+    cdef readonly Py_ssize_t src_spans
+    cdef readonly Py_ssize_t dst_spans
+    cdef readonly uint64_t largest_copy
+    cdef readonly Py_ssize_t empty_copies
     cdef readonly uintptr_t table
     cdef readonly object src
     cdef readonly object dst

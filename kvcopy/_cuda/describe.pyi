@@ -13,6 +13,10 @@ class DescribedBatch:
     dst_kinds: int
     dst_device: int
     compact_size: int
+    src_spans: int
+    dst_spans: int
+    largest_copy: int
+    empty_copies: int
     table: int
     src: np.ndarray
     dst: np.ndarray
@@ -20,7 +24,8 @@ class DescribedBatch:
     def __init__(self, count: int, total_bytes: int, tiles: int, src_kinds: int,
                  src_device: int, dst_kinds: int, dst_device: int, compact_size: int = 0,
                  table: int = 0, src: np.ndarray | None = None, dst: np.ndarray | None = None,
-                 sizes: np.ndarray | None = None) -> None: ...
+                 sizes: np.ndarray | None = None, src_spans: int = -1, dst_spans: int = -1,
+                 largest_copy: int = 0, empty_copies: int = 0) -> None: ...
     @property
     def one_tile_copies(self) -> bool: ...
 

@@ -14,6 +14,10 @@ from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, co
 from kvcopy._cuda.plan_arrays import bad_copy_error, length_error
 
 cdef extern from "describe_fast.h":
+    ctypedef struct kvcopy_sides:
+        uint64_t src_runs
+        uint64_t dst_runs
+        uint64_t largest
     int kvcopy_fast_describe_available() nogil
     unsigned KVCOPY_FAST_MISFIT
     unsigned KVCOPY_FAST_MERGES
@@ -23,7 +27,7 @@ cdef extern from "describe_fast.h":
                                        uint64_t tiles_per_copy, int64_t n,
                                        uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                        uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
-                                       uint64_t* total_out) nogil
+                                       uint64_t* total_out, kvcopy_sides* sides_out) nogil
     int64_t kvcopy_describe_merging(const uint64_t* src, const uint64_t* dst,
                                     const uint64_t* sizes, kvcopy_desc* out, int64_t n,
                                     int merge, int64_t src_delta, int64_t dst_delta,
@@ -51,14 +55,16 @@ cdef enum:
 cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                          Py_ssize_t n, void* descs, _Classifier* sides, bint merge,
                          unsigned long long* total, unsigned long long* tiles,
-                         uint64_t* compact_size, Py_ssize_t* count) noexcept nogil:
+                         uint64_t* compact_size, Py_ssize_t* count,
+                         kvcopy_sides* spans) noexcept nogil:
     """The common batch, inside one allocation per side, in one branch-free pass
     (describe_fast.h): True when it applied, with exactly what the general loop would
     have written (*count entries). Copies of one size longer than a tile take it too
     (each then counts that many tiles); copies that continue the one before, or
     multi-tile copies of several sizes, are then written again by one scalar pass
     that needs no classifying. *compact_size in: may pairs be written (kvcopy_pair);
-    out: their copies' size, else 0."""
+    out: their copies' size, else 0. *spans: each side's continuing copies and the
+    largest copy, or its bound (describe_fast.h; every copy here is non-empty)."""
     cdef _Range* rs
     cdef _Range* rd
     cdef uint64_t nbytes = 0, settled_tiles = 0
@@ -82,7 +88,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     rd = &sides[1].cache[sides[1].last]
     misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, per_copy, n, rs.start,
                                        rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
-                                       rd.delta, &nbytes)
+                                       rd.delta, &nbytes, spans)
     if misfit & KVCOPY_FAST_MISFIT:
         return False
     total[0] = nbytes
@@ -96,7 +102,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
         # sizes differ: pairs cannot say so, descriptors can
         kvcopy_describe_in_ranges(src, dst, sizes, descs, False, 1, n, rs.start,
                                   rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
-                                  rd.delta, &nbytes)
+                                  rd.delta, &nbytes, spans)
     elif pairs:
         compact_size[0] = sizes[0]
     count[0] = n
@@ -108,20 +114,32 @@ cdef void _describe_pass(const uint64_t* src, const uint64_t* dst, const uint64_
                          Py_ssize_t n, kvcopy_desc* descs, bint merge, _Classifier* sides,
                          PlanCursor* cursor, bint* fast, uint64_t* compact_size,
                          unsigned long long* total, unsigned long long* tiles,
-                         Py_ssize_t* k) noexcept nogil:
+                         Py_ssize_t* k, Described* out) noexcept nogil:
     """describe_raw's pass: the vectorised one where it applies, else the general loop
-    (a bad copy stops it, in cursor.why)."""
+    (a bad copy stops it, in cursor.why); each side's spans, the largest copy and the
+    empty ones into *out."""
+    cdef kvcopy_sides found
+    cdef uint64_t src_end = 0, dst_end = 0
     if fast[0]:
         fast[0] = _describe_fast(src, dst, sizes, n, descs, sides, merge, total, tiles,
-                                 compact_size, k)
+                                 compact_size, k, &found)
     else:
         compact_size[0] = 0
-    if not fast[0]:
-        total[0] = 0
-        while next_copy(cursor, src, dst, sizes):
-            _describe_one(&descs[k[0]], sides, cursor.src, cursor.dst, cursor.size, tiles)
-            total[0] += cursor.size
-            k[0] += 1
+    if fast[0]:
+        out.src_spans, out.dst_spans = n - <Py_ssize_t>found.src_runs, n - <Py_ssize_t>found.dst_runs
+        out.largest, out.empty = found.largest, 0
+        return
+    total[0] = 0
+    out.src_spans = out.dst_spans = 0
+    while next_copy(cursor, src, dst, sizes):
+        _describe_one(&descs[k[0]], sides, cursor.src, cursor.dst, cursor.size, tiles)
+        total[0] += cursor.size
+        # (a copy merged into this one continued it on both sides: no span ends inside)
+        out.src_spans += k[0] == 0 or cursor.src != src_end
+        out.dst_spans += k[0] == 0 or cursor.dst != dst_end
+        src_end, dst_end = cursor.src + cursor.size, cursor.dst + cursor.size
+        k[0] += 1
+    out.largest, out.empty = cursor.largest, cursor.empty
 
 
 cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
@@ -143,11 +161,11 @@ cdef int describe_raw(const uint64_t* src, const uint64_t* dst, const uint64_t* 
     # (the GIL is kept for small batches: releasing it costs more than they take)
     if n < _KEEP_GIL_BELOW:
         _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &compact_size,
-                       &total, &tiles, &k)
+                       &total, &tiles, &k, out)
     else:
         with nogil:
-            _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast, &compact_size,
-                           &total, &tiles, &k)
+            _describe_pass(src, dst, sizes, n, descs, merge, sides, &cursor, &fast,
+                           &compact_size, &total, &tiles, &k, out)
     if cursor.why:
         raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
     out.count, out.total, out.tiles, out.fast, out.compact_size = k, total, tiles, fast, compact_size
@@ -161,18 +179,29 @@ cdef class DescribedBatch:
     ``tiles`` tiles of the kernel; each side's memory kinds and device ordinal (as
     classify_pointers reports them); ``table``: where their entries were written,
     ``compact_size``: the copy size of kvcopy_pair entries (16 bytes), 0 where
-    kvcopy_desc entries (32 bytes) were written; ``src``, ``dst``, ``sizes``: the
-    caller's arrays, every copy in them validated.
+    kvcopy_desc entries (32 bytes) were written; ``src_spans`` and ``dst_spans``: each
+    side's runs of copies that start where the one before ends (empty copies
+    skipped; the staged path asks the host side's); ``largest_copy``: the caller's
+    largest copy (where copies of several sizes took the vectorised pass, the whole
+    number of tiles every one kept within: what is asked of it is whether copies fit a
+    tile or a staging chunk); ``empty_copies``: the caller's empty copies; ``src``,
+    ``dst``, ``sizes``: the caller's arrays, every copy in them validated.
     """
 
     def __init__(self, Py_ssize_t count, unsigned long long total_bytes, unsigned long long tiles,
                  int src_kinds, int src_device, int dst_kinds, int dst_device,
-                 uint64_t compact_size=0, uintptr_t table=0, src=None, dst=None, sizes=None):
-        # (the describe pass builds its answers without this; tests' fakes use it)
+                 uint64_t compact_size=0, uintptr_t table=0, src=None, dst=None, sizes=None,
+                 Py_ssize_t src_spans=-1, Py_ssize_t dst_spans=-1, uint64_t largest_copy=0,
+                 Py_ssize_t empty_copies=0):
+        # (the describe pass builds its answers without this; tests' fakes use it, and
+        # spans of -1 there mean one per copy)
         self.count, self.total_bytes, self.tiles = count, total_bytes, tiles
         self.src_kinds, self.src_device = src_kinds, src_device
         self.dst_kinds, self.dst_device = dst_kinds, dst_device
         self.compact_size, self.table = compact_size, table
+        self.src_spans = count if src_spans < 0 else src_spans
+        self.dst_spans = count if dst_spans < 0 else dst_spans
+        self.largest_copy, self.empty_copies = largest_copy, empty_copies
         self.src, self.dst, self.sizes = src, dst, sizes
 
     @property
@@ -184,7 +213,9 @@ cdef class DescribedBatch:
         return (f"DescribedBatch(count={self.count}, total_bytes={self.total_bytes}, "
                 f"tiles={self.tiles}, src_kinds={self.src_kinds}, src_device={self.src_device}, "
                 f"dst_kinds={self.dst_kinds}, dst_device={self.dst_device}, "
-                f"compact_size={self.compact_size})")
+                f"compact_size={self.compact_size}, src_spans={self.src_spans}, "
+                f"dst_spans={self.dst_spans}, largest_copy={self.largest_copy}, "
+                f"empty_copies={self.empty_copies})")
 
 
 cdef DescribedBatch described(Described* out, _Classifier* sides, uintptr_t table, object src,
@@ -195,6 +226,8 @@ cdef DescribedBatch described(Described* out, _Classifier* sides, uintptr_t tabl
     batch.src_kinds, batch.src_device = sides[0].kinds, sides[0].ordinal
     batch.dst_kinds, batch.dst_device = sides[1].kinds, sides[1].ordinal
     batch.compact_size, batch.table = out.compact_size, table
+    batch.src_spans, batch.dst_spans = out.src_spans, out.dst_spans
+    batch.largest_copy, batch.empty_copies = out.largest, out.empty
     batch.src, batch.dst, batch.sizes = src, dst, sizes
     return batch
 
@@ -212,6 +245,8 @@ cdef DescribedBatch describe_with(object src_arr, object dst_arr, object sizes_a
     if src.shape[0] != n or dst.shape[0] != n:
         raise length_error(src.shape[0], dst.shape[0], n)
     out.count, out.total, out.tiles, out.fast, out.compact_size = 0, 0, 0, fast[0], compact
+    out.src_spans = out.dst_spans = out.empty = 0
+    out.largest = 0
     if n == 0:
         out.compact_size = 0   # (classifier_init left each side with no memory)
     else:

@@ -30,6 +30,25 @@ static inline int kvcopy_fast_describe_available(void) { return 0; }
 #define KVCOPY_FAST_MERGES 2u   /* a copy continues the previous one on both sides */
 #define KVCOPY_FAST_SIZES 4u    /* not every copy has the first one's size */
 
+/* What the fast passes learn of each side besides the entries: how many copies
+ * continue the one before on the source and on the destination side (a batch's
+ * spans per side are its copies less these), and the largest copy: exact where every
+ * copy has one size, else the whole number of tiles every copy kept within (a
+ * maximum per copy cost the vector loop a tenth of its time; the bound answers what
+ * is asked of it: whether copies fit a tile, or a staging chunk). */
+typedef struct {
+    uint64_t src_runs, dst_runs, largest;
+} kvcopy_sides;
+
+/* Copy i's continuations of copy i - 1 (i > 0), into *sides. */
+static inline void kvcopy_sides_one(kvcopy_sides* sides, const uint64_t* src,
+                                    const uint64_t* dst, const uint64_t* sizes, int64_t i) {
+    if (i > 0) {
+        sides->src_runs += src[i] == src[i - 1] + sizes[i - 1];
+        sides->dst_runs += dst[i] == dst[i - 1] + sizes[i - 1];
+    }
+}
+
 /* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
 static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
                                           uint64_t src_start, uint64_t src_span,
@@ -49,6 +68,16 @@ static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
 KVCOPY_FAST_TARGET static inline __m256i kvcopy_gt_u64(__m256i a, __m256i b) {
     const __m256i sign = _mm256_set1_epi64x((long long)0x8000000000000000ULL);
     return _mm256_cmpgt_epi64(_mm256_xor_si256(a, sign), _mm256_xor_si256(b, sign));
+}
+
+/* The lanes' continuations (each lane's count negated), into *sides. */
+KVCOPY_FAST_TARGET static inline void kvcopy_sides_add(kvcopy_sides* sides, __m256i s_runs,
+                                                      __m256i t_runs) {
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i*)lanes, s_runs);
+    sides->src_runs -= lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    _mm256_storeu_si256((__m256i*)lanes, t_runs);
+    sides->dst_runs -= lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
 /* Copies i..i+3 of a batch, and the ones before each (i >= 1). */
@@ -90,7 +119,8 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
                                     uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                     uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                     uint64_t* misfit_io,
-                                    uint64_t* merges_io, uint64_t* sizes_io, uint64_t* total_io) {
+                                    uint64_t* merges_io, uint64_t* sizes_io, uint64_t* total_io,
+                                    kvcopy_sides* sides_io) {
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
     const __m256i s_span = _mm256_set1_epi64x((long long)src_span);
     const __m256i t_start = _mm256_set1_epi64x((long long)dst_start);
@@ -108,6 +138,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     __m256i index = _mm256_setr_epi64x((long long)(first * k), (long long)((first + 1) * k),
                                        (long long)((first + 2) * k), (long long)((first + 3) * k));
     __m256i misfit = zero, merges = zero, differ = zero, total = zero;
+    __m256i s_runs = zero, t_runs = zero;   /* continuations, each lane's negated */
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
         const kvcopy_four f = kvcopy_four_at(src, dst, sizes, i);   /* (first >= 1) */
@@ -121,9 +152,11 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
         misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(t, t_end));
         misfit = _mm256_or_si256(misfit, _mm256_cmpeq_epi64(z, zero));
         misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(z, tile));
-        merges = _mm256_or_si256(merges, _mm256_and_si256(
-            _mm256_cmpeq_epi64(s, _mm256_add_epi64(ps, pz)),
-            _mm256_cmpeq_epi64(t, _mm256_add_epi64(pt, pz))));
+        const __m256i s_on = _mm256_cmpeq_epi64(s, _mm256_add_epi64(ps, pz));
+        const __m256i t_on = _mm256_cmpeq_epi64(t, _mm256_add_epi64(pt, pz));
+        merges = _mm256_or_si256(merges, _mm256_and_si256(s_on, t_on));
+        s_runs = _mm256_add_epi64(s_runs, s_on);   /* (a true lane is -1) */
+        t_runs = _mm256_add_epi64(t_runs, t_on);
         total = _mm256_add_epi64(total, z);
         differ = _mm256_or_si256(differ, _mm256_xor_si256(f.z, size0));
         const __m256i a = _mm256_add_epi64(s, s_delta), b = _mm256_add_epi64(t, t_delta);
@@ -161,6 +194,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     *sizes_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
     _mm256_storeu_si256((__m256i*)lanes, total);
     *total_io += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    kvcopy_sides_add(sides_io, s_runs, t_runs);
     return i;
 }
 
@@ -181,7 +215,7 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
                                           int64_t src_delta, uint64_t dst_start,
                                           uint64_t dst_limit, int64_t dst_delta,
                                           uint64_t* misfit_io, uint64_t* merges_io,
-                                          uint64_t* sizes_io) {
+                                          uint64_t* sizes_io, kvcopy_sides* sides_io) {
     const uint64_t sign_bit = 0x8000000000000000ULL;
     const __m256i sign = _mm256_set1_epi64x((long long)sign_bit);
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
@@ -193,6 +227,7 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
     const __m256i t_delta = _mm256_set1_epi64x((long long)dst_delta);
     const __m256i size0 = _mm256_set1_epi64x((long long)z0);
     __m256i misfit = _mm256_setzero_si256(), merges = misfit, differ = misfit;
+    __m256i s_runs = misfit, t_runs = misfit;   /* continuations, negated */
     const int stream = ((uintptr_t)(p + first) & 31u) == 0;
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
@@ -203,9 +238,11 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
         misfit = _mm256_or_si256(misfit, _mm256_cmpgt_epi64(
             _mm256_xor_si256(_mm256_sub_epi64(t, t_start), sign), t_limit));
         differ = _mm256_or_si256(differ, _mm256_xor_si256(f.z, size0));
-        merges = _mm256_or_si256(merges, _mm256_and_si256(
-            _mm256_cmpeq_epi64(_mm256_sub_epi64(s, f.ps), size0),
-            _mm256_cmpeq_epi64(_mm256_sub_epi64(t, f.pt), size0)));
+        const __m256i s_on = _mm256_cmpeq_epi64(_mm256_sub_epi64(s, f.ps), size0);
+        const __m256i t_on = _mm256_cmpeq_epi64(_mm256_sub_epi64(t, f.pt), size0);
+        merges = _mm256_or_si256(merges, _mm256_and_si256(s_on, t_on));
+        s_runs = _mm256_add_epi64(s_runs, s_on);
+        t_runs = _mm256_add_epi64(t_runs, t_on);
         const __m256i a = _mm256_add_epi64(s, s_delta), b = _mm256_add_epi64(t, t_delta);
         const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
         __m256i* po = (__m256i*)(p + i);
@@ -220,6 +257,7 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
     *merges_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
     _mm256_storeu_si256((__m256i*)lanes, differ);
     *sizes_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    kvcopy_sides_add(sides_io, s_runs, t_runs);
     return i;
 }
 #endif
@@ -257,8 +295,9 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           uint64_t src_start, uint64_t src_span,
                                           int64_t src_delta, uint64_t dst_start,
                                           uint64_t dst_span, int64_t dst_delta,
-                                          uint64_t* total_out) {
+                                          uint64_t* total_out, kvcopy_sides* sides_out) {
     const uint64_t max_size = tiles_per_copy * KVCOPY_TILE_BYTES;
+    kvcopy_sides sides = {0, 0, 0};
     uint64_t misfit = 0, merges = 0, differ = 0, total = 0;
     int64_t i = 0;
     /* copy 0 (and 1, for pairs: the vector loop's first store is then 32-byte aligned)
@@ -270,6 +309,7 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
         if (i > 0)
             merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                     & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        kvcopy_sides_one(&sides, src, dst, sizes, i);
         differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
         kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
@@ -280,32 +320,37 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
     if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span
             && z0 <= dst_span) {
         uint64_t one_misfit = 0, one_merges = 0, one_differ = 0;
+        kvcopy_sides one_sides = sides;
         const int64_t end = kvcopy_pairs_one_size_avx2(
             src, dst, sizes, (kvcopy_pair*)descs_out, i, n, z0, src_start, src_span - z0,
             src_delta, dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges,
-            &one_differ);
+            &one_differ, &one_sides);
         if (!one_differ) {   /* else the pass below describes these copies again */
             misfit |= one_misfit;
             merges |= one_merges;
+            sides = one_sides;
             total += (uint64_t)(end - i) * z0;
             i = end;
         }
     }
     i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
                              src_span, src_delta, dst_start, dst_span, dst_delta, &misfit,
-                             &merges, &differ, &total);
+                             &merges, &differ, &total, &sides);
 #endif
     for (; i < n; ++i) {
         misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
                                      dst_span, max_size);
         merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
                 & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        kvcopy_sides_one(&sides, src, dst, sizes, i);
         differ |= sizes[i] ^ sizes[0];
         total += sizes[i];
         kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
                            dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
     }
     *total_out = total;
+    sides.largest = differ ? max_size : (n ? sizes[0] : 0);
+    *sides_out = sides;
     return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u)
          | (differ ? KVCOPY_FAST_SIZES : 0u);
 }

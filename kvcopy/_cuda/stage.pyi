@@ -1,8 +1,6 @@
-"""Type stub of kvcopy._cuda.stage: the staged path's passes over a batch."""
+"""Type stub of kvcopy._cuda.stage: the staged path's pass over a batch."""
 import numpy as np
 
-def host_spans(host: np.ndarray, sizes: np.ndarray,
-               max_spans: int = -1) -> tuple[int, int, int]: ...
 def plan_next_chunk(host: np.ndarray, gpu: np.ndarray, sizes: np.ndarray, load: bool,
                     chunk_bytes: int, buffer: int, start: int, table: int,
                     span_first: np.ndarray, span_host: np.ndarray, span_staged: np.ndarray,

@@ -1,45 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""The staged path's passes over a batch (kvcopy._engine.staged), one loop over the copies
-each: how the host side lies, and the chunks, host spans and kernel descriptors
-against the staging buffers. A pass in NumPy cost 20-60 us per array operation on
-16,384 copies, and the planning took a dozen of them."""
+"""The staged path's pass over a batch (kvcopy._engine.staged), one loop over the copies:
+the chunks, host spans and kernel descriptors against the staging buffers (how the
+host side lies was counted by the describe pass). A pass in NumPy cost 20-60 us per
+array operation on 16,384 copies, and the planning took a dozen of them."""
 
 from libc.stdint cimport uint64_t, uintptr_t, int64_t
 
 from kvcopy._cuda.descriptor cimport kvcopy_desc, KVCOPY_TILE_BYTES
-
-
-def host_spans(const uint64_t[::1] host, const uint64_t[::1] sizes,
-               int64_t max_spans=-1) -> tuple:
-    """(spans, largest copy, empty copies) of a batch's host side (``host``: each copy's
-    host address). A span is a run of copies each of which starts where the one
-    before ends; empty copies are skipped and break no span.
-
-    With ``max_spans`` >= 0 the pass stops at span ``max_spans + 1`` and returns
-    that count with the largest copy and empty copies seen so far: a caller that
-    only wants batches of few spans learns "too many" without reading a scattered
-    batch to its end (32,768 copies: ~40 us)."""
-    if host.shape[0] != sizes.shape[0]:
-        raise ValueError(f"host_spans: {host.shape[0]} addresses for {sizes.shape[0]} sizes")
-    cdef Py_ssize_t i, n = sizes.shape[0]
-    cdef uint64_t size, largest = 0, next_start = 0
-    cdef int64_t spans = 0, empty = 0
-    with nogil:
-        for i in range(n):
-            size = sizes[i]
-            if size == 0:
-                empty += 1
-                continue
-            if spans == 0 or host[i] != next_start:
-                if spans == max_spans:
-                    spans += 1
-                    break
-                spans += 1
-            next_start = host[i] + size
-            if size > largest:
-                largest = size
-    return spans, largest, empty
 
 
 cdef Py_ssize_t _plan_chunk(const uint64_t* host, const uint64_t* gpu, const uint64_t* sizes,

@@ -105,7 +105,7 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             if not isinstance(joint, tuple):
                 return joint
             a, b = joint
-            both_staged = _staged_pair((a, b), (first, second), method, names, thresholds)
+            both_staged = _staged_pair((a, b), (batch_a, batch_b), method, names, thresholds)
             if both_staged:
                 return both_staged   # issued once the slot is given back
             kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
@@ -124,15 +124,16 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
             return "kernel", "kernel"
 
 
-def _staged_pair(targets: tuple[decide.Target, decide.Target], batches: tuple[Arrays, Arrays],
+def _staged_pair(targets: tuple[decide.Target, decide.Target],
+                 batches: tuple[describe.DescribedBatch, describe.DescribedBatch],
                  method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
                  ) -> list[staged.StagedBatch]:
     """Both sides as staged batches, where the policy stages both (kvcopy._engine.staged); else
     none: one side staged beside the kernel pair's other side falls below the kernel
     pair."""
     found = []
-    for target, (src, dst, sizes), name in zip(targets, batches, names):
-        side = staged.plan_batch(target.request, target.decision, src, dst, sizes, method,
+    for target, batch, name in zip(targets, batches, names):
+        side = staged.plan_batch(target.request, target.decision, batch, method,
                                  thresholds or device.thresholds(target.info.ordinal), name)
         if side is None:
             return []

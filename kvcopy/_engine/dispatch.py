@@ -66,7 +66,8 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     matched). Large batches of one block size in one allocation per side get
     16-byte entries instead of 32-byte ones (describe_compact): the pass is bound by
     its writes to pinned memory. The DMA paths plan the batch for the copy engines
-    as they issue it (dma.plan_dma), staging as it issues each chunk.
+    as they issue it (dma.plan_dma), staging as it issues each chunk (its choice
+    reads the host spans the describe pass counted).
     While the stream captures a graph, nothing here queries or waits on an
     event or a stream, and nothing is allocated on the device.
     """
@@ -95,7 +96,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 break
             # (a caller's CTA limit asks for the kernel itself)
             staging = None if max_ctas is not None else staged.plan_batch(
-                target.request, target.decision, src, dst, sizes, method,
+                target.request, target.decision, batch, method,
                 device.thresholds(target.info.ordinal))
             if staging is None:
                 launched = launch_kernel(batch, target, slot, max_ctas)

@@ -37,6 +37,7 @@ import numpy as np
 from kvcopy import policy
 from kvcopy._runtime import kernels, ring, side_streams
 from kvcopy._cuda import describe, driver, launch, stage
+from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.config import config
 from kvcopy._runtime.context import PerContext
 from kvcopy.errors import CudaError
@@ -110,24 +111,23 @@ class StagingBuffers:
 _buffers = PerContext(StagingBuffers)
 
 
-def plan_batch(request: policy.CopyRequest, decision: Decision, src: np.ndarray,
-               dst: np.ndarray, sizes: np.ndarray, method: str,
-               thresholds: policy.Thresholds, name: str = "") -> StagedBatch | None:
-    """The batch as a staged side, where policy.choose_staging stages it and the
-    context's staging buffers exist (allocated here on first use); else None."""
+def plan_batch(request: policy.CopyRequest, decision: Decision, batch: DescribedBatch,
+               method: str, thresholds: policy.Thresholds, name: str = "") -> StagedBatch | None:
+    """The described batch as a staged side, where policy.choose_staging stages it (its
+    host side's spans as the describe pass counted them) and the context's staging
+    buffers exist (allocated here on first use); else None."""
     chunk_bytes = config.staging_bytes
     if not policy.staging_possible(request, decision, chunk_bytes, thresholds, method):
-        return None   # ruled out without a pass over the copies
-    host, gpu = (src, dst) if request.direction == "h2d" else (dst, src)
-    # (a scattered host side is known as such after a few spans, not at its last copy)
-    spans, largest, empty = stage.host_spans(host, sizes,
-                                             policy.staging_max_spans(request, thresholds))
-    staged = policy.choose_staging(request, decision, HostSpans(spans, largest), chunk_bytes,
-                                   thresholds, method)
+        return None
+    load = request.direction == "h2d"
+    host, gpu = (batch.src, batch.dst) if load else (batch.dst, batch.src)
+    spans = HostSpans(batch.src_spans if load else batch.dst_spans, batch.largest_copy)
+    staged = policy.choose_staging(request, decision, spans, chunk_bytes, thresholds, method)
     if staged is None or not _buffers.current().ensure(chunk_bytes):
         return None
-    return StagedBatch(request.direction, host, gpu, sizes, len(sizes) - empty, staged,
-                       chunk_bytes, name, largest)
+    return StagedBatch(request.direction, host, gpu, batch.sizes,
+                       len(batch.sizes) - batch.empty_copies, staged, chunk_bytes, name,
+                       batch.largest_copy)
 
 
 class _Side:

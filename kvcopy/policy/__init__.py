@@ -337,9 +337,9 @@ class HostSpans:
 
 def staging_possible(req: CopyRequest, decision: Decision, chunk_bytes: int,
                      thresholds: Thresholds, requested: str = "auto") -> bool:
-    """What choose_staging asks of a batch before its host spans are counted (a pass
-    over its copies): 'auto', the kernel chosen, staging on, between host and GPU,
-    outside capture, and at least ``thresholds.staging_min_bytes``."""
+    """What choose_staging asks of a batch before it looks at its host spans: 'auto',
+    the kernel chosen, staging on, between host and GPU, outside capture, and at least
+    ``thresholds.staging_min_bytes`` (the staging buffers are not made for less)."""
     return (requested == "auto" and decision.method == "kernel" and bool(chunk_bytes)
             and req.direction in ("h2d", "d2h") and not req.capturing
             and req.total_bytes >= thresholds.staging_min_bytes)
@@ -347,7 +347,7 @@ def staging_possible(req: CopyRequest, decision: Decision, chunk_bytes: int,
 
 def staging_max_spans(req: CopyRequest, thresholds: Thresholds) -> int:
     """The most host spans a staged batch may lie in (total bytes / spans >=
-    thresholds.staging_min_span_bytes); -1: no limit. Counting may stop past it."""
+    thresholds.staging_min_span_bytes); -1: no limit."""
     if thresholds.staging_min_span_bytes <= 0:
         return -1
     return req.total_bytes // thresholds.staging_min_span_bytes

@@ -29,6 +29,7 @@ from kvcopy.errors import NoDriverError
 from kvcopy.policy import Thresholds
 
 from helpers.cpu_fakes import FakeCaptureDriver, FakeClassify, FakeScope
+from helpers.described import described_like_the_pass
 
 HANDLE = 0x7F0000001234
 SLOT = ring.Slot(capacity=1 << 24, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
@@ -59,8 +60,7 @@ class Fake(FakeCaptureDriver):
     classes: "Iterator[MemoryClasses]"
 
     def describe_copies(self, src, dst, sizes, out, merge):
-        return kv_describe.DescribedBatch(len(sizes), int(sizes.sum()), len(sizes),
-                                          *next(self.classes), table=out)
+        return described_like_the_pass(src, dst, sizes, next(self.classes), out)
 
     def launch_both(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
                     threads, stream, upload_from=0, descs_b=0) -> int:

@@ -42,6 +42,42 @@ def describe(src, dst, sizes, merge=True, fast=True, misalign=0):
     return described_fields(batch), used, out.reshape(-1, 4)[:batch.count]
 
 
+def sides(src, dst, sizes, merge=True, fast=True, compact=False):
+    """What the pass found of each side: (src spans, dst spans, largest copy, empty
+    copies), and whether the vectorised pass applied."""
+    src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
+    out = np.zeros(4 * max(len(sizes), 1) + 4, dtype=np.uint64)
+    batch, used = kv_testing.describe_copies_in(RANGES, src, dst, sizes, out.ctypes.data,
+                                                merge, fast, compact)
+    return (batch.src_spans, batch.dst_spans, batch.largest_copy, batch.empty_copies), used
+
+
+def assert_sides(found, want, sizes) -> None:
+    """The pass's sides as counted by hand; where the vectorised pass met copies of
+    several sizes, its largest copy is the whole number of tiles every copy kept within."""
+    (spans_and_empty, largest), used = (found[0][:2] + found[0][3:], found[0][2]), found[1]
+    assert spans_and_empty == want[:2] + want[3:]
+    if used and len(set(int(z) for z in sizes)) > 1:
+        tiles = -(-int(sizes[0]) // TILE)
+        assert largest == tiles * TILE >= want[2]
+    else:
+        assert largest == want[2]
+
+
+def sides_oracle(src, dst, sizes) -> tuple[int, int, int, int]:
+    """Runs of copies each starting where the one before ends, per side, empty copies
+    skipped; the largest copy; the empty ones."""
+    def spans(addresses):
+        count, end = 0, None
+        for address, size in zip(addresses, sizes):
+            if size:
+                count += end is None or address != end
+                end = address + size
+        return count
+    return (spans(src), spans(dst), max(sizes, default=0),
+            sum(1 for size in sizes if size == 0))
+
+
 def expected_descriptors(src, dst, sizes, merge):
     plan = plan_copies(np.asarray(src, np.uint64), np.asarray(dst, np.uint64),
                        np.asarray(sizes, np.uint64), merge=merge)
@@ -211,6 +247,9 @@ def test_both_passes_describe_what_the_planner_plans(batch, merge, misalign):
     reference, _, ref_descs = describe(src, dst, sizes, merge, fast=False)
     assert result == reference
     np.testing.assert_array_equal(descs, ref_descs)
+    # each side's spans (the staged path's question), by either pass, as counted by hand
+    assert_sides(sides(src, dst, sizes, merge), sides_oracle(src, dst, sizes), sizes)
+    assert sides(src, dst, sizes, merge, fast=False)[0] == sides_oracle(src, dst, sizes)
     want, plan = expected_descriptors(src, dst, sizes, merge)
     np.testing.assert_array_equal(descs, want)
     assert (result[0], result[1]) == (plan.count, plan.total_bytes)
@@ -315,9 +354,46 @@ def test_compact_entries_describe_what_the_general_loop_describes(batch, merge, 
         return
     result, _, out = describe_compact(src, dst, sizes, merge, misalign=misalign)
     assert result[:-1] == reference
+    assert_sides(sides(src, dst, sizes, merge, compact=True), sides_oracle(src, dst, sizes),
+                 sizes)
     count, compact_size = result[0], result[-1]
     if compact_size:
         assert (ref_descs[:, 2] == compact_size).all()
         np.testing.assert_array_equal(out[:2 * count].reshape(-1, 2), ref_descs[:, :2])
     else:
         np.testing.assert_array_equal(out[:4 * count].reshape(-1, 4), ref_descs)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_pass_counts_each_sides_spans_its_largest_and_its_empty_copies(fast):
+    """A span: copies each starting where the one before ends on that side (the host
+    side's spans decide staging); an empty copy breaks none and is counted."""
+    a, d = HOST_A + 4096, DEVICE + 8 * TILE
+    cases = [
+        # (src, dst, sizes) -> (src spans, dst spans, largest, empty)
+        (([a, a + 4, a + 8, a + 100, a + 104], [d, d + 64, d + 128, d + 192, d + 256],
+          [4, 4, 4, 4, 4]), (2, 5, 4, 0)),
+        (([a + 8, a + 4, a], [d, d + 4, d + 8], [4, 4, 4]), (3, 1, 4, 0)),   # backwards
+        (([a, a], [d, d + 64], [4, 4]), (2, 2, 4, 0)),                       # repeats
+        (([a, a + 99, a + 4], [d, d + 64, d + 4], [4, 0, 8]), (1, 1, 8, 1)),  # empty skipped
+    ]
+    for (src, dst, sizes), want in cases:
+        assert want == sides_oracle(src, dst, sizes)
+        assert_sides(sides(src, dst, sizes, fast=fast), want, sizes)
+
+
+def test_the_vectorised_pass_counts_spans_past_its_four_copy_steps():
+    """A batch long enough for the AVX2 loop and its scalar tail: one span on the host
+    side, every copy apart on the device side, in both entry kinds."""
+    n = 1003
+    src = HOST_A + np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    dst = DEVICE + np.arange(n, dtype=np.uint64)[::-1] * np.uint64(8192)
+    sizes = np.full(n, 4096, dtype=np.uint64)
+    for compact in (False, True):
+        found, used = sides(src, dst, sizes, compact=compact)
+        assert found == (1, n, 4096, 0) == sides_oracle(src.tolist(), dst.tolist(),
+                                                        sizes.tolist())
+        assert used == kv_describe.fast_describe_available()
+    sizes[500] = 2048   # another size: the pairs pass gives way to the descriptors' pass
+    src[501:] -= np.uint64(2048)
+    assert_sides(sides(src, dst, sizes, compact=True), (1, n, 4096, 0), sizes)

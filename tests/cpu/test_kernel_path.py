@@ -26,6 +26,7 @@ kv_launch = cuda.launch
 from kvcopy.policy import DeviceCaps
 
 from helpers.cpu_fakes import FakeClassify, FakeScope
+from helpers.described import described_like_the_pass
 
 SLOT = ring.Slot(capacity=1 << 20, host=0x1000, mapped=0x2000, device=0x3000, event=0x77)
 HOST_TO_GPU = (kv_classify.KIND_HOST_MAPPED, -1, kv_classify.KIND_DEVICE, 0)
@@ -58,17 +59,17 @@ class FakeCuda:
     def context_device(self) -> int:
         return 0
 
-    def _described(self, sizes, out: int, compact_size: int = 0) -> DescribedBatch:
-        return DescribedBatch(len(sizes), int(sizes.sum()), self.tiles_per_copy * len(sizes),
-                              *self.kinds, compact_size, out)
+    def _described(self, src, dst, sizes, out: int, compact_size: int = 0) -> DescribedBatch:
+        return described_like_the_pass(src, dst, sizes, self.kinds, out, self.tiles_per_copy,
+                                       compact_size)
 
     def describe_compact(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_compact", out))
-        return self._described(sizes, out, self.compact_size)
+        return self._described(src, dst, sizes, out, self.compact_size)
 
     def describe_copies(self, src, dst, sizes, out, merge):
         self.calls.append(("describe_copies", out))
-        return self._described(sizes, out)
+        return self._described(src, dst, sizes, out)
 
     def launch_compact(self, function, pairs, n, size, ctas, threads, stream, upload_from=0):
         self.calls.append(("launch_compact", function, pairs, n, size, upload_from))

@@ -17,41 +17,22 @@ kernel, staged = engine.kernel, engine.staged
 from kvcopy.testing import cuda
 stage = cuda.stage
 kv_describe = cuda.describe
+DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.errors import CudaError
 from kvcopy.policy import CopyRequest, Decision, HostSpans, Thresholds
 
 KiB, MiB = 1 << 10, 1 << 20
 KERNEL = Decision("kernel", "copy kernel")
 HOST, GPU = 0x7F00_0000_0000, 0x7E00_0000_0000
+HOST_TO_GPU = (cuda.classify.KIND_HOST_MAPPED, -1, cuda.classify.KIND_DEVICE, 0)
+GPU_TO_HOST = HOST_TO_GPU[2:] + HOST_TO_GPU[:2]
 
 
 def u64(values) -> np.ndarray:
     return np.asarray(values, dtype=np.uint64)
 
 
-# ---- host spans and chunks (kvcopy._cuda.stage: no driver)
-
-def test_host_spans_count_runs_of_copies_that_continue_the_one_before():
-    assert stage.host_spans(u64([100, 104, 108, 200, 204]), u64([4, 4, 4, 4, 4])) == (2, 4, 0)
-    assert stage.host_spans(u64([108, 104, 100]), u64([4, 4, 4])) == (3, 4, 0)   # backwards
-    assert stage.host_spans(u64([100, 100]), u64([4, 4])) == (2, 4, 0)           # repeats
-    # an empty copy breaks no span and is counted
-    assert stage.host_spans(u64([100, 7, 104]), u64([4, 0, 8])) == (1, 8, 1)
-    assert stage.host_spans(u64([]), u64([])) == (0, 0, 0)
-    with pytest.raises(ValueError, match="2 addresses for 3 sizes"):
-        stage.host_spans(u64([1, 2]), u64([1, 2, 3]))
-
-
-def test_host_spans_stop_one_span_past_the_limit():
-    host = u64([100, 104, 200, 204, 300, 400, 500])   # spans start at 100, 200, 300, 400, 500
-    sizes = u64([4] * 7)
-    assert stage.host_spans(host, sizes, 2) == (3, 4, 0)    # stopped at the 3rd span's start
-    assert stage.host_spans(host, sizes, 5) == (5, 4, 0)    # the limit not passed: all read
-    assert stage.host_spans(host, sizes, 0) == (1, 0, 0)    # no span allowed: the first ends it
-    assert stage.host_spans(host, sizes, -1) == (5, 4, 0)   # no limit
-    # what was seen before the stop is counted: an empty copy and a larger one
-    assert stage.host_spans(u64([100, 7, 104, 900, 950]), u64([4, 0, 8, 4, 4]), 1) == (2, 8, 1)
-
+# ---- the span rule and chunks (kvcopy._cuda.stage: no driver)
 
 @pytest.mark.parametrize("total, min_span, spans, staged_there", [
     (64 * MiB, 1 * MiB, 64, True), (64 * MiB, 1 * MiB, 65, False),
@@ -566,7 +547,10 @@ def test_plan_batch_counts_the_copies_that_are_not_empty(seams):
     host = HOST + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
     gpu = GPU + np.arange(n, dtype=np.uint64) * np.uint64(4 * block)
     req = request("d2h", total=int(sizes.sum()), count=n)
-    side = staged.plan_batch(req, KERNEL, gpu, host, sizes, "auto", Thresholds(), "store")
+    # as the describe pass finds it: the host side one span (empty copies break none)
+    batch = DescribedBatch(n, int(sizes.sum()), n, *GPU_TO_HOST, src=gpu, dst=host, sizes=sizes,
+                           dst_spans=1, largest_copy=block, empty_copies=len(range(0, n, 5)))
+    side = staged.plan_batch(req, KERNEL, batch, "auto", Thresholds(), "store")
     assert side is not None and side.decision.method == "staged" and side.name == "store"
     assert side.count == n - len(range(0, n, 5))
     assert side.host is host and side.gpu is gpu and side.chunk_bytes == kvcopy.config.staging_bytes
@@ -586,14 +570,15 @@ def test_plan_batch_leaves_the_kernel_where_staging_does_not_apply_or_has_no_roo
     scattered = HOST + np.arange(n, dtype=np.uint64)[::-1] * np.uint64(block)
     req = request("h2d", total=n * block, count=n)
     args = (Thresholds(),)
-    assert staged.plan_batch(req, KERNEL, host, host + 1, sizes, "auto", *args) is None  # no room
+
+    def described(src, spans):
+        return DescribedBatch(n, n * block, n, *HOST_TO_GPU, src=src, dst=host + 1, sizes=sizes,
+                              src_spans=spans, largest_copy=block)
+    one_span = described(host, 1)
+    assert staged.plan_batch(req, KERNEL, one_span, "auto", *args) is None   # no room
     room["ok"] = True
-    assert staged.plan_batch(req, KERNEL, host, host + 1, sizes, "auto", *args) is not None
-    assert staged.plan_batch(req, KERNEL, scattered, host, sizes, "auto", *args) is None
-    assert staged.plan_batch(req, KERNEL, host, host, sizes, "kernel", *args) is None
-    saved = kvcopy.config.staging_bytes
-    try:
-        kvcopy.config.staging_bytes = 0
-        assert staged.plan_batch(req, KERNEL, host, host, sizes, "auto", *args) is None
-    finally:
-        kvcopy.config.staging_bytes = saved
+    assert staged.plan_batch(req, KERNEL, one_span, "auto", *args) is not None
+    assert staged.plan_batch(req, KERNEL, described(scattered, n), "auto", *args) is None
+    assert staged.plan_batch(req, KERNEL, one_span, "kernel", *args) is None
+    kvcopy.config.staging_bytes = 0
+    assert staged.plan_batch(req, KERNEL, one_span, "auto", *args) is None

@@ -2,9 +2,9 @@
 kvcopy module that holds the batch (its source array, or the DescribedBatch made of
 it) holds it in one stretch of the call (no module is handed it, gives it up and gets
 it back), and the CPU passes over the batch are counted where kvcopy._cuda makes them:
-the describe pass (alone, or inside the replay's attempt) and the copy engines' plan.
-(A batch that is staged makes a third: its host spans are counted before its chunks
-are planned; docs/design.md.)"""
+the describe pass (alone, or inside the replay's attempt), and the issuing path's own
+plan: the copy engines' (merged inside allocations, pageable pointers checked) or the
+staged path's (its chunks, planned one after another as they are issued)."""
 from __future__ import annotations
 
 import sys
@@ -21,7 +21,7 @@ KiB = 1 << 10
 PASSES = {"describe": ("describe_copies", "describe_compact"),
           "repeat": ("launch_again",),
           "dma": ("plan_dma", "memcpy_loop"),
-          "stage": ("host_spans", "plan_next_chunk"),
+          "stage": ("plan_next_chunk",),
           "plan_arrays": ("plan_arrays",)}
 
 
@@ -37,6 +37,7 @@ class PathRecorder:
         self.on_stack: dict[str, int] = {}
         self.frames: dict[int, str] = {}
         self.passes: list[str] = []
+        self.chunk_end = 0
 
     def holds_batch(self, frame) -> bool:
         for value in frame.f_locals.values():
@@ -58,7 +59,14 @@ class PathRecorder:
             self.on_stack[self.frames.pop(id(frame))] -= 1
 
     def note_pass(self, name: str, args: tuple, result=None) -> None:
-        # (the replay's attempt passes over the batch only where it described it)
+        # (the replay's attempt passes over the batch only where it described it; the
+        # staged plan is one pass, chunk after chunk, each from where the last ended)
+        if name == "plan_next_chunk":
+            start, first = args[6], not self.passes or self.passes[-1] != name
+            assert start == (0 if first else self.chunk_end), (start, self.chunk_end)
+            self.chunk_end = result[0]
+            if not first:
+                return
         if name != "launch_again" or result is not None:
             self.passes.append(name)
 
@@ -78,17 +86,21 @@ def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
 
 
 @pytest.mark.parametrize("case", ["small, new", "small, repeated", "small, no record matches",
-                                  "large", "by the engines"])
+                                  "large", "by the engines", "staged"])
 def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(torch_cuda,
                                                                            seams, case):
     torch = torch_cuda
-    count = 4096 if case == "large" else 24
+    count = {"large": 4096, "staged": 16384}.get(case, 24)
     block = 4 * KiB
-    host = torch.arange(2 * count * block, dtype=torch.uint8).pin_memory()
+    host = torch.randint(0, 256, (2 * count * block,), dtype=torch.uint8).pin_memory()
     gpu = torch.zeros(2 * count * block, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     order = np.random.default_rng(count).permutation(count).astype(np.uint64)
-    src = np.uint64(host.data_ptr()) + order * np.uint64(2 * block)
+    if case == "staged":   # 64 MiB whose host side is one span: staged through GPU memory
+        order = np.arange(count, dtype=np.uint64)
+        host = host[:count * block]
+    step = block if case == "staged" else 2 * block
+    src = np.uint64(host.data_ptr()) + order * np.uint64(step)
     dst = np.uint64(gpu.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(2 * block)
     sizes = np.full(count, block, dtype=np.uint64)
     method = "batch" if case == "by the engines" else "auto"
@@ -101,14 +113,16 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
     recorder = follow(seams, src, dst, sizes, stream=stream, method=method)
     stream.synchronize()
     for k in (0, count - 1):   # the bytes arrived
-        s = int(order[k]) * 2 * block
+        s = int(order[k]) * step
         assert torch.equal(gpu[k * 2 * block:k * 2 * block + block].cpu(), host[s:s + block])
     # (the batch reached the engine as the caller's array: the count below is of it)
-    assert recorder.order[0] == "kvcopy.api" and "kvcopy._engine.dispatch" in recorder.order
+    assert recorder.order[0] == "kvcopy.api"
+    assert testing.engine.dispatch.__name__ in recorder.order
     assert all(n == 1 for n in recorder.visits.values()), recorder.order
     expected = {"small, new": ["describe_copies"],
                 "small, repeated": ["launch_again"],
                 "small, no record matches": ["launch_again"],   # its description issued
                 "large": ["describe_compact"],
-                "by the engines": ["describe_copies", "plan_dma"]}[case]
+                "by the engines": ["describe_copies", "plan_dma"],
+                "staged": ["describe_compact", "plan_next_chunk"]}[case]
     assert recorder.passes == expected, recorder.passes
