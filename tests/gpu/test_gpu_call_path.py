@@ -1,7 +1,9 @@
-"""copy_batch's path on a real GPU, followed from api.copy_batch to the driver: every
-kvcopy module that holds the batch (its source array, or the DescribedBatch made of
-it) holds it in one stretch of the call (no module is handed it, gives it up and gets
-it back), and the CPU passes over the batch are counted where kvcopy._cuda makes them:
+"""copy_batch's path on a real GPU, followed from api.copy_batch to the driver call that
+issues the copy: every kvcopy module that holds the batch (its source array, or the
+DescribedBatch made of it) holds it in one stretch of the call (no module is handed it,
+gives it up and gets it back; what runs after the copy is issued, such as recording a
+small batch's launch for a replay, is not on that path), and the CPU passes over the
+batch are counted where kvcopy._cuda makes them:
 the describe pass (alone, or inside the replay's attempt), and the issuing path's own
 plan: the copy engines' (merged inside allocations, pageable pointers checked) or the
 staged path's (its chunks, planned one after another as they are issued)."""
@@ -14,6 +16,7 @@ import pytest
 
 import kvcopy
 from kvcopy import testing
+from kvcopy.policy import Decision
 from helpers.spies import LayerSpy
 
 KiB = 1 << 10
@@ -23,6 +26,10 @@ PASSES = {"describe": ("describe_copies", "describe_compact"),
           "dma": ("plan_dma", "memcpy_loop"),
           "stage": ("plan_next_chunk",),
           "plan_arrays": ("plan_arrays",)}
+# the kvcopy._cuda functions that issue a copy (and repeat.launch_again, where it launches)
+ISSUES = {"launch": ("launch_descs_inline", "launch_descs", "launch_compact",
+                     "issue_staged_chunk"),
+          "dma": ("memcpy_batch", "memcpy_loop")}
 
 
 class PathRecorder:
@@ -38,6 +45,7 @@ class PathRecorder:
         self.frames: dict[int, str] = {}
         self.passes: list[str] = []
         self.chunk_end = 0
+        self.issued = False   # the driver call that issues the copy was made
 
     def holds_batch(self, frame) -> bool:
         for value in frame.f_locals.values():
@@ -49,7 +57,7 @@ class PathRecorder:
         module = frame.f_globals.get("__name__", "")
         if not module.startswith("kvcopy") or module.startswith("kvcopy.testing"):
             return
-        if event == "call":
+        if event == "call" and not self.issued:
             if not self.on_stack.get(module) and self.holds_batch(frame):
                 self.visits[module] = self.visits.get(module, 0) + 1
                 self.order.append(module)
@@ -57,6 +65,9 @@ class PathRecorder:
             self.frames[id(frame)] = module
         elif event == "return" and id(frame) in self.frames:
             self.on_stack[self.frames.pop(id(frame))] -= 1
+
+    def note_issue(self, name: str, args: tuple) -> None:
+        self.issued = True
 
     def note_pass(self, name: str, args: tuple, result=None) -> None:
         # (the replay's attempt passes over the batch only where it described it; the
@@ -69,14 +80,24 @@ class PathRecorder:
                 return
         if name != "launch_again" or result is not None:
             self.passes.append(name)
+        if name == "launch_again" and isinstance(result, Decision):
+            self.issued = True   # (launched from a record)
 
 
 def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
     recorder = PathRecorder(src)
-    for layer, names in PASSES.items():
+    for layer in PASSES.keys() | ISSUES.keys():
         real = getattr(testing.cuda, layer)
-        seams.enter_context(testing.fake_cuda(
-            LayerSpy(real, names, lambda *a: None, recorder.note_pass), (layer,)))
+        passes, issues = PASSES.get(layer, ()), ISSUES.get(layer, ())
+        def issue(name, args, issues=issues):
+            if name in issues:
+                recorder.note_issue(name, args)
+
+        def done(name, args, result, passes=passes):
+            if name in passes:
+                recorder.note_pass(name, args, result)
+        spy = LayerSpy(real, passes + issues, issue, done)
+        seams.enter_context(testing.fake_cuda(spy, (layer,)))
     sys.setprofile(recorder.profile)
     try:
         kvcopy.copy_batch(src, dst, sizes, **kwargs)
@@ -116,9 +137,9 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
         s = int(order[k]) * step
         assert torch.equal(gpu[k * 2 * block:k * 2 * block + block].cpu(), host[s:s + block])
     # (the batch reached the engine as the caller's array: the count below is of it)
-    assert recorder.order[0] == "kvcopy.api"
+    assert recorder.issued and recorder.order[0] == "kvcopy.api"
     assert testing.engine.dispatch.__name__ in recorder.order
-    assert all(n == 1 for n in recorder.visits.values()), recorder.order
+    assert all(n == 1 for n in recorder.visits.values()), (recorder.visits, recorder.order)
     expected = {"small, new": ["describe_copies"],
                 "small, repeated": ["launch_again"],
                 "small, no record matches": ["launch_again"],   # its description issued
