@@ -131,7 +131,8 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         return "none"
     handle = effective_handle(stream_handle)
     described = None
-    if policy.may_replay(method, max_ctas, allow_batch):
+    # (only a batch a record could match is worth scratch memory for its description)
+    if len(sizes) <= replay.MAX_COPIES and policy.may_replay(method, max_ctas, allow_batch):
         scratch = HostScratch(len(sizes) * describe.DESCRIPTOR_BYTES)
         answer = replay.launch_again(src, dst, sizes, handle, method, scratch.host)
         if isinstance(answer, Decision):

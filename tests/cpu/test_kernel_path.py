@@ -396,7 +396,12 @@ def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     memory.asked.clear()
     dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, max_ctas=2)
     dispatch.execute_arrays(src, src + np.uint64(0x7F0000000000), sizes, 0x1234, allow_batch=False)
-    assert memory.asked == []
+    # nor is a batch larger than any record, and no scratch is made for its description
+    scratch = dispatch.HostScratch(0).host
+    large = np.arange(2000, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    dispatch.execute_arrays(large, large + np.uint64(0x7F0000000000),
+                            np.full(2000, 4096, dtype=np.uint64), 0x1234)
+    assert memory.asked == [] and dispatch.HostScratch(0).host == scratch
 
 
 class PlannedBlocks:
