@@ -176,23 +176,23 @@ def small_batch_breakdown(count: int = 16, block: int = 16 << 10) -> None:
     label = f"small {count}:"
     timed(f"{label} copy_batch, raw handle", lambda: kvcopy.copy_batch(s, d, sizes, stream=handle),
           sync=stream.synchronize)
-    replays = replay.replayed()
+    replays = replay.replays()
     timed(f"{label} copy_batch, decided afresh", lambda: (
         replay.forget(), kvcopy.copy_batch(s, d, sizes, stream=handle)),
           sync=stream.synchronize)
-    assert replay.replayed() == replays   # (each call above went the full path)
+    assert replay.replays() == replays   # (each call above went the full path)
     kvcopy.copy_batch(s, d, sizes, stream=handle)   # recorded again
     buffer = np.empty(count * kv_describe.DESCRIPTOR_BYTES, dtype=np.uint8)
     scratch = types.SimpleNamespace(host=buffer.ctypes.data)   # where the engine describes
-    timed(f"{label} replay.launch_again", lambda: replay.launch_again(
+    timed(f"{label} replay.replay", lambda: replay.replay(
         s, d, sizes, handle, "auto", scratch.host), sync=stream.synchronize)
     # what a batch that matches no record costs there: another shape (no describe),
     # and the same bytes from pageable memory (described, then no match)
-    timed(f"{label} launch_again, other bytes", lambda: replay.launch_again(
+    timed(f"{label} replay, other bytes", lambda: replay.replay(
         s[1:], d[1:], sizes[1:], handle, "auto", scratch.host))
     pageable = np.empty(2 * count * block, dtype=np.uint8)
     s_pageable = (s - np.uint64(host.data_ptr())) + np.uint64(pageable.ctypes.data)
-    timed(f"{label} launch_again, other memory", lambda: replay.launch_again(
+    timed(f"{label} replay, other memory", lambda: replay.replay(
         s_pageable, d, sizes, handle, "auto", scratch.host))
     timed(f"{label} as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed(f"{label} resolve_stream(int)", lambda: resolve_stream(handle))

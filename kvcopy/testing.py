@@ -11,7 +11,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
   ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify,
-  .repeat, .plan_arrays)
+  .replay_records, .plan_arrays)
   outside that layer goes to ``fake``, an object with the functions and constants
   the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
@@ -36,7 +36,7 @@ import types
 from typing import Any, Callable, Iterator
 
 from kvcopy import policy
-from kvcopy._cuda import classify, describe, dma, driver, launch, repeat, stage
+from kvcopy._cuda import classify, describe, dma, driver, launch, replay_records, stage
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
@@ -48,12 +48,12 @@ from kvcopy.config import config
 
 CUDA_LAYERS = ("driver", "describe", "launch")
 _LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
-           "stage": stage, "classify": classify, "repeat": repeat, "plan_arrays": plan_arrays}
+           "stage": stage, "classify": classify, "replay_records": replay_records, "plan_arrays": plan_arrays}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(
     classify=classify, describe=describe, dma=dma, driver=driver, launch=launch,
-    plan_arrays=plan_arrays, repeat=repeat, stage=stage, testing=cuda_testing)
+    plan_arrays=plan_arrays, replay_records=replay_records, stage=stage, testing=cuda_testing)
 engine = types.SimpleNamespace(
     both_ways=both_ways, decide=decide, dispatch=dispatch, kernel=kernel, replay=replay,
     staged=staged, traffic_window=traffic_window, context=context, device=device,

@@ -1,4 +1,4 @@
-# The copy kernel's launch by value, shared with kvcopy._cuda.repeat.
+# The copy kernel's launch by value, shared with kvcopy._cuda.replay_records.
 from libc.stdint cimport uintptr_t
 
 from kvcopy._cuda.descriptor cimport kvcopy_desc

@@ -62,7 +62,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     memory and writes the kernel's descriptors straight into a pinned descriptor
     slot (or, for batches of one launch by value, into thread-local scratch), so
     the kernel path touches each copy once. ``described``: that pass already made
-    into this thread's scratch (replay.launch_again's, for a small batch no record
+    into this thread's scratch (replay.replay's, for a small batch no record
     matched). Large batches of one block size in one allocation per side get
     16-byte entries instead of 32-byte ones (describe_compact): the pass is bound by
     its writes to pinned memory. The DMA paths plan the batch for the copy engines
@@ -101,7 +101,7 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
             if staging is None:
                 launched = launch_kernel(batch, target, slot, max_ctas)
                 if launched and merge and policy.may_replay(method, max_ctas, allow_batch):
-                    # (copy_batch's next call like this one launches in repeat)
+                    # (copy_batch's next call like this one is replayed)
                     replay.record(target, batch, method, launched)
                 return "kernel"
         # staged batches' descriptors go to a slot of their own, once this one is free
@@ -134,7 +134,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
     # (only a batch a record could match is worth scratch memory for its description)
     if len(sizes) <= replay.MAX_COPIES and policy.may_replay(method, max_ctas, allow_batch):
         scratch = HostScratch(len(sizes) * describe.DESCRIPTOR_BYTES)
-        answer = replay.launch_again(src, dst, sizes, handle, method, scratch.host)
+        answer = replay.replay(src, dst, sizes, handle, method, scratch.host)
         if isinstance(answer, Decision):
             note_decision(answer)
             return "kernel"

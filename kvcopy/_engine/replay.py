@@ -1,19 +1,20 @@
-"""Small batches that repeat one launched before go straight to their launch.
+"""The replay: a small batch like one launched before goes straight to that launch.
 
-A decode step's copy_batch calls repeat: tens of blocks, the same stream and
-pools, the same policy answer every time. On the full path most of a small batch's
-CPU time is Python (context, classification, the remembered decision, the launch's
-arguments), not the launch, all of it before the copy can start. So after the full path launches a batch of at most
-repeat.MAX_COPIES copies by value, it records here what it launched; the next
-call describes its batch in C (every copy checked and classified, as always) and,
-where context, stream, method, memory kinds, planned copies and bytes match a
-record, launches it there; where none matches, the description goes on to the full
-path, which issues the batch from it (the batch is described once either way). What the policy reads beyond that key is part of
-the record's epoch (settings assigned, device facts changed: epoch()); the
-traffic of the other direction is read only for 'auto' with
-config.traffic_window_ms set, and a batch whose decision would differ with it
-(policy.depends_on_other_way) is never recorded. Replays note their own traffic,
-as the full path does. last_decision() reports the recorded decision.
+A decode step's copy_batch calls repeat themselves: tens of blocks, the same stream
+and pools, the same policy answer every time. On the full path most of a small
+batch's CPU time is Python (context, classification, the remembered decision, the
+launch's arguments), not the launch, all of it before the copy can start. So after
+the full path launches a batch of at most MAX_COPIES copies by value, record() keeps
+what it launched (kvcopy._cuda.replay_records); replay() describes the next batch in
+C (every copy checked and classified, as always) and, where context, stream, method,
+memory kinds, planned copies and bytes match a record, launches it there; where none
+matches, the description goes on to the full path, which issues the batch from it
+(the batch is described once either way). What the policy reads beyond that key is
+part of the record's epoch (settings assigned, device facts changed: epoch()); the
+traffic of the other direction is read only for 'auto' with config.traffic_window_ms
+set, and a batch whose decision would differ with it (policy.depends_on_other_way)
+is never recorded. Replays note their own traffic, as the full path does.
+last_decision() reports the recorded decision.
 """
 from __future__ import annotations
 
@@ -23,16 +24,16 @@ import numpy as np
 
 from kvcopy._engine import traffic_window
 from kvcopy._runtime import device, kernels
-from kvcopy._cuda import repeat
+from kvcopy._cuda import replay_records
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.config import changes, config
 from kvcopy.policy import Decision
 
-# the methods whose batches are recorded, as repeat's keys take them
+# the methods whose batches are recorded, as replay_records' keys take them
 METHODS = {"auto": 1, "kernel": 2}
-MAX_COPIES: int = repeat.MAX_COPIES
-forget = repeat.forget          # drop every record
-replayed = repeat.replayed      # batches launched from a record so far
+MAX_COPIES: int = replay_records.MAX_COPIES
+forget = replay_records.forget          # drop every record
+replays = replay_records.replays        # batches launched from a record so far
 
 
 class Decided(Protocol):
@@ -57,7 +58,7 @@ def epoch() -> int:
     return device.generation << 32 | changes()
 
 
-def launch_again(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
+def replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
                  method: str, descs_out: int) -> Decision | DescribedBatch | None:
     """Launch a batch that repeats a recorded one and return its recorded decision.
     A DescribedBatch: the batch was described into ``descs_out`` (host memory for
@@ -67,7 +68,7 @@ def launch_again(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: in
     code = METHODS.get(method)
     if code is None or len(sizes) > MAX_COPIES:
         return None
-    return repeat.launch_again(src, dst, sizes, handle, code, epoch(), descs_out)
+    return replay_records.replay(src, dst, sizes, handle, code, epoch(), descs_out)
 
 
 def record(target: Decided, batch: DescribedBatch, method: str,
@@ -83,9 +84,9 @@ def record(target: Decided, batch: DescribedBatch, method: str,
         return False
     noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
     # only the copy kernel kvcopy loaded in this context is ever replayed
-    ctx = repeat.current_context_key()
+    ctx = replay_records.current_context_key()
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
     note = (traffic_window.note, target.info.ordinal, request.direction) if noting else None
-    repeat.remember(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
+    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
     return True

@@ -319,25 +319,25 @@ def test_a_batch_whose_host_side_is_one_long_span_goes_to_the_staged_path(fake_c
     assert not handed
 
 
-class Remembered:
+class Replays:
     """kvcopy._engine.replay as the engine calls it: what it was asked to record, and
-    the decision launch_again answers with (None: no record matches)."""
+    the decision its replay() answers with (None: no record matches)."""
 
     MAX_COPIES = kv_launch.INLINE_MAX_SMALL
 
-    def __init__(self, replay=None) -> None:
+    def __init__(self, answer=None) -> None:
         self.recorded: list[tuple] = []
         self.asked: list[int] = []
-        self.replay = replay
+        self.answer = answer
 
     def record(self, target, batch, method, launched) -> bool:
         self.recorded.append((method, batch.count, batch.total_bytes, launched))
         return True
 
-    def launch_again(self, src, dst, sizes, handle, method, descs_out):
+    def replay(self, src, dst, sizes, handle, method, descs_out):
         self.asked.append(len(sizes))
         # (a description: the batch described into descs_out, matching no record)
-        return self.replay(descs_out, sizes) if callable(self.replay) else self.replay
+        return self.answer(descs_out, sizes) if callable(self.answer) else self.answer
 
 
 @pytest.mark.parametrize("merge, max_ctas, allow_batch, count, recorded", [
@@ -352,7 +352,7 @@ def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypat
                                                             max_ctas, allow_batch, count,
                                                             recorded):
     fake_cuda(HOST_TO_GPU, 0)
-    memory = Remembered()
+    memory = Replays()
     for module in (decide, dispatch):
         monkeypatch.setattr(module, "replay", memory)
     src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
@@ -376,7 +376,7 @@ def described_by_replay(descs_out: int, sizes: np.ndarray) -> DescribedBatch:
                                     described_by_replay])
 def test_copy_batch_asks_for_a_replay_first(fake_cuda, monkeypatch, replay):
     fake = fake_cuda(HOST_TO_GPU, 0)
-    memory = Remembered(replay)
+    memory = Replays(replay)
     for module in (decide, dispatch):
         monkeypatch.setattr(module, "replay", memory)
     src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)

@@ -1,5 +1,6 @@
-"""kvcopy._engine.replay and kvcopy._cuda.repeat without a GPU: what makes a record stale,
-what is refused, and how many are kept. (The replays themselves: test_gpu_repeat.py.)"""
+"""The replay (kvcopy._engine.replay and its records, kvcopy._cuda.replay_records) without a
+GPU: what makes a record stale, what is refused, and how many are kept. (The replays
+themselves: test_gpu_replay.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from kvcopy import testing
 from kvcopy.testing import engine
 replay = engine.replay
 from kvcopy.testing import cuda
-repeat = cuda.repeat
+replay_records = cuda.replay_records
 DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.policy import Decision
 
@@ -20,19 +21,20 @@ BATCH = dict(count=16, total_bytes=16 * 16384, tiles=16, src_kinds=2, src_device
 LAUNCH = dict(function=0x1234, per_launch=31, ctas=4, threads=512)
 
 
-def remember(ctx: int, decision=None, **change) -> None:
-    """repeat.remember of a batch of BATCH launched as LAUNCH, either changed by ``change``."""
+def record(ctx: int, decision=None, **change) -> None:
+    """replay_records.record of a batch of BATCH launched as LAUNCH, either changed by
+    ``change``."""
     batch = {**BATCH, **{k: v for k, v in change.items() if k in BATCH}}
     launched = {**LAUNCH, **{k: v for k, v in change.items() if k in LAUNCH}}
-    repeat.remember(ctx, **KEY, batch=DescribedBatch(**batch),
-                    launched=tuple(launched.values()), decision=decision, note=None)
+    replay_records.record(ctx, **KEY, batch=DescribedBatch(**batch),
+                          launched=tuple(launched.values()), decision=decision, note=None)
 
 
 @pytest.fixture(autouse=True)
 def no_records():
-    repeat.forget()
+    replay_records.forget()
     yield
-    repeat.forget()
+    replay_records.forget()
 
 
 def test_the_epoch_moves_with_every_setting_assigned(monkeypatch):
@@ -53,20 +55,20 @@ def test_the_epoch_moves_when_device_facts_change():
 
 def test_records_are_kept_up_to_kept_and_the_oldest_gives_way():
     decision = Decision("kernel", "test")
-    for k in range(repeat.KEPT + 5):
-        remember(0x1000 + k, decision)
-    assert repeat.remembered() == repeat.KEPT
+    for k in range(replay_records.KEPT + 5):
+        record(0x1000 + k, decision)
+    assert replay_records.records() == replay_records.KEPT
     # the same key again replaces its record instead of taking another slot
-    remember(0x1000 + repeat.KEPT + 4, decision)
-    assert repeat.remembered() == repeat.KEPT
-    repeat.forget()
-    assert repeat.remembered() == 0
+    record(0x1000 + replay_records.KEPT + 4, decision)
+    assert replay_records.records() == replay_records.KEPT
+    replay_records.forget()
+    assert replay_records.records() == 0
 
 
 @pytest.mark.parametrize("change, match", [
     (dict(ctx=0), "not a launch by value"),
     (dict(count=0), "not a launch by value"),
-    (dict(count=repeat.MAX_COPIES + 1), "not a launch by value"),
+    (dict(count=replay_records.MAX_COPIES + 1), "not a launch by value"),
     (dict(threads=100), "not a launch by value"),
     (dict(ctas=0), "not a launch by value"),
     (dict(compact_size=4096), "not a launch by value"),   # pairs are never passed by value
@@ -75,8 +77,8 @@ def test_remember_refuses_what_is_not_a_small_launch_by_value(change, match):
     change = dict(change)
     ctx = change.pop("ctx", 0x1000)
     with pytest.raises(ValueError, match=match):
-        remember(ctx, **change)
-    assert repeat.remembered() == 0
+        record(ctx, **change)
+    assert replay_records.records() == 0
 
 
 def test_a_function_kvcopy_did_not_load_is_never_recorded():
@@ -95,15 +97,15 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
 
     recorded = replay.record(Target, DescribedBatch(**BATCH), "kernel", (0xBAD, 31, 4, 512))
     assert recorded is False
-    assert repeat.remembered() == 0
+    assert replay_records.records() == 0
 
 
 def test_without_records_nothing_is_launched():
     src = np.arange(1, 17, dtype=np.uint64) * np.uint64(4096)
     sizes = np.full(16, 4096, np.uint64)
-    before = replay.replayed()          # (counted for the whole process)
+    before = replay.replays()          # (counted for the whole process)
     scratch = np.empty(16 * 4, np.uint64)
-    assert replay.launch_again(src, src + np.uint64(1 << 30), sizes, 1, "auto",
+    assert replay.replay(src, src + np.uint64(1 << 30), sizes, 1, "auto",
                                scratch.ctypes.data) is None
-    assert replay.launch_again(src, src, sizes, 1, "batch", scratch.ctypes.data) is None
-    assert replay.replayed() == before
+    assert replay.replay(src, src, sizes, 1, "batch", scratch.ctypes.data) is None
+    assert replay.replays() == before

@@ -22,11 +22,11 @@ from helpers.spies import LayerSpy
 KiB = 1 << 10
 # the kvcopy._cuda functions that read a batch copy by copy on the CPU
 PASSES = {"describe": ("describe_copies", "describe_compact"),
-          "repeat": ("launch_again",),
+          "replay_records": ("replay",),
           "dma": ("plan_dma", "memcpy_loop"),
           "stage": ("plan_next_chunk",),
           "plan_arrays": ("plan_arrays",)}
-# the kvcopy._cuda functions that issue a copy (and repeat.launch_again, where it launches)
+# the kvcopy._cuda functions that issue a copy (and replay_records.replay, where it launches)
 ISSUES = {"launch": ("launch_descs_inline", "launch_descs", "launch_compact",
                      "issue_staged_chunk"),
           "dma": ("memcpy_batch", "memcpy_loop")}
@@ -78,9 +78,9 @@ class PathRecorder:
             self.chunk_end = result[0]
             if not first:
                 return
-        if name != "launch_again" or result is not None:
+        if name != "replay" or result is not None:
             self.passes.append(name)
-        if name == "launch_again" and isinstance(result, Decision):
+        if name == "replay" and isinstance(result, Decision):
             self.issued = True   # (launched from a record)
 
 
@@ -141,8 +141,8 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
     assert testing.engine.dispatch.__name__ in recorder.order
     assert all(n == 1 for n in recorder.visits.values()), (recorder.visits, recorder.order)
     expected = {"small, new": ["describe_copies"],
-                "small, repeated": ["launch_again"],
-                "small, no record matches": ["launch_again"],   # its description issued
+                "small, repeated": ["replay"],
+                "small, no record matches": ["replay"],   # its description issued
                 "large": ["describe_compact"],
                 "by the engines": ["describe_copies", "plan_dma"],
                 "staged": ["describe_compact", "plan_next_chunk"]}[case]

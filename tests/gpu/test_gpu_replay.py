@@ -29,16 +29,16 @@ _baseline = [0]
 def fresh_records():
     replay.forget()
     traffic_window.forget()
-    _baseline[0] = replay.replayed()
+    _baseline[0] = replay.replays()
     yield
     replay.forget()
     traffic_window.forget()
 
 
 def replays() -> int:
-    """Batches replayed since the test began (replay.replayed() counts for the
+    """Batches replayed since the test began (replay.replays() counts for the
     process)."""
-    return replay.replayed() - _baseline[0]
+    return replay.replays() - _baseline[0]
 
 
 class Pools:

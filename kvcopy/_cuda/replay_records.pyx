@@ -7,7 +7,7 @@ the same stream, the same pools. For such a batch the policy's answer never
 changes, yet copy_batch's Python (context, classification, the remembered
 decision, the launch's arguments) cost about as much CPU as the launch itself.
 kvcopy._engine.replay records here what a batch of at most MAX_COPIES copies was
-launched with; launch_again describes the next batch (every copy checked and
+launched with; replay describes the next batch (every copy checked and
 classified, as always) and, where its context, stream, method, memory kinds,
 planned copies and bytes all match one recorded under the same epoch, launches
 it at once. Anything else, and any driver error before the launch, leaves the
@@ -76,9 +76,9 @@ def current_context_key() -> int:
     return context_key(ctx)
 
 
-def remember(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
+def record(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
              DescribedBatch batch, tuple launched, object decision, object note) -> None:
-    """Record that ``batch`` (as launch_again's describe pass would find it again) was
+    """Record that ``batch`` (as replay's describe pass would find it again) was
     just launched by value on ``stream`` in the context of key ``ctx``
     (current_context_key); ``launched``: (function, descriptors per launch, CTAs,
     threads), the function an entry point of the copy kernel loaded there (the caller
@@ -92,7 +92,7 @@ def remember(unsigned long long ctx, uintptr_t stream, long long epoch, int meth
     cdef unsigned int ctas = launched[2], threads = launched[3]
     if (ctx == 0 or batch.count < 1 or batch.count > KVCOPY_INLINE_MAX_SMALL or per_launch < 1
             or ctas == 0 or threads == 0 or threads % 32 or batch.compact_size):
-        raise ValueError("remember: not a launch by value of a small batch")
+        raise ValueError("record: not a launch by value of a small batch")
     cdef _Key key = _Key(ctx, stream, epoch, method, batch.src_kinds, batch.src_device,
                          batch.dst_kinds, batch.dst_device, batch.count, batch.total_bytes)
     slot = _find(&key)
@@ -118,13 +118,13 @@ def forget() -> None:
         _extras[k] = None
 
 
-def remembered() -> int:
+def records() -> int:
     """How many launches are recorded."""
     return _used
 
 
-def replayed() -> int:
-    """How many batches launch_again has launched in this process."""
+def replays() -> int:
+    """How many batches replay has launched in this process."""
     return _replayed
 
 
@@ -173,7 +173,7 @@ cdef bint _may_run_here(uintptr_t stream, CUcontext* ctx) noexcept:
     return status == cydriver.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-def launch_again(object src, object dst, object sizes, uintptr_t stream, int method,
+def replay(object src, object dst, object sizes, uintptr_t stream, int method,
                  long long epoch, uintptr_t descs_out):
     """Launch a batch that repeats a recorded one; return the recorded decision.
 
