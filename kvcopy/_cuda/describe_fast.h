@@ -278,6 +278,37 @@ static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t 
     }
 }
 
+/* What kvcopy_describe_in_ranges gathers over a batch besides its entries. */
+typedef struct {
+    uint64_t misfit, merges, differ, total;
+    kvcopy_sides sides;
+} kvcopy_found;
+
+/* Copies [first, end) one at a time: their checks, entries and what they show, into
+ * *f (the head and the tail of the vector loops, and every copy where there is none);
+ * returns end. */
+static inline int64_t kvcopy_describe_scalar(const uint64_t* src, const uint64_t* dst,
+                                             const uint64_t* sizes, void* descs_out, int pairs,
+                                             uint64_t tiles_per_copy, int64_t first,
+                                             int64_t end, uint64_t src_start, uint64_t src_span,
+                                             int64_t src_delta, uint64_t dst_start,
+                                             uint64_t dst_span, int64_t dst_delta,
+                                             uint64_t max_size, kvcopy_found* f) {
+    for (int64_t i = first; i < end; ++i) {
+        f->misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span,
+                                        dst_start, dst_span, max_size);
+        if (i > 0)
+            f->merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
+                       & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
+        kvcopy_sides_one(&f->sides, src, dst, sizes, i);
+        f->differ |= sizes[i] ^ sizes[0];
+        f->total += sizes[i];
+        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
+                           dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
+    }
+    return end;
+}
+
 /* Writes entry i for copy i (device views: pointer + delta) for all n copies,
  * as kvcopy_desc (tile_start = i * tiles_per_copy) or, with ``pairs``, as
  * kvcopy_pair, and *total_out = their bytes; says whether the batch qualified:
@@ -297,62 +328,43 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           uint64_t dst_span, int64_t dst_delta,
                                           uint64_t* total_out, kvcopy_sides* sides_out) {
     const uint64_t max_size = tiles_per_copy * KVCOPY_TILE_BYTES;
-    kvcopy_sides sides = {0, 0, 0};
-    uint64_t misfit = 0, merges = 0, differ = 0, total = 0;
+    kvcopy_found f = {0, 0, 0, 0, {0, 0, 0}};
     int64_t i = 0;
     /* copy 0 (and 1, for pairs: the vector loop's first store is then 32-byte aligned)
      * here, so that the vector loop may always look one copy back */
     const int64_t head = pairs ? 2 : 1;
-    for (; i < n && i < head; ++i) {
-        misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
-                                     dst_span, max_size);
-        if (i > 0)
-            merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
-                    & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
-        kvcopy_sides_one(&sides, src, dst, sizes, i);
-        differ |= sizes[i] ^ sizes[0];
-        total += sizes[i];
-        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
-                           dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
-    }
+    i = kvcopy_describe_scalar(src, dst, sizes, descs_out, pairs, tiles_per_copy, 0,
+                               n < head ? n : head, src_start, src_span, src_delta, dst_start,
+                               dst_span, dst_delta, max_size, &f);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     const uint64_t z0 = n ? sizes[0] : 0;
     if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span
             && z0 <= dst_span) {
         uint64_t one_misfit = 0, one_merges = 0, one_differ = 0;
-        kvcopy_sides one_sides = sides;
+        kvcopy_sides one_sides = f.sides;
         const int64_t end = kvcopy_pairs_one_size_avx2(
             src, dst, sizes, (kvcopy_pair*)descs_out, i, n, z0, src_start, src_span - z0,
             src_delta, dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges,
             &one_differ, &one_sides);
         if (!one_differ) {   /* else the pass below describes these copies again */
-            misfit |= one_misfit;
-            merges |= one_merges;
-            sides = one_sides;
-            total += (uint64_t)(end - i) * z0;
+            f.misfit |= one_misfit;
+            f.merges |= one_merges;
+            f.sides = one_sides;
+            f.total += (uint64_t)(end - i) * z0;
             i = end;
         }
     }
     i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
-                             src_span, src_delta, dst_start, dst_span, dst_delta, &misfit,
-                             &merges, &differ, &total, &sides);
+                             src_span, src_delta, dst_start, dst_span, dst_delta, &f.misfit,
+                             &f.merges, &f.differ, &f.total, &f.sides);
 #endif
-    for (; i < n; ++i) {
-        misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
-                                     dst_span, max_size);
-        merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
-                & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
-        kvcopy_sides_one(&sides, src, dst, sizes, i);
-        differ |= sizes[i] ^ sizes[0];
-        total += sizes[i];
-        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
-                           dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
-    }
-    *total_out = total;
-    sides.largest = differ ? max_size : (n ? sizes[0] : 0);
-    *sides_out = sides;
-    return (misfit ? KVCOPY_FAST_MISFIT : 0u) | (merges ? KVCOPY_FAST_MERGES : 0u)
-         | (differ ? KVCOPY_FAST_SIZES : 0u);
+    kvcopy_describe_scalar(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
+                           src_span, src_delta, dst_start, dst_span, dst_delta, max_size, &f);
+    *total_out = f.total;
+    f.sides.largest = f.differ ? max_size : (n ? sizes[0] : 0);
+    *sides_out = f.sides;
+    return (f.misfit ? KVCOPY_FAST_MISFIT : 0u) | (f.merges ? KVCOPY_FAST_MERGES : 0u)
+         | (f.differ ? KVCOPY_FAST_SIZES : 0u);
 }
 
 /* One finished entry, as kvcopy_put writes the vector pass's (``stream``: streaming). */
