@@ -11,9 +11,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
   ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify,
-  .replay_records, .plan_arrays)
-  outside that layer goes to ``fake``, an object with the functions and constants
-  the test's path calls.
+  .replay_records, .plan_arrays) outside that layer goes to ``fake``, an object
+  with the functions and constants the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
   copy kernel, the descriptor ring, the staging buffers, the side streams, the
   context a call enters, device 0's facts and thresholds.
@@ -36,19 +35,20 @@ import types
 from typing import Any, Callable, Iterator
 
 from kvcopy import policy
-from kvcopy._cuda import classify, describe, dma, driver, launch, replay_records, stage
-from kvcopy._cuda.describe import fast_describe_available
+from kvcopy._cuda import (classify, describe, dma, driver, launch, plan_arrays, replay_records,
+                          stage)
 from kvcopy._cuda import testing as cuda_testing
+from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, traffic_window
-from kvcopy._cuda import plan_arrays
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
 from kvcopy.config import config
 
 CUDA_LAYERS = ("driver", "describe", "launch")
 _LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
-           "stage": stage, "classify": classify, "replay_records": replay_records, "plan_arrays": plan_arrays}
+           "stage": stage, "classify": classify, "replay_records": replay_records,
+           "plan_arrays": plan_arrays}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(

@@ -176,9 +176,9 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the tensor table and the ids.
     The copy engines, and the kernel under capture, take the plan's copies as
-    pointers, by the method decided here. The
-    streams array-interface producers declared are waited for first, unless the
-    caller already did (``wait_for_producers=False``)."""
+    pointers, by the method decided here. The streams array-interface producers
+    declared are waited for first, unless the caller already did
+    (``wait_for_producers=False``)."""
     if blocks.num_pairs == 0:
         return "none"
     handle = effective_handle(stream_handle)
