@@ -204,11 +204,6 @@ cdef class DescribedBatch:
         self.largest_copy, self.empty_copies = largest_copy, empty_copies
         self.src, self.dst, self.sizes = src, dst, sizes
 
-    @property
-    def one_tile_copies(self) -> bool:
-        """Every planned copy is one tile of the kernel."""
-        return self.tiles == <unsigned long long>self.count
-
     def __repr__(self) -> str:
         return (f"DescribedBatch(count={self.count}, total_bytes={self.total_bytes}, "
                 f"tiles={self.tiles}, src_kinds={self.src_kinds}, src_device={self.src_device}, "
