@@ -77,7 +77,7 @@ def current_context_key() -> int:
 
 
 def record(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
-             DescribedBatch batch, tuple launched, object decision, object note) -> None:
+           DescribedBatch batch, tuple launched, object decision, object note) -> None:
     """Record that ``batch`` (as replay's describe pass would find it again) was
     just launched by value on ``stream`` in the context of key ``ctx``
     (current_context_key); ``launched``: (function, descriptors per launch, CTAs,
@@ -174,7 +174,7 @@ cdef bint _may_run_here(uintptr_t stream, CUcontext* ctx) noexcept:
 
 
 def replay(object src, object dst, object sizes, uintptr_t stream, int method,
-                 long long epoch, uintptr_t descs_out):
+           long long epoch, uintptr_t descs_out):
     """Launch a batch that repeats a recorded one; return the recorded decision.
 
     ``src``, ``dst`` and ``sizes`` are C-contiguous uint64 arrays of equal length

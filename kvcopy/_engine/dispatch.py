@@ -100,7 +100,8 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 device.thresholds(target.info.ordinal))
             if staging is None:
                 launched = launch_kernel(batch, target, slot, max_ctas)
-                if launched and merge and policy.may_replay(method, max_ctas, allow_batch):
+                if launched and merge and policy.may_replay(method, max_ctas, allow_batch,
+                                                            capturing):
                     # (copy_batch's next call like this one is replayed)
                     replay.record(target, batch, method, launched)
                 return "kernel"

@@ -59,15 +59,16 @@ def epoch() -> int:
 
 
 def replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
-                 method: str, descs_out: int) -> Decision | DescribedBatch | None:
+           method: str, descs_out: int) -> Decision | DescribedBatch | None:
     """Launch a batch that repeats a recorded one and return its recorded decision.
     A DescribedBatch: the batch was described into ``descs_out`` (host memory for
     MAX_COPIES descriptors) and matched no record; the full path issues it from
     there. None: nothing described, nothing enqueued. The caller has asked
     policy.may_replay."""
     code = METHODS.get(method)
-    if code is None or len(sizes) > MAX_COPIES:
+    if code is None:
         return None
+    # (a batch of more than MAX_COPIES copies comes back at once, undescribed)
     return replay_records.replay(src, dst, sizes, handle, code, epoch(), descs_out)
 
 
@@ -76,11 +77,11 @@ def record(target: Decided, batch: DescribedBatch, method: str,
     """Record a batch the full path just launched by value (``launched``: function,
     descriptors per launch, CTAs, threads) under ``target`` (decide.Target). A target
     whose decision depends on the other direction's traffic (not ``traffic_free``)
-    is not recorded. The caller has asked policy.may_replay. Returns whether it
-    recorded."""
+    is not recorded. The caller has asked policy.may_replay (capture included).
+    Returns whether it recorded."""
     code = METHODS.get(method)
     request = target.request
-    if code is None or request.capturing or batch.count > MAX_COPIES or not target.traffic_free:
+    if code is None or batch.count > MAX_COPIES or not target.traffic_free:
         return False
     noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
     # only the copy kernel kvcopy loaded in this context is ever replayed
@@ -88,5 +89,6 @@ def record(target: Decided, batch: DescribedBatch, method: str,
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
     note = (traffic_window.note, target.info.ordinal, request.direction) if noting else None
-    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
+    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision,
+                          note)
     return True

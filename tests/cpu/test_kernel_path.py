@@ -368,6 +368,22 @@ def test_the_full_path_records_only_what_copy_batch_replays(fake_cuda, monkeypat
                                if recorded else [])
 
 
+def test_a_launch_under_capture_is_never_recorded(fake_cuda, monkeypatch):
+    """A graph keeps its own launches by value: the full path records none of them for
+    a replay (policy.may_replay, asked with the capture state)."""
+    fake = fake_cuda(HOST_TO_GPU, 0)
+    fake.capturing = 1
+    memory = Replays()
+    for module in (decide, dispatch):
+        monkeypatch.setattr(module, "replay", memory)
+    src = np.arange(16, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
+    sizes = np.full(16, 4096, dtype=np.uint64)
+    assert dispatch.execute_copies(FakeScope(), 0x1234, src, src + np.uint64(0x7F0000000000),
+                                   sizes, "auto", True, False, None) == "kernel"
+    assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
+    assert memory.recorded == []
+
+
 def described_by_replay(descs_out: int, sizes: np.ndarray) -> DescribedBatch:
     return DescribedBatch(len(sizes), int(sizes.sum()), len(sizes), *HOST_TO_GPU, 0, descs_out)
 
