@@ -40,15 +40,6 @@ typedef struct {
     uint64_t src_runs, dst_runs, largest;
 } kvcopy_sides;
 
-/* Copy i's continuations of copy i - 1 (i > 0), into *sides. */
-static inline void kvcopy_sides_one(kvcopy_sides* sides, const uint64_t* src,
-                                    const uint64_t* dst, const uint64_t* sizes, int64_t i) {
-    if (i > 0) {
-        sides->src_runs += src[i] == src[i - 1] + sizes[i - 1];
-        sides->dst_runs += dst[i] == dst[i - 1] + sizes[i - 1];
-    }
-}
-
 /* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
 static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
                                           uint64_t src_start, uint64_t src_span,
@@ -297,10 +288,13 @@ static inline int64_t kvcopy_describe_scalar(const uint64_t* src, const uint64_t
     for (int64_t i = first; i < end; ++i) {
         f->misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span,
                                         dst_start, dst_span, max_size);
-        if (i > 0)
-            f->merges |= (uint64_t)(src[i] == src[i - 1] + sizes[i - 1])
-                       & (uint64_t)(dst[i] == dst[i - 1] + sizes[i - 1]);
-        kvcopy_sides_one(&f->sides, src, dst, sizes, i);
+        if (i > 0) {   /* copy i continues copy i - 1 on each side, on both: merges */
+            const uint64_t s_on = src[i] == src[i - 1] + sizes[i - 1];
+            const uint64_t t_on = dst[i] == dst[i - 1] + sizes[i - 1];
+            f->merges |= s_on & t_on;
+            f->sides.src_runs += s_on;
+            f->sides.dst_runs += t_on;
+        }
         f->differ |= sizes[i] ^ sizes[0];
         f->total += sizes[i];
         kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
