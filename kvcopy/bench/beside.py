@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, cast
 
 import kvcopy
+from kvcopy import testing
 from kvcopy.bench.scenarios import Pools
 from kvcopy.policy import RequestedMethod
 
@@ -149,15 +150,8 @@ def settings(options: dict) -> Iterator[dict]:
     """The copy_batch options among ``options``; the others, kvcopy.config settings by
     name, are applied meanwhile and restored after."""
     names = vars(kvcopy.config)
-    copy_options = {k: v for k, v in options.items() if k not in names}
-    before = {k: getattr(kvcopy.config, k) for k in options if k in names}
-    try:
-        for name in before:
-            setattr(kvcopy.config, name, options[name])
-        yield copy_options
-    finally:
-        for name, value in before.items():
-            setattr(kvcopy.config, name, value)
+    with testing.settings(**{k: v for k, v in options.items() if k in names}):
+        yield {k: v for k, v in options.items() if k not in names}
 
 
 def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB,
