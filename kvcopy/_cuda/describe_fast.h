@@ -332,8 +332,9 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                dst_span, dst_delta, max_size, &f);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     const uint64_t z0 = n ? sizes[0] : 0;
+    /* (its continuations assume the copy before has size z0: the head's copies too) */
     if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span
-            && z0 <= dst_span) {
+            && z0 <= dst_span && !f.differ) {
         uint64_t one_misfit = 0, one_merges = 0, one_differ = 0;
         kvcopy_sides one_sides = f.sides;
         const int64_t end = kvcopy_pairs_one_size_avx2(

@@ -397,3 +397,19 @@ def test_the_vectorised_pass_counts_spans_past_its_four_copy_steps():
     sizes[500] = 2048   # another size: the pairs pass gives way to the descriptors' pass
     src[501:] -= np.uint64(2048)
     assert_sides(sides(src, dst, sizes, compact=True), (1, n, 4096, 0), sizes)
+
+
+@pytest.mark.parametrize("src_offsets, sizes", [
+    ([0, 1, 2, 3, 4, 5], [1, 8, 1, 1, 1, 1]),          # copy 2 does not continue copy 1
+    ([0, 100, 108, 109, 110, 111], [1, 8, 1, 1, 1, 1]),  # it does: copies 1.. merge
+])
+def test_a_head_copy_of_another_size_is_seen_by_the_one_size_pass(src_offsets, sizes):
+    """The one-size pairs pass judges a copy's continuation by the one-size step; a copy of
+    another size among the first ones (described before that pass) must keep it out, or
+    spans and merges behind that copy are judged by the wrong size."""
+    src = [HOST_A + o for o in src_offsets]
+    dst = [DEVICE + 4096 + o for o in src_offsets]
+    result, _, out = describe_compact(src, dst, sizes)
+    reference, _, ref_descs = describe(src, dst, sizes, fast=False)
+    assert result[:-1] == reference
+    assert_sides(sides(src, dst, sizes, compact=True), sides_oracle(src, dst, sizes), sizes)
