@@ -159,7 +159,7 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
-CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "plan_arrays", "replay_records", "stage",
+CUDA_MODULES = ("driver", "classify", "describe", "dma", "launch", "plan_arrays", "replay_records", "rows", "stage",
                 "testing")
 
 

@@ -554,3 +554,4 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks_p
                             (gridDim.x - ctas_a) * per_cta);
     }
 }
+#include "rows_kernel.cuh"

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcopy._runtime import persist
-from kvcopy._cuda import driver, launch
+from kvcopy._cuda import driver, launch, rows
 from kvcopy.config import MAX_THREADS_PER_CTA, cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
 
-_SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h")
+_SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h", "rows.h", "rows_kernel.cuh")
 _OPTIONS = ("-std=c++17", "-default-device",
             f"-DKVCOPY_UNROLL={kernel_unroll()}",
             f"-DKVCOPY_MAX_THREADS={MAX_THREADS_PER_CTA}")   # the kernel's __launch_bounds__
@@ -230,6 +230,8 @@ class CopyKernel:
     function_blocks_both: int   # two swap_blocks in one launch, each with its own CTAs
     per_launch: int
     bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
+    function_rows: int = 0   # the layout kernel: addresses from layouts and indices
+    rows_report: int = 0     # device address of its out-of-range report
 
     @functools.cached_property
     def registers(self) -> ScatterFunctions:
@@ -262,6 +264,11 @@ def loaded_by_value(ctx: int) -> frozenset[int]:
     there)."""
     kernel = _loaded.get(ctx)
     return frozenset() if kernel is None else kernel.by_value
+
+
+def loaded_kernel() -> CopyKernel | None:
+    """The kernel loaded in the calling thread's current context, if it was loaded."""
+    return _loaded.get(driver.current_context_key())
 
 
 def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int) -> CopyKernel:
@@ -307,6 +314,8 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
                                   function("kvcopy_bulk_inline"),
                                   function("kvcopy_bulk_inline_small"),
                                   function("kvcopy_bulk_inline_tiny")),
+            function_rows=function("kvcopy_rows"),
+            rows_report=rows.report_address(module),
         )
         _loaded[ctx] = kernel
         return kernel
