@@ -3,23 +3,24 @@
 Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
-from kvcopy.api import (copy_batch, copy_both_ways, last_decision, swap_blocks,
-                        swap_blocks_both_ways)
+from kvcopy.api import (check_indices, copy_batch, copy_both_ways, copy_rows, last_decision,
+                        swap_blocks, swap_blocks_both_ways)
 from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
-from kvcopy.errors import CaptureError, CudaError, KVCopyError, NoDriverError
+from kvcopy.errors import CaptureError, CudaError, IndexOutOfRange, KVCopyError, NoDriverError
 from kvcopy.host import device_pointer, pinned_empty, register
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
+from kvcopy.layouts import Layout
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy._runtime.prepare import prepare
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "BlockView", "CaptureError", "CudaError", "KVCopyError", "NoDriverError", "TransferQueue",
-    "TransferResult", "block_view", "calibrate", "calibrate_peers", "config", "copy_batch",
-    "copy_both_ways",
+    "BlockView", "CaptureError", "CudaError", "IndexOutOfRange", "KVCopyError", "Layout",
+    "NoDriverError", "TransferQueue", "TransferResult", "block_view", "calibrate",
+    "calibrate_peers", "check_indices", "config", "copy_batch", "copy_both_ways", "copy_rows",
     "device_pointer", "last_decision", "pinned_empty", "prepare", "register", "resolve_stream",
     "swap_blocks", "swap_blocks_both_ways",
 ]

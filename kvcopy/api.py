@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy._engine import both_ways, dispatch
+from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
+from kvcopy._plans.rows import plan_rows
+from kvcopy.layouts import Layout
 from kvcopy._plans.races import race_between
 from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_int, require_same_length
@@ -303,3 +306,57 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
 
 
 __all__ = ["copy_batch", "copy_both_ways", "last_decision", "swap_blocks", "swap_blocks_both_ways"]
+
+
+def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None, *,
+              rows: int | None = None, stream: Any = None,
+              method: RequestedMethod = "auto") -> str:
+    """Copy rows between two layouts (kvcopy.Layout), asynchronously: row r goes from
+    slot ``src_indices[r]`` of every source plane to slot ``dst_indices[r]`` of the
+    same destination plane, every piece of it.
+
+    Indices are int64 slots, one per row: on the GPU (a CUDA tensor or any
+    ``__cuda_array_interface__`` producer), read in place when the copy runs, so a
+    captured copy replayed after the indices are updated in place moves the new
+    rows; or on the host (NumPy, CPU tensors, sequences), checked whole first: each
+    below its layout's slots, no destination slot twice, and where the layouts share
+    memory no row reading what another writes. None: slot = row (then ``rows`` or the
+    other side's indices give the count). A negative index skips its row. An
+    out-of-range GPU index skips its row too (nothing is written for it) and is
+    counted: kvcopy.check_indices raises IndexOutOfRange for it. GPU indices are not
+    read on the host, so that no destination slot appears twice, and that no row
+    reads what another writes, is the caller's to guarantee (as with SGLang's and
+    LMCache's kernels).
+
+    The copy kernel computes every address itself (no descriptor per row). Where the
+    policy gives the batch to the copy engines (few long rows) and the indices are on
+    the host, the rows go as pointer copies, as copy_batch's; so do they under capture
+    with host indices, and where the kernel cannot be built.
+
+    Args:
+        stream: any stream kvcopy.resolve_stream accepts; None means the current
+            stream of the framework whose index tensors were passed, else the
+            default stream.
+        method: 'auto', 'kernel', 'batch' or 'loop', as copy_batch's.
+
+    Returns:
+        The method that ran ('kernel', 'batch', 'loop'; 'none' for no rows).
+
+    Raises:
+        TypeError, ValueError: bad arguments, named in the message.
+        CudaError: the driver failed.
+    """
+    check_method(method)
+    plan = plan_rows(src, dst, src_indices, dst_indices, rows)
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(*(i for i in (src_indices, dst_indices)
+                                              if i is not None), *src.keep, *dst.keep))
+    return execute_rows(plan, handle, method)
+
+
+def check_indices(stream: Any = None) -> None:
+    """Wait for ``stream`` (None: the whole device), then raise IndexOutOfRange where
+    the copy kernel skipped rows for an out-of-range GPU-resident index in the current
+    context since the last check (the count is then cleared). The count is the
+    context's, over every stream: check where no other copy_rows call is in flight."""
+    rows_check_indices(resolve_stream(stream) if stream is not None else None)

@@ -38,3 +38,22 @@ class CudaError(KVCopyError):
 
 class CaptureError(KVCopyError):
     """The requested method cannot run while the stream is capturing a CUDA graph."""
+
+
+class IndexOutOfRange(KVCopyError, IndexError):
+    """The layout kernel skipped rows whose GPU-resident index was out of range (it
+    writes nothing for such a row). Raised by kvcopy.check_indices.
+
+    Attributes:
+        skipped: row copies skipped (a row is counted once per plane it was not copied in).
+        first_row: the lowest row position with an out-of-range index.
+    """
+
+    def __init__(self, skipped: int, first_row: int) -> None:
+        self.skipped = int(skipped)
+        self.first_row = int(first_row)
+        super().__init__(f"{self.skipped} row copies skipped for an out-of-range index; the "
+                         f"first at row {self.first_row} of the indices")
+
+    def __reduce__(self):
+        return (type(self), (self.skipped, self.first_row))

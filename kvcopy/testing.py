@@ -26,6 +26,9 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   ``fast_describe_available()``: whether this CPU runs the vectorised pass.
 - ``engine`` and ``cuda``: the private modules a white-box test reads (the seams
   above are how it changes them): nothing outside kvcopy imports them otherwise.
+- ``plans``: copy_rows' planning without a GPU: ``plan_rows`` (every check) and
+  ``expand`` (the plan as the pointer copies the kernel computes), so that a test
+  can run a plan between host arrays and compare the bytes with an oracle.
 """
 from __future__ import annotations
 
@@ -37,10 +40,13 @@ from typing import Any, Callable, Iterator
 from kvcopy import policy
 from kvcopy._cuda import (classify, describe, dma, driver, launch, plan_arrays, replay_records,
                           stage)
+from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, traffic_window
+from kvcopy._engine import rows as rows_engine
+from kvcopy._plans.rows import expand, plan_rows
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
 from kvcopy.config import config
@@ -53,12 +59,14 @@ _LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(
     classify=classify, describe=describe, dma=dma, driver=driver, launch=launch,
-    plan_arrays=plan_arrays, replay_records=replay_records, stage=stage, testing=cuda_testing)
+    plan_arrays=plan_arrays, replay_records=replay_records, stage=stage, testing=cuda_testing,
+    rows=rows_cuda)
 engine = types.SimpleNamespace(
     both_ways=both_ways, decide=decide, dispatch=dispatch, kernel=kernel, replay=replay,
     staged=staged, traffic_window=traffic_window, context=context, device=device,
     kernels=kernels, peers=peers, prepare=prepare, ring=ring, side_streams=side_streams,
-    calibration_file=calibration_file, persist=persist)
+    calibration_file=calibration_file, persist=persist, rows=rows_engine)
+plans = types.SimpleNamespace(plan_rows=plan_rows, expand=expand)
 
 
 def _users() -> list[types.ModuleType]:

@@ -324,3 +324,10 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
         raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
                          f"bytes from {ptr:#x} run past the end of the 64-bit address space")
     return BlockView(BlockLayout(ptr, num_blocks, stride, block_bytes, bool(readonly)), owner)
+
+
+def strided(obj: Any, name: str) -> tuple[int, tuple, tuple, int]:
+    """(pointer, shape, byte strides, itemsize) of a tensor or array of any framework
+    kvcopy reads. Raises TypeError naming ``name`` for anything else."""
+    ptr, shape, strides, itemsize, _readonly, _stream = _raw(obj, name, None)
+    return int(ptr), tuple(int(e) for e in shape), tuple(int(s) for s in strides), int(itemsize)

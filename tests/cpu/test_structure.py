@@ -21,7 +21,8 @@ MAX_LINES = 400
 PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
-        "kvcopy._plans.overlaps", "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
+        "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy.layouts",
+        "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
         "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
         "kvcopy._runtime.calibration_file",
         "kvcopy._engine", "kvcopy._runtime"}          # (the packages' docstring-only __init__)
@@ -31,7 +32,8 @@ LAYERS = [
      "kvcopy._runtime.context", "kvcopy._runtime.peers", "kvcopy._runtime.side_streams",
      "kvcopy._runtime.prepare", "kvcopy.host"},                        # per context
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},   # parts of paths
-    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged"},
+    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged",
+     "kvcopy._engine.rows"},
     {"kvcopy.api", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy.testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API

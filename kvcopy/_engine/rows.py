@@ -1,0 +1,127 @@
+"""Issues a copy_rows plan (kvcopy._plans.rows): the layout kernel where the policy
+gives the batch to the kernel or its indices are on the GPU, else the plan's rows as
+pointer copies by the path the policy picks (the copy engines, or the pointer path
+under capture, whose descriptors a graph keeps by value).
+
+The kernel takes the whole job by value (kvcopy._cuda.rows): each launch is safe to
+capture, and GPU-resident indices are read in place when it runs, so a captured
+transfer replayed after the index tensor is updated moves the new indices' rows.
+Host indices go to the GPU first, through a descriptor ring slot (uploaded on the
+stream, fenced behind the launch).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kvcopy._cuda import classify, driver, launch, rows
+from kvcopy._engine.decide import MemoryClasses, Target, decide, note_decision, reach_peers
+from kvcopy._engine.dispatch import execute_copies, issue_dma
+from kvcopy._plans.rows import RowsPlan, expand
+from kvcopy._runtime import kernels, ring
+from kvcopy._runtime.kernels import KernelUnavailable
+from kvcopy._runtime.context import ContextScope
+from kvcopy.config import config
+from kvcopy.errors import IndexOutOfRange
+from kvcopy.interop.streams import effective_handle
+
+
+def _classify(plan: RowsPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
+    """Each plane's memory, its base as the device sees it written to the views."""
+    src_extent = np.full(plan.src.num_planes, plan.src.extent, dtype=np.uint64)
+    dst_extent = np.full(plan.dst.num_planes, plan.dst.extent, dtype=np.uint64)
+    return MemoryClasses(*classify.classify_pointers(plan.src.bases, src_extent, src_view),
+                         *classify.classify_pointers(plan.dst.bases, dst_extent, dst_view))
+
+
+def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
+            src_indices: int, dst_indices: int) -> None:
+    kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+    rows.launch_rows(kernel.function_rows, plan.side(plan.src, src_indices),
+                     plan.side(plan.dst, dst_indices), src_view, dst_view, plan.rows,
+                     plan.pieces, plan.piece_bytes, target.ctas(None),
+                     config.threads_per_cta, target.handle)
+
+
+def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
+                      dst_view: np.ndarray) -> None:
+    """Host indices copied into a ring slot, uploaded on the stream, then the launch."""
+    host = [i.host if i is not None and i.host is not None else None
+            for i in (plan.src_indices, plan.dst_indices)]
+    nbytes = sum(8 * plan.rows for h in host if h is not None)
+    with ring.ring_for_current_context().reserve(nbytes) as slot:
+        where, offset = [], 0
+        for values, indices in zip(host, (plan.src_indices, plan.dst_indices)):
+            if values is not None:
+                ctypes.memmove(slot.host + offset, values.ctypes.data, 8 * plan.rows)
+                where.append(slot.device + offset)
+                offset += 8 * plan.rows
+            else:
+                where.append(indices.device if indices is not None else 0)
+        launch.upload(slot.device, slot.host, nbytes, target.handle)
+        _launch(plan, target, src_view, dst_view, *where)
+        ring.DescriptorRing.fence(slot, target.handle)
+
+
+def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> str:
+    """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
+    method that ran ('kernel', 'batch', 'loop', or 'none' for no rows)."""
+    if plan.rows == 0:
+        return "none"
+    handle = effective_handle(stream_handle)
+    with ContextScope(handle) as scope:
+        src_view = np.empty_like(plan.src.bases)
+        dst_view = np.empty_like(plan.dst.bases)
+        found = _classify(plan, src_view, dst_view)
+        if scope.follow_memory(found.owner) or reach_peers(found, method):
+            found = _classify(plan, src_view, dst_view)
+        capturing = driver.stream_capture_status(handle) != 0
+        target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
+                        note_traffic=True)
+        reachable = not found.kinds & (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
+                                       | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE)
+        if plan.device_indices:
+            if not reachable:
+                raise ValueError("indices on the GPU need both layouts in memory the GPU can "
+                                 "read and write (GPU or pinned host memory); pass them on the "
+                                 "host for pageable memory")
+            _launch(plan, target, src_view, dst_view, *_device_addresses(plan))
+            note_decision(target.decision)
+            return "kernel"
+        if target.decision.method == "kernel" and not capturing:
+            try:
+                if plan.host_indices:
+                    _launch_uploading(plan, target, src_view, dst_view)
+                else:
+                    _launch(plan, target, src_view, dst_view, 0, 0)
+                note_decision(target.decision)
+                return "kernel"
+            except KernelUnavailable:
+                pass   # NVRTC missing: the rows go as pointer copies
+        src, dst, sizes = expand(plan)
+        if target.decision.method == "kernel":
+            # under capture: the pointer path passes descriptors by value
+            return execute_copies(scope, handle, src, dst, sizes, method, False, False, None)
+        issue_dma(src, dst, sizes, True, target, False)
+        note_decision(target.decision)
+        return target.decision.method
+
+
+def _device_addresses(plan: RowsPlan) -> tuple[int, int]:
+    return tuple(i.device if i is not None else 0   # type: ignore[return-value]
+                 for i in (plan.src_indices, plan.dst_indices))
+
+
+def check_indices(stream_handle: int | None) -> None:
+    """Wait for the stream (None: all work in the context), then raise IndexOutOfRange
+    where the layout kernel skipped rows for an out-of-range GPU-resident index in this
+    context since the last check, and clear the count."""
+    handle = effective_handle(stream_handle or 0)
+    with ContextScope(handle):
+        kernel = kernels.loaded_kernel()
+        if kernel is None or not kernel.rows_report:
+            return   # no layout kernel ran in this context
+        skipped, first = rows.take_report(kernel.rows_report, handle, stream_handle is None)
+    if skipped:
+        raise IndexOutOfRange(skipped, first)

@@ -1,0 +1,195 @@
+"""Paged KV caches as layouts: where every slot's row lies, plane by plane.
+
+A plane is one part of a cache that every slot has a row in: a layer's K or V, one
+layer of an MLA cache, a run of fragments. Piece j of slot s's row in plane p is
+
+    bases[p] + (s // page_size) * page_stride + (s % page_size) * slot_stride
+             + j * piece_stride
+
+and ``row_bytes // pieces`` bytes long. kvcopy.copy_rows moves rows between two
+layouts of as many planes and the same row bytes; the copy kernel computes each
+address from these numbers and the indices (kvcopy._engine.rows).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvcopy.interop.tensors import strided
+
+_U64 = 1 << 64
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 < int(value) < _U64:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _stride(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= int(value) < _U64:
+        raise ValueError(f"{name} must be a byte stride >= 0, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where a cache's rows are (see the module's docstring for the address of a row).
+
+    Build one with Layout.of (tensors or arrays of any framework kvcopy reads) or
+    Layout.from_pointers (a custom allocator's addresses). A layout holds the objects
+    it was built from (``keep``), so their memory lives as long as it does; the rows
+    of distinct slots must not overlap (every engine layout's do not)."""
+
+    bases: np.ndarray                 # uint64, one base address per plane
+    slots: int                        # slots per plane: an index must be below this
+    row_bytes: int
+    page_size: int = 1
+    page_stride: int = 0
+    slot_stride: int = 0
+    pieces: int = 1
+    piece_stride: int = 0
+    keep: tuple = field(default=(), repr=False)
+
+    @property
+    def num_planes(self) -> int:
+        return len(self.bases)
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.row_bytes // self.pieces
+
+    @property
+    def extent(self) -> int:
+        """Bytes from a plane's base to the end of its last row."""
+        last = self.slots - 1
+        return ((last // self.page_size) * self.page_stride
+                + (last % self.page_size) * self.slot_stride
+                + (self.pieces - 1) * self.piece_stride + self.piece_bytes)
+
+    def address(self, plane: int, slot: int, piece: int = 0) -> int:
+        """Where piece ``piece`` of slot ``slot``'s row in plane ``plane`` starts."""
+        return (int(self.bases[plane]) + (slot // self.page_size) * self.page_stride
+                + (slot % self.page_size) * self.slot_stride + piece * self.piece_stride)
+
+    def select(self, planes: Any) -> "Layout":
+        """The same layout over some of its planes (an index, a slice or a sequence)."""
+        chosen = np.atleast_1d(self.bases[planes]).astype(np.uint64)
+        if len(chosen) == 0:
+            raise ValueError("planes: selects no plane")
+        return replace(self, bases=chosen)
+
+    def side(self, indices: int) -> tuple[int, int, int, int, int, int]:
+        """This layout as one side of the layout kernel's job (kvcopy_rows_side, rows.h),
+        its rows' slots read from ``indices`` (a device address; 0: slot = row)."""
+        return (indices, self.slots, self.page_size, self.page_stride, self.slot_stride,
+                self.piece_stride)
+
+    @classmethod
+    def from_pointers(cls, bases: Sequence[int] | np.ndarray, *, slots: int, row_bytes: int,
+                      page_size: int = 1, page_stride: int | None = None,
+                      slot_stride: int | None = None, pieces: int = 1,
+                      piece_stride: int | None = None, keep: tuple = ()) -> "Layout":
+        """A layout from raw addresses (one base per plane) and byte strides.
+
+        Defaults: rows back to back (``slot_stride = row_bytes``), pages of ``page_size``
+        slots back to back, a row's pieces back to back. Raises TypeError or ValueError
+        naming the argument."""
+        found = np.asarray(bases)
+        if found.ndim != 1 or found.dtype.kind not in "iu":
+            raise TypeError("bases must be a 1-D sequence of integer addresses")
+        if len(found) == 0:
+            raise ValueError("bases: a layout needs at least one plane")
+        if (found.dtype.kind == "i" and (found <= 0).any()) or (found == 0).any():
+            raise ValueError("bases: every base address must be a positive address")
+        slots = _positive(slots, "slots")
+        row_bytes = _positive(row_bytes, "row_bytes")
+        page_size = _positive(page_size, "page_size")
+        pieces = _positive(pieces, "pieces")
+        if row_bytes % pieces:
+            raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of pieces ({pieces})")
+        piece = row_bytes // pieces
+        piece_stride = _stride(piece if piece_stride is None else piece_stride, "piece_stride")
+        slot_stride = _stride(row_bytes if slot_stride is None else slot_stride, "slot_stride")
+        if page_size == 1:   # every slot is its own page
+            page_stride = slot_stride if page_stride is None else page_stride
+        page_stride = _stride(page_size * slot_stride if page_stride is None else page_stride,
+                              "page_stride")
+        return cls(found.astype(np.uint64), slots, row_bytes, page_size, page_stride,
+                   slot_stride, pieces, piece_stride, tuple(keep))
+
+    @classmethod
+    def of(cls, tensors: Any, *, slot: int, page: int | None = None,
+           planes: Sequence[int] = (), pieces: int | None = None,
+           name: str = "tensors") -> "Layout":
+        """The layout of one tensor or a list of tensors of one shape, strides and dtype
+        (one per layer, say), by naming what each dimension is:
+
+        - ``slot``: the dimension a token (or a block, where a row is a whole block)
+          indexes; with ``page``, the token's place within its page;
+        - ``page``: the page (block) dimension of a paged cache, if any;
+        - ``planes``: dimensions every slot has a row in each index of (K/V, layers),
+          outermost first; a list of tensors is outermost of all;
+        - ``pieces``: a dimension that cuts a row into strided pieces (the heads of an
+          HND cache, whose heads lie page_size tokens apart);
+        - every other dimension is the row itself and must be contiguous.
+
+        For example vLLM's flash-attention caches, one ``[2, blocks, block_size, heads,
+        head_size]`` tensor per layer: ``Layout.of(caches, planes=(0,), page=1, slot=2)``;
+        LMCache's chunk ``[2, layers, tokens, hidden]`` in the same plane order:
+        ``Layout.of(chunk, planes=(1, 0), slot=2)``."""
+        items = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        if not items:
+            raise ValueError(f"{name}: no tensor given")
+        found = [strided(t, f"{name}[{i}]" if len(items) > 1 else name)
+                 for i, t in enumerate(items)]
+        _, shape, strides, itemsize = found[0]
+        for i, (_, s, st, size) in enumerate(found[1:], 1):
+            if (s, st, size) != (shape, strides, itemsize):
+                raise ValueError(f"{name}[{i}]: shape {s}, strides {st} and itemsize {size} "
+                                 f"differ from {name}[0]'s {shape}, {strides}, {itemsize}")
+        ndim = len(shape)
+        named = {"slot": slot, "page": page, "pieces": pieces}
+        roles: dict[int, str] = {}
+        for role, dim in [*named.items(), *((f"planes[{k}]", d) for k, d in enumerate(planes))]:
+            if dim is None:
+                continue
+            if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+                raise ValueError(f"{role}: {dim!r} is not a dimension of shape {shape}")
+            dim %= ndim
+            if dim in roles:
+                raise ValueError(f"{role}: dimension {dim} is already {roles[dim]}")
+            roles[dim] = role
+        if any(strides[d] < 0 for d in range(ndim)):
+            raise ValueError(f"{name}: negative strides {strides} are not supported")
+        row_dims = [d for d in range(ndim) if d not in roles]
+        piece = itemsize
+        for d in reversed(row_dims):
+            if shape[d] != 1 and strides[d] != piece:
+                raise ValueError(f"{name}: the row dimensions {tuple(row_dims)} of shape {shape} "
+                                 f"must be contiguous; strides are {strides} bytes")
+            piece *= shape[d]
+        plane_dims = [d % ndim for d in planes]
+        bases = [ptr + sum(i * strides[d] for i, d in zip(index, plane_dims))
+                 for ptr, *_ in found
+                 for index in itertools.product(*(range(shape[d]) for d in plane_dims))]
+        slot_d, count = slot % ndim, pieces
+        kwargs: dict[str, int] = {"slot_stride": strides[slot_d]}
+        if page is not None:
+            kwargs.update(page_size=shape[slot_d], page_stride=strides[page % ndim])
+        slots = shape[slot_d] * (shape[page % ndim] if page is not None else 1)
+        n_pieces = 1 if count is None else shape[count % ndim]
+        if count is not None:
+            kwargs["piece_stride"] = strides[count % ndim]
+        if slots == 0 or piece == 0 or n_pieces == 0:
+            raise ValueError(f"{name}: shape {shape} holds no rows")
+        return cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
+                                 row_bytes=piece * n_pieces, pieces=n_pieces,
+                                 keep=tuple(items), **kwargs)
