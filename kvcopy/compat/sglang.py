@@ -1,0 +1,140 @@
+"""Drop-ins for SGLang's ``sgl_kernel.kvcacheio`` transfers (HiCache).
+
+Items are tokens: ``item_size`` bytes per token per layer; ``src_indices`` and
+``dst_indices`` are int64 token slots (on the GPU, as SGLang passes them, or on the
+host), a negative one skipping its item. Layer-first buffers hold a layer's items
+back to back (item i at ``base + i * item_size``); page-first buffers hold a token's
+layers together (item i of layer l at ``base + i * layout_dim + l * item_size``).
+``*_layers`` arguments are tensors of per-layer addresses. K and V move in the same
+call (the ``_mla`` forms have one buffer). Each call is one kvcopy.copy_rows on
+torch's current stream; ``block_quota`` and ``num_warps_per_block`` are SGLang's
+launch shape, accepted and left to kvcopy's policy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvcopy.api import copy_rows
+from kvcopy.compat.pointer_tables import addresses_of, reach_of
+from kvcopy.layouts import Layout
+
+
+def _int(value: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
+             offset: int = 0) -> Layout:
+    """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
+    import torch
+
+    nbytes = None
+    for t, name in zip(tensors, names):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        size = t.numel() * t.element_size()
+        nbytes = size if nbytes is None else min(nbytes, size)
+    if nbytes < offset + item_size:
+        raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes at "
+                         f"offset {offset}")
+    return Layout.from_pointers([t.data_ptr() + offset for t in tensors],
+                                slots=(nbytes - offset - item_size) // stride + 1,
+                                row_bytes=item_size, slot_stride=stride, keep=tensors)
+
+
+def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Layout:
+    """Per-layer address tables as planes (K's layers, then V's)."""
+    bases = []
+    for table, name in zip(tables, names):
+        found = addresses_of(table, name)
+        if len(found) < num_layers:
+            raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
+        bases += found[:num_layers]
+    slots = min(reach_of(b) for b in bases) // item_size
+    if slots == 0:
+        raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
+    return Layout.from_pointers(bases, slots=slots, row_bytes=item_size, keep=tables)
+
+
+def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size,
+                          block_quota=2, num_warps_per_block=32) -> None:
+    """One layer's K and V items, layer-first to layer-first."""
+    item = _int(item_size, "item_size")
+    copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, item),
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+
+
+def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id,
+                                item_size, src_layout_dim, block_quota=2,
+                                num_warps_per_block=32) -> None:
+    """Layer ``layer_id``'s items from page-first buffers into layer-first ones."""
+    item, layer = _int(item_size, "item_size"), _int(layer_id, "layer_id", 0)
+    dim = _int(src_layout_dim, "src_layout_dim")
+    copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, dim, layer * item),
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+
+
+def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices,
+                          dst_indices, item_size, num_layers, block_quota=2,
+                          num_warps_per_block=32) -> None:
+    """Every layer's items, layer-first to layer-first, the layers given by address."""
+    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+              _tables((dst_k_layers, dst_v_layers), ("dst_k_layers", "dst_v_layers"), item, layers),
+              src_indices, dst_indices)
+
+
+def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) -> Layout:
+    """Page-first buffers as planes: each buffer's layers, in order."""
+    if layers * item > dim:
+        raise ValueError(f"{names[0]}: {layers} layers of {item} bytes do not fit a layout_dim "
+                         f"of {dim}")
+    last = _buffers(tensors, names, item, dim, (layers - 1) * item)   # the last layer fits
+    bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
+    return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim,
+                                keep=tensors)
+
+
+def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices,
+                                dst_indices, item_size, dst_layout_dim, num_layers,
+                                block_quota=2, num_warps_per_block=32) -> None:
+    """Every layer's items from layer-first layers (by address) into page-first buffers."""
+    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    dim = _int(dst_layout_dim, "dst_layout_dim")
+    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+              _page_first((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, layers),
+              src_indices, dst_indices)
+
+
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=2,
+                              num_warps_per_block=32) -> None:
+    item = _int(item_size, "item_size")
+    copy_rows(_buffers((src,), ("src",), item, item), _buffers((dst,), ("dst",), item, item),
+              src_indices, dst_indices)
+
+
+def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size,
+                                    src_layout_dim, block_quota=2,
+                                    num_warps_per_block=32) -> None:
+    item, layer = _int(item_size, "item_size"), _int(layer_id, "layer_id", 0)
+    dim = _int(src_layout_dim, "src_layout_dim")
+    copy_rows(_buffers((src,), ("src",), item, dim, layer * item),
+              _buffers((dst,), ("dst",), item, item), src_indices, dst_indices)
+
+
+def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size,
+                              num_layers, block_quota=2, num_warps_per_block=32) -> None:
+    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
+              _tables((dst_layers,), ("dst_layers",), item, layers), src_indices, dst_indices)
+
+
+def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size,
+                                    dst_layout_dim, num_layers, block_quota=2,
+                                    num_warps_per_block=32) -> None:
+    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    dim = _int(dst_layout_dim, "dst_layout_dim")
+    copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
+              _page_first((dst,), ("dst",), item, dim, layers), src_indices, dst_indices)

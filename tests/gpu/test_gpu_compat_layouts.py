@@ -1,0 +1,126 @@
+"""The SGLang and LMCache drop-ins on a real GPU, each against an oracle in torch of
+what the original op does (read from their kernels: item addresses, -1 skipped)."""
+from __future__ import annotations
+
+import pytest
+
+from kvcopy.compat import lmcache, sglang
+
+
+def rand(torch, shape, seed, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return t.cuda() if device == "cuda" else t.pin_memory()
+
+
+def slots(torch, n, pool, seed, skip=()):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randperm(pool, generator=g)[:n]
+    for i in skip:
+        s[i] = -1
+    return s.cuda()
+
+
+@pytest.mark.parametrize("use_mla", [False, True])
+@pytest.mark.parametrize("direction", [True, False])
+def test_lmcache_multi_layer_kv_transfer(torch_cuda, use_mla, direction):
+    torch = torch_cuda
+    planes, layers, tokens, hidden, pbs = (1 if use_mla else 2), 4, 24, 64, 96
+    paged = [rand(torch, (planes, pbs, hidden * 2), i).view(torch.bfloat16)
+             for i in range(layers)]
+    before = [p.clone() for p in paged]
+    chunk = rand(torch, (planes, layers, tokens, hidden * 2), 9, device="host").view(torch.bfloat16)
+    original = chunk.clone()
+    ptrs = torch.tensor([p.data_ptr() for p in paged], dtype=torch.int64, device="cuda")
+    mapping = slots(torch, tokens, pbs, 3, skip=(2,))
+    lmcache.multi_layer_kv_transfer(chunk, ptrs, mapping, torch.device("cuda"), pbs, direction,
+                                    use_mla)
+    torch.cuda.synchronize()
+    for t, s in enumerate(mapping.tolist()):
+        for layer in range(layers):
+            if direction:
+                want = paged[layer][:, s].cpu() if s >= 0 else original[:, layer, t]
+                assert torch.equal(chunk[:, layer, t], want)
+            elif s >= 0:
+                assert torch.equal(paged[layer][:, s].cpu(), original[:, layer, t])
+    if not direction:
+        untouched = sorted(set(range(pbs)) - set(mapping.tolist()))
+        for layer in range(layers):
+            assert torch.equal(paged[layer][:, untouched], before[layer][:, untouched])
+
+
+def test_sglang_per_layer_and_mla(torch_cuda):
+    torch = torch_cuda
+    item = 256
+    src_k, src_v = rand(torch, (64, item), 1), rand(torch, (64, item), 2)
+    dst_k = torch.zeros((80, item), dtype=torch.uint8).pin_memory()
+    dst_v = torch.zeros((80, item), dtype=torch.uint8).pin_memory()
+    s, d = slots(torch, 20, 64, 3), slots(torch, 20, 80, 4, skip=(0,))
+    sglang.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, s, d, item)
+    sglang.transfer_kv_per_layer_mla(src_v, dst_k, s, d, item)
+    torch.cuda.synchronize()
+    for a, b in zip(s.tolist(), d.tolist()):
+        if b >= 0:
+            assert torch.equal(dst_k[b], src_v[a].cpu())     # the MLA call wrote K last
+            assert torch.equal(dst_v[b], src_v[a].cpu())
+    assert not dst_k[[i for i in range(80) if i not in d.tolist()]].any()
+
+
+def test_sglang_page_first_host_and_layer_tables(torch_cuda):
+    torch = torch_cuda
+    layers, tokens, item = 3, 50, 128
+    dim = layers * item
+    host_k = rand(torch, (tokens, layers, item), 5, device="host")
+    host_v = rand(torch, (tokens, layers, item), 6, device="host")
+    dev_k = [torch.zeros((40, item), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    dev_v = [torch.zeros((40, item), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    s, d = slots(torch, 16, tokens, 7), slots(torch, 16, 40, 8)
+    for layer in range(layers):   # load: page-first host -> layer-first device, layer by layer
+        sglang.transfer_kv_per_layer_pf_lf(host_k, dev_k[layer], host_v, dev_v[layer], s, d,
+                                           layer, item, dim)
+    torch.cuda.synchronize()
+    for a, b in zip(s.tolist(), d.tolist()):
+        for layer in range(layers):
+            assert torch.equal(dev_k[layer][b].cpu(), host_k[a, layer])
+            assert torch.equal(dev_v[layer][b].cpu(), host_v[a, layer])
+    # backup: layer-first device (a table of layer addresses) -> page-first host
+    k_table = torch.tensor([t.data_ptr() for t in dev_k], dtype=torch.int64, device="cuda")
+    v_table = torch.tensor([t.data_ptr() for t in dev_v], dtype=torch.int64, device="cuda")
+    back_k = torch.zeros_like(host_k).pin_memory()
+    back_v = torch.zeros_like(host_v).pin_memory()
+    sglang.transfer_kv_all_layer_lf_pf(k_table, back_k, v_table, back_v, d, s, item, dim, layers)
+    sglang.transfer_kv_all_layer_mla_lf_pf(v_table, back_k, d, s, item, dim, layers)
+    other_k = [torch.zeros_like(t) for t in dev_k]
+    other_v = [torch.zeros_like(t) for t in dev_v]
+    sglang.transfer_kv_all_layer(
+        k_table, torch.tensor([t.data_ptr() for t in other_k], device="cuda"), v_table,
+        torch.tensor([t.data_ptr() for t in other_v], device="cuda"), d, d, item, layers)
+    sglang.transfer_kv_all_layer_mla(
+        v_table, torch.tensor([t.data_ptr() for t in other_k], device="cuda"), d, d, item, layers)
+    torch.cuda.synchronize()
+    for a in s.tolist():
+        for layer in range(layers):
+            assert torch.equal(back_v[a, layer], host_v[a, layer])
+            assert torch.equal(back_k[a, layer], host_v[a, layer])   # the MLA call wrote V there
+    for b in d.tolist():
+        for layer in range(layers):
+            assert torch.equal(other_k[layer][b], dev_v[layer][b])
+            assert torch.equal(other_v[layer][b], dev_v[layer][b])
+    back = torch.zeros((40, item), dtype=torch.uint8, device="cuda")
+    sglang.transfer_kv_per_layer_mla_pf_lf(host_k, back, s, d, 1, item, dim)
+    torch.cuda.synchronize()
+    for a, b in zip(s.tolist(), d.tolist()):
+        assert torch.equal(back[b].cpu(), host_k[a, 1])
+
+
+def test_sglang_bad_arguments_are_named(torch_cuda):
+    torch = torch_cuda
+    buf = torch.zeros((8, 64), dtype=torch.uint8, device="cuda")
+    idx = torch.tensor([0], device="cuda")
+    with pytest.raises(ValueError, match="item_size must be an int >= 1"):
+        sglang.transfer_kv_per_layer(buf, buf, buf, buf, idx, idx, 0)
+    with pytest.raises(TypeError, match="src_k must be a torch.Tensor"):
+        sglang.transfer_kv_per_layer(None, buf, buf, buf, idx, idx, 64)
+    with pytest.raises(ValueError, match="do not fit a layout_dim"):
+        table = torch.tensor([buf.data_ptr()], device="cuda")
+        sglang.transfer_kv_all_layer_mla_lf_pf(table, buf, idx, idx, 64, 32, 1)
