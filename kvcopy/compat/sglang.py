@@ -30,12 +30,10 @@ def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
     """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
     import torch
 
-    nbytes = None
     for t, name in zip(tensors, names):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        size = t.numel() * t.element_size()
-        nbytes = size if nbytes is None else min(nbytes, size)
+    nbytes = min(t.numel() * t.element_size() for t in tensors)
     if nbytes < offset + item_size:
         raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes at "
                          f"offset {offset}")
