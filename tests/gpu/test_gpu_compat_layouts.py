@@ -114,16 +114,3 @@ def test_sglang_page_first_host_and_layer_tables(torch_cuda):
     torch.cuda.synchronize()
     for a, b in zip(s.tolist(), d.tolist()):
         assert torch.equal(back[b].cpu(), host_k[a, 1])
-
-
-def test_sglang_bad_arguments_are_named(torch_cuda):
-    torch = torch_cuda
-    buf = torch.zeros((8, 64), dtype=torch.uint8, device="cuda")
-    idx = torch.tensor([0], device="cuda")
-    with pytest.raises(ValueError, match="item_size must be an int >= 1"):
-        sglang.transfer_kv_per_layer(buf, buf, buf, buf, idx, idx, 0)
-    with pytest.raises(TypeError, match="src_k must be a torch.Tensor"):
-        sglang.transfer_kv_per_layer(None, buf, buf, buf, idx, idx, 64)
-    with pytest.raises(ValueError, match="do not fit a layout_dim"):
-        table = torch.tensor([buf.data_ptr()], device="cuda")
-        sglang.transfer_kv_all_layer_mla_lf_pf(table, buf, idx, idx, 64, 32, 1)
