@@ -305,9 +305,6 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     return ran
 
 
-__all__ = ["copy_batch", "copy_both_ways", "last_decision", "swap_blocks", "swap_blocks_both_ways"]
-
-
 def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None, *,
               rows: int | None = None, stream: Any = None,
               method: RequestedMethod = "auto") -> str:
@@ -337,7 +334,8 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
         stream: any stream kvcopy.resolve_stream accepts; None means the current
             stream of the framework whose index tensors were passed, else the
             default stream.
-        method: 'auto', 'kernel', 'batch' or 'loop', as copy_batch's.
+        method: 'auto', 'kernel', 'batch' or 'loop', as copy_batch's; with indices on
+            the GPU only the kernel can read them, and it runs whatever is asked.
 
     Returns:
         The method that ran ('kernel', 'batch', 'loop'; 'none' for no rows).
@@ -360,3 +358,7 @@ def check_indices(stream: Any = None) -> None:
     context since the last check (the count is then cleared). The count is the
     context's, over every stream: check where no other copy_rows call is in flight."""
     rows_check_indices(resolve_stream(stream) if stream is not None else None)
+
+
+__all__ = ["check_indices", "copy_batch", "copy_both_ways", "copy_rows", "last_decision",
+           "swap_blocks", "swap_blocks_both_ways"]
