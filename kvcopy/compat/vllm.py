@@ -1,4 +1,4 @@
-"""Drop-in for vLLM's ``ops.swap_blocks_batch``.
+"""Drop-ins for vLLM's ``ops.swap_blocks_batch`` and its offload copy backend.
 
 vLLM's op takes three 1-D CPU tensors (source pointers, destination pointers,
 byte sizes; int64, or uint64 as on XPU), copies on torch's current stream and
@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.arguments import require_bool
-from kvcopy.api import copy_batch
+from kvcopy.api import copy_batch, copy_rows
 from kvcopy.errors import NoDriverError
+from kvcopy.layouts import Layout
 
 
 def _check(tensor: Any, name: str) -> None:
@@ -54,3 +55,64 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
                             f"torch has none here: {exc}") from None
     copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
                src_access_order="any" if access_any else "stream", allow_batch=allow_batch)
+
+
+_RUN_FIELDS = ("src_base", "dst_base", "fragment_size", "num_fragments", "src_stride",
+               "dst_stride")
+
+
+def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
+    """vLLM's strided runs (``CopyRunDescriptor``: src_base, dst_base, fragment_size,
+    num_fragments, src_stride, dst_stride; any object with those attributes, or a
+    6-tuple in that order) as layout pairs: runs of one shape (fragment size, count
+    and both strides) become the planes of one pair, in the order first met, each
+    run's fragment j a row. Runs of no fragments are left out. Raises TypeError or
+    ValueError naming the run."""
+    groups: dict[tuple[int, int, int, int], tuple[list[int], list[int]]] = {}
+    for i, run in enumerate(run_descs):
+        try:
+            values = ([int(getattr(run, f)) for f in _RUN_FIELDS] if hasattr(run, "src_base")
+                      else [int(v) for v in run])
+        except (TypeError, ValueError):
+            raise TypeError(f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 ints")
+        if len(values) != 6:
+            raise TypeError(f"run_descs[{i}]: {len(values)} fields, expected {_RUN_FIELDS}")
+        src, dst, size, count, src_stride, dst_stride = values
+        if min(values) < 0 or (count and (src == 0 or dst == 0 or size == 0)):
+            raise ValueError(f"run_descs[{i}]: {dict(zip(_RUN_FIELDS, values))} is not a run")
+        if count:
+            bases = groups.setdefault((size, count, src_stride, dst_stride), ([], []))
+            bases[0].append(src)
+            bases[1].append(dst)
+    return [(Layout.from_pointers(s, slots=count, row_bytes=size, slot_stride=src_stride),
+             Layout.from_pointers(d, slots=count, row_bytes=size, slot_stride=dst_stride), count)
+            for (size, count, src_stride, dst_stride), (s, d) in groups.items()]
+
+
+class CopyBackend:
+    """vLLM's offload copy backend interface (``submit(job_id, run_descs, *,
+    is_src_access_order_any)``, ``finish_transfer(job_id)``, ``clear()``) over
+    kvcopy.copy_rows: each submitted job's runs are copied on torch's current stream
+    without being expanded into fragments, one copy_rows per shape of run
+    (run_groups). Nothing is held per job, so finish_transfer and clear only forget
+    job ids; ``is_src_access_order_any`` is accepted (the kernel reads the sources
+    in stream order)."""
+
+    def __init__(self) -> None:
+        self._jobs: set[Any] = set()
+
+    def submit(self, job_id: Any, run_descs: Any, *, is_src_access_order_any: bool = False) -> None:
+        import torch
+
+        require_bool(is_src_access_order_any, "is_src_access_order_any")
+        groups = run_groups(run_descs)
+        stream = torch.cuda.current_stream()
+        self._jobs.add(job_id)
+        for src, dst, count in groups:
+            copy_rows(src, dst, rows=count, stream=stream)
+
+    def finish_transfer(self, job_id: Any) -> None:
+        self._jobs.discard(job_id)
+
+    def clear(self) -> None:
+        self._jobs.clear()

@@ -114,3 +114,23 @@ def test_sglang_page_first_host_and_layer_tables(torch_cuda):
     torch.cuda.synchronize()
     for a, b in zip(s.tolist(), d.tolist()):
         assert torch.equal(back[b].cpu(), host_k[a, 1])
+
+
+def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
+    from kvcopy.compat.vllm import CopyBackend
+
+    torch = torch_cuda
+    gpu = rand(torch, (1 << 20,), 11)
+    host = torch.zeros(1 << 23, dtype=torch.uint8).pin_memory()
+    g, h = gpu.data_ptr(), host.data_ptr()
+    runs = [(g + k * 65536, h + k * 512, 512, 128, 512, 4096) for k in range(8)]
+    runs += [(g + 600000, h + 7000000, 128, 100, 128, 1024)]
+    backend = CopyBackend()
+    backend.submit(1, runs, is_src_access_order_any=False)
+    torch.cuda.synchronize()
+    backend.finish_transfer(1)
+    data = gpu.cpu()
+    for src, dst, size, count, src_stride, dst_stride in runs:
+        for j in range(count):
+            lo, to = src - g + j * src_stride, dst - h + j * dst_stride
+            assert torch.equal(host[to:to + size], data[lo:lo + size])
