@@ -11,7 +11,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
   ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify,
-  .replay_records, .plan_arrays) outside that layer goes to ``fake``, an object
+  .replay_records, .plan_arrays, .rows) outside that layer goes to ``fake``, an object
   with the functions and constants the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
   copy kernel, the descriptor ring, the staging buffers, the side streams, the
@@ -54,7 +54,7 @@ from kvcopy.config import config
 CUDA_LAYERS = ("driver", "describe", "launch")
 _LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
            "stage": stage, "classify": classify, "replay_records": replay_records,
-           "plan_arrays": plan_arrays}
+           "plan_arrays": plan_arrays, "rows": rows_cuda}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(

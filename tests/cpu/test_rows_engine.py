@@ -1,0 +1,121 @@
+"""copy_rows' engine with the driver faked (kvcopy.testing's seams): which path a plan
+takes, what the layout kernel is launched with, and what is refused before any launch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcopy import Layout
+from kvcopy.testing import cuda, engine, plans
+from kvcopy import testing
+from helpers.cpu_fakes import FakeCaptureDriver, FakeScope
+
+DEVICE = (cuda.classify.KIND_DEVICE, 0)
+PINNED = (cuda.classify.KIND_HOST_MAPPED, -1)
+PAGEABLE = (cuda.classify.KIND_HOST_UNMAPPED, -1)
+STREAM = 0x1234
+
+
+class GpuIndices:
+    """Int64 indices that say they live on the GPU (at a made-up address)."""
+
+    def __init__(self, count: int, address: int = 0x7000_0000) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i8",
+                                         "data": (address, False), "version": 3}
+
+
+class FakeRowsCuda(FakeCaptureDriver):
+    """The driver, launch, classify and rows layers as copy_rows' engine calls them:
+    the source planes are in ``src`` memory, the destination planes in ``dst``."""
+
+    def __init__(self, src: tuple[int, int], dst: tuple[int, int], capturing: int = 0) -> None:
+        self.sides = [src, dst]
+        self.capturing = capturing
+        self.calls: list[tuple] = []
+        self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
+
+    def __getattr__(self, name: str):
+        if name.startswith("KIND_"):   # the classify layer's constants are the real ones
+            return getattr(cuda.classify, name)
+        raise AttributeError(name)
+
+    def classify_pointers(self, ptrs, sizes, device_view):
+        device_view[:] = ptrs
+        side = self.sides[0]
+        self.sides.append(self.sides.pop(0))
+        return side
+
+    def launch_rows(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
+                    piece_bytes, ctas, threads, stream):
+        self.calls.append(("launch_rows", function, src_side, dst_side, rows, pieces,
+                           piece_bytes, stream))
+        return 1
+
+    def upload(self, device, host, nbytes, stream):
+        self.calls.append(("upload", device, nbytes, stream))
+
+    def event_record(self, event, stream):
+        self.calls.append(("fence", event, stream))
+
+
+@pytest.fixture
+def slot_memory():
+    return np.zeros(1 << 16, np.uint8)   # the ring slot's host side: indices are written there
+
+
+@pytest.fixture
+def fake(seams, slot_memory):
+    def make(src, dst, capturing=0):
+        found = FakeRowsCuda(src, dst, capturing)
+        seams.enter_context(testing.fake_cuda(found, ("driver", "launch", "classify", "rows")))
+        kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None,
+                                           function_rows=42, rows_report=0x99)
+        slot = engine.ring.Slot(capacity=1 << 16, host=slot_memory.ctypes.data, mapped=0x2000,
+                                device=0x3000, event=0x77)
+        seams.enter_context(testing.fake_runtime(copy_kernel=kernel, slot=slot, scope=FakeScope))
+        return found
+    return make
+
+
+def caches():
+    gpu = np.zeros((2, 8, 16, 256), np.uint8)
+    host = np.zeros((2, 40, 256), np.uint8)
+    return Layout.of(gpu, planes=(0,), page=1, slot=2), Layout.of(host, planes=(0,), slot=1)
+
+
+def test_gpu_indices_are_read_in_place_by_one_launch(fake):
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    plan = plans.plan_rows(paged, chunk, GpuIndices(40))
+    assert engine.rows.execute_rows(plan, STREAM) == "kernel"
+    assert driver.calls == [("launch_rows", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+                             (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)]
+
+
+def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_memory):
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    slots = np.arange(100, 120)
+    plan = plans.plan_rows(paged, chunk, slots, np.arange(20) * 2)
+    assert engine.rows.execute_rows(plan, STREAM) == "kernel"
+    assert driver.calls == [("upload", 0x3000, 320, STREAM),
+                            ("launch_rows", 42, (0x3000, 128, 16, 4096, 256, 256),
+                             (0x3000 + 160, 40, 1, 256, 256, 256), 20, 1, 256, STREAM),
+                            ("fence", 0x77, STREAM)]
+    written = slot_memory[:320].view(np.int64)
+    np.testing.assert_array_equal(written, np.concatenate([slots, np.arange(20) * 2]))
+
+
+def test_gpu_indices_with_pageable_memory_are_refused_before_any_launch(fake):
+    driver = fake(DEVICE, PAGEABLE)
+    paged, chunk = caches()
+    with pytest.raises(ValueError, match="indices on the GPU need both layouts in memory"):
+        engine.rows.execute_rows(plans.plan_rows(paged, chunk, GpuIndices(4)), STREAM)
+    assert driver.calls == []
+
+
+def test_no_rows_issue_nothing(fake):
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    assert engine.rows.execute_rows(plans.plan_rows(paged, chunk, rows=0), STREAM) == "none"
+    assert driver.calls == []
