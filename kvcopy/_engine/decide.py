@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from kvcopy import policy
 from kvcopy._engine import replay, traffic_window
@@ -89,6 +89,27 @@ def reach_peers(found: MemoryClasses, method: str) -> bool:
         return False
     here = driver.context_device()
     return peers.enable_for(here, peers.peers_of((found.src_device, found.dst_device), here))
+
+
+def classify_sides(src: Any, src_extent: Any, dst: Any, dst_extent: Any, src_view: Any,
+                   dst_view: Any) -> MemoryClasses:
+    """Classify each side's bases (uint64 arrays, each reaching ``extent`` bytes), writing
+    each base as the device sees it into the side's view."""
+    return MemoryClasses(*classify.classify_pointers(src, src_extent, src_view),
+                         *classify.classify_pointers(dst, dst_extent, dst_view))
+
+
+def settled_classes(scope: Any, method: str,
+                    classify_again: Callable[[], MemoryClasses]) -> MemoryClasses:
+    """A call's memory as ``classify_again`` finds it, classified once more where the
+    call's scope switched to the device that owns it (host memory may be mapped
+    elsewhere there) and once more where peer access was enabled for it."""
+    found = classify_again()
+    if scope.follow_memory(found.owner):
+        found = classify_again()
+    if reach_peers(found, method):
+        found = classify_again()
+    return found
 
 
 def unreachable(found: MemoryClasses, here: int) -> str:

@@ -11,7 +11,8 @@ from kvcopy import policy
 from kvcopy._cuda import classify, describe, dma, driver, launch
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine import replay, staged
-from kvcopy._engine.decide import MemoryClasses, Target, decide, note_decision, reach_peers
+from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
+                                   reach_peers, settled_classes)
 from kvcopy._engine.kernel import HostScratch, launch_kernel
 from kvcopy._runtime import device, kernels, ring
 from kvcopy._runtime.context import ContextScope
@@ -161,8 +162,7 @@ def classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
     """Classify a swap_blocks plan's memory per tensor, writing each tensor's base as
     the device sees it into ``src_view`` and ``dst_view``."""
     g = blocks.geometry
-    return MemoryClasses(*classify.classify_pointers(g.src_base, g.src_extent, src_view),
-                         *classify.classify_pointers(g.dst_base, g.dst_extent, dst_view))
+    return classify_sides(g.src_base, g.src_extent, g.dst_base, g.dst_extent, src_view, dst_view)
 
 
 def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
@@ -186,11 +186,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
     with ContextScope(handle) as scope:
         src_view = np.empty_like(blocks.geometry.src_base)
         dst_view = np.empty_like(blocks.geometry.dst_base)
-        found = classify_tensors(blocks, src_view, dst_view)
-        if scope.follow_memory(found.owner):
-            found = classify_tensors(blocks, src_view, dst_view)
-        if reach_peers(found, method):
-            found = classify_tensors(blocks, src_view, dst_view)
+        found = settled_classes(scope, method,
+                                lambda: classify_tensors(blocks, src_view, dst_view))
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found,
                         note_traffic=True)
         # (a graph cannot wait for work outside it)

@@ -16,7 +16,8 @@ import ctypes
 import numpy as np
 
 from kvcopy._cuda import classify, driver, launch, rows
-from kvcopy._engine.decide import MemoryClasses, Target, decide, note_decision, reach_peers
+from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
+                                   settled_classes)
 from kvcopy._engine.dispatch import execute_copies, issue_dma
 from kvcopy._plans.rows import RowsPlan, expand
 from kvcopy._runtime import kernels, ring
@@ -29,10 +30,9 @@ from kvcopy.interop.streams import effective_handle
 
 def _classify(plan: RowsPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
     """Each plane's memory, its base as the device sees it written to the views."""
-    src_extent = np.full(plan.src.num_planes, plan.src.extent, dtype=np.uint64)
-    dst_extent = np.full(plan.dst.num_planes, plan.dst.extent, dtype=np.uint64)
-    return MemoryClasses(*classify.classify_pointers(plan.src.bases, src_extent, src_view),
-                         *classify.classify_pointers(plan.dst.bases, dst_extent, dst_view))
+    return classify_sides(plan.src.bases, np.full(plan.src.num_planes, plan.src.extent, np.uint64),
+                          plan.dst.bases, np.full(plan.dst.num_planes, plan.dst.extent, np.uint64),
+                          src_view, dst_view)
 
 
 def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
@@ -73,9 +73,7 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> st
     with ContextScope(handle) as scope:
         src_view = np.empty_like(plan.src.bases)
         dst_view = np.empty_like(plan.dst.bases)
-        found = _classify(plan, src_view, dst_view)
-        if scope.follow_memory(found.owner) or reach_peers(found, method):
-            found = _classify(plan, src_view, dst_view)
+        found = settled_classes(scope, method, lambda: _classify(plan, src_view, dst_view))
         capturing = driver.stream_capture_status(handle) != 0
         target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
                         note_traffic=True)
