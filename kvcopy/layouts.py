@@ -74,10 +74,14 @@ class Layout:
                 + (last % self.page_size) * self.slot_stride
                 + (self.pieces - 1) * self.piece_stride + self.piece_bytes)
 
-    def address(self, plane: int, slot: int, piece: int = 0) -> int:
-        """Where piece ``piece`` of slot ``slot``'s row in plane ``plane`` starts."""
-        return (int(self.bases[plane]) + (slot // self.page_size) * self.page_stride
-                + (slot % self.page_size) * self.slot_stride + piece * self.piece_stride)
+    def row_addresses(self, slots: np.ndarray) -> np.ndarray:
+        """Where each slot's row (its first piece) starts in each plane: a uint64 array
+        of shape (planes, len(slots)) for non-negative ``slots``."""
+        slots = np.asarray(slots).astype(np.uint64)
+        size = np.uint64(self.page_size)
+        within = ((slots // size) * np.uint64(self.page_stride)
+                  + (slots % size) * np.uint64(self.slot_stride))
+        return self.bases[:, None] + within[None, :]
 
     def select(self, planes: Any) -> "Layout":
         """The same layout over some of its planes (an index, a slice or a sequence)."""

@@ -230,15 +230,12 @@ def expand(plan: RowsPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     copy engines and the pointer path take, and what the kernel computes."""
     s_slots, d_slots = _slots(plan.src_indices, plan.rows), _slots(plan.dst_indices, plan.rows)
     live = (s_slots >= 0) & (d_slots >= 0)
-    s_slots, d_slots = s_slots[live].astype(np.uint64), d_slots[live].astype(np.uint64)
+    s_slots, d_slots = s_slots[live], d_slots[live]
     piece = np.arange(plan.pieces, dtype=np.uint64)
 
     def addresses(layout: Layout, slots: np.ndarray, piece_stride: int) -> np.ndarray:
-        size = np.uint64(layout.page_size)
-        within = (slots // size) * np.uint64(layout.page_stride) + \
-            (slots % size) * np.uint64(layout.slot_stride)
-        rows = within[:, None] + piece[None, :] * np.uint64(piece_stride)
-        return (layout.bases[:, None, None] + rows[None, :, :]).ravel()
+        rows = layout.row_addresses(slots)
+        return (rows[:, :, None] + piece[None, None, :] * np.uint64(piece_stride)).ravel()
 
     src = addresses(plan.src, s_slots, plan.side(plan.src, 0)[-1])
     dst = addresses(plan.dst, d_slots, plan.side(plan.dst, 0)[-1])

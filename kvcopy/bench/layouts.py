@@ -32,15 +32,7 @@ def _pointers(src: Layout, dst: Layout, src_slots, dst_slots, rows: int):
     """The transfer as pointer copies (what an engine without layouts would issue)."""
     s = np.arange(rows) if src_slots is None else np.asarray(src_slots)
     d = np.arange(rows) if dst_slots is None else np.asarray(dst_slots)
-
-    def at(layout: Layout, slots) -> np.ndarray:
-        slots = slots.astype(np.uint64)
-        size = np.uint64(layout.page_size)
-        within = (slots // size) * np.uint64(layout.page_stride) + (slots % size) * np.uint64(
-            layout.slot_stride)
-        return (layout.bases[:, None] + within[None, :]).ravel()
-
-    a, b = at(src, s), at(dst, d)
+    a, b = src.row_addresses(s).ravel(), dst.row_addresses(d).ravel()
     return a, b, np.full(a.size, src.row_bytes, dtype=np.uint64)
 
 
