@@ -18,25 +18,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvcopy.arguments import require_int
 from kvcopy.interop.tensors import strided
 
-_U64 = 1 << 64
-
-
-def _positive(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 < int(value) < _U64:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
-def _stride(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= int(value) < _U64:
-        raise ValueError(f"{name} must be a byte stride >= 0, got {value}")
-    return int(value)
+_U64_MAX = (1 << 64) - 1   # slots, sizes and strides are 64-bit on the GPU
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,19 +98,21 @@ class Layout:
             raise ValueError("bases: a layout needs at least one plane")
         if (found.dtype.kind == "i" and (found <= 0).any()) or (found == 0).any():
             raise ValueError("bases: every base address must be a positive address")
-        slots = _positive(slots, "slots")
-        row_bytes = _positive(row_bytes, "row_bytes")
-        page_size = _positive(page_size, "page_size")
-        pieces = _positive(pieces, "pieces")
+        slots = require_int(slots, "slots", minimum=1, maximum=_U64_MAX)
+        row_bytes = require_int(row_bytes, "row_bytes", minimum=1, maximum=_U64_MAX)
+        page_size = require_int(page_size, "page_size", minimum=1, maximum=_U64_MAX)
+        pieces = require_int(pieces, "pieces", minimum=1, maximum=_U64_MAX)
         if row_bytes % pieces:
             raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of pieces ({pieces})")
         piece = row_bytes // pieces
-        piece_stride = _stride(piece if piece_stride is None else piece_stride, "piece_stride")
-        slot_stride = _stride(row_bytes if slot_stride is None else slot_stride, "slot_stride")
+        piece_stride = require_int(piece if piece_stride is None else piece_stride,
+                                   "piece_stride", minimum=0, maximum=_U64_MAX)
+        slot_stride = require_int(row_bytes if slot_stride is None else slot_stride,
+                                  "slot_stride", minimum=0, maximum=_U64_MAX)
         if page_size == 1:   # every slot is its own page
             page_stride = slot_stride if page_stride is None else page_stride
-        page_stride = _stride(page_size * slot_stride if page_stride is None else page_stride,
-                              "page_stride")
+        page_stride = require_int(page_size * slot_stride if page_stride is None else page_stride,
+                                  "page_stride", minimum=0, maximum=_U64_MAX)
         return cls(found.astype(np.uint64), slots, row_bytes, page_size, page_stride,
                    slot_stride, pieces, piece_stride, tuple(keep))
 

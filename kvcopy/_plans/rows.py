@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.tensors import strided
 from kvcopy.layouts import Layout
@@ -174,10 +175,10 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     a, b = read_indices(src_indices, "src_indices"), read_indices(dst_indices, "dst_indices")
     counts = {i.count for i in (a, b) if i is not None}
     if len(counts) > 1:
-        raise ValueError(f"src_indices has {a.count} rows and dst_indices {b.count}")  # type: ignore[union-attr]
+        raise ValueError(f"src_indices has {a.count} rows and dst_indices "  # type: ignore[union-attr]
+                         f"{b.count}")  # type: ignore[union-attr]
     if rows is not None:
-        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
-            raise ValueError(f"rows must be an int >= 0, got {rows!r}")
+        rows = require_int(rows, "rows", minimum=0)
         if counts and int(rows) not in counts:
             raise ValueError(f"rows ({rows}) differs from the indices' length ({counts.pop()})")
         counts = {int(rows)}

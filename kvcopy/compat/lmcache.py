@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.api import copy_rows
+from kvcopy.arguments import require_int
 from kvcopy.compat.pointer_tables import addresses_of
 from kvcopy.layouts import Layout
 
@@ -33,9 +34,7 @@ def multi_layer_kv_transfer(key_value: Any, key_value_ptrs: Any, slot_mapping: A
     if key_value.shape[0] != planes:
         raise ValueError(f"key_value: dimension 0 is {key_value.shape[0]}, expected {planes} "
                          f"(use_mla={use_mla})")
-    if isinstance(page_buffer_size, bool) or not isinstance(page_buffer_size, int) \
-            or page_buffer_size <= 0:
-        raise ValueError(f"page_buffer_size must be a positive int, got {page_buffer_size!r}")
+    require_int(page_buffer_size, "page_buffer_size", minimum=1)
     layers, tokens, hidden = key_value.shape[1:]
     row = hidden * key_value.element_size()
     bases = addresses_of(key_value_ptrs, "key_value_ptrs")

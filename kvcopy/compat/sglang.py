@@ -15,14 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.api import copy_rows
+from kvcopy.arguments import require_int
 from kvcopy.compat.pointer_tables import addresses_of, reach_of
 from kvcopy.layouts import Layout
-
-
-def _int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
@@ -59,7 +54,7 @@ def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Lay
 def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size,
                           block_quota=2, num_warps_per_block=32) -> None:
     """One layer's K and V items, layer-first to layer-first."""
-    item = _int(item_size, "item_size")
+    item = require_int(item_size, "item_size", minimum=1)
     copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, item),
               _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
 
@@ -68,8 +63,9 @@ def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
                                 item_size, src_layout_dim, block_quota=2,
                                 num_warps_per_block=32) -> None:
     """Layer ``layer_id``'s items from page-first buffers into layer-first ones."""
-    item, layer = _int(item_size, "item_size"), _int(layer_id, "layer_id", 0)
-    dim = _int(src_layout_dim, "src_layout_dim")
+    item = require_int(item_size, "item_size", minimum=1)
+    layer = require_int(layer_id, "layer_id", minimum=0)
+    dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
     copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, dim, layer * item),
               _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
 
@@ -78,7 +74,8 @@ def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers
                           dst_indices, item_size, num_layers, block_quota=2,
                           num_warps_per_block=32) -> None:
     """Every layer's items, layer-first to layer-first, the layers given by address."""
-    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    item = require_int(item_size, "item_size", minimum=1)
+    layers = require_int(num_layers, "num_layers", minimum=1)
     copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
               _tables((dst_k_layers, dst_v_layers), ("dst_k_layers", "dst_v_layers"), item, layers),
               src_indices, dst_indices)
@@ -99,8 +96,9 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
                                 dst_indices, item_size, dst_layout_dim, num_layers,
                                 block_quota=2, num_warps_per_block=32) -> None:
     """Every layer's items from layer-first layers (by address) into page-first buffers."""
-    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
-    dim = _int(dst_layout_dim, "dst_layout_dim")
+    item = require_int(item_size, "item_size", minimum=1)
+    layers = require_int(num_layers, "num_layers", minimum=1)
+    dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
               _page_first((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, layers),
               src_indices, dst_indices)
@@ -108,7 +106,7 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 
 def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=2,
                               num_warps_per_block=32) -> None:
-    item = _int(item_size, "item_size")
+    item = require_int(item_size, "item_size", minimum=1)
     copy_rows(_buffers((src,), ("src",), item, item), _buffers((dst,), ("dst",), item, item),
               src_indices, dst_indices)
 
@@ -116,15 +114,17 @@ def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, blo
 def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size,
                                     src_layout_dim, block_quota=2,
                                     num_warps_per_block=32) -> None:
-    item, layer = _int(item_size, "item_size"), _int(layer_id, "layer_id", 0)
-    dim = _int(src_layout_dim, "src_layout_dim")
+    item = require_int(item_size, "item_size", minimum=1)
+    layer = require_int(layer_id, "layer_id", minimum=0)
+    dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
     copy_rows(_buffers((src,), ("src",), item, dim, layer * item),
               _buffers((dst,), ("dst",), item, item), src_indices, dst_indices)
 
 
 def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size,
                               num_layers, block_quota=2, num_warps_per_block=32) -> None:
-    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
+    item = require_int(item_size, "item_size", minimum=1)
+    layers = require_int(num_layers, "num_layers", minimum=1)
     copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
               _tables((dst_layers,), ("dst_layers",), item, layers), src_indices, dst_indices)
 
@@ -132,7 +132,8 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size,
                                     dst_layout_dim, num_layers, block_quota=2,
                                     num_warps_per_block=32) -> None:
-    item, layers = _int(item_size, "item_size"), _int(num_layers, "num_layers")
-    dim = _int(dst_layout_dim, "dst_layout_dim")
+    item = require_int(item_size, "item_size", minimum=1)
+    layers = require_int(num_layers, "num_layers", minimum=1)
+    dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
               _page_first((dst,), ("dst",), item, dim, layers), src_indices, dst_indices)

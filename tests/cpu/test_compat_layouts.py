@@ -16,7 +16,7 @@ def test_lmcache_checks_its_chunk_and_sizes():
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 3), ptrs, slots, None, 8, True)
     with pytest.raises(ValueError, match="dimension 0 is 2, expected 1 \\(use_mla=True\\)"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 1, 1, 8), ptrs, slots, None, 8, True, True)
-    with pytest.raises(ValueError, match="page_buffer_size must be a positive int"):
+    with pytest.raises(ValueError, match="page_buffer_size must be at least 1, got 0"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 1, 1, 8), ptrs, slots, None, 0, True)
     with pytest.raises(ValueError, match="key_value_ptrs has 1 layers, key_value 2"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 2, 1, 8), ptrs, slots, None, 8, True)
@@ -35,15 +35,15 @@ def test_pointer_tables_are_checked_and_read_once_per_version():
 
 @pytest.mark.parametrize("call, error, words", [
     (lambda b, i: sglang.transfer_kv_per_layer(b, b, b, b, i, i, 0), ValueError,
-     "item_size must be an int >= 1"),
+     "item_size must be at least 1, got 0"),
     (lambda b, i: sglang.transfer_kv_per_layer(None, b, b, b, i, i, 64), TypeError,
      "src_k must be a torch.Tensor"),
     (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, -1, 64, 128), ValueError,
-     "layer_id must be an int >= 0"),
+     "layer_id must be at least 0, got -1"),
     (lambda b, i: sglang.transfer_kv_per_layer_mla(b, b, i, i, 1024), ValueError,
      "src: 512 bytes hold no item of 1024 bytes"),
     (lambda b, i: sglang.transfer_kv_all_layer_mla(b, b, i, i, 64, 0), ValueError,
-     "num_layers must be an int >= 1"),
+     "num_layers must be at least 1, got 0"),
 ])
 def test_sglang_bad_arguments_are_named(call, error, words):
     buf = torch.zeros((8, 64), dtype=torch.uint8)
