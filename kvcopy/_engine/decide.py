@@ -161,6 +161,12 @@ class Target:
             return self.both_ways_ctas
         return config.host_ctas or self.host_ctas
 
+    def rows_ctas(self) -> int:
+        """CTAs of a layout-kernel launch (copy_rows)."""
+        if self.request.direction in ("d2d", "p2p"):
+            return self.ctas(None)
+        return policy.rows_host_ctas(self.request.direction, config.host_ctas)
+
 
 _targets: dict[tuple, Target] = {}
 _TARGETS_KEPT = 256

@@ -40,7 +40,7 @@ def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.n
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
     rows.launch_rows(kernel.function_rows, plan.side(plan.src, src_indices),
                      plan.side(plan.dst, dst_indices), src_view, dst_view, plan.rows,
-                     plan.pieces, plan.piece_bytes, target.ctas(None),
+                     plan.pieces, plan.piece_bytes, target.rows_ctas(),
                      config.threads_per_cta, target.handle)
 
 

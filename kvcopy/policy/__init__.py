@@ -13,7 +13,8 @@ from kvcopy.policy.defaults import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS,
                                     BOTH_WAYS_DMA_CHUNK, BULK_MAX_BYTES, BULK_MIN_BYTES,
                                     BULK_STORE_CTAS, DEVICE_CTAS_PER_SM, HOST_CTAS,
                                     MAX_SIDE_STREAMS, OTHER_WAY_MIN_SHARE, PEER_CTAS,
-                                    RING_MIN_CAPACITY_BYTES, RING_SLOTS, STAGING_CTAS,
+                                    RING_MIN_CAPACITY_BYTES, RING_SLOTS, ROWS_HOST_CTAS,
+                                    STAGING_CTAS,
                                     STAGING_MIN_BYTES, STAGING_MIN_SPAN_BYTES)
 
 Method = Literal["batch", "loop", "kernel", "staged"]   # what ran
@@ -122,6 +123,18 @@ def device_ctas(caps: DeviceCaps) -> int:
 def peer_ctas(caps: DeviceCaps) -> int:
     """CTAs for a copy between GPUs: enough to keep NVLink busy, not the whole GPU."""
     return min(PEER_CTAS, caps.sm_count)
+
+
+def rows_host_ctas(direction: str, host_ctas: int | None = None) -> int:
+    """CTAs of the layout kernel (copy_rows) for a batch touching host memory
+    (``direction`` 'h2d', 'd2h' or 'mixed', which gets the larger): ROWS_HOST_CTAS, or
+    ``host_ctas`` where the caller set one (config.host_ctas). The block kernel's
+    calibrated host CTAs do not apply: the layout kernel reads an index before each
+    row and needs its own count. Inside a GPU and between two, it takes the copy
+    kernel's (device_ctas, peer_ctas)."""
+    if host_ctas:
+        return host_ctas
+    return ROWS_HOST_CTAS.get(direction, max(ROWS_HOST_CTAS.values()))
 
 
 def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) -> bool:

@@ -6,6 +6,11 @@ from __future__ import annotations
 # Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep
 # 0.90 of the contiguous copy from 2 KiB to 1 MiB blocks, leaving the SMs to the model.
 HOST_CTAS = {"h2d": 4, "d2h": 2}
+# The same for the layout kernel (copy_rows), which computes each row's address from
+# its index and reads the index first: host-to-GPU rows need more CTAs in flight to
+# hide the reads of host memory (8 keep 0.93 of the contiguous copy from 512 B rows,
+# 16 from 128 B rows); GPU-to-host rows keep 0.93 from 2 CTAs.
+ROWS_HOST_CTAS = {"h2d": 16, "d2h": 2}
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
 # equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
 # host memory slow compute beside them far more than their share of SMs.

@@ -317,3 +317,12 @@ def test_may_replay_only_the_kernel_asked_plainly_outside_capture(requested, cal
                                                                   batch_allowed, capturing,
                                                                   allowed):
     assert policy.may_replay(requested, caller_ctas, batch_allowed, capturing) is allowed
+
+
+def test_layout_kernel_host_ctas_per_direction():
+    assert policy.rows_host_ctas("h2d") == policy.ROWS_HOST_CTAS["h2d"] == 16
+    assert policy.rows_host_ctas("d2h") == policy.ROWS_HOST_CTAS["d2h"] == 2
+    assert policy.rows_host_ctas("mixed") == 16   # the larger of the two
+    assert policy.rows_host_ctas("h2d", host_ctas=5) == 5   # config.host_ctas wins
+    # the block kernel's calibrated counts are its own: the layout kernel's differ
+    assert policy.rows_host_ctas("h2d") != policy.HOST_CTAS["h2d"]

@@ -32,6 +32,7 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.sides = [src, dst]
         self.capturing = capturing
         self.calls: list[tuple] = []
+        self.ctas: list[int] = []
         self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
 
     def __getattr__(self, name: str):
@@ -49,6 +50,7 @@ class FakeRowsCuda(FakeCaptureDriver):
                     piece_bytes, ctas, threads, stream):
         self.calls.append(("launch_rows", function, src_side, dst_side, rows, pieces,
                            piece_bytes, stream))
+        self.ctas.append(ctas)
         return 1
 
     def upload(self, device, host, nbytes, stream):
@@ -119,3 +121,21 @@ def test_no_rows_issue_nothing(fake):
     paged, chunk = caches()
     assert engine.rows.execute_rows(plans.plan_rows(paged, chunk, rows=0), STREAM) == "none"
     assert driver.calls == []
+
+
+@pytest.mark.parametrize("src, dst, direction", [(DEVICE, PINNED, "d2h"), (PINNED, DEVICE, "h2d")])
+def test_layout_kernel_launches_with_its_own_host_ctas(fake, src, dst, direction):
+    from kvcopy.config import config
+    from kvcopy.policy import ROWS_HOST_CTAS
+
+    driver = fake(src, dst)
+    paged, chunk = caches()
+    a, b = (paged, chunk) if direction == "d2h" else (chunk, paged)
+    indices = (GpuIndices(40), None) if direction == "d2h" else (None, GpuIndices(40))
+    engine.rows.execute_rows(plans.plan_rows(a, b, *indices), STREAM)
+    config.host_ctas = 7
+    try:
+        engine.rows.execute_rows(plans.plan_rows(a, b, *indices), STREAM)
+    finally:
+        config.host_ctas = None
+    assert driver.ctas == [ROWS_HOST_CTAS[direction], 7]
