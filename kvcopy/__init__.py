@@ -12,6 +12,7 @@ from kvcopy.host import device_pointer, pinned_empty, register
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.layouts import Layout
+from kvcopy.prepared_rows import PreparedRows, prepare_rows
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy._runtime.prepare import prepare
 
@@ -19,8 +20,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "IndexOutOfRange", "KVCopyError", "Layout",
-    "NoDriverError", "TransferQueue", "TransferResult", "block_view", "calibrate",
-    "calibrate_peers", "check_indices", "config", "copy_batch", "copy_both_ways", "copy_rows",
-    "device_pointer", "last_decision", "pinned_empty", "prepare", "register", "resolve_stream",
-    "swap_blocks", "swap_blocks_both_ways",
+    "NoDriverError", "PreparedRows", "TransferQueue", "TransferResult", "block_view",
+    "calibrate", "calibrate_peers", "check_indices", "config", "copy_batch", "copy_both_ways",
+    "copy_rows", "device_pointer", "last_decision", "pinned_empty", "prepare", "prepare_rows",
+    "register", "resolve_stream", "swap_blocks", "swap_blocks_both_ways",
 ]

@@ -4,11 +4,14 @@
 by value (so a captured graph keeps it), and the module's out-of-range report."""
 
 from libc.stdint cimport uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 from cuda.bindings cimport cydriver
-from cuda.bindings.cydriver cimport CUdeviceptr, CUfunction, CUmodule, CUstream
+from cuda.bindings.cydriver cimport (CUcontext, CUdeviceptr, CUfunction, CUmodule, CUresult,
+                                     CUstream)
 
-from kvcopy._cuda.driver cimport check
+from kvcopy._cuda.driver cimport check, context_key
 from kvcopy._cuda.descriptor cimport KVCOPY_TILE_BYTES
 
 cdef extern from "kvcopy/rows.h":
@@ -66,52 +69,113 @@ def tiles_per_plane(unsigned long long units, unsigned long long piece_bytes) ->
     return units * ((piece_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
 
 
+cdef class RowsLaunches:
+    """The launches of ``kvcopy_rows`` that copy every plane, built once (one per
+    PLANES_PER_LAUNCH planes): plane p copies ``rows`` rows of ``pieces`` pieces of
+    ``piece_bytes`` from its source base ``src_bases[p]`` to ``dst_bases[p]``. A side is
+    (indices, slots, page_size, page_stride, slot_stride, piece_stride), as
+    kvcopy_rows_side (rows.h). Each job is a kernel parameter, so launch() may be
+    captured, and what it names is read when the kernel runs (the indices' values
+    included). ``context`` (0: whichever is current) is made current for each launch()
+    and must still be the one the launches were built in."""
+
+    cdef kvcopy_rows_job* jobs
+    cdef unsigned int* grids
+    cdef readonly int count
+    cdef CUfunction function
+    cdef unsigned int threads
+    cdef CUstream stream
+    cdef CUcontext context
+    cdef unsigned long long context_key
+
+    def __cinit__(self, uintptr_t function, tuple src_side, tuple dst_side,
+                  const uint64_t[::1] src_bases, const uint64_t[::1] dst_bases,
+                  unsigned long long rows, unsigned long long pieces,
+                  unsigned long long piece_bytes, unsigned int max_ctas, unsigned int threads,
+                  uintptr_t stream, uintptr_t context=0):
+        cdef Py_ssize_t n = src_bases.shape[0], start = 0, i, k, count
+        cdef kvcopy_rows_job job
+        cdef unsigned long long tiles
+        cdef unsigned int warps_per_cta = threads // 32
+        if dst_bases.shape[0] != n:
+            raise ValueError("src_bases and dst_bases differ in length")
+        if max_ctas == 0 or warps_per_cta == 0 or threads % 32:
+            raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
+        _side(&job.src, src_side)
+        _side(&job.dst, dst_side)
+        job.rows = rows
+        job.pieces = pieces
+        job.piece_bytes = piece_bytes
+        job.units_per_tile = units_per_tile(piece_bytes)
+        job.tiles_per_plane = tiles_per_plane(rows * pieces, piece_bytes)
+        self.function = <CUfunction>function
+        self.threads = threads
+        self.stream = <CUstream>stream
+        self.context = <CUcontext>context
+        self.context_key = context_key(self.context)
+        if job.tiles_per_plane == 0 or n == 0:
+            return   # nothing to copy: no launch
+        self.count = <int>((n + KVCOPY_ROWS_PLANES - 1) // KVCOPY_ROWS_PLANES)
+        self.jobs = <kvcopy_rows_job*>malloc(self.count * sizeof(kvcopy_rows_job))
+        self.grids = <unsigned int*>malloc(self.count * sizeof(unsigned int))
+        if self.jobs == NULL or self.grids == NULL:
+            raise MemoryError()
+        for k in range(self.count):
+            count = n - start if n - start < KVCOPY_ROWS_PLANES else KVCOPY_ROWS_PLANES
+            for i in range(count):
+                job.planes[i].src = src_bases[start + i]
+                job.planes[i].dst = dst_bases[start + i]
+            job.num_planes = count
+            tiles = job.tiles_per_plane * count
+            self.grids[k] = <unsigned int>min((tiles + warps_per_cta - 1) // warps_per_cta,
+                                              max_ctas)
+            memcpy(&self.jobs[k], &job, sizeof(kvcopy_rows_job))
+            start += count
+
+    def __dealloc__(self):
+        free(self.jobs)
+        free(self.grids)
+
+    def launch(self) -> int:
+        """Enqueue every launch, in order, on the stream; returns how many."""
+        cdef void* params[1]
+        cdef CUcontext current = NULL
+        cdef bint pushed = False
+        cdef int k
+        cdef CUresult status = cydriver.CUDA_SUCCESS
+        if self.count == 0:
+            return 0
+        with nogil:
+            if self.context != NULL:
+                check(cydriver.cuCtxGetCurrent(&current))
+                if current != self.context:
+                    check(cydriver.cuCtxPushCurrent(self.context))
+                    pushed = True
+                if context_key(self.context) != self.context_key:
+                    status = cydriver.CUDA_ERROR_CONTEXT_IS_DESTROYED
+            if status == cydriver.CUDA_SUCCESS:
+                for k in range(self.count):
+                    params[0] = &self.jobs[k]
+                    status = cydriver.cuLaunchKernel(self.function, self.grids[k], 1, 1,
+                                                     self.threads, 1, 1, 0, self.stream,
+                                                     params, NULL)
+                    if status != cydriver.CUDA_SUCCESS:
+                        break
+            if pushed:
+                cydriver.cuCtxPopCurrent(&current)
+            check(status)
+        return self.count
+
+
 def launch_rows(uintptr_t function, tuple src_side, tuple dst_side,
                 const uint64_t[::1] src_bases, const uint64_t[::1] dst_bases,
                 unsigned long long rows, unsigned long long pieces,
                 unsigned long long piece_bytes, unsigned int max_ctas, unsigned int threads,
                 uintptr_t stream) -> int:
-    """Launch ``kvcopy_rows`` over every plane (one launch per PLANES_PER_LAUNCH planes,
-    in order on the stream): plane p copies ``rows`` rows of ``pieces`` pieces of
-    ``piece_bytes`` from its source base ``src_bases[p]`` to ``dst_bases[p]``. A side is
-    (indices, slots, page_size, page_stride, slot_stride, piece_stride), as
-    kvcopy_rows_side (rows.h). The job is a kernel parameter: nothing here outlives the
-    call but the index arrays and memory it names, and the launches may be captured.
-    Returns the number of launches."""
-    cdef kvcopy_rows_job job
-    cdef void* params[1]
-    cdef Py_ssize_t n = src_bases.shape[0], start = 0, i, count
-    cdef unsigned long long tiles
-    cdef unsigned int grid, warps_per_cta = threads // 32
-    cdef int launches = 0
-    if dst_bases.shape[0] != n:
-        raise ValueError("src_bases and dst_bases differ in length")
-    if max_ctas == 0 or warps_per_cta == 0 or threads % 32:
-        raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
-    _side(&job.src, src_side)
-    _side(&job.dst, dst_side)
-    job.rows = rows
-    job.pieces = pieces
-    job.piece_bytes = piece_bytes
-    job.units_per_tile = units_per_tile(piece_bytes)
-    job.tiles_per_plane = tiles_per_plane(rows * pieces, piece_bytes)
-    if job.tiles_per_plane == 0 or n == 0:
-        return 0
-    params[0] = &job
-    while start < n:
-        count = n - start if n - start < KVCOPY_ROWS_PLANES else KVCOPY_ROWS_PLANES
-        for i in range(count):
-            job.planes[i].src = src_bases[start + i]
-            job.planes[i].dst = dst_bases[start + i]
-        job.num_planes = count
-        tiles = job.tiles_per_plane * count
-        grid = <unsigned int>min((tiles + warps_per_cta - 1) // warps_per_cta, max_ctas)
-        with nogil:
-            check(cydriver.cuLaunchKernel(<CUfunction>function, grid, 1, 1, threads, 1, 1, 0,
-                                           <CUstream>stream, params, NULL))
-        launches += 1
-        start += count
-    return launches
+    """Build RowsLaunches with these arguments and launch them at once in the current
+    context; returns the number of launches."""
+    return RowsLaunches(function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
+                        piece_bytes, max_ctas, threads, stream).launch()
 
 
 def report_address(uintptr_t module) -> int:

@@ -26,6 +26,7 @@ from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
 from kvcopy.errors import IndexOutOfRange
 from kvcopy.interop.streams import effective_handle
+from kvcopy.policy import Decision
 
 
 def _classify(plan: RowsPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
@@ -35,13 +36,18 @@ def _classify(plan: RowsPlan, src_view: np.ndarray, dst_view: np.ndarray) -> Mem
                           src_view, dst_view)
 
 
+def _launches(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
+              src_indices: int, dst_indices: int, context: int = 0) -> rows.RowsLaunches:
+    kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+    return rows.RowsLaunches(kernel.function_rows, plan.side(plan.src, src_indices),
+                             plan.side(plan.dst, dst_indices), src_view, dst_view, plan.rows,
+                             plan.pieces, plan.piece_bytes, target.rows_ctas(),
+                             config.threads_per_cta, target.handle, context)
+
+
 def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
             src_indices: int, dst_indices: int) -> None:
-    kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
-    rows.launch_rows(kernel.function_rows, plan.side(plan.src, src_indices),
-                     plan.side(plan.dst, dst_indices), src_view, dst_view, plan.rows,
-                     plan.pieces, plan.piece_bytes, target.rows_ctas(),
-                     config.threads_per_cta, target.handle)
+    _launches(plan, target, src_view, dst_view, src_indices, dst_indices).launch()
 
 
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
@@ -64,6 +70,39 @@ def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
         ring.DescriptorRing.fence(slot, target.handle)
 
 
+_UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
+                | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE)
+
+
+def _settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
+            ) -> tuple[Target, np.ndarray, np.ndarray, bool]:
+    """The plan's memory classified (the scope following it to its device), the
+    policy's answer, and the planes' bases as the device sees them."""
+    src_view = np.empty_like(plan.src.bases)
+    dst_view = np.empty_like(plan.dst.bases)
+    found = settled_classes(scope, method, lambda: _classify(plan, src_view, dst_view))
+    if found.kinds & _UNREACHABLE:
+        if plan.device_indices:
+            raise ValueError("indices on the GPU need both layouts in memory the GPU can read "
+                             "and write (GPU or pinned host memory); pass them on the host "
+                             "for pageable memory")
+        if method == "prepared":
+            raise ValueError("prepare_rows: the layout kernel needs both layouts in memory the "
+                             "GPU can read and write (GPU or pinned host memory); call "
+                             "copy_rows for pageable memory")
+    capturing = driver.stream_capture_status(handle) != 0
+    target = decide(handle, "auto" if method == "prepared" else method, plan.copies,
+                    plan.total_bytes, found, capturing, note_traffic=method != "prepared")
+    return target, src_view, dst_view, capturing
+
+
+def _kernel_decision(target: Target, why: str) -> Decision:
+    """What ran where only the layout kernel can run the plan."""
+    if target.decision.method == "kernel":
+        return target.decision
+    return Decision("kernel", why, "registers")
+
+
 def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> str:
     """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
     method that ran ('kernel', 'batch', 'loop', or 'none' for no rows)."""
@@ -71,21 +110,10 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> st
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        src_view = np.empty_like(plan.src.bases)
-        dst_view = np.empty_like(plan.dst.bases)
-        found = settled_classes(scope, method, lambda: _classify(plan, src_view, dst_view))
-        capturing = driver.stream_capture_status(handle) != 0
-        target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
-                        note_traffic=True)
-        reachable = not found.kinds & (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
-                                       | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE)
+        target, src_view, dst_view, capturing = _settle(scope, plan, handle, method)
         if plan.device_indices:
-            if not reachable:
-                raise ValueError("indices on the GPU need both layouts in memory the GPU can "
-                                 "read and write (GPU or pinned host memory); pass them on the "
-                                 "host for pageable memory")
             _launch(plan, target, src_view, dst_view, *_device_addresses(plan))
-            note_decision(target.decision)
+            note_decision(_kernel_decision(target, _GPU_INDICES))
             return "kernel"
         if target.decision.method == "kernel" and not capturing:
             try:
@@ -104,6 +132,30 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> st
         issue_dma(src, dst, sizes, True, target, False)
         note_decision(target.decision)
         return target.decision.method
+
+
+def prepare_launches(plan: RowsPlan, stream_handle: int
+                     ) -> tuple[rows.RowsLaunches | None, Decision]:
+    """The layout kernel's launches for ``plan`` on the stream (None for no rows), built
+    once for kvcopy.PreparedRows: its memory classified and its CTAs decided now, its
+    indices (on the GPU, or none) read by every launch when it runs. Host indices are
+    refused: they would have to be checked and uploaded at each call."""
+    if plan.host_indices:
+        raise ValueError("prepare_rows: indices on the host are checked and uploaded at each "
+                         "copy; pass them on the GPU (read when each copy runs), or call "
+                         "copy_rows")
+    if plan.rows == 0:
+        return None, Decision("kernel", "no rows: nothing to launch")
+    handle = effective_handle(stream_handle)
+    with ContextScope(handle) as scope:
+        target, src_view, dst_view, _ = _settle(scope, plan, handle, "prepared")
+        launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
+                             context=driver.current_context())
+        return launches, _kernel_decision(target, _PREPARED)
+
+
+_GPU_INDICES = "indices on the GPU: only the layout kernel reads them"
+_PREPARED = "a prepared transfer: the layout kernel, launched as built"
 
 
 def _device_addresses(plan: RowsPlan) -> tuple[int, int]:

@@ -33,6 +33,7 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.capturing = capturing
         self.calls: list[tuple] = []
         self.ctas: list[int] = []
+        self.contexts: list[int] = []
         self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
 
     def __getattr__(self, name: str):
@@ -46,12 +47,24 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.sides.append(self.sides.pop(0))
         return side
 
-    def launch_rows(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
-                    piece_bytes, ctas, threads, stream):
-        self.calls.append(("launch_rows", function, src_side, dst_side, rows, pieces,
-                           piece_bytes, stream))
-        self.ctas.append(ctas)
-        return 1
+    def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
+                     piece_bytes, ctas, threads, stream, context=0):
+        """Built launches: each launch() is recorded as a call."""
+        call = ("launch_rows", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
+        driver = self
+
+        class Launches:
+            built_in = context
+
+            def launch(self):
+                driver.contexts.append(self.built_in)
+                driver.calls.append(call)
+                driver.ctas.append(ctas)
+                return 1
+        return Launches()
+
+    def current_context(self):
+        return 0xC0
 
     def upload(self, device, host, nbytes, stream):
         self.calls.append(("upload", device, nbytes, stream))
@@ -139,3 +152,50 @@ def test_layout_kernel_launches_with_its_own_host_ctas(fake, src, dst, direction
     finally:
         config.host_ctas = None
     assert driver.ctas == [ROWS_HOST_CTAS[direction], 7]
+
+
+def test_a_prepared_transfer_is_built_once_and_launched_by_each_call(fake):
+    import kvcopy
+
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    prepared = kvcopy.prepare_rows(paged, chunk, GpuIndices(40), stream=STREAM)
+    assert driver.calls == []   # nothing enqueued by preparing
+    assert [prepared() for _ in range(3)] == ["kernel"] * 3
+    launch = ("launch_rows", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+              (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)
+    assert driver.calls == [launch] * 3
+    assert driver.contexts == [0xC0] * 3   # made current for each launch
+    assert (prepared.rows, prepared.stream) == (40, STREAM)
+    assert kvcopy.last_decision().method == "kernel"
+
+
+def test_a_prepared_transfer_refuses_host_indices(fake):
+    import kvcopy
+
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    with pytest.raises(ValueError, match="prepare_rows: indices on the host"):
+        kvcopy.prepare_rows(paged, chunk, np.arange(4), stream=STREAM)
+    assert driver.calls == []
+
+
+def test_a_prepared_transfer_refuses_pageable_memory(fake):
+    import kvcopy
+
+    driver = fake(DEVICE, PAGEABLE)
+    paged, chunk = caches()
+    with pytest.raises(ValueError, match="prepare_rows: the layout kernel needs both layouts"):
+        kvcopy.prepare_rows(paged, chunk, rows=4, stream=STREAM)
+    with pytest.raises(ValueError, match="indices on the GPU need both layouts"):
+        kvcopy.prepare_rows(paged, chunk, GpuIndices(4), stream=STREAM)
+    assert driver.calls == []
+
+
+def test_a_prepared_transfer_of_no_rows_issues_nothing(fake):
+    import kvcopy
+
+    driver = fake(DEVICE, PINNED)
+    paged, chunk = caches()
+    prepared = kvcopy.prepare_rows(paged, chunk, GpuIndices(0), stream=STREAM)
+    assert prepared() == "none" and driver.calls == []

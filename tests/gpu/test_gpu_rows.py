@@ -8,30 +8,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Layout
-
-
-def rand(torch, shape, seed, device="cuda", pinned=False):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    if device == "cuda":
-        return t.cuda()
-    return t.pin_memory() if pinned else t
-
-
-def paged(torch, layers, blocks, block_size, row, seed, **kw):
-    """vLLM flash-attention caches: [2, blocks, block_size, row] per layer."""
-    return [rand(torch, (2, blocks, block_size, row), seed + i, **kw) for i in range(layers)]
-
-
-def gathered(torch, caches, slots):
-    """Oracle: the chunk [2, layers, tokens, row] gathered by slot (zeros where -1)."""
-    flat = [c.reshape(2, -1, c.shape[-1]).cpu() for c in caches]
-    out = torch.zeros((2, len(caches), len(slots), caches[0].shape[-1]), dtype=torch.uint8)
-    for t, s in enumerate(slots):
-        if s >= 0:
-            for layer, f in enumerate(flat):
-                out[:, layer, t] = f[:, s]
-    return out
+from helpers.layouts import gathered, paged, rand, replay_with_new_indices
 
 
 @pytest.mark.parametrize("row", [2048, 1152, 512, 128, 100, 40960])
@@ -116,27 +93,8 @@ def test_a_captured_copy_replays_with_indices_updated_in_place(torch_cuda):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         kvcopy.copy_rows(a, b, src_index, dst_index)
-    rng = np.random.default_rng(8)
-    for step in range(100):
-        s = rng.choice(512, 48, replace=False)
-        d = rng.choice(256, 48, replace=False)
-        if step == 50:
-            d[7] = 256            # out of range: that row is skipped and reported
-        src_index.copy_(torch.from_numpy(s))
-        dst_index.copy_(torch.from_numpy(d))
-        dst.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        want = torch.zeros_like(dst)
-        for r in range(48):
-            if d[r] < 256:
-                want[:, d[r]] = src[s[r]].cpu()
-        assert torch.equal(dst, want), step
-        if step == 50:
-            with pytest.raises(kvcopy.IndexOutOfRange) as info:
-                kvcopy.check_indices()
-            assert info.value.first_row == 7
-    kvcopy.check_indices()
+    replay_with_new_indices(torch, graph, src, dst, src_index, dst_index, 100, 8,
+                            out_of_range_at=50)
 
 
 def test_host_indices_under_capture_go_as_pointer_copies(torch_cuda):
