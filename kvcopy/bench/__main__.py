@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy.bench import beside, extra, gpu_pairs, report
+from kvcopy.bench import beside, extra, gpu_pairs, layouts, report
+from kvcopy.bench.gpu import gpu_or_exit
 from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
@@ -20,25 +21,6 @@ QUICK_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * Mi
 PEER_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 FULL_BLOCKS = [2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
                512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB]
-
-
-def gpu_or_exit(device: int = 0) -> str:
-    """The name of GPU ``device``, made torch's current device; exits 2 where there is none."""
-    try:
-        import torch
-    except ImportError:
-        print("kvcopy.bench: torch is needed to run the benchmark (pip install torch)", file=sys.stderr)
-        sys.exit(2)
-    if not torch.cuda.is_available():
-        print("kvcopy.bench: no CUDA GPU found on this machine; the benchmark needs one.",
-              file=sys.stderr)
-        sys.exit(2)
-    if device >= torch.cuda.device_count():
-        print(f"kvcopy.bench: --device {device}, but this machine has "
-              f"{torch.cuda.device_count()} GPU(s)", file=sys.stderr)
-        sys.exit(2)
-    torch.cuda.set_device(device)   # every "cuda" allocation of the run goes there
-    return torch.cuda.get_device_name(device)
 
 
 def torch_device_count() -> int:
@@ -94,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="only the block sweep (no GPU-to-GPU, bidirectional, compute, "
-                             "swap_blocks)")
+                             "layouts, swap_blocks)")
     parser.add_argument("--calibrate", action="store_true",
                         help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
                              "it finds on this host, as a deployment that calibrates would")
@@ -156,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 6)
+    steps = len(jobs) + (0 if args.no_scenarios else 7)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -186,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                   ("serving_step", "matmul beside a store and a load",
                    lambda: [row for block in (16 * KiB, 256 * KiB) for row in beside.serving_step(
                        pairs=8 if args.quick else 16, block=block)]),
+                  ("layouts", "layout transfers (copy_rows)", layouts.run_here),
                   ("swap_blocks", "swap_blocks on a paged cache",
                    lambda: extra.swap_blocks_cache(counts, repeats,
                                                    batch_max_copies=16384 if args.quick else None))]

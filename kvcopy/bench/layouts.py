@@ -7,9 +7,12 @@ pinned LMCache-style chunk (32 layers x K and V x 256 tokens of 2 KiB rows, 32 M
 MLA rows of 1152 B), and strided runs of 512 B and 128 B fragments (TP-rank head
 fragments into a canonical host page). Each row: kvcopy.copy_rows with GPU-resident
 indices, the same transfer as pointer copies (kvcopy.copy_batch, one copy per row or
-fragment), and a contiguous copy of as many bytes; GPU time (events, CPU time
-hidden behind a sleep kernel), CPU time per call and wall time (call to completion),
-medians.
+fragment), host-to-GPU the same pointers through a Triton kernel of vLLM's kind (its
+12-program grid, kvcopy.bench.triton_alt; where Triton runs), and a contiguous copy
+of as many bytes; GPU time (events, CPU time hidden behind a sleep kernel), CPU time
+per call (copy_rows, and the same transfer prepared once by kvcopy.prepare_rows) and
+wall time (call to completion), medians. `python -m kvcopy.bench` runs it as its
+layouts stage.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import numpy as np
 
 import kvcopy
 from kvcopy import Layout
-from kvcopy.bench.__main__ import gpu_or_exit
+from kvcopy.bench.gpu import gpu_or_exit
 from kvcopy.bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -68,17 +71,52 @@ def _on(torch, stream, copy):
     return call
 
 
-def row(name: str, nbytes: int, layout_t, pointer_t, contiguous_t) -> dict:
+def row(name: str, nbytes: int, layout_t, prepared_t, pointer_t, triton_t,
+        contiguous_t) -> dict:
     gbps = lambda ms: nbytes / (ms * 1e6)   # noqa: E731
     return {"scenario": name, "bytes": nbytes,
             "gpu_gbps": gbps(layout_t.gpu_ms), "wall_gbps": gbps(layout_t.wall_ms),
-            "cpu_us": layout_t.cpu_us,
+            "cpu_us": layout_t.cpu_us, "prepared_cpu_us": prepared_t.cpu_us,
+            "prepared_wall_gbps": gbps(prepared_t.wall_ms),
             "pointer_gpu_gbps": gbps(pointer_t.gpu_ms), "pointer_cpu_us": pointer_t.cpu_us,
+            "triton_gpu_gbps": None if triton_t is None else gbps(triton_t.gpu_ms),
             "contiguous_gpu_gbps": gbps(contiguous_t.gpu_ms),
             "contiguous_wall_gbps": gbps(contiguous_t.wall_ms),
             "gpu_vs_contiguous": contiguous_t.gpu_ms / layout_t.gpu_ms,
             "wall_vs_contiguous": contiguous_t.wall_ms / layout_t.wall_ms,
-            "vs_pointer_path": pointer_t.gpu_ms / layout_t.gpu_ms}
+            "prepared_wall_vs_contiguous": contiguous_t.wall_ms / prepared_t.wall_ms,
+            "vs_pointer_path": pointer_t.gpu_ms / layout_t.gpu_ms,
+            "vs_triton": None if triton_t is None else triton_t.gpu_ms / layout_t.gpu_ms}
+
+
+def _triton(pointers, row_bytes: int, stream):
+    """vLLM's kind of Triton kernel over the expanded pointers; None where it cannot run."""
+    if row_bytes % 8:
+        return None
+    try:
+        from kvcopy.bench import triton_alt
+    except Exception:  # noqa: BLE001 - no (working) Triton here: the column stays empty
+        return None
+    return triton_alt.block_copier(pointers[0], pointers[1], row_bytes, stream,
+                                   triton_alt.VLLM_PROGRAMS)
+
+
+def _measure_all(torch, stream, nbytes: int, src: Layout, dst: Layout, s, d, rows: int,
+                 host_bytes, gpu_bytes, h2d: bool, name: str) -> dict:
+    """One scenario's row: copy_rows, prepared, pointers, Triton (host to GPU), contiguous."""
+    ps = _pointers(src, dst, None if s is None else s.cpu().numpy(),
+                   None if d is None else d.cpu().numpy(), rows)
+    prepared = kvcopy.prepare_rows(src, dst, s, d, rows=rows, stream=stream)
+    triton_fn = _triton(ps, src.piece_bytes, stream) if h2d else None
+    a, b = (host_bytes, gpu_bytes) if h2d else (gpu_bytes, host_bytes)
+    return row(name, nbytes,
+               measure(lambda: kvcopy.copy_rows(src, dst, s, d, rows=rows, stream=stream),
+                       stream, repeats=15),
+               measure(prepared, stream, repeats=15),
+               measure(lambda: kvcopy.copy_batch(*ps, stream=stream), stream, repeats=15),
+               None if triton_fn is None else measure(triton_fn, stream, repeats=15),
+               measure(_on(torch, stream, lambda: b.copy_(a, non_blocking=True)), stream,
+                       repeats=15))
 
 
 def run(torch) -> list[dict]:
@@ -90,34 +128,75 @@ def run(torch) -> list[dict]:
         nbytes = paged.num_planes * len(slots) * paged.row_bytes
         gpu_side = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         host_side = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        host_slots = slots.cpu().numpy()
         for direction, (src, dst, s, d) in (("d2h", (paged, chunk, slots, None)),
                                             ("h2d", (chunk, paged, None, slots))):
-            ps = _pointers(src, dst, None if s is None else host_slots,
-                           None if d is None else host_slots, len(host_slots))
-            a, b = (gpu_side, host_side) if direction == "d2h" else (host_side, gpu_side)
-            out.append(row(f"{name} {direction}", nbytes,
-                           measure(lambda: kvcopy.copy_rows(src, dst, s, d, stream=stream),
-                                   stream, repeats=15),
-                           measure(lambda: kvcopy.copy_batch(*ps, stream=stream), stream,
-                                   repeats=15),
-                           measure(_on(torch, stream, lambda: b.copy_(a, non_blocking=True)), stream,
-                                   repeats=15)))
+            out.append(_measure_all(torch, stream, nbytes, src, dst, s, d, len(slots),
+                                    host_side, gpu_side, direction == "h2d",
+                                    f"{name} {direction}"))
     for fragment in (512, 128):
         near, far, count, keep = fragment_runs(torch, fragment)
         nbytes = count * fragment
         flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         for direction, (src, dst) in (("h2d", (far, near)), ("d2h", (near, far))):
-            ps = _pointers(src, dst, None, None, count)
-            a, b = ((flat_host, keep[0]) if direction == "h2d" else (keep[0], flat_host))
-            out.append(row(f"runs {fragment} B {direction}", nbytes,
-                           measure(lambda: kvcopy.copy_rows(src, dst, rows=count,
-                                                            stream=stream), stream, repeats=15),
-                           measure(lambda: kvcopy.copy_batch(*ps, stream=stream), stream,
-                                   repeats=15),
-                           measure(_on(torch, stream, lambda: b.copy_(a, non_blocking=True)), stream,
-                                   repeats=15)))
+            out.append(_measure_all(torch, stream, nbytes, src, dst, None, None, count,
+                                    flat_host, keep[0], direction == "h2d",
+                                    f"runs {fragment} B {direction}"))
     return out
+
+
+def swap_blocks_rows(torch, pairs: int = 32768, block: int = 2 * KiB) -> list[dict]:
+    """swap_blocks of ``pairs`` random block pairs (64 MiB of 2 KiB blocks) between one
+    GPU pool and one pinned pool of twice as many blocks, each way, against the
+    contiguous copy of as many bytes: GPU time, CPU per call and call to completion."""
+    stream = torch.cuda.Stream()
+    gpu = torch.empty((2 * pairs, block), dtype=torch.uint8, device="cuda")
+    host = torch.empty((2 * pairs, block), dtype=torch.uint8, pin_memory=True)
+    rng = np.random.default_rng(5)
+    mapping = np.stack([rng.choice(2 * pairs, pairs, replace=False),
+                        rng.choice(2 * pairs, pairs, replace=False)], axis=1)
+    nbytes = pairs * block
+    out = []
+    for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
+        a, b = src[:pairs], dst[:pairs]
+        method = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+        t = measure(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream,
+                    repeats=15)
+        c = measure(_on(torch, stream, lambda: b.copy_(a, non_blocking=True)), stream,
+                    repeats=15)
+        out.append({"scenario": f"swap_blocks {pairs} x {block // KiB} KiB {direction}",
+                    "bytes": nbytes, "method": method,
+                    "gpu_gbps": nbytes / (t.gpu_ms * 1e6), "wall_gbps": nbytes / (t.wall_ms * 1e6),
+                    "cpu_us": t.cpu_us, "gpu_vs_contiguous": c.gpu_ms / t.gpu_ms,
+                    "wall_vs_contiguous": c.wall_ms / t.wall_ms})
+    return out
+
+
+def run_here() -> list[dict]:
+    """run() and swap_blocks_rows() on torch's current GPU (python -m kvcopy.bench's
+    layouts stage)."""
+    import torch
+    return run(torch) + swap_blocks_rows(torch)
+
+
+def print_rows(name: str, rows: list[dict]) -> None:
+    print(f"{name}: layout transfers (GB/s; ratios against the contiguous copy, the pointer "
+          "path and vLLM's kind of Triton kernel, GPU time)")
+    print(f"{'scenario':<22} {'MiB':>5} {'gpu':>6} {'wall':>6} {'cpu_us':>7} {'prep_us':>7} "
+          f"{'contig':>6} {'vs_contig':>9} {'wall_vs':>7} {'pointer':>7} {'vs_ptr':>6} "
+          f"{'triton':>6} {'vs_tri':>6}")
+    dash = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
+    for r in rows:
+        if r["scenario"].startswith("swap_blocks"):
+            print(f"{r['scenario']:<30} ({r['method']}) gpu {r['gpu_gbps']:.1f} wall "
+                  f"{r['wall_gbps']:.1f} cpu_us {r['cpu_us']:.1f} vs_contig "
+                  f"{r['gpu_vs_contiguous']:.2f} wall_vs {r['wall_vs_contiguous']:.2f}")
+            continue
+        print(f"{r['scenario']:<22} {r['bytes'] / MiB:5.1f} {r['gpu_gbps']:6.1f} "
+              f"{r['wall_gbps']:6.1f} {r['cpu_us']:7.1f} {r['prepared_cpu_us']:7.1f} "
+              f"{r['contiguous_gpu_gbps']:6.1f} {r['gpu_vs_contiguous']:9.2f} "
+              f"{r['wall_vs_contiguous']:7.2f} {r['pointer_gpu_gbps']:7.1f} "
+              f"{r['vs_pointer_path']:6.2f} {dash(r['triton_gpu_gbps'], '6.1f'):>6} "
+              f"{dash(r['vs_triton'], '6.2f'):>6}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,17 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
-    import torch
-    rows = run(torch)
-    print(f"{name}: layout transfers (GB/s; ratios against the contiguous copy and the "
-          "pointer path, GPU time)")
-    print(f"{'scenario':<22} {'MiB':>5} {'gpu':>6} {'wall':>6} {'cpu_us':>7} {'contig':>6} "
-          f"{'vs_contig':>9} {'wall_vs':>7} {'pointer':>7} {'vs_ptr':>6}")
-    for r in rows:
-        print(f"{r['scenario']:<22} {r['bytes'] / MiB:5.1f} {r['gpu_gbps']:6.1f} "
-              f"{r['wall_gbps']:6.1f} {r['cpu_us']:7.1f} {r['contiguous_gpu_gbps']:6.1f} "
-              f"{r['gpu_vs_contiguous']:9.2f} {r['wall_vs_contiguous']:7.2f} "
-              f"{r['pointer_gpu_gbps']:7.1f} {r['vs_pointer_path']:6.2f}")
+    rows = run_here()
+    print_rows(name, rows)
     if args.out:
         args.out.write_text(json.dumps({"device": name, "rows": rows}, indent=1))
     return 0
