@@ -7,6 +7,7 @@ passes. The kernel path does the same in describe.describe_copies, fused with
 pointer classification; both walk the batch with copy_loop.next_copy.
 """
 from libc.stdint cimport uint64_t, int64_t
+from libc.stdlib cimport calloc, free
 
 from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
                                COPY_NULL_SRC, COPY_NULL_DST, COPY_SRC_WRAPS)
@@ -65,3 +66,56 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
     if cursor.why:
         raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
+
+
+cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
+                         uint64_t dst_limit, uint64_t* seen) noexcept nogil:
+    # (seen: a zeroed bitmap of dst_limit bits, or NULL to check bounds only; a negative
+    # id is a huge unsigned one, so one comparison checks both ends)
+    cdef Py_ssize_t i
+    cdef uint64_t s, d, bit, out = 0
+    if seen == NULL:
+        for i in range(n):
+            out |= (<uint64_t>pairs[2 * i] >= src_limit) | (<uint64_t>pairs[2 * i + 1] >= dst_limit)
+        return 0 if out else 1
+    for i in range(n):
+        s = <uint64_t>pairs[2 * i]
+        d = <uint64_t>pairs[2 * i + 1]
+        if s >= src_limit or d >= dst_limit:
+            return 0
+        bit = (<uint64_t>1) << (d & 63)
+        if seen[d >> 6] & bit:
+            return 0
+        seen[d >> 6] |= bit
+    return 1
+
+
+def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_limit) -> int:
+    """One pass over a swap_blocks mapping of (source, destination) id pairs: 1 where
+    every source id is in [0, src_limit), every destination id in [0, dst_limit) and no
+    destination repeats; 0 where one of those fails (the caller's checks then say
+    which); -1 where the ids are in range but the destinations span more than 64 ids
+    per pair, so that a bitmap of them would follow the pool rather than the batch
+    (the caller sorts them instead)."""
+    cdef Py_ssize_t n = mapping.shape[0]
+    cdef uint64_t* seen
+    cdef const int64_t* pairs
+    cdef int found
+    if mapping.shape[1] != 2:
+        raise ValueError("mapping must have two columns")
+    if n == 0:
+        return 1
+    if src_limit < 0 or dst_limit < 0:
+        return 0
+    pairs = &mapping[0, 0]
+    if dst_limit > 64 * n:
+        with nogil:
+            found = _scan_block_ids(pairs, n, src_limit, dst_limit, NULL)
+        return -1 if found else 0
+    seen = <uint64_t*>calloc((dst_limit + 63) // 64 + 1, sizeof(uint64_t))
+    if seen == NULL:
+        raise MemoryError()
+    with nogil:
+        found = _scan_block_ids(pairs, n, src_limit, dst_limit, seen)
+    free(seen)
+    return found

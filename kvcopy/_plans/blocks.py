@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy._cuda.plan_arrays import block_ids_ok
 from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
@@ -118,10 +119,14 @@ class BlockGeometry:
     def with_mapping(self, block_mapping: Any) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
-        multi = self.num_tensors > 1
-        _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
-        _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
-        _check_unique_destinations(mapping[:, 1])
+        fast = (block_ids_ok(mapping, int(self.src_blocks.min()), int(self.dst_blocks.min()))
+                if self.num_tensors and len(mapping) else 0)
+        if fast != 1:   # the checks below find what failed (or sort sparse destinations)
+            multi = self.num_tensors > 1
+            if fast == 0:
+                _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
+                _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
+            _check_unique_destinations(mapping[:, 1])
         plan = BlockPlan(self, mapping)
         race = race_in_plan(plan)
         if race:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,3 +103,29 @@ def test_block_plans_match_a_numpy_gather(case):
     apply(plan)
     for got, want in zip(dsts, expect):
         np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(src_blocks=st.integers(1, 300), dst_blocks=st.integers(1, 3000),
+       ids=st.lists(st.tuples(st.integers(-2, 310), st.integers(-2, 3010)), max_size=60))
+def test_block_ids_are_refused_exactly_when_out_of_range_or_written_twice(src_blocks, dst_blocks,
+                                                                           ids):
+    """The one-pass C check (dense destinations: a bitmap; sparse: bounds, then a sort)
+    refuses exactly what the NumPy oracle does, with the same messages."""
+    src = np.zeros((src_blocks, 8), np.uint8)
+    dst = np.zeros((dst_blocks, 8), np.uint8)
+    mapping = np.array(ids, dtype=np.int64).reshape(-1, 2)
+    s, d = mapping[:, 0], mapping[:, 1]
+    out_of_range = ((s < 0) | (s >= src_blocks) | (d < 0) | (d >= dst_blocks)).any()
+    twice = len(np.unique(d)) < len(d)
+    if not (out_of_range or twice):
+        plan = plan_blocks(src, dst, mapping)
+        assert np.array_equal(plan.mapping, mapping)
+        return
+    with pytest.raises(ValueError) as info:
+        plan_blocks(src, dst, mapping)
+    message = str(info.value)
+    if out_of_range:
+        assert "is out of range" in message
+    else:
+        assert "both write destination block" in message
