@@ -12,9 +12,9 @@ from kvcopy._engine import both_ways, dispatch
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
 from kvcopy._plans.rows import plan_rows
 from kvcopy.layouts import Layout
-from kvcopy._plans.races import race_between
+from kvcopy._plans.races import race_between, refuse_crossing
 from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
-from kvcopy.arguments import require_bool, require_int, require_same_length
+from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.decide import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
@@ -22,7 +22,6 @@ from kvcopy._runtime.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
 from kvcopy._plans.copies import find_overlap, find_read_of_written, plan_copies
-from kvcopy._plans.overlaps import overlap_between
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
@@ -132,25 +131,6 @@ def _triple(batch: Any, name: str) -> tuple:
                  for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch))
 
 
-def _refuse_crossing(store: tuple, load: tuple) -> None:
-    """ValueError where a store and a load issued at once would touch the same bytes
-    with at least one of them writing: the result would depend on which ran first."""
-    for name, (src, dst, sizes) in (("store", store), ("load", load)):
-        require_same_length(src, dst, sizes, prefix=f"{name}: ")
-    checks = (("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0],
-               load[2], "reads"),
-              ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0],
-               store[2], "reads"),
-              ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1],
-               load[2], "writes"))
-    for name_a, a, a_sizes, verb_a, name_b, b, b_sizes, verb_b in checks:
-        clash = overlap_between(a, a_sizes, b, b_sizes)
-        if clash:
-            raise ValueError(f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
-                             f"{verb_b}; a store and a load at once run in no order with each "
-                             "other: issue them one after the other to order them")
-
-
 def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
                    method: RequestedMethod = "auto") -> tuple[str, str]:
     """Copy two batches at once, typically a store (GPU to host) and a load (host to GPU).
@@ -178,7 +158,7 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     """
     check_method(method)
     first, second = _triple(store, "store"), _triple(load, "load")
-    _refuse_crossing(first, second)
+    refuse_crossing(first, second)
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(*store, *load))
     return both_ways.execute_both(first, second, handle, method, ("store", "load"))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy._plans.overlaps import first_overlap, overlap_between
+from kvcopy.arguments import require_same_length
 
 
 @dataclass(frozen=True)
@@ -209,3 +210,22 @@ def race_between(first: object, second: object, labels: tuple[str, str]) -> str 
 
 
 __all__ = ["first_race", "race_between", "race_in_plan"]
+
+
+def refuse_crossing(store: tuple, load: tuple) -> None:
+    """ValueError where a store and a load issued at once would touch the same bytes
+    with at least one of them writing: the result would depend on which ran first."""
+    for name, (src, dst, sizes) in (("store", store), ("load", load)):
+        require_same_length(src, dst, sizes, prefix=f"{name}: ")
+    checks = (("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0],
+               load[2], "reads"),
+              ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0],
+               store[2], "reads"),
+              ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1],
+               load[2], "writes"))
+    for name_a, a, a_sizes, verb_a, name_b, b, b_sizes, verb_b in checks:
+        clash = overlap_between(a, a_sizes, b, b_sizes)
+        if clash:
+            raise ValueError(f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
+                             f"{verb_b}; a store and a load at once run in no order with each "
+                             "other: issue them one after the other to order them")
