@@ -13,6 +13,7 @@ from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.layouts import Layout
 from kvcopy.prepared_rows import PreparedRows, prepare_rows
+from kvcopy.rows_both_ways import copy_rows_both_ways
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy._runtime.prepare import prepare
 
@@ -22,6 +23,7 @@ __all__ = [
     "BlockView", "CaptureError", "CudaError", "IndexOutOfRange", "KVCopyError", "Layout",
     "NoDriverError", "PreparedRows", "TransferQueue", "TransferResult", "block_view",
     "calibrate", "calibrate_peers", "check_indices", "config", "copy_batch", "copy_both_ways",
-    "copy_rows", "device_pointer", "last_decision", "pinned_empty", "prepare", "prepare_rows",
-    "register", "resolve_stream", "swap_blocks", "swap_blocks_both_ways",
+    "copy_rows", "copy_rows_both_ways", "device_pointer", "last_decision", "pinned_empty",
+    "prepare", "prepare_rows", "register", "resolve_stream", "swap_blocks",
+    "swap_blocks_both_ways",
 ]

@@ -1,0 +1,63 @@
+"""copy_rows_both_ways: a store and a load at once in layout form (a serving step)."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvcopy._engine import both_ways
+from kvcopy._engine.rows_both_ways import execute_rows_both
+from kvcopy._plans.races import refuse_crossing
+from kvcopy._plans.rows import RowsPlan, expand, plan_rows
+from kvcopy.interop.frameworks import type_name
+from kvcopy.interop.streams import current_framework_stream, resolve_stream
+from kvcopy.policy import RequestedMethod, check_method
+
+_SIDE = "(src, dst[, src_indices[, dst_indices[, rows]]])"
+
+
+def _plan_side(side: Any, name: str) -> RowsPlan:
+    if not isinstance(side, (tuple, list)) or not 2 <= len(side) <= 5:
+        what = f"{len(side)} items" if isinstance(side, (tuple, list)) else type_name(side)
+        raise TypeError(f"{name} must be a {_SIDE} tuple, as copy_rows takes; got {what}")
+    try:
+        return plan_rows(*side)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
+                        method: RequestedMethod = "auto") -> tuple[str, str]:
+    """Copy rows between layouts both ways at once, typically a store (GPU to host) and
+    a load (host to GPU) of a serving step, asynchronously.
+
+    Each side is a ``(src, dst[, src_indices[, dst_indices[, rows]]])`` tuple of
+    copy_rows' arguments, checked as copy_rows checks them, both before either is
+    issued. Where a side's indices are on the GPU, each side is a layout-kernel launch:
+    the store on ``stream``, the load on a stream of kvcopy's own forked from it and
+    joined back (both on ``stream``, in order, under capture). Where every index is on
+    the host, both sides go as pointer copies, as copy_both_ways issues them: one
+    kernel launch whose CTAs are split by direction, or both on the copy engines from
+    long rows. Either way both start after the work queued on ``stream`` and the work
+    queued on it afterwards starts after both.
+
+    The two run in no order with each other: with host indices, a store and a load
+    touching the same bytes with one writing them are refused (ValueError naming
+    both); GPU indices are not read on the host, so that is then the caller's to
+    guarantee, as copy_rows' own duplicates are.
+
+    Returns the method each side ran with, e.g. ('kernel', 'kernel').
+
+    Raises:
+        TypeError, ValueError: bad arguments, named with the side ('store' or 'load').
+        CudaError: the driver failed.
+    """
+    check_method(method)
+    plans = [_plan_side(store, "store"), _plan_side(load, "load")]
+    indices = [i for p in plans for i in (p.src_indices, p.dst_indices) if i is not None]
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(*(i.keep for i in indices if i.keep is not None),
+                                            *(t for p in plans for t in p.src.keep + p.dst.keep)))
+    if any(p.device_indices for p in plans):
+        return execute_rows_both(plans[0], plans[1], handle, method)
+    first, second = expand(plans[0]), expand(plans[1])
+    refuse_crossing(first, second)
+    return both_ways.execute_both(first, second, handle, method, ("store", "load"))

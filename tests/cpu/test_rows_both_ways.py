@@ -1,0 +1,77 @@
+"""copy_rows_both_ways with the driver faked: with GPU indices each side is a layout
+launch (the store on the caller's stream, the load on a side stream forked from it and
+joined back; one stream under capture); arguments are checked and named by side, and
+with host indices a store and a load that touch the same bytes are refused, all before
+anything is issued."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import Layout
+from helpers.rows_fakes import DEVICE, PINNED, STREAM, GpuIndices, caches, install_rows_fakes
+
+SIDE = 0x5151
+
+
+@pytest.fixture
+def slot_memory():
+    return np.zeros(1 << 16, np.uint8)
+
+
+def launched(call):
+    """(rows, stream) of a recorded launch."""
+    return call[4], call[7]
+
+
+def test_gpu_indices_run_each_side_on_its_stream_forked_and_joined(seams, slot_memory):
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED,
+                                side_stream=lambda handle, index=0: SIDE)
+    paged, chunk = caches()
+    ran = kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(40)),
+                                     (chunk, paged, None, GpuIndices(24, 0x7100_0000)),
+                                     stream=STREAM)
+    assert ran == ("kernel", "kernel")
+    assert driver.calls[0] == ("wait", SIDE, STREAM)      # the side starts after the caller's work
+    assert launched(driver.calls[1]) == (40, STREAM)       # the store on the caller's stream
+    assert launched(driver.calls[2]) == (24, SIDE)         # the load beside it
+    assert driver.calls[3] == ("wait", STREAM, SIDE)      # and the caller's next work waits
+    assert len(driver.calls) == 4
+
+
+def test_under_capture_both_sides_go_on_the_callers_stream_in_order(seams, slot_memory):
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED, capturing=1,
+                                side_stream=lambda handle, index=0: SIDE)
+    paged, chunk = caches()
+    kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(40)),
+                               (chunk, paged, None, GpuIndices(24)), stream=STREAM)
+    assert [launched(c) for c in driver.calls] == [(40, STREAM), (24, STREAM)]
+
+
+def test_bad_sides_are_named_before_anything_is_issued(seams, slot_memory):
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED)
+    paged, chunk = caches()
+    with pytest.raises(TypeError, match=r"store must be a \(src, dst"):
+        kvcopy.copy_rows_both_ways(paged, (chunk, paged, None, GpuIndices(2)), stream=STREAM)
+    with pytest.raises(ValueError, match=r"load: dst_indices\[1\] = 500 is out of range"):
+        kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(2)), (chunk, paged, None, [1, 500]),
+                                   stream=STREAM)
+    with pytest.raises(TypeError, match="load: src must be a kvcopy.Layout"):
+        kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(2)), ("chunk", paged, None, [1]),
+                                   stream=STREAM)
+    assert driver.calls == []
+
+
+def test_host_indices_touching_the_same_bytes_are_refused_naming_both():
+    cache = np.zeros((64, 128), np.uint8)
+    host = np.zeros((64, 128), np.uint8)
+    a, b = Layout.of(cache, slot=0), Layout.of(host, slot=0)
+    # the load writes cache slot 5, which the store reads
+    with pytest.raises(ValueError, match=r"load: dst_ptrs\[1\] writes bytes that store: "
+                                         r"src_ptrs\[0\] reads"):
+        kvcopy.copy_rows_both_ways((a, b, [5, 6], [0, 1]), (b, a, [9, 10], [4, 5]))
+    # both write host slot 3
+    with pytest.raises(ValueError, match=r"store: dst_ptrs\[0\] writes bytes that load: "
+                                         r"dst_ptrs\[0\] writes"):
+        kvcopy.copy_rows_both_ways((a, b, [1], [3]), (b, b, [7], [3]))
