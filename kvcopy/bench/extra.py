@@ -64,7 +64,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
             cases[method] = _both_ways(a, b, s1, s2, method)
         cases["auto, each call alone"] = _each_call_alone(_both_ways(a, b, s1, s2, "auto"))
         cases["copy_both_ways"] = functools.partial(kvcopy.copy_both_ways, b, a, stream=s1)
-        for name, chose, gpu_ms, seconds, pair_ms, pair_wall in _timed(cases, s1, s2, repeats):
+        for name, chose, gpu_ms, seconds, pair_ms, pair_wall in timed_pair(cases, s1, s2, repeats):
             yield {"scenario": "bidirectional", "block_bytes": block, "count": count,
                    "method": name, "chose": chose, "total_gbps": 2 * total / gpu_ms / 1e6,
                    "of_contiguous_pair": pair_ms / gpu_ms,
@@ -72,7 +72,7 @@ def bidirectional(blocks=(4 * KiB, 16 * KiB, 64 * KiB, 128 * KiB, 256 * KiB, 1 *
                    pair_wall / seconds}
 
 
-def _timed(cases: dict[str, Callable[[], object]], s1: Any, s2: Any, repeats: int
+def timed_pair(cases: dict[str, Callable[[], object]], s1: Any, s2: Any, repeats: int
            ) -> Iterator[tuple[str, str, float, float, float, float]]:
     """Each case (the first, 'contiguous', the reference) timed on streams s1 and s2:
     (name, what kvcopy chose, GPU ms spanning both streams, call-to-completion
@@ -142,7 +142,7 @@ def host_spans(cases=((4 * KiB, 64 * MiB), (16 * KiB, 64 * MiB), (64 * KiB, 64 *
                                                     method=method)
         for way, calls in ways.items():
             nbytes = 2 * total if way == "both" else total
-            for name, chose, gpu_ms, seconds, reference_ms, reference_s in _timed(
+            for name, chose, gpu_ms, seconds, reference_ms, reference_s in timed_pair(
                     calls, s1, s2, repeats):
                 yield {"scenario": "host_spans", "way": way, "block_bytes": block, "count": count,
                        "bytes_each_way": total, "method": name, "chose": chose,

@@ -7,8 +7,9 @@ pinned LMCache-style chunk (32 layers x K and V x 256 tokens of 2 KiB rows, 32 M
 MLA rows of 1152 B), and strided runs of 512 B and 128 B fragments (TP-rank head
 fragments into a canonical host page). Each row: kvcopy.copy_rows with GPU-resident
 indices, the same transfer as pointer copies (kvcopy.copy_batch, one copy per row or
-fragment), host-to-GPU the same pointers through a Triton kernel of vLLM's kind (its
-12-program grid, kvcopy.bench.triton_alt; where Triton runs), and a contiguous copy
+fragment), vLLM's own way with the same fragments (loads: a Triton kernel of its kind,
+its 12-program grid, kvcopy.bench.triton_alt, where Triton runs; stores: batched DMA,
+one cuMemcpyBatchAsync entry per fragment), and a contiguous copy
 of as many bytes; GPU time (events, CPU time hidden behind a sleep kernel), CPU time
 per call (copy_rows, and the same transfer prepared once by kvcopy.prepare_rows) and
 wall time (call to completion), medians. `python -m kvcopy.bench` runs it as its
@@ -17,6 +18,7 @@ layouts stage.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ import numpy as np
 
 import kvcopy
 from kvcopy import Layout
+from kvcopy.bench.extra import timed_pair
 from kvcopy.bench.gpu import gpu_or_exit
 from kvcopy.bench.timing import measure
 
@@ -71,7 +74,7 @@ def _on(torch, stream, copy):
     return call
 
 
-def row(name: str, nbytes: int, layout_t, prepared_t, pointer_t, triton_t,
+def row(name: str, nbytes: int, layout_t, prepared_t, pointer_t, vllm_t,
         contiguous_t) -> dict:
     gbps = lambda ms: nbytes / (ms * 1e6)   # noqa: E731
     return {"scenario": name, "bytes": nbytes,
@@ -79,14 +82,14 @@ def row(name: str, nbytes: int, layout_t, prepared_t, pointer_t, triton_t,
             "cpu_us": layout_t.cpu_us, "prepared_cpu_us": prepared_t.cpu_us,
             "prepared_wall_gbps": gbps(prepared_t.wall_ms),
             "pointer_gpu_gbps": gbps(pointer_t.gpu_ms), "pointer_cpu_us": pointer_t.cpu_us,
-            "triton_gpu_gbps": None if triton_t is None else gbps(triton_t.gpu_ms),
+            "vllm_gpu_gbps": None if vllm_t is None else gbps(vllm_t.gpu_ms),
             "contiguous_gpu_gbps": gbps(contiguous_t.gpu_ms),
             "contiguous_wall_gbps": gbps(contiguous_t.wall_ms),
             "gpu_vs_contiguous": contiguous_t.gpu_ms / layout_t.gpu_ms,
             "wall_vs_contiguous": contiguous_t.wall_ms / layout_t.wall_ms,
             "prepared_wall_vs_contiguous": contiguous_t.wall_ms / prepared_t.wall_ms,
             "vs_pointer_path": pointer_t.gpu_ms / layout_t.gpu_ms,
-            "vs_triton": None if triton_t is None else triton_t.gpu_ms / layout_t.gpu_ms}
+            "vs_vllm": None if vllm_t is None else vllm_t.gpu_ms / layout_t.gpu_ms}
 
 
 def _triton(pointers, row_bytes: int, stream):
@@ -103,18 +106,21 @@ def _triton(pointers, row_bytes: int, stream):
 
 def _measure_all(torch, stream, nbytes: int, src: Layout, dst: Layout, s, d, rows: int,
                  host_bytes, gpu_bytes, h2d: bool, name: str) -> dict:
-    """One scenario's row: copy_rows, prepared, pointers, Triton (host to GPU), contiguous."""
+    """One scenario's row: copy_rows, prepared, pointers, vLLM's way, contiguous."""
     ps = _pointers(src, dst, None if s is None else s.cpu().numpy(),
                    None if d is None else d.cpu().numpy(), rows)
     prepared = kvcopy.prepare_rows(src, dst, s, d, rows=rows, stream=stream)
-    triton_fn = _triton(ps, src.piece_bytes, stream) if h2d else None
+    if h2d:
+        vllm_fn = _triton(ps, src.piece_bytes, stream)
+    else:   # vLLM stores by batched DMA, one entry per fragment
+        vllm_fn = lambda: kvcopy.copy_batch(*ps, stream=stream, method="batch")  # noqa: E731
     a, b = (host_bytes, gpu_bytes) if h2d else (gpu_bytes, host_bytes)
     return row(name, nbytes,
                measure(lambda: kvcopy.copy_rows(src, dst, s, d, rows=rows, stream=stream),
                        stream, repeats=15),
                measure(prepared, stream, repeats=15),
                measure(lambda: kvcopy.copy_batch(*ps, stream=stream), stream, repeats=15),
-               None if triton_fn is None else measure(triton_fn, stream, repeats=15),
+               None if vllm_fn is None else measure(vllm_fn, stream, repeats=5),
                measure(_on(torch, stream, lambda: b.copy_(a, non_blocking=True)), stream,
                        repeats=15))
 
@@ -171,21 +177,68 @@ def swap_blocks_rows(torch, pairs: int = 32768, block: int = 2 * KiB) -> list[di
     return out
 
 
+def both_ways_rows(torch, rows_bytes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB),
+                   total: int = 32 * MiB, repeats: int = 7) -> list[dict]:
+    """A serving step in layout form: a store of ``total`` bytes of rows from a GPU pool
+    at random slots into a pinned chunk, and a load of as many from another pinned chunk
+    into other slots, by one copy_rows_both_ways (indices on the GPU, and on the host),
+    against two contiguous copies on two streams: GPU time spanning both, and wall."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    pool_gpu = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    out_host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    in_host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    up, down = torch.empty(total, dtype=torch.uint8, device="cuda"), out_host
+    rng = np.random.default_rng(6)
+    rows_out = []
+    for row_bytes in rows_bytes:
+        count = total // row_bytes
+        pool = Layout.of(pool_gpu.view(2 * count, row_bytes), slot=0)
+        chunk_out = Layout.of(out_host.view(count, row_bytes), slot=0)
+        chunk_in = Layout.of(in_host.view(count, row_bytes), slot=0)
+        order = rng.permutation(2 * count)
+        store_slots, load_slots = order[:count].copy(), order[count:].copy()
+
+        def contiguous() -> None:
+            with torch.cuda.stream(s1):
+                up.copy_(in_host, non_blocking=True)
+            with torch.cuda.stream(s2):
+                down.copy_(pool_gpu[:total], non_blocking=True)
+        cases: dict = {"contiguous": contiguous}
+        for where, (a, b) in (("gpu", (torch.from_numpy(store_slots).cuda(),
+                                       torch.from_numpy(load_slots).cuda())),
+                              ("host", (store_slots, load_slots))):
+            cases[f"copy_rows_both_ways, {where} indices"] = functools.partial(
+                kvcopy.copy_rows_both_ways, (pool, chunk_out, a), (chunk_in, pool, None, b),
+                stream=s1)
+        for name, chose, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, repeats):
+            rows_out.append({"scenario": f"both ways {row_bytes // KiB} KiB rows", "method": name,
+                             "chose": chose, "bytes": 2 * total,
+                             "gpu_gbps": 2 * total / gpu_ms / 1e6,
+                             "of_contiguous_pair": pair_ms / gpu_ms,
+                             "wall_of_contiguous_pair": pair_s / seconds})
+    return rows_out
+
+
 def run_here() -> list[dict]:
-    """run() and swap_blocks_rows() on torch's current GPU (python -m kvcopy.bench's
-    layouts stage)."""
+    """run(), swap_blocks_rows() and both_ways_rows() on torch's current GPU (python -m
+    kvcopy.bench's layouts stage)."""
     import torch
-    return run(torch) + swap_blocks_rows(torch)
+    return run(torch) + swap_blocks_rows(torch) + both_ways_rows(torch)
 
 
 def print_rows(name: str, rows: list[dict]) -> None:
     print(f"{name}: layout transfers (GB/s; ratios against the contiguous copy, the pointer "
-          "path and vLLM's kind of Triton kernel, GPU time)")
+          "path and vLLM's way (loads: Triton; stores: batched DMA), GPU time)")
     print(f"{'scenario':<22} {'MiB':>5} {'gpu':>6} {'wall':>6} {'cpu_us':>7} {'prep_us':>7} "
           f"{'contig':>6} {'vs_contig':>9} {'wall_vs':>7} {'pointer':>7} {'vs_ptr':>6} "
-          f"{'triton':>6} {'vs_tri':>6}")
+          f"{'vllm':>6} {'vs_vllm':>7}")
     dash = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
     for r in rows:
+        if r["scenario"].startswith("both ways"):
+            print(f"{r['scenario']:<22} {r['method']:<34} ({r['chose'] or '-'}) "
+                  f"{r['gpu_gbps']:6.1f} GB/s of pair {r['of_contiguous_pair']:.2f} "
+                  f"wall {r['wall_of_contiguous_pair']:.2f}")
+            continue
         if r["scenario"].startswith("swap_blocks"):
             print(f"{r['scenario']:<30} ({r['method']}) gpu {r['gpu_gbps']:.1f} wall "
                   f"{r['wall_gbps']:.1f} cpu_us {r['cpu_us']:.1f} vs_contig "
@@ -195,8 +248,8 @@ def print_rows(name: str, rows: list[dict]) -> None:
               f"{r['wall_gbps']:6.1f} {r['cpu_us']:7.1f} {r['prepared_cpu_us']:7.1f} "
               f"{r['contiguous_gpu_gbps']:6.1f} {r['gpu_vs_contiguous']:9.2f} "
               f"{r['wall_vs_contiguous']:7.2f} {r['pointer_gpu_gbps']:7.1f} "
-              f"{r['vs_pointer_path']:6.2f} {dash(r['triton_gpu_gbps'], '6.1f'):>6} "
-              f"{dash(r['vs_triton'], '6.2f'):>6}")
+              f"{r['vs_pointer_path']:6.2f} {dash(r['vllm_gpu_gbps'], '6.1f'):>6} "
+              f"{dash(r['vs_vllm'], '7.2f'):>7}")
 
 
 def main(argv: list[str] | None = None) -> int:
