@@ -141,7 +141,8 @@ class Config:
         (1-65535, env KVCOPY_HOST_CTAS). None (default) means the device's:
         the fewest that reach 0.90 of the contiguous copy in each direction,
         found by kvcopy.calibrate, else policy.HOST_CTAS: 4 host-to-GPU, 2
-        GPU-to-host, leaving the other SMs to the model.
+        GPU-to-host, leaving the other SMs to the model. Also the layout
+        kernel's (copy_rows), whose own default is policy.ROWS_HOST_CTAS.
     device_ctas: CTAs for copies inside one GPU; None means four per SM
         (env KVCOPY_DEVICE_CTAS).
     peer_ctas: CTAs for copies between two GPUs (NVLink or PCIe peer-to-peer);
