@@ -167,6 +167,17 @@ cdef class RowsLaunches:
         return self.count
 
 
+def launch_rows(uintptr_t function, tuple src_side, tuple dst_side,
+                const uint64_t[::1] src_bases, const uint64_t[::1] dst_bases,
+                unsigned long long rows, unsigned long long pieces,
+                unsigned long long piece_bytes, unsigned int max_ctas, unsigned int threads,
+                uintptr_t stream) -> int:
+    """Build RowsLaunches with these arguments and launch them at once in the current
+    context; returns the number of launches."""
+    return RowsLaunches(function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
+                        piece_bytes, max_ctas, threads, stream).launch()
+
+
 def report_address(uintptr_t module) -> int:
     """The device address of the module's kvcopy_rows_report."""
     cdef CUdeviceptr address = 0

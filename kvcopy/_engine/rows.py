@@ -75,27 +75,24 @@ _UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
 
 
 def _settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
-            prepared: bool = False) -> tuple[Target, np.ndarray, np.ndarray, bool]:
-    """The plan's memory classified (the scope following it to its device, peer access
-    enabled where the kernel needs it), the policy's answer, the planes' bases as the
-    device sees them, and whether the stream is capturing. ``prepared``: for
-    prepare_launches, whose launches are the kernel's whatever the policy says."""
+            ) -> tuple[Target, np.ndarray, np.ndarray, bool]:
+    """The plan's memory classified (the scope following it to its device), the
+    policy's answer, and the planes' bases as the device sees them."""
     src_view = np.empty_like(plan.src.bases)
     dst_view = np.empty_like(plan.dst.bases)
-    found = settled_classes(scope, "kernel" if prepared else method,
-                            lambda: _classify(plan, src_view, dst_view))
+    found = settled_classes(scope, method, lambda: _classify(plan, src_view, dst_view))
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:
             raise ValueError("indices on the GPU need both layouts in memory the GPU can read "
                              "and write (GPU or pinned host memory); pass them on the host "
                              "for pageable memory")
-        if prepared:
+        if method == "prepared":
             raise ValueError("prepare_rows: the layout kernel needs both layouts in memory the "
                              "GPU can read and write (GPU or pinned host memory); call "
                              "copy_rows for pageable memory")
     capturing = driver.stream_capture_status(handle) != 0
-    target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
-                    note_traffic=not prepared)
+    target = decide(handle, "auto" if method == "prepared" else method, plan.copies,
+                    plan.total_bytes, found, capturing, note_traffic=method != "prepared")
     return target, src_view, dst_view, capturing
 
 
@@ -151,7 +148,7 @@ def prepare_launches(plan: RowsPlan, stream_handle: int
         return None, Decision("kernel", "no rows: nothing to launch")
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target, src_view, dst_view, _ = _settle(scope, plan, handle, "auto", prepared=True)
+        target, src_view, dst_view, _ = _settle(scope, plan, handle, "prepared")
         launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
                              context=driver.current_context())
         return launches, _kernel_decision(target, _PREPARED)

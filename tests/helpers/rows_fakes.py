@@ -49,7 +49,7 @@ class FakeRowsCuda(FakeCaptureDriver):
     def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
                      piece_bytes, ctas, threads, stream, context=0):
         """Built launches: each launch() is recorded as a call."""
-        call = ("launch", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
+        call = ("launch_rows", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
         driver = self
 
         class Launches:
