@@ -41,15 +41,15 @@ def test_plot_has_a_panel_per_direction(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_without_gpu_says_so_and_fails():
+@pytest.mark.parametrize("bench", [["kvcopy.bench", "--quick"], ["kvcopy.bench.layouts"]])
+def test_bench_without_gpu_says_so_and_fails(bench):
     try:
         import torch
     except ImportError:
         torch = None
     if torch is not None and torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    out = subprocess.run([sys.executable, "-m", "kvcopy.bench", "--quick"], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-m", *bench], capture_output=True, text=True)
     assert out.returncode == 2
     assert "no CUDA GPU found" in out.stderr or "torch is needed" in out.stderr
 
