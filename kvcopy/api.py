@@ -10,7 +10,7 @@ from typing import Any
 
 from kvcopy._engine import both_ways, dispatch
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
-from kvcopy._plans.rows import plan_rows
+from kvcopy._plans.rows import plan_rows, rows_stream
 from kvcopy.layouts import Layout
 from kvcopy._plans.races import race_between, refuse_crossing
 from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
@@ -326,10 +326,8 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     """
     check_method(method)
     plan = plan_rows(src, dst, src_indices, dst_indices, rows)
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(*(i for i in (src_indices, dst_indices)
-                                              if i is not None), *src.keep, *dst.keep))
-    return execute_rows(plan, handle, method)
+    return execute_rows(plan, rows_stream(stream, (src, dst), (src_indices, dst_indices)),
+                        method)
 
 
 def check_indices(stream: Any = None) -> None:

@@ -6,8 +6,7 @@ from typing import Any
 
 from kvcopy._engine.decide import note_decision
 from kvcopy._engine.rows import prepare_launches
-from kvcopy._plans.rows import plan_rows
-from kvcopy.interop.streams import current_framework_stream, resolve_stream
+from kvcopy._plans.rows import plan_rows, rows_stream
 from kvcopy.layouts import Layout
 
 
@@ -66,9 +65,7 @@ def prepare_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices:
         CudaError: the driver failed.
     """
     plan = plan_rows(src, dst, src_indices, dst_indices, rows)
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(*(i for i in (src_indices, dst_indices)
-                                              if i is not None), *src.keep, *dst.keep))
+    handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
     launches, decision = prepare_launches(plan, handle)
     keep = (src, dst, plan.src_indices, plan.dst_indices)
     return PreparedRows(launches, decision, keep, plan.rows, handle)

@@ -6,9 +6,8 @@ from typing import Any
 from kvcopy._engine import both_ways
 from kvcopy._engine.rows_both_ways import execute_rows_both
 from kvcopy._plans.races import refuse_crossing
-from kvcopy._plans.rows import RowsPlan, expand, plan_rows
+from kvcopy._plans.rows import RowsPlan, expand, plan_rows, rows_stream
 from kvcopy.interop.frameworks import type_name
-from kvcopy.interop.streams import current_framework_stream, resolve_stream
 from kvcopy.policy import RequestedMethod, check_method
 
 _SIDE = "(src, dst[, src_indices[, dst_indices[, rows]]])"
@@ -52,10 +51,9 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     """
     check_method(method)
     plans = [_plan_side(store, "store"), _plan_side(load, "load")]
-    indices = [i for p in plans for i in (p.src_indices, p.dst_indices) if i is not None]
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(*(i.keep for i in indices if i.keep is not None),
-                                            *(t for p in plans for t in p.src.keep + p.dst.keep)))
+    handle = rows_stream(stream, tuple(layout for p in plans for layout in (p.src, p.dst)),
+                         tuple(i.keep for p in plans for i in (p.src_indices, p.dst_indices)
+                               if i is not None))
     if any(p.device_indices for p in plans):
         return execute_rows_both(plans[0], plans[1], handle, method)
     first, second = expand(plans[0]), expand(plans[1])

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
+from kvcopy.interop.streams import current_framework_stream, resolve_stream
 from kvcopy.interop.tensors import strided
 from kvcopy.layouts import Layout
 from kvcopy._plans.overlaps import first_overlap, overlap_between
@@ -194,6 +195,16 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     plan = RowsPlan(src, dst, n, a, b, pieces, piece_bytes)
     _check_crossing(plan)
     return plan
+
+
+def rows_stream(stream: Any, layouts: tuple[Layout, ...], indices: tuple[Any, ...]) -> int:
+    """The raw handle a layout transfer runs on: ``stream`` resolved, or where None the
+    current stream of the framework whose index tensors (None ones skipped) or layout
+    tensors were passed, else the default stream."""
+    if stream is not None:
+        return resolve_stream(stream)
+    return current_framework_stream(*(i for i in indices if i is not None),
+                                    *(t for layout in layouts for t in layout.keep))
 
 
 def _check_crossing(plan: RowsPlan) -> None:
