@@ -136,6 +136,11 @@ cdef class RowsLaunches:
         free(self.jobs)
         free(self.grids)
 
+    def usable(self) -> bool:
+        """False where the context the launches were built in is gone (a reset makes
+        another under the same handle, without their kernel): build them again."""
+        return self.context == NULL or context_key(self.context) == self.context_key
+
     def launch(self) -> int:
         """Enqueue every launch, in order, on the stream; returns how many."""
         cdef void* params[1]
@@ -165,17 +170,6 @@ cdef class RowsLaunches:
                 cydriver.cuCtxPopCurrent(&current)
             check(status)
         return self.count
-
-
-def launch_rows(uintptr_t function, tuple src_side, tuple dst_side,
-                const uint64_t[::1] src_bases, const uint64_t[::1] dst_bases,
-                unsigned long long rows, unsigned long long pieces,
-                unsigned long long piece_bytes, unsigned int max_ctas, unsigned int threads,
-                uintptr_t stream) -> int:
-    """Build RowsLaunches with these arguments and launch them at once in the current
-    context; returns the number of launches."""
-    return RowsLaunches(function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
-                        piece_bytes, max_ctas, threads, stream).launch()
 
 
 def report_address(uintptr_t module) -> int:
