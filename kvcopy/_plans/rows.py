@@ -64,10 +64,10 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
 
 def read_indices(obj: Any, name: str) -> Indices | None:
     """A side's indices as the caller gave them: None (slot = row), GPU-resident, or
-    host integers (NumPy, CPU tensors, sequences). Raises TypeError or ValueError
-    naming ``name``."""
-    if obj is None:
-        return None
+    host integers (NumPy, CPU tensors, sequences); Indices already read pass through.
+    Raises TypeError or ValueError naming ``name``."""
+    if obj is None or isinstance(obj, Indices):
+        return obj
     found = _gpu_indices(obj, name)
     if found is not None:
         return found
@@ -174,6 +174,9 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
         raise ValueError(f"src rows are {src.row_bytes} bytes and dst rows {dst.row_bytes}")
     pieces, piece_bytes = _pieces(src, dst)
     a, b = read_indices(src_indices, "src_indices"), read_indices(dst_indices, "dst_indices")
+    if a is not None and b is not None and (a.host is None) != (b.host is None):
+        raise ValueError("src_indices and dst_indices must both be on the GPU or both on the "
+                         f"host; got src_indices {_where(a)} and dst_indices {_where(b)}")
     counts = {i.count for i in (a, b) if i is not None}
     if len(counts) > 1:
         raise ValueError(f"src_indices has {a.count} rows and dst_indices "  # type: ignore[union-attr]
@@ -195,6 +198,10 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     plan = RowsPlan(src, dst, n, a, b, pieces, piece_bytes)
     _check_crossing(plan)
     return plan
+
+
+def _where(indices: Indices) -> str:
+    return "on the host" if indices.host is not None else "on the GPU"
 
 
 def rows_stream(stream: Any, layouts: tuple[Layout, ...], indices: tuple[Any, ...]) -> int:

@@ -9,6 +9,7 @@ import pytest
 from kvcopy import Layout
 from kvcopy.testing import plans
 from helpers.host_copies import random_bytes, run_on_host
+from helpers.rows_fakes import GpuIndices
 
 BLOCKS, BLOCK_SIZE, HEADS, HEAD = 6, 4, 2, 8      # bytes: a head is 8 one-byte elements
 LAYERS = 3
@@ -123,6 +124,9 @@ def test_rows_copied_onto_themselves_inside_one_cache_are_allowed():
     (dict(), ValueError, "rows: give the number of rows"),
     (dict(rows=11), ValueError, "src has 10 slots and no indices"),
     (dict(rows=-1), ValueError, "rows must be at least 0, got -1"),
+    (dict(src_indices=[0, 1], dst_indices=GpuIndices(2)), ValueError,
+     "must both be on the GPU or both on the host; got src_indices on the host and "
+     "dst_indices on the GPU"),
 ])
 def test_bad_indices_are_named(args, error, words):
     a, b = np.zeros((10, 16), np.uint8), np.zeros((12, 16), np.uint8)
