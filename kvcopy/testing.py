@@ -46,6 +46,7 @@ from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, traffic_window
 from kvcopy._engine import rows as rows_engine
+from kvcopy._engine import rows_memo
 from kvcopy._plans.rows import expand, plan_rows
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
@@ -65,7 +66,8 @@ engine = types.SimpleNamespace(
     both_ways=both_ways, decide=decide, dispatch=dispatch, kernel=kernel, replay=replay,
     staged=staged, traffic_window=traffic_window, context=context, device=device,
     kernels=kernels, peers=peers, prepare=prepare, ring=ring, side_streams=side_streams,
-    calibration_file=calibration_file, persist=persist, rows=rows_engine)
+    calibration_file=calibration_file, persist=persist, rows=rows_engine,
+    rows_memo=rows_memo)
 plans = types.SimpleNamespace(plan_rows=plan_rows, expand=expand)
 
 
@@ -121,12 +123,13 @@ def settings(**values: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[object]:
     """The driver layer's ``layers`` replaced by ``fake`` wherever kvcopy uses them, and
-    no policy answer remembered from before (they were asked of the real device)."""
+    no policy answer or copy_rows call remembered from before (they were made with the
+    real device)."""
     unknown = set(layers) - set(_LAYERS)
     if unknown:
         raise ValueError(f"fake_cuda: no layer {sorted(unknown)}; layers: {sorted(_LAYERS)}")
     with _standing_in([(_LAYERS[layer], fake) for layer in layers]
-                      + [(decide._targets, {})]):
+                      + [(decide._targets, {}), (rows_memo._memo, {})]):
         yield fake
 
 
@@ -157,15 +160,15 @@ def fake_runtime(*, caps: policy.DeviceCaps | None = None,
                  side_stream: Callable[..., int] | None = None,
                  scope: type | None = None) -> Iterator[None]:
     """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
-    by default) and ``thresholds`` (the defaults), no policy answer remembered; where
-    given, ``copy_kernel`` as the kernel loaded in every context, every descriptor-ring
+    by default) and ``thresholds`` (the defaults), no policy answer or copy_rows call
+    remembered; where given, ``copy_kernel`` as the kernel loaded in every context, every descriptor-ring
     reservation ``slot`` (or ``descriptor_ring`` as every context's ring: its
     reserve(nbytes) a context manager of a ring.Slot), ``staging`` as every context's
     staging buffers,
     ``side_stream(handle, index=0)`` for kvcopy's side streams, and ``scope`` for
     the context a call enters (kvcopy._runtime.context.ContextScope's interface)."""
     info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or policy.DeviceCaps())
-    replacements: list[tuple[object, object]] = [(decide._targets, {})]
+    replacements: list[tuple[object, object]] = [(decide._targets, {}), (rows_memo._memo, {})]
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))
     if slot is not None:

@@ -12,10 +12,12 @@ stream, fenced behind the launch).
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import numpy as np
 
 from kvcopy._cuda import classify, driver, launch, rows
+from kvcopy._engine import traffic_window
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
                                    settled_classes)
 from kvcopy._engine.dispatch import execute_copies, issue_dma
@@ -75,24 +77,28 @@ _UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
 
 
 def _settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
-            ) -> tuple[Target, np.ndarray, np.ndarray, bool]:
-    """The plan's memory classified (the scope following it to its device), the
-    policy's answer, and the planes' bases as the device sees them."""
+            prepared: bool = False) -> tuple[Target, np.ndarray, np.ndarray, bool]:
+    """The plan's memory classified (the scope following it to its device, peer access
+    enabled where the layout kernel will run), the policy's answer, and the planes'
+    bases as the device sees them. ``prepared``: built for kvcopy.PreparedRows, whose
+    calls are not noted as traffic."""
     src_view = np.empty_like(plan.src.bases)
     dst_view = np.empty_like(plan.dst.bases)
-    found = settled_classes(scope, method, lambda: _classify(plan, src_view, dst_view))
+    kernel_only = prepared or plan.device_indices
+    found = settled_classes(scope, "kernel" if kernel_only else method,
+                            lambda: _classify(plan, src_view, dst_view))
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:
             raise ValueError("indices on the GPU need both layouts in memory the GPU can read "
                              "and write (GPU or pinned host memory); pass them on the host "
                              "for pageable memory")
-        if method == "prepared":
+        if prepared:
             raise ValueError("prepare_rows: the layout kernel needs both layouts in memory the "
                              "GPU can read and write (GPU or pinned host memory); call "
                              "copy_rows for pageable memory")
     capturing = driver.stream_capture_status(handle) != 0
-    target = decide(handle, "auto" if method == "prepared" else method, plan.copies,
-                    plan.total_bytes, found, capturing, note_traffic=method != "prepared")
+    target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
+                    note_traffic=not prepared)
     return target, src_view, dst_view, capturing
 
 
@@ -103,17 +109,58 @@ def _kernel_decision(target: Target, why: str) -> Decision:
     return Decision("kernel", why, "registers")
 
 
-def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto") -> str:
+class Repeat:
+    """A copy_rows call with GPU indices, built: calling it enqueues the same launches
+    (the indices read when they run) and notes what the first call noted."""
+
+    __slots__ = ("launches", "decision", "traffic")
+
+    def __init__(self, launches: rows.RowsLaunches, decision: Decision,
+                 traffic: tuple[int, str, int, int] | None) -> None:
+        self.launches, self.decision, self.traffic = launches, decision, traffic
+
+    def usable(self) -> bool:
+        """False where the context it was built in is gone."""
+        return self.launches.usable()
+
+    def __call__(self) -> str:
+        self.launches.launch()
+        note_decision(self.decision)
+        if self.traffic is not None and config.traffic_window_ms:
+            ordinal, direction, handle, nbytes = self.traffic
+            if driver.stream_capture_status(handle) == 0:
+                traffic_window.note(ordinal, direction, handle, nbytes)
+        return "kernel"
+
+
+def _traffic(target: Target, plan: RowsPlan) -> tuple[int, str, int, int] | None:
+    """What decide() notes in the traffic window for the plan, to note again at each
+    repeat (None for a copy inside a GPU or between two)."""
+    direction = target.request.direction
+    if direction not in ("h2d", "d2h"):
+        return None
+    return target.info.ordinal, direction, target.handle, plan.total_bytes
+
+
+def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
+                 remember: Callable[["Repeat"], None] | None = None) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
-    method that ran ('kernel', 'batch', 'loop', or 'none' for no rows)."""
+    method that ran ('kernel', 'batch', 'loop', or 'none' for no rows). Where the plan's
+    indices are on the GPU, ``remember`` is given what repeats the call (kvcopy._engine.
+    rows_memo keeps it)."""
     if plan.rows == 0:
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         target, src_view, dst_view, capturing = _settle(scope, plan, handle, method)
         if plan.device_indices:
-            _launch(plan, target, src_view, dst_view, *_device_addresses(plan))
-            note_decision(_kernel_decision(target, _GPU_INDICES))
+            launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
+                                 context=driver.current_context())
+            again = Repeat(launches, _kernel_decision(target, _GPU_INDICES),
+                           _traffic(target, plan))
+            again()
+            if remember is not None:
+                remember(again)
             return "kernel"
         if target.decision.method == "kernel" and not capturing:
             try:
@@ -148,7 +195,7 @@ def prepare_launches(plan: RowsPlan, stream_handle: int
         return None, Decision("kernel", "no rows: nothing to launch")
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target, src_view, dst_view, _ = _settle(scope, plan, handle, "prepared")
+        target, src_view, dst_view, _ = _settle(scope, plan, handle, "auto", prepared=True)
         launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
                              context=driver.current_context())
         return launches, _kernel_decision(target, _PREPARED)

@@ -28,7 +28,7 @@ def test_gpu_indices_are_read_in_place_by_one_launch(fake):
     paged, chunk = caches()
     plan = plans.plan_rows(paged, chunk, GpuIndices(40))
     assert engine.rows.execute_rows(plan, STREAM) == "kernel"
-    assert driver.calls == [("launch_rows", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+    assert driver.calls == [("launch", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
                              (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)]
 
 
@@ -39,7 +39,7 @@ def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_me
     plan = plans.plan_rows(paged, chunk, slots, np.arange(20) * 2)
     assert engine.rows.execute_rows(plan, STREAM) == "kernel"
     assert driver.calls == [("upload", 0x3000, 320, STREAM),
-                            ("launch_rows", 42, (0x3000, 128, 16, 4096, 256, 256),
+                            ("launch", 42, (0x3000, 128, 16, 4096, 256, 256),
                              (0x3000 + 160, 40, 1, 256, 256, 256), 20, 1, 256, STREAM),
                             ("fence", 0x77, STREAM)]
     written = slot_memory[:320].view(np.int64)
@@ -87,7 +87,7 @@ def test_a_prepared_transfer_is_built_once_and_launched_by_each_call(fake):
     prepared = kvcopy.prepare_rows(paged, chunk, GpuIndices(40), stream=STREAM)
     assert driver.calls == []   # nothing enqueued by preparing
     assert [prepared() for _ in range(3)] == ["kernel"] * 3
-    launch = ("launch_rows", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+    launch = ("launch", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
               (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)
     assert driver.calls == [launch] * 3
     assert driver.contexts == [0xC0] * 3   # made current for each launch

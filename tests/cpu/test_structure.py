@@ -34,7 +34,7 @@ LAYERS = [
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},   # parts of paths
     {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged",
      "kvcopy._engine.rows"},
-    {"kvcopy._engine.rows_both_ways"},
+    {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
     {"kvcopy.api", "kvcopy.prepared_rows", "kvcopy.rows_both_ways", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy.testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API

@@ -49,6 +49,32 @@ def test_scatter_a_chunk_into_paged_caches_leaves_other_slots(torch_cuda, indice
         assert torch.equal(caches[layer].reshape(2, -1, 256), want)
 
 
+def test_repeated_calls_move_each_calls_indices(torch_cuda):
+    """The same call again repeats its launch (kvcopy._engine.rows_memo): refilled in
+    place, or a new index tensor, each call moves its own indices' rows, on its stream."""
+    torch = torch_cuda
+    caches = paged(torch, 2, 16, 16, 512, 5)
+    src = Layout.of(caches, planes=(0,), page=1, slot=2)
+    chunk = torch.zeros((2, 2, 24, 512), dtype=torch.uint8).pin_memory()
+    dst = Layout.of(chunk, planes=(1, 0), slot=2)
+    rng = np.random.default_rng(9)
+    index = torch.empty(24, dtype=torch.int64, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for step in range(6):
+        slots = rng.choice(16 * 16, 24, replace=False).astype(np.int64)
+        if step == 4:
+            index = torch.from_numpy(slots).cuda()   # another tensor, another address
+        else:
+            index.copy_(torch.from_numpy(slots))
+        stream = streams[step // 3]
+        stream.wait_stream(torch.cuda.current_stream())
+        chunk.zero_()
+        assert kvcopy.copy_rows(src, dst, index, stream=stream) == "kernel"
+        stream.synchronize()
+        assert torch.equal(chunk, gathered(torch, caches, slots)), step
+    kvcopy.check_indices()
+
+
 def test_heads_first_caches_gather_into_tokens(torch_cuda):
     torch = torch_cuda
     hnd = rand(torch, (2, 8, 4, 16, 64), 5)            # [2, blocks, heads, block_size, head]

@@ -33,6 +33,8 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.calls: list[tuple] = []
         self.ctas: list[int] = []
         self.contexts: list[int] = []
+        self.context_alive = True   # whether built launches' context still stands
+        self.classified = 0         # sides classified
         self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
 
     def __getattr__(self, name: str):
@@ -41,6 +43,7 @@ class FakeRowsCuda(FakeCaptureDriver):
         raise AttributeError(name)
 
     def classify_pointers(self, ptrs, sizes, device_view):
+        self.classified += 1
         device_view[:] = ptrs
         side = self.sides[0]
         self.sides.append(self.sides.pop(0))
@@ -49,11 +52,14 @@ class FakeRowsCuda(FakeCaptureDriver):
     def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
                      piece_bytes, ctas, threads, stream, context=0):
         """Built launches: each launch() is recorded as a call."""
-        call = ("launch_rows", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
+        call = ("launch", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
         driver = self
 
         class Launches:
             built_in = context
+
+            def usable(self):
+                return driver.context_alive
 
             def launch(self):
                 driver.contexts.append(self.built_in)
