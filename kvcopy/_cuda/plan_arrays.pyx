@@ -6,7 +6,7 @@ Planning runs on every call, so it is a single loop instead of a dozen NumPy
 passes. The kernel path does the same in describe.describe_copies, fused with
 pointer classification; both walk the batch with copy_loop.next_copy.
 """
-from libc.stdint cimport uint64_t, int64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 
 from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
@@ -119,3 +119,21 @@ def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_l
         found = _scan_block_ids(pairs, n, src_limit, dst_limit, seen)
     free(seen)
     return found
+
+
+def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out) -> int:
+    """Write a swap_blocks mapping's source ids, then its destination ids, as two
+    int64 arrays at address ``out`` (room for 16 bytes per pair): the layout kernel
+    reads each side's ids as one array. Returns the bytes written."""
+    cdef Py_ssize_t n = mapping.shape[0], i
+    cdef int64_t* src = <int64_t*>out
+    cdef int64_t* dst = src + n
+    if mapping.shape[1] != 2:
+        raise ValueError("mapping must have two columns")
+    if n and out == 0:
+        raise ValueError("split_block_ids: no memory to write to")
+    with nogil:
+        for i in range(n):
+            src[i] = mapping[i, 0]
+            dst[i] = mapping[i, 1]
+    return 16 * n

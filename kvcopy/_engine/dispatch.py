@@ -8,7 +8,7 @@ from typing import Iterable
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import classify, describe, dma, driver, launch
+from kvcopy._cuda import classify, describe, dma, driver, launch, plan_arrays, rows
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine import replay, staged
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
@@ -172,11 +172,29 @@ def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
         driver.stream_wait_stream(handle, stream)
 
 
+def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, ...]],
+                    kernel: kernels.CopyKernel, target: Target, src_view: np.ndarray,
+                    dst_view: np.ndarray) -> None:
+    """A swap_blocks plan whose sides have one stride each, by the layout kernel: each
+    side's ids uploaded as one array, the rest of the job passed by value (no tensor
+    table), with the layout kernel's CTAs."""
+    n, handle = blocks.num_pairs, target.handle
+    with ring.ring_for_current_context().reserve(16 * n) as slot:
+        nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host)
+        launch.upload(slot.device, slot.host, nbytes, handle)
+        rows.RowsLaunches(kernel.function_rows, (slot.device, *sides[0]),
+                          (slot.device + 8 * n, *sides[1]), src_view, dst_view, n, 1,
+                          blocks.geometry.block_bytes, target.rows_ctas(),
+                          config.threads_per_cta, handle).launch()
+        ring.DescriptorRing.fence(slot, handle)
+
+
 def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
                    wait_for_producers: bool = True) -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
-    the kernel computes block addresses itself from the tensor table and the ids.
-    The copy engines, and the kernel under capture, take the plan's copies as
+    the kernel computes block addresses itself from the ids: the layout kernel where
+    each side's tensors share one stride (the usual caches), else the block kernel
+    from a table of the tensors. The copy engines, and the kernel under capture, take the plan's copies as
     pointers, by the method decided here. The streams array-interface producers
     declared are waited for first, unless the caller already did
     (``wait_for_producers=False``)."""
@@ -206,6 +224,10 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
                 launch_kernel(batch, target, scratch, None)
             return "kernel"
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+        sides = blocks.layout_sides()
+        if sides is not None:
+            _launch_as_rows(blocks, sides, kernel, target, src_view, dst_view)
+            return "kernel"
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:

@@ -162,6 +162,25 @@ class BlockPlan:
             table[:, column] = values
         return table
 
+    def layout_sides(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Each side as the layout kernel takes it (kvcopy_rows_side, rows.h, less its
+        indices): (slots, page_size, page_stride, slot_stride, piece_stride), a tensor a
+        plane, a block a row, a block of a split tensor a slot of a page; None where a
+        side's tensors differ in stride or split (the block kernel's tensor table
+        takes those). Ids are checked against every tensor, so the fewest blocks of a
+        side bound its slots."""
+        g = self.geometry
+
+        def side(stride: np.ndarray, factor: np.ndarray, blocks: np.ndarray) -> tuple | None:
+            if (stride != stride[0]).any() or (factor != factor[0]).any():
+                return None
+            return (int(blocks.min()), int(factor[0]), int(stride[0]), g.block_bytes,
+                    g.block_bytes)
+
+        src = side(g.src_stride, g.src_factor, g.src_blocks)
+        dst = side(g.dst_stride, g.dst_factor, g.dst_blocks)
+        return None if src is None or dst is None else (src, dst)
+
     def _addresses(self, base, stride, factor, ids) -> np.ndarray:
         ids = ids.astype(np.uint64)[None, :]
         if (factor == 1).all():

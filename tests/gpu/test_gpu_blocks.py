@@ -65,6 +65,35 @@ def test_layouts_and_directions(torch_cuda, layout, direction):
     del kw
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("case", ["strides_differ", "split"])
+def test_tensor_table_and_split_blocks(torch_cuda, direction, case):
+    """Tensors of one side with different strides go by the block kernel's tensor table;
+    split blocks (ids counting sub-blocks) by the layout kernel's pages."""
+    torch = torch_cuda
+    on_host = lambda t: t.cpu().pin_memory()   # noqa: E731
+    if case == "strides_differ":
+        wide = on_host(rand_cuda(torch, (32, 2, 512), torch.int16, 1))
+        host = [on_host(rand_cuda(torch, (32, 512), torch.int16, 2)), wide[:, 0]]
+        gpu = [rand_cuda(torch, (40, 512), torch.int16, 3 + i) for i in range(2)]
+        split = False
+    else:
+        host = [on_host(rand_cuda(torch, (10, 4 * 256), torch.int16, 4 + i)) for i in range(2)]
+        gpu = [rand_cuda(torch, (40, 256), torch.int16, 6 + i) for i in range(2)]
+        split = True
+    src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
+    src_blocks = [t.reshape(-1, 256) if split and t.shape[-1] == 1024 else t for t in src]
+    dst_blocks = [t.reshape(-1, 256) if split and t.shape[-1] == 1024 else t for t in dst]
+    mapping = mapping_for(src_blocks[0].shape[0], dst_blocks[0].shape[0], 12, seed=3)
+    expected = [d.cpu().clone() for d in dst_blocks]
+    for e, s in zip(expected, src_blocks):
+        e[torch.from_numpy(mapping[:, 1])] = s.cpu()[torch.from_numpy(mapping[:, 0])]
+    assert kvcopy.swap_blocks(src, dst, mapping, split_blocks=split, method="kernel") == "kernel"
+    torch.cuda.synchronize()
+    for got, want in zip(dst_blocks, expected):
+        assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("method", ["auto", "batch", "loop", "kernel"])
 def test_frameworks_cupy_numpy_pinned_jax(torch_cuda, method):
     cupy = pytest.importorskip("cupy")

@@ -1,0 +1,55 @@
+"""swap_blocks by the layout kernel: where each side's tensors share one stride, the
+block ids go up as one array per side and the launch computes every address (a tensor
+a plane, a block a row, a split block a slot of a page); otherwise the block kernel's
+tensor table is needed. The driver is faked (kvcopy.testing's seams)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcopy.policy import ROWS_HOST_CTAS
+from kvcopy.testing import cuda, engine, plans
+from helpers.rows_fakes import DEVICE, PINNED, STREAM, install_rows_fakes
+
+
+@pytest.fixture
+def slot_memory():
+    return np.zeros(1 << 16, np.uint8)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory, split):
+    driver = install_rows_fakes(seams, slot_memory, PINNED, DEVICE)
+    src = [np.zeros((16, 1024) if split else (64, 512), np.uint8) for _ in range(3)]
+    dst = [np.zeros((80, 256) if split else (40, 512), np.uint8) for _ in range(3)]
+    mapping = np.array([[5, 1], [7, 0], [63, 39]])
+    plan = plans.plan_blocks(src, dst, mapping, split_blocks=split)
+    assert engine.dispatch.execute_blocks(plan, STREAM) == "kernel"
+    # a split side: 4 slots per page of 1024 bytes, each slot 256 bytes on
+    src_side = (0x3000, 64, 4, 1024, 256, 256) if split else (0x3000, 64, 1, 512, 512, 512)
+    block = 256 if split else 512
+    dst_side = (0x3000 + 24, 80, 1, 256, 256, 256) if split else (0x3000 + 24, 40, 1, 512, 512, 512)
+    assert driver.calls == [("upload", 0x3000, 48, STREAM),
+                            ("launch", 42, src_side, dst_side, 3, 1, block, STREAM),
+                            ("fence", 0x77, STREAM)]
+    np.testing.assert_array_equal(slot_memory[:48].view(np.int64), [5, 7, 63, 1, 0, 39])
+    assert driver.ctas == [ROWS_HOST_CTAS["h2d"]]
+
+
+def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():
+    wide = np.zeros((64, 1024), np.uint8)
+    src = [np.zeros((64, 512), np.uint8), wide[:, :512]]
+    dst = [np.zeros((64, 512), np.uint8) for _ in range(2)]
+    mapping = np.array([[1, 2]])
+    assert plans.plan_blocks(src, dst, mapping).layout_sides() is None
+    assert plans.plan_blocks(dst, dst[::-1], mapping).layout_sides() == (
+        (64, 1, 512, 512, 512), (64, 1, 512, 512, 512))
+
+
+def test_split_block_ids_writes_each_column_as_one_array():
+    mapping = np.arange(10, dtype=np.int64).reshape(5, 2)
+    out = np.full(12, -1, np.int64)
+    assert cuda.plan_arrays.split_block_ids(mapping, out.ctypes.data) == 80
+    np.testing.assert_array_equal(out, [0, 2, 4, 6, 8, 1, 3, 5, 7, 9, -1, -1])
+    with pytest.raises(ValueError, match="two columns"):
+        cuda.plan_arrays.split_block_ids(np.zeros((2, 3), np.int64), out.ctypes.data)
