@@ -137,3 +137,49 @@ def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out) -> int:
             src[i] = mapping[i, 0]
             dst[i] = mapping[i, 1]
     return 16 * n
+
+
+cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
+                     uint64_t* seen) noexcept nogil:
+    # (seen: a zeroed bitmap of limit bits, or NULL to check bounds only; a negative
+    # slot skips its row and is neither bounded nor counted)
+    cdef Py_ssize_t i
+    cdef uint64_t s, bit
+    for i in range(n):
+        if slots[i] < 0:
+            continue
+        s = <uint64_t>slots[i]
+        if s >= limit:
+            return 0
+        if seen != NULL:
+            bit = (<uint64_t>1) << (s & 63)
+            if seen[s >> 6] & bit:
+                return 0
+            seen[s >> 6] |= bit
+    return 1
+
+
+def row_slots_ok(const int64_t[::1] slots, int64_t limit, bint unique) -> int:
+    """One pass over a copy_rows side's host indices: 1 where every non-negative slot is
+    below ``limit`` and, with ``unique``, none repeats; 0 where one of those fails (the
+    caller's checks then say which); -1 where the slots are in range but ``limit``
+    exceeds 64 per row, so that a bitmap of them would follow the layout rather than
+    the batch (the caller sorts them instead)."""
+    cdef Py_ssize_t n = slots.shape[0]
+    cdef uint64_t* seen = NULL
+    cdef int found
+    if n == 0:
+        return 1
+    if limit < 0:
+        return 0
+    if not unique or limit > 64 * n:
+        with nogil:
+            found = _scan_slots(&slots[0], n, limit, NULL)
+        return 0 if not found else (1 if not unique else -1)
+    seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
+    if seen == NULL:
+        raise MemoryError()
+    with nogil:
+        found = _scan_slots(&slots[0], n, limit, seen)
+    free(seen)
+    return found

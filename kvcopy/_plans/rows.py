@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy._cuda.plan_arrays import row_slots_ok
 from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.streams import current_framework_stream, resolve_stream
@@ -193,8 +194,13 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
         if indices is None and n > layout.slots:
             raise ValueError(f"{name} has {layout.slots} slots and no indices: {n} rows would "
                              "run past them")
-        _check_bounds(indices, layout.slots, f"{name}_indices")
-    _check_destinations(b, "dst_indices")
+        unique = name == "dst"
+        if indices is not None and indices.host is not None and \
+                row_slots_ok(indices.host, layout.slots, unique) != 1:
+            # (the one C pass found a problem, or left the duplicates to a sort)
+            _check_bounds(indices, layout.slots, f"{name}_indices")
+            if unique:
+                _check_destinations(indices, "dst_indices")
     plan = RowsPlan(src, dst, n, a, b, pieces, piece_bytes)
     _check_crossing(plan)
     return plan

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvcopy import Layout
-from kvcopy.testing import plans
+from kvcopy.testing import cuda, plans
 from helpers.host_copies import random_bytes, run_on_host
 from helpers.rows_fakes import GpuIndices
 
@@ -179,3 +179,25 @@ def test_from_pointers_checks_its_numbers():
         Layout.from_pointers([64], slots="4", row_bytes=8)
     with pytest.raises(ValueError, match="piece_stride must be at least 0, got -8"):
         Layout.from_pointers([64], slots=1, row_bytes=8, piece_stride=-8)
+
+
+@pytest.mark.parametrize("slots", [12, 100_000])   # a bitmap of the slots, or a sort
+def test_repeated_destinations_are_found_whatever_the_layouts_size(slots):
+    a, b = np.zeros((10, 16), np.uint8), np.zeros((slots, 16), np.uint8)
+    src, dst = Layout.of(a, slot=0), Layout.of(b, slot=0)
+    plans.plan_rows(src, dst, [0, 1, 2, 3], [-1, 5, -1, 11])   # skipped rows may repeat -1
+    with pytest.raises(ValueError, match="rows 1 and 3 both write slot 11"):
+        plans.plan_rows(src, dst, [0, 1, 2, 3], [-1, 11, 4, 11])
+    with pytest.raises(ValueError, match=rf"dst_indices\[2\] = {slots} is out of range"):
+        plans.plan_rows(src, dst, [0, 1, 2], [0, 1, slots])
+
+
+def test_row_slots_ok_answers_in_one_pass():
+    ok = cuda.plan_arrays.row_slots_ok
+    slots = np.array([3, -1, 7, -1, 0], np.int64)
+    assert ok(slots, 8, True) == 1
+    assert ok(slots, 7, False) == 0                       # 7 is out of range
+    assert ok(np.array([3, 3], np.int64), 8, True) == 0   # a repeat
+    assert ok(np.array([3, 3], np.int64), 8, False) == 1  # repeats allowed on a source side
+    assert ok(np.array([3, 3], np.int64), 1000, True) == -1   # left to a sort
+    assert ok(np.array([], np.int64), 0, True) == 1
