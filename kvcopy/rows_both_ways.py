@@ -5,7 +5,7 @@ from typing import Any
 
 from kvcopy._engine import both_ways
 from kvcopy._engine.rows_both_ways import execute_rows_both
-from kvcopy._plans.races import refuse_crossing
+from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._plans.rows import RowsPlan, expand, plan_rows, rows_stream
 from kvcopy.interop.frameworks import type_name
 from kvcopy.policy import RequestedMethod, check_method
@@ -56,6 +56,6 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
                                if i is not None))
     if any(p.device_indices for p in plans):
         return execute_rows_both(plans[0], plans[1], handle, method)
-    first, second = expand(plans[0]), expand(plans[1])
-    refuse_crossing(first, second)
-    return both_ways.execute_both(first, second, handle, method, ("store", "load"))
+    refuse_rows_crossing(plans[0], plans[1])
+    return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method,
+                                  ("store", "load"))

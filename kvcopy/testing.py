@@ -28,8 +28,9 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   above are how it changes them): nothing outside kvcopy imports them otherwise.
 - ``plans``: copy_rows' planning without a GPU: ``plan_rows`` (every check) and
   ``expand`` (the plan as the pointer copies the kernel computes), so that a test
-  can run a plan between host arrays and compare the bytes with an oracle; and
-  swap_blocks' (``plan_blocks``).
+  can run a plan between host arrays and compare the bytes with an oracle;
+  ``refuse_rows_crossing`` (copy_rows_both_ways' race check); and swap_blocks'
+  planning (``plan_blocks``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from kvcopy._engine import rows as rows_engine
 from kvcopy._engine import rows_memo
 from kvcopy._plans.blocks import plan_blocks
 from kvcopy._plans.rows import expand, plan_rows
+from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
 from kvcopy.config import config
@@ -70,7 +72,8 @@ engine = types.SimpleNamespace(
     kernels=kernels, peers=peers, prepare=prepare, ring=ring, side_streams=side_streams,
     calibration_file=calibration_file, persist=persist, rows=rows_engine,
     rows_memo=rows_memo)
-plans = types.SimpleNamespace(plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks)
+plans = types.SimpleNamespace(plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks,
+                                refuse_rows_crossing=refuse_rows_crossing)
 
 
 def _users() -> list[types.ModuleType]:

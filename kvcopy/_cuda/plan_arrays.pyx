@@ -183,3 +183,32 @@ def row_slots_ok(const int64_t[::1] slots, int64_t limit, bint unique) -> int:
         found = _scan_slots(&slots[0], n, limit, seen)
     free(seen)
     return found
+
+
+def first_common_slot(const int64_t[::1] a, const int64_t[::1] b, int64_t limit) -> int:
+    """The first index j such that b[j] is also in ``a`` (slots in [0, limit)), or -1
+    where none is; -2 where ``limit`` exceeds 64 per slot given, so that a bitmap of
+    them would follow the layout rather than the batch (the caller sorts instead)."""
+    cdef Py_ssize_t na = a.shape[0], nb = b.shape[0], i
+    cdef uint64_t* seen
+    cdef uint64_t s
+    cdef Py_ssize_t found = -1
+    if na == 0 or nb == 0:
+        return -1
+    if limit < 0 or limit > 64 * (na + nb):
+        return -2
+    seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
+    if seen == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in range(na):
+            s = <uint64_t>a[i]
+            if s < <uint64_t>limit:
+                seen[s >> 6] |= (<uint64_t>1) << (s & 63)
+        for i in range(nb):
+            s = <uint64_t>b[i]
+            if s < <uint64_t>limit and seen[s >> 6] & ((<uint64_t>1) << (s & 63)):
+                found = i
+                break
+    free(seen)
+    return found

@@ -21,7 +21,7 @@ MAX_LINES = 400
 PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
-        "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy.layouts",
+        "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy._plans.rows_races", "kvcopy.layouts",
         "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
         "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
         "kvcopy._runtime.calibration_file",
