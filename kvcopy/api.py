@@ -333,12 +333,13 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     """
     check_method(method)
     a, b, handle = src_indices, dst_indices, None
-    if isinstance(src, Layout) and isinstance(dst, Layout) and rows_memo.known_pair(src, dst):
+    known = rows_memo.entry(src, dst)
+    if known is not None:
         # (these layouts were checked against each other: their indices are read next)
         a, b = read_indices(a, "src_indices"), read_indices(b, "dst_indices")
         if _gpu_only(a, b):
             handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
-            again = rows_memo.repeat(src, dst, rows_memo.call_key(a, b, rows, handle, method))
+            again = rows_memo.repeat(known, rows_memo.call_key(a, b, rows, handle, method))
             if again is not None:
                 return again()
     plan = plan_rows(src, dst, a, b, rows)
@@ -353,8 +354,9 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
 
 def _gpu_only(a: Indices | None, b: Indices | None) -> bool:
     """Indices on the GPU for one side at least, none on the host."""
-    sides = [i for i in (a, b) if i is not None]
-    return bool(sides) and all(i.host is None for i in sides)
+    if a is None:
+        return b is not None and b.host is None
+    return a.host is None and (b is None or b.host is None)
 
 
 def check_indices(stream: Any = None) -> None:

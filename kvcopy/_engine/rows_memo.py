@@ -49,22 +49,23 @@ def call_key(src_indices: Indices | None, dst_indices: Indices | None, rows: Any
             config.device_ctas, config.peer_ctas, config.threads_per_cta)
 
 
-def known_pair(src: Layout, dst: Layout) -> bool:
-    """Whether a call between these two layouts was remembered (so they were checked
-    against each other)."""
-    entry = _memo.get((id(src), id(dst)))
-    return entry is not None and entry.src() is src and entry.dst() is dst
+def entry(src: Any, dst: Any) -> "_Entry | None":
+    """The call remembered between these two layouts (so they were checked against each
+    other), or None."""
+    found = _memo.get((id(src), id(dst)))
+    if found is None or found.src() is not src or found.dst() is not dst:
+        return None
+    return found
 
 
-def repeat(src: Layout, dst: Layout, key: tuple) -> Repeat | None:
-    """The remembered call between these layouts with this key, where it may run again."""
-    entry = _memo.get((id(src), id(dst)))
-    if entry is None or entry.key != key or entry.src() is not src or entry.dst() is not dst:
+def repeat(found: "_Entry", key: tuple) -> Repeat | None:
+    """The remembered call, where ``key`` is its key and it may run again."""
+    if found.key != key:
         return None
-    if not entry.repeat.usable():
-        _memo.pop((id(src), id(dst)), None)
+    if not found.repeat.usable():
+        _memo.pop((id(found.src()), id(found.dst())), None)
         return None
-    return entry.repeat
+    return found.repeat
 
 
 def remember(src: Layout, dst: Layout, key: tuple, again: Repeat) -> None:
