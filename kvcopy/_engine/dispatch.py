@@ -175,17 +175,22 @@ def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
 def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, ...]],
                     kernel: kernels.CopyKernel, target: Target, src_view: np.ndarray,
                     dst_view: np.ndarray) -> None:
-    """A swap_blocks plan whose sides have one stride each, by the layout kernel: each
-    side's ids uploaded as one array, the rest of the job passed by value (no tensor
-    table), with the layout kernel's CTAs."""
-    n, handle = blocks.num_pairs, target.handle
+    """A swap_blocks plan whose sides have one stride each, by the layout kernel, the
+    rest of the job passed by value (no tensor table), with the layout kernel's CTAs.
+    The ids go up in chunks (policy.id_chunks), each as one array per side, each
+    launched once written: the GPU starts on the first while the CPU writes the next."""
+    n, handle, start = blocks.num_pairs, target.handle, 0
     with ring.ring_for_current_context().reserve(16 * n) as slot:
-        nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host)
-        launch.upload(slot.device, slot.host, nbytes, handle)
-        rows.RowsLaunches(kernel.function_rows, (slot.device, *sides[0]),
-                          (slot.device + 8 * n, *sides[1]), src_view, dst_view, n, 1,
-                          blocks.geometry.block_bytes, target.rows_ctas(),
-                          config.threads_per_cta, handle).launch()
+        for count in policy.id_chunks(n):
+            at = 16 * start
+            nbytes = plan_arrays.split_block_ids(blocks.mapping[start:start + count],
+                                                 slot.host + at)
+            launch.upload(slot.device + at, slot.host + at, nbytes, handle)
+            rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
+                              (slot.device + at + 8 * count, *sides[1]), src_view, dst_view,
+                              count, 1, blocks.geometry.block_bytes, target.rows_ctas(),
+                              config.threads_per_cta, handle).launch()
+            start += count
         ring.DescriptorRing.fence(slot, handle)
 
 

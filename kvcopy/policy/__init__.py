@@ -12,6 +12,7 @@ from kvcopy.errors import CaptureError, KVCopyError
 from kvcopy.policy.defaults import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS,
                                     BOTH_WAYS_DMA_CHUNK, BULK_MAX_BYTES, BULK_MIN_BYTES,
                                     BULK_STORE_CTAS, DEVICE_CTAS_PER_SM, HOST_CTAS,
+                                    ID_CHUNK_GROWTH, ID_FIRST_CHUNK,
                                     MAX_SIDE_STREAMS, OTHER_WAY_MIN_SHARE, PEER_CTAS,
                                     RING_MIN_CAPACITY_BYTES, RING_SLOTS, ROWS_HOST_CTAS,
                                     STAGING_CTAS,
@@ -135,6 +136,21 @@ def rows_host_ctas(direction: str, host_ctas: int | None = None) -> int:
     if host_ctas:
         return host_ctas
     return ROWS_HOST_CTAS.get(direction, max(ROWS_HOST_CTAS.values()))
+
+
+def id_chunks(pairs: int, first: int = ID_FIRST_CHUNK, growth: int = ID_CHUNK_GROWTH
+              ) -> list[int]:
+    """How many of a swap_blocks call's ``pairs`` each launch of the layout kernel takes,
+    in order: ``first``, then each at most ``growth`` times the one before, the last
+    taking the rest (one launch for ``first`` pairs or fewer)."""
+    chunks: list[int] = []
+    size, left = max(first, 1), pairs
+    while left > 0:
+        take = min(size, left)
+        chunks.append(take)
+        left -= take
+        size *= max(growth, 1)
+    return chunks
 
 
 def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) -> bool:

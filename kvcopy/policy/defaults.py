@@ -11,6 +11,13 @@ HOST_CTAS = {"h2d": 4, "d2h": 2}
 # hide the reads of host memory (8 keep 0.93 of the contiguous copy from 512 B rows,
 # 16 from 128 B rows); GPU-to-host rows keep 0.93 from 2 CTAs.
 ROWS_HOST_CTAS = {"h2d": 16, "d2h": 2}
+# swap_blocks by the layout kernel writes its ids for the GPU in chunks, each launched
+# as soon as it is written, so that the GPU starts after the first instead of after
+# all: the first of this many pairs, each next at most ID_CHUNK_GROWTH times the one
+# before (writing a pair's ids takes the CPU a small part of the time the GPU takes
+# to copy the pair's block, so the GPU never waits for the next chunk).
+ID_FIRST_CHUNK = 1024
+ID_CHUNK_GROWTH = 8
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
 # equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to
 # host memory slow compute beside them far more than their share of SMs.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvcopy import policy
 from kvcopy.policy import ROWS_HOST_CTAS
 from kvcopy.testing import cuda, engine, plans
 from helpers.rows_fakes import DEVICE, PINNED, STREAM, install_rows_fakes
@@ -34,6 +35,27 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
                             ("fence", 0x77, STREAM)]
     np.testing.assert_array_equal(slot_memory[:48].view(np.int64), [5, 7, 63, 1, 0, 39])
     assert driver.ctas == [ROWS_HOST_CTAS["h2d"]]
+
+
+def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED)
+    src, dst = np.zeros((4096, 64), np.uint8), np.zeros((4096, 64), np.uint8)
+    mapping = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
+    assert policy.id_chunks(3000) == [1024, 1976]
+    engine.dispatch.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
+    side = (4096, 1, 64, 64, 64)
+    first, second = 0x3000, 0x3000 + 16 * 1024
+    assert driver.calls == [
+        ("upload", first, 16 * 1024, STREAM),
+        ("launch", 42, (first, *side), (first + 8 * 1024, *side), 1024, 1, 64, STREAM),
+        ("upload", second, 16 * 1976, STREAM),
+        ("launch", 42, (second, *side), (second + 8 * 1976, *side), 1976, 1, 64, STREAM),
+        ("fence", 0x77, STREAM)]
+    ids = slot_memory[:16 * 3000].view(np.int64)
+    np.testing.assert_array_equal(ids[:1024], mapping[:1024, 0])
+    np.testing.assert_array_equal(ids[1024:2048], mapping[:1024, 1])
+    np.testing.assert_array_equal(ids[2048:2048 + 1976], mapping[1024:, 0])
+    np.testing.assert_array_equal(ids[2048 + 1976:], mapping[1024:, 1])
 
 
 def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():

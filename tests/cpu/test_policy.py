@@ -326,3 +326,21 @@ def test_layout_kernel_host_ctas_per_direction():
     assert policy.rows_host_ctas("h2d", host_ctas=5) == 5   # config.host_ctas wins
     # the block kernel's calibrated counts are its own: the layout kernel's differ
     assert policy.rows_host_ctas("h2d") != policy.HOST_CTAS["h2d"]
+
+
+@pytest.mark.parametrize("pairs, first, growth, chunks", [
+    (0, 1024, 8, []),
+    (3, 1024, 8, [3]),
+    (1024, 1024, 8, [1024]),
+    (32768, 1024, 8, [1024, 8192, 23552]),
+    (100, 10, 2, [10, 20, 40, 30]),
+])
+def test_swap_blocks_ids_go_up_in_growing_chunks(pairs, first, growth, chunks):
+    assert policy.id_chunks(pairs, first, growth) == chunks
+    assert sum(chunks) == pairs
+
+
+def test_id_chunks_defaults_start_small_and_grow():
+    chunks = policy.id_chunks(32768)
+    assert chunks[0] == policy.ID_FIRST_CHUNK
+    assert all(b <= policy.ID_CHUNK_GROWTH * a for a, b in zip(chunks, chunks[1:]))

@@ -260,6 +260,24 @@ def test_64_tensors_1024_pairs(torch_cuda):
         assert torch.equal(h[idx_d], g[idx_s.cuda()].cpu())
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_many_pairs_go_up_in_chunks_and_every_block_lands(torch_cuda, direction):
+    """More pairs than policy.ID_FIRST_CHUNK: the ids go up and launch in chunks."""
+    torch = torch_cuda
+    gpu = [rand_cuda(torch, (12000, 256), torch.int16, 20 + i) for i in range(2)]
+    host = [rand_cuda(torch, (12000, 256), torch.int16, 30 + i).cpu().pin_memory()
+            for i in range(2)]
+    src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
+    mapping = mapping_for(12000, 12000, 10_000, 7)
+    expected = [d.cpu().clone() for d in dst]
+    for e, t in zip(expected, src):
+        e[torch.from_numpy(mapping[:, 1])] = t.cpu()[torch.from_numpy(mapping[:, 0])]
+    assert kvcopy.swap_blocks(src, dst, mapping) == "kernel"
+    torch.cuda.synchronize()
+    for got, want in zip(dst, expected):
+        assert torch.equal(got.cpu(), want)
+
+
 # ------------------------------------------------------------------ TransferQueue
 
 def test_transfer_queue_offload_and_reload(torch_cuda):
