@@ -18,6 +18,8 @@ from kvcopy.policy.defaults import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS,
                                     STAGING_CTAS,
                                     STAGING_MIN_BYTES, STAGING_MIN_SPAN_BYTES)
 
+from kvcopy.policy.layout_kernel import id_chunks, rows_host_ctas
+
 Method = Literal["batch", "loop", "kernel", "staged"]   # what ran
 Variant = Literal["", "registers", "bulk"]           # how the kernel copies ('' for DMA)
 RequestedMethod = Literal["auto", "batch", "loop", "kernel"]   # what a caller may ask for
@@ -124,33 +126,6 @@ def device_ctas(caps: DeviceCaps) -> int:
 def peer_ctas(caps: DeviceCaps) -> int:
     """CTAs for a copy between GPUs: enough to keep NVLink busy, not the whole GPU."""
     return min(PEER_CTAS, caps.sm_count)
-
-
-def rows_host_ctas(direction: str, host_ctas: int | None = None) -> int:
-    """CTAs of the layout kernel (copy_rows) for a batch touching host memory
-    (``direction`` 'h2d', 'd2h' or 'mixed', which gets the larger): ROWS_HOST_CTAS, or
-    ``host_ctas`` where the caller set one (config.host_ctas). The block kernel's
-    calibrated host CTAs do not apply: the layout kernel reads an index before each
-    row and needs its own count. Inside a GPU and between two, it takes the copy
-    kernel's (device_ctas, peer_ctas)."""
-    if host_ctas:
-        return host_ctas
-    return ROWS_HOST_CTAS.get(direction, max(ROWS_HOST_CTAS.values()))
-
-
-def id_chunks(pairs: int, first: int = ID_FIRST_CHUNK, growth: int = ID_CHUNK_GROWTH
-              ) -> list[int]:
-    """How many of a swap_blocks call's ``pairs`` each launch of the layout kernel takes,
-    in order: ``first``, then each at most ``growth`` times the one before, the last
-    taking the rest (one launch for ``first`` pairs or fewer)."""
-    chunks: list[int] = []
-    size, left = max(first, 1), pairs
-    while left > 0:
-        take = min(size, left)
-        chunks.append(take)
-        left -= take
-        size *= max(growth, 1)
-    return chunks
 
 
 def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) -> bool:

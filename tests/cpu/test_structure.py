@@ -19,6 +19,7 @@ MAX_LINES = 400
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
 PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
+        "kvcopy.policy.layout_kernel",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
         "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy._plans.rows_races", "kvcopy.layouts",
