@@ -320,15 +320,29 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
     (ls, ptr_s), (ld, ptr_d) = side_s, side_d
     if ls.block_bytes != ld.block_bytes:
         return None
+    key = ("uniform", ls, ld, ptr_s.tobytes(), ptr_d.tobytes())
+    found = _uniform_geometries.get(key)   # (an engine passes the same caches every step)
+    if found is not None:
+        return found
     n = len(srcs)
 
     def column(value: int) -> np.ndarray:
         return np.full(n, value, dtype=np.uint64)
 
-    return BlockGeometry(ls.block_bytes, ptr_s, ptr_d, column(_extent(ls)), column(_extent(ld)),
-                         column(ls.block_stride), column(ld.block_stride), column(1), column(1),
-                         column(ls.num_blocks), column(ld.num_blocks),
-                         key=("uniform", ls, ld, ptr_s.tobytes(), ptr_d.tobytes()))
+    geometry = BlockGeometry(ls.block_bytes, ptr_s, ptr_d, column(_extent(ls)),
+                             column(_extent(ld)), column(ls.block_stride),
+                             column(ld.block_stride), column(1), column(1),
+                             column(ls.num_blocks), column(ld.num_blocks), key=key)
+    if len(_uniform_geometries) >= _GEOMETRIES_KEPT:
+        _uniform_geometries.clear()
+    _uniform_geometries[key] = geometry
+    return geometry
+
+
+# Geometries of uniform torch lists by what they were read from (layouts and addresses:
+# the whole of a geometry), so that a repeated call builds none of its columns again.
+_GEOMETRIES_KEPT = 64
+_uniform_geometries: dict[tuple, BlockGeometry] = {}
 
 
 def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeometry] | None:
