@@ -211,7 +211,8 @@ def both_ways_rows(torch, rows_bytes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB),
                 kvcopy.copy_rows_both_ways, (pool, chunk_out, a), (chunk_in, pool, None, b),
                 stream=s1)
         for name, chose, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, repeats):
-            rows_out.append({"scenario": f"both ways {row_bytes // KiB} KiB rows", "method": name,
+            rows_out.append({"scenario": f"both ways {row_bytes // KiB} KiB rows "
+                                         f"{total // MiB} MiB", "method": name,
                              "chose": chose, "bytes": 2 * total,
                              "gpu_gbps": 2 * total / gpu_ms / 1e6,
                              "of_contiguous_pair": pair_ms / gpu_ms,
@@ -220,10 +221,12 @@ def both_ways_rows(torch, rows_bytes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB),
 
 
 def run_here() -> list[dict]:
-    """run(), swap_blocks_rows() and both_ways_rows() on torch's current GPU (python -m
-    kvcopy.bench's layouts stage)."""
+    """run(), swap_blocks_rows() and both_ways_rows() (32 MiB each way, and 64 MiB) on
+    torch's current GPU (python -m kvcopy.bench's layouts stage)."""
     import torch
-    return run(torch) + swap_blocks_rows(torch) + both_ways_rows(torch)
+    # (64 MiB each way: where the policy stages a batch whose host side is one span)
+    return (run(torch) + swap_blocks_rows(torch) + both_ways_rows(torch)
+            + both_ways_rows(torch, (16 * KiB, 64 * KiB), 64 * MiB))
 
 
 def print_rows(name: str, rows: list[dict]) -> None:
@@ -235,7 +238,7 @@ def print_rows(name: str, rows: list[dict]) -> None:
     dash = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
     for r in rows:
         if r["scenario"].startswith("both ways"):
-            print(f"{r['scenario']:<22} {r['method']:<34} ({r['chose'] or '-'}) "
+            print(f"{r['scenario']:<29} {r['method']:<34} ({r['chose'] or '-'}) "
                   f"{r['gpu_gbps']:6.1f} GB/s of pair {r['of_contiguous_pair']:.2f} "
                   f"wall {r['wall_of_contiguous_pair']:.2f}")
             continue
