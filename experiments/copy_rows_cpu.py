@@ -8,13 +8,12 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
 
 import kvcopy
 from kvcopy import Layout
+from kvcopy.bench.timing import call_cpu_us
 
 caches = [torch.empty((2, 64, 16, 2048), dtype=torch.uint8, device="cuda") for _ in range(32)]
 chunk = torch.empty((2, 32, 256, 2048), dtype=torch.uint8, pin_memory=True)
@@ -30,18 +29,10 @@ def call() -> None:
 
 
 
-def cpu_us(fn, calls: int = 200) -> str:
+def cpu_us(fn) -> str:
     """Median and minimum call-to-return microseconds, each call synchronised after."""
-    for _ in range(20):
-        fn()
-    stream.synchronize()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        stream.synchronize()
-    return f"median {statistics.median(times):.1f} min {min(times):.1f}"
+    median, least = call_cpu_us(fn, stream.synchronize)
+    return f"median {median:.1f} min {least:.1f}"
 
 
 print(f"copy_rows gpu indices cpu_us {cpu_us(call)}")

@@ -150,16 +150,23 @@ def run(torch) -> list[dict]:
     return out
 
 
-def swap_blocks_rows(torch, pairs: int = 32768, block: int = 2 * KiB) -> list[dict]:
-    """swap_blocks of ``pairs`` random block pairs (64 MiB of 2 KiB blocks) between one
-    GPU pool and one pinned pool of twice as many blocks, each way, against the
-    contiguous copy of as many bytes: GPU time, CPU per call and call to completion."""
-    stream = torch.cuda.Stream()
+def swap_pools(torch, pairs: int, block: int):
+    """A GPU pool and a pinned pool of 2 x ``pairs`` blocks of ``block`` bytes, and a
+    mapping of ``pairs`` random (source, destination) ids, each side's distinct."""
     gpu = torch.empty((2 * pairs, block), dtype=torch.uint8, device="cuda")
     host = torch.empty((2 * pairs, block), dtype=torch.uint8, pin_memory=True)
     rng = np.random.default_rng(5)
     mapping = np.stack([rng.choice(2 * pairs, pairs, replace=False),
                         rng.choice(2 * pairs, pairs, replace=False)], axis=1)
+    return gpu, host, mapping
+
+
+def swap_blocks_rows(torch, pairs: int = 32768, block: int = 2 * KiB) -> list[dict]:
+    """swap_blocks of ``pairs`` random block pairs (64 MiB of 2 KiB blocks) between one
+    GPU pool and one pinned pool of twice as many blocks, each way, against the
+    contiguous copy of as many bytes: GPU time, CPU per call and call to completion."""
+    stream = torch.cuda.Stream()
+    gpu, host, mapping = swap_pools(torch, pairs, block)
     nbytes = pairs * block
     out = []
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):

@@ -69,6 +69,22 @@ def call_to_completion_us(fn: Callable[[], object], synchronize: Callable[[], ob
     return statistics.median(times)
 
 
+def call_cpu_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
+                calls: int = 200, warmup: int = 20) -> tuple[float, float]:
+    """Median and least CPU time from call to return of ``fn`` (µs), each call made on
+    an idle stream (``synchronize`` after each, outside the timing)."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        synchronize()
+    return statistics.median(times), min(times)
+
+
 def span_ms(fn: Callable[[], object], first, second, *, repeats: int = 7, warmup: int = 2,
             cover_cycles: int | None = 4_000_000) -> float:
     """Median GPU time of work ``fn`` enqueues on two torch streams (of one device or

@@ -1,0 +1,80 @@
+"""swap_blocks of 32,768 random 2 KiB block pairs (64 MiB) between one GPU pool and one
+pinned pool, each way: where its CPU time goes (plan, issue, whole call, each call
+synchronised after; a cProfile), and the GPU time, wall and CPU per call of swap_blocks
+by the layout kernel, by the block kernel (tensor table), and of copy_rows on the same
+ids (host and GPU indices), then both kernels at several CTA counts, each against the
+contiguous copy of as many bytes."""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import torch
+
+import kvcopy
+from kvcopy import Layout
+from kvcopy.bench.layouts import swap_pools
+from kvcopy.bench.timing import call_cpu_us, measure
+from kvcopy._plans.blocks import BlockPlan
+from kvcopy.testing import engine, plans
+
+PAIRS, BLOCK = 32768, 2048
+layout_sides = BlockPlan.layout_sides
+stream = torch.cuda.Stream()
+gpu, host, mapping = swap_pools(torch, PAIRS, BLOCK)
+src_ids, dst_ids = mapping[:, 0].copy(), mapping[:, 1].copy()
+gpu_src, gpu_dst = torch.from_numpy(src_ids).cuda(), torch.from_numpy(dst_ids).cuda()
+
+
+def cpu_us(fn) -> str:
+    median, least = call_cpu_us(fn, stream.synchronize, calls=100, warmup=10)
+    return f"median {median:7.1f} min {least:7.1f}"
+
+
+for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
+    h = stream.cuda_stream
+    print(f"{direction} plan_blocks   {cpu_us(lambda: plans.plan_blocks(src, dst, mapping, stream=h))}")
+    plan = plans.plan_blocks(src, dst, mapping, stream=h)
+    print(f"{direction} execute_blocks {cpu_us(lambda: engine.dispatch.execute_blocks(plan, h))}")
+    print(f"{direction} swap_blocks   {cpu_us(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream))}")
+    a, b = src[:PAIRS], dst[:PAIRS]
+
+    def contiguous():
+        with torch.cuda.stream(stream):
+            b.copy_(a, non_blocking=True)
+    c = measure(contiguous, stream, repeats=15)
+    print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f} cpu_us {c.cpu_us:.1f}")
+    cases = {"swap_blocks": lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream)}
+
+    def block_kernel():
+        BlockPlan.layout_sides = lambda self: None   # the tensor table's kernel instead
+        try:
+            kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+        finally:
+            BlockPlan.layout_sides = layout_sides
+    cases["swap_blocks, block kernel"] = block_kernel
+    ls, ld = Layout.of(src, slot=0), Layout.of(dst, slot=0)
+    cases["copy_rows host ids"] = lambda: kvcopy.copy_rows(ls, ld, src_ids, dst_ids, stream=stream)
+    cases["copy_rows gpu ids"] = lambda: kvcopy.copy_rows(ls, ld, gpu_src, gpu_dst, stream=stream)
+    prepared = kvcopy.prepare_rows(ls, ld, gpu_src, gpu_dst, stream=stream)
+    cases["prepared gpu ids"] = prepared
+    for name, fn in cases.items():
+        t = measure(fn, stream, repeats=15)
+        print(f"{direction} {name:<20} gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
+              f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:7.1f} gpu_ms {t.gpu_ms:.3f}")
+    for ctas in (4, 8, 16, 32, 64):
+        kvcopy.config.host_ctas = ctas
+        t = measure(cases["swap_blocks, block kernel"], stream, repeats=15)
+        r = measure(cases["swap_blocks"], stream, repeats=15)
+        print(f"{direction} ctas {ctas:>3} block kernel gpu_vs {c.gpu_ms / t.gpu_ms:.3f} "
+              f"layout kernel gpu_vs {c.gpu_ms / r.gpu_ms:.3f}")
+    del kvcopy.config.host_ctas
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(100):
+        kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+        stream.synchronize()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(14)
+    print("\n".join(out.getvalue().splitlines()[6:26]))
