@@ -19,8 +19,13 @@ OTHER_STREAM = 0x4321
 
 
 @pytest.fixture
-def driver(seams):
-    return install_rows_fakes(seams, np.zeros(1 << 16, np.uint8), DEVICE, PINNED)
+def slot_memory():
+    return np.zeros(1 << 16, np.uint8)   # the ring slot's host side: host indices go there
+
+
+@pytest.fixture
+def driver(seams, slot_memory):
+    return install_rows_fakes(seams, slot_memory, DEVICE, PINNED)
 
 
 def indices_of(call) -> tuple[int, int]:

@@ -87,6 +87,7 @@ def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=No
     """FakeRowsCuda in place of the driver layers, a loaded kernel, a descriptor-ring slot
     over ``slot_memory``, and ``side_stream`` for kvcopy's side streams."""
     found = FakeRowsCuda(src, dst, capturing)
+    found.slot_memory = slot_memory   # the slot holds only its address: keep it alive
     seams.enter_context(testing.fake_cuda(found, ("driver", "launch", "classify", "rows")))
     kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None,
                                        function_rows=42, rows_report=0x99)
