@@ -199,10 +199,10 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the ids: the layout kernel where
     each side's tensors share one stride (the usual caches), else the block kernel
-    from a table of the tensors. The copy engines, and the kernel under capture, take the plan's copies as
-    pointers, by the method decided here. The streams array-interface producers
-    declared are waited for first, unless the caller already did
-    (``wait_for_producers=False``)."""
+    from a table of the tensors. The copy engines, and the kernel under capture, take
+    the plan's copies as pointers, by the method decided here. The streams
+    array-interface producers declared are waited for first, unless the caller
+    already did (``wait_for_producers=False``)."""
     if blocks.num_pairs == 0:
         return "none"
     handle = effective_handle(stream_handle)
