@@ -249,13 +249,19 @@ def _slots(indices: Indices | None, rows: int) -> np.ndarray:
     return indices.host
 
 
+def live_slots(plan: RowsPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, source slots, destination slots) of the plan's rows that are copied (no
+    negative index on either side), in row order; host indices only."""
+    s_slots, d_slots = _slots(plan.src_indices, plan.rows), _slots(plan.dst_indices, plan.rows)
+    live = (s_slots >= 0) & (d_slots >= 0)
+    return np.flatnonzero(live), s_slots[live], d_slots[live]
+
+
 def expand(plan: RowsPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The plan as pointer copies (source, destination, size; uint64 arrays), plane by
     plane, row by row, piece by piece, rows with a negative index left out: what the
     copy engines and the pointer path take, and what the kernel computes."""
-    s_slots, d_slots = _slots(plan.src_indices, plan.rows), _slots(plan.dst_indices, plan.rows)
-    live = (s_slots >= 0) & (d_slots >= 0)
-    s_slots, d_slots = s_slots[live], d_slots[live]
+    _, s_slots, d_slots = live_slots(plan)
     piece = np.arange(plan.pieces, dtype=np.uint64)
 
     def addresses(layout: Layout, slots: np.ndarray, piece_stride: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvcopy._cuda.plan_arrays import first_common_slot
 from kvcopy._plans.overlaps import overlap_between
-from kvcopy._plans.rows import RowsPlan, expand
+from kvcopy._plans.rows import RowsPlan, expand, live_slots
 from kvcopy.layouts import Layout
 
 _NO_ORDER = "a store and a load at once run in no order with each other: issue them one " \
@@ -41,12 +41,9 @@ def _same_rows(x: Layout, y: Layout) -> bool:
 
 
 def _live(plan: RowsPlan, side: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, slots on ``side``) of the plan's rows that are copied (no negative index)."""
-    rows = np.arange(plan.rows, dtype=np.int64)
-    src, dst = (rows if i is None or i.host is None else i.host   # (host indices only here)
-                for i in (plan.src_indices, plan.dst_indices))
-    live = (src >= 0) & (dst >= 0)
-    return rows[live], np.ascontiguousarray((src if side == "src" else dst)[live])
+    """(rows, slots on ``side``) of the plan's rows that are copied."""
+    rows, src, dst = live_slots(plan)
+    return rows, np.ascontiguousarray(src if side == "src" else dst)
 
 
 def _common_slot(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
