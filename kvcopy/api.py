@@ -345,8 +345,7 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     plan = plan_rows(src, dst, a, b, rows)
     if handle is None:
         handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
-    if not _gpu_only(plan.src_indices, plan.dst_indices):
-        return execute_rows(plan, handle, method)
+    # (execute_rows hands over what repeats the call only where its indices are on the GPU)
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
     return execute_rows(plan, handle, method,
                         remember=lambda again: rows_memo.remember(src, dst, key, again))
