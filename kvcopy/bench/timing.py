@@ -54,25 +54,10 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
     return Timing(statistics.median(gpu), statistics.median(cpu), statistics.median(wall), repeats)
 
 
-def call_to_completion_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
-                          repeats: int = 300, warmup: int = 10) -> float:
-    """Median wall time of ``fn`` and then ``synchronize`` (from an idle stream), in µs."""
-    for _ in range(warmup):
-        fn()
-    synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
-def call_cpu_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
-                calls: int = 200, warmup: int = 20) -> tuple[float, float]:
-    """Median and least CPU time from call to return of ``fn`` (µs), each call made on
-    an idle stream (``synchronize`` after each, outside the timing)."""
+def _call_times_us(fn: Callable[[], object], synchronize: Callable[[], object], calls: int,
+                   warmup: int, timed_sync: bool) -> list[float]:
+    """µs of each of ``calls`` calls of ``fn`` from an idle stream, ``synchronize`` after
+    each: inside the timing with ``timed_sync``, outside it otherwise."""
     for _ in range(warmup):
         fn()
     synchronize()
@@ -80,8 +65,25 @@ def call_cpu_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
+        if timed_sync:
+            synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
-        synchronize()
+        if not timed_sync:
+            synchronize()
+    return times
+
+
+def call_to_completion_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
+                          repeats: int = 300, warmup: int = 10) -> float:
+    """Median wall time of ``fn`` and then ``synchronize`` (from an idle stream), in µs."""
+    return statistics.median(_call_times_us(fn, synchronize, repeats, warmup, True))
+
+
+def call_cpu_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
+                calls: int = 200, warmup: int = 20) -> tuple[float, float]:
+    """Median and least CPU time from call to return of ``fn`` (µs), each call made on
+    an idle stream (``synchronize`` after each, outside the timing)."""
+    times = _call_times_us(fn, synchronize, calls, warmup, False)
     return statistics.median(times), min(times)
 
 
