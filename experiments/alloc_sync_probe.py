@@ -30,7 +30,7 @@ import torch
 
 import kvcopy
 from kvcopy.testing import cuda
-kv_driver = cuda.driver
+kv_driver, kv_memory = cuda.driver, cuda.memory
 from kvcopy.bench.workloads import scattered_batch
 
 SLEEP_MS = 50
@@ -69,9 +69,9 @@ def _timed_us(call) -> float:
 
 
 def driver_calls() -> None:
-    for name, make, free in (("cuMemHostAlloc / cuMemFreeHost", kv_driver.host_alloc,
-                              kv_driver.host_free),
-                             ("cuMemAlloc / cuMemFree", kv_driver.mem_alloc, kv_driver.mem_free)):
+    for name, make, free in (("cuMemHostAlloc / cuMemFreeHost", kv_memory.host_alloc,
+                              kv_memory.host_free),
+                             ("cuMemAlloc / cuMemFree", kv_memory.mem_alloc, kv_memory.mem_free)):
         torch.cuda.synchronize()
         busy = _sleep_beside()
         holder: list[int] = []

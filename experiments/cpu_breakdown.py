@@ -20,6 +20,7 @@ from kvcopy.testing import cuda
 kv_classify, kv_describe, kv_driver, kv_launch, kv_testing = (cuda.classify, cuda.describe,
                                                               cuda.driver, cuda.launch,
                                                               cuda.testing)
+kv_memory = cuda.memory
 from kvcopy.interop.arrays import as_u64_array
 from kvcopy._plans.copies import plan_copies
 from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
@@ -56,7 +57,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
     timed("as_u64_array x3", lambda: [as_u64_array(a, "x") for a in (s, d, sizes)])
     timed("plan_copies", lambda: plan_copies(s, d, sizes))
     plan = plan_copies(s, d, sizes)
-    pinned = kv_driver.host_alloc(plan.count * kv_describe.DESCRIPTOR_BYTES)
+    pinned = kv_memory.host_alloc(plan.count * kv_describe.DESCRIPTOR_BYTES)
     pageable = np.empty(plan.count * 4, dtype=np.uint64)
     timed("describe_copies -> pinned", lambda: kv_describe.describe_copies(s, d, sizes, pinned))
     timed("describe_compact -> pinned", lambda: kv_describe.describe_compact(s, d, sizes, pinned))
@@ -128,7 +129,7 @@ def main(count: int = 8192, block: int = 16 << 10, swap: bool = True) -> None:
           sync=stream.synchronize)
     timed("copy_batch kernel + sync (wall)", lambda: (kvcopy.copy_batch(
         s, d, sizes, stream=stream, method="kernel"), stream.synchronize()), calls=50)
-    kv_driver.host_free(pinned)
+    kv_memory.host_free(pinned)
     if swap:
         swap_blocks_breakdown(stream)
 

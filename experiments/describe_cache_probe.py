@@ -30,6 +30,7 @@ decide, dispatch = engine.decide, engine.dispatch
 kernels = engine.kernels
 from kvcopy.testing import cuda
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
+kv_memory = cuda.memory
 from kvcopy.bench.workloads import scattered_batch
 from kvcopy.interop.streams import resolve_stream
 
@@ -41,8 +42,8 @@ def probe(count: int, block: int) -> None:
     kvcopy.copy_batch(s, d, sizes, stream=stream, method="kernel")
     stream.synchronize()
     nbytes = count * kv_describe.DESCRIPTOR_BYTES
-    buffers = [kv_driver.host_alloc(nbytes) for _ in range(2)]
-    device = kv_driver.mem_alloc(nbytes)
+    buffers = [kv_memory.host_alloc(nbytes) for _ in range(2)]
+    device = kv_memory.mem_alloc(nbytes)
     batch = kv_describe.describe_copies(s, d, sizes, buffers[1])
     n, total, tiles = batch.count, batch.total_bytes, batch.tiles
     target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses.of(batch))
@@ -50,7 +51,7 @@ def probe(count: int, block: int) -> None:
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 
     def kernel_reads(buffer: int) -> Callable[[], None]:
-        mapped = kv_driver.host_device_pointer(buffer)
+        mapped = kv_memory.host_device_pointer(buffer)
         return lambda: (kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas,
                                                threads, handle), stream.synchronize())
     kv_describe.describe_copies(s, d, sizes, buffers[0])   # (a kernel over it copies the batch)
@@ -92,8 +93,8 @@ def probe(count: int, block: int) -> None:
         print(f"copy_batch {count:6d} x {block // 1024:2d} KiB, synced: median "
               f"{statistics.median(times):7.1f} us  min {min(times):7.1f}", flush=True)
     for buffer in buffers:
-        kv_driver.host_free(buffer)
-    kv_driver.mem_free(device)
+        kv_memory.host_free(buffer)
+    kv_memory.mem_free(device)
 
 
 if __name__ == "__main__":

@@ -298,7 +298,7 @@ def d2d_descriptors():
     from kvcopy.testing import engine
     kernels = engine.kernels
     from kvcopy.testing import cuda
-    describe, driver, launch = cuda.describe, cuda.driver, cuda.launch
+    describe, driver, launch, memory = cuda.describe, cuda.driver, cuda.launch, cuda.memory
 
     total = 256 * MiB
     src, dst = one_way_pools("d2d", total)
@@ -313,11 +313,11 @@ def d2d_descriptors():
     for block in (16 * KiB, 64 * KiB, 256 * KiB):
         n = total // block
         s, d, z = pointers(src, dst, block, n, block)
-        host = driver.host_alloc(n * 32)
-        dev = driver.mem_alloc(n * 32)
+        host = memory.host_alloc(n * 32)
+        dev = memory.mem_alloc(n * 32)
         batch = describe.describe_copies(s, d, z, host, False)
         count, tiles = batch.count, batch.tiles
-        mapped = driver.host_device_pointer(host)
+        mapped = memory.host_device_pointer(host)
         launch.launch_descs(kernel.function_uploaded, dev, count, tiles, sms, 512, handle, host)
         cells = []
         for label, function, descs, upload, ctas, threads in (
@@ -331,8 +331,8 @@ def d2d_descriptors():
                                                     handle, upload), stream)
             cells.append(f"{label} {contiguous.gpu_ms / t.gpu_ms:.2f}")
         stream.synchronize()
-        driver.host_free(host)
-        driver.mem_free(dev)
+        memory.host_free(host)
+        memory.mem_free(dev)
         print(f"d2d_descriptors {block // KiB:>4} KiB  " + "  ".join(cells), flush=True)
 
 

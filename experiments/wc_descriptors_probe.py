@@ -37,6 +37,7 @@ decide, dispatch = engine.decide, engine.dispatch
 kernels = engine.kernels
 from kvcopy.testing import cuda
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
+kv_memory = cuda.memory
 from kvcopy.bench.scenarios import Pools, scattered_offsets
 
 TOTAL = 64 << 20
@@ -80,7 +81,7 @@ def probe(direction: str, block: int) -> None:
     stream = torch.cuda.Stream()
     handle = stream.cuda_stream
     nbytes = count * kv_describe.DESCRIPTOR_BYTES
-    slots = {"cached": kv_driver.host_alloc(nbytes), "write-combined": write_combined_alloc(nbytes)}
+    slots = {"cached": kv_memory.host_alloc(nbytes), "write-combined": write_combined_alloc(nbytes)}
     batch = kv_describe.describe_compact(s, d, sizes, slots["cached"])
     n, total, tiles, compact_size = batch.count, batch.total_bytes, batch.tiles, batch.compact_size
     target = decide.decide(handle, "kernel", n, total, decide.MemoryClasses.of(batch))
@@ -88,7 +89,7 @@ def probe(direction: str, block: int) -> None:
     ctas, threads = target.ctas(None), kvcopy.config.threads_per_cta
 
     def copy_from(slot: int):
-        mapped = kv_driver.host_device_pointer(slot)
+        mapped = kv_memory.host_device_pointer(slot)
         if compact_size:
             return lambda: kv_launch.launch_compact(kernel.function_compact, mapped, n, compact_size,
                                                   ctas, threads, handle)
@@ -117,7 +118,7 @@ def probe(direction: str, block: int) -> None:
                                dst_bytes[int(dst_off[i]):int(dst_off[i]) + block]) for i in picks)
     print(f"{direction} {block >> 10:>2} KiB bytes right after the write-combined copy "
           f"({len(picks)} copies checked): {right}", flush=True)
-    kv_driver.host_free(slots["cached"])
+    kv_memory.host_free(slots["cached"])
     _check(cu.cuMemFreeHost(slots["write-combined"]))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy._runtime import device as devices, peers
-from kvcopy._cuda import driver
+from kvcopy._cuda import driver, memory
 from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
@@ -65,7 +65,7 @@ def _release(stream: int, start: int, end: int, device_memory: int) -> None:
         driver.stream_synchronize(stream)
         driver.stream_destroy(stream)
     if device_memory:
-        driver.mem_free(device_memory)
+        memory.mem_free(device_memory)
 
 
 def _next_threshold(found: float, block: int, gbps: dict) -> float:
@@ -168,8 +168,8 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
     try:
         info = devices.device_info(device)
         stream = driver.stream_create()
-        dev = driver.mem_alloc(2 * total_bytes)
-        host = driver.host_alloc(2 * total_bytes)
+        dev = memory.mem_alloc(2 * total_bytes)
+        host = memory.host_alloc(2 * total_bytes)
         start, end = driver.event_create(timing=True), driver.event_create(timing=True)
         rng = np.random.default_rng(0)
         measured: dict = {}
@@ -211,7 +211,7 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
     finally:
         _release(stream, start, end, dev)
         if host:
-            driver.host_free(host)
+            memory.host_free(host)
         driver.pop_context()
 
 
@@ -242,7 +242,7 @@ def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: in
 def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result: bool) -> None:
     """calibrate_peers for copies from device a to device b, launched on a."""
     driver.push_context(driver.primary_context(b))
-    dst = driver.mem_alloc(2 * total_bytes)
+    dst = memory.mem_alloc(2 * total_bytes)
     driver.pop_context()
     driver.push_context(driver.primary_context(a))
     stream = src = start = end = 0
@@ -250,7 +250,7 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         info = devices.device_info(a)
         peers.enable_for(a, [b])
         stream = driver.stream_create()
-        src = driver.mem_alloc(2 * total_bytes)
+        src = memory.mem_alloc(2 * total_bytes)
         start, end = driver.event_create(timing=True), driver.event_create(timing=True)
         rng = np.random.default_rng(0)
         key = f"p2p {a}>{b}"
@@ -278,5 +278,5 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         _release(stream, start, end, src)
         driver.pop_context()
         driver.push_context(driver.primary_context(b))
-        driver.mem_free(dst)
+        memory.mem_free(dst)
         driver.pop_context()

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda import driver
+from kvcopy._cuda import memory
 from kvcopy.arguments import require_int
 from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
@@ -18,7 +18,7 @@ MAX_PINNED_BYTES = 2**63 - 1
 def _free_pinned(ptr: int) -> None:
     try:
         with ContextScope():
-            driver.host_free(ptr)
+            memory.host_free(ptr)
     except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
         pass
 
@@ -28,8 +28,8 @@ class _PinnedAllocation:
 
     def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
         with ContextScope():
-            self.ptr = driver.host_alloc(max(nbytes, 1))
-            self.device_ptr = driver.host_device_pointer(self.ptr)
+            self.ptr = memory.host_alloc(max(nbytes, 1))
+            self.device_ptr = memory.host_device_pointer(self.ptr)
         self.nbytes = nbytes
         self.__array_interface__ = {"shape": shape, "typestr": dtype.str,
                                     "data": (self.ptr, False), "version": 3}
@@ -107,7 +107,7 @@ def device_pointer(obj: Any) -> int:
         if nbytes == 0:
             raise ValueError("device_pointer: an empty buffer has no address")
     with ContextScope():
-        return driver.host_device_pointer(ptr)
+        return memory.host_device_pointer(ptr)
 
 
 class register:
@@ -141,9 +141,9 @@ class register:
             try:
                 for start in range(0, self.nbytes, self.chunk_bytes):
                     size = min(self.chunk_bytes, self.nbytes - start)
-                    driver.host_register(self.ptr + start, size, self.readonly)
+                    memory.host_register(self.ptr + start, size, self.readonly)
                     self._chunks.append(self.ptr + start)
-                self.device_ptr = driver.host_device_pointer(self.ptr)
+                self.device_ptr = memory.host_device_pointer(self.ptr)
             except KVCopyError:
                 self.close()
                 raise
@@ -154,7 +154,7 @@ class register:
             return
         with ContextScope():
             while self._chunks:
-                driver.host_unregister(self._chunks.pop())
+                memory.host_unregister(self._chunks.pop())
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

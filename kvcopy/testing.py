@@ -40,8 +40,8 @@ import types
 from typing import Any, Callable, Iterator
 
 from kvcopy import policy
-from kvcopy._cuda import (classify, describe, dma, driver, launch, plan_arrays, replay_records,
-                          stage)
+from kvcopy._cuda import (classify, describe, dma, driver, launch, memory, plan_arrays,
+                          replay_records, stage)
 from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
@@ -57,13 +57,13 @@ from kvcopy._runtime import (calibration_file, context, device, kernels, peers, 
 from kvcopy.config import config
 
 CUDA_LAYERS = ("driver", "describe", "launch")
-_LAYERS = {"driver": driver, "describe": describe, "launch": launch, "dma": dma,
+_LAYERS = {"driver": driver, "memory": memory, "describe": describe, "launch": launch, "dma": dma,
            "stage": stage, "classify": classify, "replay_records": replay_records,
            "plan_arrays": plan_arrays, "rows": rows_cuda}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(
-    classify=classify, describe=describe, dma=dma, driver=driver, launch=launch,
+    classify=classify, describe=describe, dma=dma, driver=driver, launch=launch, memory=memory,
     plan_arrays=plan_arrays, replay_records=replay_records, stage=stage, testing=cuda_testing,
     rows=rows_cuda)
 engine = types.SimpleNamespace(

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
 """Thin wrappers over the CUDA driver (cuda-python's ``cydriver``): errors,
-initialisation, devices and contexts, streams, events and memory.
+initialisation, devices and contexts, streams and events (memory: memory.pyx).
 
 The rules, said once: everything is GIL-free and takes integer handles at the Python
 boundary; every CUresult goes through :func:`check` (driver.pxd), which takes the GIL
@@ -343,58 +343,3 @@ def event_elapsed_ms(uintptr_t start, uintptr_t end) -> float:
 
 def event_destroy(uintptr_t event) -> None:
     check(cydriver.cuEventDestroy(<CUevent>event))
-
-
-# ---------------------------------------------------------------- memory
-
-def mem_alloc(size_t nbytes) -> int:
-    """Device memory in the current context (scratch for calibration and benchmarks)."""
-    cdef CUdeviceptr ptr = 0
-    check(cydriver.cuMemAlloc(&ptr, nbytes))
-    return ptr
-
-
-def mem_free(uintptr_t ptr) -> None:
-    check(cydriver.cuMemFree(<CUdeviceptr>ptr))
-
-
-def memset_d8_async(uintptr_t ptr, unsigned char value, size_t nbytes, uintptr_t stream) -> None:
-    check(cydriver.cuMemsetD8Async(<CUdeviceptr>ptr, value, nbytes, <CUstream>stream))
-
-
-def host_alloc(size_t nbytes) -> int:
-    """Pinned host memory, portable and mapped into every device's address space."""
-    init()
-    cdef void* ptr = NULL
-    with nogil:
-        check(cydriver.cuMemHostAlloc(&ptr, nbytes,
-                                       cydriver.CU_MEMHOSTALLOC_PORTABLE | cydriver.CU_MEMHOSTALLOC_DEVICEMAP))
-    return <uintptr_t>ptr
-
-
-def host_free(uintptr_t ptr) -> None:
-    with nogil:
-        check(cydriver.cuMemFreeHost(<void*>ptr))
-
-
-def host_register(uintptr_t ptr, size_t nbytes, bint read_only=False) -> None:
-    """Page-lock and map existing host memory (portable, device-mapped)."""
-    init()
-    cdef unsigned int flags = cydriver.CU_MEMHOSTREGISTER_PORTABLE | cydriver.CU_MEMHOSTREGISTER_DEVICEMAP
-    if read_only:
-        flags |= cydriver.CU_MEMHOSTREGISTER_READ_ONLY
-    with nogil:
-        check(cydriver.cuMemHostRegister(<void*>ptr, nbytes, flags))
-
-
-def host_unregister(uintptr_t ptr) -> None:
-    with nogil:
-        check(cydriver.cuMemHostUnregister(<void*>ptr))
-
-
-def host_device_pointer(uintptr_t ptr) -> int:
-    """The address at which the current context's device sees pinned host memory."""
-    cdef CUdeviceptr dptr = 0
-    check(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0))
-    return dptr
-

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvcopy import policy
 from kvcopy._runtime import kernels, ring, side_streams
-from kvcopy._cuda import describe, driver, launch, stage
+from kvcopy._cuda import describe, driver, launch, memory, stage
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy.config import config
 from kvcopy._runtime.context import PerContext
@@ -95,10 +95,10 @@ class StagingBuffers:
             for event in self.free:   # the old buffers may still be read
                 driver.event_synchronize(event)
             if self.base:
-                driver.mem_free(self.base)
+                memory.mem_free(self.base)
                 self.base = self.capacity = 0
             try:
-                self.base = driver.mem_alloc(len(self.free) * chunk_bytes)
+                self.base = memory.mem_alloc(len(self.free) * chunk_bytes)
             except CudaError:
                 return False
             self.capacity = chunk_bytes

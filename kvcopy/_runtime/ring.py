@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kvcopy._cuda import driver
+from kvcopy._cuda import driver, memory
 from kvcopy._runtime.context import PerContext
 from kvcopy.policy import RING_MIN_CAPACITY_BYTES, RING_SLOTS
 
@@ -40,25 +40,25 @@ class Slot:
         if nbytes <= self.capacity:
             return
         capacity = max(RING_MIN_CAPACITY_BYTES, 1 << (nbytes - 1).bit_length())
-        host = driver.host_alloc(capacity)
+        host = memory.host_alloc(capacity)
         try:
-            device = driver.mem_alloc(capacity)
+            device = memory.mem_alloc(capacity)
         except BaseException:
-            driver.host_free(host)
+            memory.host_free(host)
             raise
         if self.host:
             self.outgrown.append((self.host, self.device))
         self.host, self.device, self.capacity = host, device, capacity
-        self.mapped = driver.host_device_pointer(host)
+        self.mapped = memory.host_device_pointer(host)
 
     def free(self) -> None:
         """Free every buffer, outgrown ones too (the ring never does: only an owner of a
         slot of its own, once the GPU is done with it)."""
         for host, device in [(self.host, self.device), *self.outgrown]:
             if host:
-                driver.host_free(host)
+                memory.host_free(host)
             if device:
-                driver.mem_free(device)
+                memory.mem_free(device)
         self.outgrown.clear()
         self.host = self.mapped = self.device = self.capacity = 0
 

@@ -70,7 +70,7 @@ class FakeRingDriver:
 
 @pytest.fixture
 def driver(seams) -> FakeRingDriver:
-    return seams.enter_context(testing.fake_cuda(FakeRingDriver(), ("driver",)))
+    return seams.enter_context(testing.fake_cuda(FakeRingDriver(), ("driver", "memory")))
 
 
 def test_unfenced_slot_is_handed_out_again_without_waiting(driver):

@@ -18,11 +18,11 @@ from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 FAULT_CHILD = r"""
 import json, numpy as np, torch, kvcopy
 from kvcopy.testing import cuda
-kv_driver, kv_launch = cuda.driver, cuda.launch
+kv_memory = cuda.memory
 torch.cuda.init(); torch.zeros(1, device="cuda")
 MiB = 1 << 20
-a, b = kv_driver.mem_alloc(MiB), kv_driver.mem_alloc(MiB)
-kv_driver.memset_d8_async(a, 7, MiB, 1); torch.cuda.synchronize()
+a, b = kv_memory.mem_alloc(MiB), kv_memory.mem_alloc(MiB)
+kv_memory.memset_d8_async(a, 7, MiB, 1); torch.cuda.synchronize()
 src = np.array([a + i * 4096 for i in range(10)], dtype=np.uint64)
 dst = np.array([b + i * 8192 for i in range(10)], dtype=np.uint64)
 sizes = np.full(10, 4096, dtype=np.uint64)
@@ -36,7 +36,7 @@ try:
 except kvcopy.CudaError as e:
     out.update(raised=e.name, index=e.index, message=str(e))
 sizes[7] = 4096
-kv_driver.memset_d8_async(b, 0, MiB, 1); torch.cuda.synchronize()
+kv_memory.memset_d8_async(b, 0, MiB, 1); torch.cuda.synchronize()
 used = kvcopy.copy_batch(src, dst, sizes, stream=s, method=METHOD)
 s.synchronize()
 host = np.empty(MiB, np.uint8)
