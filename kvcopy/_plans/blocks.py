@@ -3,6 +3,7 @@ checked block-id mapping. No driver calls; the engine issues the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -116,10 +117,34 @@ class BlockGeometry:
                              self.producer_streams,
                              None if self.key is None else ("reversed", self.key))
 
+    @cached_property
+    def id_limits(self) -> tuple[int, int]:
+        """The ids each side's every tensor holds: [0, fewest blocks of the side)."""
+        return int(self.src_blocks.min()), int(self.dst_blocks.min())
+
+    @cached_property
+    def layout_sides(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Each side as the layout kernel takes it (kvcopy_rows_side, rows.h, less its
+        indices): (slots, page_size, page_stride, slot_stride, piece_stride), a tensor a
+        plane, a block a row, a block of a split tensor a slot of a page; None where a
+        side's tensors differ in stride or split (the block kernel's tensor table
+        takes those). Ids are checked against every tensor, so the fewest blocks of a
+        side bound its slots. Worked out once per geometry (an engine's caches keep
+        theirs from call to call)."""
+
+        def side(stride: np.ndarray, factor: np.ndarray, slots: int) -> tuple | None:
+            if (stride != stride[0]).any() or (factor != factor[0]).any():
+                return None
+            return (slots, int(factor[0]), int(stride[0]), self.block_bytes, self.block_bytes)
+
+        src = side(self.src_stride, self.src_factor, self.id_limits[0])
+        dst = side(self.dst_stride, self.dst_factor, self.id_limits[1])
+        return None if src is None or dst is None else (src, dst)
+
     def with_mapping(self, block_mapping: Any) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
-        fast = (block_ids_ok(mapping, int(self.src_blocks.min()), int(self.dst_blocks.min()))
+        fast = (block_ids_ok(mapping, *self.id_limits)
                 if self.num_tensors and len(mapping) else 0)
         if fast != 1:   # the checks below find what failed (or sort sparse destinations)
             multi = self.num_tensors > 1
@@ -163,23 +188,8 @@ class BlockPlan:
         return table
 
     def layout_sides(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """Each side as the layout kernel takes it (kvcopy_rows_side, rows.h, less its
-        indices): (slots, page_size, page_stride, slot_stride, piece_stride), a tensor a
-        plane, a block a row, a block of a split tensor a slot of a page; None where a
-        side's tensors differ in stride or split (the block kernel's tensor table
-        takes those). Ids are checked against every tensor, so the fewest blocks of a
-        side bound its slots."""
-        g = self.geometry
-
-        def side(stride: np.ndarray, factor: np.ndarray, blocks: np.ndarray) -> tuple | None:
-            if (stride != stride[0]).any() or (factor != factor[0]).any():
-                return None
-            return (int(blocks.min()), int(factor[0]), int(stride[0]), g.block_bytes,
-                    g.block_bytes)
-
-        src = side(g.src_stride, g.src_factor, g.src_blocks)
-        dst = side(g.dst_stride, g.dst_factor, g.dst_blocks)
-        return None if src is None or dst is None else (src, dst)
+        """Each side as the layout kernel takes it (BlockGeometry.layout_sides)."""
+        return self.geometry.layout_sides
 
     def _addresses(self, base, stride, factor, ids) -> np.ndarray:
         ids = ids.astype(np.uint64)[None, :]
