@@ -91,7 +91,7 @@ def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=No
     seams.enter_context(testing.fake_cuda(found, ("driver", "launch", "classify", "rows")))
     kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None,
                                        function_rows=42, rows_report=0x99)
-    slot = engine.ring.Slot(capacity=1 << 16, host=slot_memory.ctypes.data, mapped=0x2000,
+    slot = engine.ring.Slot(capacity=slot_memory.nbytes, host=slot_memory.ctypes.data, mapped=0x2000,
                             device=0x3000, event=0x77)
     seams.enter_context(testing.fake_runtime(copy_kernel=kernel, slot=slot, scope=FakeScope,
                                              side_stream=side_stream))
