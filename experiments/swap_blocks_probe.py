@@ -3,12 +3,19 @@ pinned pool, each way: where its CPU time goes (plan, issue, whole call, each ca
 synchronised after; a cProfile), and the GPU time, wall and CPU per call of swap_blocks
 by the layout kernel, by the block kernel (tensor table), and of copy_rows on the same
 ids (host and GPU indices), then both kernels at several CTA counts, each against the
-contiguous copy of as many bytes."""
+contiguous copy of as many bytes. ``steps``: only the CPU time of each step of
+execute_blocks' layout-kernel launch, the driver calls included.
+
+    python3 experiments/swap_blocks_probe.py [steps]"""
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import sys
+import time
+from collections import defaultdict
+
 import torch
 
 import kvcopy
@@ -30,6 +37,59 @@ def cpu_us(fn) -> str:
     median, least = call_cpu_us(fn, stream.synchronize, calls=100, warmup=10)
     return f"median {median:7.1f} min {least:7.1f}"
 
+
+class _Timed:
+    """A module of the dispatcher's whose named functions add their time to ``spent``."""
+
+    def __init__(self, module, spent, names) -> None:
+        self._module, self._spent, self._names = module, spent, names
+
+    def __getattr__(self, name):
+        real = getattr(self._module, name)
+        if name not in self._names:
+            return real
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = real(*args, **kwargs)
+            self._spent[name] += time.perf_counter() - start
+            if name == "RowsLaunches":
+                return _Timed(out, self._spent, ("launch",))
+            return out
+        return timed
+
+
+def launch_steps(src, dst, calls: int = 200) -> None:
+    """CPU microseconds per call of each step of execute_blocks (driver calls included)."""
+    d, h = engine.dispatch, stream.cuda_stream
+    plan = plans.plan_blocks(src, dst, mapping, stream=h)
+    spent: dict[str, float] = defaultdict(float)
+    real = {name: getattr(d, name) for name in ("plan_arrays", "launch", "rows", "settled_classes",
+                                                "decide", "wait_for_streams", "ring")}
+    d.plan_arrays = _Timed(real["plan_arrays"], spent, ("split_block_ids",))
+    d.launch = _Timed(real["launch"], spent, ("upload",))
+    d.rows = _Timed(real["rows"], spent, ("RowsLaunches",))
+    for name in ("settled_classes", "decide", "wait_for_streams"):
+        setattr(d, name, _Timed(d, spent, (name,)).__getattr__(name))
+    try:
+        whole = 0.0
+        for _ in range(calls):
+            start = time.perf_counter()
+            d.execute_blocks(plan, h)
+            whole += time.perf_counter() - start
+            stream.synchronize()
+    finally:
+        for name, value in real.items():
+            setattr(d, name, value)
+    steps = "  ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in spent.items())
+    print(f"execute_blocks {whole / calls * 1e6:.1f} us: {steps} (RowsLaunches: building; launch: issuing)")
+
+
+if sys.argv[1:] == ["steps"]:
+    for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
+        print(direction, end=" ")
+        launch_steps(src, dst)
+    sys.exit(0)
 
 for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
     h = stream.cuda_stream
