@@ -3,6 +3,7 @@ skips where no GPU is found; tests/helpers/ holds what both share."""
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 
@@ -75,6 +76,19 @@ def torch_current_stream_kept():
     yield
     if before is not None and torch.cuda.current_stream(before.device) != before:
         torch.cuda.set_stream(before)
+
+
+@pytest.fixture(autouse=True)
+def garbage_collected_before_gpu_tests(request):
+    """Earlier tests' garbage is collected before a GPU test, not in the middle of it.
+    A torch.cuda.CUDAGraph left in a reference cycle (a frame held by a pytest.raises
+    traceback) destroys its graph when collected, and that call, made while another
+    graph is being captured in the default (global) mode, invalidates the capture.
+    torch's graph context no longer collects on entry, so the collector could run
+    inside a test's capture, at a point that depends on every test before it."""
+    if "gpu" in request.keywords:
+        gc.collect()
+    yield
 
 
 @pytest.fixture(autouse=True)
