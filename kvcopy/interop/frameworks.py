@@ -9,9 +9,30 @@ _PREFIXES = (("torch", "torch"), ("cupy", "cupy"), ("cupy_backends", "cupy"), ("
              ("jaxlib", "jax"), ("cuda.core", "cuda.core"), ("cuda.bindings", "cuda.bindings"))
 
 
+# Answers by type: a call asks of each of its arguments several times, and a NumPy
+# array or a list would otherwise try every prefix each time. Bounded, because
+# classes made at run time would otherwise stay alive here.
+_by_type: dict[type, str | None] = {}
+_TYPES_KEPT = 256
+
+
 def framework_of(obj: Any) -> str | None:
     """'torch', 'cupy', 'jax', 'cuda.core', 'cuda.bindings', or None for anything else."""
-    module = type(obj).__module__ or ""
+    kind = type(obj)
+    try:
+        return _by_type[kind]
+    except KeyError:
+        pass
+    except TypeError:   # (a metaclass that makes its classes unhashable)
+        return _framework_of_module(kind.__module__ or "")
+    found = _framework_of_module(kind.__module__ or "")
+    if len(_by_type) >= _TYPES_KEPT:
+        _by_type.clear()
+    _by_type[kind] = found
+    return found
+
+
+def _framework_of_module(module: str) -> str | None:
     for prefix, name in _PREFIXES:
         if module == prefix or module.startswith(prefix + "."):
             return name
