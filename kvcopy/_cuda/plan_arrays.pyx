@@ -68,12 +68,41 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
 
 
+# The bitmaps below find repeated ids in one pass. One is used only while the ids'
+# range is at most 64 per id checked, so that its cost follows the batch, never the
+# pool (callers sort the ids instead past that).
+cdef inline bint _bitmap_follows_batch(int64_t limit, Py_ssize_t n) noexcept nogil:
+    return limit <= 64 * n
+
+
+def bitmap_follows_batch(int64_t limit, Py_ssize_t n) -> bool:
+    """Whether a bitmap of ``limit`` ids costs in proportion to a batch of ``n``."""
+    return _bitmap_follows_batch(limit, n)
+
+
+cdef uint64_t* _bitmap(int64_t limit) except NULL:
+    """A zeroed bitmap of ``limit`` bits (one word more: never empty); free() it."""
+    cdef uint64_t* seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
+    if seen == NULL:
+        raise MemoryError()
+    return seen
+
+
+cdef inline bint _seen_before(uint64_t* seen, uint64_t id) noexcept nogil:
+    """Whether ``id`` was marked already; marks it."""
+    cdef uint64_t bit = (<uint64_t>1) << (id & 63)
+    if seen[id >> 6] & bit:
+        return True
+    seen[id >> 6] |= bit
+    return False
+
+
 cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
                          uint64_t dst_limit, uint64_t* seen) noexcept nogil:
     # (seen: a zeroed bitmap of dst_limit bits, or NULL to check bounds only; a negative
     # id is a huge unsigned one, so one comparison checks both ends)
     cdef Py_ssize_t i
-    cdef uint64_t s, d, bit, out = 0
+    cdef uint64_t s, d, out = 0
     if seen == NULL:
         for i in range(n):
             out |= (<uint64_t>pairs[2 * i] >= src_limit) | (<uint64_t>pairs[2 * i + 1] >= dst_limit)
@@ -81,12 +110,8 @@ cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
     for i in range(n):
         s = <uint64_t>pairs[2 * i]
         d = <uint64_t>pairs[2 * i + 1]
-        if s >= src_limit or d >= dst_limit:
+        if s >= src_limit or d >= dst_limit or _seen_before(seen, d):
             return 0
-        bit = (<uint64_t>1) << (d & 63)
-        if seen[d >> 6] & bit:
-            return 0
-        seen[d >> 6] |= bit
     return 1
 
 
@@ -108,13 +133,11 @@ def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_l
     if src_limit < 0 or dst_limit < 0:
         return 0
     pairs = &mapping[0, 0]
-    if dst_limit > 64 * n:
+    if not _bitmap_follows_batch(dst_limit, n):
         with nogil:
             found = _scan_block_ids(pairs, n, src_limit, dst_limit, NULL)
         return -1 if found else 0
-    seen = <uint64_t*>calloc((dst_limit + 63) // 64 + 1, sizeof(uint64_t))
-    if seen == NULL:
-        raise MemoryError()
+    seen = _bitmap(dst_limit)
     with nogil:
         found = _scan_block_ids(pairs, n, src_limit, dst_limit, seen)
     free(seen)
@@ -144,18 +167,13 @@ cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
     # (seen: a zeroed bitmap of limit bits, or NULL to check bounds only; a negative
     # slot skips its row and is neither bounded nor counted)
     cdef Py_ssize_t i
-    cdef uint64_t s, bit
+    cdef uint64_t s
     for i in range(n):
         if slots[i] < 0:
             continue
         s = <uint64_t>slots[i]
-        if s >= limit:
+        if s >= limit or (seen != NULL and _seen_before(seen, s)):
             return 0
-        if seen != NULL:
-            bit = (<uint64_t>1) << (s & 63)
-            if seen[s >> 6] & bit:
-                return 0
-            seen[s >> 6] |= bit
     return 1
 
 
@@ -172,13 +190,11 @@ def row_slots_ok(const int64_t[::1] slots, int64_t limit, bint unique) -> int:
         return 1
     if limit < 0:
         return 0
-    if not unique or limit > 64 * n:
+    if not unique or not _bitmap_follows_batch(limit, n):
         with nogil:
             found = _scan_slots(&slots[0], n, limit, NULL)
         return 0 if not found else (1 if not unique else -1)
-    seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
-    if seen == NULL:
-        raise MemoryError()
+    seen = _bitmap(limit)
     with nogil:
         found = _scan_slots(&slots[0], n, limit, seen)
     free(seen)
@@ -195,16 +211,14 @@ def first_common_slot(const int64_t[::1] a, const int64_t[::1] b, int64_t limit)
     cdef Py_ssize_t found = -1
     if na == 0 or nb == 0:
         return -1
-    if limit < 0 or limit > 64 * (na + nb):
+    if limit < 0 or not _bitmap_follows_batch(limit, na + nb):
         return -2
-    seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
-    if seen == NULL:
-        raise MemoryError()
+    seen = _bitmap(limit)
     with nogil:
         for i in range(na):
             s = <uint64_t>a[i]
             if s < <uint64_t>limit:
-                seen[s >> 6] |= (<uint64_t>1) << (s & 63)
+                _seen_before(seen, s)
         for i in range(nb):
             s = <uint64_t>b[i]
             if s < <uint64_t>limit and seen[s >> 6] & ((<uint64_t>1) << (s & 63)):

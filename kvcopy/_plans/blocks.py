@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda.plan_arrays import block_ids_ok
+from kvcopy._cuda.plan_arrays import bitmap_follows_batch, block_ids_ok
 from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
@@ -16,11 +16,6 @@ from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
                             uniform_torch_layout)
 
-
-# A bitmap of the destination ids finds duplicates in O(n + pool) time; it is used
-# while the pool is at most this many times the batch, so its cost follows the
-# batch; larger pools sort the ids instead (O(n log n)).
-_BITMAP_PER_PAIR = 64
 
 
 def _split(layout: BlockLayout, block_bytes: int, name: str) -> tuple[BlockLayout, int]:
@@ -65,7 +60,7 @@ def _check_unique_destinations(ids: np.ndarray) -> None:
     if ids.size < 2:
         return
     limit = int(ids.max()) + 1
-    if limit <= _BITMAP_PER_PAIR * ids.size:
+    if bitmap_follows_batch(limit, ids.size):   # else sorted: O(n log n), never the pool
         seen = np.zeros(limit, dtype=np.bool_)
         seen[ids] = True
         if np.count_nonzero(seen) == ids.size:
