@@ -29,6 +29,7 @@ import kvcopy
 from kvcopy import Layout
 from kvcopy.bench.extra import timed_pair
 from kvcopy.bench.gpu import gpu_or_exit
+from kvcopy.bench.scenarios import triton_block_copier
 from kvcopy.bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,18 +93,6 @@ def row(name: str, nbytes: int, layout_t, prepared_t, pointer_t, vllm_t,
             "vs_vllm": None if vllm_t is None else vllm_t.gpu_ms / layout_t.gpu_ms}
 
 
-def _triton(pointers, row_bytes: int, stream):
-    """vLLM's kind of Triton kernel over the expanded pointers; None where it cannot run."""
-    if row_bytes % 8:
-        return None
-    try:
-        from kvcopy.bench import triton_alt
-    except Exception:  # noqa: BLE001 - no (working) Triton here: the column stays empty
-        return None
-    return triton_alt.block_copier(pointers[0], pointers[1], row_bytes, stream,
-                                   triton_alt.VLLM_PROGRAMS)
-
-
 def _measure_all(torch, stream, nbytes: int, src: Layout, dst: Layout, s, d, rows: int,
                  host_bytes, gpu_bytes, h2d: bool, name: str) -> dict:
     """One scenario's row: copy_rows, prepared, pointers, vLLM's way, contiguous."""
@@ -111,7 +100,7 @@ def _measure_all(torch, stream, nbytes: int, src: Layout, dst: Layout, s, d, row
                    None if d is None else d.cpu().numpy(), rows)
     prepared = kvcopy.prepare_rows(src, dst, s, d, rows=rows, stream=stream)
     if h2d:
-        vllm_fn = _triton(ps, src.piece_bytes, stream)
+        vllm_fn = triton_block_copier(ps[0], ps[1], src.piece_bytes, stream)
     else:   # vLLM stores by batched DMA, one entry per fragment
         vllm_fn = lambda: kvcopy.copy_batch(*ps, stream=stream, method="batch")  # noqa: E731
     a, b = (host_bytes, gpu_bytes) if h2d else (gpu_bytes, host_bytes)

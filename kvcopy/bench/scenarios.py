@@ -180,19 +180,29 @@ def alternative_rows(pools, src_off, dst_off, block, stream, row, ceiling,
         yield row("cuda.core.copy_batch", "", core_row, ceiling)
 
 
-def triton_copy_blocks(pools, src_off, dst_off, block, stream, programs: int):
-    """A Triton block-copy kernel in the style vLLM uses for small host-to-GPU loads:
-    per-block pointer arrays uploaded each call, a fixed grid of ``programs``
-    copying 8-byte words through unified addressing (16: kvcopy's CTA budget;
-    12: vLLM's grid). None where Triton is not installed."""
-    if block % 8 or pools.direction == "d2d":
+def triton_block_copier(src_addrs, dst_addrs, block: int, stream, programs: int | None = None):
+    """kvcopy.bench.triton_alt's block copier over these addresses, on ``programs``
+    programs (None: vLLM's grid); None where the blocks are not whole 8-byte words or
+    Triton cannot run here."""
+    if block % 8:
         return None
     try:
         from kvcopy.bench import triton_alt
     except Exception:  # noqa: BLE001 - no (working) Triton here: the row is left out
         return None
-    return triton_alt.block_copier(pools.src.data_ptr() + src_off, pools.dst.data_ptr() + dst_off,
-                                   block, stream, programs)
+    return triton_alt.block_copier(src_addrs, dst_addrs, block, stream,
+                                   programs or triton_alt.VLLM_PROGRAMS)
+
+
+def triton_copy_blocks(pools, src_off, dst_off, block, stream, programs: int):
+    """A Triton block-copy kernel in the style vLLM uses for small host-to-GPU loads:
+    per-block pointer arrays uploaded each call, a fixed grid of ``programs``
+    copying 8-byte words through unified addressing (16: kvcopy's CTA budget;
+    12: vLLM's grid). None where Triton is not installed."""
+    if pools.direction == "d2d":
+        return None
+    return triton_block_copier(pools.src.data_ptr() + src_off, pools.dst.data_ptr() + dst_off,
+                               block, stream, programs)
 
 
 def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):
