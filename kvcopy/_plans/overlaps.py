@@ -72,10 +72,31 @@ def _first_hit_packed(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
     return int(np.flatnonzero((a_lo < ends[k]) & (a_hi > starts[k]))[0])
 
 
+# Up to this many (a, b) pairs, every pair is compared in Python: a layout's few
+# planes per side cost less so than the sorts' NumPy calls.
+_FEW_PAIRS = 16
+_U64_END = 1 << 64   # a range reaching it wraps the address space: not compared (as _live)
+
+
+def _overlap_between_few(a_starts: list[int], a_sizes: list[int], b_starts: list[int],
+                         b_sizes: list[int]) -> tuple[int, int] | None:
+    """overlap_between, pair by pair (the first overlapping pair in (i, j) order)."""
+    for i, (s, x) in enumerate(zip(a_starts, a_sizes)):
+        if x == 0 or s + x >= _U64_END:
+            continue
+        for j, (t, y) in enumerate(zip(b_starts, b_sizes)):
+            if y and t + y < _U64_END and s < t + y and t < s + x:
+                return i, j
+    return None
+
+
 def overlap_between(a_starts: np.ndarray, a_sizes: np.ndarray, b_starts: np.ndarray,
                     b_sizes: np.ndarray) -> tuple[int, int] | None:
     """Indices (i, j) of a non-empty range a[i] and a non-empty range b[j] that
     overlap, or None. Ranges within one set may overlap each other."""
+    if a_starts.size * b_starts.size <= _FEW_PAIRS:
+        return _overlap_between_few(a_starts.tolist(), a_sizes.tolist(), b_starts.tolist(),
+                                    b_sizes.tolist())
     a_live, b_live = _live(a_starts, a_sizes), _live(b_starts, b_sizes)
     if a_live.size == 0 or b_live.size == 0:
         return None

@@ -135,6 +135,18 @@ def test_overlap_between_matches_the_oracle(a, b, high):
         assert a_sz[i] and b_sz[j] and a_lo[i] < b_lo[j] + b_sz[j] and b_lo[j] < a_lo[i] + a_sz[i]
 
 
+@pytest.mark.parametrize("others", [0, 6])   # few pairs (compared one by one) or a sort
+def test_a_range_that_wraps_the_address_space_is_not_compared(others):
+    end = 1 << 64
+    a_lo = np.array([end - 16] + [0x1000 * (k + 1) for k in range(others)], np.uint64)
+    a_sz = np.array([16] + [8] * others, np.uint64)      # reaches 2**64: wraps
+    b_lo = np.array([end - 8] + [0x100000 * (k + 1) for k in range(others)], np.uint64)
+    b_sz = np.array([4] + [8] * others, np.uint64)
+    assert overlaps.overlap_between(a_lo, a_sz, b_lo, b_sz) is None
+    a_sz[0] = 15                                           # ends one byte short: compared
+    assert overlaps.overlap_between(a_lo, a_sz, b_lo, b_sz) == (0, 0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(mapping=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), min_size=1, max_size=6,
                         unique_by=lambda p: p[1]),
