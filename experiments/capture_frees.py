@@ -1,11 +1,14 @@
 """Which frees survive a CUDA graph captured beside them in torch's default (global)
 capture mode: cuMemFreeHost / cuMemFree with the thread's mode as it is or relaxed,
-on the capturing thread or another, and a kvcopy pinned array freed by the collector.
+on the capturing thread or another, and a kvcopy pinned array or a torch CUDAGraph
+freed by the collector.
 
-Settled: kvcopy's driver.host_free and mem_free relax the thread's capture mode for
+Settled: kvcopy's memory.host_free and mem_free relax the thread's capture mode for
 the call (in the global mode the driver refuses the free with
 CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture; relaxed, both
-succeed and the capture replays). Each case runs in a child process of its own.
+succeed and the capture replays). The torch graph case is why the GPU tests collect
+garbage before each test rather than inside its capture. Each case runs in a child
+process of its own.
 
     python3 experiments/capture_frees.py
 """
@@ -14,9 +17,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CASES = ["pinned_array_collected", "host_free", "host_free_relaxed", "host_free_relaxed_other_thread",
-         "host_free_other_thread", "device_free_relaxed", "device_free_relaxed_other_thread",
-         "event_destroy"]
+CASES = ["pinned_array_collected", "torch_graph_collected", "host_free", "host_free_relaxed",
+         "host_free_relaxed_other_thread", "host_free_other_thread", "device_free_relaxed",
+         "device_free_relaxed_other_thread", "event_destroy"]
 
 CHILD = r"""
 import gc, threading, torch, kvcopy
@@ -43,8 +46,17 @@ def collected():
     del c
     return lambda: said.append(f"collected {gc.collect()}")
 
+def graph():
+    class Cycle: pass
+    c = Cycle(); c.me = c; c.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(c.graph, stream=torch.cuda.Stream()):
+        torch.zeros(1, device="cuda").add_(1)
+    del c
+    return lambda: said.append(f"collected {gc.collect()}")
+
 torch.zeros(1, device="cuda"); gc.collect(); gc.disable()
-free = {"pinned": collected, "host": host, "device": device, "event": event}[case.split("_")[0]]()
+makers = {"pinned": collected, "torch": graph, "host": host, "device": device, "event": event}
+free = makers[case.split("_")[0]]()
 
 def run():
     if relaxed:
