@@ -96,7 +96,7 @@ class Layout:
             raise TypeError("bases must be a 1-D sequence of integer addresses")
         if len(found) == 0:
             raise ValueError("bases: a layout needs at least one plane")
-        if (found.dtype.kind == "i" and (found <= 0).any()) or (found == 0).any():
+        if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
             raise ValueError("bases: every base address must be a positive address")
         slots = require_int(slots, "slots", minimum=1, maximum=_U64_MAX)
         row_bytes = require_int(row_bytes, "row_bytes", minimum=1, maximum=_U64_MAX)
