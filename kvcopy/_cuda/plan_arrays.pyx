@@ -88,12 +88,15 @@ cdef uint64_t* _bitmap(int64_t limit) except NULL:
     return seen
 
 
+cdef inline bint _marked(const uint64_t* seen, uint64_t id) noexcept nogil:
+    return (seen[id >> 6] >> (id & 63)) & 1
+
+
 cdef inline bint _seen_before(uint64_t* seen, uint64_t id) noexcept nogil:
     """Whether ``id`` was marked already; marks it."""
-    cdef uint64_t bit = (<uint64_t>1) << (id & 63)
-    if seen[id >> 6] & bit:
+    if _marked(seen, id):
         return True
-    seen[id >> 6] |= bit
+    seen[id >> 6] |= (<uint64_t>1) << (id & 63)
     return False
 
 
@@ -221,7 +224,7 @@ def first_common_slot(const int64_t[::1] a, const int64_t[::1] b, int64_t limit)
                 _seen_before(seen, s)
         for i in range(nb):
             s = <uint64_t>b[i]
-            if s < <uint64_t>limit and seen[s >> 6] & ((<uint64_t>1) << (s & 63)):
+            if s < <uint64_t>limit and _marked(seen, s):
                 found = i
                 break
     free(seen)
