@@ -10,8 +10,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
 - ``settings(**values)``: kvcopy.config values for the block (each checked as an
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
-  ``layers`` (kvcopy._cuda.driver, .describe, .launch, .dma, .stage, .classify,
-  .replay_records, .plan_arrays, .rows) outside that layer goes to ``fake``, an object
+  ``layers`` (kvcopy._cuda.driver, .memory, .describe, .launch, .dma, .stage,
+  .classify, .replay_records, .plan_arrays, .rows) outside that layer goes to ``fake``, an object
   with the functions and constants the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
   copy kernel, the descriptor ring, the staging buffers, the side streams, the
