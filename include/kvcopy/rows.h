@@ -8,7 +8,11 @@
  *     base_p + (s / page_size) * page_stride + (s % page_size) * slot_stride
  *            + j * piece_stride
  * where base_p is planes[p].src (or .dst). A negative index skips its row on purpose; an index >= slots skips it as
- * out of range and is counted in the module's kvcopy_rows_report. */
+ * out of range and is counted in the module's kvcopy_rows_report.
+ *
+ * Where `only_skipped_by.indices` is set, the job copies only the rows that index array
+ * skips (negative, or >= only_skipped_by.slots), reporting none: a staged store fills the
+ * staging rows its gather leaves, so that the destination keeps its own bytes there. */
 #ifndef KVCOPY_ROWS_H
 #define KVCOPY_ROWS_H
 
@@ -32,6 +36,8 @@ typedef struct kvcopy_rows_plane {
 typedef struct kvcopy_rows_job {
     kvcopy_rows_side src;
     kvcopy_rows_side dst;
+    kvcopy_rows_side only_skipped_by;     /* indices and slots only; indices 0: every row */
+    unsigned long long first_row;         /* the job copies rows first_row .. first_row + rows - 1 */
     unsigned long long rows;
     unsigned long long pieces;
     unsigned long long piece_bytes;

@@ -41,10 +41,16 @@ __device__ __forceinline__ unsigned long long kvcopy_row_address(const kvcopy_ro
 __device__ __forceinline__ bool kvcopy_rows_unit(const kvcopy_rows_job& job, unsigned long long p,
                                                  unsigned long long u, bool report,
                                                  unsigned long long* src, unsigned long long* dst) {
-    const unsigned long long row = job.pieces == 1 ? u : u / job.pieces;
-    const unsigned long long piece = u - row * job.pieces;
+    const unsigned long long local = job.pieces == 1 ? u : u / job.pieces;
+    const unsigned long long piece = u - local * job.pieces;
+    const unsigned long long row = job.first_row + local;
     unsigned long long s = 0, d = 0;
     bool bad = false;
+    if (job.only_skipped_by.indices) {
+        unsigned long long ignored = 0;
+        if (kvcopy_row_slot(job.only_skipped_by, row, &ignored, &bad)) return false;
+        bad = false;   /* reported by the job that skipped it */
+    }
     const bool src_ok = kvcopy_row_slot(job.src, row, &s, &bad);
     const bool dst_ok = kvcopy_row_slot(job.dst, row, &d, &bad);
     if (bad) {

@@ -5,7 +5,7 @@ by value (so a captured graph keeps it), and the module's out-of-range report.""
 
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport (CUcontext, CUdeviceptr, CUfunction, CUmodule, CUresult,
@@ -29,6 +29,8 @@ cdef extern from "kvcopy/rows.h":
     ctypedef struct kvcopy_rows_job:
         kvcopy_rows_side src
         kvcopy_rows_side dst
+        kvcopy_rows_side only_skipped_by
+        unsigned long long first_row
         unsigned long long rows
         unsigned long long pieces
         unsigned long long piece_bytes
@@ -77,7 +79,11 @@ cdef class RowsLaunches:
     kvcopy_rows_side (rows.h). Each job is a kernel parameter, so launch() may be
     captured, and what it names is read when the kernel runs (the indices' values
     included). ``context`` (0: whichever is current) is made current for each launch()
-    and must still be the one the launches were built in."""
+    and must still be the one the launches were built in. ``first_row``: the launches
+    copy rows first_row .. first_row + rows - 1 (indices read there, a side without
+    indices mapping row r to slot r, a skipped row reported by that number).
+    ``only_skipped_by`` (indices, slots): copy only the rows that index array skips
+    (negative or >= slots), reporting none (rows.h)."""
 
     cdef kvcopy_rows_job* jobs
     cdef unsigned int* grids
@@ -92,7 +98,8 @@ cdef class RowsLaunches:
                   const uint64_t[::1] src_bases, const uint64_t[::1] dst_bases,
                   unsigned long long rows, unsigned long long pieces,
                   unsigned long long piece_bytes, unsigned int max_ctas, unsigned int threads,
-                  uintptr_t stream, uintptr_t context=0):
+                  uintptr_t stream, uintptr_t context=0, tuple only_skipped_by=(0, 0),
+                  unsigned long long first_row=0):
         cdef Py_ssize_t n = src_bases.shape[0], start = 0, i, k, count
         cdef kvcopy_rows_job job
         cdef unsigned long long tiles
@@ -103,6 +110,10 @@ cdef class RowsLaunches:
             raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
         _side(&job.src, src_side)
         _side(&job.dst, dst_side)
+        memset(&job.only_skipped_by, 0, sizeof(kvcopy_rows_side))
+        job.only_skipped_by.indices, job.only_skipped_by.slots = only_skipped_by
+        job.only_skipped_by.page_size = 1
+        job.first_row = first_row
         job.rows = rows
         job.pieces = pieces
         job.piece_bytes = piece_bytes
