@@ -15,6 +15,7 @@ from kvcopy.policy.defaults import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS,
                                     ID_CHUNK_GROWTH, ID_FIRST_CHUNK,
                                     MAX_SIDE_STREAMS, OTHER_WAY_MIN_SHARE, PEER_CTAS,
                                     RING_MIN_CAPACITY_BYTES, RING_SLOTS, ROWS_HOST_CTAS,
+                                    ROWS_STAGING_MAX_PLANES, ROWS_STAGING_MIN_BYTES,
                                     STAGING_CTAS,
                                     STAGING_MIN_BYTES, STAGING_MIN_SPAN_BYTES)
 
@@ -376,3 +377,24 @@ def choose_staging(req: CopyRequest, decision: Decision, spans: HostSpans, chunk
     return Decision("staged", f"host side in {spans.count} span(s) of {mean_span / MiB:.1f} MiB "
                               "on average: copy engines move each whole through a GPU staging "
                               "buffer, the copy kernel scatters inside the GPU")
+
+
+def choose_rows_staging(directions: tuple[str, str], side_bytes: tuple[int, int],
+                        why_not: tuple[str | None, str | None], chunk_bytes: int,
+                        capturing: bool, requested: str = "auto",
+                        min_bytes: int = ROWS_STAGING_MIN_BYTES) -> Decision | None:
+    """Whether a store and a load at once in layout form (copy_rows_both_ways) go through
+    GPU staging buffers, each side's host rows moved whole by the copy engines
+    (kvcopy._engine.rows_staged): 'auto' only, staging on (``chunk_bytes``:
+    config.staging_bytes), outside capture (the buffers are shared; a graph would keep
+    their addresses), one side each way ('h2d' and 'd2h'), each side stageable
+    (``why_not``: kvcopy._plans.rows_staging.why_not_staged's answers, None where it
+    is) and of at least ``min_bytes``. None: each side by the layout kernel."""
+    if (requested != "auto" or not chunk_bytes or capturing
+            or sorted(directions) != ["d2h", "h2d"] or any(w is not None for w in why_not)
+            or min(side_bytes) < min_bytes):
+        return None
+    return Decision("staged", f"a store and a load of {min(side_bytes) / MiB:.0f} MiB or more "
+                              "with host rows back to back: copy engines move the rows "
+                              "through GPU staging buffers, the layout kernel gathers and "
+                              "scatters inside the GPU")

@@ -55,6 +55,17 @@ BULK_MIN_BYTES, BULK_MAX_BYTES = 16 << 10, 64 << 10
 # cuMemcpyAsync (a few microseconds of CPU), so spans must be long.
 STAGING_MIN_BYTES = 64 << 20
 STAGING_MIN_SPAN_BYTES = 1 << 20
+# A store and a load at once in layout form with GPU indices, each host side rows back
+# to back (copy_rows_both_ways), go through staging buffers from this many bytes a side
+# (kvcopy._engine.rows_staged): there the layout kernel's pair keeps 0.75-0.79 of two
+# contiguous copies by GPU time, the copy engines' pair with the kernel inside the GPU
+# 0.90-0.92 (0.86-0.90 at 4 MiB a side, one chunk, where its CPU per chunk costs more
+# of the wall); experiments/rows_both_ways_staged.py sizes. Staging one side alone, the
+# other on the kernel, gained nothing (same script, sides), so only pairs are staged. A
+# host side of more than ROWS_STAGING_MAX_PLANES planes would cost a copy-engine call
+# per plane per chunk.
+ROWS_STAGING_MIN_BYTES = 8 << 20
+ROWS_STAGING_MAX_PLANES = 8
 # CTAs of each staged chunk's scatter (or gather) inside the GPU: a 4 MiB chunk then
 # takes a small part of the time its copy over PCIe takes, and the SMs stay with the model.
 STAGING_CTAS = 16
