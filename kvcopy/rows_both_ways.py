@@ -32,10 +32,15 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     copy_rows' arguments, checked as copy_rows checks them, both before either is
     issued. Where a side's indices are on the GPU, each side is a layout-kernel launch:
     the store on ``stream``, the load on a stream of kvcopy's own forked from it and
-    joined back (both on ``stream``, in order, under capture). Where every index is on
-    the host, both sides go as pointer copies, as copy_both_ways issues them: one
-    kernel launch whose CTAs are split by direction, or both on the copy engines from
-    long rows. Either way both start after the work queued on ``stream`` and the work
+    joined back (both on ``stream``, in order, under capture). Where, besides, each
+    side's host rows lie back to back without indices and both sides are large
+    (policy.choose_rows_staging), the copy engines move the host rows in chunks
+    through GPU staging buffers and the layout kernel gathers and scatters them inside
+    the GPU ('staged'); a row an index skips still keeps its bytes (in a store, the
+    bytes its host row held when its chunk was gathered are written back to it).
+    Where every index is on the host, both sides go as pointer copies, as
+    copy_both_ways issues them: one kernel launch whose CTAs are split by direction,
+    or both on the copy engines from long rows. Either way both start after the work queued on ``stream`` and the work
     queued on it afterwards starts after both.
 
     The two run in no order with each other: with host indices, a store and a load
@@ -43,7 +48,8 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     both); GPU indices are not read on the host, so that is then the caller's to
     guarantee, as copy_rows' own duplicates are.
 
-    Returns the method each side ran with, e.g. ('kernel', 'kernel').
+    Returns the method each side ran with, e.g. ('kernel', 'kernel') or ('staged',
+    'staged').
 
     Raises:
         TypeError, ValueError: bad arguments, named with the side ('store' or 'load').

@@ -76,8 +76,8 @@ _UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
                 | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE)
 
 
-def _settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
-            prepared: bool = False) -> tuple[Target, np.ndarray, np.ndarray, bool]:
+def settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
+           prepared: bool = False) -> tuple[Target, np.ndarray, np.ndarray, bool]:
     """The plan's memory classified (the scope following it to its device, peer access
     enabled where the layout kernel will run), the policy's answer, and the planes'
     bases as the device sees them. ``prepared``: built for kvcopy.PreparedRows, whose
@@ -152,7 +152,7 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target, src_view, dst_view, capturing = _settle(scope, plan, handle, method)
+        target, src_view, dst_view, capturing = settle(scope, plan, handle, method)
         if plan.device_indices:
             launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
                                  context=driver.current_context())
@@ -195,7 +195,7 @@ def prepare_launches(plan: RowsPlan, stream_handle: int
         return None, Decision("kernel", "no rows: nothing to launch")
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        target, src_view, dst_view, _ = _settle(scope, plan, handle, "auto", prepared=True)
+        target, src_view, dst_view, _ = settle(scope, plan, handle, "auto", prepared=True)
         launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
                              context=driver.current_context())
         return launches, _kernel_decision(target, _PREPARED)

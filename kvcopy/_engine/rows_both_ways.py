@@ -2,13 +2,16 @@
 indices are on the GPU: each side is a layout-kernel launch of its own, the first on
 the caller's stream, the second on kvcopy's side stream forked from it and joined
 back, so that both directions share the link at once. Under capture both go on the
-caller's stream, one after the other (a graph keeps them in order). Sides whose
-indices are all on the host go as pointer copies through kvcopy._engine.both_ways
-instead (its fused kernel pair, or the copy engines from long rows)."""
+caller's stream, one after the other (a graph keeps them in order). A store and a load
+of host rows back to back go through GPU staging buffers where the policy says so
+(kvcopy._engine.rows_staged). Sides whose indices are all on the host go as pointer
+copies through kvcopy._engine.both_ways instead (its fused kernel pair, or the copy
+engines from long rows)."""
 from __future__ import annotations
 
 from kvcopy._cuda import driver
-from kvcopy._engine.rows import execute_rows
+from kvcopy._engine import rows_staged
+from kvcopy._engine.rows import execute_rows, settle
 from kvcopy._plans.rows import RowsPlan
 from kvcopy._runtime import side_streams
 from kvcopy._runtime.context import ContextScope
@@ -20,9 +23,13 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
     """Issue both plans at once, after the work queued on the stream and before the
     work queued there next; returns the method each ran with."""
     handle = effective_handle(stream_handle)
-    with ContextScope(handle):
+    with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
             return execute_rows(first, handle, method), execute_rows(second, handle, method)
+        both = rows_staged.try_staged(first, second, handle, method,
+                                      lambda plan: settle(scope, plan, handle, method)[:3])
+        if both is not None:
+            return both
         side = side_streams.for_caller(handle)
         driver.stream_wait_stream(side, handle)
         try:

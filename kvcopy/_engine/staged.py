@@ -111,6 +111,13 @@ class StagingBuffers:
 _buffers = PerContext(StagingBuffers)
 
 
+def context_buffers(chunk_bytes: int) -> StagingBuffers | None:
+    """The current context's staging buffers, of ``chunk_bytes`` each at least (made or
+    grown here); None where the GPU has no room for them."""
+    staging = _buffers.current()
+    return staging if staging.ensure(chunk_bytes) else None
+
+
 def plan_batch(request: policy.CopyRequest, decision: Decision, batch: DescribedBatch,
                method: str, thresholds: policy.Thresholds, name: str = "") -> StagedBatch | None:
     """The described batch as a staged side, where policy.choose_staging stages it (its

@@ -22,7 +22,8 @@ PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
         "kvcopy.policy.layout_kernel",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
-        "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy._plans.rows_races", "kvcopy.layouts",
+        "kvcopy._plans.overlaps", "kvcopy._plans.rows", "kvcopy._plans.rows_races",
+        "kvcopy._plans.rows_staging", "kvcopy.layouts",
         "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
         "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
         "kvcopy._runtime.calibration_file",
@@ -35,6 +36,7 @@ LAYERS = [
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},   # parts of paths
     {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged",
      "kvcopy._engine.rows"},
+    {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
     {"kvcopy.api", "kvcopy.prepared_rows", "kvcopy.rows_both_ways", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy.testing"},
     {"kvcopy"},                                                        # __init__: re-exports

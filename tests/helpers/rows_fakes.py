@@ -2,6 +2,8 @@
 as the test says, layout-kernel launches, uploads, fences and stream joins recorded."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from kvcopy import Layout
@@ -103,3 +105,87 @@ def caches():
     gpu = np.zeros((2, 8, 16, 256), np.uint8)
     host = np.zeros((2, 40, 256), np.uint8)
     return Layout.of(gpu, planes=(0,), page=1, slot=2), Layout.of(host, planes=(0,), slot=1)
+
+
+def _u64_at(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value
+
+
+class RowsOnHostMemory(FakeRowsCuda):
+    """FakeRowsCuda whose layout-kernel launches and copy-engine copies move real bytes,
+    at once, in ordinary memory standing in for the GPU's (addresses are real host
+    addresses): a launch does what rows.h says a job does, index arrays read where
+    they lie. Memory inside one of ``gpu_buffers`` (numpy arrays) is classified as
+    device memory, the rest as pinned host memory. Out-of-range rows are collected in
+    ``reported`` (row numbers), as the kernel's report counts them."""
+
+    def __init__(self, gpu_buffers: list) -> None:
+        super().__init__(DEVICE, PINNED)
+        self.gpu = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in gpu_buffers]
+        self.reported: list[int] = []
+
+    def _on_gpu(self, address: int) -> bool:
+        return any(lo <= address < hi for lo, hi in self.gpu)
+
+    def classify_pointers(self, ptrs, sizes, device_view):
+        self.classified += 1
+        device_view[:] = ptrs
+        return DEVICE if all(self._on_gpu(int(p)) for p in ptrs) else PINNED
+
+    def stream_wait_event(self, stream, event):
+        self.calls.append(("wait event", stream, event))
+
+    def event_record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def memcpy_loop(self, dst, src, sizes, stream):
+        for d, s, n in zip(dst, src, sizes):
+            ctypes.memmove(int(d), int(s), int(n))
+        self.calls.append(("memcpy", stream, tuple(int(d) for d in dst),
+                           tuple(int(s) for s in src), tuple(int(n) for n in sizes)))
+
+    def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
+                     piece_bytes, ctas, threads, stream, context=0, only_skipped_by=(0, 0),
+                     first_row=0):
+        driver = self
+        src_bases, dst_bases = [int(b) for b in src_bases], [int(b) for b in dst_bases]
+
+        def slot(side, row):
+            """The row's slot on a side; None: skipped ('bad' where out of range)."""
+            if not side[0]:
+                return row
+            index = _u64_at(side[0] + 8 * row)
+            if index < 0:
+                return None
+            return "bad" if index >= side[1] else index
+
+        def address(side, base, s, piece):
+            page_size, page_stride, slot_stride, piece_stride = side[2:]
+            return (base + (s // page_size) * page_stride + (s % page_size) * slot_stride
+                    + piece * piece_stride) & ((1 << 64) - 1)
+
+        class Launches:
+            def usable(self):
+                return True
+
+            def launch(self):
+                driver.calls.append(("launch", stream, first_row, rows,
+                                     only_skipped_by[0] != 0))
+                for row in range(first_row, first_row + rows):
+                    if only_skipped_by[0]:
+                        index = _u64_at(only_skipped_by[0] + 8 * row)
+                        if 0 <= index < only_skipped_by[1]:
+                            continue
+                    s, d = slot(src_side, row), slot(dst_side, row)
+                    if "bad" in (s, d):
+                        if not only_skipped_by[0]:
+                            driver.reported.extend([row] * len(src_bases))
+                        continue
+                    if s is None or d is None:
+                        continue
+                    for p in range(len(src_bases)):
+                        for j in range(pieces):
+                            ctypes.memmove(address(dst_side, dst_bases[p], d, j),
+                                           address(src_side, src_bases[p], s, j), piece_bytes)
+                return 1
+        return Launches()

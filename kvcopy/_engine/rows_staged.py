@@ -1,0 +1,152 @@
+"""A store and a load at once in layout form, GPU indices on each side's GPU side and
+its host rows back to back (copy_rows_both_ways), through GPU staging buffers.
+
+The layout kernel's pair stops near 0.8 of two contiguous copies: its SMs' requests to
+host memory share the link less well than the copy engines' do. Here the copy engines
+move each chunk's host rows whole (one span per plane) to or from a staging buffer,
+and the layout kernel scatters (a load) or gathers (a store) the rows inside the GPU,
+reading the GPU indices in place, as copy_rows does: nothing is read on the host.
+
+A row the GPU side's index skips (negative, or out of range: counted for
+kvcopy.check_indices as copy_rows counts it) writes nothing in a load. In a store its
+staging row is first filled from the host row it would go to (a second launch that
+copies only the skipped rows), so that the copy engines write those host bytes back
+unchanged.
+
+Chunk k of a side uses its staging buffer k % 2 (kvcopy._engine.staged's buffers,
+under their lock, with their events): its copy-engine work on a side stream, its
+kernel on the caller's stream (the store) or another side stream (the load), so that
+chunk k + 1 crosses the link while chunk k is gathered or scattered. The work starts
+after what is queued on the caller's stream and what is queued there next waits for it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcopy import policy
+from kvcopy._cuda import dma, driver, rows
+from kvcopy._engine import staged
+from kvcopy._engine.decide import note_decision
+from kvcopy._plans.rows import RowsPlan
+from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
+from kvcopy._runtime import kernels, side_streams
+from kvcopy.config import config
+
+
+def _orientation(plan: RowsPlan) -> tuple[bool, str | None]:
+    """(load, why not staged): the plan as the direction its indices allow."""
+    why_load = why_not_staged(plan, True, policy.ROWS_STAGING_MAX_PLANES)
+    if why_load is None:
+        return True, None
+    return False, why_not_staged(plan, False, policy.ROWS_STAGING_MAX_PLANES)
+
+
+class _Side:
+    """One staged side: its plan, direction, chunks, streams, buffers and bases as the
+    device sees them (``src_view``, ``dst_view``)."""
+
+    def __init__(self, plan: RowsPlan, load: bool, src_view: np.ndarray, dst_view: np.ndarray,
+                 copy_stream: int, kernel_stream: int, buffers: tuple[int, int],
+                 staging: staged.StagingBuffers, chunk_bytes: int) -> None:
+        self.plan, self.load = plan, load
+        self.src_view, self.dst_view = src_view, dst_view
+        self.copy_stream, self.kernel_stream, self.buffers = copy_stream, kernel_stream, buffers
+        self.chunks = StagedChunks(plan, load, chunk_bytes,
+                                   tuple(staging.address(b) for b in buffers))
+
+    def issue(self, k: int, staging: staged.StagingBuffers, function: int) -> None:
+        """Chunk k: its host spans by the copy engines and its rows by the layout kernel,
+        in the order the side's direction needs, behind the buffer's last use."""
+        plan, chunk = self.plan, self.chunks[k]
+        buffer = self.buffers[k % len(self.buffers)]
+        free, filled = staging.free[buffer], staging.filled[buffer]
+        inside = staging_side(plan)
+
+        def launch(src_side: tuple, dst_side: tuple, src_bases: np.ndarray,
+                   dst_bases: np.ndarray, **only: Any) -> None:
+            rows.RowsLaunches(function, src_side, dst_side, src_bases, dst_bases, chunk.rows,
+                              plan.pieces, plan.piece_bytes, policy.STAGING_CTAS,
+                              config.threads_per_cta, self.kernel_stream,
+                              first_row=chunk.first_row, **only).launch()
+
+        if self.load:
+            indices = plan.dst_indices.device   # type: ignore[union-attr]
+            driver.stream_wait_event(self.copy_stream, free)
+            dma.memcpy_loop(chunk.staged, chunk.host, chunk.nbytes, self.copy_stream)
+            driver.event_record(filled, self.copy_stream)
+            driver.stream_wait_event(self.kernel_stream, filled)
+            launch(inside, plan.side(plan.dst, indices), chunk.staging_bases, self.dst_view)
+            driver.event_record(free, self.kernel_stream)
+            return
+        indices = plan.src_indices.device   # type: ignore[union-attr]
+        driver.stream_wait_event(self.kernel_stream, free)
+        # (the rows the gather skips keep their host bytes: copied in first)
+        launch(plan.side(plan.dst, 0), inside, self.dst_view, chunk.staging_bases,
+               only_skipped_by=(indices, plan.src.slots))
+        launch(plan.side(plan.src, indices), inside, self.src_view, chunk.staging_bases)
+        driver.event_record(filled, self.kernel_stream)
+        driver.stream_wait_event(self.copy_stream, filled)
+        dma.memcpy_loop(chunk.host, chunk.staged, chunk.nbytes, self.copy_stream)
+        driver.event_record(free, self.copy_stream)
+
+
+def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
+               settle: Any) -> tuple[str, str] | None:
+    """Issue both plans through staging buffers where policy.choose_rows_staging says so
+    (``settle(plan)``: the plan's (Target, src_view, dst_view), classified and decided
+    as copy_rows does); None where it does not, nothing issued. The caller's stream is
+    not capturing."""
+    chunk_bytes = config.staging_bytes
+    if method != "auto" or not chunk_bytes or first.rows == 0 or second.rows == 0:
+        return None
+    found = [_orientation(p) for p in (first, second)]
+    sizes = (first.total_bytes, second.total_bytes)
+    want = ("h2d" if found[0][0] else "d2h", "h2d" if found[1][0] else "d2h")
+    decision = policy.choose_rows_staging(want, sizes, (found[0][1], found[1][1]), chunk_bytes,
+                                          False, method, policy.ROWS_STAGING_MIN_BYTES)
+    if decision is None:
+        return None
+    settled = [settle(p) for p in (first, second)]
+    ordinal = settled[0][0].info.ordinal
+    for (target, _, _), direction in zip(settled, want):
+        request = target.request
+        devices = (-1, ordinal) if direction == "h2d" else (ordinal, -1)
+        if (request.direction != direction or not request.device_accessible
+                or request.devices != devices or target.info.ordinal != ordinal):
+            return None   # (pageable or another GPU's memory: the layout kernel's way)
+    staging = staged.context_buffers(chunk_bytes)
+    if staging is None:
+        return None
+    info = settled[0][0].info
+    function = kernels.kernel_for_current_context(info.cc[0], info.cc[1],
+                                                  info.driver_version).function_rows
+    _issue(first, second, settled, [f[0] for f in found], handle, staging, chunk_bytes, function)
+    note_decision(decision)
+    return "staged", "staged"
+
+
+def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
+           staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> None:
+    with staging.lock:
+        sides = []
+        for j, (plan, (_, src_view, dst_view), load) in enumerate(zip((first, second), settled,
+                                                                      loads)):
+            # the first side's kernel runs on the caller's stream, the second's beside it
+            streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
+                       (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
+            buffers = (j * staged.BUFFERS_PER_SIDE, j * staged.BUFFERS_PER_SIDE + 1)
+            sides.append(_Side(plan, load, src_view, dst_view, *streams, buffers, staging,
+                               chunk_bytes))
+        side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
+        for stream in side_work:
+            driver.stream_wait_stream(stream, handle)
+        try:
+            for k in range(max(len(side.chunks) for side in sides)):
+                for side in sides:
+                    if k < len(side.chunks):
+                        side.issue(k, staging, function)
+        finally:
+            for stream in side_work:
+                driver.stream_wait_stream(handle, stream)

@@ -1,0 +1,304 @@
+"""copy_rows_both_ways through GPU staging buffers (kvcopy._engine.rows_staged) on the
+CPU: the layout kernel and the copy engines emulated on ordinary memory
+(helpers.rows_fakes.RowsOnHostMemory), so that every byte of a staged store and load
+is checked against a NumPy oracle, skipped and out-of-range rows included; the order
+in which chunks are issued on which streams; when the policy stages and when it does
+not; and the planner's rules."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import Layout, policy, testing
+from kvcopy.testing import engine
+from kvcopy._plans.rows_staging import (StagedChunks, chunk_rows, rows_back_to_back,
+                                        why_not_staged)
+from helpers.cpu_fakes import FakeScope
+from helpers.rows_fakes import GpuIndices, RowsOnHostMemory
+
+STREAM, SIDE = 0x1234, 0x5100
+LAYERS, PAGES, PAGE, ROW = 2, 32, 4, 64      # 128 slots of 64 B rows in 4 planes
+CHUNK = 4096                                 # 16 rows of 4 planes a chunk
+
+
+class Staging:
+    """kvcopy._engine.staged's buffers as rows_staged uses them, in ordinary memory."""
+
+    def __init__(self, capacity: int = CHUNK) -> None:
+        self.buffers = [np.zeros(capacity, np.uint8) for _ in range(4)]
+        self.free, self.filled = [101, 102, 103, 104], [201, 202, 203, 204]
+        self.lock = threading.Lock()
+
+    def ensure(self, chunk_bytes: int) -> bool:
+        return chunk_bytes <= self.buffers[0].nbytes
+
+    def address(self, index: int) -> int:
+        return self.buffers[index].ctypes.data
+
+
+class Step:
+    """Paged caches standing in for GPU memory, a chunk to store into and one to load
+    from (pinned host memory), and each side's slots as GPU indices."""
+
+    def __init__(self, tokens: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.caches = [rng.integers(0, 256, (2, PAGES, PAGE, ROW), dtype=np.uint8)
+                       for _ in range(LAYERS)]
+        self.out = rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8)
+        self.back = rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8)
+        order = rng.permutation(PAGES * PAGE)
+        self.store_slots = order[:tokens].astype(np.int64)
+        self.load_slots = order[tokens:2 * tokens].astype(np.int64)
+
+    def run(self, method: str = "auto") -> tuple[str, str]:
+        paged = Layout.of(self.caches, planes=(0,), page=1, slot=2)
+        self.before = [c.copy() for c in self.caches]
+        self.out_before = self.out.copy()
+        return kvcopy.copy_rows_both_ways(
+            (paged, Layout.of(self.out, planes=(1, 0), slot=2),
+             GpuIndices(len(self.store_slots), self.store_slots.ctypes.data)),
+            (Layout.of(self.back, planes=(1, 0), slot=2), paged, None,
+             GpuIndices(len(self.load_slots), self.load_slots.ctypes.data)),
+            stream=STREAM, method=method)
+
+    def expected_out(self) -> np.ndarray:
+        want = self.out_before.copy()
+        for t, s in enumerate(self.store_slots):
+            if 0 <= s < PAGES * PAGE:
+                for layer, cache in enumerate(self.before):
+                    want[:, layer, t] = cache[:, s // PAGE, s % PAGE]
+        return want
+
+    def expected_caches(self) -> list[np.ndarray]:
+        want = [c.copy() for c in self.before]
+        for t, s in enumerate(self.load_slots):
+            if 0 <= s < PAGES * PAGE:
+                for layer, cache in enumerate(want):
+                    cache[:, s // PAGE, s % PAGE] = self.back[:, layer, t]
+        return want
+
+
+@pytest.fixture
+def staged_rows(seams, monkeypatch):
+    """The driver, the kernel and the copy engines emulated; staging from any size in
+    CHUNK-byte chunks. Yields (fake driver, step factory)."""
+    monkeypatch.setattr(policy, "ROWS_STAGING_MIN_BYTES", 1)
+    seams.enter_context(testing.settings(staging_bytes=CHUNK))
+    staging = Staging()
+    kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None,
+                                       function_rows=42, rows_report=0x99)
+    steps: list[Step] = []
+
+    def make(tokens: int, seed: int = 0) -> Step:
+        step = Step(tokens, seed)
+        steps.append(step)
+        fake.gpu = [(c.ctypes.data, c.ctypes.data + c.nbytes) for c in step.caches]
+        return step
+
+    fake = RowsOnHostMemory([])
+    fake.staging = staging
+    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
+    seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope,
+                                             staging=staging,
+                                             side_stream=lambda handle, index=0: SIDE + index))
+    yield fake, make
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 40])
+def test_a_staged_store_and_load_move_every_byte(staged_rows, tokens):
+    fake, make = staged_rows
+    step = make(tokens, seed=tokens)
+    assert step.run() == ("staged", "staged")
+    assert kvcopy.last_decision().method == "staged"
+    np.testing.assert_array_equal(step.out, step.expected_out())
+    for cache, want in zip(step.caches, step.expected_caches()):
+        np.testing.assert_array_equal(cache, want)
+    assert fake.reported == []
+
+
+def test_skipped_rows_keep_their_bytes_and_out_of_range_rows_are_reported(staged_rows):
+    fake, make = staged_rows
+    step = make(40, seed=3)
+    step.store_slots[[0, 17, 39]] = -1
+    step.store_slots[20] = PAGES * PAGE           # out of range, in the second chunk
+    step.load_slots[[5, 33]] = -1
+    step.load_slots[34] = 1 << 40
+    assert step.run() == ("staged", "staged")
+    np.testing.assert_array_equal(step.out, step.expected_out())
+    for row in (0, 17, 20, 39):   # the host rows the store skipped are as they were
+        np.testing.assert_array_equal(step.out[:, :, row], step.out_before[:, :, row])
+    for cache, want in zip(step.caches, step.expected_caches()):
+        np.testing.assert_array_equal(cache, want)
+    assert sorted(fake.reported) == [20] * 4 + [34] * 4   # once per plane, the caller's row
+
+
+def test_chunks_alternate_buffers_and_streams_in_the_order_each_direction_needs(staged_rows):
+    fake, make = staged_rows
+    step = make(20)                       # two chunks a side: 16 rows, then 4
+    step.run()
+    calls = [c for c in fake.calls if c[0] != "launch" or c[1] in (STREAM, SIDE + 1)]
+    store_copy, load_copy, load_kernel = SIDE, SIDE + 2, SIDE + 1
+    waits = {("wait", s, STREAM) for s in (store_copy, load_copy, load_kernel)}
+    assert set(calls[:3]) == waits                 # every side stream starts after the caller
+    issued = [c[:3] if c[0] != "memcpy" else c[:2] for c in calls[3:-3]]
+    assert issued == [
+        # store chunk 0: buffer 0; the rows the gather skips first, then the gather
+        ("wait event", STREAM, 101), ("launch", STREAM, 0), ("launch", STREAM, 0),
+        ("record", 201, STREAM), ("wait event", store_copy, 201), ("memcpy", store_copy),
+        ("record", 101, store_copy),
+        # load chunk 0: buffer 2; copied in, then scattered
+        ("wait event", load_copy, 103), ("memcpy", load_copy), ("record", 203, load_copy),
+        ("wait event", load_kernel, 203), ("launch", load_kernel, 0),
+        ("record", 103, load_kernel),
+        # chunk 1 of each: the other buffer, rows from 16
+        ("wait event", STREAM, 102), ("launch", STREAM, 16), ("launch", STREAM, 16),
+        ("record", 202, STREAM), ("wait event", store_copy, 202), ("memcpy", store_copy),
+        ("record", 102, store_copy),
+        ("wait event", load_copy, 104), ("memcpy", load_copy), ("record", 204, load_copy),
+        ("wait event", load_kernel, 204), ("launch", load_kernel, 16),
+        ("record", 104, load_kernel)]
+    assert set(calls[-3:]) == {("wait", STREAM, s) for s in (store_copy, load_copy, load_kernel)}
+    fills = [c for c in fake.calls if c[0] == "launch" and c[1] == STREAM]
+    assert [c[4] for c in fills] == [True, False, True, False]   # fill, gather per chunk
+    spans = [c for c in fake.calls if c[0] == "memcpy" and c[1] == store_copy]
+    assert spans[1][4] == (4 * ROW,) * 4                        # 4 rows in each of 4 planes
+
+
+@pytest.mark.parametrize("method", ["kernel", "batch"])
+def test_an_explicit_method_is_not_staged(staged_rows, method):
+    fake, make = staged_rows
+    step = make(16)
+    assert step.run(method) == ("kernel", "kernel")
+    assert not any(c[0] == "memcpy" for c in fake.calls)
+
+
+def test_below_the_threshold_each_side_is_a_layout_kernel_launch(staged_rows, monkeypatch):
+    fake, make = staged_rows
+    step = make(16)
+    monkeypatch.setattr(policy, "ROWS_STAGING_MIN_BYTES", 16 * 4 * ROW + 1)
+    assert step.run() == ("kernel", "kernel")
+    assert not any(c[0] == "memcpy" for c in fake.calls)
+
+
+def test_under_capture_each_side_is_a_layout_kernel_launch(staged_rows):
+    fake, make = staged_rows
+    fake.capturing = 1
+    step = make(16)
+    assert step.run() == ("kernel", "kernel")
+    assert not any(c[0] in ("memcpy", "wait event") for c in fake.calls)
+
+
+def test_without_room_for_the_buffers_each_side_is_a_layout_kernel_launch(staged_rows):
+    fake, make = staged_rows
+    fake.staging.ensure = lambda chunk_bytes: False
+    step = make(16)
+    assert step.run() == ("kernel", "kernel")
+
+
+# ---- the planner (kvcopy._plans.rows_staging: pure)
+
+BASE = 1 << 30
+
+
+@pytest.mark.parametrize("kw, back_to_back", [
+    (dict(slots=8, row_bytes=64), True),
+    (dict(slots=8, row_bytes=64, slot_stride=128), False),
+    (dict(slots=8, row_bytes=64, page_size=4), True),
+    (dict(slots=8, row_bytes=64, page_size=4, page_stride=512), False),
+    (dict(slots=8, row_bytes=64, pieces=2), True),
+    (dict(slots=8, row_bytes=64, pieces=2, piece_stride=64, slot_stride=128), False),
+    (dict(slots=1, row_bytes=64, page_stride=4096), True),
+])
+def test_rows_back_to_back_is_where_every_row_follows_the_last(kw, back_to_back):
+    layout = Layout.from_pointers([BASE, BASE + 8192], **kw)
+    assert rows_back_to_back(layout) == back_to_back
+    if back_to_back:   # then row r of each plane lies at base + r * row_bytes
+        rows = np.arange(layout.slots)
+        np.testing.assert_array_equal(layout.row_addresses(rows)[1],
+                                      BASE + 8192 + rows.astype(np.uint64) * 64)
+
+
+def _plan(host_planes: int = 2, host_kw: dict | None = None, gpu_indices=True,
+          host_indices=None):
+    host = Layout.from_pointers([BASE + p * (1 << 20) for p in range(host_planes)], slots=100,
+                                row_bytes=256, **(host_kw or {}))
+    gpu = Layout.from_pointers([BASE * 4 + p * (1 << 20) for p in range(host_planes)],
+                               slots=400, row_bytes=256, page_size=16)
+    indices = GpuIndices(100) if gpu_indices else np.arange(100)
+    return kvcopy.testing.plans.plan_rows(host, gpu, host_indices, indices, 100)
+
+
+@pytest.mark.parametrize("plan_kw, why", [
+    (dict(), None),
+    (dict(host_indices=np.arange(100)), "the host side has indices"),
+    (dict(gpu_indices=False), "the GPU side's indices are not on the GPU"),
+    (dict(host_kw=dict(slot_stride=512)), "the host side's rows are not back to back"),
+    (dict(host_planes=9), "the host side has 9 planes (at most 8 are staged)"),
+])
+def test_why_not_staged_names_what_keeps_a_side_off_the_staging_buffers(plan_kw, why):
+    if plan_kw.get("host_indices") is not None:
+        plan_kw["gpu_indices"] = False   # (both sides' indices on one side of the bus)
+    assert why_not_staged(_plan(**plan_kw), True, policy.ROWS_STAGING_MAX_PLANES) == why
+
+
+def test_chunks_cover_every_row_once_each_plane_one_span():
+    plan = _plan(host_planes=3)
+    per = chunk_rows(plan, 8192)                    # 8192 // (3 planes x 256 B) = 10 rows
+    chunks = StagedChunks(plan, True, 8192, (0xA000, 0xB000))
+    assert per == 10 and [c.first_row for c in chunks] == list(range(0, 100, 10))
+    last = chunks[len(chunks) - 1]
+    assert last.rows == 10 and list(last.nbytes) == [10 * 256] * 3
+    assert list(last.host) == [BASE + p * (1 << 20) + 90 * 256 for p in range(3)]
+    assert list(last.staged) == [0xB000 + p * 10 * 256 for p in range(3)]
+    # row r of plane p sits at staging_bases[p] + r * row_bytes (modulo 2**64)
+    for c in chunks:
+        for p in range(3):
+            assert (int(c.staging_bases[p]) + c.first_row * 256) % (1 << 64) == int(c.staged[p])
+
+
+def test_the_last_chunk_takes_the_rest():
+    plan = _plan(host_planes=1)
+    chunks = StagedChunks(plan, False, 256 * 30, (0xA000, 0xB000))   # 30, 30, 30, 10 rows
+    assert [(c.first_row, c.rows) for c in chunks] == [(0, 30), (30, 30), (60, 30), (90, 10)]
+    assert [int(c.staged[0]) for c in chunks] == [0xA000, 0xB000, 0xA000, 0xB000]
+    assert int(chunks[3].nbytes[0]) == 10 * 256
+    with pytest.raises(IndexError):
+        chunks[4]
+
+
+def test_a_chunk_too_small_for_one_row_is_refused():
+    with pytest.raises(ValueError, match="holds no row of 2 planes x 256 bytes"):
+        chunk_rows(_plan(), 511)
+
+
+# ---- the policy (pure)
+
+WHY_NOT = (None, None)
+
+
+@pytest.mark.parametrize("args, staged", [
+    ((("d2h", "h2d"), (8 << 20, 8 << 20), WHY_NOT, 4 << 20, False, "auto"), True),
+    ((("h2d", "d2h"), (8 << 20, 64 << 20), WHY_NOT, 4 << 20, False, "auto"), True),
+    ((("d2h", "h2d"), (8 << 20, (8 << 20) - 1), WHY_NOT, 4 << 20, False, "auto"), False),
+    ((("d2h", "d2h"), (8 << 20, 8 << 20), WHY_NOT, 4 << 20, False, "auto"), False),
+    ((("d2h", "h2d"), (8 << 20, 8 << 20), ("the host side has indices", None), 4 << 20,
+      False, "auto"), False),
+    ((("d2h", "h2d"), (8 << 20, 8 << 20), WHY_NOT, 0, False, "auto"), False),
+    ((("d2h", "h2d"), (8 << 20, 8 << 20), WHY_NOT, 4 << 20, True, "auto"), False),
+    ((("d2h", "h2d"), (8 << 20, 8 << 20), WHY_NOT, 4 << 20, False, "kernel"), False),
+])
+def test_rows_staging_is_chosen_only_for_a_large_stageable_pair_outside_capture(args, staged):
+    decision = policy.choose_rows_staging(*args, min_bytes=8 << 20)
+    assert (decision is not None) == staged
+    if staged:
+        assert decision.method == "staged" and "8 MiB" in decision.reason
+
+
+def test_the_default_threshold_is_the_policys():
+    pair = (("d2h", "h2d"), (policy.ROWS_STAGING_MIN_BYTES,) * 2, WHY_NOT, 4 << 20, False)
+    assert policy.choose_rows_staging(*pair) is not None
+    smaller = (pair[0], (policy.ROWS_STAGING_MIN_BYTES - 1,) * 2) + pair[2:]
+    assert policy.choose_rows_staging(*smaller) is None
