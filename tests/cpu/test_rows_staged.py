@@ -119,6 +119,52 @@ def test_a_staged_store_and_load_move_every_byte(staged_rows, tokens):
     assert fake.reported == []
 
 
+def test_a_load_given_first_is_staged_as_well(staged_rows):
+    fake, make = staged_rows
+    step = make(40, seed=5)
+    paged = Layout.of(step.caches, planes=(0,), page=1, slot=2)
+    step.before, step.out_before = [c.copy() for c in step.caches], step.out.copy()
+    ran = kvcopy.copy_rows_both_ways(
+        (Layout.of(step.back, planes=(1, 0), slot=2), paged, None,
+         GpuIndices(40, step.load_slots.ctypes.data)),
+        (paged, Layout.of(step.out, planes=(1, 0), slot=2),
+         GpuIndices(40, step.store_slots.ctypes.data)), stream=STREAM)
+    assert ran == ("staged", "staged")
+    np.testing.assert_array_equal(step.out, step.expected_out())
+    for cache, want in zip(step.caches, step.expected_caches()):
+        np.testing.assert_array_equal(cache, want)
+
+
+def test_rows_cut_in_strided_pieces_on_the_gpu_side_arrive_whole(staged_rows):
+    """An HND cache: a token's row is its heads, page_size tokens apart; the chunk keeps
+    each row whole."""
+    fake, make = staged_rows
+    step = make(1)
+    heads, page, head_bytes, pages, tokens = 4, 8, 64, 8, 24   # two chunks of 16 rows
+    rng = np.random.default_rng(9)
+    cache = rng.integers(0, 256, (pages, heads, page, head_bytes), dtype=np.uint8)
+    fake.gpu = [(cache.ctypes.data, cache.ctypes.data + cache.nbytes)]
+    out = np.zeros((tokens, heads * head_bytes), np.uint8)
+    back = rng.integers(0, 256, (tokens, heads * head_bytes), dtype=np.uint8)
+    order = rng.permutation(pages * page)
+    store, load = order[:tokens].astype(np.int64), order[tokens:2 * tokens].astype(np.int64)
+    before = cache.copy()
+    hnd = Layout.of(cache, page=0, pieces=1, slot=2)
+    assert hnd.pieces == heads and hnd.piece_stride == page * head_bytes
+    ran = kvcopy.copy_rows_both_ways(
+        (hnd, Layout.of(out, slot=0), GpuIndices(tokens, store.ctypes.data)),
+        (Layout.of(back, slot=0), hnd, None, GpuIndices(tokens, load.ctypes.data)),
+        stream=STREAM)
+    assert ran == ("staged", "staged")
+    assert sum(c[0] == "memcpy" for c in fake.calls) == 4      # two chunks a side
+    for t, s in enumerate(store):
+        np.testing.assert_array_equal(out[t], before[s // page, :, s % page].ravel())
+    want = before.copy()
+    for t, s in enumerate(load):
+        want[s // page, :, s % page] = back[t].reshape(heads, head_bytes)
+    np.testing.assert_array_equal(cache, want)
+
+
 def test_skipped_rows_keep_their_bytes_and_out_of_range_rows_are_reported(staged_rows):
     fake, make = staged_rows
     step = make(40, seed=3)
