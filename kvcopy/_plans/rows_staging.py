@@ -4,8 +4,8 @@ buffers (kvcopy._engine.rows_staged): which transfers qualify, and each chunk's 
 A chunk is a run of consecutive rows. Its host side is one span per plane, which the
 copy engines move whole to (a load) or from (a store) a staging buffer; the layout
 kernel scatters the staging rows to their GPU slots, or gathers them there, reading
-the GPU side's indices in place. Addresses here are plain integers: the planner is
-pure and the engine only issues what it says.
+the GPU side's indices in place. The planner only computes addresses (numbers): the
+engine issues what it says.
 """
 from __future__ import annotations
 
