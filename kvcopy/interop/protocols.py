@@ -86,6 +86,8 @@ def read_array_interface(face: dict, attr: str, name: str,
         raise TypeError(f"{where} has an offset with pointer data, which the protocol "
                         "does not define")
     ptr, readonly = int(data[0]), bool(data[1])
+    if not 0 <= ptr < _U64_LIMIT:   # (even an empty array's pointer is an address)
+        raise ValueError(f"{where} has data pointer {ptr}, which is no 64-bit address")
     strides_value = face.get("strides")
     if strides_value is None:
         strides = c_strides(shape, dtype.itemsize)

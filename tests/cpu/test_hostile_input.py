@@ -34,6 +34,8 @@ def cai(**fields):
     (cai(shape=(-4, 64)), ValueError, "below 0"),
     (cai(shape=(2**62, 64)), ValueError, "64-bit address space"),
     (cai(data=(0, False)), ValueError, "pointer 0"),
+    (cai(shape=(0, 0), data=(2**64 + 1, False)), ValueError, "no 64-bit address"),
+    (cai(shape=(0,), data=(-8, False)), ValueError, "pointer -8, which is no 64-bit"),
     (cai(data=(7.0e13, False)), TypeError, "data"),
     (cai(data=None), TypeError, "data as NoneType"),
     (cai(data=(0x7F0000000000,)), TypeError, "data"),
