@@ -8,7 +8,9 @@ bytes on two streams.
 `sides` (32 MiB each way, staging done here with torch): both sides by the kernel,
 the load staged, the store staged, both staged; which sides are worth staging.
 `sizes`: copy_rows_both_ways staged (kvcopy._engine.rows_staged) against its kernel
-pair from 4 to 32 MiB a side: policy.ROWS_STAGING_MIN_BYTES."""
+pair from 4 to 32 MiB a side: policy.ROWS_STAGING_MIN_BYTES.
+`chunks`: the staged pair at 32 MiB a side with config.staging_bytes from 2 to 16 MiB
+(fewer chunks cost less CPU; longer ones fill the pipeline later)."""
 from __future__ import annotations
 
 import functools
@@ -133,6 +135,28 @@ def sizes() -> None:
                       f"{pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}", flush=True)
 
 
+def chunks() -> None:
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    rng = np.random.default_rng(6)
+    step = Step(TOTAL, s1, s2)
+    policy.ROWS_STAGING_MIN_BYTES = 1
+    for row_bytes in (4 * KiB, 16 * KiB, 64 * KiB):
+        pool, chunk_out, chunk_in, a, b = step.rows(row_bytes, rng)
+
+        def staged(chunk_bytes: int) -> None:
+            kvcopy.config.staging_bytes = chunk_bytes
+            kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b),
+                                       stream=s1)
+
+        cases = {"contiguous": step.contiguous}
+        cases.update({f"chunks of {c // MiB} MiB": functools.partial(staged, c)
+                      for c in (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)})
+        for name, chose, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, 9):
+            print(f"{row_bytes // KiB:>3} KiB rows  {name:<16} ({chose or '-'}) of pair "
+                  f"{pair_ms / gpu_ms:.2f} wall {pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}",
+                  flush=True)
+
+
 def main() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     step = Step(TOTAL, s1, s2)
@@ -174,4 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sizes() if sys.argv[1:] == ["sizes"] else main()
+    {"sizes": sizes, "chunks": chunks}.get(sys.argv[1] if sys.argv[1:] else "", main)()
