@@ -99,7 +99,7 @@ def read_array_interface(face: dict, attr: str, name: str,
     for extent in shape:
         elements *= extent
     if elements:
-        if ptr <= 0 or ptr >= _U64_LIMIT:
+        if ptr == 0:   # (a pointer outside 64 bits was refused above)
             raise ValueError(f"{where} has data pointer {ptr} for {elements} elements")
         low = sum(s * (e - 1) for s, e in zip(strides, shape) if s < 0)
         high = sum(s * (e - 1) for s, e in zip(strides, shape) if s > 0) + dtype.itemsize
