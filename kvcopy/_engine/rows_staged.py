@@ -55,6 +55,14 @@ class _Side:
         self.copy_stream, self.kernel_stream, self.buffers = copy_stream, kernel_stream, buffers
         self.chunks = StagedChunks(plan, load, chunk_bytes,
                                    tuple(staging.address(b) for b in buffers))
+        # (the same for every chunk of the side: worked out once)
+        self.inside = staging_side(plan)
+        if load:
+            self.gpu_side = plan.side(plan.dst, plan.dst_indices.device)  # type: ignore[union-attr]
+        else:
+            self.indices = plan.src_indices.device   # type: ignore[union-attr]
+            self.gpu_side = plan.side(plan.src, self.indices)
+            self.host_side = plan.side(plan.dst, 0)
 
     def issue(self, k: int, staging: staged.StagingBuffers, function: int) -> None:
         """Chunk k: its host spans by the copy engines and its rows by the layout kernel,
@@ -62,7 +70,7 @@ class _Side:
         plan, chunk = self.plan, self.chunks[k]
         buffer = self.buffers[k % len(self.buffers)]
         free, filled = staging.free[buffer], staging.filled[buffer]
-        inside = staging_side(plan)
+        inside = self.inside
 
         def launch(src_side: tuple, dst_side: tuple, src_bases: np.ndarray,
                    dst_bases: np.ndarray, **only: Any) -> None:
@@ -72,20 +80,18 @@ class _Side:
                               first_row=chunk.first_row, **only).launch()
 
         if self.load:
-            indices = plan.dst_indices.device   # type: ignore[union-attr]
             driver.stream_wait_event(self.copy_stream, free)
             dma.memcpy_loop(chunk.staged, chunk.host, chunk.nbytes, self.copy_stream)
             driver.event_record(filled, self.copy_stream)
             driver.stream_wait_event(self.kernel_stream, filled)
-            launch(inside, plan.side(plan.dst, indices), chunk.staging_bases, self.dst_view)
+            launch(inside, self.gpu_side, chunk.staging_bases, self.dst_view)
             driver.event_record(free, self.kernel_stream)
             return
-        indices = plan.src_indices.device   # type: ignore[union-attr]
         driver.stream_wait_event(self.kernel_stream, free)
         # (the rows the gather skips keep their host bytes: copied in first)
-        launch(plan.side(plan.dst, 0), inside, self.dst_view, chunk.staging_bases,
-               only_skipped_by=(indices, plan.src.slots))
-        launch(plan.side(plan.src, indices), inside, self.src_view, chunk.staging_bases)
+        launch(self.host_side, inside, self.dst_view, chunk.staging_bases,
+               only_skipped_by=(self.indices, plan.src.slots))
+        launch(self.gpu_side, inside, self.src_view, chunk.staging_bases)
         driver.event_record(filled, self.kernel_stream)
         driver.stream_wait_event(self.copy_stream, filled)
         dma.memcpy_loop(chunk.host, chunk.staged, chunk.nbytes, self.copy_stream)
