@@ -2,7 +2,8 @@
  * graph keeps it). Plain C with no includes, so that NVRTC can compile it as given.
  *
  * Each of num_planes planes (a layer's K or V, one run of fragments, ...) copies
- * `rows` rows; a row is `pieces` pieces of `piece_bytes`. A side maps row r to a
+ * `rows` rows, first_row .. first_row + rows - 1 (a chunk of a longer transfer reads
+ * the caller's index arrays where they lie and reports by the caller's row); a row is `pieces` pieces of `piece_bytes`. A side maps row r to a
  * slot (indices[r] where it has an index array, else r), and slot s, piece j of
  * plane p to
  *     base_p + (s / page_size) * page_stride + (s % page_size) * slot_stride
