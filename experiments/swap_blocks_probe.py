@@ -4,14 +4,17 @@ synchronised after; a cProfile), and the GPU time, wall and CPU per call of swap
 by the layout kernel, by the block kernel (tensor table), and of copy_rows on the same
 ids (host and GPU indices), then both kernels at several CTA counts, each against the
 contiguous copy of as many bytes. ``steps``: only the CPU time of each step of
-execute_blocks' layout-kernel launch, the driver calls included.
+execute_blocks' layout-kernel launch, the driver calls included. ``sizes``: the CPU
+time of a call from 1 to 32,768 pairs, each call synchronised after and back to back,
+and its plan and issue apart (what a call costs whatever its size, and per pair).
 
-    python3 experiments/swap_blocks_probe.py [steps]"""
+    python3 experiments/swap_blocks_probe.py [steps | sizes]"""
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -87,6 +90,51 @@ def launch_steps(src, dst, calls: int = 200) -> None:
     steps = "  ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in spent.items())
     print(f"execute_blocks {whole / calls * 1e6:.1f} us: {steps} (RowsLaunches: building; launch: issuing)")
 
+
+def by_pairs(src, dst, direction: str) -> None:
+    """CPU microseconds of swap_blocks by pairs: synchronised after each call, back to
+    back (synchronised after every fourth), and planning and issuing apart."""
+    h = stream.cuda_stream
+    for n in (1, 256, 4096, 32768):
+        m = mapping[:n].copy()
+
+        def call() -> None:
+            kvcopy.swap_blocks(src, dst, m, stream=stream)
+        for _ in range(20):
+            call()
+        stream.synchronize()
+        synced, piped, planned, issued = [], [], [], []
+        for _ in range(200):
+            start = time.perf_counter()
+            call()
+            synced.append(time.perf_counter() - start)
+            stream.synchronize()
+        for i in range(200):
+            start = time.perf_counter()
+            call()
+            piped.append(time.perf_counter() - start)
+            if i % 4 == 3:
+                stream.synchronize()
+        stream.synchronize()
+        for _ in range(200):
+            start = time.perf_counter()
+            plan = plans.plan_blocks(src, dst, m, stream=h)
+            middle = time.perf_counter()
+            engine.dispatch.execute_blocks(plan, h)
+            planned.append(middle - start)
+            issued.append(time.perf_counter() - middle)
+            stream.synchronize()
+
+        def us(values: list) -> float:
+            return statistics.median(values) * 1e6
+        print(f"{direction} pairs {n:6d} synchronised {us(synced):6.1f} back to back "
+              f"{us(piped):6.1f} plan {us(planned):6.1f} issue {us(issued):6.1f}")
+
+
+if sys.argv[1:] == ["sizes"]:
+    for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
+        by_pairs(src, dst, direction)
+    sys.exit(0)
 
 if sys.argv[1:] == ["steps"]:
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
