@@ -10,11 +10,15 @@ the load staged, the store staged, both staged; which sides are worth staging.
 `sizes`: copy_rows_both_ways staged (kvcopy._engine.rows_staged) against its kernel
 pair from 4 to 32 MiB a side: policy.ROWS_STAGING_MIN_BYTES.
 `chunks`: the staged pair at 32 MiB a side with config.staging_bytes from 2 to 16 MiB
-(fewer chunks cost less CPU; longer ones fill the pipeline later)."""
+(fewer chunks cost less CPU; longer ones fill the pipeline later).
+`cpu`: CPU time of a copy_rows_both_ways call at 32 MiB a side of 16 KiB rows, staged
+and as the layout kernel's pair, each call synchronised after."""
 from __future__ import annotations
 
 import functools
+import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -157,6 +161,30 @@ def chunks() -> None:
                   flush=True)
 
 
+def cpu() -> None:
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    step = Step(TOTAL, s1, s2)
+    pool, chunk_out, chunk_in, a, b = step.rows(16 * KiB, np.random.default_rng(6))
+
+    def call() -> tuple[str, str]:
+        return kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b),
+                                          stream=s1)
+    for name, least in (("staged pair", policy.ROWS_STAGING_MIN_BYTES), ("kernel pair", 1 << 62)):
+        policy.ROWS_STAGING_MIN_BYTES = least
+        chose = call()
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        spent = []
+        for _ in range(100):
+            start = time.perf_counter()
+            call()
+            spent.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+        print(f"{name} {chose} call cpu median {statistics.median(spent) * 1e6:.1f} "
+              f"min {min(spent) * 1e6:.1f}", flush=True)
+
+
 def main() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     step = Step(TOTAL, s1, s2)
@@ -198,4 +226,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    {"sizes": sizes, "chunks": chunks}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"sizes": sizes, "chunks": chunks, "cpu": cpu}.get(sys.argv[1] if sys.argv[1:] else "", main)()
