@@ -3,13 +3,14 @@
  *
  * Each of num_planes planes (a layer's K or V, one run of fragments, ...) copies
  * `rows` rows, first_row .. first_row + rows - 1 (a chunk of a longer transfer reads
- * the caller's index arrays where they lie and reports by the caller's row); a row is `pieces` pieces of `piece_bytes`. A side maps row r to a
- * slot (indices[r] where it has an index array, else r), and slot s, piece j of
- * plane p to
+ * the caller's index arrays where they lie and reports by the caller's row); a row
+ * is `pieces` pieces of `piece_bytes`. A side maps row r to a slot (indices[r] where
+ * it has an index array, else r), and slot s, piece j of plane p to
  *     base_p + (s / page_size) * page_stride + (s % page_size) * slot_stride
  *            + j * piece_stride
- * where base_p is planes[p].src (or .dst). A negative index skips its row on purpose; an index >= slots skips it as
- * out of range and is counted in the module's kvcopy_rows_report.
+ * where base_p is planes[p].src (or .dst). A negative index skips its row on
+ * purpose; an index >= slots skips it as out of range and is counted in the
+ * module's kvcopy_rows_report.
  *
  * Where `only_skipped_by.indices` is set, the job copies only the rows that index array
  * skips (negative, or >= only_skipped_by.slots), reporting none: a staged store fills the
