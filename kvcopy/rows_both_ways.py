@@ -40,8 +40,8 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     bytes its host row held when its chunk was gathered are written back to it).
     Where every index is on the host, both sides go as pointer copies, as
     copy_both_ways issues them: one kernel launch whose CTAs are split by direction,
-    or both on the copy engines from long rows. Either way both start after the work queued on ``stream`` and the work
-    queued on it afterwards starts after both.
+    or both on the copy engines from long rows. Either way both start after the work
+    queued on ``stream`` and the work queued on it afterwards starts after both.
 
     The two run in no order with each other: with host indices, a store and a load
     touching the same bytes with one writing them are refused (ValueError naming
