@@ -39,8 +39,8 @@ def module_function(uintptr_t module, bytes name) -> int:
     return <uintptr_t>function
 
 
-cdef unsigned int _grid(unsigned long long tiles, unsigned int threads, unsigned int max_ctas,
-                        unsigned long long warps_per_tile=KVCOPY_MAX_SPLIT) noexcept nogil:
+cdef unsigned int ctas_for(unsigned long long tiles, unsigned int threads, unsigned int max_ctas,
+                           unsigned long long warps_per_tile=KVCOPY_MAX_SPLIT) noexcept nogil:
     """CTAs for ``tiles`` tiles, at most max_ctas: by default up to KVCOPY_MAX_SPLIT
     warps per tile, so that a small batch spreads over the warps it may use (the
     scatter kernels split tiles; the block kernel does not)."""
@@ -49,7 +49,7 @@ cdef unsigned int _grid(unsigned long long tiles, unsigned int threads, unsigned
     return <unsigned int>(max_ctas if grid > max_ctas else grid)
 
 
-cdef int _check_launch_shape(unsigned int max_ctas, unsigned int threads) except -1:
+cdef int check_launch_shape(unsigned int max_ctas, unsigned int threads) except -1:
     if max_ctas == 0 or threads == 0 or threads % 32 != 0:
         raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
     return 0
@@ -106,9 +106,9 @@ cdef int launch_inline(uintptr_t function, int per_launch, const kvcopy_desc* de
             batch.count = count
             batch.total_tiles = tiles
             if tiles > 0:
-                check(cydriver.cuLaunchKernel(<CUfunction>function, _grid(tiles, threads, max_ctas),
-                                               1, 1, threads, 1, 1, 0, <CUstream>stream, params,
-                                               NULL))
+                check(cydriver.cuLaunchKernel(<CUfunction>function,
+                                               ctas_for(tiles, threads, max_ctas), 1, 1,
+                                               threads, 1, 1, 0, <CUstream>stream, params, NULL))
                 launches[0] += 1
             start += count
     finally:
@@ -128,7 +128,7 @@ def launch_descs_inline(uintptr_t function, int per_launch, uintptr_t host_descs
     cdef int launches = 0
     if per_launch <= 0 or per_launch > KVCOPY_INLINE_MAX:
         raise ValueError("launch_descs_inline: per_launch out of range")
-    _check_launch_shape(max_ctas, threads)
+    check_launch_shape(max_ctas, threads)
     with nogil:
         launch_inline(function, per_launch, <const kvcopy_desc*>host_descs, n, max_ctas,
                       threads, stream, &launches)
@@ -149,7 +149,7 @@ def launch_descs(uintptr_t function, uintptr_t descs, Py_ssize_t n, unsigned lon
     the graph would keep reading buffers that later calls overwrite. Returns
     the number of launches (0 or 1).
     """
-    _check_launch_shape(max_ctas, threads)
+    check_launch_shape(max_ctas, threads)
     if n <= 0 or tiles == 0:
         return 0
     return _launch_table(function, descs, n, tiles, sizeof(kvcopy_desc), tiles, max_ctas, threads,
@@ -172,7 +172,7 @@ cdef int _launch_table(uintptr_t function, uintptr_t table, unsigned long long c
     params[2] = &third
     with nogil:
         _launch_after_upload(function, dev, upload_from, count * entry_bytes,
-                             _grid(tiles, threads, max_ctas, 1), threads, stream, params)
+                             ctas_for(tiles, threads, max_ctas, 1), threads, stream, params)
     return 1
 
 
@@ -203,10 +203,10 @@ def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream
     cdef unsigned long long count = <unsigned long long>n
     cdef unsigned int grid
     cdef void* params[3]
-    _check_launch_shape(ctas, threads)
+    check_launch_shape(ctas, threads)
     if (host == NULL or staged == NULL or nbytes == NULL) and hi > lo:
         raise ValueError("issue_staged_chunk: no span arrays")
-    grid = _grid(tiles, threads, ctas, 1) if n > 0 else 0
+    grid = ctas_for(tiles, threads, ctas, 1) if n > 0 else 0
     params[0] = &dev
     params[1] = &count
     params[2] = &tiles
@@ -235,7 +235,7 @@ def launch_compact(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned l
     device-visible address as for launch_descs, which the kernel reads in place;
     with ``upload_from``, the entries are first copied from there. Buffers as
     for launch_descs. Returns the number of launches (0 or 1)."""
-    _check_launch_shape(max_ctas, threads)
+    check_launch_shape(max_ctas, threads)
     if size == 0 or size > KVCOPY_TILE_BYTES:
         raise ValueError(f"launch_compact: size must be 1..{KVCOPY_TILE_BYTES} bytes, got {size}")
     if n <= 0:
@@ -260,10 +260,10 @@ def launch_both(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
     cdef void* params[7]
     if upload_from and descs_b and dev_b != dev + count_a * sizeof(kvcopy_desc):
         raise ValueError("launch_both: an uploaded pair lies back to back")
-    _check_launch_shape(ctas_a or 1, threads)
-    _check_launch_shape(ctas_b or 1, threads)
-    grid_a = _grid(tiles_a, threads, ctas_a) if tiles_a else 0
-    grid_b = _grid(tiles_b, threads, ctas_b) if tiles_b else 0
+    check_launch_shape(ctas_a or 1, threads)
+    check_launch_shape(ctas_b or 1, threads)
+    grid_a = ctas_for(tiles_a, threads, ctas_a) if tiles_a else 0
+    grid_b = ctas_for(tiles_b, threads, ctas_b) if tiles_b else 0
     if grid_a + grid_b == 0:
         return 0
     params[0] = &dev
@@ -306,7 +306,7 @@ def launch_blocks_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_t dev
     cdef void* params[6]
     if tensors.shape[1] != 6 or mapping.shape[1] != 2:
         raise ValueError("launch_blocks_uploaded: tensors must be (T, 6) and mapping (n, 2)")
-    _check_launch_shape(max_ctas, threads)
+    check_launch_shape(max_ctas, threads)
     if num_tensors == 0 or num_pairs == 0 or block_bytes == 0:
         return 0
     tiles_per_block = _block_tiles(block_bytes)
@@ -321,7 +321,7 @@ def launch_blocks_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_t dev
         memcpy(<void*>host_buf, &tensors[0, 0], table)
         memcpy(<void*>(host_buf + offset), &mapping[0, 0], num_pairs * 2 * sizeof(int64_t))
         _launch_after_upload(function, <CUdeviceptr>device_buf, host_buf, total,
-                             _grid(tiles, threads, max_ctas, 1), threads, stream, params)
+                             ctas_for(tiles, threads, max_ctas, 1), threads, stream, params)
     return 1
 
 
@@ -359,10 +359,10 @@ def launch_blocks_both_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_
         raise ValueError("launch_blocks_both_uploaded: tensors must be (T, 6) and mappings (n, 2)")
     if ta == 0 or tb == 0 or na == 0 or nb == 0 or block_bytes_a == 0 or block_bytes_b == 0:
         raise ValueError("launch_blocks_both_uploaded: each side needs tensors, pairs and bytes")
-    _check_launch_shape(ctas_a, threads)
-    _check_launch_shape(ctas_b, threads)
-    grid_a = _grid(_block_tiles(bb_a) * n_na * n_ta, threads, ctas_a, 1)
-    grid_b = _grid(_block_tiles(bb_b) * n_nb * n_tb, threads, ctas_b, 1)
+    check_launch_shape(ctas_a, threads)
+    check_launch_shape(ctas_b, threads)
+    grid_a = ctas_for(_block_tiles(bb_a) * n_na * n_ta, threads, ctas_a, 1)
+    grid_b = ctas_for(_block_tiles(bb_b) * n_nb * n_tb, threads, ctas_b, 1)
     params[0] = &dev_tensors
     params[1] = &dev_mapping
     params[2] = &n_ta
