@@ -8,10 +8,12 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from cuda.bindings cimport cydriver
-from cuda.bindings.cydriver cimport (CUcontext, CUdeviceptr, CUfunction, CUmodule, CUresult,
-                                     CUstream)
+from cuda.bindings.cydriver cimport (CUcontext, CUdeviceptr, CUevent, CUfunction, CUmodule,
+                                     CUresult, CUstream)
 
+from kvcopy._cuda.dma cimport memcpy_each
 from kvcopy._cuda.driver cimport check, context_key
+from kvcopy._cuda.launch cimport check_launch_shape, ctas_for
 from kvcopy._cuda.descriptor cimport KVCOPY_TILE_BYTES
 
 cdef extern from "kvcopy/rows.h":
@@ -54,21 +56,31 @@ cdef int _side(kvcopy_rows_side* side, tuple values) except -1:
     return 0
 
 
+cdef inline unsigned long long _units_per_tile(unsigned long long piece_bytes) noexcept nogil:
+    cdef unsigned long long units
+    if piece_bytes == 0 or 2 * piece_bytes > KVCOPY_TILE_BYTES:
+        return 0
+    units = KVCOPY_TILE_BYTES // piece_bytes
+    return 32 if units > 32 else units
+
+
+cdef inline unsigned long long _tiles_per_plane(unsigned long long units,
+                                                unsigned long long piece_bytes) noexcept nogil:
+    cdef unsigned long long per = _units_per_tile(piece_bytes)
+    if per:
+        return (units + per - 1) // per
+    return units * ((piece_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
+
+
 def units_per_tile(unsigned long long piece_bytes) -> int:
     """How many pieces one warp copies at once (up to 32, a tile's bytes at most);
     0 where a piece is longer than half a tile and is cut into tiles instead."""
-    if piece_bytes == 0 or 2 * piece_bytes > KVCOPY_TILE_BYTES:
-        return 0
-    cdef unsigned long long units = KVCOPY_TILE_BYTES // piece_bytes
-    return 32 if units > 32 else units
+    return _units_per_tile(piece_bytes)
 
 
 def tiles_per_plane(unsigned long long units, unsigned long long piece_bytes) -> int:
     """Warps' units of work one plane of ``units`` pieces of ``piece_bytes`` takes."""
-    cdef unsigned long long per = units_per_tile(piece_bytes)
-    if per:
-        return (units + per - 1) // per
-    return units * ((piece_bytes + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES)
+    return _tiles_per_plane(units, piece_bytes)
 
 
 cdef class RowsLaunches:
@@ -102,12 +114,9 @@ cdef class RowsLaunches:
                   unsigned long long first_row=0):
         cdef Py_ssize_t n = src_bases.shape[0], start = 0, i, k, count
         cdef kvcopy_rows_job job
-        cdef unsigned long long tiles
-        cdef unsigned int warps_per_cta = threads // 32
         if dst_bases.shape[0] != n:
             raise ValueError("src_bases and dst_bases differ in length")
-        if max_ctas == 0 or warps_per_cta == 0 or threads % 32:
-            raise ValueError("max_ctas must be positive and threads a positive multiple of 32")
+        check_launch_shape(max_ctas, threads)
         _side(&job.src, src_side)
         _side(&job.dst, dst_side)
         memset(&job.only_skipped_by, 0, sizeof(kvcopy_rows_side))
@@ -117,8 +126,8 @@ cdef class RowsLaunches:
         job.rows = rows
         job.pieces = pieces
         job.piece_bytes = piece_bytes
-        job.units_per_tile = units_per_tile(piece_bytes)
-        job.tiles_per_plane = tiles_per_plane(rows * pieces, piece_bytes)
+        job.units_per_tile = _units_per_tile(piece_bytes)
+        job.tiles_per_plane = _tiles_per_plane(rows * pieces, piece_bytes)
         self.function = <CUfunction>function
         self.threads = threads
         self.stream = <CUstream>stream
@@ -137,9 +146,8 @@ cdef class RowsLaunches:
                 job.planes[i].src = src_bases[start + i]
                 job.planes[i].dst = dst_bases[start + i]
             job.num_planes = count
-            tiles = job.tiles_per_plane * count
-            self.grids[k] = <unsigned int>min((tiles + warps_per_cta - 1) // warps_per_cta,
-                                              max_ctas)
+            # (a warp per unit of work)
+            self.grids[k] = ctas_for(job.tiles_per_plane * count, threads, max_ctas, 1)
             memcpy(&self.jobs[k], &job, sizeof(kvcopy_rows_job))
             start += count
 
@@ -181,6 +189,153 @@ cdef class RowsLaunches:
                 cydriver.cuCtxPopCurrent(&current)
             check(status)
         return self.count
+
+
+cdef class StagedRowsSide:
+    """One side of a staged layout pair (kvcopy._engine.rows_staged), issued a chunk per
+    call. A load (``load``) copies chunk k's host spans into its staging buffer on
+    ``copy_stream``, then the layout kernel scatters the staging rows to the GPU side
+    on ``kernel_stream``. A store first copies into the staging rows the host rows its
+    gather skips (``only_skipped_by``), then gathers the GPU side's rows there, both on
+    ``kernel_stream``, then copies the spans out on ``copy_stream``. The first step
+    waits for the buffer's ``free_event``, the second for ``filled_event`` (recorded
+    behind the first), and ``free_event`` is recorded behind the second.
+
+    Sides are kvcopy_rows_side tuples (rows.h): ``staging_side`` the buffer, ``gpu_side``
+    the GPU side with its indices, ``host_side`` the host rows as a side without
+    indices (a store's fill). ``gpu_bases`` and ``host_bases``: each plane's base on
+    either side as the device sees it. Chunk k's rows (``first_rows[k]``,
+    ``row_counts[k]``) and, per plane, its host span, place in the buffer, bytes and
+    the buffer's base for row numbers from the transfer's first row (``host``,
+    ``staged``, ``nbytes``, ``staging_bases``: (chunks, planes) uint64 arrays,
+    kvcopy._plans.rows_staging.StagedChunks) are read at each issue(), so they are
+    kept. Issuing a chunk from Python (five driver calls and one or two launches built
+    each time) cost a staged pair more CPU than the pair takes on the GPU."""
+
+    cdef kvcopy_rows_job first
+    cdef kvcopy_rows_job second
+    cdef bint load
+    cdef CUfunction function
+    cdef unsigned int threads
+    cdef unsigned int max_ctas
+    cdef CUstream copy_stream
+    cdef CUstream kernel_stream
+    cdef Py_ssize_t count
+    cdef Py_ssize_t planes
+    cdef object arrays
+    cdef const uint64_t* first_rows
+    cdef const uint64_t* row_counts
+    cdef const uint64_t* host
+    cdef const uint64_t* staged
+    cdef const uint64_t* nbytes
+    cdef const uint64_t* staging_bases
+
+    def __cinit__(self, uintptr_t function, bint load, tuple staging_side, tuple gpu_side,
+                  tuple host_side, const uint64_t[::1] gpu_bases,
+                  const uint64_t[::1] host_bases, tuple only_skipped_by,
+                  unsigned long long pieces, unsigned long long piece_bytes,
+                  unsigned int max_ctas, unsigned int threads, uintptr_t copy_stream,
+                  uintptr_t kernel_stream, const uint64_t[::1] first_rows,
+                  const uint64_t[::1] row_counts, const uint64_t[:, ::1] host,
+                  const uint64_t[:, ::1] staged, const uint64_t[:, ::1] nbytes,
+                  const uint64_t[:, ::1] staging_bases):
+        cdef Py_ssize_t p, planes = gpu_bases.shape[0], count = first_rows.shape[0]
+        cdef int j
+        check_launch_shape(max_ctas, threads)
+        if planes == 0 or planes > KVCOPY_ROWS_PLANES or host_bases.shape[0] != planes:
+            raise ValueError(f"a staged side takes 1..{KVCOPY_ROWS_PLANES} planes, as many "
+                             "on each side")
+        if (row_counts.shape[0] != count
+                or host.shape[0] != count or host.shape[1] != planes
+                or staged.shape[0] != count or staged.shape[1] != planes
+                or nbytes.shape[0] != count or nbytes.shape[1] != planes
+                or staging_bases.shape[0] != count or staging_bases.shape[1] != planes):
+            raise ValueError("the chunk arrays differ in shape")
+        self.load, self.function, self.threads, self.max_ctas = load, <CUfunction>function, \
+            threads, max_ctas
+        self.copy_stream, self.kernel_stream = <CUstream>copy_stream, <CUstream>kernel_stream
+        self.count, self.planes = count, planes
+        # (a load's scatter, or a store's fill; then a store's gather)
+        cdef kvcopy_rows_job* jobs[2]
+        jobs[0], jobs[1] = &self.first, &self.second
+        for j in range(2):
+            memset(jobs[j], 0, sizeof(kvcopy_rows_job))
+            jobs[j].only_skipped_by.page_size = 1
+            jobs[j].pieces = pieces
+            jobs[j].piece_bytes = piece_bytes
+            jobs[j].units_per_tile = _units_per_tile(piece_bytes)
+            jobs[j].num_planes = planes
+        if load:
+            _side(&self.first.src, staging_side)
+            _side(&self.first.dst, gpu_side)
+            for p in range(planes):
+                self.first.planes[p].dst = gpu_bases[p]
+        else:
+            _side(&self.first.src, host_side)
+            _side(&self.first.dst, staging_side)
+            self.first.only_skipped_by.indices, self.first.only_skipped_by.slots = only_skipped_by
+            _side(&self.second.src, gpu_side)
+            _side(&self.second.dst, staging_side)
+            for p in range(planes):
+                self.first.planes[p].src = host_bases[p]
+                self.second.planes[p].src = gpu_bases[p]
+        self.arrays = (first_rows.base, row_counts.base, host.base, staged.base, nbytes.base,
+                       staging_bases.base)
+        if count:
+            self.first_rows, self.row_counts = &first_rows[0], &row_counts[0]
+            self.host, self.staged = &host[0, 0], &staged[0, 0]
+            self.nbytes, self.staging_bases = &nbytes[0, 0], &staging_bases[0, 0]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def issue(self, Py_ssize_t k, uintptr_t free_event, uintptr_t filled_event) -> None:
+        """Chunk k, behind the last use of its buffer (``free_event``). Raises CudaError;
+        a failed span copy carries the span's plane."""
+        cdef Py_ssize_t p, at
+        cdef kvcopy_rows_job* jobs[2]
+        cdef int n_jobs, j
+        cdef unsigned int grid
+        cdef void* params[1]
+        cdef CUstream first = self.copy_stream if self.load else self.kernel_stream
+        cdef CUstream second = self.kernel_stream if self.load else self.copy_stream
+        if not 0 <= k < self.count:
+            raise IndexError(k)
+        at = k * self.planes
+        jobs[0], jobs[1] = &self.first, &self.second
+        n_jobs = 1 if self.load else 2
+        for j in range(n_jobs):
+            jobs[j].first_row = self.first_rows[k]
+            jobs[j].rows = self.row_counts[k]
+            jobs[j].tiles_per_plane = _tiles_per_plane(self.row_counts[k] * jobs[j].pieces,
+                                                       jobs[j].piece_bytes)
+            for p in range(self.planes):
+                if self.load:
+                    jobs[j].planes[p].src = self.staging_bases[at + p]
+                else:
+                    jobs[j].planes[p].dst = self.staging_bases[at + p]
+        grid = ctas_for(self.first.tiles_per_plane * <unsigned long long>self.planes,
+                        self.threads, self.max_ctas, 1)
+        with nogil:
+            check(cydriver.cuStreamWaitEvent(first, <CUevent>free_event, 0))
+            if self.load:
+                memcpy_each(self.staged + at, self.host + at, self.nbytes + at, 0, self.planes,
+                            self.copy_stream)
+            else:
+                for j in range(n_jobs):
+                    params[0] = jobs[j]
+                    check(cydriver.cuLaunchKernel(self.function, grid, 1, 1, self.threads, 1,
+                                                   1, 0, self.kernel_stream, params, NULL))
+            check(cydriver.cuEventRecord(<CUevent>filled_event, first))
+            check(cydriver.cuStreamWaitEvent(second, <CUevent>filled_event, 0))
+            if self.load:
+                params[0] = &self.first
+                check(cydriver.cuLaunchKernel(self.function, grid, 1, 1, self.threads, 1, 1, 0,
+                                               self.kernel_stream, params, NULL))
+            else:
+                memcpy_each(self.host + at, self.staged + at, self.nbytes + at, 0, self.planes,
+                            self.copy_stream)
+            check(cydriver.cuEventRecord(<CUevent>free_event, second))
 
 
 def report_address(uintptr_t module) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import dma, driver, rows
+from kvcopy._cuda import driver, rows
 from kvcopy._engine import staged
 from kvcopy._engine.decide import note_decision
 from kvcopy._plans.rows import RowsPlan
@@ -44,58 +44,35 @@ def _orientation(plan: RowsPlan) -> tuple[bool, str | None]:
 
 
 class _Side:
-    """One staged side: its plan, direction, chunks, streams, buffers and bases as the
-    device sees them (``src_view``, ``dst_view``)."""
+    """One staged side: its plan, direction, streams and buffers, and its chunks as
+    kvcopy._cuda.rows.StagedRowsSide issues them (the planes' bases as the device sees
+    them: ``src_view``, ``dst_view``)."""
 
     def __init__(self, plan: RowsPlan, load: bool, src_view: np.ndarray, dst_view: np.ndarray,
                  copy_stream: int, kernel_stream: int, buffers: tuple[int, int],
-                 staging: staged.StagingBuffers, chunk_bytes: int) -> None:
-        self.plan, self.load = plan, load
-        self.src_view, self.dst_view = src_view, dst_view
+                 staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> None:
         self.copy_stream, self.kernel_stream, self.buffers = copy_stream, kernel_stream, buffers
-        self.chunks = StagedChunks(plan, load, chunk_bytes,
-                                   tuple(staging.address(b) for b in buffers))
-        # (the same for every chunk of the side: worked out once)
-        self.inside = staging_side(plan)
+        chunks = StagedChunks(plan, load, chunk_bytes, tuple(staging.address(b) for b in buffers))
         if load:
-            self.gpu_side = plan.side(plan.dst, plan.dst_indices.device)  # type: ignore[union-attr]
+            gpu = plan.side(plan.dst, plan.dst_indices.device)  # type: ignore[union-attr]
+            host, gpu_bases, host_bases, only = plan.side(plan.src, 0), dst_view, src_view, (0, 0)
         else:
-            self.indices = plan.src_indices.device   # type: ignore[union-attr]
-            self.gpu_side = plan.side(plan.src, self.indices)
-            self.host_side = plan.side(plan.dst, 0)
+            indices = plan.src_indices.device   # type: ignore[union-attr]
+            gpu = plan.side(plan.src, indices)
+            # (the rows the gather skips keep their host bytes: copied in first)
+            host, gpu_bases, host_bases = plan.side(plan.dst, 0), src_view, dst_view
+            only = (indices, plan.src.slots)
+        self.chunks = rows.StagedRowsSide(
+            function, load, staging_side(plan), gpu, host, gpu_bases, host_bases, only,
+            plan.pieces, plan.piece_bytes, policy.STAGING_CTAS,
+            config.threads_per_cta, copy_stream, kernel_stream, chunks.first_rows,
+            chunks.row_counts, chunks.host, chunks.staged, chunks.nbytes, chunks.staging_bases)
 
-    def issue(self, k: int, staging: staged.StagingBuffers, function: int) -> None:
+    def issue(self, k: int, staging: staged.StagingBuffers) -> None:
         """Chunk k: its host spans by the copy engines and its rows by the layout kernel,
         in the order the side's direction needs, behind the buffer's last use."""
-        plan, chunk = self.plan, self.chunks[k]
         buffer = self.buffers[k % len(self.buffers)]
-        free, filled = staging.free[buffer], staging.filled[buffer]
-        inside = self.inside
-
-        def launch(src_side: tuple, dst_side: tuple, src_bases: np.ndarray,
-                   dst_bases: np.ndarray, **only: Any) -> None:
-            rows.RowsLaunches(function, src_side, dst_side, src_bases, dst_bases, chunk.rows,
-                              plan.pieces, plan.piece_bytes, policy.STAGING_CTAS,
-                              config.threads_per_cta, self.kernel_stream,
-                              first_row=chunk.first_row, **only).launch()
-
-        if self.load:
-            driver.stream_wait_event(self.copy_stream, free)
-            dma.memcpy_loop(chunk.staged, chunk.host, chunk.nbytes, self.copy_stream)
-            driver.event_record(filled, self.copy_stream)
-            driver.stream_wait_event(self.kernel_stream, filled)
-            launch(inside, self.gpu_side, chunk.staging_bases, self.dst_view)
-            driver.event_record(free, self.kernel_stream)
-            return
-        driver.stream_wait_event(self.kernel_stream, free)
-        # (the rows the gather skips keep their host bytes: copied in first)
-        launch(self.host_side, inside, self.dst_view, chunk.staging_bases,
-               only_skipped_by=(self.indices, plan.src.slots))
-        launch(self.gpu_side, inside, self.src_view, chunk.staging_bases)
-        driver.event_record(filled, self.kernel_stream)
-        driver.stream_wait_event(self.copy_stream, filled)
-        dma.memcpy_loop(chunk.host, chunk.staged, chunk.nbytes, self.copy_stream)
-        driver.event_record(free, self.copy_stream)
+        self.chunks.issue(k, staging.free[buffer], staging.filled[buffer])
 
 
 def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
@@ -144,7 +121,7 @@ def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], 
                        (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
             buffers = (j * staged.BUFFERS_PER_SIDE, j * staged.BUFFERS_PER_SIDE + 1)
             sides.append(_Side(plan, load, src_view, dst_view, *streams, buffers, staging,
-                               chunk_bytes))
+                               chunk_bytes, function))
         side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
         for stream in side_work:
             driver.stream_wait_stream(stream, handle)
@@ -152,7 +129,7 @@ def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], 
             for k in range(max(len(side.chunks) for side in sides)):
                 for side in sides:
                     if k < len(side.chunks):
-                        side.issue(k, staging, function)
+                        side.issue(k, staging)
         finally:
             for stream in side_work:
                 driver.stream_wait_stream(handle, stream)

@@ -9,8 +9,6 @@ engine issues what it says.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvcopy._plans.rows import RowsPlan
@@ -49,22 +47,6 @@ def why_not_staged(plan: RowsPlan, load: bool, max_planes: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class StagedChunk:
-    """Rows ``first_row`` .. ``first_row + rows - 1`` of a staged transfer through one
-    staging buffer: per plane, the host span (``host``), its place in the buffer
-    (``staged``) and its bytes (``nbytes``), all uint64; and ``staging_bases``, per plane
-    the base such that the chunk's row r lies at base + r * row_bytes in the buffer
-    (modulo 2**64: the layout kernel numbers rows from ``first_row``)."""
-
-    first_row: int
-    rows: int
-    host: np.ndarray
-    staged: np.ndarray
-    nbytes: np.ndarray
-    staging_bases: np.ndarray
-
-
 def chunk_rows(plan: RowsPlan, chunk_bytes: int) -> int:
     """Rows per chunk: as many as fit ``chunk_bytes`` in every plane. Raises ValueError
     where not one row does."""
@@ -78,7 +60,14 @@ def chunk_rows(plan: RowsPlan, chunk_bytes: int) -> int:
 class StagedChunks:
     """Every chunk of a plan, chunk_rows() rows each (the last the rest), chunk k through
     the staging buffer at ``buffers[k % len(buffers)]``, worked out in a few array
-    operations for all chunks at once (per chunk they cost the CPU more than issuing)."""
+    operations for all chunks at once (per chunk they cost the CPU more than issuing),
+    as arrays for kvcopy._cuda.rows.StagedRowsSide. Chunk k copies rows
+    ``first_rows[k]`` .. ``first_rows[k] + row_counts[k] - 1``; per plane p, its host
+    span is at ``host[k, p]``, its place in the buffer at ``staged[k, p]``, its bytes
+    ``nbytes[k, p]``, and ``staging_bases[k, p]`` is the base such that its row r lies at
+    base + r * row_bytes in the buffer (modulo 2**64: the layout kernel numbers rows
+    from the transfer's first). All uint64, (chunks, planes) C-contiguous, or a chunk
+    each for the rows."""
 
     def __init__(self, plan: RowsPlan, load: bool, chunk_bytes: int,
                  buffers: tuple[int, ...]) -> None:
@@ -91,20 +80,14 @@ class StagedChunks:
         buffer = np.asarray(buffers, dtype=np.uint64)[np.arange(self.count) % len(buffers)]
         plane = np.arange(planes, dtype=np.uint64)
         offset = firsts * rb
-        self._first, self._rows = firsts.tolist(), rows.tolist()
-        self._host = host.bases[None, :] + offset[:, None]
-        self._staged = buffer[:, None] + plane[None, :] * (rows * rb)[:, None]
-        self._nbytes = np.repeat((rows * rb)[:, None], planes, axis=1)
-        self._bases = self._staged - offset[:, None]   # (uint64: modulo 2**64)
+        self.first_rows, self.row_counts = firsts, rows
+        self.host = host.bases[None, :] + offset[:, None]
+        self.staged = buffer[:, None] + plane[None, :] * (rows * rb)[:, None]
+        self.nbytes = np.repeat((rows * rb)[:, None], planes, axis=1)
+        self.staging_bases = self.staged - offset[:, None]   # (uint64: modulo 2**64)
 
     def __len__(self) -> int:
         return self.count
-
-    def __getitem__(self, k: int) -> StagedChunk:
-        if not 0 <= k < self.count:
-            raise IndexError(k)
-        return StagedChunk(self._first[k], self._rows[k], self._host[k], self._staged[k],
-                           self._nbytes[k], self._bases[k])
 
 
 def staging_side(plan: RowsPlan) -> tuple[int, int, int, int, int, int]:

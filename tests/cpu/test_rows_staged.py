@@ -13,7 +13,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Layout, policy, testing
-from kvcopy.testing import engine
+from kvcopy.testing import cuda, engine
 from kvcopy._plans.rows_staging import (StagedChunks, chunk_rows, rows_back_to_back,
                                         why_not_staged)
 from helpers.cpu_fakes import FakeScope
@@ -294,25 +294,29 @@ def test_chunks_cover_every_row_once_each_plane_one_span():
     plan = _plan(host_planes=3)
     per = chunk_rows(plan, 8192)                    # 8192 // (3 planes x 256 B) = 10 rows
     chunks = StagedChunks(plan, True, 8192, (0xA000, 0xB000))
-    assert per == 10 and [c.first_row for c in chunks] == list(range(0, 100, 10))
-    last = chunks[len(chunks) - 1]
-    assert last.rows == 10 and list(last.nbytes) == [10 * 256] * 3
-    assert list(last.host) == [BASE + p * (1 << 20) + 90 * 256 for p in range(3)]
-    assert list(last.staged) == [0xB000 + p * 10 * 256 for p in range(3)]
-    # row r of plane p sits at staging_bases[p] + r * row_bytes (modulo 2**64)
-    for c in chunks:
+    assert per == 10 and chunks.first_rows.tolist() == list(range(0, 100, 10))
+    last = len(chunks) - 1
+    assert chunks.row_counts[last] == 10 and chunks.nbytes[last].tolist() == [10 * 256] * 3
+    assert chunks.host[last].tolist() == [BASE + p * (1 << 20) + 90 * 256 for p in range(3)]
+    assert chunks.staged[last].tolist() == [0xB000 + p * 10 * 256 for p in range(3)]
+    # row r of plane p sits at staging_bases[k, p] + r * row_bytes (modulo 2**64)
+    for k in range(len(chunks)):
         for p in range(3):
-            assert (int(c.staging_bases[p]) + c.first_row * 256) % (1 << 64) == int(c.staged[p])
+            assert ((int(chunks.staging_bases[k, p]) + int(chunks.first_rows[k]) * 256)
+                    % (1 << 64) == int(chunks.staged[k, p]))
+    for name in ("host", "staged", "nbytes", "staging_bases"):   # (as the C side reads them)
+        array = getattr(chunks, name)
+        assert array.dtype == np.uint64 and array.shape == (10, 3) and array.flags.c_contiguous
 
 
 def test_the_last_chunk_takes_the_rest():
     plan = _plan(host_planes=1)
     chunks = StagedChunks(plan, False, 256 * 30, (0xA000, 0xB000))   # 30, 30, 30, 10 rows
-    assert [(c.first_row, c.rows) for c in chunks] == [(0, 30), (30, 30), (60, 30), (90, 10)]
-    assert [int(c.staged[0]) for c in chunks] == [0xA000, 0xB000, 0xA000, 0xB000]
-    assert int(chunks[3].nbytes[0]) == 10 * 256
-    with pytest.raises(IndexError):
-        chunks[4]
+    assert len(chunks) == 4
+    assert list(zip(chunks.first_rows.tolist(), chunks.row_counts.tolist())) == [
+        (0, 30), (30, 30), (60, 30), (90, 10)]
+    assert chunks.staged[:, 0].tolist() == [0xA000, 0xB000, 0xA000, 0xB000]
+    assert int(chunks.nbytes[3, 0]) == 10 * 256
 
 
 def test_a_chunk_too_small_for_one_row_is_refused():
@@ -348,3 +352,47 @@ def test_the_default_threshold_is_the_policys():
     assert policy.choose_rows_staging(*pair) is not None
     smaller = (pair[0], (policy.ROWS_STAGING_MIN_BYTES - 1,) * 2) + pair[2:]
     assert policy.choose_rows_staging(*smaller) is None
+
+
+def _staged_rows_side(planes: int = 2, count: int = 3, threads: int = 512, **changed):
+    """A real StagedRowsSide, the C side of a staged layout side (nothing is issued, so no
+    driver is needed)."""
+    side = (0, 1 << 20, 1, 64, 64, 64)
+    chunk = np.zeros((count, planes), np.uint64)
+    args = dict(function=0, load=True, staging_side=side, gpu_side=side, host_side=side,
+                gpu_bases=np.zeros(planes, np.uint64), host_bases=np.zeros(planes, np.uint64),
+                only_skipped_by=(0, 0), pieces=1, piece_bytes=64, max_ctas=4, threads=threads,
+                copy_stream=0, kernel_stream=0, first_rows=np.zeros(count, np.uint64),
+                row_counts=np.ones(count, np.uint64), host=chunk, staged=chunk.copy(),
+                nbytes=chunk.copy(), staging_bases=chunk.copy())
+    args.update(changed)
+    return cuda.rows.StagedRowsSide(*args.values())
+
+
+def test_the_c_side_counts_its_chunks_and_refuses_a_chunk_it_does_not_have():
+    side = _staged_rows_side(count=3)
+    assert len(side) == 3
+    for k in (-1, 3):
+        with pytest.raises(IndexError):
+            side.issue(k, 0, 0)
+
+
+@pytest.mark.parametrize("planes", [0, 129])
+def test_the_c_side_takes_one_launch_of_planes(planes):
+    with pytest.raises(ValueError, match="planes"):
+        _staged_rows_side(planes=planes)
+
+
+def test_the_c_side_refuses_chunk_arrays_of_other_shapes():
+    with pytest.raises(ValueError, match="differ in shape"):
+        _staged_rows_side(nbytes=np.zeros((3, 1), np.uint64))
+    with pytest.raises(ValueError, match="differ in shape"):
+        _staged_rows_side(row_counts=np.ones(2, np.uint64))
+    with pytest.raises(ValueError, match="as many on each side"):
+        _staged_rows_side(host_bases=np.zeros(1, np.uint64))
+
+
+@pytest.mark.parametrize("threads", [0, 48])
+def test_the_c_side_refuses_a_cta_that_is_not_whole_warps(threads):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _staged_rows_side(threads=threads)

@@ -189,3 +189,42 @@ class RowsOnHostMemory(FakeRowsCuda):
                                            address(src_side, src_bases[p], s, j), piece_bytes)
                 return 1
         return Launches()
+
+    def StagedRowsSide(self, function, load, staging_side, gpu_side, host_side, gpu_bases,
+                       host_bases, only_skipped_by, pieces, piece_bytes, ctas, threads,
+                       copy_stream, kernel_stream, first_rows, row_counts, host, staged, nbytes,
+                       staging_bases):
+        """kvcopy._cuda.rows.StagedRowsSide on this memory: each issue() makes the calls the
+        C side makes, in its order, through the fakes above (so they are recorded and
+        move the bytes)."""
+        driver = self
+
+        def launch(k, src_side, dst_side, src_bases, dst_bases, **only):
+            driver.RowsLaunches(function, src_side, dst_side, src_bases, dst_bases,
+                                int(row_counts[k]), pieces, piece_bytes, ctas, threads,
+                                kernel_stream, first_row=int(first_rows[k]), **only).launch()
+
+        class Side:
+            def __len__(self):
+                return len(first_rows)
+
+            def issue(self, k, free, filled):
+                if not 0 <= k < len(first_rows):
+                    raise IndexError(k)
+                if load:
+                    driver.stream_wait_event(copy_stream, free)
+                    driver.memcpy_loop(staged[k], host[k], nbytes[k], copy_stream)
+                    driver.event_record(filled, copy_stream)
+                    driver.stream_wait_event(kernel_stream, filled)
+                    launch(k, staging_side, gpu_side, staging_bases[k], gpu_bases)
+                    driver.event_record(free, kernel_stream)
+                    return
+                driver.stream_wait_event(kernel_stream, free)
+                launch(k, host_side, staging_side, host_bases, staging_bases[k],
+                       only_skipped_by=only_skipped_by)
+                launch(k, gpu_side, staging_side, gpu_bases, staging_bases[k])
+                driver.event_record(filled, kernel_stream)
+                driver.stream_wait_event(copy_stream, filled)
+                driver.memcpy_loop(host[k], staged[k], nbytes[k], copy_stream)
+                driver.event_record(free, copy_stream)
+        return Side()
