@@ -12,7 +12,7 @@ stream, fenced behind the launch).
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from kvcopy._engine import traffic_window
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
                                    settled_classes)
 from kvcopy._engine.dispatch import execute_copies, issue_dma
-from kvcopy._plans.rows import RowsPlan, expand
+from kvcopy._plans.rows import Indices, RowsPlan, expand
 from kvcopy._runtime import kernels, ring
 from kvcopy._runtime.kernels import KernelUnavailable
 from kvcopy._runtime.context import ContextScope
@@ -52,21 +52,35 @@ def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.n
     _launches(plan, target, src_view, dst_view, src_indices, dst_indices).launch()
 
 
+def host_indices_bytes(sides: Sequence[tuple[Indices | None, int]]) -> int:
+    """The ring-slot bytes indices_for_device() copies for ``sides`` ((indices, rows) each)."""
+    return sum(8 * rows for indices, rows in sides
+               if indices is not None and indices.host is not None)
+
+
+def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, int]]
+                       ) -> tuple[list[int], int]:
+    """Each side's indices as the device reads them (0: none): GPU indices in place, host
+    values copied into the pinned ``slot`` and read at ``slot.device``; and the bytes
+    copied, which the caller uploads on its stream before the launches that read them and
+    fences the slot behind."""
+    where, offset = [], 0
+    for indices, rows in sides:
+        if indices is not None and indices.host is not None:
+            ctypes.memmove(slot.host + offset, indices.host.ctypes.data, 8 * rows)
+            where.append(slot.device + offset)
+            offset += 8 * rows
+        else:
+            where.append(indices.device if indices is not None else 0)
+    return where, offset
+
+
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
                       dst_view: np.ndarray) -> None:
     """Host indices copied into a ring slot, uploaded on the stream, then the launch."""
-    host = [i.host if i is not None and i.host is not None else None
-            for i in (plan.src_indices, plan.dst_indices)]
-    nbytes = sum(8 * plan.rows for h in host if h is not None)
-    with ring.ring_for_current_context().reserve(nbytes) as slot:
-        where, offset = [], 0
-        for values, indices in zip(host, (plan.src_indices, plan.dst_indices)):
-            if values is not None:
-                ctypes.memmove(slot.host + offset, values.ctypes.data, 8 * plan.rows)
-                where.append(slot.device + offset)
-                offset += 8 * plan.rows
-            else:
-                where.append(indices.device if indices is not None else 0)
+    sides = ((plan.src_indices, plan.rows), (plan.dst_indices, plan.rows))
+    with ring.ring_for_current_context().reserve(host_indices_bytes(sides)) as slot:
+        where, nbytes = indices_for_device(slot, sides)
         launch.upload(slot.device, slot.host, nbytes, target.handle)
         _launch(plan, target, src_view, dst_view, *where)
         ring.DescriptorRing.fence(slot, target.handle)
