@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy._engine import both_ways
-from kvcopy._engine.rows_both_ways import execute_rows_both
+from kvcopy._engine.rows_both_ways import execute_rows_both, try_staged_rows_both
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._plans.rows import RowsPlan, expand, plan_rows, rows_stream
 from kvcopy.interop.frameworks import type_name
@@ -30,18 +30,19 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
 
     Each side is a ``(src, dst[, src_indices[, dst_indices[, rows]]])`` tuple of
     copy_rows' arguments, checked as copy_rows checks them, both before either is
-    issued. Where a side's indices are on the GPU, each side is a layout-kernel launch:
-    the store on ``stream``, the load on a stream of kvcopy's own forked from it and
-    joined back (both on ``stream``, in order, under capture). Where, besides, each
-    side's host rows lie back to back without indices and both sides are large
+    issued. Where each side's host rows lie back to back without indices, its GPU side
+    has indices (on the GPU, or on the host) and both sides are large
     (policy.choose_rows_staging), the copy engines move the host rows in chunks
     through GPU staging buffers and the layout kernel gathers and scatters them inside
     the GPU ('staged'); a row an index skips still keeps its bytes (in a store, the
     bytes its host row held when its chunk was gathered are written back to it).
-    Where every index is on the host, both sides go as pointer copies, as
-    copy_both_ways issues them: one kernel launch whose CTAs are split by direction,
-    or both on the copy engines from long rows. Either way both start after the work
-    queued on ``stream`` and the work queued on it afterwards starts after both.
+    Otherwise, where a side's indices are on the GPU, each side is a layout-kernel
+    launch: the store on ``stream``, the load on a stream of kvcopy's own forked from
+    it and joined back (both on ``stream``, in order, under capture); where every index
+    is on the host, both sides go as pointer copies, as copy_both_ways issues them: one
+    kernel launch whose CTAs are split by direction, or both on the copy engines from
+    long rows. Either way both start after the work queued on ``stream`` and the work
+    queued on it afterwards starts after both.
 
     The two run in no order with each other: with host indices, a store and a load
     touching the same bytes with one writing them are refused (ValueError naming
@@ -63,5 +64,8 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     if any(p.device_indices for p in plans):
         return execute_rows_both(plans[0], plans[1], handle, method)
     refuse_rows_crossing(plans[0], plans[1])
+    staged = try_staged_rows_both(plans[0], plans[1], handle, method)
+    if staged is not None:
+        return staged
     return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method,
                                   ("store", "load"))

@@ -4,9 +4,10 @@ the caller's stream, the second on kvcopy's side stream forked from it and joine
 back, so that both directions share the link at once. Under capture both go on the
 caller's stream, one after the other (a graph keeps them in order). A store and a load
 of host rows back to back go through GPU staging buffers where the policy says so
-(kvcopy._engine.rows_staged). Sides whose indices are all on the host go as pointer
-copies through kvcopy._engine.both_ways instead (its fused kernel pair, or the copy
-engines from long rows)."""
+(kvcopy._engine.rows_staged), whether their indices are on the GPU or the host
+(try_staged_rows_both). Sides whose indices are all on the host and are not staged go
+as pointer copies through kvcopy._engine.both_ways instead (its fused kernel pair, or
+the copy engines from long rows)."""
 from __future__ import annotations
 
 from kvcopy._cuda import driver
@@ -37,3 +38,18 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
             return ran, execute_rows(second, side, method)
         finally:
             driver.stream_wait_stream(handle, side)
+
+
+def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
+                         method: str = "auto") -> tuple[str, str] | None:
+    """Both plans through GPU staging buffers where the policy stages them, outside
+    capture; None where not, nothing issued. Asked of the plans first, so that a pair
+    that is not staged costs no driver call here."""
+    if rows_staged.wanted(first, second, method) is None:
+        return None
+    handle = effective_handle(stream_handle)
+    with ContextScope(handle) as scope:
+        if driver.stream_capture_status(handle) != 0:
+            return None
+        return rows_staged.try_staged(first, second, handle, method,
+                                      lambda plan: settle(scope, plan, handle, method)[:3])

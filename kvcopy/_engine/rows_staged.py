@@ -1,11 +1,13 @@
-"""A store and a load at once in layout form, GPU indices on each side's GPU side and
-its host rows back to back (copy_rows_both_ways), through GPU staging buffers.
+"""A store and a load at once in layout form, indices on each side's GPU side and its
+host rows back to back (copy_rows_both_ways), through GPU staging buffers.
 
 The layout kernel's pair stops near 0.8 of two contiguous copies: its SMs' requests to
 host memory share the link less well than the copy engines' do. Here the copy engines
 move each chunk's host rows whole (one span per plane) to or from a staging buffer,
 and the layout kernel scatters (a load) or gathers (a store) the rows inside the GPU,
-reading the GPU indices in place, as copy_rows does: nothing is read on the host.
+reading GPU indices in place, as copy_rows does. Host indices (checked when planned)
+are copied into a descriptor-ring slot and uploaded once, on the caller's stream,
+before any chunk: the chunks' launches read them there.
 
 A row the GPU side's index skips (negative, or out of range: counted for
 kvcopy.check_indices as copy_rows counts it) writes nothing in a load. In a store its
@@ -26,12 +28,13 @@ from typing import Any
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import driver, rows
+from kvcopy._cuda import driver, launch, rows
 from kvcopy._engine import staged
 from kvcopy._engine.decide import note_decision
+from kvcopy._engine.rows import host_indices_bytes, indices_for_device
 from kvcopy._plans.rows import RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
-from kvcopy._runtime import kernels, side_streams
+from kvcopy._runtime import kernels, ring, side_streams
 from kvcopy.config import config
 
 
@@ -45,19 +48,20 @@ def _orientation(plan: RowsPlan) -> tuple[bool, str | None]:
 
 class _Side:
     """One staged side: its plan, direction, streams and buffers, and its chunks as
-    kvcopy._cuda.rows.StagedRowsSide issues them (the planes' bases as the device sees
-    them: ``src_view``, ``dst_view``)."""
+    kvcopy._cuda.rows.StagedRowsSide issues them (``indices``: the GPU side's indices as
+    the device reads them; the planes' bases as the device sees them: ``src_view``,
+    ``dst_view``)."""
 
-    def __init__(self, plan: RowsPlan, load: bool, src_view: np.ndarray, dst_view: np.ndarray,
-                 copy_stream: int, kernel_stream: int, buffers: tuple[int, int],
-                 staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> None:
+    def __init__(self, plan: RowsPlan, load: bool, indices: int, src_view: np.ndarray,
+                 dst_view: np.ndarray, copy_stream: int, kernel_stream: int,
+                 buffers: tuple[int, int], staging: staged.StagingBuffers, chunk_bytes: int,
+                 function: int) -> None:
         self.copy_stream, self.kernel_stream, self.buffers = copy_stream, kernel_stream, buffers
         chunks = StagedChunks(plan, load, chunk_bytes, tuple(staging.address(b) for b in buffers))
         if load:
-            gpu = plan.side(plan.dst, plan.dst_indices.device)  # type: ignore[union-attr]
+            gpu = plan.side(plan.dst, indices)
             host, gpu_bases, host_bases, only = plan.side(plan.src, 0), dst_view, src_view, (0, 0)
         else:
-            indices = plan.src_indices.device   # type: ignore[union-attr]
             gpu = plan.side(plan.src, indices)
             # (the rows the gather skips keep their host bytes: copied in first)
             host, gpu_bases, host_bases = plan.side(plan.dst, 0), src_view, dst_view
@@ -75,11 +79,10 @@ class _Side:
         self.chunks.issue(k, staging.free[buffer], staging.filled[buffer])
 
 
-def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
-               settle: Any) -> tuple[str, str] | None:
-    """Issue both plans through staging buffers where policy.choose_rows_staging says so
-    (``settle(plan)``: the plan's (Target, src_view, dst_view), classified and decided
-    as copy_rows does); None where it does not, nothing issued. The caller's stream is
+def wanted(first: RowsPlan, second: RowsPlan, method: str
+           ) -> tuple[policy.Decision, list[bool]] | None:
+    """policy.choose_rows_staging's answer for the pair from the plans alone (no driver
+    call), with whether each side is a load; None: not staged. The caller's stream is
     not capturing."""
     chunk_bytes = config.staging_bytes
     if method != "auto" or not chunk_bytes or first.rows == 0 or second.rows == 0:
@@ -89,8 +92,21 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
     want = ("h2d" if found[0][0] else "d2h", "h2d" if found[1][0] else "d2h")
     decision = policy.choose_rows_staging(want, sizes, (found[0][1], found[1][1]), chunk_bytes,
                                           False, method, policy.ROWS_STAGING_MIN_BYTES)
-    if decision is None:
+    return None if decision is None else (decision, [f[0] for f in found])
+
+
+def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
+               settle: Any) -> tuple[str, str] | None:
+    """Issue both plans through staging buffers where wanted() says so (``settle(plan)``:
+    the plan's (Target, src_view, dst_view), classified and decided as copy_rows does)
+    and their memory allows; None where not, nothing issued. The caller's stream is not
+    capturing."""
+    found = wanted(first, second, method)
+    if found is None:
         return None
+    decision, loads = found
+    want = ["h2d" if load else "d2h" for load in loads]
+    chunk_bytes = config.staging_bytes
     settled = [settle(p) for p in (first, second)]
     ordinal = settled[0][0].info.ordinal
     for (target, _, _), direction in zip(settled, want):
@@ -98,20 +114,40 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
         devices = (-1, ordinal) if direction == "h2d" else (ordinal, -1)
         if (request.direction != direction or not request.device_accessible
                 or request.devices != devices or target.info.ordinal != ordinal):
-            return None   # (pageable or another GPU's memory: the layout kernel's way)
+            return None   # (pageable or another GPU's memory: the unstaged ways)
     staging = staged.context_buffers(chunk_bytes)
     if staging is None:
         return None
     info = settled[0][0].info
     function = kernels.kernel_for_current_context(info.cc[0], info.cc[1],
                                                   info.driver_version).function_rows
-    _issue(first, second, settled, [f[0] for f in found], handle, staging, chunk_bytes, function)
+    _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
     note_decision(decision)
     return "staged", "staged"
 
 
 def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
            staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> None:
+    gpu_sides = [(plan.dst_indices if load else plan.src_indices, plan.rows)
+                 for plan, load in zip((first, second), loads)]
+    nbytes = host_indices_bytes(gpu_sides)
+    if not nbytes:   # (GPU indices on both sides: read in place)
+        where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]
+        _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
+                     function)
+        return
+    with ring.ring_for_current_context().reserve(nbytes) as slot:
+        where, nbytes = indices_for_device(slot, gpu_sides)
+        launch.upload(slot.device, slot.host, nbytes, handle)
+        _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
+                     function)
+        # (after the sides are joined back: every launch that reads the slot is behind it)
+        ring.DescriptorRing.fence(slot, handle)
+
+
+def _issue_sides(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool],
+                 indices: list[int], handle: int, staging: staged.StagingBuffers,
+                 chunk_bytes: int, function: int) -> None:
     with staging.lock:
         sides = []
         for j, (plan, (_, src_view, dst_view), load) in enumerate(zip((first, second), settled,
@@ -120,8 +156,8 @@ def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], 
             streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
                        (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
             buffers = (j * staged.BUFFERS_PER_SIDE, j * staged.BUFFERS_PER_SIDE + 1)
-            sides.append(_Side(plan, load, src_view, dst_view, *streams, buffers, staging,
-                               chunk_bytes, function))
+            sides.append(_Side(plan, load, indices[j], src_view, dst_view, *streams, buffers,
+                               staging, chunk_bytes, function))
         side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
         for stream in side_work:
             driver.stream_wait_stream(stream, handle)

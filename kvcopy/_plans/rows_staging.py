@@ -4,7 +4,7 @@ buffers (kvcopy._engine.rows_staged): which transfers qualify, and each chunk's 
 A chunk is a run of consecutive rows. Its host side is one span per plane, which the
 copy engines move whole to (a load) or from (a store) a staging buffer; the layout
 kernel scatters the staging rows to their GPU slots, or gathers them there, reading
-the GPU side's indices in place. The planner only computes addresses (numbers): the
+the GPU side's indices on the GPU. The planner only computes addresses (numbers): the
 engine issues what it says.
 """
 from __future__ import annotations
@@ -31,15 +31,14 @@ def rows_back_to_back(layout: Layout) -> bool:
 def why_not_staged(plan: RowsPlan, load: bool, max_planes: int) -> str | None:
     """Why ``plan`` cannot be staged (None: it can), as a load (host side the source)
     or a store: its host side must have no indices and rows back to back in at most
-    ``max_planes`` planes (one copy-engine span each per chunk); its GPU side's
-    indices must be on the GPU (the case the staged path serves: nothing to read on
-    the host)."""
+    ``max_planes`` planes (one copy-engine span each per chunk); its GPU side must have
+    indices, on the GPU (read in place) or on the host (uploaded once for the call)."""
     host, host_indices = (plan.src, plan.src_indices) if load else (plan.dst, plan.dst_indices)
     gpu_indices = plan.dst_indices if load else plan.src_indices
     if host_indices is not None:
         return "the host side has indices"
-    if gpu_indices is None or not gpu_indices.device:
-        return "the GPU side's indices are not on the GPU"
+    if gpu_indices is None:
+        return "the GPU side has no indices"
     if not rows_back_to_back(host):
         return "the host side's rows are not back to back"
     if host.num_planes > max_planes:

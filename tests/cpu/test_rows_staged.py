@@ -53,15 +53,17 @@ class Step:
         self.store_slots = order[:tokens].astype(np.int64)
         self.load_slots = order[tokens:2 * tokens].astype(np.int64)
 
-    def run(self, method: str = "auto") -> tuple[str, str]:
+    def run(self, method: str = "auto", on_host: bool = False) -> tuple[str, str]:
+        """The pair, its slots as GPU indices (read where they lie) or ``on_host``."""
         paged = Layout.of(self.caches, planes=(0,), page=1, slot=2)
         self.before = [c.copy() for c in self.caches]
         self.out_before = self.out.copy()
+        store, load = ((self.store_slots, self.load_slots) if on_host else
+                       (GpuIndices(len(self.store_slots), self.store_slots.ctypes.data),
+                        GpuIndices(len(self.load_slots), self.load_slots.ctypes.data)))
         return kvcopy.copy_rows_both_ways(
-            (paged, Layout.of(self.out, planes=(1, 0), slot=2),
-             GpuIndices(len(self.store_slots), self.store_slots.ctypes.data)),
-            (Layout.of(self.back, planes=(1, 0), slot=2), paged, None,
-             GpuIndices(len(self.load_slots), self.load_slots.ctypes.data)),
+            (paged, Layout.of(self.out, planes=(1, 0), slot=2), store),
+            (Layout.of(self.back, planes=(1, 0), slot=2), paged, None, load),
             stream=STREAM, method=method)
 
     def expected_out(self) -> np.ndarray:
@@ -100,9 +102,14 @@ def staged_rows(seams, monkeypatch):
 
     fake = RowsOnHostMemory([])
     fake.staging = staging
+    # a descriptor-ring slot for host indices, read by the emulated kernel where it lies
+    fake.slot_memory = np.zeros(1 << 12, np.uint8)
+    address = fake.slot_memory.ctypes.data
+    slot = engine.ring.Slot(capacity=fake.slot_memory.nbytes, host=address, mapped=address,
+                            device=address, event=0x77)
     seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
     seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope,
-                                             staging=staging,
+                                             staging=staging, slot=slot,
                                              side_stream=lambda handle, index=0: SIDE + index))
     yield fake, make
 
@@ -179,6 +186,54 @@ def test_skipped_rows_keep_their_bytes_and_out_of_range_rows_are_reported(staged
     for cache, want in zip(step.caches, step.expected_caches()):
         np.testing.assert_array_equal(cache, want)
     assert sorted(fake.reported) == [20] * 4 + [34] * 4   # once per plane, the caller's row
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_host_indices_are_staged_as_well_and_move_every_byte(staged_rows, tokens):
+    fake, make = staged_rows
+    step = make(tokens, seed=11 + tokens)
+    step.store_slots[0] = -1                      # skipped: its host row keeps its bytes
+    assert step.run(on_host=True) == ("staged", "staged")
+    assert kvcopy.last_decision().method == "staged"
+    np.testing.assert_array_equal(step.out, step.expected_out())
+    np.testing.assert_array_equal(step.out[:, :, 0], step.out_before[:, :, 0])
+    for cache, want in zip(step.caches, step.expected_caches()):
+        np.testing.assert_array_equal(cache, want)
+
+
+def test_host_indices_are_uploaded_once_before_the_chunks_and_fenced_after_them(staged_rows):
+    fake, make = staged_rows
+    step = make(20)                       # two chunks a side
+    step.run(on_host=True)
+    slot = fake.slot_memory.ctypes.data
+    uploads = [c for c in fake.calls if c[0] == "upload"]
+    assert uploads == [("upload", slot, 2 * 8 * 20, STREAM)]   # both sides' slots at once
+    np.testing.assert_array_equal(fake.slot_memory[:320].view(np.int64),
+                                  np.concatenate([step.store_slots, step.load_slots]))
+    first_wait = next(i for i, c in enumerate(fake.calls) if c[0] == "wait")
+    assert fake.calls.index(uploads[0]) < first_wait        # before any side stream forks
+    assert fake.calls[-1] == ("record", 0x77, STREAM)        # the slot fenced after the joins
+    assert all(c[0] == "wait" and c[1] == STREAM for c in fake.calls[-4:-1])
+
+
+def test_host_indices_out_of_range_are_refused_before_anything_is_issued(staged_rows):
+    fake, make = staged_rows
+    step = make(20)
+    step.load_slots[7] = PAGES * PAGE
+    with pytest.raises(ValueError, match="load"):
+        step.run(on_host=True)
+    assert fake.calls == []
+    step.load_slots[7] = 0
+    assert step.run(on_host=True) == ("staged", "staged")    # and the library stays usable
+
+
+def test_host_indices_that_cross_are_refused_before_anything_is_issued(staged_rows):
+    fake, make = staged_rows
+    step = make(20)
+    step.load_slots[3] = step.store_slots[5]      # the load writes a slot the store reads
+    with pytest.raises(ValueError, match="store.*load|load.*store"):
+        step.run(on_host=True)
+    assert fake.calls == []
 
 
 def test_chunks_alternate_buffers_and_streams_in_the_order_each_direction_needs(staged_rows):
@@ -267,26 +322,27 @@ def test_rows_back_to_back_is_where_every_row_follows_the_last(kw, back_to_back)
                                       BASE + 8192 + rows.astype(np.uint64) * 64)
 
 
-def _plan(host_planes: int = 2, host_kw: dict | None = None, gpu_indices=True,
+def _plan(host_planes: int = 2, host_kw: dict | None = None, gpu_indices="gpu",
           host_indices=None):
     host = Layout.from_pointers([BASE + p * (1 << 20) for p in range(host_planes)], slots=100,
                                 row_bytes=256, **(host_kw or {}))
     gpu = Layout.from_pointers([BASE * 4 + p * (1 << 20) for p in range(host_planes)],
                                slots=400, row_bytes=256, page_size=16)
-    indices = GpuIndices(100) if gpu_indices else np.arange(100)
+    indices = {"gpu": GpuIndices(100), "host": np.arange(100), None: None}[gpu_indices]
     return kvcopy.testing.plans.plan_rows(host, gpu, host_indices, indices, 100)
 
 
 @pytest.mark.parametrize("plan_kw, why", [
     (dict(), None),
     (dict(host_indices=np.arange(100)), "the host side has indices"),
-    (dict(gpu_indices=False), "the GPU side's indices are not on the GPU"),
+    (dict(gpu_indices="host"), None),
+    (dict(gpu_indices=None), "the GPU side has no indices"),
     (dict(host_kw=dict(slot_stride=512)), "the host side's rows are not back to back"),
     (dict(host_planes=9), "the host side has 9 planes (at most 8 are staged)"),
 ])
 def test_why_not_staged_names_what_keeps_a_side_off_the_staging_buffers(plan_kw, why):
     if plan_kw.get("host_indices") is not None:
-        plan_kw["gpu_indices"] = False   # (both sides' indices on one side of the bus)
+        plan_kw["gpu_indices"] = "host"   # (both sides' indices on one side of the bus)
     assert why_not_staged(_plan(**plan_kw), True, policy.ROWS_STAGING_MAX_PLANES) == why
 
 

@@ -1,7 +1,7 @@
 """copy_rows_both_ways through GPU staging buffers on a real GPU
 (kvcopy._engine.rows_staged): a store of token rows from paged caches into a pinned chunk
-and a load of other rows back, GPU indices, host rows back to back, in chunks small
-enough that every transfer takes several. Every byte against torch oracles; skipped
+and a load of other rows back, indices on the GPU or the host, host rows back to back,
+in chunks small enough that every transfer takes several. Every byte against torch oracles; skipped
 rows keep their bytes on both sides, out-of-range ones are reported with the caller's
 row; the work is ordered on the caller's stream. Skipped without a GPU."""
 from __future__ import annotations
@@ -55,23 +55,26 @@ def _expected_caches(torch, caches, back, slots):
     return want
 
 
-def _run(torch, caches, out, back, store_slots, load_slots, stream):
+def _run(torch, caches, out, back, store_slots, load_slots, stream, indices_on="gpu"):
+    """The pair, its slots as GPU tensors (read in place) or host arrays (uploaded)."""
     paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
+    given = (lambda a: torch.from_numpy(a).cuda()) if indices_on == "gpu" else np.array
     return kvcopy.copy_rows_both_ways(
-        (paged_layout, Layout.of(out, planes=(1, 0), slot=2),
-         torch.from_numpy(store_slots).cuda()),
-        (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None,
-         torch.from_numpy(load_slots).cuda()),
+        (paged_layout, Layout.of(out, planes=(1, 0), slot=2), given(store_slots)),
+        (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, given(load_slots)),
         stream=stream)
 
 
+@pytest.mark.parametrize("indices_on", ["gpu", "host"])
 @pytest.mark.parametrize("layers,row,tokens", [(1, 4096, 40), (2, 16384, 37), (3, 1152, 100)])
-def test_staged_store_and_load_move_every_byte(torch_cuda, staged_small, layers, row, tokens):
+def test_staged_store_and_load_move_every_byte(torch_cuda, staged_small, layers, row, tokens,
+                                               indices_on):
     torch = torch_cuda
     caches, out, back, store_slots, load_slots = _step(torch, layers, row, tokens, row + layers)
+    store_slots[tokens // 2] = -1          # skipped: its host row keeps its bytes
     before, out_before = [c.clone() for c in caches], out.clone()
     stream = torch.cuda.Stream()
-    ran = _run(torch, caches, out, back, store_slots, load_slots, stream)
+    ran = _run(torch, caches, out, back, store_slots, load_slots, stream, indices_on)
     stream.synchronize()
     assert ran == ("staged", "staged")
     assert kvcopy.last_decision().method == "staged"
@@ -103,7 +106,8 @@ def test_skipped_and_out_of_range_rows_keep_their_bytes_and_are_reported(torch_c
         assert torch.equal(cache.reshape(2, 256, -1), want), layer
 
 
-def test_staged_work_is_ordered_on_the_callers_stream(torch_cuda, staged_small):
+@pytest.mark.parametrize("indices_on", ["gpu", "host"])
+def test_staged_work_is_ordered_on_the_callers_stream(torch_cuda, staged_small, indices_on):
     torch = torch_cuda
     caches, out, back, store_slots, load_slots = _step(torch, 1, 16384, 48, 11)
     stream = torch.cuda.Stream()
@@ -112,7 +116,7 @@ def test_staged_work_is_ordered_on_the_callers_stream(torch_cuda, staged_small):
         torch.cuda._sleep(20_000_000)
         back.copy_(fresh, non_blocking=True)   # the load must read the chunk written first
     before, out_before = [c.clone() for c in caches], out.clone()
-    _run(torch, caches, out, back, store_slots, load_slots, stream)
+    _run(torch, caches, out, back, store_slots, load_slots, stream, indices_on)
     with torch.cuda.stream(stream):
         after = out.to("cuda", non_blocking=True)   # queued after: sees the stored rows
     stream.synchronize()
@@ -121,6 +125,41 @@ def test_staged_work_is_ordered_on_the_callers_stream(torch_cuda, staged_small):
     assert torch.equal(out, want) and torch.equal(after.cpu(), want)
     for cache, expected in zip(caches, _expected_caches(torch, before, back, load_slots)):
         assert torch.equal(cache.reshape(2, 256, -1), expected)
+
+
+def test_host_indices_of_many_calls_in_flight_each_move_their_own_rows(torch_cuda,
+                                                                        staged_small):
+    """More staged calls queued behind a busy stream than the descriptor ring has slots,
+    each with host indices of its own: no call's uploaded indices are overwritten by a
+    later call's before its chunks have read them."""
+    torch = torch_cuda
+    calls = policy.RING_SLOTS + 3
+    caches = paged(torch, 1, 16, 16, 4096, 21)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+    outs, backs, plans = [], [], []
+    rng = np.random.default_rng(21)
+    for j in range(calls):
+        out = torch.zeros((2, 1, 24, 4096), dtype=torch.uint8).pin_memory()
+        back = rand(torch, (2, 1, 24, 4096), 200 + j, device="cpu", pinned=True)
+        order = rng.permutation(256)
+        store_slots, load_slots = order[:24].copy(), order[24:48].copy()
+        before = [c.clone() for c in caches]     # (queued on torch's stream: waits below)
+        outs.append(out)
+        backs.append(back)
+        plans.append((before, store_slots, load_slots))
+        stream.wait_stream(torch.cuda.current_stream())
+        assert _run(torch, caches, out, back, store_slots, load_slots, stream,
+                    "host") == ("staged", "staged")
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for out, back, (before, store_slots, load_slots) in zip(outs, backs, plans):
+        assert torch.equal(out, _expected_chunk(torch, before, torch.zeros_like(out),
+                                                store_slots))
+    final = _expected_caches(torch, plans[-1][0], backs[-1], plans[-1][2])
+    for cache, want in zip(caches, final):
+        assert torch.equal(cache.reshape(2, 256, -1), want)
 
 
 def test_below_the_threshold_the_layout_kernel_runs(torch_cuda):
