@@ -12,7 +12,8 @@ pair from 4 to 32 MiB a side: policy.ROWS_STAGING_MIN_BYTES.
 `chunks`: the staged pair at 32 MiB a side with config.staging_bytes from 2 to 16 MiB
 (fewer chunks cost less CPU; longer ones fill the pipeline later).
 `cpu`: CPU time of a copy_rows_both_ways call at 32 MiB a side of 16 KiB rows, staged
-and as the layout kernel's pair, each call synchronised after."""
+and as the layout kernel's pair, indices on the GPU and on the host, each call
+synchronised after. `profile`: where a staged call's CPU goes (cProfile)."""
 from __future__ import annotations
 
 import functools
@@ -161,28 +162,52 @@ def chunks() -> None:
                   flush=True)
 
 
+def _calls(step: Step, s1: torch.cuda.Stream):
+    """The pair's call at 32 MiB a side of 16 KiB rows, indices on the GPU and on the host."""
+    pool, chunk_out, chunk_in, a, b = step.rows(16 * KiB, np.random.default_rng(6))
+    host_a, host_b = a.cpu().numpy(), b.cpu().numpy()
+    return {where: functools.partial(kvcopy.copy_rows_both_ways, (pool, chunk_out, x),
+                                     (chunk_in, pool, None, y), stream=s1)
+            for where, x, y in (("gpu indices", a, b), ("host indices", host_a, host_b))}
+
+
 def cpu() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    step = Step(TOTAL, s1, s2)
-    pool, chunk_out, chunk_in, a, b = step.rows(16 * KiB, np.random.default_rng(6))
-
-    def call() -> tuple[str, str]:
-        return kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b),
-                                          stream=s1)
+    calls = _calls(Step(TOTAL, s1, s2), s1)
     for name, least in (("staged pair", policy.ROWS_STAGING_MIN_BYTES), ("kernel pair", 1 << 62)):
         policy.ROWS_STAGING_MIN_BYTES = least
-        chose = call()
+        for where, call in calls.items():
+            chose = call()
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            spent = []
+            for _ in range(100):
+                start = time.perf_counter()
+                call()
+                spent.append(time.perf_counter() - start)
+                torch.cuda.synchronize()
+            print(f"{name}, {where} {chose} call cpu median "
+                  f"{statistics.median(spent) * 1e6:.1f} min {min(spent) * 1e6:.1f}", flush=True)
+
+
+def profile() -> None:
+    """cProfile of 200 staged calls each way of giving the indices: where the CPU goes."""
+    import cProfile
+    import pstats
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for where, call in _calls(Step(TOTAL, s1, s2), s1).items():
         for _ in range(20):
             call()
         torch.cuda.synchronize()
-        spent = []
-        for _ in range(100):
-            start = time.perf_counter()
+        profiler = cProfile.Profile()
+        for _ in range(200):
+            profiler.enable()
             call()
-            spent.append(time.perf_counter() - start)
+            profiler.disable()
             torch.cuda.synchronize()
-        print(f"{name} {chose} call cpu median {statistics.median(spent) * 1e6:.1f} "
-              f"min {min(spent) * 1e6:.1f}", flush=True)
+        print(f"== staged pair, {where}: 200 calls", flush=True)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(22)
 
 
 def main() -> None:
@@ -226,4 +251,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    {"sizes": sizes, "chunks": chunks, "cpu": cpu}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"sizes": sizes, "chunks": chunks, "cpu": cpu, "profile": profile}.get(sys.argv[1] if sys.argv[1:] else "", main)()
