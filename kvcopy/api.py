@@ -348,7 +348,7 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     # (execute_rows hands over what repeats the call only where its indices are on the GPU)
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
     return execute_rows(plan, handle, method,
-                        remember=lambda again: rows_memo.remember(src, dst, key, again))
+                        remember=lambda again: rows_memo.remember((src, dst), key, again))
 
 
 def _gpu_only(a: Indices | None, b: Indices | None) -> bool:

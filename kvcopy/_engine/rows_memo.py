@@ -1,25 +1,25 @@
-"""copy_rows calls with GPU indices, remembered per pair of layouts, so that the same
-call again costs one launch instead of a whole plan.
+"""copy_rows and copy_rows_both_ways calls with GPU indices, remembered per set of
+layouts, so that the same call again costs its launches instead of a whole plan.
 
 A serving step moves the same layouts by index tensors it refills in place, on the
-same stream, step after step. What copy_rows works out for such a call (the checks,
-the memory's classes, the policy's answer, the kernel's job) depends only on the
-layouts, which never change (kvcopy.Layout is frozen and holds its memory), on where
-the index tensors are and how long, and on the stream, the method and the settings
-the kernel's footprint comes from; the indices' values are read by the kernel when
-it runs. So a call whose key matches the last one for its pair of layouts repeats
-that call's launches.
+same stream, step after step. What such a call works out (the checks, the memory's
+classes, the policy's answer, the kernel's jobs, a staged pair's chunks) depends only
+on the layouts, which never change (kvcopy.Layout is frozen and holds its memory), on
+where the index tensors are and how long, and on the stream, the method and the
+settings its work is shaped by; the indices' values are read by the kernel when it
+runs. So a call whose key matches the last one for its layouts repeats that call's
+work.
 
 Layouts are held weakly (the memo keeps no cache alive) and the index tensors not at
-all (a new tensor at the same address is what the kernel will read). Launches built
-in a context that is gone are built again. At most _KEPT pairs are remembered.
+all (a new tensor at the same address is what the kernel will read). Work built in a
+context that is gone is built again. At most _KEPT sets of layouts are remembered.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
-from kvcopy._engine.rows import Repeat
+from kvcopy import policy
 from kvcopy._plans.rows import Indices
 from kvcopy.config import config
 from kvcopy.layouts import Layout
@@ -27,15 +27,28 @@ from kvcopy.layouts import Layout
 _KEPT = 64
 
 
-class _Entry:
-    __slots__ = ("src", "dst", "key", "repeat")
+class Again(Protocol):
+    """What repeats a remembered call (kvcopy._engine.rows.Repeat, a staged pair)."""
 
-    def __init__(self, src: Layout, dst: Layout, key: tuple, repeat: Repeat) -> None:
-        self.src, self.dst = weakref.ref(src), weakref.ref(dst)
+    def usable(self) -> bool: ...
+
+
+class _Entry:
+    __slots__ = ("layouts", "key", "repeat")
+
+    def __init__(self, layouts: tuple[Layout, ...], key: tuple, repeat: Any) -> None:
+        self.layouts = tuple(weakref.ref(layout) for layout in layouts)
         self.key, self.repeat = key, repeat
 
+    def holds(self, layouts: tuple[Any, ...]) -> bool:
+        return len(layouts) == len(self.layouts) and all(
+            ref() is layout for ref, layout in zip(self.layouts, layouts))
 
-_memo: dict[tuple[int, int], _Entry] = {}
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.layouts)
+
+
+_memo: dict[tuple[int, ...], _Entry] = {}
 
 
 def _side(indices: Indices | None) -> tuple[int, int] | None:
@@ -49,33 +62,41 @@ def call_key(src_indices: Indices | None, dst_indices: Indices | None, rows: Any
             config.device_ctas, config.peer_ctas, config.threads_per_cta)
 
 
-def entry(src: Any, dst: Any) -> "_Entry | None":
-    """The call remembered between these two layouts (so they were checked against each
-    other), or None."""
-    found = _memo.get((id(src), id(dst)))
-    if found is None or found.src() is not src or found.dst() is not dst:
+def pair_key(store_key: tuple, load_key: tuple) -> tuple:
+    """What, besides the four layouts, a copy_rows_both_ways call's work depends on
+    (each side's call_key, and the staged path's settings)."""
+    return (store_key, load_key, config.staging_bytes, policy.ROWS_STAGING_MIN_BYTES,
+            policy.ROWS_STAGING_MAX_PLANES, policy.STAGING_CTAS)
+
+
+def entry(*layouts: Any) -> "_Entry | None":
+    """The call remembered between these layouts, in this order (so they were checked
+    against each other), or None."""
+    found = _memo.get(tuple(map(id, layouts)))
+    if found is None or not found.holds(layouts):
         return None
     return found
 
 
-def repeat(found: "_Entry", key: tuple) -> Repeat | None:
-    """The remembered call, where ``key`` is its key and it may run again."""
+def repeat(found: "_Entry", key: tuple) -> Any:
+    """What repeats the remembered call, where ``key`` is its key and it may run again;
+    else None."""
     if found.key != key:
         return None
     if not found.repeat.usable():
-        _memo.pop((id(found.src()), id(found.dst())), None)
+        _memo.pop(tuple(id(ref()) for ref in found.layouts), None)
         return None
     return found.repeat
 
 
-def remember(src: Layout, dst: Layout, key: tuple, again: Repeat) -> None:
+def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:
     """Keep ``again`` as the call between these layouts with this key."""
     if len(_memo) >= _KEPT:
-        for pair in [p for p, e in _memo.items() if e.src() is None or e.dst() is None]:
-            del _memo[pair]
+        for gone in [k for k, e in _memo.items() if not e.alive()]:
+            del _memo[gone]
         if len(_memo) >= _KEPT:
             del _memo[next(iter(_memo))]   # the oldest remembered
-    _memo[(id(src), id(dst))] = _Entry(src, dst, key, again)
+    _memo[tuple(map(id, layouts))] = _Entry(layouts, key, again)
 
 
 def forget() -> None:
