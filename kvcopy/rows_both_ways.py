@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy._engine import both_ways
-from kvcopy._engine.rows_both_ways import execute_rows_both, try_staged_rows_both
+from kvcopy._engine import both_ways, rows_memo
+from kvcopy._engine.rows_both_ways import (execute_rows_both, repeat_staged,
+                                           try_staged_rows_both)
 from kvcopy._plans.rows_races import refuse_rows_crossing
-from kvcopy._plans.rows import RowsPlan, expand, plan_rows, rows_stream
+from kvcopy._plans.rows import RowsPlan, expand, plan_rows, read_indices, rows_stream
 from kvcopy.interop.frameworks import type_name
 from kvcopy.policy import RequestedMethod, check_method
 
@@ -44,6 +45,11 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     long rows. Either way both start after the work queued on ``stream`` and the work
     queued on it afterwards starts after both.
 
+    A staged call with GPU indices is remembered per four layouts: the same call again
+    (the same layouts, index tensors at the same addresses and of the same lengths,
+    the same stream, method and settings) issues its chunks again without planning,
+    the indices' new values read when the kernels run.
+
     The two run in no order with each other: with host indices, a store and a load
     touching the same bytes with one writing them are refused (ValueError naming
     both); GPU indices are not read on the host, so that is then the caller's to
@@ -57,15 +63,54 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
         CudaError: the driver failed.
     """
     check_method(method)
+    ran = _repeat(store, load, stream, method)
+    if ran is not None:
+        return ran
     plans = [_plan_side(store, "store"), _plan_side(load, "load")]
-    handle = rows_stream(stream, tuple(layout for p in plans for layout in (p.src, p.dst)),
+    layouts = tuple(layout for p in plans for layout in (p.src, p.dst))
+    handle = rows_stream(stream, layouts,
                          tuple(i.keep for p in plans for i in (p.src_indices, p.dst_indices)
                                if i is not None))
     if any(p.device_indices for p in plans):
-        return execute_rows_both(plans[0], plans[1], handle, method)
+        key = rows_memo.pair_key(*(rows_memo.call_key(p.src_indices, p.dst_indices,
+                                                      _rows_given(side), handle, method)
+                                   for p, side in zip(plans, (store, load))))
+        return execute_rows_both(plans[0], plans[1], handle, method,
+                                 lambda again: rows_memo.remember(layouts, key, again))
     refuse_rows_crossing(plans[0], plans[1])
     staged = try_staged_rows_both(plans[0], plans[1], handle, method)
     if staged is not None:
         return staged
     return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method,
                                   ("store", "load"))
+
+
+def _rows_given(side: Any) -> Any:
+    return side[4] if len(side) == 5 else None
+
+
+def _repeat(store: Any, load: Any, stream: Any, method: str) -> tuple[str, str] | None:
+    """The same staged call with GPU indices as the last one between these four
+    layouts (kvcopy._engine.rows_memo), issued again without planning; None where
+    there is none, or it cannot run (the call is then planned afresh)."""
+    if not all(isinstance(side, (tuple, list)) and 2 <= len(side) <= 5 for side in (store, load)):
+        return None
+    layouts = (store[0], store[1], load[0], load[1])
+    known = rows_memo.entry(*layouts)
+    if known is None:
+        return None
+    # (these layouts were checked against each other: only the indices are read again)
+    given = [tuple(side[2:4]) + (None,) * (4 - min(len(side), 4)) for side in (store, load)]
+    try:
+        read = [(read_indices(a, f"{name}: src_indices"), read_indices(b, f"{name}: dst_indices"))
+                for (a, b), name in zip(given, ("store", "load"))]
+    except (TypeError, ValueError):
+        return None   # (planned afresh, which names the argument)
+    if any(i is not None and i.host is not None for pair in read for i in pair):
+        return None   # (host indices are checked at every call)
+    handle = rows_stream(stream, layouts, tuple(i for pair in given for i in pair
+                                                if i is not None))
+    key = rows_memo.pair_key(*(rows_memo.call_key(a, b, _rows_given(side), handle, method)
+                               for (a, b), side in zip(read, (store, load))))
+    again = rows_memo.repeat(known, key)
+    return None if again is None else repeat_staged(again, handle)

@@ -147,7 +147,7 @@ class Repeat:
         return "kernel"
 
 
-def _traffic(target: Target, plan: RowsPlan) -> tuple[int, str, int, int] | None:
+def noted_traffic(target: Target, plan: RowsPlan) -> tuple[int, str, int, int] | None:
     """What decide() notes in the traffic window for the plan, to note again at each
     repeat (None for a copy inside a GPU or between two)."""
     direction = target.request.direction
@@ -171,7 +171,7 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
             launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
                                  context=driver.current_context())
             again = Repeat(launches, _kernel_decision(target, _GPU_INDICES),
-                           _traffic(target, plan))
+                           noted_traffic(target, plan))
             again()
             if remember is not None:
                 remember(again)

@@ -10,6 +10,8 @@ as pointer copies through kvcopy._engine.both_ways instead (its fused kernel pai
 the copy engines from long rows)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from kvcopy._cuda import driver
 from kvcopy._engine import rows_staged
 from kvcopy._engine.rows import execute_rows, settle
@@ -20,15 +22,20 @@ from kvcopy.interop.streams import effective_handle
 
 
 def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
-                      method: str = "auto") -> tuple[str, str]:
+                      method: str = "auto",
+                      remember: Callable[[rows_staged.StagedPair], None] | None = None
+                      ) -> tuple[str, str]:
     """Issue both plans at once, after the work queued on the stream and before the
-    work queued there next; returns the method each ran with."""
+    work queued there next; returns the method each ran with. Where the pair is staged
+    with GPU indices, ``remember`` is given what repeats it (kvcopy._engine.rows_memo
+    keeps it; repeat_staged runs it)."""
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
             return execute_rows(first, handle, method), execute_rows(second, handle, method)
         both = rows_staged.try_staged(first, second, handle, method,
-                                      lambda plan: settle(scope, plan, handle, method)[:3])
+                                      lambda plan: settle(scope, plan, handle, method)[:3],
+                                      remember)
         if both is not None:
             return both
         side = side_streams.for_caller(handle)
@@ -53,3 +60,13 @@ def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
             return None
         return rows_staged.try_staged(first, second, handle, method,
                                       lambda plan: settle(scope, plan, handle, method)[:3])
+
+
+def repeat_staged(again: rows_staged.StagedPair, stream_handle: int) -> tuple[str, str] | None:
+    """A remembered staged pair issued again on the stream, outside capture; None,
+    nothing issued, where it cannot run (the caller then plans the call afresh)."""
+    handle = effective_handle(stream_handle)
+    with ContextScope(handle):
+        if driver.stream_capture_status(handle) != 0:
+            return None
+        return again()

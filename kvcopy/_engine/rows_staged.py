@@ -20,22 +20,26 @@ under their lock, with their events): its copy-engine work on a side stream, its
 kernel on the caller's stream (the store) or another side stream (the load), so that
 chunk k + 1 crosses the link while chunk k is gathered or scattered. The work starts
 after what is queued on the caller's stream and what is queued there next waits for it.
+
+A pair with GPU indices, once built, is a StagedPair: the same call again issues its
+chunks without planning (kvcopy._engine.rows_memo keeps it).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from kvcopy import policy
 from kvcopy._cuda import driver, launch, rows
-from kvcopy._engine import staged
+from kvcopy._engine import staged, traffic_window
 from kvcopy._engine.decide import note_decision
-from kvcopy._engine.rows import host_indices_bytes, indices_for_device
+from kvcopy._engine.rows import host_indices_bytes, indices_for_device, noted_traffic
 from kvcopy._plans.rows import RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
 from kvcopy._runtime import kernels, ring, side_streams
 from kvcopy.config import config
+from kvcopy.policy import Decision
 
 
 def _orientation(plan: RowsPlan) -> tuple[bool, str | None]:
@@ -95,12 +99,14 @@ def wanted(first: RowsPlan, second: RowsPlan, method: str
     return None if decision is None else (decision, [f[0] for f in found])
 
 
-def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
-               settle: Any) -> tuple[str, str] | None:
+def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str, settle: Any,
+               remember: Callable[["StagedPair"], None] | None = None
+               ) -> tuple[str, str] | None:
     """Issue both plans through staging buffers where wanted() says so (``settle(plan)``:
     the plan's (Target, src_view, dst_view), classified and decided as copy_rows does)
     and their memory allows; None where not, nothing issued. The caller's stream is not
-    capturing."""
+    capturing. Where no index is on the host, ``remember`` is given what repeats the
+    call (kvcopy._engine.rows_memo keeps it)."""
     found = wanted(first, second, method)
     if found is None:
         return None
@@ -121,33 +127,79 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str,
     info = settled[0][0].info
     function = kernels.kernel_for_current_context(info.cc[0], info.cc[1],
                                                   info.driver_version).function_rows
-    _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
+    sides = _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
     note_decision(decision)
+    if remember is not None and not (first.host_indices or second.host_indices):
+        traffic = tuple(noted_traffic(target, plan)
+                        for (target, _, _), plan in zip(settled, (first, second)))
+        remember(StagedPair(sides, handle, decision, staging, traffic))
     return "staged", "staged"
 
 
+class StagedPair:
+    """A staged pair with GPU indices, built: calling it issues the same chunks again
+    (the indices read when the kernels run) and notes what the first call noted. Its
+    sides hold the staging buffers' addresses and the context's streams, so it runs
+    only in the context it was built in, with the same buffers."""
+
+    __slots__ = ("sides", "handle", "decision", "staging", "buffers", "context", "traffic")
+
+    def __init__(self, sides: list[_Side], handle: int, decision: Decision,
+                 staging: staged.StagingBuffers, traffic: tuple) -> None:
+        self.sides, self.handle, self.decision = sides, handle, decision
+        self.staging, self.buffers = staging, (staging.base, staging.capacity)
+        self.context = driver.current_context_key()
+        self.traffic = traffic
+
+    def usable(self) -> bool:
+        """True: whether it may run is known only in its context (see __call__)."""
+        return True
+
+    def __call__(self) -> tuple[str, str] | None:
+        """Issue the pair again, the caller's context current and its stream not
+        capturing; None, nothing issued, where the context was made again or the
+        staging buffers were (build the call again)."""
+        if driver.current_context_key() != self.context:
+            return None
+        staging = staged.context_buffers(config.staging_bytes)
+        if staging is not self.staging:
+            return None
+        with staging.lock:
+            if (staging.base, staging.capacity) != self.buffers:
+                return None
+            _run(self.sides, self.handle, staging)
+        note_decision(self.decision)
+        if config.traffic_window_ms:
+            for noted in self.traffic:
+                if noted is not None:
+                    traffic_window.note(*noted)
+        return "staged", "staged"
+
+
 def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
-           staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> None:
+           staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> list[_Side]:
     gpu_sides = [(plan.dst_indices if load else plan.src_indices, plan.rows)
                  for plan, load in zip((first, second), loads)]
     nbytes = host_indices_bytes(gpu_sides)
     if not nbytes:   # (GPU indices on both sides: read in place)
         where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]
-        _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
-                     function)
-        return
+        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
+                            function)
     with ring.ring_for_current_context().reserve(nbytes) as slot:
         where, nbytes = indices_for_device(slot, gpu_sides)
         launch.upload(slot.device, slot.host, nbytes, handle)
-        _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
-                     function)
+        sides = _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
+                             function)
         # (after the sides are joined back: every launch that reads the slot is behind it)
         ring.DescriptorRing.fence(slot, handle)
+    return sides
 
 
 def _issue_sides(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool],
                  indices: list[int], handle: int, staging: staged.StagingBuffers,
-                 chunk_bytes: int, function: int) -> None:
+                 chunk_bytes: int, function: int) -> list[_Side]:
+    """Both sides built (``indices``: each GPU side's as the device reads them) and
+    issued, under the staging lock; returns them."""
     with staging.lock:
         sides = []
         for j, (plan, (_, src_view, dst_view), load) in enumerate(zip((first, second), settled,
@@ -158,14 +210,21 @@ def _issue_sides(first: RowsPlan, second: RowsPlan, settled: list, loads: list[b
             buffers = (j * staged.BUFFERS_PER_SIDE, j * staged.BUFFERS_PER_SIDE + 1)
             sides.append(_Side(plan, load, indices[j], src_view, dst_view, *streams, buffers,
                                staging, chunk_bytes, function))
-        side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
+        _run(sides, handle, staging)
+    return sides
+
+
+def _run(sides: list[_Side], handle: int, staging: staged.StagingBuffers) -> None:
+    """Every chunk of both sides, alternating, between the caller's stream and back
+    (the staging lock held)."""
+    side_work = {s for side in sides for s in (side.copy_stream, side.kernel_stream)} - {handle}
+    for stream in side_work:
+        driver.stream_wait_stream(stream, handle)
+    try:
+        for k in range(max(len(side.chunks) for side in sides)):
+            for side in sides:
+                if k < len(side.chunks):
+                    side.issue(k, staging)
+    finally:
         for stream in side_work:
-            driver.stream_wait_stream(stream, handle)
-        try:
-            for k in range(max(len(side.chunks) for side in sides)):
-                for side in sides:
-                    if k < len(side.chunks):
-                        side.issue(k, staging)
-        finally:
-            for stream in side_work:
-                driver.stream_wait_stream(handle, stream)
+            driver.stream_wait_stream(handle, stream)

@@ -29,6 +29,7 @@ class Staging:
 
     def __init__(self, capacity: int = CHUNK) -> None:
         self.buffers = [np.zeros(capacity, np.uint8) for _ in range(4)]
+        self.base, self.capacity = self.buffers[0].ctypes.data, capacity
         self.free, self.filled = [101, 102, 103, 104], [201, 202, 203, 204]
         self.lock = threading.Lock()
 
@@ -266,6 +267,86 @@ def test_chunks_alternate_buffers_and_streams_in_the_order_each_direction_needs(
     assert [c[4] for c in fills] == [True, False, True, False]   # fill, gather per chunk
     spans = [c for c in fake.calls if c[0] == "memcpy" and c[1] == store_copy]
     assert spans[1][4] == (4 * ROW,) * 4                        # 4 rows in each of 4 planes
+
+
+class SameLayouts:
+    """A step's pair called again and again with the same layouts and index arrays, the
+    slots refilled in place between calls (a serving step's pattern)."""
+
+    def __init__(self, step: Step, on_host: bool = False) -> None:
+        self.step = step
+        paged = Layout.of(step.caches, planes=(0,), page=1, slot=2)
+        given = ((lambda a: a) if on_host else
+                 (lambda a: GpuIndices(len(a), a.ctypes.data)))
+        self.store = (paged, Layout.of(step.out, planes=(1, 0), slot=2), given(step.store_slots))
+        self.load = (Layout.of(step.back, planes=(1, 0), slot=2), paged, None,
+                     given(step.load_slots))
+
+    def __call__(self, seed: int) -> tuple[str, str]:
+        step = self.step
+        order = np.random.default_rng(seed).permutation(PAGES * PAGE)
+        step.store_slots[:] = order[:len(step.store_slots)]
+        step.load_slots[:] = order[len(step.store_slots):2 * len(step.store_slots)]
+        step.before, step.out_before = [c.copy() for c in step.caches], step.out.copy()
+        return kvcopy.copy_rows_both_ways(self.store, self.load, stream=STREAM)
+
+    def check(self) -> None:
+        np.testing.assert_array_equal(self.step.out, self.step.expected_out())
+        for cache, want in zip(self.step.caches, self.step.expected_caches()):
+            np.testing.assert_array_equal(cache, want)
+
+
+def test_the_same_staged_call_again_repeats_its_chunks_without_planning(staged_rows):
+    fake, make = staged_rows
+    again = SameLayouts(make(20))
+    assert again(1) == ("staged", "staged")
+    first, classified = list(fake.calls), fake.classified
+    for seed in (2, 3):
+        fake.calls.clear()
+        assert again(seed) == ("staged", "staged")
+        assert fake.classified == classified          # not classified (nor planned) again
+        assert fake.calls == first                    # the same work, in the same order
+        assert kvcopy.last_decision().method == "staged"
+        again.check()                                 # the refilled slots' rows moved
+
+
+@pytest.mark.parametrize("change", ["setting", "buffers", "context", "capture", "indices"])
+def test_a_staged_call_that_cannot_repeat_is_planned_afresh(staged_rows, monkeypatch, change):
+    fake, make = staged_rows
+    again = SameLayouts(make(20))
+    assert again(1) == ("staged", "staged")
+    classified = fake.classified
+    if change == "setting":
+        monkeypatch.setattr(policy, "STAGING_CTAS", policy.STAGING_CTAS * 2)
+    elif change == "buffers":                         # the staging buffers made again
+        fake.staging.base += 1
+    elif change == "context":                         # a reset made another context
+        fake.context_key += 1
+    elif change == "capture":
+        fake.capturing = 1
+    else:                                             # an index tensor elsewhere
+        moved = again.step.load_slots.copy()
+        again.step.load_slots = moved
+        again.load = again.load[:3] + (GpuIndices(len(moved), moved.ctypes.data),)
+    ran = again(2)
+    assert fake.classified > classified               # planned (and checked) again
+    assert ran == (("kernel", "kernel") if change == "capture" else ("staged", "staged"))
+    again.check()
+
+
+def test_staged_calls_with_host_indices_are_checked_at_every_call(staged_rows):
+    fake, make = staged_rows
+    again = SameLayouts(make(20), on_host=True)
+    assert again(1) == ("staged", "staged")
+    classified = fake.classified
+    assert again(2) == ("staged", "staged")
+    assert fake.classified > classified               # planned again: the values are new
+    again.check()
+    order = np.random.default_rng(3).permutation(PAGES * PAGE)
+    again.step.store_slots[:] = order[:20]
+    again.step.load_slots[:] = order[:20]             # the load writes what the store reads
+    with pytest.raises(ValueError, match="store.*load|load.*store"):
+        kvcopy.copy_rows_both_ways(again.store, again.load, stream=STREAM)
 
 
 @pytest.mark.parametrize("method", ["kernel", "batch"])

@@ -162,6 +162,34 @@ def test_host_indices_of_many_calls_in_flight_each_move_their_own_rows(torch_cud
         assert torch.equal(cache.reshape(2, 256, -1), want)
 
 
+def test_the_same_call_again_moves_the_refilled_indices_rows(torch_cuda, staged_small):
+    """A serving step's pattern: the same layouts and index tensors, refilled in place;
+    from the second call the staged pair is issued again without planning."""
+    torch = torch_cuda
+    caches, out, back, store_slots, load_slots = _step(torch, 2, 4096, 40, 31)
+    paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
+    store_index = torch.from_numpy(store_slots).cuda()
+    load_index = torch.from_numpy(load_slots).cuda()
+    store = (paged_layout, Layout.of(out, planes=(1, 0), slot=2), store_index)
+    load = (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, load_index)
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(31)
+    for _ in range(5):
+        order = rng.permutation(256)
+        store_slots, load_slots = order[:40].copy(), order[40:80].copy()
+        with torch.cuda.stream(stream):
+            store_index.copy_(torch.from_numpy(store_slots), non_blocking=True)
+            load_index.copy_(torch.from_numpy(load_slots), non_blocking=True)
+            back.copy_(rand(torch, tuple(back.shape), int(order[0])), non_blocking=True)
+        stream.synchronize()
+        before, out_before = [c.clone() for c in caches], out.clone()
+        assert kvcopy.copy_rows_both_ways(store, load, stream=stream) == ("staged", "staged")
+        stream.synchronize()
+        assert torch.equal(out, _expected_chunk(torch, before, out_before, store_slots))
+        for cache, want in zip(caches, _expected_caches(torch, before, back, load_slots)):
+            assert torch.equal(cache.reshape(2, 256, -1), want)
+
+
 def test_below_the_threshold_the_layout_kernel_runs(torch_cuda):
     torch = torch_cuda
     caches, out, back, store_slots, load_slots = _step(torch, 1, 4096, 40, 3)

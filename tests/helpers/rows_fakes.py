@@ -36,6 +36,7 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.ctas: list[int] = []
         self.contexts: list[int] = []
         self.context_alive = True   # whether built launches' context still stands
+        self.context_key = 1        # the current context's key (a reset makes another)
         self.classified = 0         # sides classified
         self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
 
@@ -72,6 +73,9 @@ class FakeRowsCuda(FakeCaptureDriver):
 
     def current_context(self):
         return 0xC0
+
+    def current_context_key(self):
+        return self.context_key
 
     def upload(self, device, host, nbytes, stream):
         self.calls.append(("upload", device, nbytes, stream))
