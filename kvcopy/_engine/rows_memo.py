@@ -16,6 +16,7 @@ context that is gone is built again. At most _KEPT sets of layouts are remembere
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Protocol
 
@@ -49,6 +50,7 @@ class _Entry:
 
 
 _memo: dict[tuple[int, ...], _Entry] = {}
+_changing = threading.Lock()   # (lookups read the dict as it stands; changes take turns)
 
 
 def _side(indices: Indices | None) -> tuple[int, int] | None:
@@ -84,21 +86,24 @@ def repeat(found: "_Entry", key: tuple) -> Any:
     if found.key != key:
         return None
     if not found.repeat.usable():
-        _memo.pop(tuple(id(ref()) for ref in found.layouts), None)
+        with _changing:
+            _memo.pop(tuple(id(ref()) for ref in found.layouts), None)
         return None
     return found.repeat
 
 
 def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:
-    """Keep ``again`` as the call between these layouts with this key."""
-    if len(_memo) >= _KEPT:
-        for gone in [k for k, e in _memo.items() if not e.alive()]:
-            del _memo[gone]
+    """Keep ``again`` as the call between these layouts with this key (thread-safe)."""
+    with _changing:
         if len(_memo) >= _KEPT:
-            del _memo[next(iter(_memo))]   # the oldest remembered
-    _memo[tuple(map(id, layouts))] = _Entry(layouts, key, again)
+            for gone in [k for k, e in _memo.items() if not e.alive()]:
+                del _memo[gone]
+            if len(_memo) >= _KEPT:
+                del _memo[next(iter(_memo))]   # the oldest remembered
+        _memo[tuple(map(id, layouts))] = _Entry(layouts, key, again)
 
 
 def forget() -> None:
     """Drop every remembered call (tests; after changing what the key does not hold)."""
-    _memo.clear()
+    with _changing:
+        _memo.clear()

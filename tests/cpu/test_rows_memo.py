@@ -5,6 +5,7 @@ the memo keeps no layout alive. The driver is faked (kvcopy.testing's seams)."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -127,3 +128,35 @@ def test_the_memo_keeps_no_layout_alive(driver):
     paged, _ = caches()   # a new layout is planned, whatever id it got
     kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
     assert driver.classified == 4
+
+
+def test_threads_remembering_past_the_limit_at_once_keep_the_memo_whole(driver):
+    """Many threads remembering calls between their own layouts at once, past the
+    memo's limit: no thread fails, the memo holds at most its limit, and every entry
+    left is found by its own layouts."""
+    memo = engine.rows_memo
+    layouts = [caches() for _ in range(4 * memo._KEPT)]
+    failures: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    class Again:
+        def usable(self):
+            return True
+
+    def remember(part: list) -> None:
+        try:
+            start.wait()
+            for pair in part:
+                memo.remember(pair, ("key",), Again())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=remember, args=(layouts[j::8],)) for j in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert len(memo._memo) == memo._KEPT          # every layout is alive: only the limit evicts
+    for found in list(memo._memo.values()):
+        assert memo.entry(*(ref() for ref in found.layouts)) is found
