@@ -14,7 +14,7 @@ from kvcopy._engine import replay, staged
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
                                    reach_peers, settled_classes)
 from kvcopy._engine.kernel import HostScratch, launch_kernel
-from kvcopy._runtime import device, kernels, ring
+from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._runtime.context import ContextScope
 from kvcopy.arguments import require_same_length
 from kvcopy._plans.blocks import BlockPlan
@@ -172,20 +172,31 @@ def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
         driver.stream_wait_stream(handle, stream)
 
 
+_ID_UPLOADS = 3   # the caller's side stream for swap_blocks' id uploads (no staged path's)
+
+
 def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, ...]],
                     kernel: kernels.CopyKernel, target: Target, src_view: np.ndarray,
                     dst_view: np.ndarray) -> None:
     """A swap_blocks plan whose sides have one stride each, by the layout kernel, the
     rest of the job passed by value (no tensor table), with the layout kernel's CTAs.
     The ids go up in chunks (policy.id_chunks), each as one array per side, each
-    launched once written: the GPU starts on the first while the CPU writes the next."""
+    launched once written: the GPU starts on the first while the CPU writes the next.
+    With more than one chunk the uploads go on a side stream, each launch waiting for
+    its own chunk's ids only: no upload waits behind the launch before it, so the SMs
+    go from one launch to the next without waiting."""
     n, handle, start = blocks.num_pairs, target.handle, 0
+    chunks = policy.id_chunks(n)
+    uploads = handle if len(chunks) == 1 else side_streams.for_caller(handle, _ID_UPLOADS)
+    # (the ring hands out a slot its last readers are done with: no wait for them here)
     with ring.ring_for_current_context().reserve(16 * n) as slot:
-        for count in policy.id_chunks(n):
+        for count in chunks:
             at = 16 * start
             nbytes = plan_arrays.split_block_ids(blocks.mapping[start:start + count],
                                                  slot.host + at)
-            launch.upload(slot.device + at, slot.host + at, nbytes, handle)
+            launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
+            if uploads != handle:
+                driver.stream_wait_stream(handle, uploads)
             rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
                               (slot.device + at + 8 * count, *sides[1]), src_view, dst_view,
                               count, 1, blocks.geometry.block_bytes, target.rows_ctas(),

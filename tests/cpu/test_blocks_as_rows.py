@@ -12,6 +12,8 @@ from kvcopy.policy import ROWS_HOST_CTAS
 from kvcopy.testing import cuda, engine, plans
 from helpers.rows_fakes import DEVICE, PINNED, STREAM, install_rows_fakes
 
+SIDE = 0x5100
+
 
 @pytest.fixture
 def slot_memory():
@@ -38,17 +40,21 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
 
 
 def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
-    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED)
+    """Each chunk's ids go up on a side stream and only its own launch waits for them:
+    no upload sits on the caller's stream between two launches."""
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED,
+                                side_stream=lambda handle, index=0: SIDE + index)
     src, dst = np.zeros((4096, 64), np.uint8), np.zeros((4096, 64), np.uint8)
     mapping = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
     assert policy.id_chunks(3000) == [1024, 1976]
     engine.dispatch.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
     side = (4096, 1, 64, 64, 64)
     first, second = 0x3000, 0x3000 + 16 * 1024
+    uploads = SIDE + 3
     assert driver.calls == [
-        ("upload", first, 16 * 1024, STREAM),
+        ("upload", first, 16 * 1024, uploads), ("wait", STREAM, uploads),
         ("launch", 42, (first, *side), (first + 8 * 1024, *side), 1024, 1, 64, STREAM),
-        ("upload", second, 16 * 1976, STREAM),
+        ("upload", second, 16 * 1976, uploads), ("wait", STREAM, uploads),
         ("launch", 42, (second, *side), (second + 8 * 1976, *side), 1976, 1, 64, STREAM),
         ("fence", 0x77, STREAM)]
     ids = slot_memory[:16 * 3000].view(np.int64)
