@@ -7,8 +7,12 @@ contiguous copy of as many bytes. ``steps``: only the CPU time of each step of
 execute_blocks' layout-kernel launch, the driver calls included. ``sizes``: the CPU
 time of a call from 1 to 32,768 pairs, each call synchronised after and back to back,
 and its plan and issue apart (what a call costs whatever its size, and per pair).
+``chained``: the layout kernel's chunked launches as execute_blocks issues them (each
+chunk's ids uploaded on a side stream, each launch waiting only for its own chunk's)
+against the uploads on the caller's stream, each behind the launch before: whether
+the GPU waits between launches, by GPU time and wall; every byte checked.
 
-    python3 experiments/swap_blocks_probe.py [steps | sizes]"""
+    python3 experiments/swap_blocks_probe.py [steps | sizes | chained]"""
 from __future__ import annotations
 
 import cProfile
@@ -130,6 +134,60 @@ def by_pairs(src, dst, direction: str) -> None:
         print(f"{direction} pairs {n:6d} synchronised {us(synced):6.1f} back to back "
               f"{us(piped):6.1f} plan {us(planned):6.1f} issue {us(issued):6.1f}")
 
+
+def chained() -> None:
+    """swap_blocks as execute_blocks issues it (ids uploaded on a side stream) against
+    each chunk's ids uploaded on the caller's stream, behind the launch before."""
+    from kvcopy import policy
+    from kvcopy.config import config
+    from kvcopy.testing import cuda
+    own = engine.dispatch._launch_as_rows
+
+    def caller_uploads(blocks, sides, kernel, target, src_view, dst_view) -> None:
+        n, handle, start = blocks.num_pairs, target.handle, 0
+        with engine.ring.ring_for_current_context().reserve(16 * n) as slot:
+            for count in policy.id_chunks(n):
+                at = 16 * start
+                nbytes = cuda.plan_arrays.split_block_ids(blocks.mapping[start:start + count],
+                                                          slot.host + at)
+                cuda.launch.upload(slot.device + at, slot.host + at, nbytes, handle)
+                cuda.rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
+                                       (slot.device + at + 8 * count, *sides[1]), src_view,
+                                       dst_view, count, 1, blocks.geometry.block_bytes,
+                                       target.rows_ctas(), config.threads_per_cta,
+                                       handle).launch()
+                start += count
+            engine.ring.DescriptorRing.fence(slot, handle)
+
+    for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
+        a, b = src[:PAIRS], dst[:PAIRS]
+
+        def contiguous():
+            with torch.cuda.stream(stream):
+                b.copy_(a, non_blocking=True)
+        c = measure(contiguous, stream, repeats=15)
+        print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f}")
+        for name, way in (("uploads on the caller's stream", caller_uploads),
+                          ("uploads on a side stream", own)):
+            engine.dispatch._launch_as_rows = way
+            try:
+                src.random_(0, 256)
+                dst.zero_()
+                ran = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
+                stream.synchronize()
+                ok = torch.equal(dst[torch.from_numpy(mapping[:, 1])].cpu(),
+                                 src[torch.from_numpy(mapping[:, 0])].cpu())
+                t = measure(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream),
+                            stream, repeats=15)
+            finally:
+                engine.dispatch._launch_as_rows = own
+            print(f"{direction} {name:<31} ({ran}) gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
+                  f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:6.1f} bytes right: {ok}")
+
+
+if sys.argv[1:] == ["chained"]:
+    chained()
+    sys.exit(0)
 
 if sys.argv[1:] == ["sizes"]:
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
