@@ -135,6 +135,16 @@ def by_pairs(src, dst, direction: str) -> None:
               f"{us(piped):6.1f} plan {us(planned):6.1f} issue {us(issued):6.1f}")
 
 
+def contiguous_timing(src, dst):
+    """The contiguous copy of as many bytes as the pairs move, timed as they are."""
+    a, b = src[:PAIRS], dst[:PAIRS]
+
+    def contiguous():
+        with torch.cuda.stream(stream):
+            b.copy_(a, non_blocking=True)
+    return measure(contiguous, stream, repeats=15)
+
+
 def chained() -> None:
     """swap_blocks as execute_blocks issues it (ids uploaded on a side stream) against
     each chunk's ids uploaded on the caller's stream, behind the launch before."""
@@ -160,12 +170,7 @@ def chained() -> None:
             engine.ring.DescriptorRing.fence(slot, handle)
 
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
-        a, b = src[:PAIRS], dst[:PAIRS]
-
-        def contiguous():
-            with torch.cuda.stream(stream):
-                b.copy_(a, non_blocking=True)
-        c = measure(contiguous, stream, repeats=15)
+        c = contiguous_timing(src, dst)
         print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f}")
         for name, way in (("uploads on the caller's stream", caller_uploads),
                           ("uploads on a side stream", own)):
@@ -206,12 +211,7 @@ for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
     plan = plans.plan_blocks(src, dst, mapping, stream=h)
     print(f"{direction} execute_blocks {cpu_us(lambda: engine.dispatch.execute_blocks(plan, h))}")
     print(f"{direction} swap_blocks   {cpu_us(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream))}")
-    a, b = src[:PAIRS], dst[:PAIRS]
-
-    def contiguous():
-        with torch.cuda.stream(stream):
-            b.copy_(a, non_blocking=True)
-    c = measure(contiguous, stream, repeats=15)
+    c = contiguous_timing(src, dst)
     print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f} cpu_us {c.cpu_us:.1f}")
     cases = {"swap_blocks": lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream)}
 
