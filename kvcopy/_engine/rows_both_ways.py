@@ -33,11 +33,13 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
     with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
             return execute_rows(first, handle, method), execute_rows(second, handle, method)
-        both = rows_staged.try_staged(first, second, handle, method,
-                                      lambda plan: settle(scope, plan, handle, method)[:3],
-                                      remember)
-        if both is not None:
-            return both
+        found = rows_staged.wanted(first, second, method)
+        if found is not None:
+            both = rows_staged.try_staged(first, second, handle, found,
+                                          lambda plan: settle(scope, plan, handle, method)[:3],
+                                          remember)
+            if both is not None:
+                return both
         side = side_streams.for_caller(handle)
         driver.stream_wait_stream(side, handle)
         try:
@@ -52,13 +54,14 @@ def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
     """Both plans through GPU staging buffers where the policy stages them, outside
     capture; None where not, nothing issued. Asked of the plans first, so that a pair
     that is not staged costs no driver call here."""
-    if rows_staged.wanted(first, second, method) is None:
+    found = rows_staged.wanted(first, second, method)
+    if found is None:
         return None
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
             return None
-        return rows_staged.try_staged(first, second, handle, method,
+        return rows_staged.try_staged(first, second, handle, found,
                                       lambda plan: settle(scope, plan, handle, method)[:3])
 
 

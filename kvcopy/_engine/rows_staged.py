@@ -84,7 +84,7 @@ class _Side:
 
 
 def wanted(first: RowsPlan, second: RowsPlan, method: str
-           ) -> tuple[policy.Decision, list[bool]] | None:
+           ) -> tuple[Decision, list[bool]] | None:
     """policy.choose_rows_staging's answer for the pair from the plans alone (no driver
     call), with whether each side is a load; None: not staged. The caller's stream is
     not capturing."""
@@ -99,17 +99,16 @@ def wanted(first: RowsPlan, second: RowsPlan, method: str
     return None if decision is None else (decision, [f[0] for f in found])
 
 
-def try_staged(first: RowsPlan, second: RowsPlan, handle: int, method: str, settle: Any,
+def try_staged(first: RowsPlan, second: RowsPlan, handle: int,
+               found: tuple[Decision, list[bool]], settle: Any,
                remember: Callable[["StagedPair"], None] | None = None
                ) -> tuple[str, str] | None:
-    """Issue both plans through staging buffers where wanted() says so (``settle(plan)``:
-    the plan's (Target, src_view, dst_view), classified and decided as copy_rows does)
-    and their memory allows; None where not, nothing issued. The caller's stream is not
-    capturing. Where no index is on the host, ``remember`` is given what repeats the
-    call (kvcopy._engine.rows_memo keeps it)."""
-    found = wanted(first, second, method)
-    if found is None:
-        return None
+    """Issue both plans through staging buffers, as wanted() said they go (``found``:
+    its answer), where their memory allows (``settle(plan)``: the plan's (Target,
+    src_view, dst_view), classified and decided as copy_rows does); None where not,
+    nothing issued. The caller's stream is not capturing. Where no index is on the
+    host, ``remember`` is given what repeats the call (kvcopy._engine.rows_memo keeps
+    it)."""
     decision, loads = found
     want = ["h2d" if load else "d2h" for load in loads]
     chunk_bytes = config.staging_bytes
