@@ -45,10 +45,11 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     long rows. Either way both start after the work queued on ``stream`` and the work
     queued on it afterwards starts after both.
 
-    A staged call with GPU indices is remembered per four layouts: the same call again
-    (the same layouts, index tensors at the same addresses and of the same lengths,
-    the same stream, method and settings) issues its chunks again without planning,
-    the indices' new values read when the kernels run.
+    A staged call is remembered per four layouts: the same call again (the same
+    layouts, index tensors at the same addresses, or host indices, of the same lengths,
+    the same stream, method and settings) issues its chunks again without classifying
+    or building them, GPU indices' new values read when the kernels run; host indices
+    are checked at every call, as at first, and uploaded anew.
 
     The two run in no order with each other: with host indices, a store and a load
     touching the same bytes with one writing them are refused (ValueError naming
@@ -71,18 +72,35 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     handle = rows_stream(stream, layouts,
                          tuple(i.keep for p in plans for i in (p.src_indices, p.dst_indices)
                                if i is not None))
+    key = rows_memo.pair_key(*(rows_memo.call_key(p.src_indices, p.dst_indices,
+                                                  _rows_given(side), handle, method)
+                               for p, side in zip(plans, (store, load))))
+    if not any(p.device_indices for p in plans):
+        refuse_rows_crossing(plans[0], plans[1])
+    if any(p.host_indices for p in plans):
+        # (checked above: a staged pair remembered for these layouts takes the new values)
+        ran = _repeat_with_host_indices(layouts, key, plans, handle)
+        if ran is not None:
+            return ran
+    remember = lambda again: rows_memo.remember(layouts, key, again)  # noqa: E731
     if any(p.device_indices for p in plans):
-        key = rows_memo.pair_key(*(rows_memo.call_key(p.src_indices, p.dst_indices,
-                                                      _rows_given(side), handle, method)
-                                   for p, side in zip(plans, (store, load))))
-        return execute_rows_both(plans[0], plans[1], handle, method,
-                                 lambda again: rows_memo.remember(layouts, key, again))
-    refuse_rows_crossing(plans[0], plans[1])
-    staged = try_staged_rows_both(plans[0], plans[1], handle, method)
+        return execute_rows_both(plans[0], plans[1], handle, method, remember)
+    staged = try_staged_rows_both(plans[0], plans[1], handle, method, remember)
     if staged is not None:
         return staged
     return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method,
                                   ("store", "load"))
+
+
+def _repeat_with_host_indices(layouts: tuple, key: tuple, plans: list[RowsPlan],
+                              handle: int) -> tuple[str, str] | None:
+    """The staged pair remembered for these layouts and this key, issued again with the
+    plans' host indices; None where there is none, or it cannot run."""
+    known = rows_memo.entry(*layouts)
+    again = None if known is None else rows_memo.repeat(known, key)
+    if again is None:
+        return None
+    return repeat_staged(again, handle, (plans[0], plans[1]))
 
 
 def _rows_given(side: Any) -> Any:

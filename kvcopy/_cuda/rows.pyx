@@ -289,6 +289,16 @@ cdef class StagedRowsSide:
     def __len__(self) -> int:
         return self.count
 
+    def set_indices(self, uintptr_t indices) -> None:
+        """Read the GPU side's indices at ``indices`` in the chunks issued from now on
+        (host indices uploaded anew for a repeated call; a launch already issued keeps
+        the address it was issued with)."""
+        if self.load:
+            self.first.dst.indices = indices
+        else:
+            self.first.only_skipped_by.indices = indices
+            self.second.src.indices = indices
+
     def issue(self, Py_ssize_t k, uintptr_t free_event, uintptr_t filled_event) -> None:
         """Chunk k, behind the last use of its buffer (``free_event``). Raises CudaError;
         a failed span copy carries the span's plane."""

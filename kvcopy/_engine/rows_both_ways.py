@@ -26,9 +26,9 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
                       remember: Callable[[rows_staged.StagedPair], None] | None = None
                       ) -> tuple[str, str]:
     """Issue both plans at once, after the work queued on the stream and before the
-    work queued there next; returns the method each ran with. Where the pair is staged
-    with GPU indices, ``remember`` is given what repeats it (kvcopy._engine.rows_memo
-    keeps it; repeat_staged runs it)."""
+    work queued there next; returns the method each ran with. Where the pair is staged,
+    ``remember`` is given what repeats it (kvcopy._engine.rows_memo keeps it;
+    repeat_staged runs it)."""
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
@@ -50,10 +50,12 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
 
 
 def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
-                         method: str = "auto") -> tuple[str, str] | None:
+                         method: str = "auto",
+                         remember: Callable[[rows_staged.StagedPair], None] | None = None
+                         ) -> tuple[str, str] | None:
     """Both plans through GPU staging buffers where the policy stages them, outside
     capture; None where not, nothing issued. Asked of the plans first, so that a pair
-    that is not staged costs no driver call here."""
+    that is not staged costs no driver call here. ``remember``: as execute_rows_both's."""
     found = rows_staged.wanted(first, second, method)
     if found is None:
         return None
@@ -62,14 +64,17 @@ def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
         if driver.stream_capture_status(handle) != 0:
             return None
         return rows_staged.try_staged(first, second, handle, found,
-                                      lambda plan: settle(scope, plan, handle, method)[:3])
+                                      lambda plan: settle(scope, plan, handle, method)[:3],
+                                      remember)
 
 
-def repeat_staged(again: rows_staged.StagedPair, stream_handle: int) -> tuple[str, str] | None:
-    """A remembered staged pair issued again on the stream, outside capture; None,
-    nothing issued, where it cannot run (the caller then plans the call afresh)."""
+def repeat_staged(again: rows_staged.StagedPair, stream_handle: int,
+                  plans: tuple[RowsPlan, RowsPlan] | None = None) -> tuple[str, str] | None:
+    """A remembered staged pair issued again on the stream, outside capture (``plans``:
+    the call's, checked, where its indices are on the host); None, nothing issued, where
+    it cannot run (the caller then plans the call afresh)."""
     handle = effective_handle(stream_handle)
     with ContextScope(handle):
         if driver.stream_capture_status(handle) != 0:
             return None
-        return again()
+        return again(plans)

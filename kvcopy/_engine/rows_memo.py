@@ -1,5 +1,6 @@
-"""copy_rows and copy_rows_both_ways calls with GPU indices, remembered per set of
-layouts, so that the same call again costs its launches instead of a whole plan.
+"""copy_rows and copy_rows_both_ways calls with GPU indices (and staged pairs with host
+indices), remembered per set of layouts, so that the same call again costs its
+launches instead of a whole plan.
 
 A serving step moves the same layouts by index tensors it refills in place, on the
 same stream, step after step. What such a call works out (the checks, the memory's
@@ -8,7 +9,10 @@ on the layouts, which never change (kvcopy.Layout is frozen and holds its memory
 where the index tensors are and how long, and on the stream, the method and the
 settings its work is shaped by; the indices' values are read by the kernel when it
 runs. So a call whose key matches the last one for its layouts repeats that call's
-work.
+work. A staged copy_rows_both_ways pair is remembered with host indices too (keyed by
+their lengths): their values are checked at every call before the pair is repeated,
+and uploaded anew; only the memory's classes, the policy's answer and the chunks are
+not worked out again.
 
 Layouts are held weakly (the memo keeps no cache alive) and the index tensors not at
 all (a new tensor at the same address is what the kernel will read). Work built in a

@@ -21,8 +21,9 @@ kernel on the caller's stream (the store) or another side stream (the load), so 
 chunk k + 1 crosses the link while chunk k is gathered or scattered. The work starts
 after what is queued on the caller's stream and what is queued there next waits for it.
 
-A pair with GPU indices, once built, is a StagedPair: the same call again issues its
-chunks without planning (kvcopy._engine.rows_memo keeps it).
+A pair, once built, is a StagedPair: the same call again issues its chunks without
+classifying or building them again (kvcopy._engine.rows_memo keeps it); host indices
+are still checked at every call and uploaded anew.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from kvcopy._cuda import driver, launch, rows
 from kvcopy._engine import staged, traffic_window
 from kvcopy._engine.decide import note_decision
 from kvcopy._engine.rows import host_indices_bytes, indices_for_device, noted_traffic
-from kvcopy._plans.rows import RowsPlan
+from kvcopy._plans.rows import Indices, RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
 from kvcopy._runtime import kernels, ring, side_streams
 from kvcopy.config import config
@@ -106,9 +107,8 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int,
     """Issue both plans through staging buffers, as wanted() said they go (``found``:
     its answer), where their memory allows (``settle(plan)``: the plan's (Target,
     src_view, dst_view), classified and decided as copy_rows does); None where not,
-    nothing issued. The caller's stream is not capturing. Where no index is on the
-    host, ``remember`` is given what repeats the call (kvcopy._engine.rows_memo keeps
-    it)."""
+    nothing issued. The caller's stream is not capturing. ``remember`` is given what
+    repeats the call (kvcopy._engine.rows_memo keeps it)."""
     decision, loads = found
     want = ["h2d" if load else "d2h" for load in loads]
     chunk_bytes = config.staging_bytes
@@ -128,45 +128,65 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int,
                                                   info.driver_version).function_rows
     sides = _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
     note_decision(decision)
-    if remember is not None and not (first.host_indices or second.host_indices):
+    if remember is not None:
         traffic = tuple(noted_traffic(target, plan)
                         for (target, _, _), plan in zip(settled, (first, second)))
-        remember(StagedPair(sides, handle, decision, staging, traffic))
+        remember(StagedPair(sides, handle, decision, staging, traffic, loads,
+                            first.host_indices or second.host_indices))
     return "staged", "staged"
 
 
 class StagedPair:
-    """A staged pair with GPU indices, built: calling it issues the same chunks again
-    (the indices read when the kernels run) and notes what the first call noted. Its
-    sides hold the staging buffers' addresses and the context's streams, so it runs
-    only in the context it was built in, with the same buffers."""
+    """A staged pair, built: calling it issues the same chunks again and notes what the
+    first call noted. GPU indices are read when the kernels run; a pair built with host
+    indices (``host``) is called with the new call's plans, checked already, and their
+    indices are uploaded through a ring slot of the call's own before its chunks, as at
+    first. Its sides hold the staging buffers' addresses and the context's streams, so
+    it runs only in the context it was built in, with the same buffers."""
 
-    __slots__ = ("sides", "handle", "decision", "staging", "buffers", "context", "traffic")
+    __slots__ = ("sides", "handle", "decision", "staging", "buffers", "context", "traffic",
+                 "loads", "host")
 
     def __init__(self, sides: list[_Side], handle: int, decision: Decision,
-                 staging: staged.StagingBuffers, traffic: tuple) -> None:
+                 staging: staged.StagingBuffers, traffic: tuple, loads: list[bool],
+                 host: bool) -> None:
         self.sides, self.handle, self.decision = sides, handle, decision
         self.staging, self.buffers = staging, (staging.base, staging.capacity)
         self.context = driver.current_context_key()
-        self.traffic = traffic
+        self.traffic, self.loads, self.host = traffic, loads, host
 
     def usable(self) -> bool:
         """True: whether it may run is known only in its context (see __call__)."""
         return True
 
-    def __call__(self) -> tuple[str, str] | None:
+    def __call__(self, plans: tuple[RowsPlan, RowsPlan] | None = None
+                 ) -> tuple[str, str] | None:
         """Issue the pair again, the caller's context current and its stream not
-        capturing; None, nothing issued, where the context was made again or the
-        staging buffers were (build the call again)."""
-        if driver.current_context_key() != self.context:
+        capturing (``plans``: the call's, where the pair was built with host indices);
+        None, nothing issued, where the context was made again or the staging buffers
+        were, or host indices are not given (build the call again)."""
+        if driver.current_context_key() != self.context or (self.host and plans is None):
             return None
         staging = staged.context_buffers(config.staging_bytes)
         if staging is not self.staging:
             return None
-        with staging.lock:
-            if (staging.base, staging.capacity) != self.buffers:
+        if not self.host:
+            with staging.lock:
+                if not self._run(staging, None):
+                    return None
+        else:
+            assert plans is not None
+            gpu_sides = _gpu_sides(plans, self.loads)
+            with ring.ring_for_current_context().reserve(host_indices_bytes(gpu_sides)) as slot:
+                where, nbytes = indices_for_device(slot, gpu_sides)
+                launch.upload(slot.device, slot.host, nbytes, self.handle)
+                try:
+                    with staging.lock:
+                        ran = self._run(staging, where)
+                finally:   # (the upload is queued: the slot is busy until it is done)
+                    ring.DescriptorRing.fence(slot, self.handle)
+            if not ran:
                 return None
-            _run(self.sides, self.handle, staging)
         note_decision(self.decision)
         if config.traffic_window_ms:
             for noted in self.traffic:
@@ -174,11 +194,29 @@ class StagedPair:
                     traffic_window.note(*noted)
         return "staged", "staged"
 
+    def _run(self, staging: staged.StagingBuffers, indices: list[int] | None) -> bool:
+        """Every chunk again (the staging lock held), each side's GPU indices read at
+        ``indices`` where given; False, nothing issued, where the buffers were made
+        again."""
+        if (staging.base, staging.capacity) != self.buffers:
+            return False
+        if indices is not None:
+            for side, where in zip(self.sides, indices):
+                side.chunks.set_indices(where)
+        _run(self.sides, self.handle, staging)
+        return True
+
+
+def _gpu_sides(plans: tuple[RowsPlan, RowsPlan], loads: list[bool]
+               ) -> list[tuple[Indices | None, int]]:
+    """Each side's GPU-side indices and rows (a load's destination, a store's source)."""
+    return [(plan.dst_indices if load else plan.src_indices, plan.rows)
+            for plan, load in zip(plans, loads)]
+
 
 def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
            staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> list[_Side]:
-    gpu_sides = [(plan.dst_indices if load else plan.src_indices, plan.rows)
-                 for plan, load in zip((first, second), loads)]
+    gpu_sides = _gpu_sides((first, second), loads)
     nbytes = host_indices_bytes(gpu_sides)
     if not nbytes:   # (GPU indices on both sides: read in place)
         where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]

@@ -6,6 +6,7 @@ in which chunks are issued on which streams; when the policy stages and when it 
 not; and the planner's rules."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -103,16 +104,34 @@ def staged_rows(seams, monkeypatch):
 
     fake = RowsOnHostMemory([])
     fake.staging = staging
-    # a descriptor-ring slot for host indices, read by the emulated kernel where it lies
-    fake.slot_memory = np.zeros(1 << 12, np.uint8)
-    address = fake.slot_memory.ctypes.data
-    slot = engine.ring.Slot(capacity=fake.slot_memory.nbytes, host=address, mapped=address,
-                            device=address, event=0x77)
+    # descriptor-ring slots for host indices, read by the emulated kernel where they lie
+    fake.slot_memory = np.zeros(1 << 13, np.uint8)
+    fake.ring = Ring(fake.slot_memory)
     seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
     seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope,
-                                             staging=staging, slot=slot,
+                                             staging=staging, descriptor_ring=fake.ring,
                                              side_stream=lambda handle, index=0: SIDE + index))
     yield fake, make
+
+
+class Ring:
+    """A descriptor ring of two slots in ``memory``, reserved in turn: the first at the
+    start of ``memory`` (fenced by event 0x77), the second halfway (0x78)."""
+
+    def __init__(self, memory: np.ndarray) -> None:
+        half = memory.nbytes // 2
+        self.slots = [engine.ring.Slot(capacity=half, host=memory.ctypes.data + at,
+                                       mapped=memory.ctypes.data + at,
+                                       device=memory.ctypes.data + at, event=event)
+                      for at, event in ((0, 0x77), (half, 0x78))]
+        self.reserved = 0
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int):
+        slot = self.slots[self.reserved % 2]
+        assert nbytes <= slot.capacity
+        self.reserved += 1
+        yield slot
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 40])
@@ -334,19 +353,75 @@ def test_a_staged_call_that_cannot_repeat_is_planned_afresh(staged_rows, monkeyp
     again.check()
 
 
-def test_staged_calls_with_host_indices_are_checked_at_every_call(staged_rows):
+def test_the_same_staged_call_with_host_indices_again_uploads_them_and_repeats_its_chunks(
+        staged_rows):
     fake, make = staged_rows
     again = SameLayouts(make(20), on_host=True)
     assert again(1) == ("staged", "staged")
-    classified = fake.classified
-    assert again(2) == ("staged", "staged")
-    assert fake.classified > classified               # planned again: the values are new
+    first, classified = list(fake.calls), fake.classified
+    slots = [slot.host for slot in fake.ring.slots]
+    for k, seed in enumerate((2, 3, 4)):
+        fake.calls.clear()
+        assert again(seed) == ("staged", "staged")
+        assert fake.classified == classified          # not classified (nor built) again
+        slot = slots[(k + 1) % 2]                     # each call its own slot, in turn
+        event = 0x77 if slot == slots[0] else 0x78
+        assert fake.calls[:3] == [("upload", slot, 2 * 8 * 20, STREAM),
+                                  ("set indices", slot), ("set indices", slot + 8 * 20)]
+        # then the first call's work, in its order, fenced by this call's slot
+        assert fake.calls[3:-1] == first[1:-1]
+        assert fake.calls[-1] == ("record", event, STREAM)
+        np.testing.assert_array_equal(
+            fake.slot_memory[slot - slots[0]:][:320].view(np.int64),
+            np.concatenate([again.step.store_slots, again.step.load_slots]))
+        again.check()                                 # the new slots' rows moved
+
+
+def test_host_indices_of_a_repeated_staged_call_are_checked_as_at_first(staged_rows):
+    fake, make = staged_rows
+    again = SameLayouts(make(20), on_host=True)
+    assert again(1) == ("staged", "staged")
+    step, classified = again.step, fake.classified
+    kept_out, kept_caches = step.out.copy(), [c.copy() for c in step.caches]
+    cases = [("load", 7, PAGES * PAGE, r"load: dst_indices\[7\] = 128 is out of range"),
+             ("load", 9, None, r"load: dst_indices: rows 2 and 9 both write slot"),
+             ("store", 4, PAGES * PAGE + 5, r"store: src_indices\[4\] = 133 is out of range"),
+             ("cross", 5, None, r"load: row 5 writes slot \d+ of its dst, which store: row 0 reads")]
+    for side, row, value, message in cases:
+        order = np.random.default_rng(row).permutation(PAGES * PAGE)
+        step.store_slots[:], step.load_slots[:] = order[:20], order[20:40]
+        if side == "load" and value is None:
+            step.load_slots[row] = step.load_slots[2]
+        elif side == "cross":
+            step.load_slots[row] = step.store_slots[0]
+        else:
+            (step.load_slots if side == "load" else step.store_slots)[row] = value
+        fake.calls.clear()
+        with pytest.raises(ValueError, match=message):
+            kvcopy.copy_rows_both_ways(again.store, again.load, stream=STREAM)
+        assert fake.calls == []                       # refused before anything is issued
+        np.testing.assert_array_equal(step.out, kept_out)
+        for cache, kept in zip(step.caches, kept_caches):
+            np.testing.assert_array_equal(cache, kept)
+    assert again(5) == ("staged", "staged")           # and the same call repeats after
+    assert fake.classified == classified
     again.check()
-    order = np.random.default_rng(3).permutation(PAGES * PAGE)
-    again.step.store_slots[:] = order[:20]
-    again.step.load_slots[:] = order[:20]             # the load writes what the store reads
-    with pytest.raises(ValueError, match="store.*load|load.*store"):
-        kvcopy.copy_rows_both_ways(again.store, again.load, stream=STREAM)
+
+
+def test_a_staged_call_with_host_indices_of_another_length_is_planned_afresh(staged_rows):
+    fake, make = staged_rows
+    step = make(20)
+    again = SameLayouts(step, on_host=True)
+    assert again(1) == ("staged", "staged")
+    classified = fake.classified
+    step.store_slots, step.load_slots = step.store_slots[:12].copy(), step.load_slots[:12].copy()
+    again.store = again.store[:2] + (step.store_slots,)
+    again.load = again.load[:3] + (step.load_slots,)
+    step.out_before, step.before = step.out.copy(), [c.copy() for c in step.caches]
+    assert kvcopy.copy_rows_both_ways(again.store, again.load, stream=STREAM) == ("staged",
+                                                                                 "staged")
+    assert fake.classified > classified               # planned afresh
+    again.check()
 
 
 @pytest.mark.parametrize("method", ["kernel", "batch"])

@@ -190,6 +190,64 @@ def test_the_same_call_again_moves_the_refilled_indices_rows(torch_cuda, staged_
             assert torch.equal(cache.reshape(2, 256, -1), want)
 
 
+def test_the_same_call_with_host_indices_again_moves_each_calls_rows(torch_cuda,
+                                                                    staged_small,
+                                                                    monkeypatch):
+    """The same layouts called again and again with host indices of new values, more
+    calls queued behind a busy stream than the descriptor ring has slots: the pair is
+    built once, each call's indices are checked and uploaded to a slot of its own, and
+    every call moves its own rows (the final caches hold every load, the chunk the last
+    store)."""
+    from kvcopy._engine import rows_staged
+    torch = torch_cuda
+    built = []
+    build = rows_staged.try_staged
+    monkeypatch.setattr(rows_staged, "try_staged",
+                        lambda *args, **kw: built.append(1) or build(*args, **kw))
+    caches, out, back, _, _ = _step(torch, 2, 4096, 24, 41)
+    paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
+    out_layout, back_layout = (Layout.of(out, planes=(1, 0), slot=2),
+                               Layout.of(back, planes=(1, 0), slot=2))
+    calls = policy.RING_SLOTS + 3
+    rng = np.random.default_rng(41)
+    orders = [rng.permutation(256) for _ in range(calls)]
+    want = [c.clone() for c in caches]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+    for order in orders:
+        store_slots, load_slots = order[:24].copy(), order[24:48].copy()
+        want_out = _expected_chunk(torch, want, torch.zeros_like(out), store_slots)
+        want = [w.reshape(c.shape) for w, c in
+                zip(_expected_caches(torch, want, back, load_slots), caches)]
+        assert kvcopy.copy_rows_both_ways(
+            (paged_layout, out_layout, store_slots),
+            (back_layout, paged_layout, None, load_slots), stream=stream) == ("staged", "staged")
+    stream.synchronize()
+    assert len(built) == 1
+    assert torch.equal(out, want_out)
+    for cache, expected in zip(caches, want):
+        assert torch.equal(cache, expected)
+    # a bad index of a repeated call is refused, nothing issued; the next call repeats
+    bad = orders[0][:24].copy()
+    bad[3] = 256
+    with pytest.raises(ValueError, match=r"store: src_indices\[3\] = 256 is out of range"):
+        kvcopy.copy_rows_both_ways((paged_layout, out_layout, bad),
+                                   (back_layout, paged_layout, None, orders[0][24:48].copy()),
+                                   stream=stream)
+    before = [c.clone() for c in caches]
+    store_slots, load_slots = orders[1][:24].copy(), orders[1][24:48].copy()
+    want_out = _expected_chunk(torch, before, out, store_slots)
+    kvcopy.copy_rows_both_ways((paged_layout, out_layout, store_slots),
+                               (back_layout, paged_layout, None, load_slots), stream=stream)
+    stream.synchronize()
+    assert len(built) == 1
+    assert torch.equal(out, want_out)
+    for cache, expected in zip(caches, _expected_caches(torch, before, back, load_slots)):
+        assert torch.equal(cache.reshape(2, 256, -1), expected)
+
+
 def test_below_the_threshold_the_layout_kernel_runs(torch_cuda):
     torch = torch_cuda
     caches, out, back, store_slots, load_slots = _step(torch, 1, 4096, 40, 3)

@@ -208,9 +208,17 @@ class RowsOnHostMemory(FakeRowsCuda):
                                 int(row_counts[k]), pieces, piece_bytes, ctas, threads,
                                 kernel_stream, first_row=int(first_rows[k]), **only).launch()
 
+        indices = {"gpu": gpu_side, "only": only_skipped_by}
+
         class Side:
             def __len__(self):
                 return len(first_rows)
+
+            def set_indices(self, address):
+                driver.calls.append(("set indices", address))
+                indices["gpu"] = (address, *indices["gpu"][1:])
+                if not load:
+                    indices["only"] = (address, indices["only"][1])
 
             def issue(self, k, free, filled):
                 if not 0 <= k < len(first_rows):
@@ -220,13 +228,13 @@ class RowsOnHostMemory(FakeRowsCuda):
                     driver.memcpy_loop(staged[k], host[k], nbytes[k], copy_stream)
                     driver.event_record(filled, copy_stream)
                     driver.stream_wait_event(kernel_stream, filled)
-                    launch(k, staging_side, gpu_side, staging_bases[k], gpu_bases)
+                    launch(k, staging_side, indices["gpu"], staging_bases[k], gpu_bases)
                     driver.event_record(free, kernel_stream)
                     return
                 driver.stream_wait_event(kernel_stream, free)
                 launch(k, host_side, staging_side, host_bases, staging_bases[k],
-                       only_skipped_by=only_skipped_by)
-                launch(k, gpu_side, staging_side, gpu_bases, staging_bases[k])
+                       only_skipped_by=indices["only"])
+                launch(k, indices["gpu"], staging_side, gpu_bases, staging_bases[k])
                 driver.event_record(filled, kernel_stream)
                 driver.stream_wait_event(copy_stream, filled)
                 driver.memcpy_loop(host[k], staged[k], nbytes[k], copy_stream)
