@@ -115,8 +115,8 @@ def _repeat(store: Any, load: Any, stream: Any, method: str) -> tuple[str, str] 
         return None
     layouts = (store[0], store[1], load[0], load[1])
     known = rows_memo.entry(*layouts)
-    if known is None:
-        return None
+    if known is None or getattr(known.repeat, "host", False):
+        return None   # (a pair with host indices is repeated once they are checked)
     # (these layouts were checked against each other: only the indices are read again)
     given = [tuple(side[2:4]) + (None,) * (4 - min(len(side), 4)) for side in (store, load)]
     try:

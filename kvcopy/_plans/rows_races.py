@@ -46,9 +46,39 @@ def _live(plan: RowsPlan, side: str) -> tuple[np.ndarray, np.ndarray]:
     return rows, np.ascontiguousarray(src if side == "src" else dst)
 
 
+def _slots_as_given(plan: RowsPlan, side: str) -> np.ndarray | None:
+    """The host indices of ``side`` where the other side has none: every row is then
+    copied unless its own slot is negative, so row r names slot[r] (or nothing);
+    else None."""
+    mine, other = ((plan.src_indices, plan.dst_indices) if side == "src"
+                   else (plan.dst_indices, plan.src_indices))
+    return mine.host if other is None and mine is not None else None
+
+
+def _first_common_as_given(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
+                           slots: int) -> tuple[int, int, int] | None | bool:
+    """_common_slot's answer read from each side's indices as given, without listing
+    the rows that are copied (a serving step's store and load: the host side of each
+    has no indices); False where that does not apply."""
+    slots_a, slots_b = _slots_as_given(a, side_a), _slots_as_given(b, side_b)
+    if slots_a is None or slots_b is None:
+        return False
+    # (a negative slot is a huge unsigned one: first_common_slot passes it over)
+    j = first_common_slot(slots_a, slots_b, slots)
+    if j == -2:
+        return False
+    if j < 0:
+        return None
+    slot = int(slots_b[j])
+    return int(np.argmax(slots_a == slot)), j, slot
+
+
 def _common_slot(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
                  slots: int) -> tuple[int, int, int] | None:
     """(row of a, row of b, slot) of the first slot both name, or None."""
+    found = _first_common_as_given(a, side_a, b, side_b, slots)
+    if found is not False:
+        return found   # type: ignore[return-value]
     rows_a, slots_a = _live(a, side_a)
     rows_b, slots_b = _live(b, side_b)
     j = first_common_slot(slots_a, slots_b, slots)

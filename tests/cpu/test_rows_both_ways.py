@@ -90,6 +90,41 @@ def test_a_shared_layout_races_only_on_common_slots(slots):
     move_both(store, (into, c, None, [7, 8, 11, 4]))
 
 
+@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a sort
+def test_sides_with_indices_on_the_shared_layout_only_race_on_common_slots(slots):
+    """A serving step's pair: only the shared layout's side of each has indices."""
+    c = Layout.of(np.zeros((slots, 16), np.uint8), slot=0)
+    out, into = (Layout.of(np.zeros((8, 16), np.uint8), slot=0) for _ in range(2))
+    with pytest.raises(ValueError, match="load: row 2 writes slot 5 of its dst, which "
+                                         "store: row 0 reads"):
+        move_both((c, out, [5, -1, 11, 5]), (into, c, None, [-1, 8, 5, 4]))
+    move_both((c, out, [5, -1, 11, 9]), (into, c, None, [-1, 8, 6, 4]))   # -1 twice: no race
+
+
+def test_indices_on_one_side_race_as_the_same_rows_named_on_both_sides():
+    """Indices on the shared layout's side alone are read as given; the same rows with
+    the other side named slot by slot (its rows listed) must be refused, or not, alike."""
+    refused = 0
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        slots = int(rng.choice([16, 64, 5000]))
+        c = Layout.of(np.zeros((slots, 8), np.uint8), slot=0)
+        out, into = (Layout.of(np.zeros((12, 8), np.uint8), slot=0) for _ in range(2))
+        store = rng.integers(-2, min(slots, 40), 12)
+        load = rng.permutation(np.arange(-12, min(slots, 40)))[:12]
+        rows = np.arange(12)
+        outcomes = []
+        for extra in ((), (rows,)):
+            try:
+                move_both((c, out, store, *extra), (into, c, rows if extra else None, load))
+                outcomes.append(None)
+            except ValueError as exc:
+                outcomes.append(str(exc))
+        assert outcomes[0] == outcomes[1], seed
+        refused += outcomes[0] is not None
+    assert 0 < refused < 60      # both outcomes were compared
+
+
 def test_layouts_that_meet_otherwise_are_compared_byte_by_byte():
     cache = np.zeros((64, 32), np.uint8)
     whole = Layout.of(cache, slot=0)

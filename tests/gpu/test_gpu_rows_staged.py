@@ -11,6 +11,7 @@ import pytest
 
 import kvcopy
 from kvcopy import Layout, policy
+from kvcopy.testing import engine
 from helpers.layouts import paged, rand
 
 CHUNK = 64 << 10   # a few rows per chunk: every transfer below takes several chunks
@@ -191,23 +192,19 @@ def test_the_same_call_again_moves_the_refilled_indices_rows(torch_cuda, staged_
 
 
 def test_the_same_call_with_host_indices_again_moves_each_calls_rows(torch_cuda,
-                                                                    staged_small,
-                                                                    monkeypatch):
+                                                                    staged_small):
     """The same layouts called again and again with host indices of new values, more
     calls queued behind a busy stream than the descriptor ring has slots: the pair is
     built once, each call's indices are checked and uploaded to a slot of its own, and
     every call moves its own rows (the final caches hold every load, the chunk the last
     store)."""
-    from kvcopy._engine import rows_staged
     torch = torch_cuda
-    built = []
-    build = rows_staged.try_staged
-    monkeypatch.setattr(rows_staged, "try_staged",
-                        lambda *args, **kw: built.append(1) or build(*args, **kw))
     caches, out, back, _, _ = _step(torch, 2, 4096, 24, 41)
     paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
     out_layout, back_layout = (Layout.of(out, planes=(1, 0), slot=2),
                                Layout.of(back, planes=(1, 0), slot=2))
+    layouts = (paged_layout, out_layout, back_layout, paged_layout)
+    built = []    # the pair remembered for these layouts after each call: one, the first's
     calls = policy.RING_SLOTS + 3
     rng = np.random.default_rng(41)
     orders = [rng.permutation(256) for _ in range(calls)]
@@ -224,8 +221,9 @@ def test_the_same_call_with_host_indices_again_moves_each_calls_rows(torch_cuda,
         assert kvcopy.copy_rows_both_ways(
             (paged_layout, out_layout, store_slots),
             (back_layout, paged_layout, None, load_slots), stream=stream) == ("staged", "staged")
+        built.append(engine.rows_memo.entry(*layouts).repeat)
     stream.synchronize()
-    assert len(built) == 1
+    assert all(pair is built[0] for pair in built)
     assert torch.equal(out, want_out)
     for cache, expected in zip(caches, want):
         assert torch.equal(cache, expected)
@@ -241,8 +239,9 @@ def test_the_same_call_with_host_indices_again_moves_each_calls_rows(torch_cuda,
     want_out = _expected_chunk(torch, before, out, store_slots)
     kvcopy.copy_rows_both_ways((paged_layout, out_layout, store_slots),
                                (back_layout, paged_layout, None, load_slots), stream=stream)
+    built.append(engine.rows_memo.entry(*layouts).repeat)
     stream.synchronize()
-    assert len(built) == 1
+    assert all(pair is built[0] for pair in built)
     assert torch.equal(out, want_out)
     for cache, expected in zip(caches, _expected_caches(torch, before, back, load_slots)):
         assert torch.equal(cache.reshape(2, 256, -1), expected)
