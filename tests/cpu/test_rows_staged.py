@@ -408,6 +408,25 @@ def test_host_indices_of_a_repeated_staged_call_are_checked_as_at_first(staged_r
     again.check()
 
 
+def test_a_host_index_repeat_whose_buffers_were_remade_fences_its_upload_and_plans_afresh(
+        staged_rows):
+    fake, make = staged_rows
+    again = SameLayouts(make(20), on_host=True)
+    assert again(1) == ("staged", "staged")
+    classified = fake.classified
+    fake.staging.base += 1                        # the staging buffers made again
+    fake.calls.clear()
+    assert again(2) == ("staged", "staged")
+    assert fake.classified > classified           # planned afresh
+    slots = [slot.host for slot in fake.ring.slots]
+    # the repeat's upload (slot 1) fenced before the fresh plan's own (slot 0)
+    assert fake.calls[:2] == [("upload", slots[1], 2 * 8 * 20, STREAM),
+                              ("record", 0x78, STREAM)]
+    assert fake.calls[2] == ("upload", slots[0], 2 * 8 * 20, STREAM)
+    assert not any(c[0] == "set indices" for c in fake.calls)
+    again.check()
+
+
 def test_a_staged_call_with_host_indices_of_another_length_is_planned_afresh(staged_rows):
     fake, make = staged_rows
     step = make(20)
