@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from kvcopy import policy
 from kvcopy._cuda import (classify, describe, dma, driver, launch, memory, plan_arrays,
@@ -139,15 +139,18 @@ def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[o
 
 
 class _Ring:
-    """A descriptor ring whose every reservation is ``slot`` (a larger request fails)."""
+    """A descriptor ring whose reservations are ``slots`` in turn (a larger request
+    fails)."""
 
-    def __init__(self, slot: ring.Slot) -> None:
-        self.slot = slot
+    def __init__(self, slots: Sequence[ring.Slot]) -> None:
+        self.slots, self.reserved = list(slots), 0
 
     def reserve(self, nbytes: int) -> "_Ring":
+        self.slot = self.slots[self.reserved % len(self.slots)]
         if nbytes > self.slot.capacity:
             raise AssertionError(f"fake ring: {nbytes} bytes asked of a {self.slot.capacity}-"
                                  "byte slot")
+        self.reserved += 1
         return self
 
     def __enter__(self) -> ring.Slot:
@@ -160,16 +163,17 @@ class _Ring:
 @contextlib.contextmanager
 def fake_runtime(*, caps: policy.DeviceCaps | None = None,
                  thresholds: policy.Thresholds | None = None, copy_kernel: object = None,
-                 slot: ring.Slot | None = None, descriptor_ring: object = None,
+                 slot: ring.Slot | Sequence[ring.Slot] | None = None,
+                 descriptor_ring: object = None,
                  staging: object = None,
                  side_stream: Callable[..., int] | None = None,
                  scope: type | None = None) -> Iterator[None]:
     """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
     by default) and ``thresholds`` (the defaults), no policy answer or copy_rows call
-    remembered; where given, ``copy_kernel`` as the kernel loaded in every context, every descriptor-ring
-    reservation ``slot`` (or ``descriptor_ring`` as every context's ring: its
-    reserve(nbytes) a context manager of a ring.Slot), ``staging`` as every context's
-    staging buffers,
+    remembered; where given, ``copy_kernel`` as the kernel loaded in every context,
+    every descriptor-ring reservation ``slot`` (a sequence of slots: each in turn; or
+    ``descriptor_ring`` as every context's ring: its reserve(nbytes) a context manager
+    of a ring.Slot), ``staging`` as every context's staging buffers,
     ``side_stream(handle, index=0)`` for kvcopy's side streams, and ``scope`` for
     the context a call enters (kvcopy._runtime.context.ContextScope's interface)."""
     info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or policy.DeviceCaps())
@@ -177,7 +181,7 @@ def fake_runtime(*, caps: policy.DeviceCaps | None = None,
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))
     if slot is not None:
-        descriptor_ring = _Ring(slot)
+        descriptor_ring = _Ring([slot] if isinstance(slot, ring.Slot) else slot)
     if descriptor_ring is not None:
         replacements.append((ring.ring_for_current_context, lambda: descriptor_ring))
     if staging is not None:

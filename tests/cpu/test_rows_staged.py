@@ -6,7 +6,6 @@ in which chunks are issued on which streams; when the policy stages and when it 
 not; and the planner's rules."""
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -104,34 +103,19 @@ def staged_rows(seams, monkeypatch):
 
     fake = RowsOnHostMemory([])
     fake.staging = staging
-    # descriptor-ring slots for host indices, read by the emulated kernel where they lie
+    # two descriptor-ring slots for host indices, reserved in turn (fenced by events 0x77
+    # and 0x78), read by the emulated kernel where they lie
     fake.slot_memory = np.zeros(1 << 13, np.uint8)
-    fake.ring = Ring(fake.slot_memory)
+    half = fake.slot_memory.nbytes // 2
+    fake.slots = [engine.ring.Slot(capacity=half, host=fake.slot_memory.ctypes.data + at,
+                                   mapped=fake.slot_memory.ctypes.data + at,
+                                   device=fake.slot_memory.ctypes.data + at, event=event)
+                  for at, event in ((0, 0x77), (half, 0x78))]
     seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
     seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope,
-                                             staging=staging, descriptor_ring=fake.ring,
+                                             staging=staging, slot=fake.slots,
                                              side_stream=lambda handle, index=0: SIDE + index))
     yield fake, make
-
-
-class Ring:
-    """A descriptor ring of two slots in ``memory``, reserved in turn: the first at the
-    start of ``memory`` (fenced by event 0x77), the second halfway (0x78)."""
-
-    def __init__(self, memory: np.ndarray) -> None:
-        half = memory.nbytes // 2
-        self.slots = [engine.ring.Slot(capacity=half, host=memory.ctypes.data + at,
-                                       mapped=memory.ctypes.data + at,
-                                       device=memory.ctypes.data + at, event=event)
-                      for at, event in ((0, 0x77), (half, 0x78))]
-        self.reserved = 0
-
-    @contextlib.contextmanager
-    def reserve(self, nbytes: int):
-        slot = self.slots[self.reserved % 2]
-        assert nbytes <= slot.capacity
-        self.reserved += 1
-        yield slot
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 40])
@@ -359,7 +343,7 @@ def test_the_same_staged_call_with_host_indices_again_uploads_them_and_repeats_i
     again = SameLayouts(make(20), on_host=True)
     assert again(1) == ("staged", "staged")
     first, classified = list(fake.calls), fake.classified
-    slots = [slot.host for slot in fake.ring.slots]
+    slots = [slot.host for slot in fake.slots]
     for k, seed in enumerate((2, 3, 4)):
         fake.calls.clear()
         assert again(seed) == ("staged", "staged")
@@ -418,7 +402,7 @@ def test_a_host_index_repeat_whose_buffers_were_remade_fences_its_upload_and_pla
     fake.calls.clear()
     assert again(2) == ("staged", "staged")
     assert fake.classified > classified           # planned afresh
-    slots = [slot.host for slot in fake.ring.slots]
+    slots = [slot.host for slot in fake.slots]
     # the repeat's upload (slot 1) fenced before the fresh plan's own (slot 0)
     assert fake.calls[:2] == [("upload", slots[1], 2 * 8 * 20, STREAM),
                               ("record", 0x78, STREAM)]
