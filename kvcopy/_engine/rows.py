@@ -11,8 +11,9 @@ stream, fenced behind the launch).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -75,15 +76,28 @@ def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, in
     return where, offset
 
 
+@contextlib.contextmanager
+def uploaded_indices(sides: Sequence[tuple[Indices | None, int]],
+                     handle: int) -> Iterator[list[int]]:
+    """Each side's indices as the device reads them (indices_for_device), host values
+    copied into a ring slot of their own and uploaded on ``handle``; the work the block
+    queues on ``handle`` reads them there. The slot is fenced on ``handle`` when the
+    block ends, raised or not: the upload is queued either way."""
+    with ring.ring_for_current_context().reserve(host_indices_bytes(sides)) as slot:
+        where, nbytes = indices_for_device(slot, sides)
+        launch.upload(slot.device, slot.host, nbytes, handle)
+        try:
+            yield where
+        finally:
+            ring.DescriptorRing.fence(slot, handle)
+
+
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
                       dst_view: np.ndarray) -> None:
     """Host indices copied into a ring slot, uploaded on the stream, then the launch."""
     sides = ((plan.src_indices, plan.rows), (plan.dst_indices, plan.rows))
-    with ring.ring_for_current_context().reserve(host_indices_bytes(sides)) as slot:
-        where, nbytes = indices_for_device(slot, sides)
-        launch.upload(slot.device, slot.host, nbytes, target.handle)
+    with uploaded_indices(sides, target.handle) as where:
         _launch(plan, target, src_view, dst_view, *where)
-        ring.DescriptorRing.fence(slot, target.handle)
 
 
 _UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED

@@ -32,13 +32,13 @@ from typing import Any, Callable
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import driver, launch, rows
+from kvcopy._cuda import driver, rows
 from kvcopy._engine import staged, traffic_window
 from kvcopy._engine.decide import note_decision
-from kvcopy._engine.rows import host_indices_bytes, indices_for_device, noted_traffic
+from kvcopy._engine.rows import host_indices_bytes, noted_traffic, uploaded_indices
 from kvcopy._plans.rows import Indices, RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
-from kvcopy._runtime import kernels, ring, side_streams
+from kvcopy._runtime import kernels, side_streams
 from kvcopy.config import config
 from kvcopy.policy import Decision
 
@@ -172,19 +172,13 @@ class StagedPair:
             return None
         if not self.host:
             with staging.lock:
-                if not self._run(staging, None):
+                if not self._issue_again(staging, None):
                     return None
         else:
             assert plans is not None
-            gpu_sides = _gpu_sides(plans, self.loads)
-            with ring.ring_for_current_context().reserve(host_indices_bytes(gpu_sides)) as slot:
-                where, nbytes = indices_for_device(slot, gpu_sides)
-                launch.upload(slot.device, slot.host, nbytes, self.handle)
-                try:
-                    with staging.lock:
-                        ran = self._run(staging, where)
-                finally:   # (the upload is queued: the slot is busy until it is done)
-                    ring.DescriptorRing.fence(slot, self.handle)
+            with uploaded_indices(_gpu_sides(plans, self.loads), self.handle) as where:
+                with staging.lock:
+                    ran = self._issue_again(staging, where)
             if not ran:
                 return None
         note_decision(self.decision)
@@ -194,7 +188,8 @@ class StagedPair:
                     traffic_window.note(*noted)
         return "staged", "staged"
 
-    def _run(self, staging: staged.StagingBuffers, indices: list[int] | None) -> bool:
+    def _issue_again(self, staging: staged.StagingBuffers,
+                     indices: list[int] | None) -> bool:
         """Every chunk again (the staging lock held), each side's GPU indices read at
         ``indices`` where given; False, nothing issued, where the buffers were made
         again."""
@@ -217,19 +212,14 @@ def _gpu_sides(plans: tuple[RowsPlan, RowsPlan], loads: list[bool]
 def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
            staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> list[_Side]:
     gpu_sides = _gpu_sides((first, second), loads)
-    nbytes = host_indices_bytes(gpu_sides)
-    if not nbytes:   # (GPU indices on both sides: read in place)
+    if not host_indices_bytes(gpu_sides):   # (GPU indices on both sides: read in place)
         where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]
         return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
                             function)
-    with ring.ring_for_current_context().reserve(nbytes) as slot:
-        where, nbytes = indices_for_device(slot, gpu_sides)
-        launch.upload(slot.device, slot.host, nbytes, handle)
-        sides = _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
-                             function)
-        # (after the sides are joined back: every launch that reads the slot is behind it)
-        ring.DescriptorRing.fence(slot, handle)
-    return sides
+    # (fenced after the sides are joined back: every launch that reads the slot is behind it)
+    with uploaded_indices(gpu_sides, handle) as where:
+        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
+                            function)
 
 
 def _issue_sides(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool],

@@ -411,6 +411,29 @@ def test_a_host_index_repeat_whose_buffers_were_remade_fences_its_upload_and_pla
     again.check()
 
 
+@pytest.mark.parametrize("repeated", [False, True])
+def test_host_indices_uploaded_for_a_pair_that_fails_midway_are_fenced_still(staged_rows,
+                                                                           repeated):
+    """The upload is queued before the chunks: where issuing a chunk fails, the slot is
+    still fenced behind it, so that no later reservation rewrites the indices it reads."""
+    fake, make = staged_rows
+    again = SameLayouts(make(20), on_host=True)
+    if repeated:
+        assert again(1) == ("staged", "staged")
+    fake.calls.clear()
+
+    def fail(*args):
+        raise kvcopy.CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "illegal address")
+
+    fake.memcpy_loop = fail
+    with pytest.raises(kvcopy.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        again(2)
+    upload = fake.calls[0]
+    slot = next(slot for slot in fake.slots if slot.host == upload[1])
+    assert upload == ("upload", slot.host, 2 * 8 * 20, STREAM)
+    assert fake.calls[-1] == ("record", slot.event, STREAM)
+
+
 def test_a_staged_call_with_host_indices_of_another_length_is_planned_afresh(staged_rows):
     fake, make = staged_rows
     step = make(20)
