@@ -3,8 +3,10 @@ reference dropped, or the collector running, on the capturing thread or beside i
 leaves that capture valid: the graph ends, replays and moves every byte."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -39,10 +41,32 @@ def _capture_a_copy_while(torch, free) -> None:
     assert torch.equal(dst.view(16, -1)[:, :1 << 15], src.view(16, -1)[:, :1 << 15])
 
 
+@contextlib.contextmanager
+def _collector_held():
+    """Garbage earlier tests left (other libraries' objects among it) may make calls
+    that a global-mode capture forbids when collected, invalidating the capture: collect
+    it first, then keep the collector from running on its own, so that a capture sees
+    kvcopy's frees and no other."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def test_a_pinned_array_collected_during_a_capture_leaves_it_valid(torch_cuda):
-    garbage = _Cycle(1 << 20)
-    del garbage
-    _capture_a_copy_while(torch_cuda, lambda: gc.collect())
+    with _collector_held():
+        garbage = _Cycle(1 << 20)
+        alive = weakref.ref(garbage)
+        del garbage
+
+        def collect() -> None:
+            assert alive() is not None
+            gc.collect()
+            assert alive() is None
+
+        _capture_a_copy_while(torch_cuda, collect)
 
 
 def test_a_pinned_array_dropped_on_another_thread_during_a_capture_leaves_it_valid(torch_cuda):
@@ -53,7 +77,8 @@ def test_a_pinned_array_dropped_on_another_thread_during_a_capture_leaves_it_val
         worker.start()
         worker.join()
 
-    _capture_a_copy_while(torch_cuda, drop_on_another_thread)
+    with _collector_held():
+        _capture_a_copy_while(torch_cuda, drop_on_another_thread)
     assert held == []
 
 
