@@ -158,8 +158,8 @@ def chained() -> None:
         with engine.ring.ring_for_current_context().reserve(16 * n) as slot:
             for count in policy.id_chunks(n):
                 at = 16 * start
-                nbytes = cuda.plan_arrays.split_block_ids(blocks.mapping[start:start + count],
-                                                          slot.host + at)
+                nbytes = cuda.plan_arrays.split_block_ids(blocks.mapping, slot.host + at,
+                                                          start, count)
                 cuda.launch.upload(slot.device + at, slot.host + at, nbytes, handle)
                 cuda.rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
                                        (slot.device + at + 8 * count, *sides[1]), src_view,

@@ -147,22 +147,32 @@ def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_l
     return found
 
 
-def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out) -> int:
-    """Write a swap_blocks mapping's source ids, then its destination ids, as two
-    int64 arrays at address ``out`` (room for 16 bytes per pair): the layout kernel
-    reads each side's ids as one array. Returns the bytes written."""
+def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out, Py_ssize_t start=0,
+                    Py_ssize_t count=-1) -> int:
+    """Write pairs ``start`` to ``start + count`` of a swap_blocks mapping (count -1: to
+    the end) as their source ids, then their destination ids, two int64 arrays at
+    address ``out`` (room for 16 bytes per pair): the layout kernel reads each side's
+    ids as one array. Returns the bytes written."""
     cdef Py_ssize_t n = mapping.shape[0], i
-    cdef int64_t* src = <int64_t*>out
-    cdef int64_t* dst = src + n
     if mapping.shape[1] != 2:
         raise ValueError("mapping must have two columns")
-    if n and out == 0:
+    if count < 0:
+        count = n - start
+    if start < 0 or count < 0 or start + count > n:
+        raise ValueError(f"split_block_ids: pairs {start} to {start + count} of {n}")
+    if count and out == 0:
         raise ValueError("split_block_ids: no memory to write to")
+    if count == 0:
+        return 0
+    # (through raw pointers: a 2-D memoryview's indexing makes the loop twice as slow)
+    cdef const int64_t* pairs = &mapping[start, 0]
+    cdef int64_t* src = <int64_t*>out
+    cdef int64_t* dst = src + count
     with nogil:
-        for i in range(n):
-            src[i] = mapping[i, 0]
-            dst[i] = mapping[i, 1]
-    return 16 * n
+        for i in range(count):
+            src[i] = pairs[2 * i]
+            dst[i] = pairs[2 * i + 1]
+    return 16 * count
 
 
 cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,

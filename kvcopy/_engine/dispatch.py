@@ -192,8 +192,7 @@ def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, 
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         for count in chunks:
             at = 16 * start
-            nbytes = plan_arrays.split_block_ids(blocks.mapping[start:start + count],
-                                                 slot.host + at)
+            nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host + at, start, count)
             launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
             if uploads != handle:
                 driver.stream_wait_stream(handle, uploads)

@@ -81,3 +81,15 @@ def test_split_block_ids_writes_each_column_as_one_array():
     np.testing.assert_array_equal(out, [0, 2, 4, 6, 8, 1, 3, 5, 7, 9, -1, -1])
     with pytest.raises(ValueError, match="two columns"):
         cuda.plan_arrays.split_block_ids(np.zeros((2, 3), np.int64), out.ctypes.data)
+
+
+def test_split_block_ids_writes_a_run_of_pairs_and_refuses_one_past_the_end():
+    mapping = np.arange(10, dtype=np.int64).reshape(5, 2)
+    out = np.full(8, -1, np.int64)
+    assert cuda.plan_arrays.split_block_ids(mapping, out.ctypes.data, 1, 3) == 48
+    np.testing.assert_array_equal(out, [2, 4, 6, 3, 5, 7, -1, -1])
+    assert cuda.plan_arrays.split_block_ids(mapping, out.ctypes.data, 5, 0) == 0
+    for start, count in ((3, 3), (-1, 2), (6, -1)):
+        with pytest.raises(ValueError, match="split_block_ids: pairs"):
+            cuda.plan_arrays.split_block_ids(mapping, out.ctypes.data, start, count)
+    np.testing.assert_array_equal(out, [2, 4, 6, 3, 5, 7, -1, -1])
