@@ -43,10 +43,10 @@ def _capture_a_copy_while(torch, free) -> None:
 
 @contextlib.contextmanager
 def _collector_held():
-    """Garbage earlier tests left (other libraries' objects among it) may make calls
-    that a global-mode capture forbids when collected, invalidating the capture: collect
-    it first, then keep the collector from running on its own, so that a capture sees
-    kvcopy's frees and no other."""
+    """Garbage earlier tests left may make calls that a global-mode capture forbids
+    when collected (a torch CUDAGraph does: docs/usage.md, Graph capture), invalidating
+    the capture: collect it first, then keep the collector from running on its own, so
+    that a capture sees kvcopy's frees and no other."""
     gc.collect()
     gc.disable()
     try:
