@@ -47,12 +47,14 @@ def _collector_held():
     when collected (a torch CUDAGraph does: docs/usage.md, Graph capture), invalidating
     the capture: collect it first, then keep the collector from running on its own, so
     that a capture sees kvcopy's frees and no other."""
+    was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 def test_a_pinned_array_collected_during_a_capture_leaves_it_valid(torch_cuda):
