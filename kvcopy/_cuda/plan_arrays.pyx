@@ -1,13 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""One C pass that validates, drops zero-size copies and merges adjacent ones.
+"""One C pass that validates, drops zero-size copies and merges adjacent ones; one
+pass that checks block ids or row slots (bounds and repeats); and the writes of ids
+into pinned memory for the layout kernel.
 
 Planning runs on every call, so it is a single loop instead of a dozen NumPy
 passes. The kernel path does the same in describe.describe_copies, fused with
 pointer classification; both walk the batch with copy_loop.next_copy.
 """
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
                                COPY_NULL_SRC, COPY_NULL_DST, COPY_SRC_WRAPS)
@@ -68,9 +71,15 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
 
 
-# The bitmaps below find repeated ids in one pass. One is used only while the ids'
-# range is at most 64 per id checked, so that its cost follows the batch, never the
-# pool (callers sort the ids instead past that).
+cdef extern from "pinned_writes.h":
+    void kvcopy_split_pairs(const int64_t* pairs, int64_t* src, int64_t* dst,
+                            int64_t n) noexcept nogil
+    void kvcopy_copy_to_pinned(void* dst, const void* src, size_t nbytes) noexcept nogil
+
+
+# Repeated ids are found in one pass by a set of the ids seen: a bitmap of the id range
+# while that range is at most 64 per id checked, else a hash table of twice as many
+# slots as ids. Either way its cost follows the batch, never the pool.
 cdef inline bint _bitmap_follows_batch(int64_t limit, Py_ssize_t n) noexcept nogil:
     return limit <= 64 * n
 
@@ -80,36 +89,79 @@ def bitmap_follows_batch(int64_t limit, Py_ssize_t n) -> bool:
     return _bitmap_follows_batch(limit, n)
 
 
-cdef uint64_t* _bitmap(int64_t limit) except NULL:
-    """A zeroed bitmap of ``limit`` bits (one word more: never empty); free() it."""
-    cdef uint64_t* seen = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
-    if seen == NULL:
+cdef extern from *:
+    """
+    static const uint64_t kvcopy_free_slot = ~0ULL;  /* ids are below 2**63 */
+    static const uint64_t kvcopy_fibonacci = 0x9E3779B97F4A7C15ULL;  /* 2**64 / golden ratio */
+    """
+    const uint64_t _EMPTY "kvcopy_free_slot"
+    const uint64_t _FIBONACCI "kvcopy_fibonacci"   # (spreads strided ids over the slots)
+
+
+cdef struct IdSet:
+    uint64_t* words   # the bitmap, or the hash table's slots
+    uint64_t mask     # slots - 1 (a hash table), or 0 (a bitmap)
+    int shift         # 64 - log2(slots)
+
+
+cdef int _id_set_init(IdSet* ids, int64_t limit, Py_ssize_t n) except -1:
+    """An empty set for up to ``n`` ids in [0, limit); _id_set_free() it."""
+    cdef uint64_t slots = 16
+    ids.shift = 60
+    if _bitmap_follows_batch(limit, n):
+        ids.mask = 0
+        ids.words = <uint64_t*>calloc((limit + 63) // 64 + 1, sizeof(uint64_t))
+    else:
+        while slots < <uint64_t>(2 * n):
+            slots <<= 1
+            ids.shift -= 1
+        ids.mask = slots - 1
+        ids.words = <uint64_t*>malloc(slots * sizeof(uint64_t))
+        if ids.words != NULL:
+            memset(ids.words, 0xFF, slots * sizeof(uint64_t))
+    if ids.words == NULL:
         raise MemoryError()
-    return seen
+    return 0
 
 
-cdef inline bint _marked(const uint64_t* seen, uint64_t id) noexcept nogil:
-    return (seen[id >> 6] >> (id & 63)) & 1
+cdef inline void _id_set_free(IdSet* ids) noexcept:
+    free(ids.words)
 
 
-cdef inline bint _seen_before(uint64_t* seen, uint64_t id) noexcept nogil:
-    """Whether ``id`` was marked already; marks it."""
-    if _marked(seen, id):
+cdef inline uint64_t* _hash_slot(const IdSet* ids, uint64_t id) noexcept nogil:
+    """The slot holding ``id``, or the free slot where it would go."""
+    cdef uint64_t at = (id * _FIBONACCI) >> ids.shift
+    while ids.words[at] != id and ids.words[at] != _EMPTY:
+        at = (at + 1) & ids.mask
+    return &ids.words[at]
+
+
+cdef inline bint _id_set_has(const IdSet* ids, uint64_t id) noexcept nogil:
+    if ids.mask == 0:
+        return (ids.words[id >> 6] >> (id & 63)) & 1
+    return _hash_slot(ids, id)[0] == id
+
+
+cdef inline bint _seen_before(IdSet* ids, uint64_t id) noexcept nogil:
+    """Whether ``id`` (below the set's limit) was added already; adds it."""
+    cdef uint64_t* slot
+    if ids.mask == 0:
+        if (ids.words[id >> 6] >> (id & 63)) & 1:
+            return True
+        ids.words[id >> 6] |= (<uint64_t>1) << (id & 63)
+        return False
+    slot = _hash_slot(ids, id)
+    if slot[0] == id:
         return True
-    seen[id >> 6] |= (<uint64_t>1) << (id & 63)
+    slot[0] = id
     return False
 
 
 cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
-                         uint64_t dst_limit, uint64_t* seen) noexcept nogil:
-    # (seen: a zeroed bitmap of dst_limit bits, or NULL to check bounds only; a negative
-    # id is a huge unsigned one, so one comparison checks both ends)
+                         uint64_t dst_limit, IdSet* seen) noexcept nogil:
+    # (a negative id is a huge unsigned one, so one comparison checks both ends)
     cdef Py_ssize_t i
-    cdef uint64_t s, d, out = 0
-    if seen == NULL:
-        for i in range(n):
-            out |= (<uint64_t>pairs[2 * i] >= src_limit) | (<uint64_t>pairs[2 * i + 1] >= dst_limit)
-        return 0 if out else 1
+    cdef uint64_t s, d
     for i in range(n):
         s = <uint64_t>pairs[2 * i]
         d = <uint64_t>pairs[2 * i + 1]
@@ -118,33 +170,25 @@ cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
     return 1
 
 
-def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_limit) -> int:
-    """One pass over a swap_blocks mapping of (source, destination) id pairs: 1 where
+def block_ids_ok(const int64_t[:, ::1] mapping, int64_t src_limit, int64_t dst_limit) -> bool:
+    """One pass over a swap_blocks mapping of (source, destination) id pairs: True where
     every source id is in [0, src_limit), every destination id in [0, dst_limit) and no
-    destination repeats; 0 where one of those fails (the caller's checks then say
-    which); -1 where the ids are in range but the destinations span more than 64 ids
-    per pair, so that a bitmap of them would follow the pool rather than the batch
-    (the caller sorts them instead)."""
+    destination repeats; False where one of those fails (the caller's checks then say
+    which)."""
     cdef Py_ssize_t n = mapping.shape[0]
-    cdef uint64_t* seen
-    cdef const int64_t* pairs
+    cdef IdSet seen
     cdef int found
     if mapping.shape[1] != 2:
         raise ValueError("mapping must have two columns")
     if n == 0:
-        return 1
+        return True
     if src_limit < 0 or dst_limit < 0:
-        return 0
-    pairs = &mapping[0, 0]
-    if not _bitmap_follows_batch(dst_limit, n):
-        with nogil:
-            found = _scan_block_ids(pairs, n, src_limit, dst_limit, NULL)
-        return -1 if found else 0
-    seen = _bitmap(dst_limit)
+        return False
+    _id_set_init(&seen, dst_limit, n)
     with nogil:
-        found = _scan_block_ids(pairs, n, src_limit, dst_limit, seen)
-    free(seen)
-    return found
+        found = _scan_block_ids(&mapping[0, 0], n, src_limit, dst_limit, &seen)
+    _id_set_free(&seen)
+    return found == 1
 
 
 def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out, Py_ssize_t start=0,
@@ -164,21 +208,32 @@ def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out, Py_ssize_t sta
         raise ValueError("split_block_ids: no memory to write to")
     if count == 0:
         return 0
-    # (through raw pointers: a 2-D memoryview's indexing makes the loop twice as slow)
+    # (around the cache where it can: pinned_writes.h)
     cdef const int64_t* pairs = &mapping[start, 0]
     cdef int64_t* src = <int64_t*>out
-    cdef int64_t* dst = src + count
     with nogil:
-        for i in range(count):
-            src[i] = pairs[2 * i]
-            dst[i] = pairs[2 * i + 1]
+        kvcopy_split_pairs(pairs, src, src + count, count)
     return 16 * count
 
 
+def write_indices(uintptr_t out, const int64_t[::1] indices) -> int:
+    """Copy ``indices`` to address ``out`` in pinned memory that the GPU reads next (a
+    ring slot; around the cache where it can: pinned_writes.h). Returns the bytes
+    written."""
+    cdef Py_ssize_t n = indices.shape[0]
+    if n == 0:
+        return 0
+    if out == 0:
+        raise ValueError("write_indices: no memory to write to")
+    with nogil:
+        kvcopy_copy_to_pinned(<void*>out, &indices[0], 8 * n)
+    return 8 * n
+
+
 cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
-                     uint64_t* seen) noexcept nogil:
-    # (seen: a zeroed bitmap of limit bits, or NULL to check bounds only; a negative
-    # slot skips its row and is neither bounded nor counted)
+                     IdSet* seen) noexcept nogil:
+    # (seen: an empty set, or NULL to check bounds only; a negative slot skips its row
+    # and is neither bounded nor counted)
     cdef Py_ssize_t i
     cdef uint64_t s
     for i in range(n):
@@ -190,52 +245,47 @@ cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
     return 1
 
 
-def row_slots_ok(const int64_t[::1] slots, int64_t limit, bint unique) -> int:
-    """One pass over a copy_rows side's host indices: 1 where every non-negative slot is
-    below ``limit`` and, with ``unique``, none repeats; 0 where one of those fails (the
-    caller's checks then say which); -1 where the slots are in range but ``limit``
-    exceeds 64 per row, so that a bitmap of them would follow the layout rather than
-    the batch (the caller sorts them instead)."""
+def row_slots_ok(const int64_t[::1] slots, int64_t limit, bint unique) -> bool:
+    """One pass over a copy_rows side's host indices: True where every non-negative slot
+    is below ``limit`` and, with ``unique``, none repeats; False where one of those fails
+    (the caller's checks then say which)."""
     cdef Py_ssize_t n = slots.shape[0]
-    cdef uint64_t* seen = NULL
+    cdef IdSet seen
     cdef int found
     if n == 0:
-        return 1
+        return True
     if limit < 0:
-        return 0
-    if not unique or not _bitmap_follows_batch(limit, n):
+        return False
+    if not unique:
         with nogil:
             found = _scan_slots(&slots[0], n, limit, NULL)
-        return 0 if not found else (1 if not unique else -1)
-    seen = _bitmap(limit)
+        return found == 1
+    _id_set_init(&seen, limit, n)
     with nogil:
-        found = _scan_slots(&slots[0], n, limit, seen)
-    free(seen)
-    return found
+        found = _scan_slots(&slots[0], n, limit, &seen)
+    _id_set_free(&seen)
+    return found == 1
 
 
 def first_common_slot(const int64_t[::1] a, const int64_t[::1] b, int64_t limit) -> int:
-    """The first index j such that b[j] is also in ``a`` (slots in [0, limit)), or -1
-    where none is; -2 where ``limit`` exceeds 64 per slot given, so that a bitmap of
-    them would follow the layout rather than the batch (the caller sorts instead)."""
+    """The first index j such that b[j] is also in ``a`` (slots in [0, limit); others
+    are passed over), or -1 where none is."""
     cdef Py_ssize_t na = a.shape[0], nb = b.shape[0], i
-    cdef uint64_t* seen
+    cdef IdSet seen
     cdef uint64_t s
     cdef Py_ssize_t found = -1
-    if na == 0 or nb == 0:
+    if na == 0 or nb == 0 or limit <= 0:
         return -1
-    if limit < 0 or not _bitmap_follows_batch(limit, na + nb):
-        return -2
-    seen = _bitmap(limit)
+    _id_set_init(&seen, limit, na)
     with nogil:
         for i in range(na):
             s = <uint64_t>a[i]
             if s < <uint64_t>limit:
-                _seen_before(seen, s)
+                _seen_before(&seen, s)
         for i in range(nb):
             s = <uint64_t>b[i]
-            if s < <uint64_t>limit and _marked(seen, s):
+            if s < <uint64_t>limit and _id_set_has(&seen, s):
                 found = i
                 break
-    free(seen)
+    _id_set_free(&seen)
     return found

@@ -12,12 +12,11 @@ stream, fenced behind the launch).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvcopy._cuda import classify, driver, launch, rows
+from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
 from kvcopy._engine import traffic_window
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
                                    settled_classes)
@@ -68,7 +67,7 @@ def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, in
     where, offset = [], 0
     for indices, rows in sides:
         if indices is not None and indices.host is not None:
-            ctypes.memmove(slot.host + offset, indices.host.ctypes.data, 8 * rows)
+            plan_arrays.write_indices(slot.host + offset, indices.host)
             where.append(slot.device + offset)
             offset += 8 * rows
         else:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda.plan_arrays import bitmap_follows_batch, block_ids_ok
+from kvcopy._cuda.plan_arrays import block_ids_ok
 from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
@@ -55,16 +55,10 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
 
 
 def _check_unique_destinations(ids: np.ndarray) -> None:
-    """Two pairs writing one block would race: reject them. ``ids`` are checked
-    to be non-negative already."""
+    """Two pairs writing one block would race: reject them, naming the pairs. Only
+    where block_ids_ok found a problem (the error path: a sort)."""
     if ids.size < 2:
         return
-    limit = int(ids.max()) + 1
-    if bitmap_follows_batch(limit, ids.size):   # else sorted: O(n log n), never the pool
-        seen = np.zeros(limit, dtype=np.bool_)
-        seen[ids] = True
-        if np.count_nonzero(seen) == ids.size:
-            return
     order = np.argsort(ids, kind="stable")
     same = ids[order[1:]] == ids[order[:-1]]
     if not same.any():
@@ -139,13 +133,11 @@ class BlockGeometry:
     def with_mapping(self, block_mapping: Any) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
-        fast = (block_ids_ok(mapping, *self.id_limits)
-                if self.num_tensors and len(mapping) else 0)
-        if fast != 1:   # the checks below find what failed (or sort sparse destinations)
+        if not (self.num_tensors and block_ids_ok(mapping, *self.id_limits)):
+            # (the checks below say what failed)
             multi = self.num_tensors > 1
-            if fast == 0:
-                _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
-                _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
+            _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
+            _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
             _check_unique_destinations(mapping[:, 1])
         plan = BlockPlan(self, mapping)
         race = race_in_plan(plan)

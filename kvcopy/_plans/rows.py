@@ -199,8 +199,8 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
                              "run past them")
         unique = name == "dst"
         if indices is not None and indices.host is not None and \
-                row_slots_ok(indices.host, layout.slots, unique) != 1:
-            # (the one C pass found a problem, or left the duplicates to a sort)
+                not row_slots_ok(indices.host, layout.slots, unique):
+            # (the one C pass found a problem: these say which)
             _check_bounds(indices, layout.slots, f"{name}_indices")
             if unique:
                 _check_destinations(indices, "dst_indices")

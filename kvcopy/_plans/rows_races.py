@@ -4,7 +4,7 @@ bytes the other reads or writes (copy_rows_both_ways with host indices).
 Checked layout by layout, in time that follows the batch: layouts whose memory does
 not meet cannot race; two sides on the same layout race exactly where they name a
 common slot (distinct slots' rows never overlap: kvcopy.Layout's contract), found by
-a bitmap of slots; only layouts that meet in some other way are expanded into their
+a set of slots (plan_arrays.first_common_slot); only layouts that meet in some other way are expanded into their
 rows' bytes and compared.
 """
 from __future__ import annotations
@@ -65,8 +65,6 @@ def _first_common_as_given(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
         return False
     # (a negative slot is a huge unsigned one: first_common_slot passes it over)
     j = first_common_slot(slots_a, slots_b, slots)
-    if j == -2:
-        return False
     if j < 0:
         return None
     slot = int(slots_b[j])
@@ -82,12 +80,6 @@ def _common_slot(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
     rows_a, slots_a = _live(a, side_a)
     rows_b, slots_b = _live(b, side_b)
     j = first_common_slot(slots_a, slots_b, slots)
-    if j == -2:   # (a bitmap would follow the layout: sort instead)
-        common, ia, ib = np.intersect1d(slots_a, slots_b, return_indices=True)
-        if not common.size:
-            return None
-        k = int(np.argmin(ib))
-        return int(rows_a[ia[k]]), int(rows_b[ib[k]]), int(common[k])
     if j < 0:
         return None
     slot = int(slots_b[j])

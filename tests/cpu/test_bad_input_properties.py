@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kvcopy
 from kvcopy._plans.blocks import plan_blocks
+from kvcopy.testing import cuda
 
 NOT_BOOLS = st.one_of(st.text(max_size=4), st.integers(), st.floats(allow_nan=False), st.none(),
                       st.lists(st.booleans(), max_size=2), st.binary(max_size=2))
@@ -176,6 +177,28 @@ def test_duplicate_destinations_cost_follows_the_batch_not_the_pool(pairs, dup):
             plan_blocks(huge, huge, mapping)
     else:
         assert plan_blocks(huge, huge, mapping).num_pairs == pairs
+
+
+@FEW
+@given(ids=st.lists(st.integers(-3, 2**40), min_size=1, max_size=300),
+       limit=st.sampled_from([64, 5000, 2**40]), sources=st.lists(st.integers(-3, 2**40)))
+def test_the_one_pass_id_checks_agree_with_numpy(ids, limit, sources):
+    """block_ids_ok, row_slots_ok and first_common_slot keep a bitmap of the ids while
+    the range is at most 64 per id, else a hash table: the answers are NumPy's either way."""
+    checks = cuda.plan_arrays
+    dst = np.array(ids, np.int64) % (limit + 3) - 3 if limit < 2**40 else np.array(ids, np.int64)
+    src = np.zeros(dst.size, np.int64)
+    in_range = bool(((dst >= 0) & (dst < limit)).all())
+    unique = np.unique(dst).size == dst.size
+    assert checks.block_ids_ok(np.stack([src, dst], axis=1), 1, limit) == (in_range and unique)
+    live = dst[dst >= 0]
+    assert checks.row_slots_ok(dst, limit, True) == bool(
+        (live < limit).all() and np.unique(live).size == live.size)
+    assert checks.row_slots_ok(dst, limit, False) == bool((live < limit).all())
+    a = np.array(sources, np.int64)
+    a_live = set(int(v) for v in a if 0 <= v < limit)
+    expected = next((j for j, v in enumerate(dst) if 0 <= v < limit and int(v) in a_live), -1)
+    assert checks.first_common_slot(a, dst, limit) == expected
 
 
 @pytest.mark.parametrize("src, match", [(None, "src: expected a tensor or array, got NoneType"),

@@ -93,3 +93,32 @@ def test_split_block_ids_writes_a_run_of_pairs_and_refuses_one_past_the_end():
         with pytest.raises(ValueError, match="split_block_ids: pairs"):
             cuda.plan_arrays.split_block_ids(mapping, out.ctypes.data, start, count)
     np.testing.assert_array_equal(out, [2, 4, 6, 3, 5, 7, -1, -1])
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 64, 1001])
+@pytest.mark.parametrize("offset", [0, 8])   # ids at a 16-byte boundary, or 8 bytes past
+def test_split_block_ids_writes_every_id_whatever_the_alignment(count, offset):
+    """The streaming stores take aligned 16-byte pieces: the source array at either
+    alignment, the destination array after it at the other one for odd counts."""
+    rng = np.random.default_rng(count)
+    mapping = rng.integers(-5, 1 << 40, size=(count, 2), dtype=np.int64)
+    memory = np.full(2 * count + 8, -7, np.int64)
+    base = memory.ctypes.data
+    first = (-base % 16 + offset) // 8   # int64s to skip so that the ids start at `offset`
+    assert (base + 8 * first) % 16 == offset
+    written = cuda.plan_arrays.split_block_ids(mapping, base + 8 * first)
+    assert written == 16 * count
+    np.testing.assert_array_equal(memory[first:first + count], mapping[:, 0])
+    np.testing.assert_array_equal(memory[first + count:first + 2 * count], mapping[:, 1])
+    assert (memory[:first] == -7).all() and (memory[first + 2 * count:] == -7).all()
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 9, 63, 1000])
+@pytest.mark.parametrize("offset", [0, 8])
+def test_write_indices_copies_every_byte_and_nothing_beside(n, offset):
+    values = np.arange(n, dtype=np.int64) * 3 - 1
+    memory = np.full(n + 6, -7, np.int64)
+    first = (-memory.ctypes.data % 16 + offset) // 8
+    assert cuda.plan_arrays.write_indices(memory.ctypes.data + 8 * first, values) == 8 * n
+    np.testing.assert_array_equal(memory[first:first + n], values)
+    assert (memory[:first] == -7).all() and (memory[first + n:] == -7).all()

@@ -78,7 +78,7 @@ def test_host_indices_touching_the_same_bytes_are_refused_naming_both():
         kvcopy.copy_rows_both_ways((a, b, [1], [3]), (b, b, [7], [3]))
 
 
-@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a sort
+@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a hash table
 def test_a_shared_layout_races_only_on_common_slots(slots):
     cache = np.zeros((slots, 16), np.uint8)
     c = Layout.of(cache, slot=0)
@@ -90,7 +90,7 @@ def test_a_shared_layout_races_only_on_common_slots(slots):
     move_both(store, (into, c, None, [7, 8, 11, 4]))
 
 
-@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a sort
+@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a hash table
 def test_sides_with_indices_on_the_shared_layout_only_race_on_common_slots(slots):
     """A serving step's pair: only the shared layout's side of each has indices."""
     c = Layout.of(np.zeros((slots, 16), np.uint8), slot=0)
