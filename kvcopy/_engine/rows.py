@@ -12,7 +12,7 @@ stream, fenced behind the launch).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -136,6 +136,9 @@ def _kernel_decision(target: Target, why: str) -> Decision:
     return Decision("kernel", why, "registers")
 
 
+Traffic = tuple[int, str, int, int]   # (device ordinal, direction, stream, bytes)
+
+
 class Repeat:
     """A copy_rows call with GPU indices, built: calling it enqueues the same launches
     (the indices read when they run) and notes what the first call noted."""
@@ -143,7 +146,7 @@ class Repeat:
     __slots__ = ("launches", "decision", "traffic")
 
     def __init__(self, launches: rows.RowsLaunches, decision: Decision,
-                 traffic: tuple[int, str, int, int] | None) -> None:
+                 traffic: Traffic | None) -> None:
         self.launches, self.decision, self.traffic = launches, decision, traffic
 
     def usable(self) -> bool:
@@ -153,14 +156,22 @@ class Repeat:
     def __call__(self) -> str:
         self.launches.launch()
         note_decision(self.decision)
-        if self.traffic is not None and config.traffic_window_ms:
-            ordinal, direction, handle, nbytes = self.traffic
-            if driver.stream_capture_status(handle) == 0:
-                traffic_window.note(ordinal, direction, handle, nbytes)
+        note_again((self.traffic,))
         return "kernel"
 
 
-def noted_traffic(target: Target, plan: RowsPlan) -> tuple[int, str, int, int] | None:
+def note_again(traffic: Iterable[Traffic | None]) -> None:
+    """Note in the traffic window what a first call noted (noted_traffic; None:
+    nothing), for a repeat of it, unless its stream captures a graph (whose work runs
+    at replay, not now) or the window is off."""
+    if not config.traffic_window_ms:
+        return
+    for noted in traffic:
+        if noted is not None and driver.stream_capture_status(noted[2]) == 0:
+            traffic_window.note(*noted)
+
+
+def noted_traffic(target: Target, plan: RowsPlan) -> Traffic | None:
     """What decide() notes in the traffic window for the plan, to note again at each
     repeat (None for a copy inside a GPU or between two)."""
     direction = target.request.direction

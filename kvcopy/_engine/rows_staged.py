@@ -33,9 +33,9 @@ import numpy as np
 
 from kvcopy import policy
 from kvcopy._cuda import driver, rows
-from kvcopy._engine import staged, traffic_window
+from kvcopy._engine import staged
 from kvcopy._engine.decide import note_decision
-from kvcopy._engine.rows import host_indices_bytes, noted_traffic, uploaded_indices
+from kvcopy._engine.rows import host_indices_bytes, note_again, noted_traffic, uploaded_indices
 from kvcopy._plans.rows import Indices, RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
 from kvcopy._runtime import kernels, side_streams
@@ -182,10 +182,7 @@ class StagedPair:
             if not ran:
                 return None
         note_decision(self.decision)
-        if config.traffic_window_ms:
-            for noted in self.traffic:
-                if noted is not None:
-                    traffic_window.note(*noted)
+        note_again(self.traffic)
         return "staged", "staged"
 
     def _issue_again(self, staging: staged.StagingBuffers,

@@ -313,6 +313,24 @@ def test_the_same_staged_call_again_repeats_its_chunks_without_planning(staged_r
         again.check()                                 # the refilled slots' rows moved
 
 
+def test_a_repeated_staged_call_notes_both_sides_traffic_as_the_first_did(staged_rows):
+    """The pair's store (GPU to host) and load (host to GPU) are noted again at each
+    repeat: a batch the other way on another stream sees them."""
+    fake, make = staged_rows
+    again = SameLayouts(make(20))
+    now = [100.0]
+    other = STREAM + 1
+    with testing.fake_clock(lambda: now[0]):
+        assert again(1) == ("staged", "staged")
+        now[0] = 200.0
+        assert not engine.traffic_window.other_way_recent(0, "h2d", 1.0, other, 1)
+        classified = fake.classified
+        assert again(2) == ("staged", "staged")
+        assert fake.classified == classified   # a repeat, not a call planned afresh
+        assert engine.traffic_window.other_way_recent(0, "h2d", 1.0, other, 1)
+        assert engine.traffic_window.other_way_recent(0, "d2h", 1.0, other, 1)
+
+
 @pytest.mark.parametrize("change", ["setting", "buffers", "context", "capture", "indices"])
 def test_a_staged_call_that_cannot_repeat_is_planned_afresh(staged_rows, monkeypatch, change):
     fake, make = staged_rows
