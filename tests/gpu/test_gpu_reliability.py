@@ -79,7 +79,10 @@ kernels, device = engine.kernels, engine.device
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 info = device.device_info(0)
 k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
-bogus = np.array([0x7f0000000000], dtype=np.uint64)   # never mapped for the device
+# never mapped for the device: above the 47 bits of a host process's address space,
+# where unified addressing places no allocation (0x7f0000000000, within that space, was
+# once read without a fault: it can fall inside one of the process's allocations)
+bogus = np.array([0x1000000001000], dtype=np.uint64)
 good = np.array([torch.empty(64, device="cuda").data_ptr()], dtype=np.uint64)
 out = {}
 descs = np.zeros(4, dtype=np.uint64)   # one kvcopy_desc: dst <- src bytes, raw (unchecked) pointers
