@@ -84,11 +84,6 @@ cdef inline bint _bitmap_follows_batch(int64_t limit, Py_ssize_t n) noexcept nog
     return limit <= 64 * n
 
 
-def bitmap_follows_batch(int64_t limit, Py_ssize_t n) -> bool:
-    """Whether a bitmap of ``limit`` ids costs in proportion to a batch of ``n``."""
-    return _bitmap_follows_batch(limit, n)
-
-
 cdef extern from *:
     """
     static const uint64_t kvcopy_free_slot = ~0ULL;  /* ids are below 2**63 */
@@ -197,7 +192,7 @@ def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out, Py_ssize_t sta
     the end) as their source ids, then their destination ids, two int64 arrays at
     address ``out`` (room for 16 bytes per pair): the layout kernel reads each side's
     ids as one array. Returns the bytes written."""
-    cdef Py_ssize_t n = mapping.shape[0], i
+    cdef Py_ssize_t n = mapping.shape[0]
     if mapping.shape[1] != 2:
         raise ValueError("mapping must have two columns")
     if count < 0:
