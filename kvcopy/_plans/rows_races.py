@@ -4,8 +4,8 @@ bytes the other reads or writes (copy_rows_both_ways with host indices).
 Checked layout by layout, in time that follows the batch: layouts whose memory does
 not meet cannot race; two sides on the same layout race exactly where they name a
 common slot (distinct slots' rows never overlap: kvcopy.Layout's contract), found by
-a set of slots (plan_arrays.first_common_slot); only layouts that meet in some other way are expanded into their
-rows' bytes and compared.
+a set of slots (plan_arrays.first_common_slot); only layouts that meet in some other
+way are expanded into their rows' bytes and compared.
 """
 from __future__ import annotations
 
