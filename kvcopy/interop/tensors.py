@@ -44,6 +44,16 @@ def _strided_memory_view() -> type:
     return StridedMemoryView
 
 
+def _view_of(view_type: type, obj: Any, stream_ptr: int) -> Any:
+    """A StridedMemoryView of ``obj``: by ``from_dlpack`` where cuda.core has it (its
+    newer releases deprecate the constructor for DLPack producers), else by the
+    constructor, which tries DLPack first."""
+    from_dlpack = getattr(view_type, "from_dlpack", None)
+    if from_dlpack is not None and hasattr(obj, "__dlpack__"):
+        return from_dlpack(obj, stream_ptr)
+    return view_type(obj, stream_ptr=stream_ptr)
+
+
 def _dlpack_consumer_stream(obj: Any, stream: int | None) -> int:
     """The consumer stream to give a DLPack producer: the copy's stream for GPU
     memory (the producer then orders its pending writes before it), -1 (no
@@ -61,10 +71,17 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
     """(pointer, shape, byte strides, itemsize, readonly, producer stream).
 
     ``stream`` is the consumer's stream handle, given to DLPack producers so that
-    they order their pending writes before it (None: no ordering asked)."""
+    they order their pending writes before it (None: no ordering asked).
+
+    JAX arrays go by DLPack although they also offer ``__cuda_array_interface__``:
+    theirs is version 2, which names no stream, and gives the buffer's address
+    without waiting for the computation that writes it (it has given 0 while that
+    computation was pending). DLPack, handed the copy's stream, orders that
+    computation before the copy."""
     if isinstance(obj, _NOT_ARRAYS):
         raise TypeError(f"{name}: expected a tensor or array, got {type(obj).__name__}")
-    if framework_of(obj) == "torch":
+    framework = framework_of(obj)
+    if framework == "torch":
         refusal = torch_refusal(obj)
         if refusal:
             raise TypeError(f"{name}: {refusal}")
@@ -79,7 +96,8 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
             raise TypeError(f"{name}: a NumPy array of dtype {obj.dtype} holds Python objects, "
                             "not block data")
         return obj.ctypes.data, obj.shape, obj.strides, obj.itemsize, not obj.flags.writeable, None
-    for attr in ("__cuda_array_interface__", "__array_interface__"):
+    jax = framework == "jax"
+    for attr in (() if jax else ("__cuda_array_interface__", "__array_interface__")):
         try:
             face = getattr(obj, attr, None)
         except Exception as exc:  # noqa: BLE001 - a producer's property that fails
@@ -93,11 +111,12 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
     try:
         StridedMemoryView = _strided_memory_view()
         view: Any = (obj if isinstance(obj, StridedMemoryView)
-                else StridedMemoryView(obj, stream_ptr=_dlpack_consumer_stream(obj, stream)))
+                     else _view_of(StridedMemoryView, obj, _dlpack_consumer_stream(obj, stream)))
         itemsize = np.dtype(view.dtype).itemsize
         strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
                    else c_strides(tuple(view.shape), itemsize))
-        return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly), None
+        # a JAX array is immutable, whatever flag its capsule carries
+        return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly) or jax, None
     except Exception:  # noqa: BLE001 - anything that is not an array
         raise TypeError(f"{name}: {type_name(obj)} is not a tensor "
                         "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "

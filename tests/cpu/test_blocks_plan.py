@@ -123,6 +123,33 @@ def test_array_interface_producer():
     np.testing.assert_array_equal(dst[1], src[3])
 
 
+def test_a_jax_array_is_read_by_dlpack_with_the_copy_stream_and_read_only():
+    """JAX's __cuda_array_interface__ (version 2) names no stream and can give
+    address 0 while the computation that writes the array is pending: kvcopy must
+    ask DLPack, handing it the copy's stream, and must never write a JAX array."""
+    arr = np.arange(64, dtype=np.float32).reshape(4, 16)
+    asked: list = []
+
+    class JaxLike:
+        __module__ = "jaxlib.xla_extension"
+        __cuda_array_interface__ = {"shape": (4, 16), "typestr": "<f4", "data": (0, True),
+                                    "version": 2}
+
+        def __dlpack__(self, **kw):
+            asked.append(kw.get("stream"))
+            return arr.__dlpack__()
+
+        def __dlpack_device__(self):
+            return (2, 0)   # kDLCUDA: the copy's stream is handed over
+
+    layout = block_layout(JaxLike(), "src", 0x7f0000001000)
+    assert (layout.ptr, layout.num_blocks, layout.block_bytes) == (arr.ctypes.data, 4, 64)
+    assert layout.readonly
+    assert asked == [0x7f0000001000]
+    with pytest.raises(ValueError, match=r"^dst is read-only"):
+        plan_block_copies(np.zeros_like(arr), JaxLike(), [[0, 0]])
+
+
 def test_swap_blocks_validates_method_before_anything():
     with pytest.raises(ValueError, match="method must be one of"):
         kvcopy.swap_blocks(np.zeros((2, 2)), np.zeros((2, 2)), [[0, 1]], method="fast")

@@ -122,6 +122,8 @@ def test_jax_array_as_source(torch_cuda):
     ref = np.asarray(src)
     np.testing.assert_array_equal(dst[0].cpu().numpy(), ref[3])
     np.testing.assert_array_equal(dst[1].cpu().numpy(), ref[15])
+    with pytest.raises(ValueError, match=r"^dst is read-only"):   # JAX arrays are immutable
+        kvcopy.swap_blocks(dst, src, [[0, 3]], stream=1)
 
 
 def _device_bytes(ptr: int, nbytes: int) -> np.ndarray:
