@@ -80,8 +80,8 @@ torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 info = device.device_info(0)
 k = kernels.kernel_for_current_context(*info.cc, info.driver_version)
 # never mapped for the device: above the 47 bits of a host process's address space,
-# where unified addressing places no allocation (0x7f0000000000, within that space, was
-# once read without a fault: it can fall inside one of the process's allocations)
+# where unified addressing places no allocation (an address within that space can fall
+# inside one of the process's allocations and be read without a fault)
 bogus = np.array([0x1000000001000], dtype=np.uint64)
 good = np.array([torch.empty(64, device="cuda").data_ptr()], dtype=np.uint64)
 out = {}
