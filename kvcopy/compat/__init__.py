@@ -1,1 +1,1 @@
-"""Drop-in replacements for other projects ' copy ops."""
+"""Drop-in replacements for other projects' copy ops."""

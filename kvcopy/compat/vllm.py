@@ -9,15 +9,33 @@ cudaMemcpyAsync instead), for GPUs where the batch API crashed. This shim keeps
 the signature and the meaning of every argument and lets kvcopy choose the
 method: the legacy stream works, small blocks go through the copy kernel, and
 ``use_batch_api=False`` never reaches cuMemcpyBatchAsync.
+
+vLLM's offload worker describes a transfer as strided runs (``CopyRunDescriptor``)
+and hands them to a copy backend through a per-direction adapter; ``CopyBackend``
+and ``CopyBackendAdapter`` keep those two interfaces and copy the runs by
+``kvcopy.copy_rows``, never expanding them into one descriptor per fragment.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 from kvcopy.arguments import require_bool
 from kvcopy.api import copy_batch, copy_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
+
+
+def _torch_stream(caller: str) -> Any:
+    """torch's current CUDA stream, on which vLLM's ops copy; NoDriverError where torch has
+    none (a torch built without CUDA, or no GPU)."""
+    import torch
+
+    try:
+        return torch.cuda.current_stream()
+    except (AssertionError, RuntimeError) as exc:
+        raise NoDriverError(f"{caller} copies on torch's current CUDA stream, and torch has "
+                            f"none here: {exc}") from None
 
 
 def _check(tensor: Any, name: str) -> None:
@@ -42,23 +60,28 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
         use_batch_api: False never calls cuMemcpyBatchAsync (the copy kernel or
             one cuMemcpyAsync per copy run instead).
     """
-    import torch
-
     for tensor, name in ((src_ptrs, "src_ptrs"), (dst_ptrs, "dst_ptrs"), (sizes, "sizes")):
         _check(tensor, name)
     access_any = require_bool(is_src_access_order_any, "is_src_access_order_any")
     allow_batch = require_bool(use_batch_api, "use_batch_api")
-    try:
-        stream = torch.cuda.current_stream()
-    except (AssertionError, RuntimeError) as exc:   # a torch without CUDA, or no GPU
-        raise NoDriverError(f"swap_blocks_batch copies on torch's current CUDA stream, and "
-                            f"torch has none here: {exc}") from None
+    stream = _torch_stream("swap_blocks_batch")
     copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
                src_access_order="any" if access_any else "stream", allow_batch=allow_batch)
 
 
-_RUN_FIELDS = ("src_base", "dst_base", "fragment_size", "num_fragments", "src_stride",
-               "dst_stride")
+class CopyRunDescriptor(NamedTuple):
+    """vLLM's strided run: ``num_fragments`` fragments of ``fragment_size`` bytes, the
+    j-th at ``src_base + j * src_stride``, copied to ``dst_base + j * dst_stride``."""
+
+    src_base: int
+    dst_base: int
+    fragment_size: int
+    num_fragments: int
+    src_stride: int
+    dst_stride: int
+
+
+_RUN_FIELDS = CopyRunDescriptor._fields
 
 
 def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
@@ -90,29 +113,96 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
 
 
 class CopyBackend:
-    """vLLM's offload copy backend interface (``submit(job_id, run_descs, *,
-    is_src_access_order_any)``, ``finish_transfer(job_id)``, ``clear()``) over
-    kvcopy.copy_rows: each submitted job's runs are copied on torch's current stream
-    without being expanded into fragments, one copy_rows per shape of run
-    (run_groups). Nothing is held per job, so finish_transfer and clear only forget
-    job ids; ``is_src_access_order_any`` is accepted (the kernel reads the sources
-    in stream order)."""
+    """vLLM's offload copy backend (``vllm.v1.kv_offload.cpu.copy_backend.CopyBackend``:
+    ``submit(run_descs)``, ``finish_transfer()``, ``clear()``) over kvcopy.copy_rows.
 
-    def __init__(self) -> None:
-        self._jobs: set[Any] = set()
+    ``submit`` copies the runs (``CopyRunDescriptor``, any object with its fields, or a
+    6-tuple in their order) on torch's current stream without expanding them into
+    fragments: one copy_rows per shape of run (see run_groups), whatever the fragments'
+    size or alignment. The runs are checked before anything is enqueued; a submit that raises records no transfer.
+    Nothing is held per transfer, so ``finish_transfer`` only retires the oldest one in
+    flight (RuntimeError where none is) and ``clear`` forgets them all.
 
-    def submit(self, job_id: Any, run_descs: Any, *, is_src_access_order_any: bool = False) -> None:
-        import torch
+    ``is_src_access_order_any`` is kept for vLLM's constructor: kvcopy reads the sources
+    in stream order, which is correct for either value."""
 
-        require_bool(is_src_access_order_any, "is_src_access_order_any")
+    def __init__(self, *, is_src_access_order_any: bool = False) -> None:
+        self.is_src_access_order_any = require_bool(is_src_access_order_any,
+                                                    "is_src_access_order_any")
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers submitted and not yet finished."""
+        return self._in_flight
+
+    def submit(self, run_descs: Any) -> None:
+        """Copy every fragment of ``run_descs`` on torch's current stream."""
         groups = run_groups(run_descs)
-        stream = torch.cuda.current_stream()
-        self._jobs.add(job_id)
-        for src, dst, count in groups:
-            copy_rows(src, dst, rows=count, stream=stream)
+        if groups:
+            stream = _torch_stream("CopyBackend.submit")
+            for src, dst, count in groups:
+                copy_rows(src, dst, rows=count, stream=stream)
+        self._in_flight += 1
 
-    def finish_transfer(self, job_id: Any) -> None:
-        self._jobs.discard(job_id)
+    def finish_transfer(self) -> None:
+        """Retire the oldest transfer in flight (its copies are done: the caller waited)."""
+        if not self._in_flight:
+            raise RuntimeError("finish_transfer: no transfer is in flight")
+        self._in_flight -= 1
 
     def clear(self) -> None:
+        """Forget every transfer in flight."""
+        self._in_flight = 0
+
+
+class CopyBackendAdapter:
+    """vLLM's per-direction adapter (``vllm.v1.kv_offload.cpu.copy_backend
+    .CopyBackendAdapter``): the worker's job ids over one kvcopy CopyBackend, built from
+    the adapter's own arguments, so that vLLM's CPU offload worker takes it in place of
+    its own::
+
+        from vllm.v1.kv_offload.cpu import gpu_worker
+        gpu_worker.CopyBackendAdapter = kvcopy.compat.vllm.CopyBackendAdapter
+
+    ``gpu_to_cpu`` sets the backend's ``is_src_access_order_any`` as vLLM does (any for
+    loads); ``layer_refs_per_group``, ``host_memory_is_pinned`` and ``copy_runs`` are
+    accepted and not needed: kvcopy finds the kind of each memory itself and takes runs
+    of any size, stride and alignment. Transfers finish in submission order, as in vLLM:
+    ``finish_transfer`` of any job but the oldest in flight raises RuntimeError."""
+
+    @staticmethod
+    def resolve(layer_refs_per_group: Any = None, gpu_to_cpu: bool = False,
+                host_memory_is_pinned: bool = True, copy_runs: Any = None) -> CopyBackend:
+        """The backend for one direction (vLLM's ``resolve``, which picks among its own)."""
+        require_bool(host_memory_is_pinned, "host_memory_is_pinned")
+        return CopyBackend(is_src_access_order_any=not require_bool(gpu_to_cpu, "gpu_to_cpu"))
+
+    def __init__(self, layer_refs_per_group: Any = None, gpu_to_cpu: bool = False,
+                 host_memory_is_pinned: bool = True, copy_runs: Any = None) -> None:
+        self.backend = self.resolve(layer_refs_per_group, gpu_to_cpu, host_memory_is_pinned,
+                                    copy_runs)
+        self._jobs: deque[Any] = deque()
+
+    def submit(self, job_id: Any, run_descs: Any, *,
+               is_src_access_order_any: bool | None = None) -> None:
+        """Copy the job's runs (``is_src_access_order_any``, passed by earlier vLLM
+        workers, is checked and, as the backend's, needs nothing of kvcopy)."""
+        if is_src_access_order_any is not None:
+            require_bool(is_src_access_order_any, "is_src_access_order_any")
+        self.backend.submit(run_descs)
+        self._jobs.append(job_id)
+
+    def finish_transfer(self, job_id: Any) -> None:
+        """Retire ``job_id``, the oldest job in flight."""
+        if not self._jobs or self._jobs[0] != job_id:
+            oldest = f"job {self._jobs[0]!r} is" if self._jobs else "no job is"
+            raise RuntimeError(f"finish_transfer({job_id!r}): transfers finish in submission "
+                               f"order, and {oldest} the oldest in flight")
+        self._jobs.popleft()
+        self.backend.finish_transfer()
+
+    def clear(self) -> None:
+        """Forget every job in flight."""
         self._jobs.clear()
+        self.backend.clear()

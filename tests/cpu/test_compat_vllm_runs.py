@@ -1,24 +1,19 @@
 """vLLM's strided runs as layout pairs (kvcopy.compat.vllm.run_groups), run between host
-arrays against an oracle that copies each fragment of each run."""
+arrays against an oracle that copies each fragment of each run; vLLM's copy backend and
+adapter interfaces, their order of transfers and their refusals (their bytes are checked
+on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+import inspect
 
 import numpy as np
 import pytest
 
+import kvcopy
+from kvcopy.compat.vllm import CopyBackend, CopyBackendAdapter, CopyRunDescriptor as Run
 from kvcopy.compat.vllm import run_groups
 from kvcopy.testing import plans
 from helpers.host_copies import random_bytes, run_on_host
-
-
-class Run(NamedTuple):   # the fields of vLLM's CopyRunDescriptor
-    src_base: int
-    dst_base: int
-    fragment_size: int
-    num_fragments: int
-    src_stride: int
-    dst_stride: int
 
 
 def test_runs_of_several_shapes_move_every_fragment():
@@ -51,3 +46,77 @@ def test_bad_runs_are_named(run, error, words):
     with pytest.raises(error) as info:
         run_groups([run])
     assert words in str(info.value)
+
+
+def _parameters(function) -> list[tuple[str, str]]:
+    return [(p.name, p.kind.name) for p in inspect.signature(function).parameters.values()]
+
+
+def test_the_backend_and_the_adapter_take_vllms_arguments():
+    assert _parameters(CopyBackend) == [("is_src_access_order_any", "KEYWORD_ONLY")]
+    assert _parameters(CopyBackend.submit) == [("self", "POSITIONAL_OR_KEYWORD"),
+                                               ("run_descs", "POSITIONAL_OR_KEYWORD")]
+    assert _parameters(CopyBackend.finish_transfer) == [("self", "POSITIONAL_OR_KEYWORD")]
+    assert [name for name, _ in _parameters(CopyBackendAdapter)] == [
+        "layer_refs_per_group", "gpu_to_cpu", "host_memory_is_pinned", "copy_runs"]
+    assert _parameters(CopyBackendAdapter.submit)[1:] == [
+        ("job_id", "POSITIONAL_OR_KEYWORD"), ("run_descs", "POSITIONAL_OR_KEYWORD"),
+        ("is_src_access_order_any", "KEYWORD_ONLY")]
+    assert [name for name, _ in _parameters(CopyBackendAdapter.finish_transfer)] == [
+        "self", "job_id"]
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_the_adapter_orders_sources_as_vllm_does(gpu_to_cpu):
+    adapter = CopyBackendAdapter(layer_refs_per_group=[[object()]], gpu_to_cpu=gpu_to_cpu,
+                                 host_memory_is_pinned=True, copy_runs=None)
+    assert adapter.backend.is_src_access_order_any is (not gpu_to_cpu)
+    assert CopyBackendAdapter.resolve([], gpu_to_cpu).is_src_access_order_any is (not gpu_to_cpu)
+
+
+def test_the_adapter_finishes_jobs_in_submission_order():
+    adapter = CopyBackendAdapter(gpu_to_cpu=True)
+    adapter.submit(7, [])                                   # no fragment: nothing to enqueue
+    adapter.submit(8, [Run(4096, 8192, 512, 0, 512, 512)], is_src_access_order_any=False)
+    assert adapter.backend.in_flight == 2
+    with pytest.raises(RuntimeError, match=r"finish_transfer\(8\): .* job 7 is the oldest"):
+        adapter.finish_transfer(8)
+    adapter.finish_transfer(7)
+    assert adapter.backend.in_flight == 1
+    adapter.clear()
+    assert adapter.backend.in_flight == 0
+    with pytest.raises(RuntimeError, match=r"finish_transfer\(8\): .* no job is the oldest"):
+        adapter.finish_transfer(8)
+    backend = CopyBackend()
+    backend.submit([])
+    backend.finish_transfer()
+    with pytest.raises(RuntimeError, match="no transfer is in flight"):
+        backend.finish_transfer()
+
+
+def test_a_submit_that_raises_records_no_transfer():
+    torch = pytest.importorskip("torch")
+    adapter = CopyBackendAdapter(gpu_to_cpu=False)
+    src, dst = random_bytes((4096,), 2), np.zeros(4096, np.uint8)
+    good = Run(src.ctypes.data, dst.ctypes.data, 128, 4, 256, 128)
+    with pytest.raises(TypeError, match=r"run_descs\[1\]: 3 fields"):
+        adapter.submit(1, [good, (1, 2, 3)])
+    with pytest.raises(TypeError, match="is_src_access_order_any must be True or False"):
+        adapter.submit(1, [good], is_src_access_order_any="yes")
+    if not torch.cuda.is_available():
+        with pytest.raises(kvcopy.NoDriverError, match="CopyBackend.submit copies on torch's"):
+            adapter.submit(1, [good])
+    assert adapter.backend.in_flight == 0
+    with pytest.raises(RuntimeError, match="no job is the oldest"):
+        adapter.finish_transfer(1)
+    np.testing.assert_array_equal(dst, 0)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: CopyBackend(is_src_access_order_any=1), "is_src_access_order_any must be True"),
+    (lambda: CopyBackendAdapter(gpu_to_cpu="no"), "gpu_to_cpu must be True or False"),
+    (lambda: CopyBackendAdapter(host_memory_is_pinned=None), "host_memory_is_pinned must be"),
+])
+def test_bad_flags_are_named(make, words):
+    with pytest.raises(TypeError, match=words):
+        make()

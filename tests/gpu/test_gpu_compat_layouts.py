@@ -117,20 +117,35 @@ def test_sglang_page_first_host_and_layer_tables(torch_cuda):
 
 
 def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
-    from kvcopy.compat.vllm import CopyBackend
+    from kvcopy.compat.vllm import CopyBackendAdapter, CopyRunDescriptor
 
     torch = torch_cuda
     gpu = rand(torch, (1 << 20,), 11)
     host = torch.zeros(1 << 23, dtype=torch.uint8).pin_memory()
     g, h = gpu.data_ptr(), host.data_ptr()
-    runs = [(g + k * 65536, h + k * 512, 512, 128, 512, 4096) for k in range(8)]
-    runs += [(g + 600000, h + 7000000, 128, 100, 128, 1024)]
-    backend = CopyBackend()
-    backend.submit(1, runs, is_src_access_order_any=False)
-    torch.cuda.synchronize()
-    backend.finish_transfer(1)
-    data = gpu.cpu()
-    for src, dst, size, count, src_stride, dst_stride in runs:
+    store = [CopyRunDescriptor(g + k * 65536, h + k * 512, 512, 128, 512, 4096)
+             for k in range(8)]
+    store += [CopyRunDescriptor(g + 600000, h + 7000000, 128, 100, 128, 1024)]
+    load = [(h + k * 512, g + 700000 + k * 64, 64, 32, 4096, 128) for k in range(3)]
+    back = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    load += [(h + 7000000, back.data_ptr(), 128, 100, 1024, 128)]
+    stores = CopyBackendAdapter(layer_refs_per_group=[], gpu_to_cpu=True)
+    loads = CopyBackendAdapter(layer_refs_per_group=[], gpu_to_cpu=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # vLLM's worker submits on a stream of its own
+        stores.submit(1, store)
+        loads.submit(2, load, is_src_access_order_any=True)   # an earlier worker's call
+    side.synchronize()
+    stores.finish_transfer(1)
+    loads.finish_transfer(2)
+    data, host_data = gpu.cpu(), host.clone()
+    for src, dst, size, count, src_stride, dst_stride in store:
         for j in range(count):
             lo, to = src - g + j * src_stride, dst - h + j * dst_stride
             assert torch.equal(host[to:to + size], data[lo:lo + size])
+    for k in range(3):           # the loads read back what the stores wrote
+        for j in range(32):
+            lo, to = k * 512 + j * 4096, 700000 + k * 64 + j * 128
+            assert torch.equal(data[to:to + 64], host_data[lo:lo + 64])
+    assert torch.equal(back[:12800].cpu(), data[600000:612800])
