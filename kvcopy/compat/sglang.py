@@ -5,6 +5,10 @@ Items are tokens: ``item_size`` bytes per token per layer; ``src_indices`` and
 host), a negative one skipping its item. Layer-first buffers hold a layer's items
 back to back (item i at ``base + i * item_size``); page-first buffers hold a token's
 layers together (item i of layer l at ``base + i * layout_dim + l * item_size``).
+Page-head buffers (``[pages, heads, page_size, layers, head_dim]``) hold a page's
+tokens head by head: head h of item i in layer l at ``base + (i // page_size) *
+page_size * layout_dim + h * page_size * layout_dim / head_num + (i % page_size) *
+layout_dim / head_num + l * item_size / head_num``.
 ``*_layers`` arguments are tensors of per-layer addresses. K and V move in the same
 call (the ``_mla`` forms have one buffer). Each call is one kvcopy.copy_rows on
 torch's current stream; ``block_quota`` and ``num_warps_per_block`` are SGLang's
@@ -20,15 +24,20 @@ from kvcopy.compat.pointer_tables import addresses_of, reach_of
 from kvcopy.layouts import Layout
 
 
-def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
-             offset: int = 0) -> Layout:
-    """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
+def _bytes_of(tensors: tuple, names: tuple) -> int:
+    """The bytes the smallest of ``tensors`` holds (TypeError naming one that is no tensor)."""
     import torch
 
     for t, name in zip(tensors, names):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    nbytes = min(t.numel() * t.element_size() for t in tensors)
+    return min(t.numel() * t.element_size() for t in tensors)
+
+
+def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
+             offset: int = 0) -> Layout:
+    """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
+    nbytes = _bytes_of(tensors, names)
     if nbytes < offset + item_size:
         raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes at "
                          f"offset {offset}")
@@ -90,6 +99,56 @@ def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) 
     bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
     return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim,
                                 keep=tensors)
+
+
+def _page_head(tensors: tuple, names: tuple, item: int, dim: int, layers: range,
+               page_size: int, heads: int) -> Layout:
+    """Page-head buffers as planes (each buffer's ``layers``, in order), a row's pieces
+    its heads, ``dim`` bytes a token across every layer and head."""
+    if item % heads or dim % heads:
+        raise ValueError(f"item_size ({item}) and the layout_dim ({dim}) must be multiples of "
+                         f"head_num ({heads})")
+    if layers.stop * item > dim:
+        raise ValueError(f"{names[0]}: layer {layers.stop - 1} of {item} bytes does not fit a "
+                         f"layout_dim of {dim}")
+    page = page_size * dim
+    pages = _bytes_of(tensors, names) // page
+    if pages == 0:
+        raise ValueError(f"{names[0]}: holds no page of {page_size} tokens of {dim} bytes")
+    head = dim // heads
+    bases = [t.data_ptr() + layer * (item // heads) for t in tensors for layer in layers]
+    return Layout.from_pointers(bases, slots=pages * page_size, row_bytes=item,
+                                page_size=page_size, page_stride=page, slot_stride=head,
+                                pieces=heads, piece_stride=head * page_size, keep=tensors)
+
+
+def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id,
+                                item_size, src_layout_dim, page_size, head_num, block_quota=2,
+                                num_warps_per_block=32) -> None:
+    """Layer ``layer_id``'s items from page-head buffers into layer-first ones."""
+    item = require_int(item_size, "item_size", minimum=1)
+    layer = require_int(layer_id, "layer_id", minimum=0)
+    dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
+    tokens = require_int(page_size, "page_size", minimum=1)
+    heads = require_int(head_num, "head_num", minimum=1)
+    copy_rows(_page_head((src_k, src_v), ("src_k", "src_v"), item, dim, range(layer, layer + 1),
+                         tokens, heads),
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+
+
+def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices,
+                                dst_indices, item_size, dst_layout_dim, num_layers, page_size,
+                                head_num, block_quota=2, num_warps_per_block=32) -> None:
+    """Every layer's items from layer-first layers (by address) into page-head buffers."""
+    item = require_int(item_size, "item_size", minimum=1)
+    layers = require_int(num_layers, "num_layers", minimum=1)
+    dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
+    tokens = require_int(page_size, "page_size", minimum=1)
+    heads = require_int(head_num, "head_num", minimum=1)
+    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+              _page_head((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, range(layers), tokens,
+                         heads),
+              src_indices, dst_indices)
 
 
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices,

@@ -1,10 +1,15 @@
-"""The SGLang and LMCache drop-ins refuse bad arguments by name before any driver call
-(their bytes are checked on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
+"""The SGLang and LMCache drop-ins refuse bad arguments by name before any driver call;
+SGLang's page-head layout puts each head where SGLang's offsets do, run between host
+buffers (the drop-ins' bytes are checked on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from kvcopy import Layout
 from kvcopy.compat import lmcache, pointer_tables, sglang
+from kvcopy.testing import plans
+from helpers.host_copies import random_bytes, run_on_host
 
 torch = pytest.importorskip("torch")
 
@@ -44,9 +49,68 @@ def test_pointer_tables_are_checked_and_read_once_per_version():
      "src: 512 bytes hold no item of 1024 bytes"),
     (lambda b, i: sglang.transfer_kv_all_layer_mla(b, b, i, i, 64, 0), ValueError,
      "num_layers must be at least 1, got 0"),
+    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 48, 96, 4, 5),
+     ValueError, "item_size (48) and the layout_dim (96) must be multiples of head_num (5)"),
+    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 2, 64, 128, 1, 2),
+     ValueError, "src_k: layer 2 of 64 bytes does not fit a layout_dim of 128"),
+    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 64, 128, 8, 2),
+     ValueError, "src_k: holds no page of 8 tokens of 128 bytes"),
+    (lambda b, i: sglang.transfer_kv_all_layer_lf_ph(b, b, b, b, i, i, 64, 128, 2, 0, 2),
+     ValueError, "page_size must be at least 1, got 0"),
 ])
 def test_sglang_bad_arguments_are_named(call, error, words):
     buf = torch.zeros((8, 64), dtype=torch.uint8)
     with pytest.raises(error) as info:
         call(buf, torch.tensor([0]))
     assert words in str(info.value)
+
+
+def _page_head_offset(token: int, layer: int, head: int, item: int, dim: int, page_size: int,
+                      heads: int) -> int:
+    """Where SGLang's kernel puts a head of a token's layer in a page-head buffer
+    (get_global_offset_ph), byte for byte."""
+    return (token // page_size * page_size * dim + dim // heads * head * page_size
+            + token % page_size * dim // heads + layer * item // heads)
+
+
+@pytest.mark.parametrize("page_size, heads, layers, layer", [
+    (4, 2, 3, 2), (1, 4, 2, 0), (16, 1, 1, 0), (3, 3, 2, 1)])
+def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, heads, layers,
+                                                                  layer):
+    head_dim, pages = 8, 3
+    item, dim, tokens = heads * head_dim, layers * heads * head_dim, pages * page_size
+    ph = (torch.from_numpy(random_bytes((tokens * dim,), 1)),
+          torch.from_numpy(random_bytes((tokens * dim,), 2)))
+    lf = (torch.zeros((tokens, item), dtype=torch.uint8), torch.zeros((tokens, item), dtype=torch.uint8))
+    rng = np.random.default_rng(3)
+    s = rng.permutation(tokens)[:tokens // 2 + 1]
+    d = rng.permutation(tokens)[:len(s)]
+    load = plans.plan_rows(
+        sglang._page_head(ph, ("src_k", "src_v"), item, dim, range(layer, layer + 1), page_size,
+                          heads),
+        sglang._buffers(lf, ("dst_k", "dst_v"), item, item), s, d)
+    run_on_host(*plans.expand(load))
+    for page_head, layer_first in zip(ph, lf):
+        want = np.zeros((tokens, item), np.uint8)
+        for a, b in zip(s, d):
+            for h in range(heads):
+                at = _page_head_offset(a, layer, h, item, dim, page_size, heads)
+                want[b, h * head_dim:(h + 1) * head_dim] = page_head.numpy()[at:at + head_dim]
+        np.testing.assert_array_equal(layer_first.numpy(), want)
+
+    back = (torch.zeros(tokens * dim, dtype=torch.uint8), torch.zeros(tokens * dim, dtype=torch.uint8))
+    per_layer = [torch.from_numpy(random_bytes((tokens, item), 10 + k)) for k in range(2 * layers)]
+    store = plans.plan_rows(
+        Layout.from_pointers([t.data_ptr() for t in per_layer], slots=tokens, row_bytes=item),
+        sglang._page_head(back, ("dst_k", "dst_v"), item, dim, range(layers), page_size, heads),
+        d, s)
+    run_on_host(*plans.expand(store))
+    for side, page_head in enumerate(back):
+        want = np.zeros(tokens * dim, np.uint8)
+        for b, a in zip(d, s):
+            for lay in range(layers):
+                row = per_layer[side * layers + lay].numpy()[b]
+                for h in range(heads):
+                    at = _page_head_offset(a, lay, h, item, dim, page_size, heads)
+                    want[at:at + head_dim] = row[h * head_dim:(h + 1) * head_dim]
+        np.testing.assert_array_equal(page_head.numpy(), want)

@@ -116,6 +116,47 @@ def test_sglang_page_first_host_and_layer_tables(torch_cuda):
         assert torch.equal(back[b].cpu(), host_k[a, 1])
 
 
+def test_sglang_page_head_host_and_layer_tables(torch_cuda):
+    torch = torch_cuda
+    layers, heads, head_dim, page_size, pages = 3, 4, 32, 8, 6
+    item, tokens = heads * head_dim, page_size * pages
+    dim = layers * item
+    dev_k = [rand(torch, (40, item), 20 + layer) for layer in range(layers)]
+    dev_v = [rand(torch, (40, item), 30 + layer) for layer in range(layers)]
+    k_table = torch.tensor([t.data_ptr() for t in dev_k], dtype=torch.int64, device="cuda")
+    v_table = torch.tensor([t.data_ptr() for t in dev_v], dtype=torch.int64, device="cuda")
+    host_k = torch.zeros((pages, heads, page_size, layers, head_dim), dtype=torch.uint8).pin_memory()
+    host_v = torch.zeros_like(host_k).pin_memory()
+    d, s = slots(torch, 16, 40, 9), slots(torch, 16, tokens, 10, skip=(3,))
+    # backup: layer-first device (by address) -> page-head host, every layer in one call
+    sglang.transfer_kv_all_layer_lf_ph(k_table, host_k, v_table, host_v, d, s, item, dim, layers,
+                                       page_size, heads)
+    torch.cuda.synchronize()
+    written = set()
+    for a, b in zip(d.tolist(), s.tolist()):
+        if b < 0:
+            continue
+        written.add(b)
+        for layer in range(layers):
+            for host, dev in ((host_k, dev_k), (host_v, dev_v)):
+                want = dev[layer][a].cpu().view(heads, head_dim)
+                assert torch.equal(host[b // page_size, :, b % page_size, layer], want)
+    for t in set(range(tokens)) - written:
+        assert not host_k[t // page_size, :, t % page_size].any()
+    # load: page-head host -> layer-first device, one layer
+    back_k = torch.zeros((40, item), dtype=torch.uint8, device="cuda")
+    back_v = torch.zeros_like(back_k)
+    sglang.transfer_kv_per_layer_ph_lf(host_k, back_k, host_v, back_v, s, d, 1, item, dim,
+                                       page_size, heads)
+    torch.cuda.synchronize()
+    for b, a in zip(s.tolist(), d.tolist()):
+        if b >= 0:
+            assert torch.equal(back_k[a], dev_k[1][a])
+            assert torch.equal(back_v[a], dev_v[1][a])
+        else:
+            assert not back_k[a].any()
+
+
 def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
     from kvcopy.compat.vllm import CopyBackendAdapter, CopyRunDescriptor
 
