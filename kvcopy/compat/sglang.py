@@ -20,7 +20,7 @@ from typing import Any
 
 from kvcopy.api import copy_rows
 from kvcopy.arguments import require_int
-from kvcopy.compat.pointer_tables import addresses_of, reach_of
+from kvcopy.compat.pointer_tables import addresses_of, reaches_of
 from kvcopy.layouts import Layout
 
 
@@ -48,13 +48,14 @@ def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
 
 def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Layout:
     """Per-layer address tables as planes (K's layers, then V's)."""
-    bases = []
+    bases, reaches = [], []
     for table, name in zip(tables, names):
         found = addresses_of(table, name)
         if len(found) < num_layers:
             raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
         bases += found[:num_layers]
-    slots = min(reach_of(b) for b in bases) // item_size
+        reaches += reaches_of(table, name, num_layers)
+    slots = min(reaches) // item_size
     if slots == 0:
         raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
     return Layout.from_pointers(bases, slots=slots, row_bytes=item_size, keep=tables)

@@ -38,6 +38,18 @@ def test_pointer_tables_are_checked_and_read_once_per_version():
     assert pointer_tables.addresses_of(table, "t") == [4096, 12288]
 
 
+def test_a_new_table_where_an_old_one_was_is_read_anew():
+    memory = np.array([4096, 8192], dtype=np.int64)
+    first = torch.from_numpy(memory)
+    assert pointer_tables.addresses_of(first, "t") == [4096, 8192]
+    del first
+    memory[:] = [12288, 16384]   # another table at the same address, length and version
+    second = torch.from_numpy(memory)
+    assert pointer_tables.addresses_of(second, "t") == [12288, 16384]
+    memory[0] = 20480            # written behind torch's back: the same table is kept
+    assert pointer_tables.addresses_of(second, "t") == [12288, 16384]
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda b, i: sglang.transfer_kv_per_layer(b, b, b, b, i, i, 0), ValueError,
      "item_size must be at least 1, got 0"),
