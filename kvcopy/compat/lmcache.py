@@ -1,16 +1,34 @@
-"""Drop-in for LMCache's ``multi_layer_kv_transfer`` (its CUDA op of that name).
+"""Drop-ins for LMCache's ``multi_layer_kv_transfer`` and
+``multi_layer_kv_transfer_unilateral`` (its CUDA ops of those names).
 
-``key_value`` is LMCache's chunk, ``[2, layers, tokens, hidden]`` (``[1, ...]`` with
-``use_mla``), in GPU or pinned host memory; ``key_value_ptrs`` holds each layer's
-paged cache address (an int64 tensor), a layer being ``[2, page_buffer_size, hidden]``
-elements of the chunk's dtype (``[page_buffer_size, hidden]`` with MLA);
-``slot_mapping`` gives each token's slot (negative: skipped). ``direction`` True
-gathers the paged caches into the chunk, False scatters the chunk into them. One
-kvcopy.copy_rows call on torch's current stream: the copy kernel reads the slot
-mapping where it is (GPU or host) and computes every address.
+``key_value`` is LMCache's chunk, ``[2, layers, tokens, hidden]`` (``[1, ...]`` for
+MLA, and for the formats that fuse K and V into a token's row), in GPU or pinned host
+memory; ``key_value_ptrs`` holds each layer's paged cache address (an int64 tensor);
+``slot_mapping`` gives each token's slot, ``block * block_size + offset`` (negative:
+skipped). ``direction`` D2H (True) gathers the paged caches into the chunk, H2D
+(False) scatters the chunk into them. ``engine_kv_format`` names how each layer's
+cache is laid out, as LMCache's ``EngineKVFormat`` does (LMCache's own enum members,
+this module's, their values, or, as LMCache's earlier op took, a ``use_mla`` bool):
+
+- NL_X_TWO_NB_BS_NH_HS (vLLM flash-attn): a layer is ``[2, page_buffer_size, hidden]``;
+  NB_NL_TWO_BS_NH_HS (vLLM cross-layer) is addressed the same way from its layer
+  addresses, as LMCache's kernel addresses it;
+- NL_X_NB_TWO_BS_NH_HS (flashinfer): ``[blocks, 2, block_size, hidden]``;
+- NL_X_NB_BS_HS (vLLM MLA) and NL_X_NBBS_ONE_HS (SGLang MLA): ``[slots, hidden]``;
+- NL_X_TWO_NB_NH_BS_HS and NL_X_NB_TWO_NH_BS_HS (the HND forms of flash-attn and
+  flashinfer): heads before the block's tokens, each head ``head_size`` elements;
+- NL_X_NB_NH_BS_TWO_HS and NL_X_NB_BS_NH_TWO_HS: K and V fused into each head's
+  (or each token's) last dimension, a block ``block_stride_elems`` apart (0: blocks
+  back to back).
+
+The SGLang MHA formats go by ``multi_layer_kv_transfer_unilateral`` (K's layers, then
+V's, each ``[page_buffer_size, hidden]``), as in LMCache. Each call is one
+kvcopy.copy_rows on torch's current stream: the copy kernel reads the slot mapping
+where it is (GPU or host) and computes every address, whatever the alignment.
 """
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
 from kvcopy.api import copy_rows
@@ -19,33 +37,211 @@ from kvcopy.compat.pointer_tables import addresses_of
 from kvcopy.layouts import Layout
 
 
-def multi_layer_kv_transfer(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
-                            paged_memory_device: Any, page_buffer_size: int, direction: bool,
-                            use_mla: bool = False) -> None:
-    """Move every layer's K and V rows of the tokens in ``slot_mapping`` between the
-    paged caches and the chunk (see the module's docstring). Raises TypeError or
-    ValueError naming a bad argument before anything is enqueued."""
+class TransferDirection(IntEnum):
+    """LMCache's directions: H2D scatters the chunk into the paged caches, D2H gathers."""
+
+    H2D = 0
+    D2H = 1
+
+
+class EngineKVFormat(IntEnum):
+    """LMCache's names for the engines' KV cache layouts (see the module's docstring)."""
+
+    NB_NL_TWO_BS_NH_HS = 0
+    NL_X_TWO_NB_BS_NH_HS = 1
+    NL_X_NB_TWO_BS_NH_HS = 2
+    NL_X_NB_BS_HS = 3
+    TWO_X_NL_X_NBBS_NH_HS = 4
+    NL_X_NBBS_ONE_HS = 5
+    NL_X_TWO_NB_NH_BS_HS = 6
+    NL_X_NB_TWO_NH_BS_HS = 7
+    NB_NL_TWO_NH_BS_HS = 8
+    TWO_X_NL_X_NB_BS_NH_HS = 9
+    NL_X_NB_NH_BS_TWO_HS = 10
+    NL_X_NB_BS_NH_TWO_HS = 11
+
+
+_F = EngineKVFormat
+_ONE_PLANE = {_F.NL_X_NB_BS_HS, _F.NL_X_NBBS_ONE_HS, _F.NL_X_NB_NH_BS_TWO_HS,
+              _F.NL_X_NB_BS_NH_TWO_HS}          # MLA, or K and V fused in a row
+_NEEDS_BLOCK = {_F.NL_X_NB_TWO_BS_NH_HS, _F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS,
+                _F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_BS_NH_TWO_HS}
+_NEEDS_HEAD = {_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS, _F.NL_X_NB_NH_BS_TWO_HS}
+_UNILATERAL = {_F.TWO_X_NL_X_NBBS_NH_HS, _F.TWO_X_NL_X_NB_BS_NH_HS}
+
+
+def _member(value: Any, enum: type[IntEnum], name: str) -> Any:
+    """``value`` as a member of ``enum``: a member of LMCache's enum of that name (by
+    its name), of this module's, or its value."""
+    found = getattr(value, "name", None)
+    if isinstance(found, str) and found in enum.__members__:
+        return enum.__members__[found]
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be one of {', '.join(enum.__members__)}, got {value!r}")
+
+
+def _engine_format(value: Any) -> EngineKVFormat:
+    """The format ``value`` names; a bool is the ``use_mla`` of LMCache's earlier op."""
+    if isinstance(value, bool):
+        return _F.NL_X_NB_BS_HS if value else _F.NL_X_TWO_NB_BS_NH_HS
+    return _member(value, EngineKVFormat, "engine_kv_format")
+
+
+def _direction(value: Any) -> bool:
+    """True where the paged caches are gathered into the chunk (D2H)."""
+    if isinstance(value, bool):
+        return value
+    return _member(value, TransferDirection, "direction") is TransferDirection.D2H
+
+
+def _chunk(key_value: Any, planes: int, fmt: EngineKVFormat) -> tuple[int, int, int]:
+    """(layers, tokens, row bytes) of LMCache's chunk, checked against the format."""
     import torch
 
     if not isinstance(key_value, torch.Tensor) or key_value.dim() != 4:
-        raise TypeError("key_value must be a 4-D torch.Tensor [2 (1 with MLA), layers, tokens, "
-                        "hidden]")
-    planes = 1 if use_mla else 2
+        raise TypeError("key_value must be a 4-D torch.Tensor [2 (1 for MLA or fused K and V), "
+                        "layers, tokens, hidden]")
     if key_value.shape[0] != planes:
         raise ValueError(f"key_value: dimension 0 is {key_value.shape[0]}, expected {planes} "
-                         f"(use_mla={use_mla})")
-    require_int(page_buffer_size, "page_buffer_size", minimum=1)
+                         f"({fmt.name})")
     layers, tokens, hidden = key_value.shape[1:]
-    row = hidden * key_value.element_size()
+    return layers, tokens, hidden * key_value.element_size()
+
+
+def _paged(fmt: EngineKVFormat, bases: list[int], slots: int, row: int, block: int,
+           head: int, block_step: int, keep: tuple) -> Layout:
+    """Every layer's paged cache as planes (a layer's K, then its V), as LMCache's kernel
+    addresses ``fmt``; ``head`` and ``block_step`` in bytes (0: unused or tight)."""
+    def planes(*offsets: int) -> list[int]:
+        return [b + o for b in bases for o in offsets]
+
+    if fmt in (_F.NB_NL_TWO_BS_NH_HS, _F.NL_X_TWO_NB_BS_NH_HS):
+        return Layout.from_pointers(planes(0, slots * row), slots=slots, row_bytes=row, keep=keep)
+    if fmt is _F.NL_X_NB_TWO_BS_NH_HS:
+        return Layout.from_pointers(planes(0, block * row), slots=slots, row_bytes=row,
+                                    page_size=block, page_stride=2 * block * row, keep=keep)
+    if fmt in (_F.NL_X_NB_BS_HS, _F.NL_X_NBBS_ONE_HS):
+        return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, keep=keep)
+    if fmt in (_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS):
+        kv_step, page = ((slots * row, block * row) if fmt is _F.NL_X_TWO_NB_NH_BS_HS
+                         else (block * row, 2 * block * row))
+        return Layout.from_pointers(planes(0, kv_step), slots=slots, row_bytes=row,
+                                    page_size=block, page_stride=page, slot_stride=head,
+                                    pieces=row // head, piece_stride=block * head, keep=keep)
+    page = block_step or block * row
+    if fmt is _F.NL_X_NB_NH_BS_TWO_HS:   # a head's K and V side by side, heads before tokens
+        return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
+                                    page_stride=page, slot_stride=2 * head,
+                                    pieces=row // (2 * head), piece_stride=block * 2 * head,
+                                    keep=keep)
+    if fmt is _F.NL_X_NB_BS_NH_TWO_HS:
+        return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
+                                    page_stride=page, keep=keep)
+    raise ValueError(f"engine_kv_format {fmt.name}: LMCache's multi_layer_kv_transfer does not "
+                     "take it" + (" (its layers go by multi_layer_kv_transfer_unilateral)"
+                                  if fmt in _UNILATERAL else ""))
+
+
+Rows = tuple[Layout, Layout, Any, Any, int]   # copy_rows' src, dst, their indices, rows
+
+
+def _chunk_rows(paged: Layout, key_value: Any, slot_mapping: Any, tokens: int,
+                gather: bool) -> Rows:
+    """The chunk's rows (a layer's K, then its V) to or from the paged slots."""
+    chunk = Layout.of(key_value, planes=(1, 0), slot=2, name="key_value")
+    if gather:
+        return paged, chunk, slot_mapping, None, tokens
+    return chunk, paged, None, slot_mapping, tokens
+
+
+def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
+                  page_buffer_size: int, direction: Any,
+                  engine_kv_format: Any = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+                  block_size: int = 0, head_size: int = 0, skip_prefix_n_tokens: int = 0,
+                  block_stride_elems: int = 0) -> Rows | None:
+    """multi_layer_kv_transfer's work as copy_rows' arguments (``None``: no row moves),
+    every argument checked."""
+    fmt = _engine_format(engine_kv_format)
+    gather = _direction(direction)
+    planes = 1 if fmt in _ONE_PLANE else 2
+    layers, tokens, row = _chunk(key_value, planes, fmt)
+    slots = require_int(page_buffer_size, "page_buffer_size", minimum=1)
+    block = require_int(block_size, "block_size", minimum=0)
+    head = require_int(head_size, "head_size", minimum=0) * key_value.element_size()
+    skip = require_int(skip_prefix_n_tokens, "skip_prefix_n_tokens", minimum=0, maximum=tokens)
+    step = require_int(block_stride_elems, "block_stride_elems", minimum=0)
+    if fmt in _NEEDS_BLOCK and block == 0:
+        raise ValueError(f"block_size is needed for engine_kv_format {fmt.name}")
+    if fmt in _NEEDS_HEAD:
+        width = head * (2 if fmt is _F.NL_X_NB_NH_BS_TWO_HS else 1)
+        if width == 0 or row % width:
+            raise ValueError(f"head_size ({head_size}) must divide a token's row of {row} bytes "
+                             f"into heads for engine_kv_format {fmt.name}")
     bases = addresses_of(key_value_ptrs, "key_value_ptrs")
     if len(bases) != layers:
         raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-    paged = Layout.from_pointers([b + p * page_buffer_size * row for b in bases
-                                  for p in range(planes)],
-                                 slots=page_buffer_size, row_bytes=row,
+    paged = _paged(fmt, bases, slots, row, block, head, step * key_value.element_size(),
+                   (key_value_ptrs,))
+    if skip == tokens:
+        return None
+    return _chunk_rows(paged, key_value[:, :, skip:],
+                       slot_mapping[skip:] if skip else slot_mapping, tokens - skip, gather)
+
+
+def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
+                    page_buffer_size: int, direction: Any,
+                    engine_kv_format: Any = EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS) -> Rows | None:
+    """multi_layer_kv_transfer_unilateral's work as copy_rows' arguments."""
+    fmt = _engine_format(engine_kv_format)
+    if fmt in _ONE_PLANE:
+        return transfer_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size,
+                             direction, fmt)
+    gather = _direction(direction)
+    layers, tokens, row = _chunk(key_value, 2, fmt)
+    slots = require_int(page_buffer_size, "page_buffer_size", minimum=1)
+    bases = addresses_of(key_value_ptrs, "key_value_ptrs")
+    if len(bases) != 2 * layers:
+        raise ValueError(f"key_value_ptrs has {len(bases)} addresses, expected K's and V's "
+                         f"{layers} layers ({2 * layers})")
+    paged = Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
+                                  for kv in (0, 1)], slots=slots, row_bytes=row,
                                  keep=(key_value_ptrs,))
-    chunk = Layout.of(key_value, planes=(1, 0), slot=2, name="key_value")
-    if direction:
-        copy_rows(paged, chunk, slot_mapping, None, rows=tokens)
-    else:
-        copy_rows(chunk, paged, None, slot_mapping, rows=tokens)
+    return _chunk_rows(paged, key_value, slot_mapping, tokens, gather)
+
+
+def _run(rows: Rows | None) -> None:
+    if rows is not None:
+        src, dst, src_indices, dst_indices, count = rows
+        copy_rows(src, dst, src_indices, dst_indices, rows=count)
+
+
+def multi_layer_kv_transfer(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
+                            paged_memory_device: Any, page_buffer_size: int, direction: Any,
+                            engine_kv_format: Any = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+                            block_size: int = 0, head_size: int = 0,
+                            skip_prefix_n_tokens: int = 0, block_stride_elems: int = 0) -> None:
+    """Move every layer's K and V rows of the tokens in ``slot_mapping`` between the
+    paged caches and the chunk (see the module's docstring); tokens before
+    ``skip_prefix_n_tokens`` are left as they are. ``block_size`` (and ``head_size``, in
+    elements) are needed by the formats that address blocks (and heads);
+    ``paged_memory_device`` is accepted (kvcopy finds each memory's device itself).
+    Raises TypeError or ValueError naming a bad argument before anything is enqueued."""
+    _run(transfer_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size, direction,
+                       engine_kv_format, block_size, head_size, skip_prefix_n_tokens,
+                       block_stride_elems))
+
+
+def multi_layer_kv_transfer_unilateral(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
+                                       paged_memory_device: Any, page_buffer_size: int,
+                                       direction: Any,
+                                       engine_kv_format: Any = EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS
+                                       ) -> None:
+    """SGLang's MHA layers (``key_value_ptrs``: K's layers, then V's, each
+    ``[page_buffer_size, hidden]``) and the chunk; an MLA format goes as in
+    multi_layer_kv_transfer, as in LMCache."""
+    _run(unilateral_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size, direction,
+                         engine_kv_format))

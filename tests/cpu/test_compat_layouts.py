@@ -19,7 +19,7 @@ def test_lmcache_checks_its_chunk_and_sizes():
     slots = torch.tensor([0])
     with pytest.raises(TypeError, match="key_value must be a 4-D torch.Tensor"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 3), ptrs, slots, None, 8, True)
-    with pytest.raises(ValueError, match="dimension 0 is 2, expected 1 \\(use_mla=True\\)"):
+    with pytest.raises(ValueError, match="dimension 0 is 2, expected 1 \\(NL_X_NB_BS_HS\\)"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 1, 1, 8), ptrs, slots, None, 8, True, True)
     with pytest.raises(ValueError, match="page_buffer_size must be at least 1, got 0"):
         lmcache.multi_layer_kv_transfer(torch.zeros(2, 1, 1, 8), ptrs, slots, None, 0, True)

@@ -52,6 +52,48 @@ def test_lmcache_multi_layer_kv_transfer(torch_cuda, use_mla, direction):
                                before[layer][:, untouched].view(torch.uint8))
 
 
+@pytest.mark.parametrize("fmt", ["NL_X_NB_TWO_NH_BS_HS", "NL_X_NB_NH_BS_TWO_HS"])
+def test_lmcache_formats_by_heads_and_blocks(torch_cuda, fmt):
+    torch = torch_cuda
+    F = lmcache.EngineKVFormat
+    layers, blocks, block, heads, head, tokens = 3, 10, 16, 4, 64, 40
+    fused = fmt == "NL_X_NB_NH_BS_TWO_HS"
+    shape = ((blocks, heads, block, 2 * head) if fused else (blocks, 2, heads, block, head))
+    paged = [rand(torch, shape + (2,), 40 + layer).view(torch.bfloat16).squeeze(-1)
+             for layer in range(layers)]
+    planes, hidden = (1, heads * 2 * head) if fused else (2, heads * head)
+    ptrs = torch.tensor([p.data_ptr() for p in paged], dtype=torch.int64, device="cuda")
+    mapping = slots(torch, tokens, blocks * block, 11, skip=(5,))
+    chunk = torch.zeros((planes, layers, tokens, hidden), dtype=torch.bfloat16).pin_memory()
+
+    def cache_row(caches, layer, kv, s):   # a token's heads, as LMCache's format lays them out
+        b, at = divmod(s, block)
+        return (caches[layer][b, :, at] if fused else caches[layer][b, kv, :, at]).reshape(-1)
+
+    def transfer(direction):
+        lmcache.multi_layer_kv_transfer(chunk, ptrs, mapping, torch.device("cuda"),
+                                        blocks * block, direction, F[fmt], block, head, 2)
+        torch.cuda.synchronize()
+
+    moved = [(t, s) for t, s in enumerate(mapping.tolist()) if t >= 2 and s >= 0]  # 2 skipped
+    transfer(lmcache.TransferDirection.D2H)
+    rows = [(layer, kv) for layer in range(layers) for kv in range(planes)]
+    for t, s in moved:
+        for layer, kv in rows:
+            assert torch.equal(chunk[kv, layer, t].view(torch.uint8),
+                               cache_row(paged, layer, kv, s).cpu().view(torch.uint8))
+    assert not chunk[:, :, [t for t in range(tokens) if t not in dict(moved)]].any()
+    before = [p.clone() for p in paged]
+    for p in paged:
+        p.zero_()
+    transfer(lmcache.TransferDirection.H2D)
+    for t, s in moved:
+        for layer, kv in rows:
+            assert torch.equal(cache_row(paged, layer, kv, s).view(torch.uint8),
+                               cache_row(before, layer, kv, s).view(torch.uint8))
+    assert sum(int(p.count_nonzero()) for p in paged) <= len(moved) * len(rows) * hidden
+
+
 def test_sglang_per_layer_and_mla(torch_cuda):
     torch = torch_cuda
     item = 256

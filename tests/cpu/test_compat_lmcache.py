@@ -1,0 +1,152 @@
+"""LMCache's transfer ops as kvcopy rows (kvcopy.compat.lmcache): for each engine format,
+the rows run between host buffers land where LMCache's kernel puts them
+(page_buffer_offset, byte for byte), both ways; bad arguments are named (the ops'
+bytes on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from kvcopy.compat import lmcache
+from kvcopy.compat.lmcache import EngineKVFormat as F, TransferDirection
+from kvcopy.testing import plans
+from helpers.host_copies import random_bytes, run_on_host
+
+torch = pytest.importorskip("torch")
+
+LAYERS, TOKENS, BLOCK, HEADS, HEAD = 2, 12, 4, 3, 4     # HEAD in int16 elements
+SLOTS = 6 * BLOCK                                     # page_buffer_size
+
+
+def lmcache_offset(fmt: F, kv: int, slot: int, row: int, head: int, step: int) -> np.ndarray:
+    """Where LMCache's kernel reads or writes each byte of a token's row (its
+    page_buffer_offset, in bytes)."""
+    b = np.arange(row)
+    block, at = divmod(slot, BLOCK)
+    if fmt in (F.NB_NL_TWO_BS_NH_HS, F.NL_X_TWO_NB_BS_NH_HS):
+        return kv * SLOTS * row + slot * row + b
+    if fmt is F.NL_X_NB_TWO_BS_NH_HS:
+        return block * 2 * BLOCK * row + kv * BLOCK * row + at * row + b
+    if fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS):
+        return slot * row + b
+    if fmt in (F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_NH_BS_HS):
+        h, o = divmod(b, head)
+        heads = row // head
+        if fmt is F.NL_X_TWO_NB_NH_BS_HS:
+            return (kv * SLOTS * row + block * heads * BLOCK * head + h * BLOCK * head
+                    + at * head + o)
+        return (block * 2 * heads * BLOCK * head + kv * heads * BLOCK * head + h * BLOCK * head
+                + at * head + o)
+    if fmt is F.NL_X_NB_NH_BS_TWO_HS:
+        h, o = divmod(b, 2 * head)
+        return block * (step or row * BLOCK) + h * BLOCK * 2 * head + at * 2 * head + o
+    assert fmt is F.NL_X_NB_BS_NH_TWO_HS
+    return block * (step or BLOCK * row) + at * row + b
+
+
+CASES = [pytest.param(fmt, stride, id=f"{fmt.name}-{stride}") for fmt, stride in (
+    (F.NB_NL_TWO_BS_NH_HS, 0), (F.NL_X_TWO_NB_BS_NH_HS, 0), (F.NL_X_NB_TWO_BS_NH_HS, 0),
+    (F.NL_X_NB_BS_HS, 0), (F.NL_X_NBBS_ONE_HS, 0), (F.NL_X_TWO_NB_NH_BS_HS, 0),
+    (F.NL_X_NB_TWO_NH_BS_HS, 0), (F.NL_X_NB_NH_BS_TWO_HS, 0), (F.NL_X_NB_NH_BS_TWO_HS, 400),
+    (F.NL_X_NB_BS_NH_TWO_HS, 0), (F.NL_X_NB_BS_NH_TWO_HS, 300))]
+
+
+@pytest.mark.parametrize("fmt, stride", CASES)
+@pytest.mark.parametrize("direction", [TransferDirection.D2H, TransferDirection.H2D],
+                         ids=["D2H", "H2D"])
+def test_each_format_moves_the_bytes_lmcaches_kernel_moves(fmt, stride, direction):
+    fused = fmt in (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS)
+    planes = 1 if fused or fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS) else 2
+    hidden = HEADS * HEAD * (2 if fused else 1)
+    row, head, step = hidden * 2, HEAD * 2, stride * 2
+    chunk = torch.from_numpy(random_bytes((planes, LAYERS, TOKENS, row), 1).view(np.int16))
+    size = max(int(lmcache_offset(fmt, kv, s, row, head, step)[-1]) for kv in range(planes)
+               for s in range(SLOTS)) + 1
+    paged = [random_bytes((size,), 2 + layer) for layer in range(LAYERS)]
+    ptrs = torch.tensor([p.ctypes.data for p in paged], dtype=torch.int64)
+    slot_mapping = np.random.default_rng(5).permutation(SLOTS)[:TOKENS].astype(np.int64)
+    slot_mapping[4] = -1
+    skip = 2
+    before_chunk, before_paged = chunk.numpy().view(np.uint8).copy(), [p.copy() for p in paged]
+
+    rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, SLOTS, direction, fmt, BLOCK, HEAD,
+                                 skip, stride)
+    run_on_host(*plans.expand(plans.plan_rows(*rows[:4], rows=rows[4])))
+
+    want_chunk, want_paged = before_chunk.copy(), [p.copy() for p in before_paged]
+    for t in range(skip, TOKENS):
+        s = int(slot_mapping[t])
+        for layer in range(LAYERS):
+            for kv in range(planes):
+                at = lmcache_offset(fmt, kv, s, row, head, step)
+                if s < 0:
+                    continue
+                if direction is TransferDirection.D2H:
+                    want_chunk[kv, layer, t] = before_paged[layer][at]
+                else:
+                    want_paged[layer][at] = before_chunk[kv, layer, t]
+    np.testing.assert_array_equal(chunk.numpy().view(np.uint8), want_chunk)
+    for got, want in zip(paged, want_paged):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_unilateral_op_takes_k_then_v_layers():
+    row, slots = 32, 20
+    chunk = torch.from_numpy(random_bytes((2, LAYERS, TOKENS, row), 3))
+    paged = [np.zeros(slots * row, np.uint8) for _ in range(2 * LAYERS)]   # K's layers, V's
+    ptrs = torch.tensor([p.ctypes.data for p in paged], dtype=torch.int64)
+    slot_mapping = np.arange(TOKENS, dtype=np.int64)[::-1].copy()
+    rows = lmcache.unilateral_rows(chunk, ptrs, slot_mapping, slots, TransferDirection.H2D)
+    run_on_host(*plans.expand(plans.plan_rows(*rows[:4], rows=rows[4])))
+    for t, s in enumerate(slot_mapping.tolist()):
+        for layer in range(LAYERS):
+            for kv in range(2):
+                got = paged[kv * LAYERS + layer][s * row:(s + 1) * row]
+                np.testing.assert_array_equal(got, chunk[kv, layer, t].numpy())
+
+
+def test_formats_and_directions_come_by_name_value_or_the_older_bools():
+    chunk = torch.zeros((1, 1, 2, 8), dtype=torch.int16)
+    ptrs = torch.tensor([4096], dtype=torch.int64)
+    theirs = types.SimpleNamespace(name="NL_X_NB_BS_HS", value=99)   # LMCache's pybind enum
+    for fmt in (theirs, 3, F.NL_X_NB_BS_HS, True):
+        for direction in (types.SimpleNamespace(name="D2H"), 1, True):
+            src, dst, src_indices, dst_indices, count = lmcache.transfer_rows(
+                chunk, ptrs, np.array([0, 1]), 8, direction, fmt)
+            assert (src.bases.tolist(), src_indices.tolist(), dst_indices, count) == (
+                [4096], [0, 1], None, 2)
+    skipped = lmcache.transfer_rows(chunk, ptrs, np.array([0, 1]), 8, False, True, 0, 0, 2)
+    assert skipped is None
+
+
+@pytest.mark.parametrize("args, error, words", [
+    (dict(engine_kv_format=F.TWO_X_NL_X_NBBS_NH_HS), ValueError,
+     "TWO_X_NL_X_NBBS_NH_HS: LMCache's multi_layer_kv_transfer does not take it (its layers go "
+     "by multi_layer_kv_transfer_unilateral)"),
+    (dict(engine_kv_format=F.NB_NL_TWO_NH_BS_HS), ValueError, "does not take it"),
+    (dict(engine_kv_format=12), ValueError, "engine_kv_format must be one of NB_NL_TWO_BS_NH_HS"),
+    (dict(engine_kv_format="vllm"), ValueError, "got 'vllm'"),
+    (dict(direction="up"), ValueError, "direction must be one of H2D, D2H, got 'up'"),
+    (dict(engine_kv_format=F.NL_X_NB_TWO_BS_NH_HS), ValueError,
+     "block_size is needed for engine_kv_format NL_X_NB_TWO_BS_NH_HS"),
+    (dict(engine_kv_format=F.NL_X_TWO_NB_NH_BS_HS, block_size=4, head_size=3), ValueError,
+     "head_size (3) must divide a token's row of 16 bytes into heads"),
+    (dict(skip_prefix_n_tokens=3), ValueError, "skip_prefix_n_tokens must be at most 2, got 3"),
+    (dict(block_size=-1), ValueError, "block_size must be at least 0, got -1"),
+])
+def test_bad_arguments_are_named(args, error, words):
+    call = dict(key_value=torch.zeros((2, 1, 2, 8), dtype=torch.int16),
+                key_value_ptrs=torch.tensor([4096], dtype=torch.int64),
+                slot_mapping=np.array([0, 1]), page_buffer_size=8, direction=True)
+    with pytest.raises(error) as info:
+        lmcache.transfer_rows(**{**call, **args})
+    assert words in str(info.value)
+
+
+def test_the_unilateral_op_counts_k_and_v_layers():
+    with pytest.raises(ValueError, match=r"key_value_ptrs has 1 addresses, expected K's and V's "
+                                         r"1 layers \(2\)"):
+        lmcache.unilateral_rows(torch.zeros((2, 1, 2, 8)), torch.tensor([4096]),
+                                np.array([0, 1]), 8, True)
