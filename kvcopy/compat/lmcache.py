@@ -146,6 +146,14 @@ def _paged(fmt: EngineKVFormat, bases: list[int], slots: int, row: int, block: i
                                   if fmt in _UNILATERAL else ""))
 
 
+def _tokens_slots(slot_mapping: Any, skip: int, tokens: int) -> Any:
+    """The slots of the chunk's tokens from ``skip`` on: LMCache's kernel reads the first
+    ``tokens`` entries of a longer mapping (a shorter one is refused by copy_rows)."""
+    if skip == 0 and len(slot_mapping) == tokens:
+        return slot_mapping
+    return slot_mapping[skip:tokens]
+
+
 Rows = tuple[Layout, Layout, Any, Any, int]   # copy_rows' src, dst, their indices, rows
 
 
@@ -188,8 +196,8 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
                    (key_value_ptrs,))
     if skip == tokens:
         return None
-    return _chunk_rows(paged, key_value[:, :, skip:],
-                       slot_mapping[skip:] if skip else slot_mapping, tokens - skip, gather)
+    return _chunk_rows(paged, key_value[:, :, skip:], _tokens_slots(slot_mapping, skip, tokens),
+                       tokens - skip, gather)
 
 
 def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
@@ -210,7 +218,7 @@ def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     paged = Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
                                   for kv in (0, 1)], slots=slots, row_bytes=row,
                                  keep=(key_value_ptrs,))
-    return _chunk_rows(paged, key_value, slot_mapping, tokens, gather)
+    return _chunk_rows(paged, key_value, _tokens_slots(slot_mapping, 0, tokens), tokens, gather)
 
 
 def _run(rows: Rows | None) -> None:

@@ -119,6 +119,8 @@ def test_formats_and_directions_come_by_name_value_or_the_older_bools():
                 [4096], [0, 1], None, 2)
     skipped = lmcache.transfer_rows(chunk, ptrs, np.array([0, 1]), 8, False, True, 0, 0, 2)
     assert skipped is None
+    longer = lmcache.transfer_rows(chunk, ptrs, np.array([5, 6, 7]), 8, False, True, 0, 0, 1)
+    assert (longer[3].tolist(), longer[4]) == ([6], 1)   # LMCache reads the chunk's tokens' slots
 
 
 @pytest.mark.parametrize("args, error, words", [
