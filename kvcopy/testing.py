@@ -26,6 +26,10 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   ``fast_describe_available()``: whether this CPU runs the vectorised pass.
 - ``engine`` and ``cuda``: the private modules a white-box test reads (the seams
   above are how it changes them): nothing outside kvcopy imports them otherwise.
+- ``rows_on_host()``: every copy_rows call (kvcopy's drop-ins' included) planned
+  with every check, then run on the CPU between host memory, row by row; the
+  drop-ins that copy on torch's current stream ask for none. An engine's test can
+  run its transfers through kvcopy on CPU tensors and compare the bytes.
 - ``plans``: copy_rows' planning without a GPU: ``plan_rows`` (every check) and
   ``expand`` (the plan as the pointer copies the kernel computes), so that a test
   can run a plan between host arrays and compare the bytes with an oracle;
@@ -35,6 +39,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import types
 from typing import Any, Callable, Iterator, Sequence
@@ -54,7 +59,10 @@ from kvcopy._plans.rows import expand, plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
+from kvcopy.api import copy_rows
+from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config
+from kvcopy.layouts import Layout
 
 CUDA_LAYERS = ("driver", "describe", "launch")
 _LAYERS = {"driver": driver, "memory": memory, "describe": describe, "launch": launch, "dma": dma,
@@ -232,6 +240,34 @@ def fake_clock(clock: Callable[[], float]) -> Iterator[Callable[[], float]]:
         traffic_window.forget()
 
 
+def _copy_rows_on_host(src: Layout, dst: Layout, src_indices: Any = None,
+                       dst_indices: Any = None, *, rows: int | None = None, stream: Any = None,
+                       method: str = "auto") -> str:
+    """copy_rows' plan, every check made, run with memmove between host memory."""
+    plan = plan_rows(src, dst, src_indices, dst_indices, rows)
+    if plan.device_indices:
+        raise ValueError("rows_on_host: indices on the GPU cannot be read on the host")
+    copies = list(zip(*(part.tolist() for part in expand(plan))))
+    for source, destination, size in copies:   # (all checked before any is written)
+        if not (dma.host_access_allowed(source, size)
+                and dma.host_access_allowed(destination, size, write=True)):
+            raise ValueError(f"rows_on_host: {size} bytes from {source:#x} to {destination:#x} "
+                             "are not host memory this process reads and writes")
+    for source, destination, size in copies:
+        ctypes.memmove(destination, source, size)
+    return "host"
+
+
+@contextlib.contextmanager
+def rows_on_host() -> Iterator[None]:
+    """copy_rows, wherever kvcopy calls it, run on the CPU between host memory (see the
+    module's docstring); raises ValueError for memory the process cannot read or write
+    on the host, and for indices on the GPU."""
+    with _standing_in([(copy_rows, _copy_rows_on_host),
+                       (compat_vllm._torch_stream, lambda caller: None)]):
+        yield
+
+
 __all__ = ["CUDA_LAYERS", "capabilities", "cuda", "describe_copies_answered",
            "describe_copies_in", "engine", "fake_clock", "fake_compiler", "fake_cuda",
-           "fake_runtime", "fast_describe_available", "settings"]
+           "fake_runtime", "fast_describe_available", "rows_on_host", "settings"]

@@ -120,3 +120,23 @@ def test_a_submit_that_raises_records_no_transfer():
 def test_bad_flags_are_named(make, words):
     with pytest.raises(TypeError, match=words):
         make()
+
+
+def test_the_backend_moves_every_fragment_of_its_runs():
+    from kvcopy.testing import rows_on_host
+
+    src = random_bytes((1 << 14,), 8)
+    dst = np.zeros(1 << 14, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    runs = [Run(s + 64 * k, d + 4000 + 512 * k, 64, 5, 1024, 96) for k in range(3)]
+    runs.append(Run(s + 9000, d + 100, 24, 9, 40, 24))
+    adapter = CopyBackendAdapter(gpu_to_cpu=True)
+    with rows_on_host():
+        adapter.submit(1, runs)
+    adapter.finish_transfer(1)
+    want = np.zeros_like(dst)
+    for run in runs:
+        for j in range(run.num_fragments):
+            lo, to = run.src_base - s + j * run.src_stride, run.dst_base - d + j * run.dst_stride
+            want[to:to + run.fragment_size] = src[lo:lo + run.fragment_size]
+    np.testing.assert_array_equal(dst, want)

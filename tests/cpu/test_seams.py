@@ -31,3 +31,22 @@ def test_fake_cuda_reaches_every_user_of_a_layer_and_leaves_none_behind():
     with pytest.raises(ValueError, match="no layer"):
         with testing.fake_cuda(fake, ("drivers",)):
             pass
+
+
+def test_rows_on_host_runs_copy_rows_between_host_arrays_and_puts_it_back():
+    import numpy as np
+
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, np.uint8)
+    a = kvcopy.Layout.from_pointers([src.ctypes.data], slots=8, row_bytes=8)
+    b = kvcopy.Layout.from_pointers([dst.ctypes.data], slots=8, row_bytes=8)
+    real = kvcopy.copy_rows
+    with testing.rows_on_host():
+        assert kvcopy.copy_rows(a, b, [3, 0, -1], [1, 6, 2]) == "host"
+        wild = kvcopy.Layout.from_pointers([8], slots=8, row_bytes=8)   # no host mapping
+        with pytest.raises(ValueError, match="are not host memory this process reads"):
+            kvcopy.copy_rows(a, wild, [3, 2], [0, 1])
+    assert kvcopy.copy_rows is real
+    want = np.zeros(64, np.uint8)
+    want[8:16], want[48:56] = src[24:32], src[0:8]
+    np.testing.assert_array_equal(dst, want)
