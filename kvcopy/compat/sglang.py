@@ -13,6 +13,14 @@ layout_dim / head_num + l * item_size / head_num``.
 call (the ``_mla`` forms have one buffer). Each call is one kvcopy.copy_rows on
 torch's current stream; ``block_quota`` and ``num_warps_per_block`` are SGLang's
 launch shape, accepted and left to kvcopy's policy.
+
+The ``_direct`` transfers take lists of tensors instead: per-layer tensors (K's
+layers, then V's; one list for MLA), a token a row of their first dimension, and
+page-first direct host buffers ``[pages, layers, page_size, ...]`` (K's and V's, or
+one for MLA). SGLang moves their tokens a page (or a run of consecutive tokens) at a
+time, its indices brought to the host first; kvcopy moves them token by token, the
+indices read where they are, which is the same where each page's indices are
+consecutive (SGLang's own condition).
 """
 from __future__ import annotations
 
@@ -197,3 +205,78 @@ def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, i
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
               _page_first((dst,), ("dst",), item, dim, layers), src_indices, dst_indices)
+
+
+def _token_rows(tensors: Any, name: str) -> Layout:
+    """Per-layer tensors as planes, in the list's order, a token a row of dimension 0."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    return Layout.of(list(tensors), slot=0, name=name)
+
+
+def _page_first_direct(tensors: Any, name: str, page_size: int) -> tuple[Layout, int]:
+    """Page-first direct buffers as planes (each buffer's layers, in order) and their
+    number of layers."""
+    if not isinstance(tensors, (list, tuple)) or len(tensors) not in (1, 2):
+        raise TypeError(f"{name} must be a list of one or two page-first tensors [pages, "
+                        "layers, page_size, ...]")
+    if not hasattr(tensors[0], "shape"):
+        raise TypeError(f"{name}[0] must be a tensor, got {type(tensors[0]).__name__}")
+    shape = tuple(tensors[0].shape)
+    if len(shape) < 3 or shape[2] != page_size:
+        raise ValueError(f"{name}: shape {shape} is not [pages, layers, page_size={page_size}, "
+                         "...]")
+    return Layout.of(list(tensors), page=0, slot=2, planes=(1,), name=name), shape[1]
+
+
+def _page_first_planes(host: Layout, buffers: int, layers: int, first: int, count: int,
+                       name: str) -> Layout:
+    """The host buffers' planes of layers ``first`` .. ``first + count - 1`` (K's, then V's)."""
+    if first + count > layers:
+        raise ValueError(f"{name}: layers {first} to {first + count - 1} of {layers}")
+    return host.select([b * layers + first + j for b in range(buffers) for j in range(count)])
+
+
+def _layers_per_buffer(device: Any, buffers: int, name: str) -> int:
+    """How many layers the per-layer list holds for each of the host's ``buffers``."""
+    if not isinstance(device, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(device).__name__}")
+    if not device or len(device) % buffers:
+        raise ValueError(f"{name}: {len(device)} tensors are not {buffers} equal lists of "
+                         "layers (K's, then V's)")
+    return len(device) // buffers
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """Every token of ``src_indices`` from each tensor of ``src_layers`` to the same tensor
+    of ``dst_layers`` (a token a row of dimension 0)."""
+    require_int(page_size, "page_size", minimum=1)
+    src, dst = _token_rows(src_layers, "src_layers"), _token_rows(dst_layers, "dst_layers")
+    if src.num_planes != dst.num_planes:
+        raise ValueError(f"src_layers has {src.num_planes} tensors and dst_layers "
+                         f"{dst.num_planes}")
+    copy_rows(src, dst, src_indices, dst_indices)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id,
+                                       page_size) -> None:
+    """Tokens of page-first direct host buffers (``src_ptrs``), from layer ``layer_id`` on,
+    into per-layer tensors (``dst_ptrs``: K's layers, then V's)."""
+    tokens = require_int(page_size, "page_size", minimum=1)
+    first = require_int(layer_id, "layer_id", minimum=0)
+    host, layers = _page_first_direct(src_ptrs, "src_ptrs", tokens)
+    count = _layers_per_buffer(dst_ptrs, len(src_ptrs), "dst_ptrs")
+    copy_rows(_page_first_planes(host, len(src_ptrs), layers, first, count, "src_ptrs"),
+              _token_rows(dst_ptrs, "dst_ptrs"), src_indices, dst_indices)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices,
+                                       page_size) -> None:
+    """Tokens of per-layer tensors (``src_ptrs``: K's layers, then V's) into page-first
+    direct host buffers (``dst_ptrs``), every layer."""
+    tokens = require_int(page_size, "page_size", minimum=1)
+    host, layers = _page_first_direct(dst_ptrs, "dst_ptrs", tokens)
+    count = _layers_per_buffer(src_ptrs, len(dst_ptrs), "src_ptrs")
+    copy_rows(_token_rows(src_ptrs, "src_ptrs"),
+              _page_first_planes(host, len(dst_ptrs), layers, 0, count, "dst_ptrs"),
+              src_indices, dst_indices)

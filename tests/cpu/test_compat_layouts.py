@@ -126,3 +126,63 @@ def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, hea
                     at = _page_head_offset(a, lay, h, item, dim, page_size, heads)
                     want[at:at + head_dim] = row[h * head_dim:(h + 1) * head_dim]
         np.testing.assert_array_equal(page_head.numpy(), want)
+
+
+def _tokens_of(pages: list[int], page_size: int) -> torch.Tensor:
+    return torch.tensor([p * page_size + i for p in pages for i in range(page_size)])
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_sglang_direct_transfers_move_pages_as_sglang_does(mla):
+    from kvcopy.testing import rows_on_host
+
+    layers, page, heads, head_dim = 3, 4, 2, 8
+    buffers = 1 if mla else 2
+    device = [torch.from_numpy(random_bytes((10 * page, heads, head_dim), 20 + k))
+              for k in range(buffers * layers)]           # K's layers, then V's
+    host = [torch.zeros((6, layers, page, heads, head_dim), dtype=torch.uint8)
+            for _ in range(buffers)]                       # page-first direct
+    device_pages, host_pages = [2, 7, 4], [3, 0, 5]
+    on_device, on_host = _tokens_of(device_pages, page), _tokens_of(host_pages, page)
+    with rows_on_host():
+        sglang.transfer_kv_all_layer_direct_lf_pf(device, host, on_device, on_host, page)
+        back = [torch.zeros_like(device[0]) for _ in range(buffers)]
+        sglang.transfer_kv_per_layer_direct_pf_lf(host, back, on_host, on_device, 1, page)
+        moved = [torch.zeros_like(t) for t in device]
+        order = torch.randperm(len(on_device), generator=torch.Generator().manual_seed(4))
+        sglang.transfer_kv_direct(device, moved, on_device, order, page)
+    for b in range(buffers):
+        want = torch.zeros_like(host[b])
+        for d, h in zip(device_pages, host_pages):
+            for layer in range(layers):
+                want[h, layer] = device[b * layers + layer][d * page:(d + 1) * page]
+        assert torch.equal(host[b], want)
+        want_back = torch.zeros_like(back[b])
+        want_back[on_device] = device[b * layers + 1][on_device]
+        assert torch.equal(back[b], want_back)
+    for src, dst in zip(device, moved):
+        want = torch.zeros_like(dst)
+        want[order] = src[on_device]
+        assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d, h, i, i, 8), ValueError,
+     "dst_ptrs: shape (6, 3, 4, 16) is not [pages, layers, page_size=8, ...]"),
+    (lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d[:5], h, i, i, 4), ValueError,
+     "src_ptrs: 5 tensors are not 2 equal lists of layers"),
+    (lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h, d[:2], i, i, 3, 4), ValueError,
+     "src_ptrs: layers 3 to 3 of 3"),
+    (lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h[0], d, i, i, 0, 4), TypeError,
+     "src_ptrs must be a list of one or two page-first tensors"),
+    (lambda d, h, i: sglang.transfer_kv_direct(d, d[:2], i, i, 4), ValueError,
+     "src_layers has 6 tensors and dst_layers 2"),
+    (lambda d, h, i: sglang.transfer_kv_direct(d[0], d, i, i, 4), TypeError,
+     "src_layers must be a list of tensors, got Tensor"),
+])
+def test_sglang_direct_arguments_are_named(call, error, words):
+    device = [torch.zeros((40, 16), dtype=torch.uint8) for _ in range(6)]
+    host = [torch.zeros((6, 3, 4, 16), dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(error) as info:
+        call(device, host, torch.arange(4))
+    assert words in str(info.value)

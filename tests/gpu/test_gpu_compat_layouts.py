@@ -199,6 +199,39 @@ def test_sglang_page_head_host_and_layer_tables(torch_cuda):
             assert not back_k[a].any()
 
 
+def test_sglang_direct_page_first_host_and_device_layers(torch_cuda):
+    torch = torch_cuda
+    layers, page, heads, head_dim = 4, 16, 8, 64
+    device = [rand(torch, (64 * page, heads, head_dim * 2), 50 + k).view(torch.bfloat16)
+              for k in range(2 * layers)]                  # K's layers, then V's
+    host = [torch.zeros((12, layers, page, heads, head_dim), dtype=torch.bfloat16).pin_memory()
+            for _ in range(2)]
+    device_pages, host_pages = [9, 2, 40, 17, 63], [11, 0, 5, 6, 3]
+
+    def tokens(pages):
+        return torch.tensor([p * page + i for p in pages for i in range(page)], device="cuda")
+
+    on_device, on_host = tokens(device_pages), tokens(host_pages)
+    sglang.transfer_kv_all_layer_direct_lf_pf(device, host, on_device, on_host, page)
+    back = [torch.zeros_like(device[0]) for _ in range(2)]
+    sglang.transfer_kv_per_layer_direct_pf_lf(host, back, on_host, on_device, 2, page)
+    moved = [torch.zeros_like(t) for t in device]
+    sglang.transfer_kv_direct(device, moved, on_device, on_device.flip(0), page)
+    torch.cuda.synchronize()
+    as_bytes = [t.view(torch.uint8) for t in device]
+    for kv in range(2):
+        for d, h in zip(device_pages, host_pages):
+            for layer in range(layers):
+                assert torch.equal(host[kv][h, layer].view(torch.uint8),
+                                   as_bytes[kv * layers + layer][d * page:(d + 1) * page].cpu())
+        assert torch.equal(back[kv][on_device].view(torch.uint8),
+                           as_bytes[kv * layers + 2][on_device])
+    for src, dst in zip(as_bytes, moved):
+        assert torch.equal(dst.view(torch.uint8)[on_device.flip(0)], src[on_device])
+    untouched = [t for t in range(64 * page) if t not in set(on_device.tolist())]
+    assert not back[0].view(torch.uint8)[untouched].any()
+
+
 def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
     from kvcopy.compat.vllm import CopyBackendAdapter, CopyRunDescriptor
 
