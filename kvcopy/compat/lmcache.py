@@ -22,7 +22,11 @@ this module's, their values, or, as LMCache's earlier op took, a ``use_mla`` boo
   back to back).
 
 The SGLang MHA formats go by ``multi_layer_kv_transfer_unilateral`` (K's layers, then
-V's, each ``[page_buffer_size, hidden]``), as in LMCache. Each call is one
+V's, each ``[page_buffer_size, hidden]``), as in LMCache. One layer at a time,
+``single_layer_kv_transfer`` moves tokens between a layer's chunk (``[tokens, 2,
+hidden]`` with ``token_major``, else ``[2, tokens, hidden]``; ``[tokens, hidden]`` for
+MLA) and that layer's vLLM cache tensor, and ``single_layer_kv_transfer_sgl`` between
+it and SGLang's K and V tensors ``[blocks, block_size, heads, head_size]``. Each call is one
 kvcopy.copy_rows on torch's current stream: the copy kernel reads the slot mapping
 where it is (GPU or host) and computes every address, whatever the alignment.
 """
@@ -32,7 +36,7 @@ from enum import IntEnum
 from typing import Any
 
 from kvcopy.api import copy_rows
-from kvcopy.arguments import require_int
+from kvcopy.arguments import require_bool, require_int
 from kvcopy.compat.pointer_tables import addresses_of
 from kvcopy.layouts import Layout
 
@@ -253,3 +257,77 @@ def multi_layer_kv_transfer_unilateral(key_value: Any, key_value_ptrs: Any, slot
     multi_layer_kv_transfer, as in LMCache."""
     _run(unilateral_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size, direction,
                          engine_kv_format))
+
+
+# A layer's vLLM cache tensor per format: (K/V dimension, if any), page, slot, and the
+# heads' dimension where they come before the block's tokens (HND).
+_LAYER_TENSOR = {
+    _F.NL_X_TWO_NB_BS_NH_HS: ((0,), 1, 2, None),   # [2, blocks, block_size, heads, head_size]
+    _F.NL_X_NB_TWO_BS_NH_HS: ((1,), 0, 2, None),   # [blocks, 2, block_size, heads, head_size]
+    _F.NL_X_TWO_NB_NH_BS_HS: ((0,), 1, 3, 2),      # [2, blocks, heads, block_size, head_size]
+    _F.NL_X_NB_TWO_NH_BS_HS: ((1,), 0, 3, 2),      # [blocks, 2, heads, block_size, head_size]
+    _F.NL_X_NB_BS_HS: ((), 0, 1, None),            # [blocks, block_size, head_size]
+}
+
+
+def _layer_chunk(cache: Any, mla: bool, token_major: Any) -> Layout:
+    """A layer's LMCache chunk as planes (K, then V), a token a row."""
+    name = "lmc_key_value_cache"
+    _tensor_of_dims(cache, name, 2 if mla else 3)
+    if mla:
+        return Layout.of(cache, slot=0, name=name)
+    if require_bool(token_major, "token_major"):
+        return Layout.of(cache, planes=(1,), slot=0, name=name)
+    return Layout.of(cache, planes=(0,), slot=1, name=name)
+
+
+def _tensor_of_dims(tensor: Any, name: str, dims: int) -> None:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
+        found = (f"shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                 else type(tensor).__name__)
+        raise TypeError(f"{name} must be a {dims}-D torch.Tensor, got {found}")
+
+
+def single_layer_rows(lmc_key_value_cache: Any, vllm_key_value_cache: Any, slot_mapping: Any,
+                      direction: Any, engine_kv_format: Any, token_major: Any = False) -> Rows:
+    """single_layer_kv_transfer's work as copy_rows' arguments, every argument checked."""
+    fmt = _engine_format(engine_kv_format)
+    if fmt not in _LAYER_TENSOR:
+        raise ValueError(f"engine_kv_format {fmt.name}: LMCache's single_layer_kv_transfer does "
+                         "not take it")
+    gather = _direction(direction)
+    planes, page, slot, heads = _LAYER_TENSOR[fmt]
+    _tensor_of_dims(vllm_key_value_cache, "vllm_key_value_cache", 5 if planes else 3)
+    paged = Layout.of(vllm_key_value_cache, planes=planes, page=page, slot=slot, pieces=heads,
+                      name="vllm_key_value_cache")
+    chunk = _layer_chunk(lmc_key_value_cache, not planes, token_major)
+    tokens = len(slot_mapping)
+    if gather:
+        return paged, chunk, slot_mapping, None, tokens
+    return chunk, paged, None, slot_mapping, tokens
+
+
+def single_layer_kv_transfer(lmc_key_value_cache: Any, vllm_key_value_cache: Any,
+                             slot_mapping: Any, direction: Any, engine_kv_format: Any,
+                             token_major: Any = False) -> None:
+    """One layer's K and V rows of the tokens in ``slot_mapping`` between that layer's
+    chunk (token t a row of it) and its vLLM cache tensor, laid out as
+    ``engine_kv_format`` (flash-attn or flashinfer, NHD or HND, or MLA)."""
+    _run(single_layer_rows(lmc_key_value_cache, vllm_key_value_cache, slot_mapping, direction,
+                           engine_kv_format, token_major))
+
+
+def single_layer_kv_transfer_sgl(lmc_key_value_cache: Any, sgl_key_cache: Any,
+                                 sgl_value_cache: Any, slot_mapping: Any, direction: Any,
+                                 token_major: Any = False) -> None:
+    """One layer's K and V rows of the tokens in ``slot_mapping`` between that layer's
+    chunk and SGLang's K and V tensors (``[blocks, block_size, heads, head_size]``)."""
+    gather = _direction(direction)
+    _tensor_of_dims(sgl_key_cache, "sgl_key_cache", 4)
+    paged = Layout.of([sgl_key_cache, sgl_value_cache], page=0, slot=1, name="sgl_key_cache")
+    chunk = _layer_chunk(lmc_key_value_cache, False, token_major)
+    tokens = len(slot_mapping)
+    _run((paged, chunk, slot_mapping, None, tokens) if gather
+         else (chunk, paged, None, slot_mapping, tokens))

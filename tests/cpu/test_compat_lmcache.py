@@ -152,3 +152,83 @@ def test_the_unilateral_op_counts_k_and_v_layers():
                                          r"1 layers \(2\)"):
         lmcache.unilateral_rows(torch.zeros((2, 1, 2, 8)), torch.tensor([4096]),
                                 np.array([0, 1]), 8, True)
+
+
+def _layer_row(cache, fmt, kv, slot):
+    """Where LMCache's single-layer kernel finds a token's row in a layer's vLLM tensor."""
+    b, at = divmod(slot, BLOCK)
+    return {F.NL_X_TWO_NB_BS_NH_HS: lambda: cache[kv, b, at],
+            F.NL_X_NB_TWO_BS_NH_HS: lambda: cache[b, kv, at],
+            F.NL_X_TWO_NB_NH_BS_HS: lambda: cache[kv, b, :, at],
+            F.NL_X_NB_TWO_NH_BS_HS: lambda: cache[b, kv, :, at],
+            F.NL_X_NB_BS_HS: lambda: cache[b, at]}[fmt]().reshape(-1)
+
+
+LAYER_SHAPES = {F.NL_X_TWO_NB_BS_NH_HS: (2, 6, BLOCK, HEADS, HEAD),
+                F.NL_X_NB_TWO_BS_NH_HS: (6, 2, BLOCK, HEADS, HEAD),
+                F.NL_X_TWO_NB_NH_BS_HS: (2, 6, HEADS, BLOCK, HEAD),
+                F.NL_X_NB_TWO_NH_BS_HS: (6, 2, HEADS, BLOCK, HEAD),
+                F.NL_X_NB_BS_HS: (6, BLOCK, HEADS * HEAD)}
+
+
+@pytest.mark.parametrize("fmt", list(LAYER_SHAPES), ids=[f.name for f in LAYER_SHAPES])
+@pytest.mark.parametrize("token_major", [True, False])
+@pytest.mark.parametrize("direction", ["D2H", "H2D"])
+def test_a_single_layer_moves_as_lmcaches_kernel_does(fmt, token_major, direction):
+    from kvcopy.testing import rows_on_host
+
+    mla = fmt is F.NL_X_NB_BS_HS
+    hidden = HEADS * HEAD
+    layer = torch.from_numpy(random_bytes(LAYER_SHAPES[fmt] + (2,), 6).view(np.int16)[..., 0])
+    shape = (TOKENS, hidden) if mla else (TOKENS, 2, hidden) if token_major else (2, TOKENS, hidden)
+    chunk = torch.from_numpy(random_bytes(shape + (2,), 7).view(np.int16)[..., 0])
+    slot_mapping = torch.from_numpy(np.random.default_rng(8).permutation(6 * BLOCK)[:TOKENS])
+    slot_mapping[3] = -1
+    before_layer, before_chunk = layer.clone(), chunk.clone()
+    with rows_on_host():
+        lmcache.single_layer_kv_transfer(chunk, layer, slot_mapping,
+                                         getattr(TransferDirection, direction), fmt, token_major)
+
+    def chunk_row(tensor, t, kv):
+        return tensor[t] if mla else tensor[t, kv] if token_major else tensor[kv, t]
+
+    planes = range(1 if mla else 2)
+    moved = [(t, s) for t, s in enumerate(slot_mapping.tolist()) if s >= 0]
+    if direction == "D2H":
+        want = before_chunk.clone()
+        for t, s in moved:
+            for kv in planes:
+                chunk_row(want, t, kv).copy_(_layer_row(before_layer, fmt, kv, s))
+        assert torch.equal(chunk, want) and torch.equal(layer, before_layer)
+        return
+    assert torch.equal(chunk, before_chunk)
+    for t, s in moved:
+        for kv in planes:
+            assert torch.equal(_layer_row(layer, fmt, kv, s), chunk_row(chunk, t, kv))
+    for s in set(range(6 * BLOCK)) - {s for _, s in moved}:
+        for kv in planes:
+            assert torch.equal(_layer_row(layer, fmt, kv, s), _layer_row(before_layer, fmt, kv, s))
+
+
+def test_a_single_sglang_layer_moves_its_k_and_v_tensors():
+    from kvcopy.testing import rows_on_host
+
+    k, v = (torch.from_numpy(random_bytes((6, BLOCK, HEADS, HEAD), seed)) for seed in (9, 10))
+    chunk = torch.zeros((TOKENS, 2, HEADS * HEAD), dtype=torch.uint8)
+    slot_mapping = torch.arange(TOKENS) * 2
+    with rows_on_host():
+        lmcache.single_layer_kv_transfer_sgl(chunk, k, v, slot_mapping, True, True)
+    for t, s in enumerate(slot_mapping.tolist()):
+        assert torch.equal(chunk[t, 0], k[s // BLOCK, s % BLOCK].reshape(-1))
+        assert torch.equal(chunk[t, 1], v[s // BLOCK, s % BLOCK].reshape(-1))
+
+
+def test_a_single_layer_names_what_it_does_not_take():
+    chunk, layer = torch.zeros((2, 4, 8)), torch.zeros((2, 3, 4, 2, 4))
+    with pytest.raises(ValueError, match="NL_X_NB_NH_BS_TWO_HS: LMCache's single_layer_kv_"):
+        lmcache.single_layer_kv_transfer(chunk, layer, [0], True, F.NL_X_NB_NH_BS_TWO_HS)
+    with pytest.raises(TypeError, match=r"vllm_key_value_cache must be a 3-D torch.Tensor, got "
+                                        r"shape \(2, 3, 4, 2, 4\)"):
+        lmcache.single_layer_kv_transfer(chunk, layer, [0], True, F.NL_X_NB_BS_HS)
+    with pytest.raises(TypeError, match="token_major must be True or False"):
+        lmcache.single_layer_kv_transfer(chunk, layer, [0], True, F.NL_X_TWO_NB_BS_NH_HS, "yes")

@@ -94,6 +94,30 @@ def test_lmcache_formats_by_heads_and_blocks(torch_cuda, fmt):
     assert sum(int(p.count_nonzero()) for p in paged) <= len(moved) * len(rows) * hidden
 
 
+def test_lmcache_single_layer_hnd_and_sglang(torch_cuda):
+    torch = torch_cuda
+    blocks, block, heads, head, tokens = 8, 16, 4, 128, 50
+    layer = rand(torch, (2, blocks, heads, block, head * 2), 60).view(torch.bfloat16)
+    k, v = (rand(torch, (blocks, block, heads, head * 2), seed).view(torch.bfloat16)
+            for seed in (61, 62))
+    mapping = slots(torch, tokens, blocks * block, 13, skip=(7,))
+    chunk = torch.zeros((tokens, 2, heads * head), dtype=torch.bfloat16).pin_memory()
+    sgl_chunk = torch.zeros((2, tokens, heads * head), dtype=torch.bfloat16).pin_memory()
+    lmcache.single_layer_kv_transfer(chunk, layer, mapping, lmcache.TransferDirection.D2H,
+                                     lmcache.EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, True)
+    lmcache.single_layer_kv_transfer_sgl(sgl_chunk, k, v, mapping, True, False)
+    torch.cuda.synchronize()
+    for t, s in enumerate(mapping.tolist()):
+        b, at = divmod(s, block)
+        for kv, sgl in ((0, k), (1, v)):
+            got, got_sgl = chunk[t, kv].view(torch.uint8), sgl_chunk[kv, t].view(torch.uint8)
+            if s < 0:
+                assert not got.any() and not got_sgl.any()
+                continue
+            assert torch.equal(got, layer[kv, b, :, at].reshape(-1).view(torch.uint8).cpu())
+            assert torch.equal(got_sgl, sgl[b, at].reshape(-1).view(torch.uint8).cpu())
+
+
 def test_sglang_per_layer_and_mla(torch_cuda):
     torch = torch_cuda
     item = 256
