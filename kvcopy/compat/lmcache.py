@@ -32,6 +32,7 @@ where it is (GPU or host) and computes every address, whatever the alignment.
 """
 from __future__ import annotations
 
+import operator
 from enum import IntEnum
 from typing import Any
 
@@ -80,10 +81,10 @@ def _member(value: Any, enum: type[IntEnum], name: str) -> Any:
     found = getattr(value, "name", None)
     if isinstance(found, str) and found in enum.__members__:
         return enum.__members__[found]
-    if isinstance(value, int) and not isinstance(value, bool):
+    if not isinstance(value, bool):
         try:
-            return enum(value)
-        except ValueError:
+            return enum(operator.index(value))   # (Python and NumPy integers)
+        except (TypeError, ValueError):
             pass
     raise ValueError(f"{name} must be one of {', '.join(enum.__members__)}, got {value!r}")
 

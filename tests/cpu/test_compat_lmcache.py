@@ -111,7 +111,7 @@ def test_formats_and_directions_come_by_name_value_or_the_older_bools():
     chunk = torch.zeros((1, 1, 2, 8), dtype=torch.int16)
     ptrs = torch.tensor([4096], dtype=torch.int64)
     theirs = types.SimpleNamespace(name="NL_X_NB_BS_HS", value=99)   # LMCache's pybind enum
-    for fmt in (theirs, 3, F.NL_X_NB_BS_HS, True):
+    for fmt in (theirs, 3, np.int64(3), F.NL_X_NB_BS_HS, True):
         for direction in (types.SimpleNamespace(name="D2H"), 1, True):
             src, dst, src_indices, dst_indices, count = lmcache.transfer_rows(
                 chunk, ptrs, np.array([0, 1]), 8, direction, fmt)
