@@ -332,3 +332,16 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: Any, sgl_key_cache: Any,
     tokens = len(slot_mapping)
     _run((paged, chunk, slot_mapping, None, tokens) if gather
          else (chunk, paged, None, slot_mapping, tokens))
+
+
+__all__ = [
+    "EngineKVFormat",
+    "TransferDirection",
+    "multi_layer_kv_transfer",
+    "multi_layer_kv_transfer_unilateral",
+    "single_layer_kv_transfer",
+    "single_layer_kv_transfer_sgl",
+    "single_layer_rows",
+    "transfer_rows",
+    "unilateral_rows",
+]

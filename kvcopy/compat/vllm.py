@@ -206,3 +206,12 @@ class CopyBackendAdapter:
         """Forget every job in flight."""
         self._jobs.clear()
         self.backend.clear()
+
+
+__all__ = [
+    "CopyBackend",
+    "CopyBackendAdapter",
+    "CopyRunDescriptor",
+    "run_groups",
+    "swap_blocks_batch",
+]
