@@ -38,6 +38,7 @@ from typing import Any
 
 from kvcopy.api import copy_rows
 from kvcopy.arguments import require_bool, require_int
+from kvcopy.compat.kept_layouts import kept_layout
 from kvcopy.compat.pointer_tables import addresses_of
 from kvcopy.layouts import Layout
 
@@ -162,10 +163,12 @@ def _tokens_slots(slot_mapping: Any, skip: int, tokens: int) -> Any:
 Rows = tuple[Layout, Layout, Any, Any, int]   # copy_rows' src, dst, their indices, rows
 
 
-def _chunk_rows(paged: Layout, key_value: Any, slot_mapping: Any, tokens: int,
+def _chunk_rows(paged: Layout, key_value: Any, skip: int, slot_mapping: Any, tokens: int,
                 gather: bool) -> Rows:
-    """The chunk's rows (a layer's K, then its V) to or from the paged slots."""
-    chunk = Layout.of(key_value, planes=(1, 0), slot=2, name="key_value")
+    """The chunk's rows from token ``skip`` on (a layer's K, then its V) to or from the
+    paged slots."""
+    chunk = kept_layout([key_value], ("chunk", skip), lambda: Layout.of(
+        key_value[:, :, skip:], planes=(1, 0), slot=2, name="key_value"))
     if gather:
         return paged, chunk, slot_mapping, None, tokens
     return chunk, paged, None, slot_mapping, tokens
@@ -197,11 +200,13 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     bases = addresses_of(key_value_ptrs, "key_value_ptrs")
     if len(bases) != layers:
         raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-    paged = _paged(fmt, bases, slots, row, block, head, step * key_value.element_size(),
-                   (key_value_ptrs,))
+    paged = kept_layout([key_value_ptrs], ("paged", fmt, slots, row, block, head, step),
+                        lambda: _paged(fmt, bases, slots, row, block, head,
+                                       step * key_value.element_size(), (key_value_ptrs,)),
+                        contents=True)
     if skip == tokens:
         return None
-    return _chunk_rows(paged, key_value[:, :, skip:], _tokens_slots(slot_mapping, skip, tokens),
+    return _chunk_rows(paged, key_value, skip, _tokens_slots(slot_mapping, skip, tokens),
                        tokens - skip, gather)
 
 
@@ -220,10 +225,11 @@ def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     if len(bases) != 2 * layers:
         raise ValueError(f"key_value_ptrs has {len(bases)} addresses, expected K's and V's "
                          f"{layers} layers ({2 * layers})")
-    paged = Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
-                                  for kv in (0, 1)], slots=slots, row_bytes=row,
-                                 keep=(key_value_ptrs,))
-    return _chunk_rows(paged, key_value, _tokens_slots(slot_mapping, 0, tokens), tokens, gather)
+    paged = kept_layout([key_value_ptrs], ("unilateral", layers, slots, row), lambda: (
+        Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
+                              for kv in (0, 1)], slots=slots, row_bytes=row)), contents=True)
+    return _chunk_rows(paged, key_value, 0, _tokens_slots(slot_mapping, 0, tokens), tokens,
+                       gather)
 
 
 def _run(rows: Rows | None) -> None:
@@ -275,11 +281,12 @@ def _layer_chunk(cache: Any, mla: bool, token_major: Any) -> Layout:
     """A layer's LMCache chunk as planes (K, then V), a token a row."""
     name = "lmc_key_value_cache"
     _tensor_of_dims(cache, name, 2 if mla else 3)
+    major = require_bool(token_major, "token_major")
     if mla:
-        return Layout.of(cache, slot=0, name=name)
-    if require_bool(token_major, "token_major"):
-        return Layout.of(cache, planes=(1,), slot=0, name=name)
-    return Layout.of(cache, planes=(0,), slot=1, name=name)
+        return kept_layout([cache], ("layer chunk",), lambda: Layout.of(cache, slot=0, name=name))
+    planes, slot = ((1,), 0) if major else ((0,), 1)
+    return kept_layout([cache], ("layer chunk", major),
+                       lambda: Layout.of(cache, planes=planes, slot=slot, name=name))
 
 
 def _tensor_of_dims(tensor: Any, name: str, dims: int) -> None:
@@ -301,8 +308,9 @@ def single_layer_rows(lmc_key_value_cache: Any, vllm_key_value_cache: Any, slot_
     gather = _direction(direction)
     planes, page, slot, heads = _LAYER_TENSOR[fmt]
     _tensor_of_dims(vllm_key_value_cache, "vllm_key_value_cache", 5 if planes else 3)
-    paged = Layout.of(vllm_key_value_cache, planes=planes, page=page, slot=slot, pieces=heads,
-                      name="vllm_key_value_cache")
+    paged = kept_layout([vllm_key_value_cache], ("layer", fmt), lambda: Layout.of(
+        vllm_key_value_cache, planes=planes, page=page, slot=slot, pieces=heads,
+        name="vllm_key_value_cache"))
     chunk = _layer_chunk(lmc_key_value_cache, not planes, token_major)
     tokens = len(slot_mapping)
     if gather:
@@ -327,7 +335,8 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: Any, sgl_key_cache: Any,
     chunk and SGLang's K and V tensors (``[blocks, block_size, heads, head_size]``)."""
     gather = _direction(direction)
     _tensor_of_dims(sgl_key_cache, "sgl_key_cache", 4)
-    paged = Layout.of([sgl_key_cache, sgl_value_cache], page=0, slot=1, name="sgl_key_cache")
+    paged = kept_layout([sgl_key_cache, sgl_value_cache], ("sgl layer",), lambda: Layout.of(
+        [sgl_key_cache, sgl_value_cache], page=0, slot=1, name="sgl_key_cache"))
     chunk = _layer_chunk(lmc_key_value_cache, False, token_major)
     tokens = len(slot_mapping)
     _run((paged, chunk, slot_mapping, None, tokens) if gather

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcopy.api import copy_rows
 from kvcopy.arguments import require_int
+from kvcopy.compat.kept_layouts import kept_layout
 from kvcopy.compat.pointer_tables import addresses_of, reaches_of
 from kvcopy.layouts import Layout
 
@@ -45,28 +46,34 @@ def _bytes_of(tensors: tuple, names: tuple) -> int:
 def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
              offset: int = 0) -> Layout:
     """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
-    nbytes = _bytes_of(tensors, names)
-    if nbytes < offset + item_size:
-        raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes at "
-                         f"offset {offset}")
-    return Layout.from_pointers([t.data_ptr() + offset for t in tensors],
-                                slots=(nbytes - offset - item_size) // stride + 1,
-                                row_bytes=item_size, slot_stride=stride, keep=tensors)
+    def build() -> Layout:
+        nbytes = _bytes_of(tensors, names)
+        if nbytes < offset + item_size:
+            raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes "
+                             f"at offset {offset}")
+        return Layout.from_pointers([t.data_ptr() + offset for t in tensors],
+                                    slots=(nbytes - offset - item_size) // stride + 1,
+                                    row_bytes=item_size, slot_stride=stride, keep=tensors)
+
+    return kept_layout(tensors, ("buffers", item_size, stride, offset), build)
 
 
 def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Layout:
     """Per-layer address tables as planes (K's layers, then V's)."""
-    bases, reaches = [], []
-    for table, name in zip(tables, names):
-        found = addresses_of(table, name)
-        if len(found) < num_layers:
-            raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
-        bases += found[:num_layers]
-        reaches += reaches_of(table, name, num_layers)
-    slots = min(reaches) // item_size
-    if slots == 0:
-        raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
-    return Layout.from_pointers(bases, slots=slots, row_bytes=item_size, keep=tables)
+    def build() -> Layout:
+        bases, reaches = [], []
+        for table, name in zip(tables, names):
+            found = addresses_of(table, name)
+            if len(found) < num_layers:
+                raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
+            bases += found[:num_layers]
+            reaches += reaches_of(table, name, num_layers)
+        slots = min(reaches) // item_size
+        if slots == 0:
+            raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
+        return Layout.from_pointers(bases, slots=slots, row_bytes=item_size, keep=tables)
+
+    return kept_layout(tables, ("tables", item_size, num_layers), build, contents=True)
 
 
 def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size,
@@ -104,10 +111,14 @@ def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) 
     if layers * item > dim:
         raise ValueError(f"{names[0]}: {layers} layers of {item} bytes do not fit a layout_dim "
                          f"of {dim}")
-    last = _buffers(tensors, names, item, dim, (layers - 1) * item)   # the last layer fits
-    bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
-    return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim,
-                                keep=tensors)
+
+    def build() -> Layout:
+        last = _buffers(tensors, names, item, dim, (layers - 1) * item)   # the last layer fits
+        bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
+        return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim,
+                                    keep=tensors)
+
+    return kept_layout(tensors, ("page first", item, dim, layers), build)
 
 
 def _page_head(tensors: tuple, names: tuple, item: int, dim: int, layers: range,
@@ -120,15 +131,19 @@ def _page_head(tensors: tuple, names: tuple, item: int, dim: int, layers: range,
     if layers.stop * item > dim:
         raise ValueError(f"{names[0]}: layer {layers.stop - 1} of {item} bytes does not fit a "
                          f"layout_dim of {dim}")
-    page = page_size * dim
-    pages = _bytes_of(tensors, names) // page
-    if pages == 0:
-        raise ValueError(f"{names[0]}: holds no page of {page_size} tokens of {dim} bytes")
-    head = dim // heads
-    bases = [t.data_ptr() + layer * (item // heads) for t in tensors for layer in layers]
-    return Layout.from_pointers(bases, slots=pages * page_size, row_bytes=item,
-                                page_size=page_size, page_stride=page, slot_stride=head,
-                                pieces=heads, piece_stride=head * page_size, keep=tensors)
+    page, head = page_size * dim, dim // heads
+
+    def build() -> Layout:
+        pages = _bytes_of(tensors, names) // page
+        if pages == 0:
+            raise ValueError(f"{names[0]}: holds no page of {page_size} tokens of {dim} bytes")
+        bases = [t.data_ptr() + layer * (item // heads) for t in tensors for layer in layers]
+        return Layout.from_pointers(bases, slots=pages * page_size, row_bytes=item,
+                                    page_size=page_size, page_stride=page, slot_stride=head,
+                                    pieces=heads, piece_stride=head * page_size, keep=tensors)
+
+    return kept_layout(tensors, ("page head", item, dim, layers.start, layers.stop, page_size,
+                                 heads), build)
 
 
 def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id,
@@ -211,30 +226,33 @@ def _token_rows(tensors: Any, name: str) -> Layout:
     """Per-layer tensors as planes, in the list's order, a token a row of dimension 0."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
-    return Layout.of(list(tensors), slot=0, name=name)
+    return kept_layout(tensors, ("token rows",),
+                       lambda: Layout.of(list(tensors), slot=0, name=name))
 
 
-def _page_first_direct(tensors: Any, name: str, page_size: int) -> tuple[Layout, int]:
-    """Page-first direct buffers as planes (each buffer's layers, in order) and their
-    number of layers."""
+def _page_first_layers(tensors: Any, name: str, page_size: int, first: int,
+                       count: int) -> Layout:
+    """Page-first direct buffers' planes of layers ``first`` .. ``first + count - 1``
+    (each buffer's, in order: K's, then V's)."""
     if not isinstance(tensors, (list, tuple)) or len(tensors) not in (1, 2):
         raise TypeError(f"{name} must be a list of one or two page-first tensors [pages, "
                         "layers, page_size, ...]")
-    if not hasattr(tensors[0], "shape"):
-        raise TypeError(f"{name}[0] must be a tensor, got {type(tensors[0]).__name__}")
-    shape = tuple(tensors[0].shape)
-    if len(shape) < 3 or shape[2] != page_size:
-        raise ValueError(f"{name}: shape {shape} is not [pages, layers, page_size={page_size}, "
-                         "...]")
-    return Layout.of(list(tensors), page=0, slot=2, planes=(1,), name=name), shape[1]
 
+    def build() -> Layout:
+        if not hasattr(tensors[0], "shape"):
+            raise TypeError(f"{name}[0] must be a tensor, got {type(tensors[0]).__name__}")
+        shape = tuple(tensors[0].shape)
+        if len(shape) < 3 or shape[2] != page_size:
+            raise ValueError(f"{name}: shape {shape} is not [pages, layers, "
+                             f"page_size={page_size}, ...]")
+        layers = shape[1]
+        if first + count > layers:
+            raise ValueError(f"{name}: layers {first} to {first + count - 1} of {layers}")
+        host = Layout.of(list(tensors), page=0, slot=2, planes=(1,), name=name)
+        return host.select([b * layers + first + j for b in range(len(tensors))
+                            for j in range(count)])
 
-def _page_first_planes(host: Layout, buffers: int, layers: int, first: int, count: int,
-                       name: str) -> Layout:
-    """The host buffers' planes of layers ``first`` .. ``first + count - 1`` (K's, then V's)."""
-    if first + count > layers:
-        raise ValueError(f"{name}: layers {first} to {first + count - 1} of {layers}")
-    return host.select([b * layers + first + j for b in range(buffers) for j in range(count)])
+    return kept_layout(tensors, ("page first direct", page_size, first, count), build)
 
 
 def _layers_per_buffer(device: Any, buffers: int, name: str) -> int:
@@ -264,9 +282,9 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     into per-layer tensors (``dst_ptrs``: K's layers, then V's)."""
     tokens = require_int(page_size, "page_size", minimum=1)
     first = require_int(layer_id, "layer_id", minimum=0)
-    host, layers = _page_first_direct(src_ptrs, "src_ptrs", tokens)
-    count = _layers_per_buffer(dst_ptrs, len(src_ptrs), "dst_ptrs")
-    copy_rows(_page_first_planes(host, len(src_ptrs), layers, first, count, "src_ptrs"),
+    buffers = len(src_ptrs) if isinstance(src_ptrs, (list, tuple)) else 1
+    count = _layers_per_buffer(dst_ptrs, buffers, "dst_ptrs")
+    copy_rows(_page_first_layers(src_ptrs, "src_ptrs", tokens, first, count),
               _token_rows(dst_ptrs, "dst_ptrs"), src_indices, dst_indices)
 
 
@@ -275,11 +293,11 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     """Tokens of per-layer tensors (``src_ptrs``: K's layers, then V's) into page-first
     direct host buffers (``dst_ptrs``), every layer."""
     tokens = require_int(page_size, "page_size", minimum=1)
-    host, layers = _page_first_direct(dst_ptrs, "dst_ptrs", tokens)
-    count = _layers_per_buffer(src_ptrs, len(dst_ptrs), "src_ptrs")
+    buffers = len(dst_ptrs) if isinstance(dst_ptrs, (list, tuple)) else 1
+    count = _layers_per_buffer(src_ptrs, buffers, "src_ptrs")
     copy_rows(_token_rows(src_ptrs, "src_ptrs"),
-              _page_first_planes(host, len(dst_ptrs), layers, 0, count, "dst_ptrs"),
-              src_indices, dst_indices)
+              _page_first_layers(dst_ptrs, "dst_ptrs", tokens, 0, count), src_indices,
+              dst_indices)
 
 
 __all__ = [

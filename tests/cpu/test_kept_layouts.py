@@ -1,0 +1,82 @@
+"""The drop-ins' layouts are kept for the same tensor objects while those are unchanged,
+and never for another tensor, a changed one, or a table whose contents changed; a kept
+layout keeps no tensor alive (kvcopy.compat.kept_layouts)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from kvcopy import Layout
+from kvcopy.compat import sglang
+from kvcopy.compat.kept_layouts import kept_layout
+
+torch = pytest.importorskip("torch")
+
+
+def _rows(t) -> Layout:
+    return Layout.of(t, slot=0)
+
+
+def test_the_same_tensors_and_arguments_get_the_same_layout():
+    t = torch.zeros((8, 16), dtype=torch.uint8)
+    first = kept_layout([t], ("rows",), lambda: _rows(t))
+    assert kept_layout([t], ("rows",), lambda: _rows(t)) is first
+    assert kept_layout([t], ("other",), lambda: _rows(t)) is not first
+    assert first.keep == () and first.bases.tolist() == [t.data_ptr()]
+    layers = [torch.zeros((4, 8)) for _ in range(3)]
+    assert sglang._token_rows(layers, "l") is sglang._token_rows(layers, "l")
+
+
+def test_a_changed_or_new_tensor_is_described_anew():
+    t = torch.zeros((8, 16), dtype=torch.uint8)
+    first = kept_layout([t], ("rows",), lambda: _rows(t))
+    t.set_(torch.zeros((8, 16), dtype=torch.uint8).untyped_storage())   # new memory, same shape
+    moved = kept_layout([t], ("rows",), lambda: _rows(t))
+    assert moved is not first and moved.bases.tolist() == [t.data_ptr()]
+    memory = np.zeros((8, 16), np.uint8)
+    a = torch.from_numpy(memory)
+    kept = kept_layout([a], ("rows",), lambda: _rows(a))
+    del a
+    b = torch.from_numpy(memory)   # another tensor at the same address, shape and strides
+    assert kept_layout([b], ("rows",), lambda: _rows(b)) is not kept
+
+
+def test_a_tables_contents_count_and_a_caches_do_not():
+    table = torch.tensor([4096, 8192])
+    first = kept_layout([table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4,
+                                                                      row_bytes=8),
+                        contents=True)
+    cache = torch.zeros((8, 16))
+    kept = kept_layout([cache], ("rows",), lambda: _rows(cache))
+    table[1] = 12288
+    cache[3] = 1.0                  # an engine writing its cache: still the same layout
+    again = kept_layout([table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4,
+                                                                      row_bytes=8),
+                        contents=True)
+    assert again is not first and again.bases.tolist() == [4096, 12288]
+    assert kept_layout([cache], ("rows",), lambda: _rows(cache)) is kept
+
+
+def test_a_kept_layout_keeps_no_tensor_alive_and_a_failed_build_keeps_nothing():
+    t = torch.zeros((8, 16))
+    kept_layout([t], ("rows",), lambda: _rows(t))
+    gone = weakref.ref(t)
+    del t
+    gc.collect()
+    assert gone() is None
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise ValueError("no")
+
+    u = torch.zeros(4)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no"):
+            kept_layout([u], ("bad",), build)
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match="src_layers must be a list of tensors"):
+        sglang.transfer_kv_direct(u, [u], [0], [0], 1)
