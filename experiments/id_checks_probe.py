@@ -6,21 +6,10 @@ sparse case cost before). Needs no GPU. Median microseconds of 400 calls each.
     python3 experiments/id_checks_probe.py"""
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 
 from kvcopy.testing import cuda
-
-
-def median_us(fn, calls: int = 400) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+from cpu_timing import median_us
 
 
 def sort_check(ids: np.ndarray) -> bool:

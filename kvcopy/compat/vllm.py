@@ -17,8 +17,11 @@ and ``CopyBackendAdapter`` keep those two interfaces and copy the runs by
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvcopy.arguments import require_bool
 from kvcopy.api import copy_batch, copy_rows
@@ -84,15 +87,33 @@ class CopyRunDescriptor(NamedTuple):
 _RUN_FIELDS = CopyRunDescriptor._fields
 
 
-def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
-    """vLLM's strided runs (``CopyRunDescriptor``: src_base, dst_base, fragment_size,
-    num_fragments, src_stride, dst_stride; any object with those attributes, or a
-    6-tuple in that order) as layout pairs: runs of one shape (fragment size, count
-    and both strides) become the planes of one pair, in the order first met, each
-    run's fragment j a row. Runs of no fragments are left out. Raises TypeError or
-    ValueError naming the run."""
-    groups: dict[tuple[int, int, int, int], tuple[list[int], list[int]]] = {}
-    for i, run in enumerate(run_descs):
+def _run_table(runs: list) -> np.ndarray | None:
+    """The runs as an (n, 6) int64 table where every run is a tuple of six ints in
+    CopyRunDescriptor's order, all of one type (None: the per-run reading below names
+    whatever is wrong)."""
+    kinds = set(map(type, runs))
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if not issubclass(kind, tuple) or getattr(kind, "_fields", _RUN_FIELDS) != _RUN_FIELDS:
+        return None
+    if kind is tuple and any(len(run) != 6 for run in runs):
+        return None
+    try:
+        table = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 6 * len(runs))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    table = table.reshape(-1, 6)
+    live = table[:, 3] > 0
+    if (table < 0).any() or (live[:, None] & (table[:, [0, 1, 2]] == 0)).any():
+        return None   # (not runs: the per-run reading says which)
+    return table[live]
+
+
+def _read_runs(runs: list) -> np.ndarray:
+    """The runs read one by one, each checked and named where it is not a run."""
+    table = []
+    for i, run in enumerate(runs):
         try:
             values = ([int(getattr(run, f)) for f in _RUN_FIELDS] if hasattr(run, "src_base")
                       else [int(v) for v in run])
@@ -104,12 +125,39 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
         if min(values) < 0 or (count and (src == 0 or dst == 0 or size == 0)):
             raise ValueError(f"run_descs[{i}]: {dict(zip(_RUN_FIELDS, values))} is not a run")
         if count:
-            bases = groups.setdefault((size, count, src_stride, dst_stride), ([], []))
-            bases[0].append(src)
-            bases[1].append(dst)
-    return [(Layout.from_pointers(s, slots=count, row_bytes=size, slot_stride=src_stride),
-             Layout.from_pointers(d, slots=count, row_bytes=size, slot_stride=dst_stride), count)
-            for (size, count, src_stride, dst_stride), (s, d) in groups.items()]
+            table.append(values)
+    return np.array(table, dtype=np.uint64).reshape(-1, 6)
+
+
+def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
+    """vLLM's strided runs (``CopyRunDescriptor``: src_base, dst_base, fragment_size,
+    num_fragments, src_stride, dst_stride; any object with those attributes, or a
+    6-tuple in that order) as layout pairs: runs of one shape (fragment size, count
+    and both strides) become the planes of one pair, in the order first met, each
+    run's fragment j a row. Runs of no fragments are left out. Raises TypeError or
+    ValueError naming the run. A list of one kind of tuple is read in one pass."""
+    runs = run_descs if isinstance(run_descs, list) else list(run_descs)
+    table = _run_table(runs)
+    if table is None:
+        table = _read_runs(runs)
+    if len(table) == 0:
+        return []
+    shapes = table[:, 2:]
+    if (shapes == shapes[0]).all():   # (the usual case: one shape of run)
+        groups = [np.arange(len(table))]
+    else:
+        _, first, which = np.unique(shapes, axis=0, return_index=True, return_inverse=True)
+        which = which.reshape(-1)
+        groups = [np.flatnonzero(which == g) for g in np.argsort(first, kind="stable")]
+    pairs = []
+    for rows in groups:
+        size, count, src_stride, dst_stride = (int(v) for v in shapes[rows[0]])
+        pairs.append((
+            Layout.from_pointers(table[rows, 0], slots=count, row_bytes=size,
+                                 slot_stride=src_stride),
+            Layout.from_pointers(table[rows, 1], slots=count, row_bytes=size,
+                                 slot_stride=dst_stride), count))
+    return pairs
 
 
 class CopyBackend:

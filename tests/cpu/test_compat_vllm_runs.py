@@ -140,3 +140,36 @@ def test_the_backend_moves_every_fragment_of_its_runs():
             lo, to = run.src_base - s + j * run.src_stride, run.dst_base - d + j * run.dst_stride
             want[to:to + run.fragment_size] = src[lo:lo + run.fragment_size]
     np.testing.assert_array_equal(dst, want)
+
+
+def _as_lists(groups):
+    return [(a.bases.tolist(), b.bases.tolist(), a.row_bytes, a.slot_stride, b.slot_stride, n)
+            for a, b, n in groups]
+
+
+def test_runs_read_in_one_pass_group_as_runs_read_one_by_one():
+    rng = np.random.default_rng(9)
+    shapes = [(512, 16, 512, 4096), (128, 4, 1024, 128), (512, 0, 512, 512)]
+    runs = [Run(4096 * (i + 1), 8192 * (i + 1), *shapes[int(rng.integers(3))])
+            for i in range(300)]
+
+    class Reordered:   # an object with the fields by name, in another order
+        def __init__(self, run):
+            for name, value in zip(Run._fields, run):
+                setattr(self, name, value)
+
+    fast = _as_lists(run_groups(runs))
+    assert fast == _as_lists(run_groups([Reordered(r) for r in runs]))
+    assert fast == _as_lists(run_groups(tuple(tuple(r) for r in runs)))
+    assert [g[5] for g in fast] == [16, 4] or [g[5] for g in fast] == [4, 16]
+    assert sum(len(g[0]) for g in fast) == sum(1 for r in runs if r.num_fragments)
+    first_shape = next(r for r in runs if r.num_fragments).num_fragments
+    assert fast[0][5] == first_shape   # groups in the order first met
+
+
+def test_a_run_of_seven_fields_among_tuples_is_named():
+    runs = [(4096, 8192, 8, 1, 8, 8)] * 3 + [(4096, 8192, 8, 1, 8, 8, 0)]
+    with pytest.raises(TypeError, match=r"run_descs\[3\]: 7 fields"):
+        run_groups(runs)
+    with pytest.raises(ValueError, match=r"run_descs\[1\]: .* is not a run"):
+        run_groups([Run(4096, 8192, 8, 1, 8, 8), Run(0, 8192, 8, 1, 8, 8)])
