@@ -266,7 +266,7 @@ def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
     store = [CopyRunDescriptor(g + k * 65536, h + k * 512, 512, 128, 512, 4096)
              for k in range(8)]
     store += [CopyRunDescriptor(g + 600000, h + 7000000, 128, 100, 128, 1024)]
-    load = [(h + k * 512, g + 700000 + k * 64, 64, 32, 4096, 128) for k in range(3)]
+    load = [(h + k * 512, g + 700000 + k * 64, 64, 32, 4096, 256) for k in range(3)]
     back = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     load += [(h + 7000000, back.data_ptr(), 128, 100, 1024, 128)]
     stores = CopyBackendAdapter(layer_refs_per_group=[], gpu_to_cpu=True)
@@ -286,6 +286,6 @@ def test_vllm_copy_backend_moves_runs_of_fragments(torch_cuda):
             assert torch.equal(host[to:to + size], data[lo:lo + size])
     for k in range(3):           # the loads read back what the stores wrote
         for j in range(32):
-            lo, to = k * 512 + j * 4096, 700000 + k * 64 + j * 128
+            lo, to = k * 512 + j * 4096, 700000 + k * 64 + j * 256
             assert torch.equal(data[to:to + 64], host_data[lo:lo + 64])
     assert torch.equal(back[:12800].cpu(), data[600000:612800])
