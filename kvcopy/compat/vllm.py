@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvcopy.arguments import require_bool
+from kvcopy.arguments import require_bool, require_int
 from kvcopy.api import copy_batch, copy_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
@@ -53,7 +53,8 @@ def _check(tensor: Any, name: str) -> None:
 
 
 def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
-                      is_src_access_order_any: bool = False, use_batch_api: bool = True) -> None:
+                      is_src_access_order_any: bool = False, use_batch_api: bool = True, *,
+                      bytes_per_chunk: int | None = None) -> None:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` on torch's current stream.
 
     Args:
@@ -62,11 +63,15 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
             still be writing them).
         use_batch_api: False never calls cuMemcpyBatchAsync (the copy kernel or
             one cuMemcpyAsync per copy run instead).
+        bytes_per_chunk: the chunk of vLLM's Triton ``swap_blocks_batch``, whose
+            calls this also takes; accepted (kvcopy's kernel shapes its own work).
     """
     for tensor, name in ((src_ptrs, "src_ptrs"), (dst_ptrs, "dst_ptrs"), (sizes, "sizes")):
         _check(tensor, name)
     access_any = require_bool(is_src_access_order_any, "is_src_access_order_any")
     allow_batch = require_bool(use_batch_api, "use_batch_api")
+    if bytes_per_chunk is not None:
+        require_int(bytes_per_chunk, "bytes_per_chunk", minimum=1)
     stream = _torch_stream("swap_blocks_batch")
     copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
                src_access_order="any" if access_any else "stream", allow_batch=allow_batch)

@@ -188,8 +188,10 @@ def test_vllm_shim_takes_vllms_current_arguments():
 
     params = list(inspect.signature(swap_blocks_batch).parameters.values())
     assert [p.name for p in params] == ["src_ptrs", "dst_ptrs", "sizes",
-                                        "is_src_access_order_any", "use_batch_api"]
+                                        "is_src_access_order_any", "use_batch_api",
+                                        "bytes_per_chunk"]
     assert params[3].default is False and params[4].default is True
+    assert params[5].kind is inspect.Parameter.KEYWORD_ONLY   # vLLM's Triton form's
 
 
 def test_vllm_shim_checks_its_flags_before_the_driver():
@@ -201,6 +203,8 @@ def test_vllm_shim_checks_its_flags_before_the_driver():
         swap_blocks_batch(t, t, t, False, "no")
     with pytest.raises(TypeError, match="sizes"):
         swap_blocks_batch(t, t, torch.zeros(1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="bytes_per_chunk must be at least 1, got 0"):
+        swap_blocks_batch(t, t, t, False, bytes_per_chunk=0)
 
 
 # ------------------------------------------------------------------ host mappings
