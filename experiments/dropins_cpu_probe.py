@@ -26,7 +26,8 @@ for layers in (1, 8, 32, 64):
 pool = [torch.zeros((64, 64, 16, 8, 128), dtype=torch.bfloat16) for _ in range(2)]
 anew = median_us(lambda: Layout.of(pool, page=0, slot=2, planes=(1,)).select([5, 69]), 200)
 kept = median_us(lambda: sglang._page_first_layers(pool, "pool", 16, 5, 1), 200)
-print(f"page-first pool of 64 layers, one layer  described anew {anew:8.1f} us  kept {kept:6.1f} us")
+print(f"page-first pool of 64 layers, one layer  described anew {anew:8.1f} us  "
+      f"kept {kept:6.1f} us")
 
 for count in (64, 1024, 8192):
     runs = [CopyRunDescriptor(4096 + i * 65536, 8192 + i * 65536, 512, 16, 512, 4096)

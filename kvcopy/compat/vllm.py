@@ -172,9 +172,10 @@ class CopyBackend:
     ``submit`` copies the runs (``CopyRunDescriptor``, any object with its fields, or a
     6-tuple in their order) on torch's current stream without expanding them into
     fragments: one copy_rows per shape of run (see run_groups), whatever the fragments'
-    size or alignment. The runs are checked before anything is enqueued; a submit that raises records no transfer.
-    Nothing is held per transfer, so ``finish_transfer`` only retires the oldest one in
-    flight (RuntimeError where none is) and ``clear`` forgets them all.
+    size or alignment. The runs are checked before anything is enqueued; a submit that
+    raises records no transfer. Nothing is held per transfer, so ``finish_transfer``
+    only retires the oldest one in flight (RuntimeError where none is) and ``clear``
+    forgets them all.
 
     ``is_src_access_order_any`` is kept for vLLM's constructor: kvcopy reads the sources
     in stream order, which is correct for either value."""

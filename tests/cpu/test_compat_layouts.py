@@ -93,7 +93,7 @@ def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, hea
     item, dim, tokens = heads * head_dim, layers * heads * head_dim, pages * page_size
     ph = (torch.from_numpy(random_bytes((tokens * dim,), 1)),
           torch.from_numpy(random_bytes((tokens * dim,), 2)))
-    lf = (torch.zeros((tokens, item), dtype=torch.uint8), torch.zeros((tokens, item), dtype=torch.uint8))
+    lf = tuple(torch.zeros((tokens, item), dtype=torch.uint8) for _ in range(2))
     rng = np.random.default_rng(3)
     s = rng.permutation(tokens)[:tokens // 2 + 1]
     d = rng.permutation(tokens)[:len(s)]
@@ -110,7 +110,7 @@ def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, hea
                 want[b, h * head_dim:(h + 1) * head_dim] = page_head.numpy()[at:at + head_dim]
         np.testing.assert_array_equal(layer_first.numpy(), want)
 
-    back = (torch.zeros(tokens * dim, dtype=torch.uint8), torch.zeros(tokens * dim, dtype=torch.uint8))
+    back = tuple(torch.zeros(tokens * dim, dtype=torch.uint8) for _ in range(2))
     per_layer = [torch.from_numpy(random_bytes((tokens, item), 10 + k)) for k in range(2 * layers)]
     store = plans.plan_rows(
         Layout.from_pointers([t.data_ptr() for t in per_layer], slots=tokens, row_bytes=item),

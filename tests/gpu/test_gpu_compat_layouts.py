@@ -191,7 +191,8 @@ def test_sglang_page_head_host_and_layer_tables(torch_cuda):
     dev_v = [rand(torch, (40, item), 30 + layer) for layer in range(layers)]
     k_table = torch.tensor([t.data_ptr() for t in dev_k], dtype=torch.int64, device="cuda")
     v_table = torch.tensor([t.data_ptr() for t in dev_v], dtype=torch.int64, device="cuda")
-    host_k = torch.zeros((pages, heads, page_size, layers, head_dim), dtype=torch.uint8).pin_memory()
+    host_k = torch.zeros((pages, heads, page_size, layers, head_dim),
+                         dtype=torch.uint8).pin_memory()
     host_v = torch.zeros_like(host_k).pin_memory()
     d, s = slots(torch, 16, 40, 9), slots(torch, 16, tokens, 10, skip=(3,))
     # backup: layer-first device (by address) -> page-head host, every layer in one call
