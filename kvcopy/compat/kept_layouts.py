@@ -13,7 +13,9 @@ only while those very tensor objects are alive with the same address, shape, str
 and dtype (and, for tables of addresses, the same contents by torch's version
 counter, which every in-place write through torch bumps). A kept layout holds no
 reference to its tensors: a freed cache is never kept alive, and a new tensor at its
-address is described anew.
+address is described anew. Nor does it name them to copy_rows, which finds the
+framework's current stream through a layout's tensors where the indices name none:
+copy_kept passes that stream itself.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import dataclasses
 import weakref
 from typing import Any, Callable, Sequence
 
+from kvcopy.api import copy_rows
+from kvcopy.interop.streams import current_framework_stream
 from kvcopy.layouts import Layout
 
 _KEPT = 256
@@ -67,3 +71,13 @@ def kept_layout(tensors: Sequence[Any], args: tuple, build: Callable[[], Layout]
         _kept.clear()
     _kept[key] = _Entry(tensors, facts, layout)
     return layout
+
+
+def copy_kept(src: Layout, dst: Layout, src_indices: Any, dst_indices: Any, *,
+              engine: Sequence[Any], rows: int | None = None) -> str:
+    """copy_rows between kept layouts on the current stream of the framework of the
+    indices or, where they name none, of ``engine`` (a tensor of each side): the stream
+    copy_rows would have found through the layouts' tensors."""
+    stream = current_framework_stream(*(i for i in (src_indices, dst_indices) if i is not None),
+                                      *engine)
+    return copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=stream)

@@ -36,9 +36,8 @@ import operator
 from enum import IntEnum
 from typing import Any
 
-from kvcopy.api import copy_rows
 from kvcopy.arguments import require_bool, require_int
-from kvcopy.compat.kept_layouts import kept_layout
+from kvcopy.compat.kept_layouts import copy_kept, kept_layout
 from kvcopy.compat.pointer_tables import addresses_of
 from kvcopy.layouts import Layout
 
@@ -232,10 +231,11 @@ def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
                        gather)
 
 
-def _run(rows: Rows | None) -> None:
+def _run(rows: Rows | None, *engine: Any) -> None:
+    """copy_rows' arguments run on the current stream of the engine's tensors' framework."""
     if rows is not None:
         src, dst, src_indices, dst_indices, count = rows
-        copy_rows(src, dst, src_indices, dst_indices, rows=count)
+        copy_kept(src, dst, src_indices, dst_indices, engine=engine, rows=count)
 
 
 def multi_layer_kv_transfer(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
@@ -251,7 +251,7 @@ def multi_layer_kv_transfer(key_value: Any, key_value_ptrs: Any, slot_mapping: A
     Raises TypeError or ValueError naming a bad argument before anything is enqueued."""
     _run(transfer_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size, direction,
                        engine_kv_format, block_size, head_size, skip_prefix_n_tokens,
-                       block_stride_elems))
+                       block_stride_elems), key_value_ptrs, key_value)
 
 
 def multi_layer_kv_transfer_unilateral(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
@@ -263,7 +263,7 @@ def multi_layer_kv_transfer_unilateral(key_value: Any, key_value_ptrs: Any, slot
     ``[page_buffer_size, hidden]``) and the chunk; an MLA format goes as in
     multi_layer_kv_transfer, as in LMCache."""
     _run(unilateral_rows(key_value, key_value_ptrs, slot_mapping, page_buffer_size, direction,
-                         engine_kv_format))
+                         engine_kv_format), key_value_ptrs, key_value)
 
 
 # A layer's vLLM cache tensor per format: (K/V dimension, if any), page, slot, and the
@@ -325,7 +325,8 @@ def single_layer_kv_transfer(lmc_key_value_cache: Any, vllm_key_value_cache: Any
     chunk (token t a row of it) and its vLLM cache tensor, laid out as
     ``engine_kv_format`` (flash-attn or flashinfer, NHD or HND, or MLA)."""
     _run(single_layer_rows(lmc_key_value_cache, vllm_key_value_cache, slot_mapping, direction,
-                           engine_kv_format, token_major))
+                           engine_kv_format, token_major), vllm_key_value_cache,
+         lmc_key_value_cache)
 
 
 def single_layer_kv_transfer_sgl(lmc_key_value_cache: Any, sgl_key_cache: Any,
@@ -340,7 +341,7 @@ def single_layer_kv_transfer_sgl(lmc_key_value_cache: Any, sgl_key_cache: Any,
     chunk = _layer_chunk(lmc_key_value_cache, False, token_major)
     tokens = len(slot_mapping)
     _run((paged, chunk, slot_mapping, None, tokens) if gather
-         else (chunk, paged, None, slot_mapping, tokens))
+         else (chunk, paged, None, slot_mapping, tokens), sgl_key_cache, lmc_key_value_cache)
 
 
 __all__ = [

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy.api import copy_rows
 from kvcopy.arguments import require_int
-from kvcopy.compat.kept_layouts import kept_layout
+from kvcopy.compat.kept_layouts import copy_kept, kept_layout
 from kvcopy.compat.pointer_tables import addresses_of, reaches_of
 from kvcopy.layouts import Layout
 
@@ -80,8 +79,9 @@ def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, 
                           block_quota=2, num_warps_per_block=32) -> None:
     """One layer's K and V items, layer-first to layer-first."""
     item = require_int(item_size, "item_size", minimum=1)
-    copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, item),
-              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+    copy_kept(_buffers((src_k, src_v), ("src_k", "src_v"), item, item),
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices,
+              engine=(src_k, dst_k))
 
 
 def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id,
@@ -91,8 +91,9 @@ def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
     item = require_int(item_size, "item_size", minimum=1)
     layer = require_int(layer_id, "layer_id", minimum=0)
     dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
-    copy_rows(_buffers((src_k, src_v), ("src_k", "src_v"), item, dim, layer * item),
-              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+    copy_kept(_buffers((src_k, src_v), ("src_k", "src_v"), item, dim, layer * item),
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices,
+              engine=(src_k, dst_k))
 
 
 def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices,
@@ -101,9 +102,9 @@ def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers
     """Every layer's items, layer-first to layer-first, the layers given by address."""
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
-    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+    copy_kept(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
               _tables((dst_k_layers, dst_v_layers), ("dst_k_layers", "dst_v_layers"), item, layers),
-              src_indices, dst_indices)
+              src_indices, dst_indices, engine=(src_k_layers, dst_k_layers))
 
 
 def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) -> Layout:
@@ -155,9 +156,10 @@ def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
     dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
     tokens = require_int(page_size, "page_size", minimum=1)
     heads = require_int(head_num, "head_num", minimum=1)
-    copy_rows(_page_head((src_k, src_v), ("src_k", "src_v"), item, dim, range(layer, layer + 1),
+    copy_kept(_page_head((src_k, src_v), ("src_k", "src_v"), item, dim, range(layer, layer + 1),
                          tokens, heads),
-              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices)
+              _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices,
+              engine=(src_k, dst_k))
 
 
 def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices,
@@ -169,10 +171,10 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     tokens = require_int(page_size, "page_size", minimum=1)
     heads = require_int(head_num, "head_num", minimum=1)
-    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+    copy_kept(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
               _page_head((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, range(layers), tokens,
                          heads),
-              src_indices, dst_indices)
+              src_indices, dst_indices, engine=(src_k_layers, dst_k))
 
 
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices,
@@ -182,16 +184,16 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
-    copy_rows(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+    copy_kept(_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
               _page_first((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, layers),
-              src_indices, dst_indices)
+              src_indices, dst_indices, engine=(src_k_layers, dst_k))
 
 
 def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=2,
                               num_warps_per_block=32) -> None:
     item = require_int(item_size, "item_size", minimum=1)
-    copy_rows(_buffers((src,), ("src",), item, item), _buffers((dst,), ("dst",), item, item),
-              src_indices, dst_indices)
+    copy_kept(_buffers((src,), ("src",), item, item), _buffers((dst,), ("dst",), item, item),
+              src_indices, dst_indices, engine=(src, dst))
 
 
 def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size,
@@ -200,16 +202,17 @@ def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id
     item = require_int(item_size, "item_size", minimum=1)
     layer = require_int(layer_id, "layer_id", minimum=0)
     dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
-    copy_rows(_buffers((src,), ("src",), item, dim, layer * item),
-              _buffers((dst,), ("dst",), item, item), src_indices, dst_indices)
+    copy_kept(_buffers((src,), ("src",), item, dim, layer * item),
+              _buffers((dst,), ("dst",), item, item), src_indices, dst_indices, engine=(src, dst))
 
 
 def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size,
                               num_layers, block_quota=2, num_warps_per_block=32) -> None:
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
-    copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
-              _tables((dst_layers,), ("dst_layers",), item, layers), src_indices, dst_indices)
+    copy_kept(_tables((src_layers,), ("src_layers",), item, layers),
+              _tables((dst_layers,), ("dst_layers",), item, layers), src_indices, dst_indices,
+              engine=(src_layers, dst_layers))
 
 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size,
@@ -218,8 +221,9 @@ def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, i
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
-    copy_rows(_tables((src_layers,), ("src_layers",), item, layers),
-              _page_first((dst,), ("dst",), item, dim, layers), src_indices, dst_indices)
+    copy_kept(_tables((src_layers,), ("src_layers",), item, layers),
+              _page_first((dst,), ("dst",), item, dim, layers), src_indices, dst_indices,
+              engine=(src_layers, dst))
 
 
 def _token_rows(tensors: Any, name: str) -> Layout:
@@ -273,7 +277,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     if src.num_planes != dst.num_planes:
         raise ValueError(f"src_layers has {src.num_planes} tensors and dst_layers "
                          f"{dst.num_planes}")
-    copy_rows(src, dst, src_indices, dst_indices)
+    copy_kept(src, dst, src_indices, dst_indices, engine=(src_layers[0], dst_layers[0]))
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id,
@@ -284,8 +288,9 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     first = require_int(layer_id, "layer_id", minimum=0)
     buffers = len(src_ptrs) if isinstance(src_ptrs, (list, tuple)) else 1
     count = _layers_per_buffer(dst_ptrs, buffers, "dst_ptrs")
-    copy_rows(_page_first_layers(src_ptrs, "src_ptrs", tokens, first, count),
-              _token_rows(dst_ptrs, "dst_ptrs"), src_indices, dst_indices)
+    copy_kept(_page_first_layers(src_ptrs, "src_ptrs", tokens, first, count),
+              _token_rows(dst_ptrs, "dst_ptrs"), src_indices, dst_indices,
+              engine=(src_ptrs[0], dst_ptrs[0]))
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices,
@@ -295,9 +300,9 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     tokens = require_int(page_size, "page_size", minimum=1)
     buffers = len(dst_ptrs) if isinstance(dst_ptrs, (list, tuple)) else 1
     count = _layers_per_buffer(src_ptrs, buffers, "src_ptrs")
-    copy_rows(_token_rows(src_ptrs, "src_ptrs"),
+    copy_kept(_token_rows(src_ptrs, "src_ptrs"),
               _page_first_layers(dst_ptrs, "dst_ptrs", tokens, 0, count), src_indices,
-              dst_indices)
+              dst_indices, engine=(src_ptrs[0], dst_ptrs[0]))
 
 
 __all__ = [
