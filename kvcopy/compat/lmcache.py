@@ -1,5 +1,6 @@
-"""Drop-ins for LMCache's ``multi_layer_kv_transfer`` and
-``multi_layer_kv_transfer_unilateral`` (its CUDA ops of those names).
+"""Drop-ins for LMCache's transfer ops (its CUDA ops of the same names):
+``multi_layer_kv_transfer``, ``multi_layer_kv_transfer_unilateral``,
+``single_layer_kv_transfer`` and ``single_layer_kv_transfer_sgl``.
 
 ``key_value`` is LMCache's chunk, ``[2, layers, tokens, hidden]`` (``[1, ...]`` for
 MLA, and for the formats that fuse K and V into a token's row), in GPU or pinned host
@@ -26,9 +27,9 @@ V's, each ``[page_buffer_size, hidden]``), as in LMCache. One layer at a time,
 ``single_layer_kv_transfer`` moves tokens between a layer's chunk (``[tokens, 2,
 hidden]`` with ``token_major``, else ``[2, tokens, hidden]``; ``[tokens, hidden]`` for
 MLA) and that layer's vLLM cache tensor, and ``single_layer_kv_transfer_sgl`` between
-it and SGLang's K and V tensors ``[blocks, block_size, heads, head_size]``. Each call is one
-kvcopy.copy_rows on torch's current stream: the copy kernel reads the slot mapping
-where it is (GPU or host) and computes every address, whatever the alignment.
+it and SGLang's K and V tensors ``[blocks, block_size, heads, head_size]``. Each call
+is one kvcopy.copy_rows on torch's current stream: the copy kernel reads the slot
+mapping where it is (GPU or host) and computes every address, whatever the alignment.
 """
 from __future__ import annotations
 
