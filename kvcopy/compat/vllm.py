@@ -148,6 +148,7 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     if len(table) == 0:
         return []
     shapes = table[:, 2:]
+    groups: list[np.ndarray]
     if (shapes == shapes[0]).all():   # (the usual case: one shape of run)
         groups = [np.arange(len(table))]
     else:
