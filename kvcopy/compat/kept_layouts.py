@@ -3,15 +3,16 @@
 An engine calls a drop-in with the same cache tensors step after step (a layer's K
 and V, the host pool, a table of layer addresses). Describing them again at every
 call (each tensor's address, shape and strides read through its framework) costs
-more than planning the copy: about 5 µs a tensor, 0.6 ms for 128 layer tensors, against
-0.6 µs a tensor to find the kept layout (python3 experiments/dropins_cpu_probe.py,
-bench/results/cpu-dropins.txt).
-A new layout at every call would also keep copy_rows from repeating its last call
+more than planning the copy: about 5 µs a tensor, 0.6 ms for 128 layer tensors,
+against 0.6 µs a tensor to find the kept layout (python3
+experiments/dropins_cpu_probe.py, bench/results/cpu-dropins.txt). A new layout at
+every call would also keep copy_rows from repeating its last call
 (kvcopy._engine.rows_memo, keyed by the layouts). So a layout is kept, keyed by the
 identity of the tensors it describes and the arguments that shape it, and used again
 only while those very tensor objects are alive with the same address, shape, strides
 and dtype (and, for tables of addresses, the same contents by torch's version
-counter, which every in-place write through torch bumps). A kept layout holds no
+counter, which every in-place write through torch bumps; an inference tensor's
+contents count as fixed, see compat.pointer_tables). A kept layout holds no
 reference to its tensors: a freed cache is never kept alive, and a new tensor at its
 address is described anew. Nor does it name them to copy_rows, which finds the
 framework's current stream through a layout's tensors where the indices name none:
@@ -24,6 +25,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from kvcopy.api import copy_rows
+from kvcopy.compat.pointer_tables import version_of
 from kvcopy.interop.streams import current_framework_stream
 from kvcopy.layouts import Layout
 
@@ -47,7 +49,7 @@ _kept: dict[tuple, _Entry] = {}
 def _facts(tensors: Sequence[Any], contents: bool) -> list:
     """What a tensor object's layout rests on (about 0.35 µs a tensor)."""
     if contents:
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in tensors]
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, version_of(t)) for t in tensors]
     return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
 

@@ -6,7 +6,10 @@ synchronisation, so its values (and, where asked, how far each address reaches) 
 kept with the table object itself, and read again when the tensor's address, length
 or torch's version counter (bumped by every in-place write through torch) changes.
 They are never reused for another tensor, even one that torch's caching allocator
-puts at the same address with the same length: a new table is read anew.
+puts at the same address with the same length: a new table is read anew. An inference
+tensor (made under torch.inference_mode, as engines often make their tables) has no
+version counter: its values are read once for the object, so a table that changes
+must be a new tensor, as the engines' own tables are.
 """
 from __future__ import annotations
 
@@ -31,13 +34,19 @@ class _Kept:
 _tables: dict[int, _Kept] = {}
 
 
+def version_of(tensor: Any) -> int:
+    """torch's version counter of ``tensor``; -1 for an inference tensor (made under
+    torch.inference_mode), which has none: its contents count as fixed for the object."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 def _kept(table: Any, name: str) -> _Kept:
     import torch
 
     if not isinstance(table, torch.Tensor) or table.dim() != 1 \
             or table.dtype not in (torch.int64, torch.uint64):
         raise TypeError(f"{name} must be a 1-D int64 (or uint64) torch.Tensor of addresses")
-    key = (table.data_ptr(), table.numel(), str(table.device), table._version)
+    key = (table.data_ptr(), table.numel(), str(table.device), version_of(table))
     found = _tables.get(id(table))
     if found is not None and found.table() is table and found.key == key:
         return found

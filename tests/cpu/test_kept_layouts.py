@@ -80,3 +80,20 @@ def test_a_kept_layout_keeps_no_tensor_alive_and_a_failed_build_keeps_nothing():
     assert len(calls) == 2
     with pytest.raises(TypeError, match="src_layers must be a list of tensors"):
         sglang.transfer_kv_direct(u, [u], [0], [0], 1)
+
+
+def test_inference_tensors_have_no_version_and_their_contents_count_as_fixed():
+    from kvcopy.compat import pointer_tables
+
+    with torch.inference_mode():
+        table = torch.tensor([4096, 8192])
+        cache = torch.zeros((8, 16))
+    assert pointer_tables.addresses_of(table, "t") == [4096, 8192]
+    first = kept_layout([table, cache], ("t",), lambda: _rows(cache), contents=True)
+    assert kept_layout([table, cache], ("t",), lambda: _rows(cache), contents=True) is first
+    with torch.inference_mode():
+        table[1] = 12288     # no version to see it by: a table that changes is a new tensor
+    assert pointer_tables.addresses_of(table, "t") == [4096, 8192]
+    with torch.inference_mode():
+        new = table.clone()
+    assert pointer_tables.addresses_of(new, "t") == [4096, 12288]

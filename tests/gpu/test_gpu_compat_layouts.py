@@ -62,7 +62,8 @@ def test_lmcache_formats_by_heads_and_blocks(torch_cuda, fmt):
     paged = [rand(torch, shape + (2,), 40 + layer).view(torch.bfloat16).squeeze(-1)
              for layer in range(layers)]
     planes, hidden = (1, heads * 2 * head) if fused else (2, heads * head)
-    ptrs = torch.tensor([p.data_ptr() for p in paged], dtype=torch.int64, device="cuda")
+    with torch.inference_mode():   # (as an engine's table often is: no version counter)
+        ptrs = torch.tensor([p.data_ptr() for p in paged], dtype=torch.int64, device="cuda")
     mapping = slots(torch, tokens, blocks * block, 11, skip=(5,))
     chunk = torch.zeros((planes, layers, tokens, hidden), dtype=torch.bfloat16).pin_memory()
 
