@@ -105,10 +105,10 @@ def _run_table(runs: list) -> np.ndarray | None:
     if kind is tuple and any(len(run) != 6 for run in runs):
         return None
     try:
-        table = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 6 * len(runs))
+        values = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 6 * len(runs))
     except (TypeError, ValueError, OverflowError):
         return None
-    table = table.reshape(-1, 6)
+    table = values.reshape(-1, 6)
     live = table[:, 3] > 0
     if (table < 0).any() or (live[:, None] & (table[:, [0, 1, 2]] == 0)).any():
         return None   # (not runs: the per-run reading says which)
