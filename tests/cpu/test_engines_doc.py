@@ -2,6 +2,7 @@
 engines are installed (stand-in modules here) and do nothing where they are not."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import types
@@ -25,12 +26,17 @@ ENGINES = [  # (the module a block changes, and the modules above it; what it mu
 ]
 
 
-def test_the_page_has_a_block_per_engine_and_each_runs_without_its_engine():
+def test_the_page_has_a_block_per_engine():
     assert len(BLOCKS) == len(ENGINES)
-    for names, _, _ in ENGINES:
-        assert names[0] not in sys.modules   # (no engine installed where the tests run)
-    for block in BLOCKS:
-        exec(compile(block, "docs/engines.md", "exec"), {})
+
+
+@pytest.mark.parametrize("index", range(len(ENGINES)), ids=["vllm", "sglang", "lmcache"])
+def test_a_block_does_nothing_without_its_engine(index):
+    names, _, _ = ENGINES[index]
+    if importlib.util.find_spec(names[0]) is not None:
+        pytest.skip(f"{names[0]} is installed here: the block would change it")
+    exec(compile(BLOCKS[index], "docs/engines.md", "exec"), {})
+    assert names[0] not in sys.modules
 
 
 @pytest.mark.parametrize("index", range(len(ENGINES)), ids=["vllm", "sglang", "lmcache"])
