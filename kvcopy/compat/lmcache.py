@@ -187,9 +187,10 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     layers, tokens, row = _chunk(key_value, planes, fmt)
     slots = require_int(page_buffer_size, "page_buffer_size", minimum=1)
     block = require_int(block_size, "block_size", minimum=0)
-    head = require_int(head_size, "head_size", minimum=0) * key_value.element_size()
+    element = key_value.element_size()
+    head = require_int(head_size, "head_size", minimum=0) * element
     skip = require_int(skip_prefix_n_tokens, "skip_prefix_n_tokens", minimum=0, maximum=tokens)
-    step = require_int(block_stride_elems, "block_stride_elems", minimum=0)
+    step = require_int(block_stride_elems, "block_stride_elems", minimum=0) * element
     if fmt in _NEEDS_BLOCK and block == 0:
         raise ValueError(f"block_size is needed for engine_kv_format {fmt.name}")
     if fmt in _NEEDS_HEAD:
@@ -201,8 +202,8 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     if len(bases) != layers:
         raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
     paged = kept_layout([key_value_ptrs], ("paged", fmt, slots, row, block, head, step),
-                        lambda: _paged(fmt, bases, slots, row, block, head,
-                                       step * key_value.element_size(), (key_value_ptrs,)),
+                        lambda: _paged(fmt, bases, slots, row, block, head, step,
+                                       (key_value_ptrs,)),
                         contents=True)
     if skip == tokens:
         return None

@@ -232,3 +232,14 @@ def test_a_single_layer_names_what_it_does_not_take():
         lmcache.single_layer_kv_transfer(chunk, layer, [0], True, F.NL_X_NB_BS_HS)
     with pytest.raises(TypeError, match="token_major must be True or False"):
         lmcache.single_layer_kv_transfer(chunk, layer, [0], True, F.NL_X_TWO_NB_BS_NH_HS, "yes")
+
+
+def test_a_block_stride_in_elements_is_kept_in_bytes_of_the_chunks_dtype():
+    ptrs = torch.tensor([4096], dtype=torch.int64)
+    strides = []
+    for dtype, hidden in ((torch.int16, 16), (torch.int32, 8)):   # rows of 32 bytes each
+        chunk = torch.zeros((1, 1, 2, hidden), dtype=dtype)
+        paged = lmcache.transfer_rows(chunk, ptrs, np.array([0, 1]), 64, True,
+                                      F.NL_X_NB_BS_NH_TWO_HS, BLOCK, 0, 0, 300)[0]
+        strides.append(paged.page_stride)
+    assert strides == [600, 1200]
