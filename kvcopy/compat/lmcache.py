@@ -119,34 +119,33 @@ def _chunk(key_value: Any, planes: int, fmt: EngineKVFormat) -> tuple[int, int, 
 
 
 def _paged(fmt: EngineKVFormat, bases: list[int], slots: int, row: int, block: int,
-           head: int, block_step: int, keep: tuple) -> Layout:
+           head: int, block_step: int) -> Layout:
     """Every layer's paged cache as planes (a layer's K, then its V), as LMCache's kernel
     addresses ``fmt``; ``head`` and ``block_step`` in bytes (0: unused or tight)."""
     def planes(*offsets: int) -> list[int]:
         return [b + o for b in bases for o in offsets]
 
     if fmt in (_F.NB_NL_TWO_BS_NH_HS, _F.NL_X_TWO_NB_BS_NH_HS):
-        return Layout.from_pointers(planes(0, slots * row), slots=slots, row_bytes=row, keep=keep)
+        return Layout.from_pointers(planes(0, slots * row), slots=slots, row_bytes=row)
     if fmt is _F.NL_X_NB_TWO_BS_NH_HS:
         return Layout.from_pointers(planes(0, block * row), slots=slots, row_bytes=row,
-                                    page_size=block, page_stride=2 * block * row, keep=keep)
+                                    page_size=block, page_stride=2 * block * row)
     if fmt in (_F.NL_X_NB_BS_HS, _F.NL_X_NBBS_ONE_HS):
-        return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, keep=keep)
+        return Layout.from_pointers(planes(0), slots=slots, row_bytes=row)
     if fmt in (_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS):
         kv_step, page = ((slots * row, block * row) if fmt is _F.NL_X_TWO_NB_NH_BS_HS
                          else (block * row, 2 * block * row))
         return Layout.from_pointers(planes(0, kv_step), slots=slots, row_bytes=row,
                                     page_size=block, page_stride=page, slot_stride=head,
-                                    pieces=row // head, piece_stride=block * head, keep=keep)
+                                    pieces=row // head, piece_stride=block * head)
     page = block_step or block * row
     if fmt is _F.NL_X_NB_NH_BS_TWO_HS:   # a head's K and V side by side, heads before tokens
         return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
                                     page_stride=page, slot_stride=2 * head,
-                                    pieces=row // (2 * head), piece_stride=block * 2 * head,
-                                    keep=keep)
+                                    pieces=row // (2 * head), piece_stride=block * 2 * head)
     if fmt is _F.NL_X_NB_BS_NH_TWO_HS:
         return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
-                                    page_stride=page, keep=keep)
+                                    page_stride=page)
     raise ValueError(f"engine_kv_format {fmt.name}: LMCache's multi_layer_kv_transfer does not "
                      "take it" + (" (its layers go by multi_layer_kv_transfer_unilateral)"
                                   if fmt in _UNILATERAL else ""))
@@ -202,9 +201,7 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     if len(bases) != layers:
         raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
     paged = kept_layout([key_value_ptrs], ("paged", fmt, slots, row, block, head, step),
-                        lambda: _paged(fmt, bases, slots, row, block, head, step,
-                                       (key_value_ptrs,)),
-                        contents=True)
+                        lambda: _paged(fmt, bases, slots, row, block, head, step), contents=True)
     if skip == tokens:
         return None
     return _chunk_rows(paged, key_value, skip, _tokens_slots(slot_mapping, skip, tokens),

@@ -52,7 +52,7 @@ def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
                              f"at offset {offset}")
         return Layout.from_pointers([t.data_ptr() + offset for t in tensors],
                                     slots=(nbytes - offset - item_size) // stride + 1,
-                                    row_bytes=item_size, slot_stride=stride, keep=tensors)
+                                    row_bytes=item_size, slot_stride=stride)
 
     return kept_layout(tensors, ("buffers", item_size, stride, offset), build)
 
@@ -70,7 +70,7 @@ def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Lay
         slots = min(reaches) // item_size
         if slots == 0:
             raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
-        return Layout.from_pointers(bases, slots=slots, row_bytes=item_size, keep=tables)
+        return Layout.from_pointers(bases, slots=slots, row_bytes=item_size)
 
     return kept_layout(tables, ("tables", item_size, num_layers), build, contents=True)
 
@@ -116,8 +116,7 @@ def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) 
     def build() -> Layout:
         last = _buffers(tensors, names, item, dim, (layers - 1) * item)   # the last layer fits
         bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
-        return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim,
-                                    keep=tensors)
+        return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim)
 
     return kept_layout(tensors, ("page first", item, dim, layers), build)
 
@@ -141,7 +140,7 @@ def _page_head(tensors: tuple, names: tuple, item: int, dim: int, layers: range,
         bases = [t.data_ptr() + layer * (item // heads) for t in tensors for layer in layers]
         return Layout.from_pointers(bases, slots=pages * page_size, row_bytes=item,
                                     page_size=page_size, page_stride=page, slot_stride=head,
-                                    pieces=heads, piece_stride=head * page_size, keep=tensors)
+                                    pieces=heads, piece_stride=head * page_size)
 
     return kept_layout(tensors, ("page head", item, dim, layers.start, layers.stop, page_size,
                                  heads), build)
