@@ -3,60 +3,47 @@
 
 Such a table lives on the GPU and rarely changes: reading it costs a
 synchronisation, so its values (and, where asked, how far each address reaches) are
-kept with the table object itself, and read again when the tensor's address, length
-or torch's version counter (bumped by every in-place write through torch) changes.
-They are never reused for another tensor, even one that torch's caching allocator
-puts at the same address with the same length: a new table is read anew. An inference
-tensor (made under torch.inference_mode, as engines often make their tables) has no
-version counter: its values are read once for the object, so a table that changes
-must be a new tensor, as the engines' own tables are.
+kept for the table object (compat.per_tensors: read again when its address, length,
+device or torch's version counter changes, and never reused for another tensor, even
+one that torch's caching allocator puts at the same address). An inference tensor
+has no version counter: its values are read once for the object.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
+
+from kvcopy.compat.per_tensors import PerTensors
 
 _KEPT = 64
 
 
-class _Kept:
-    """One table's values, valid while ``table`` is this object with this ``key``."""
+class _Table:
+    """One table's addresses and, once asked for, how far each of them reaches."""
 
-    __slots__ = ("table", "key", "addresses", "reaches")
+    __slots__ = ("addresses", "reaches")
 
-    def __init__(self, table: Any, key: tuple, addresses: list[int]) -> None:
-        self.table = weakref.ref(table)
-        self.key = key
+    def __init__(self, addresses: list[int]) -> None:
         self.addresses = addresses
-        self.reaches: list[int] | None = None
+        self.reaches: list[int] = []
 
 
-_tables: dict[int, _Kept] = {}
+_tables = PerTensors(_KEPT)
 
 
-def version_of(tensor: Any) -> int:
-    """torch's version counter of ``tensor``; -1 for an inference tensor (made under
-    torch.inference_mode), which has none: its contents count as fixed for the object."""
-    return -1 if tensor.is_inference() else tensor._version
+def _read(table: Any, name: str) -> _Table:
+    values = [int(v) for v in table.cpu().numpy().view("uint64").tolist()]
+    if any(v == 0 for v in values):
+        raise ValueError(f"{name}: an address is 0")
+    return _Table(values)
 
 
-def _kept(table: Any, name: str) -> _Kept:
+def _kept(table: Any, name: str) -> _Table:
     import torch
 
     if not isinstance(table, torch.Tensor) or table.dim() != 1 \
             or table.dtype not in (torch.int64, torch.uint64):
         raise TypeError(f"{name} must be a 1-D int64 (or uint64) torch.Tensor of addresses")
-    key = (table.data_ptr(), table.numel(), str(table.device), version_of(table))
-    found = _tables.get(id(table))
-    if found is not None and found.table() is table and found.key == key:
-        return found
-    values = [int(v) for v in table.cpu().numpy().view("uint64").tolist()]
-    if any(v == 0 for v in values):
-        raise ValueError(f"{name}: an address is 0")
-    if len(_tables) >= _KEPT:
-        _tables.clear()
-    found = _tables[id(table)] = _Kept(table, key, values)
-    return found
+    return _tables.get([table], (), lambda: _read(table, name), contents=True)
 
 
 def addresses_of(table: Any, name: str) -> list[int]:
@@ -70,8 +57,6 @@ def reaches_of(table: Any, name: str, count: int) -> list[int]:
     driver reports it: how far a layer given only by its address may be addressed.
     ValueError naming the table where an address is not memory the driver knows."""
     found = _kept(table, name)
-    if found.reaches is None:
-        found.reaches = []
     for address in found.addresses[len(found.reaches):count]:
         found.reaches.append(_reach_of(address, name))
     return found.reaches[:count]
