@@ -197,11 +197,16 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
         if width == 0 or row % width:
             raise ValueError(f"head_size ({head_size}) must divide a token's row of {row} bytes "
                              f"into heads for engine_kv_format {fmt.name}")
-    bases = addresses_of(key_value_ptrs, "key_value_ptrs")
-    if len(bases) != layers:
-        raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-    paged = kept_layout([key_value_ptrs], ("paged", fmt, slots, row, block, head, step),
-                        lambda: _paged(fmt, bases, slots, row, block, head, step), contents=True)
+
+    def build() -> Layout:
+        bases = addresses_of(key_value_ptrs, "key_value_ptrs")
+        if len(bases) != layers:
+            raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
+        return _paged(fmt, bases, slots, row, block, head, step)
+
+    # (the table is read where the kept layout is not found: one lookup a call)
+    paged = kept_layout([key_value_ptrs], ("paged", fmt, layers, slots, row, block, head, step),
+                        build, contents=True)
     if skip == tokens:
         return None
     return _chunk_rows(paged, key_value, skip, _tokens_slots(slot_mapping, skip, tokens),
@@ -219,13 +224,17 @@ def unilateral_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     gather = _direction(direction)
     layers, tokens, row = _chunk(key_value, 2, fmt)
     slots = require_int(page_buffer_size, "page_buffer_size", minimum=1)
-    bases = addresses_of(key_value_ptrs, "key_value_ptrs")
-    if len(bases) != 2 * layers:
-        raise ValueError(f"key_value_ptrs has {len(bases)} addresses, expected K's and V's "
-                         f"{layers} layers ({2 * layers})")
-    paged = kept_layout([key_value_ptrs], ("unilateral", layers, slots, row), lambda: (
-        Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
-                              for kv in (0, 1)], slots=slots, row_bytes=row)), contents=True)
+
+    def build() -> Layout:
+        bases = addresses_of(key_value_ptrs, "key_value_ptrs")
+        if len(bases) != 2 * layers:
+            raise ValueError(f"key_value_ptrs has {len(bases)} addresses, expected K's and V's "
+                             f"{layers} layers ({2 * layers})")
+        return Layout.from_pointers([bases[kv * layers + layer] for layer in range(layers)
+                                     for kv in (0, 1)], slots=slots, row_bytes=row)
+
+    paged = kept_layout([key_value_ptrs], ("unilateral", layers, slots, row), build,
+                        contents=True)
     return _chunk_rows(paged, key_value, 0, _tokens_slots(slot_mapping, 0, tokens), tokens,
                        gather)
 

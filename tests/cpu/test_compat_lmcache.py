@@ -147,6 +147,17 @@ def test_bad_arguments_are_named(args, error, words):
     assert words in str(info.value)
 
 
+def test_a_kept_table_is_counted_against_every_chunk():
+    ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
+    two = lmcache.transfer_rows(torch.zeros((2, 2, 2, 8)), ptrs, np.array([0, 1]), 8, True)
+    assert two[0].num_planes == 4             # K and V of both layers
+    with pytest.raises(ValueError, match="key_value_ptrs has 2 layers, key_value 3"):
+        lmcache.transfer_rows(torch.zeros((2, 3, 2, 8)), ptrs, np.array([0, 1]), 8, True)
+    with pytest.raises(ValueError, match=r"key_value_ptrs has 2 addresses, expected K's and V's "
+                                         r"2 layers \(4\)"):
+        lmcache.unilateral_rows(torch.zeros((2, 2, 2, 8)), ptrs, np.array([0, 1]), 8, True)
+
+
 def test_the_unilateral_op_counts_k_and_v_layers():
     with pytest.raises(ValueError, match=r"key_value_ptrs has 1 addresses, expected K's and V's "
                                          r"1 layers \(2\)"):
