@@ -42,16 +42,22 @@ def _bytes_of(tensors: tuple, names: tuple) -> int:
     return min(t.numel() * t.element_size() for t in tensors)
 
 
+def _slots(tensors: tuple, names: tuple, item_size: int, stride: int, offset: int) -> int:
+    """How many items ``stride`` apart from ``offset`` bytes in every one of ``tensors``
+    holds (ValueError where it holds none)."""
+    nbytes = _bytes_of(tensors, names)
+    if nbytes < offset + item_size:
+        raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes "
+                         f"at offset {offset}")
+    return (nbytes - offset - item_size) // stride + 1
+
+
 def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int,
              offset: int = 0) -> Layout:
     """Tensors as planes of items ``stride`` apart, from ``offset`` bytes in."""
     def build() -> Layout:
-        nbytes = _bytes_of(tensors, names)
-        if nbytes < offset + item_size:
-            raise ValueError(f"{names[0]}: {nbytes} bytes hold no item of {item_size} bytes "
-                             f"at offset {offset}")
-        return Layout.from_pointers([t.data_ptr() + offset for t in tensors],
-                                    slots=(nbytes - offset - item_size) // stride + 1,
+        slots = _slots(tensors, names, item_size, stride, offset)   # (checks the tensors first)
+        return Layout.from_pointers([t.data_ptr() + offset for t in tensors], slots=slots,
                                     row_bytes=item_size, slot_stride=stride)
 
     return kept_layout(tensors, ("buffers", item_size, stride, offset), build)
@@ -114,9 +120,9 @@ def _page_first(tensors: tuple, names: tuple, item: int, dim: int, layers: int) 
                          f"of {dim}")
 
     def build() -> Layout:
-        last = _buffers(tensors, names, item, dim, (layers - 1) * item)   # the last layer fits
+        slots = _slots(tensors, names, item, dim, (layers - 1) * item)   # the last layer's
         bases = [t.data_ptr() + layer * item for t in tensors for layer in range(layers)]
-        return Layout.from_pointers(bases, slots=last.slots, row_bytes=item, slot_stride=dim)
+        return Layout.from_pointers(bases, slots=slots, row_bytes=item, slot_stride=dim)
 
     return kept_layout(tensors, ("page first", item, dim, layers), build)
 
