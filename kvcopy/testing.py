@@ -44,6 +44,8 @@ import sys
 import types
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from kvcopy import policy
 from kvcopy._cuda import (classify, describe, dma, driver, launch, memory, plan_arrays,
                           replay_records, stage)
@@ -247,13 +249,16 @@ def _copy_rows_on_host(src: Layout, dst: Layout, src_indices: Any = None,
     plan = plan_rows(src, dst, src_indices, dst_indices, rows)
     if plan.device_indices:
         raise ValueError("rows_on_host: indices on the GPU cannot be read on the host")
-    copies = list(zip(*(part.tolist() for part in expand(plan))))
-    for source, destination, size in copies:   # (all checked before any is written)
-        if not (dma.host_access_allowed(source, size)
-                and dma.host_access_allowed(destination, size, write=True)):
-            raise ValueError(f"rows_on_host: {size} bytes from {source:#x} to {destination:#x} "
-                             "are not host memory this process reads and writes")
-    for source, destination, size in copies:
+    sources, destinations, sizes = (np.ascontiguousarray(part) for part in expand(plan))
+    # (all checked before any is written)
+    denied = [i for i in (dma.first_host_span_denied(sources, sizes),
+                          dma.first_host_span_denied(destinations, sizes, write=True)) if i >= 0]
+    if denied:
+        bad = min(denied)
+        raise ValueError(f"rows_on_host: {int(sizes[bad])} bytes from {int(sources[bad]):#x} to "
+                         f"{int(destinations[bad]):#x} are not host memory this process reads "
+                         "and writes")
+    for source, destination, size in zip(sources.tolist(), destinations.tolist(), sizes.tolist()):
         ctypes.memmove(destination, source, size)
     return "host"
 

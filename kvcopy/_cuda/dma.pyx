@@ -174,6 +174,29 @@ def host_access_allowed(uint64_t ptr, uint64_t size, bint write=False) -> bool:
     kvcopy_maps_free(&maps)
     return bool(allowed)
 
+
+def first_host_span_denied(const uint64_t[::1] ptrs, const uint64_t[::1] sizes,
+                           bint write=False) -> int:
+    """The index of the first span [ptrs[i], ptrs[i] + sizes[i]) not mapped readable (and
+    writable, with ``write``) in this process, or -1 where every one is; /proc/self/maps
+    is read once for them all (every span passes where it cannot be read)."""
+    cdef kvcopy_maps maps
+    cdef Py_ssize_t i, n = ptrs.shape[0], found = -1
+    cdef unsigned need = KVCOPY_MAP_READ | (KVCOPY_MAP_WRITE if write else 0)
+    if sizes.shape[0] != n:
+        raise ValueError(f"first_host_span_denied: {n} addresses but {sizes.shape[0]} sizes")
+    if n == 0:
+        return -1
+    if kvcopy_maps_load(&maps) != 0:
+        raise MemoryError()
+    with nogil:
+        for i in range(n):
+            if not kvcopy_maps_allow(&maps, ptrs[i], sizes[i], need):
+                found = i
+                break
+    kvcopy_maps_free(&maps)
+    return found
+
 # ---------------------------------------------------------------- batched DMA
 
 cdef void* _batch_fn = NULL

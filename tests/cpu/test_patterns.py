@@ -220,3 +220,20 @@ def test_host_access_follows_the_process_mappings():
     assert not kv_dma.host_access_allowed(ptr, 8192, write=True)
     assert not kv_dma.host_access_allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
     del ptr
+
+
+def test_first_host_span_denied_names_the_first_span_outside_the_mappings():
+    arr = np.zeros(8192, np.uint8)
+    region = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
+    readonly = np.frombuffer(region, np.uint8).ctypes.data
+    base = arr.ctypes.data
+    ptrs = np.array([base, base + 4096, readonly, 42, base], np.uint64)
+    sizes = np.array([4096, 4096, 8192, 8, 1 << 46], np.uint64)
+    assert kv_dma.first_host_span_denied(ptrs[:2], sizes[:2], write=True) == -1
+    assert kv_dma.first_host_span_denied(ptrs[:3], sizes[:3]) == -1
+    assert kv_dma.first_host_span_denied(ptrs[:3], sizes[:3], write=True) == 2
+    assert kv_dma.first_host_span_denied(ptrs, sizes) == 3
+    assert kv_dma.first_host_span_denied(ptrs[4:], sizes[4:]) == 0   # runs past any mapping
+    assert kv_dma.first_host_span_denied(ptrs[:0], sizes[:0]) == -1
+    with pytest.raises(ValueError, match="5 addresses but 4 sizes"):
+        kv_dma.first_host_span_denied(ptrs, sizes[:4])
