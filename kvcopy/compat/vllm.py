@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvcopy.arguments import require_bool, require_int
+from kvcopy._plans.rows import plan_rows
 from kvcopy.api import copy_batch, copy_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
@@ -173,8 +174,10 @@ class CopyBackend:
     ``submit`` copies the runs (``CopyRunDescriptor``, any object with its fields, or a
     6-tuple in their order) on torch's current stream without expanding them into
     fragments: one copy_rows per shape of run (see run_groups), whatever the fragments'
-    size or alignment. The runs are checked before anything is enqueued; a submit that
-    raises records no transfer. Nothing is held per transfer, so ``finish_transfer``
+    size or alignment. Every group is planned, with all of copy_rows' checks, before any
+    is enqueued; a submit that raises records no transfer. Fragments that write the same
+    bytes twice are the caller's error, as in vLLM: finding them would mean expanding the
+    runs, so they are not looked for (the bytes then hold either fragment). Nothing is held per transfer, so ``finish_transfer``
     only retires the oldest one in flight (RuntimeError where none is) and ``clear``
     forgets them all.
 
@@ -194,6 +197,9 @@ class CopyBackend:
     def submit(self, run_descs: Any) -> None:
         """Copy every fragment of ``run_descs`` on torch's current stream."""
         groups = run_groups(run_descs)
+        if len(groups) > 1:
+            for src, dst, count in groups[1:]:   # (each copy_rows checks its own group first)
+                plan_rows(src, dst, None, None, count)
         if groups:
             stream = _torch_stream("CopyBackend.submit")
             for src, dst, count in groups:

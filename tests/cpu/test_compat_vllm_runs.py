@@ -112,6 +112,25 @@ def test_a_submit_that_raises_records_no_transfer():
     np.testing.assert_array_equal(dst, 0)
 
 
+def test_no_group_is_copied_where_a_later_group_is_refused():
+    from kvcopy.testing import rows_on_host
+
+    src, dst = random_bytes((4096,), 5), np.zeros(4096, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    good = Run(s, d, 128, 4, 256, 128)
+    crossing = Run(d + 2048, d + 2080, 64, 2, 64, 64)   # row 0 writes what row 1 reads
+    adapter = CopyBackendAdapter(gpu_to_cpu=True)
+    with rows_on_host(), pytest.raises(ValueError, match="a row reads bytes another row "
+                                                           "writes"):
+        adapter.submit(1, [good, crossing])
+    np.testing.assert_array_equal(dst, 0)
+    assert adapter.backend.in_flight == 0
+    with rows_on_host():
+        adapter.submit(2, [good])
+    np.testing.assert_array_equal(dst[:512], np.concatenate([src[j * 256:j * 256 + 128]
+                                                             for j in range(4)]))
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda: CopyBackend(is_src_access_order_any=1), "is_src_access_order_any must be True"),
     (lambda: CopyBackendAdapter(gpu_to_cpu="no"), "gpu_to_cpu must be True or False"),
