@@ -10,6 +10,8 @@
 #   BENCH_FLAGS   extra benchmark arguments, e.g. --calibrate
 #   PROFILE=1     also profile the calls (cProfile)
 #   PYTEST_ARGS   extra pytest arguments
+#   TESTS         what pytest runs (default: tests), e.g. half the GPU files where the
+#                 whole suite outlasts one device call
 #   ONE_GPU_TOO=1 on a machine of several GPUs, also run the suite with GPU 0 alone
 #                 (pytest-1gpu.log)
 #   PROBES="..."  parts of experiments/serving_probe.py to run after the benchmark, e.g.
@@ -26,11 +28,11 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . >/tmp/kvcopy-bui
 fi
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1
+  python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1
 } | tee "$OUT/pytest.log" | grep -v "^\.*$\|PASSED" | tail -60
 status=${PIPESTATUS[0]}
 if [ -n "${ONE_GPU_TOO:-}" ]; then
-  CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+  CUDA_VISIBLE_DEVICES=0 python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest-1gpu.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
