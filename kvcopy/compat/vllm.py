@@ -110,10 +110,14 @@ def _run_table(runs: list) -> np.ndarray | None:
     except (TypeError, ValueError, OverflowError):
         return None
     table = values.reshape(-1, 6)
-    live = table[:, 3] > 0
-    if (table < 0).any() or (live[:, None] & (table[:, [0, 1, 2]] == 0)).any():
+    if table.min() < 0:
         return None   # (not runs: the per-run reading says which)
-    return table[live]
+    live = table[:, 3] > 0
+    if not live.all():
+        table = table[live]
+    if (table[:, :3] == 0).any():
+        return None
+    return table
 
 
 def _read_runs(runs: list) -> np.ndarray:
@@ -151,18 +155,18 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     shapes = table[:, 2:]
     groups: list[np.ndarray]
     if (shapes == shapes[0]).all():   # (the usual case: one shape of run)
-        groups = [np.arange(len(table))]
+        groups = [table]
     else:
         _, first, which = np.unique(shapes, axis=0, return_index=True, return_inverse=True)
         which = which.reshape(-1)
-        groups = [np.flatnonzero(which == g) for g in np.argsort(first, kind="stable")]
+        groups = [table[which == g] for g in np.argsort(first, kind="stable")]
     pairs = []
-    for rows in groups:
-        size, count, src_stride, dst_stride = (int(v) for v in shapes[rows[0]])
+    for group in groups:
+        size, count, src_stride, dst_stride = (int(v) for v in group[0, 2:])
         pairs.append((
-            Layout.from_pointers(table[rows, 0], slots=count, row_bytes=size,
+            Layout.from_pointers(group[:, 0], slots=count, row_bytes=size,
                                  slot_stride=src_stride),
-            Layout.from_pointers(table[rows, 1], slots=count, row_bytes=size,
+            Layout.from_pointers(group[:, 1], slots=count, row_bytes=size,
                                  slot_stride=dst_stride), count))
     return pairs
 
