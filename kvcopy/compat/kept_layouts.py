@@ -24,7 +24,9 @@ from kvcopy.compat.per_tensors import PerTensors
 from kvcopy.interop.streams import current_framework_stream
 from kvcopy.layouts import Layout
 
-_layouts = PerTensors(256)
+# (a 128-layer model moved layer by layer keeps two layouts a layer for each op it
+# uses: every one of them stays kept)
+_layouts = PerTensors(2048)
 
 
 def kept_layout(tensors: Sequence[Any], args: tuple, build: Callable[[], Layout], *,

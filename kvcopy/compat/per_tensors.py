@@ -14,6 +14,7 @@ tensor is never kept alive, and a new tensor at a freed one's address is read an
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -41,13 +42,18 @@ class _Entry:
     def holds(self, tensors: Sequence[Any], facts: list) -> bool:
         return self.facts == facts and all(ref() is t for ref, t in zip(self.tensors, tensors))
 
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.tensors)
+
 
 class PerTensors:
-    """At most ``limit`` values, each kept for a set of torch tensors and arguments."""
+    """At most ``limit`` values, each kept for a set of torch tensors and arguments. Full,
+    it first drops the values whose tensors are gone, then the oldest kept."""
 
     def __init__(self, limit: int) -> None:
         self._kept: dict[tuple, _Entry] = {}
         self._limit = limit
+        self._changing = threading.Lock()   # (lookups read the dict as it stands)
 
     def get(self, tensors: Sequence[Any], args: tuple, build: Callable[[], Any], *,
             contents: bool = False) -> Any:
@@ -59,7 +65,14 @@ class PerTensors:
         if found is not None and found.holds(tensors, facts):
             return found.value
         value = build()
-        if len(self._kept) >= self._limit:
-            self._kept.clear()
-        self._kept[key] = _Entry(tensors, facts, value)
+        with self._changing:
+            if key not in self._kept and len(self._kept) >= self._limit:
+                for gone in [k for k, e in self._kept.items() if not e.alive()]:
+                    del self._kept[gone]
+                if len(self._kept) >= self._limit:
+                    del self._kept[next(iter(self._kept))]
+            self._kept[key] = _Entry(tensors, facts, value)
         return value
+
+    def __len__(self) -> int:
+        return len(self._kept)

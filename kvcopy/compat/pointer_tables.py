@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcopy.compat.per_tensors import PerTensors
 
-_KEPT = 64
+_KEPT = 256
 
 
 class _Table:

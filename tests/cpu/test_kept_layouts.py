@@ -97,3 +97,46 @@ def test_inference_tensors_have_no_version_and_their_contents_count_as_fixed():
     with torch.inference_mode():
         new = table.clone()
     assert pointer_tables.addresses_of(new, "t") == [4096, 12288]
+
+
+def test_a_full_store_drops_gone_tensors_first_then_the_oldest():
+    from kvcopy.compat.per_tensors import PerTensors
+
+    store = PerTensors(3)
+    a, b, c = (torch.zeros(4) for _ in range(3))
+    kept = {name: store.get([t], (), lambda name=name: name) for name, t in zip("abc", (a, b, c))}
+    assert kept == {"a": "a", "b": "b", "c": "c"}
+    del b
+    gc.collect()
+    d = torch.zeros(4)
+    assert store.get([d], (), lambda: "d") == "d"            # b's place, b being gone
+    assert len(store) == 3
+    assert store.get([a], (), lambda: "a again") == "a"      # a, the oldest, still kept
+    e = torch.zeros(4)
+    assert store.get([e], (), lambda: "e") == "e"            # full and alive: a goes
+    assert store.get([a], (), lambda: "a again") == "a again"
+    assert store.get([d], (), lambda: "d again") == "d"
+
+
+def test_a_128_layer_model_moved_layer_by_layer_stays_kept():
+    """SGLang's per-layer load (page-first host to each layer's K and V) and backup
+    (each layer's K and V to layer-first host) of a 128-layer model: every layout the
+    second pass asks for is the one the first pass built."""
+    layers, item = 128, 16
+    host_k, host_v = (torch.zeros((8, layers * item), dtype=torch.uint8) for _ in range(2))
+    dev = [(torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
+           for _ in range(layers)]
+    back = [(torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
+            for _ in range(layers)]
+
+    def one_pass() -> list:
+        found = []
+        for layer in range(layers):
+            found.append(sglang._buffers((host_k, host_v), ("k", "v"), item, layers * item,
+                                         layer * item))
+            found.append(sglang._buffers(dev[layer], ("k", "v"), item, item))
+            found.append(sglang._buffers(back[layer], ("k", "v"), item, item))
+        return found
+
+    first = one_pass()
+    assert all(again is kept for again, kept in zip(one_pass(), first))
