@@ -29,7 +29,9 @@ from kvcopy._plans.rows import Indices
 from kvcopy.config import config
 from kvcopy.layouts import Layout
 
-_KEPT = 64
+# (an engine moving a 128-layer model layer by layer makes a call a layer for each op:
+# each of them is repeated; an entry is a few hundred bytes of launch arguments)
+_KEPT = 1024
 
 
 class Again(Protocol):

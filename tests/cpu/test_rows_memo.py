@@ -160,3 +160,14 @@ def test_threads_remembering_past_the_limit_at_once_keep_the_memo_whole(driver):
     assert len(memo._memo) == memo._KEPT          # every layout is alive: only the limit evicts
     for found in list(memo._memo.values()):
         assert memo.entry(*(ref() for ref in found.layouts)) is found
+
+
+def test_a_call_per_layer_of_a_128_layer_model_is_remembered_for_each_layer(driver):
+    """An engine moving 128 layers one copy_rows each, step after step, and a store and a
+    load a layer: the second step repeats every call without classifying again."""
+    pairs = [caches() for _ in range(2 * 128)]
+    for _ in range(2):
+        for paged, chunk in pairs:
+            kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
+    assert driver.classified == 2 * len(pairs)   # both sides of each pair, once
+    assert len(driver.calls) == 2 * len(pairs)
