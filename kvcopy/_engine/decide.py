@@ -16,6 +16,7 @@ from kvcopy._runtime import device, peers
 from kvcopy._cuda import classify, describe, driver, launch
 from kvcopy.config import config
 from kvcopy.interop.streams import stream_kind
+from kvcopy.kept import make_room
 from kvcopy.policy import CopyRequest, Decision, choose_method
 
 log = logging.getLogger("kvcopy")
@@ -212,8 +213,7 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
             elif policy.depends_on_other_way(target.request, target.decision, target.info.caps,
                                              device.thresholds(ordinal), method):
                 target = dataclasses.replace(target, traffic_free=False)
-        if len(_targets) >= _TARGETS_KEPT:
-            _targets.clear()
+        make_room(_targets, _TARGETS_KEPT)
         _targets[key] = target
     _last.decision = target.decision
     log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from kvcopy import policy
 from kvcopy._plans.rows import Indices
 from kvcopy.config import config
+from kvcopy.kept import make_room
 from kvcopy.layouts import Layout
 
 # (an engine moving a 128-layer model layer by layer makes a call a layer for each op:
@@ -104,8 +105,7 @@ def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:
         if len(_memo) >= _KEPT:
             for gone in [k for k, e in _memo.items() if not e.alive()]:
                 del _memo[gone]
-            if len(_memo) >= _KEPT:
-                del _memo[next(iter(_memo))]   # the oldest remembered
+            make_room(_memo, _KEPT)
         _memo[tuple(map(id, layouts))] = _Entry(layouts, key, again)
 
 

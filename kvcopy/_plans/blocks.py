@@ -15,6 +15,7 @@ from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
                             uniform_torch_layout)
+from kvcopy.kept import make_room
 
 
 
@@ -330,15 +331,15 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
                              column(_extent(ld)), column(ls.block_stride),
                              column(ld.block_stride), column(1), column(1),
                              column(ls.num_blocks), column(ld.num_blocks), key=key)
-    if len(_uniform_geometries) >= _GEOMETRIES_KEPT:
-        _uniform_geometries.clear()
+    make_room(_uniform_geometries, _GEOMETRIES_KEPT)
     _uniform_geometries[key] = geometry
     return geometry
 
 
 # Geometries of uniform torch lists by what they were read from (layouts and addresses:
-# the whole of a geometry), so that a repeated call builds none of its columns again.
-_GEOMETRIES_KEPT = 64
+# the whole of a geometry), so that a repeated call builds none of its columns again;
+# enough for two a layer of a 128-layer model called layer by layer, both ways.
+_GEOMETRIES_KEPT = 1024
 _uniform_geometries: dict[tuple, BlockGeometry] = {}
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvcopy._plans.overlaps import first_overlap, overlap_between
 from kvcopy.arguments import require_same_length
+from kvcopy.kept import make_room
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def _overlapping_tensors(a: Side, b: Side, distinct: bool) -> list[tuple[int, in
     return found
 
 
-_PAIRS_KEPT = 256
+_PAIRS_KEPT = 2048   # (a few a geometry: as many geometries as blocks keeps)
 _pairs: dict[tuple, list] = {}   # geometry keys -> overlapping tensor pairs
 
 
@@ -85,8 +86,7 @@ def _pairs_for(a: Side, b: Side, distinct: bool, key: tuple | None) -> list[tupl
     found = _pairs.get(full)
     if found is None:
         found = _overlapping_tensors(a, b, distinct)
-        if len(_pairs) >= _PAIRS_KEPT:
-            _pairs.clear()
+        make_room(_pairs, _PAIRS_KEPT)
         _pairs[full] = found
     return found
 

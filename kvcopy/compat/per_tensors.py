@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from kvcopy.kept import make_room
+
 
 def version_of(tensor: Any) -> int:
     """torch's version counter of ``tensor``; -1 for an inference tensor, which has none."""
@@ -69,8 +71,7 @@ class PerTensors:
             if key not in self._kept and len(self._kept) >= self._limit:
                 for gone in [k for k, e in self._kept.items() if not e.alive()]:
                     del self._kept[gone]
-                if len(self._kept) >= self._limit:
-                    del self._kept[next(iter(self._kept))]
+                make_room(self._kept, self._limit)
             self._kept[key] = _Entry(tensors, facts, value)
         return value
 

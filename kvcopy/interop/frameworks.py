@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcopy.kept import make_room
+
 _PREFIXES = (("torch", "torch"), ("cupy", "cupy"), ("cupy_backends", "cupy"), ("jax", "jax"),
              ("jaxlib", "jax"), ("cuda.core", "cuda.core"), ("cuda.bindings", "cuda.bindings"))
 
@@ -26,8 +28,7 @@ def framework_of(obj: Any) -> str | None:
     except TypeError:   # (a metaclass that makes its classes unhashable)
         return _framework_of_module(kind.__module__ or "")
     found = _framework_of_module(kind.__module__ or "")
-    if len(_by_type) >= _TYPES_KEPT:
-        _by_type.clear()
+    make_room(_by_type, _TYPES_KEPT)
     _by_type[kind] = found
     return found
 

@@ -14,6 +14,7 @@ import numpy as np
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.protocols import c_strides, read_array_interface
 from kvcopy.interop.streams import interface_stream
+from kvcopy.kept import make_room
 
 
 class BlockLayout(NamedTuple):
@@ -241,13 +242,12 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
     if key not in _plain_lists:
         if any(t.is_neg() or t.is_conj() for t in tensors):
             return None
-        if len(_plain_lists) >= _PLAIN_LISTS_KEPT:
-            _plain_lists.clear()
+        make_room(_plain_lists, _PLAIN_LISTS_KEPT)
         _plain_lists[key] = None
     return layout, found
 
 
-_PLAIN_LISTS_KEPT = 256
+_PLAIN_LISTS_KEPT = 1024
 _plain_lists: dict[tuple, None] = {}   # tensor lists found free of conjugate/negative bits
 
 

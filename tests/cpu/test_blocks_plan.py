@@ -176,6 +176,22 @@ def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
     assert block_geometry(src, dst).src_base.tolist() == [kv[0].data_ptr(), kv[1].data_ptr()]
 
 
+def test_a_128_layer_model_swapped_layer_by_layer_keeps_every_geometry():
+    """vLLM's per-layer swap_blocks of a 128-layer model, both ways: the second step
+    finds each layer's geometry as the first built it."""
+    torch = pytest.importorskip("torch")
+    from kvcopy._plans.blocks import block_geometry
+
+    gpu = [torch.zeros((4, 64), dtype=torch.uint8) for _ in range(128)]
+    host = [torch.zeros((4, 64), dtype=torch.uint8) for _ in range(128)]
+
+    def step() -> list:
+        return [block_geometry(a, b) for g, h in zip(gpu, host) for a, b in ((g, h), (h, g))]
+
+    first = step()
+    assert all(again is kept for again, kept in zip(step(), first))
+
+
 def test_mixed_shapes_fall_back_to_per_tensor_reading():
     torch = pytest.importorskip("torch")
     from kvcopy._plans.blocks import _uniform_geometry, block_geometry

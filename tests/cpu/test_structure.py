@@ -18,7 +18,7 @@ MAX_LINES = 400
 # Layers, lowest first: a module may import its own layer's and lower layers'
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
-PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.policy",
+PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.kept", "kvcopy.policy",
         "kvcopy.policy.layout_kernel",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
