@@ -20,7 +20,7 @@ from kvcopy.arguments import require_same_length
 from kvcopy._plans.blocks import BlockPlan
 from kvcopy.config import config
 from kvcopy.errors import CudaError, NoDriverError
-from kvcopy.interop.streams import effective_handle
+from kvcopy.interop.streams import STREAM_LEGACY, effective_handle
 from kvcopy.policy import Decision
 from kvcopy._plans.copies import CopyPlan, plan_copies
 
@@ -170,6 +170,24 @@ def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
     ``streams``, once each: the streams array-interface producers declared."""
     for stream in dict.fromkeys(streams):
         driver.stream_wait_stream(handle, stream)
+
+
+def producer_stream(handle: int) -> int | None:
+    """The stream to hand DLPack producers of a copy on ``handle``, so that they order
+    their pending writes before it: ``handle``, or None (no ordering asked) where it
+    captures a graph. A graph waits for nothing outside it (array-interface
+    producers' streams are not waited for under capture either): a producer making
+    a capturing stream wait for its own work asks for a dependency across the
+    capture's boundary, which the driver refuses (cudaErrorStreamCaptureIsolation),
+    and what a replay reads is the caller's to order when it replays. Asked only
+    where such a producer is met (a driver call)."""
+    if handle == STREAM_LEGACY:   # (the legacy stream never captures)
+        return handle
+    try:
+        with ContextScope(handle):
+            return None if driver.stream_capture_status(handle) else handle
+    except CudaError:   # (the copy itself will name what is wrong with the stream)
+        return handle
 
 
 _ID_UPLOADS = 3   # the caller's side stream for swap_blocks' id uploads (no staged path's)

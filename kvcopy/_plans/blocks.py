@@ -13,8 +13,8 @@ from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
-from kvcopy.interop.tensors import (BlockLayout, block_layout, flat_buffer_layout, is_flat_buffer,
-                            uniform_torch_layout)
+from kvcopy.interop.tensors import (BlockLayout, ConsumerStream, block_layout, flat_buffer_layout,
+                            is_flat_buffer, uniform_torch_layout)
 from kvcopy.kept import make_room
 
 
@@ -224,7 +224,7 @@ def crossing_pairs(forward: BlockPlan, back: BlockPlan) -> str | None:
 
 
 def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
-               stream: int | None) -> tuple[list, int, tuple]:
+               stream: ConsumerStream) -> tuple[list, int, tuple]:
     """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes),
     the block size, and the producer streams the tensors declared."""
     multi = len(srcs) > 1
@@ -259,7 +259,7 @@ def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
 
 
 def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
-                     stream: int | None) -> tuple[BlockLayout, BlockLayout]:
+                     stream: ConsumerStream) -> tuple[BlockLayout, BlockLayout]:
     """Both layouts of pair i; a flat buffer takes its block size from the other side."""
     try:
         src_flat, dst_flat = is_flat_buffer(s), is_flat_buffer(d)
@@ -282,14 +282,15 @@ def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
 
 
 def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
-                   stream: int | None = None) -> BlockGeometry:
+                   stream: ConsumerStream = None) -> BlockGeometry:
     """Validate the tensors of a swap_blocks call (no driver needed). Raises TypeError/ValueError.
 
     Runs on every swap_blocks call, so a list of torch tensors of one shape,
     stride and dtype per side (the usual per-layer cache) is read in one
     vectorised step; anything else tensor by tensor. ``stream`` is the raw
-    handle the copy will run on, given to DLPack producers so that they order
-    their pending writes before it (None: no ordering is asked of them).
+    handle the copy will run on, or a function giving it, given to DLPack producers
+    of GPU memory so that they order their pending writes before it (None: no
+    ordering is asked of them; interop.tensors.ConsumerStream).
     """
     split_blocks = require_bool(split_blocks, "split_blocks")
     srcs, dsts = as_list(src), as_list(dst)
@@ -356,7 +357,7 @@ def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeomet
 
 
 def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False,
-                stream: int | None = None) -> BlockPlan:
+                stream: ConsumerStream = None) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
     return block_geometry(src, dst, split_blocks=split_blocks,
                           stream=stream).with_mapping(block_mapping)

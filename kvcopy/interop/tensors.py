@@ -7,10 +7,11 @@ contiguous. Reads torch, NumPy and CuPy attributes directly (cheap), any
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
+from kvcopy.errors import KVCopyError
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.protocols import c_strides, read_array_interface
 from kvcopy.interop.streams import interface_stream
@@ -35,6 +36,11 @@ _U64_LIMIT = 1 << 64
 
 _DLPACK_GPU_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
 
+# The stream a copy runs on, as handed to DLPack producers: a raw handle, None (no
+# ordering asked), or a function giving either, asked only where a producer of GPU
+# memory is met (the caller's answer may cost a driver call).
+ConsumerStream = Union[int, Callable[[], Union[int, None]], None]
+
 
 def _strided_memory_view() -> type:
     """cuda.core's StridedMemoryView: cuda.core.utils from 0.5, experimental before."""
@@ -55,7 +61,7 @@ def _view_of(view_type: type, obj: Any, stream_ptr: int) -> Any:
     return view_type(obj, stream_ptr=stream_ptr)
 
 
-def _dlpack_consumer_stream(obj: Any, stream: int | None) -> int:
+def _dlpack_consumer_stream(obj: Any, stream: ConsumerStream) -> int:
     """The consumer stream to give a DLPack producer: the copy's stream for GPU
     memory (the producer then orders its pending writes before it), -1 (no
     ordering) for host memory or when no stream is known."""
@@ -65,10 +71,13 @@ def _dlpack_consumer_stream(obj: Any, stream: int | None) -> int:
         device_type = int(obj.__dlpack_device__()[0])
     except Exception:  # noqa: BLE001 - no DLPack: cuda.core tries the other protocols
         return -1
-    return stream if device_type in _DLPACK_GPU_DEVICES else -1
+    if device_type not in _DLPACK_GPU_DEVICES:
+        return -1
+    handle = stream() if callable(stream) else stream
+    return -1 if handle is None else handle
 
 
-def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, int, bool, int | None]:
+def _raw(obj: Any, name: str, stream: ConsumerStream) -> tuple[int, tuple, tuple, int, bool, int | None]:
     """(pointer, shape, byte strides, itemsize, readonly, producer stream).
 
     ``stream`` is the consumer's stream handle, given to DLPack producers so that
@@ -118,6 +127,8 @@ def _raw(obj: Any, name: str, stream: int | None) -> tuple[int, tuple, tuple, in
                    else c_strides(tuple(view.shape), itemsize))
         # a JAX array is immutable, whatever flag its capsule carries
         return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly) or jax, None
+    except KVCopyError:   # (asking for the copy's stream failed: not the object's doing)
+        raise
     except Exception:  # noqa: BLE001 - anything that is not an array
         raise TypeError(f"{name}: {type_name(obj)} is not a tensor "
                         "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
@@ -185,7 +196,7 @@ def _torch_layout(t: Any) -> BlockLayout | None:
     return BlockLayout(ptr, shape[0], strides[0] * size, step * size, False)
 
 
-def block_layout(obj: Any, name: str, stream: int | None = None) -> BlockLayout:
+def block_layout(obj: Any, name: str, stream: ConsumerStream = None) -> BlockLayout:
     """Where ``obj``'s blocks are. Raises TypeError/ValueError naming ``name``.
 
     ``stream``: the stream the copy will run on, given to DLPack producers (see

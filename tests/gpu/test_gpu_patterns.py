@@ -507,6 +507,26 @@ def test_dlpack_producer_with_pending_work_jax(torch_cuda):
     assert bool((dst == 6.0).all())
 
 
+def test_dlpack_producer_under_capture_jax(torch_cuda):
+    """A JAX source in a captured swap_blocks: JAX is asked for no ordering while the
+    stream captures (its wait for its own work would end the capture), and the replay
+    copies the array's bytes."""
+    torch = torch_cuda
+    jax, gpu = jax_gpu()
+    jnp = jax.numpy
+    src = jax.device_put(jnp.arange(64 * 1024, dtype=jnp.float32).reshape(64, 1024), gpu)
+    src.block_until_ready()
+    dst = torch.zeros((64, 1024), dtype=torch.float32, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        kvcopy.swap_blocks(src, dst, [[b, 63 - b] for b in range(64)], stream=stream)
+    assert not dst.any()                     # (nothing ran during capture)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024).flip(0)
+    assert torch.equal(dst.cpu(), want)
+
+
 # ------------------------------------------------------------------ vLLM's signature
 
 def test_vllm_shim_use_batch_api(torch_cuda):
