@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kvcopy import policy
 from kvcopy._plans.rows import Indices
 from kvcopy.config import config
-from kvcopy.kept import make_room
+from kvcopy.kept import dropper, make_room
 from kvcopy.layouts import Layout
 
 # (an engine moving a 128-layer model layer by layer makes a call a layer for each op:
@@ -44,8 +44,9 @@ class Again(Protocol):
 class _Entry:
     __slots__ = ("layouts", "key", "repeat")
 
-    def __init__(self, layouts: tuple[Layout, ...], key: tuple, repeat: Any) -> None:
-        self.layouts = tuple(weakref.ref(layout) for layout in layouts)
+    def __init__(self, layouts: tuple[Layout, ...], key: tuple, repeat: Any,
+                 gone: Callable[[object], None] | None = None) -> None:
+        self.layouts = tuple(weakref.ref(layout, gone) for layout in layouts)
         self.key, self.repeat = key, repeat
 
     def holds(self, layouts: tuple[Any, ...]) -> bool:
@@ -101,12 +102,11 @@ def repeat(found: "_Entry", key: tuple) -> Any:
 
 def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:
     """Keep ``again`` as the call between these layouts with this key (thread-safe)."""
+    at = tuple(map(id, layouts))
     with _changing:
-        if len(_memo) >= _KEPT:
-            for gone in [k for k, e in _memo.items() if not e.alive()]:
-                del _memo[gone]
-            make_room(_memo, _KEPT)
-        _memo[tuple(map(id, layouts))] = _Entry(layouts, key, again)
+        if at not in _memo:
+            make_room(_memo, _KEPT)   # (entries of freed layouts are gone already)
+        _memo[at] = _Entry(layouts, key, again, dropper(_memo, at))
 
 
 def forget() -> None:

@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-from kvcopy.kept import make_room
+from kvcopy.kept import dropper, make_room
 
 
 def version_of(tensor: Any) -> int:
@@ -37,8 +37,9 @@ def _facts(tensors: Sequence[Any], contents: bool) -> list:
 class _Entry:
     __slots__ = ("tensors", "facts", "value")
 
-    def __init__(self, tensors: Sequence[Any], facts: list, value: Any) -> None:
-        self.tensors = tuple(weakref.ref(t) for t in tensors)
+    def __init__(self, tensors: Sequence[Any], facts: list, value: Any,
+                 gone: Callable[[object], None]) -> None:
+        self.tensors = tuple(weakref.ref(t, gone) for t in tensors)
         self.facts, self.value = facts, value
 
     def holds(self, tensors: Sequence[Any], facts: list) -> bool:
@@ -49,8 +50,8 @@ class _Entry:
 
 
 class PerTensors:
-    """At most ``limit`` values, each kept for a set of torch tensors and arguments. Full,
-    it first drops the values whose tensors are gone, then the oldest kept."""
+    """At most ``limit`` values, each kept for a set of torch tensors and arguments: a
+    value leaves when one of its tensors is freed, and a full store drops its oldest."""
 
     def __init__(self, limit: int) -> None:
         self._kept: dict[tuple, _Entry] = {}
@@ -68,11 +69,9 @@ class PerTensors:
             return found.value
         value = build()
         with self._changing:
-            if key not in self._kept and len(self._kept) >= self._limit:
-                for gone in [k for k, e in self._kept.items() if not e.alive()]:
-                    del self._kept[gone]
-                make_room(self._kept, self._limit)
-            self._kept[key] = _Entry(tensors, facts, value)
+            if key not in self._kept:
+                make_room(self._kept, self._limit)   # (entries of freed tensors are gone)
+            self._kept[key] = _Entry(tensors, facts, value, dropper(self._kept, key))
         return value
 
     def __len__(self) -> int:

@@ -39,3 +39,37 @@ def test_threads_filling_one_store_at_once_keep_it_bounded():
         thread.join()
     assert failures == []
     assert len(store) <= 64 + 8      # each thread may add one after making room
+
+
+def test_an_entry_goes_with_its_freed_object_but_not_a_live_one_at_its_key():
+    import gc
+    import weakref
+
+    from kvcopy.kept import dropper
+
+    class Thing:
+        pass
+
+    class Entry:
+        def __init__(self, thing: Thing, gone) -> None:
+            self.ref = weakref.ref(thing, gone)
+
+        def alive(self) -> bool:
+            return self.ref() is not None
+
+    store: dict = {}
+    first, second = Thing(), Thing()
+    store["k"] = Entry(first, dropper(store, "k"))
+    store["j"] = Entry(second, dropper(store, "j"))
+    del first
+    gc.collect()
+    assert list(store) == ["j"]
+    third = Thing()
+    old = store["j"]
+    store["j"] = Entry(third, dropper(store, "j"))   # a live entry took the key
+    del second, old
+    gc.collect()
+    assert list(store) == ["j"] and store["j"].alive()
+    del third
+    gc.collect()
+    assert store == {}

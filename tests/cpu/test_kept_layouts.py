@@ -99,6 +99,20 @@ def test_inference_tensors_have_no_version_and_their_contents_count_as_fixed():
     assert pointer_tables.addresses_of(new, "t") == [4096, 12288]
 
 
+def test_a_value_leaves_the_store_with_its_tensor():
+    from kvcopy.compat.per_tensors import PerTensors
+
+    store = PerTensors(8)
+    a, b = torch.zeros(4), torch.zeros(4)
+    store.get([a, b], (), lambda: "a and b")
+    store.get([a], (), lambda: "a")
+    assert len(store) == 2
+    del b
+    gc.collect()
+    assert len(store) == 1                                 # without a scan or an insert
+    assert store.get([a], (), lambda: "a again") == "a"
+
+
 def test_a_full_store_drops_gone_tensors_first_then_the_oldest():
     from kvcopy.compat.per_tensors import PerTensors
 

@@ -121,10 +121,12 @@ def test_a_repeat_notes_its_traffic_as_the_first_call_did(driver):
 def test_the_memo_keeps_no_layout_alive(driver):
     paged, chunk = caches()
     kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
+    assert len(engine.rows_memo._memo) == 1
     gone = weakref.ref(paged)
     del paged
     gc.collect()
     assert gone() is None
+    assert len(engine.rows_memo._memo) == 0     # its call went with it
     paged, _ = caches()   # a new layout is planned, whatever id it got
     kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
     assert driver.classified == 4
