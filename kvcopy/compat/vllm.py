@@ -109,7 +109,7 @@ def _run_table(runs: list) -> np.ndarray | None:
         values = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 6 * len(runs))
     except (TypeError, ValueError, OverflowError):
         return None
-    table = values.reshape(-1, 6)
+    table: np.ndarray = values.reshape(-1, 6)
     if table.min() < 0:
         return None   # (not runs: the per-run reading says which)
     live = table[:, 3] > 0
