@@ -12,7 +12,9 @@ def make_room(store: dict, limit: int) -> None:
     while len(store) >= limit:
         try:
             del store[next(iter(store))]
-        except (KeyError, RuntimeError, StopIteration):   # (changed under us: look again)
+        except StopIteration:   # (emptied: a limit of 0 holds nothing)
+            return
+        except (KeyError, RuntimeError):   # (changed under us: look again)
             continue
 
 

@@ -16,6 +16,8 @@ def test_make_room_drops_the_oldest_until_one_more_fits():
     assert list(store) == [2, 3, 4]
     make_room(store, 1)
     assert store == {}
+    make_room(store, 0)              # (nothing to drop: it returns)
+    assert store == {}
 
 
 def test_threads_filling_one_store_at_once_keep_it_bounded():
