@@ -172,25 +172,31 @@ def wait_for_streams(handle: int, streams: Iterable[int]) -> None:
         driver.stream_wait_stream(handle, stream)
 
 
-def producer_stream(handle: int) -> int | None:
+def producer_stream(handle: int) -> int:
     """The stream to hand DLPack producers of a copy on ``handle``, so that they order
-    their pending writes before it: ``handle``, or None (no ordering asked) where it
-    captures a graph. A graph waits for nothing outside it (array-interface
-    producers' streams are not waited for under capture either): a producer making
-    a capturing stream wait for its own work asks for a dependency across the
-    capture's boundary, which the driver refuses (cudaErrorStreamCaptureIsolation),
-    and what a replay reads is the caller's to order when it replays. Asked only
-    where such a producer is met (a driver call)."""
+    their pending writes before it: ``handle`` itself, or where it captures a graph, a
+    side stream of kvcopy's that does not. A graph waits for nothing outside it
+    (array-interface producers' streams are not waited for under capture either): a
+    producer handed the capturing stream makes it wait for its own work, which ends
+    the capture (JAX does, its array ready or not), and what a replay reads is the
+    caller's to order when it replays. The DLPack value for no ordering, -1, is
+    refused by JAX (CUDA_ERROR_INVALID_HANDLE), so the producer's wait goes to a
+    stream no copy runs on. Asked only where such a producer is met (a driver call)."""
     if handle == STREAM_LEGACY:   # (the legacy stream never captures)
         return handle
     try:
         with ContextScope(handle):
-            return None if driver.stream_capture_status(handle) else handle
+            if driver.stream_capture_status(handle) == 0:
+                return handle
+            return side_streams.for_caller(handle, _PRODUCERS)
     except CudaError:   # (the copy itself will name what is wrong with the stream)
         return handle
 
 
-_ID_UPLOADS = 3   # the caller's side stream for swap_blocks' id uploads (no staged path's)
+# The caller's side streams (indices) for swap_blocks' id uploads and for DLPack
+# producers' waits under capture: neither is a staged path's.
+_ID_UPLOADS = 3
+_PRODUCERS = 4
 
 
 def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, ...]],

@@ -1,7 +1,8 @@
 """DLPack producers of GPU memory are handed the copy's stream, so that they order
-their pending writes before it, and none (-1) while that stream captures a graph: a
-graph waits for nothing outside it. Host producers are asked for no ordering, and the
-copy's stream is not even looked up for them. The driver is faked."""
+their pending writes before it, and while that stream captures a graph a side stream
+of kvcopy's instead: a graph waits for nothing outside it. Host producers are asked
+for no ordering, and the copy's stream is not even looked up for them. The driver is
+faked."""
 from __future__ import annotations
 
 import numpy as np
@@ -76,13 +77,24 @@ def driver(seams):
     return fake
 
 
-def test_producers_are_handed_the_stream_unless_it_captures(driver):
+SIDE = 0x5100
+
+
+def test_producers_are_handed_the_stream_or_under_capture_a_side_stream(driver, seams):
+    sides: list = []
+
+    def side_stream(handle: int, index: int = 0) -> int:
+        sides.append((handle, index))
+        return SIDE + index
+
+    seams.enter_context(testing.fake_runtime(scope=FakeScope, side_stream=side_stream))
     producer_stream = engine.dispatch.producer_stream
     assert producer_stream(HANDLE) == HANDLE
-    driver.capturing = 1
-    assert producer_stream(HANDLE) is None
-    assert producer_stream(2) is None               # the per-thread stream can capture
+    driver.capturing = 1                            # (JAX refuses -1: a stream that does not)
+    assert producer_stream(HANDLE) == SIDE + engine.dispatch._PRODUCERS
+    assert producer_stream(2) == SIDE + engine.dispatch._PRODUCERS   # per-thread captures too
     assert producer_stream(1) == 1                  # the legacy stream never does
     assert driver.asked == [HANDLE, HANDLE, 2]
+    assert sides == [(HANDLE, engine.dispatch._PRODUCERS), (2, engine.dispatch._PRODUCERS)]
     driver.capturing = -1                           # the copy will name the stream's fault
     assert producer_stream(HANDLE) == HANDLE

@@ -508,9 +508,9 @@ def test_dlpack_producer_with_pending_work_jax(torch_cuda):
 
 
 def test_dlpack_producer_under_capture_jax(torch_cuda):
-    """A JAX source in a captured swap_blocks: JAX is asked for no ordering while the
-    stream captures (its wait for its own work would end the capture), and the replay
-    copies the array's bytes."""
+    """A JAX source in a captured swap_blocks: JAX is handed a stream that does not
+    capture (its wait for its own work on the capturing one ends the capture; it
+    refuses DLPack's -1), and the replay copies the array's bytes."""
     torch = torch_cuda
     jax, gpu = jax_gpu()
     jnp = jax.numpy
