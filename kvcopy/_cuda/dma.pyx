@@ -162,19 +162,6 @@ def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
 
 
-def host_access_allowed(uint64_t ptr, uint64_t size, bint write=False) -> bool:
-    """Whether [ptr, ptr + size) is mapped readable (and writable, with ``write``)
-    in this process, by /proc/self/maps (True where that cannot be read)."""
-    cdef kvcopy_maps maps
-    cdef int allowed
-    if kvcopy_maps_load(&maps) != 0:
-        raise MemoryError()
-    allowed = kvcopy_maps_allow(&maps, ptr, size,
-                                KVCOPY_MAP_READ | (KVCOPY_MAP_WRITE if write else 0))
-    kvcopy_maps_free(&maps)
-    return bool(allowed)
-
-
 def first_host_span_denied(const uint64_t[::1] ptrs, const uint64_t[::1] sizes,
                            bint write=False) -> int:
     """The index of the first span [ptrs[i], ptrs[i] + sizes[i]) not mapped readable (and

@@ -209,16 +209,21 @@ def test_vllm_shim_checks_its_flags_before_the_driver():
 
 # ------------------------------------------------------------------ host mappings
 
+def _allowed(ptr: int, size: int, write: bool = False) -> bool:
+    spans = np.array([ptr], np.uint64), np.array([size], np.uint64)
+    return kv_dma.first_host_span_denied(*spans, write) == -1
+
+
 def test_host_access_follows_the_process_mappings():
     arr = np.zeros(8192, np.uint8)
-    assert kv_dma.host_access_allowed(arr.ctypes.data, arr.nbytes, write=True)
-    assert not kv_dma.host_access_allowed(42, 8)
-    assert not kv_dma.host_access_allowed(0x10, 1, write=True)
+    assert _allowed(arr.ctypes.data, arr.nbytes, write=True)
+    assert not _allowed(42, 8)
+    assert not _allowed(0x10, 1, write=True)
     region = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
     ptr = np.frombuffer(region, np.uint8).ctypes.data
-    assert kv_dma.host_access_allowed(ptr, 8192)
-    assert not kv_dma.host_access_allowed(ptr, 8192, write=True)
-    assert not kv_dma.host_access_allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
+    assert _allowed(ptr, 8192)
+    assert not _allowed(ptr, 8192, write=True)
+    assert not _allowed(arr.ctypes.data, 1 << 46)   # runs past any mapping
     del ptr
 
 
