@@ -181,9 +181,9 @@ class CopyBackend:
     size or alignment. Every group is planned, with all of copy_rows' checks, before any
     is enqueued; a submit that raises records no transfer. Fragments that write the same
     bytes twice are the caller's error, as in vLLM: finding them would mean expanding the
-    runs, so they are not looked for (the bytes then hold either fragment). Nothing is held per transfer, so ``finish_transfer``
-    only retires the oldest one in flight (RuntimeError where none is) and ``clear``
-    forgets them all.
+    runs, so they are not looked for (the bytes then hold either fragment). Nothing is
+    held per transfer, so ``finish_transfer`` only retires the oldest one in flight
+    (RuntimeError where none is) and ``clear`` forgets them all.
 
     ``is_src_access_order_any`` is kept for vLLM's constructor: kvcopy reads the sources
     in stream order, which is correct for either value."""
