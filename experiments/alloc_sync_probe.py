@@ -1,8 +1,8 @@
 """Experiment: do the descriptor ring's slot growths wait for the whole GPU?
 
-serving_probe.py serving_blocks (bench/results/h200-serving-blocks.txt, 1 December)
-got 4.0 + 4.0 GB/s and a +0.0% matmul slowdown for copy_both_ways of 16 KiB blocks in
-a fresh process, where the benchmark minutes before got 31.9 + 31.9 and +2.9%. The
+serving_probe.py serving_blocks got 4.0 + 4.0 GB/s and a +0.0% matmul slowdown for
+copy_both_ways of 16 KiB blocks in a fresh process, where the benchmark minutes before
+got 31.9 + 31.9 and +2.9%. The
 suspect: that call needs 256 KiB of descriptors, no call before had grown the ring's
 slots past 128 KiB, and each slot, on its first use at the larger size, frees its old
 buffers (ring.Slot.ensure -> release: cuMemFreeHost, cuMemFree) and allocates new
@@ -16,11 +16,11 @@ ring slot. A call that lasts about SLEEP_MS waited for the sleep kernel.
 
 Before those, kvcopy.prepare() beside a sleep kernel: what a process's first copy
 does (the device's facts, loading the copy kernel's module, the descriptor ring;
-bench/results/h200-alloc-sync-probe.txt saw the first copy_batch wait 52 ms beside a
-50 ms sleep, and device_info, which loads the module, 49 ms). The copy_batch calls
+this probe saw the first copy_batch wait 52 ms beside a 50 ms sleep, and
+device_info, which loads the module, 49 ms). The copy_batch calls
 after it then show whether anything else in a first copy waits.
 
-Run on a GPU: python3 scripts/alloc_sync_probe.py
+Run on a GPU: python3 experiments/alloc_sync_probe.py
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Both directions at once over PCIe: the copy kernel's footprint (CTAs x threads)
 against the contiguous pair, in GPU time (events spanning both streams), one way
 and both ways. KVCOPY_UNROLL picks the loads in flight per thread.
-Run on a GPU: python3 scripts/bidir_probe.py"""
+Run on a GPU: python3 experiments/bidir_probe.py"""
 from __future__ import annotations
 
 import os

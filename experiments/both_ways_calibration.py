@@ -1,7 +1,7 @@
 """calibrate() on this host, then copy_both_ways with what it found (and with the
 shipped default, 128 KiB) against the contiguous pair: where a store and a load at
 once go to the copy engines depends on the host's CPU cost per copy.
-Run on a GPU: python3 scripts/both_ways_calibration.py"""
+Run on a GPU: python3 experiments/both_ways_calibration.py"""
 from __future__ import annotations
 
 import dataclasses

@@ -13,7 +13,7 @@ STAGE_BYTES: a bulk load (global -> shared, completion on an mbarrier), then a
 bulk store (shared -> global) of each piece; a buffer is refilled once its store
 has read it. sm_90 or newer. Copies must be multiples of 16 bytes, 16-byte aligned.
 
-Run on a GPU: python3 scripts/bulk_probe.py [sanity] [oneway] [beside] [both]
+Run on a GPU: python3 experiments/bulk_probe.py [sanity] [oneway] [beside] [both]
 (BULK_VARIANTS=5x8K,2x8Kw BULK_CTAS=2,4 BULK_DIRS=d2h narrow it down)
 """
 from __future__ import annotations

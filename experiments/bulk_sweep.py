@@ -9,7 +9,7 @@ the bulk copy unit (config.bulk_stores = True) at several CTA counts
           (alternating pairs, median slowdown and its spread)
   small   call to completion of 16, 64 and 256 x 16 KiB
 
-Run on a GPU: python3 scripts/bulk_sweep.py [alone] [beside] [small]"""
+Run on a GPU: python3 experiments/bulk_sweep.py [alone] [beside] [small]"""
 from __future__ import annotations
 
 import contextlib

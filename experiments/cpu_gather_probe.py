@@ -17,7 +17,7 @@ Measured here, per block size (64 MiB each way, blocks scattered in 128 MiB pool
   and the kernel load alone.
 The loaded bytes are checked once per block size.
 
-Run on a GPU: python3 scripts/cpu_gather_probe.py
+Run on a GPU: python3 experiments/cpu_gather_probe.py
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Experiment: why the describe pass costs three times as much inside copy_batch as alone.
 
-cpu_breakdown.py (8192 x 16 KiB, fast host, 1 December): describe_copies into a pinned
+cpu_breakdown.py (8192 x 16 KiB, fast host): describe_copies into a pinned
 buffer takes 20.5 us and a launch 5.1, yet reserve + describe + launch takes 86.7 and
 copy_batch 80.3. At 2 KiB blocks (32,768 copies) that CPU time comes before the first
 copy and holds the wall near 0.82-0.88 of the contiguous copy's. Suspects: the kernel
@@ -14,7 +14,7 @@ then a synchronize; the buffer uploaded by a copy engine, then a synchronize; th
 kernel reading another buffer (so the link and SMs are as busy), then a synchronize; a
 sleep kernel as long, then a synchronize; time.sleep as long. Medians of 60.
 
-Run on a GPU: python3 scripts/describe_cache_probe.py
+Run on a GPU: python3 experiments/describe_cache_probe.py
 """
 from __future__ import annotations
 

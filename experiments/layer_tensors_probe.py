@@ -9,7 +9,7 @@ in one allocation per side, and the driver questions each side's describe pass
 asked (describe_copies_answered of kvcopy.testing with no rows counts the real
 driver's answers).
 
-Run on a GPU: python3 scripts/layer_tensors_probe.py
+Run on a GPU: python3 experiments/layer_tensors_probe.py
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ blocks): copy_both_ways as it decides now, against the load by batched DMA on on
 stream beside the store by the kernel with 2 or 4 CTAs on another, GPU time and wall
 (call to completion), fractions of the contiguous pair's.
 
-Run on a GPU: python3 scripts/link_budget.py
+Run on a GPU: python3 experiments/link_budget.py
 """
 from __future__ import annotations
 

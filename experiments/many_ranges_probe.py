@@ -15,7 +15,7 @@ Measured here, for each (a plain allocation alongside as the reference):
   segment's reserved range that nothing is mapped at, by each method, and whether the
   context survives.
 
-Run on a GPU: python3 scripts/many_ranges_probe.py
+Run on a GPU: python3 experiments/many_ranges_probe.py
 """
 from __future__ import annotations
 

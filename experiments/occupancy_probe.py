@@ -11,7 +11,7 @@ its SM, and one that does not. The matmul's own kernel (name, grid, block,
 registers, shared memory) is read from the profiler, and the same windows are
 measured beside kvcopy's copies for reference.
 
-Run on a GPU: python3 scripts/occupancy_probe.py [hold] [lean] [kvcopy] [sizes]
+Run on a GPU: python3 experiments/occupancy_probe.py [hold] [lean] [kvcopy] [sizes]
 """
 from __future__ import annotations
 

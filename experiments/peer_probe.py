@@ -1,7 +1,7 @@
 """Copies between two GPUs: which device should launch the copy kernel (source or
 destination side) and how many CTAs keep NVLink busy, against the contiguous peer
 copy in the same run. Also what the driver's access flags say before and after
-peer access is enabled. Needs two GPUs: python3 scripts/peer_probe.py"""
+peer access is enabled. Needs two GPUs: python3 experiments/peer_probe.py"""
 from __future__ import annotations
 
 import sys

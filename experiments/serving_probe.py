@@ -6,7 +6,7 @@
   latency   call-to-completion floor for small batches, and where the time goes;
   chunks    wall time of batched DMA issued in chunks, and of the kernel path split
             into a small first launch and the rest.
-Run on a GPU: python3 scripts/serving_probe.py [part ...]"""
+Run on a GPU: python3 experiments/serving_probe.py [part ...]"""
 from __future__ import annotations
 
 import os

@@ -4,7 +4,7 @@ measured in the same process) and what they save a matmul beside continuous copi
 (median slowdown of alternating pairs), one way, for one-tile (2-16 KiB) and
 multi-tile (64 KiB) blocks.
 
-Run on a GPU: python3 scripts/slice_sweep.py
+Run on a GPU: python3 experiments/slice_sweep.py
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The copy kernel's CTAs per host direction are the fewest that keep a 64 MiB batc
 blocks go by the bulk copier's 4 CTAs of two warps). A batch of 16-256 blocks is
 bound by latency, not by the link: with 64 warps, 16 blocks of 16 KiB take two
 PCIe round trips per warp, 256 blocks thirty-two. The quick benchmark's
-small_batches rows (bench/results/h200-quick-prepare.json): 16 x 16 KiB host->GPU
+small_batches rows when this was probed: 16 x 16 KiB host->GPU
 27.6 us against the contiguous copy's 14.1; 64 blocks 42.5 against 28.7; 256
 blocks 113.2 against 85.3.
 
@@ -14,7 +14,7 @@ call-to-completion wall (the call, then cuStreamSynchronize on an idle stream,
 median of REPEATS), the call's own CPU time, and the contiguous copy's wall, as the
 benchmark's small_batches scenario times them.
 
-Run on a GPU: python3 scripts/small_batch_probe.py
+Run on a GPU: python3 experiments/small_batch_probe.py
 """
 from __future__ import annotations
 

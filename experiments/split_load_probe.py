@@ -16,7 +16,7 @@ behind a sleep, so the CPU's issue is off the clock) and wall (call to completio
 from idle streams), both as fractions of the contiguous pair's. Also the CPU time
 per copy of batched DMA at each size, which bounds the share the engines can take.
 
-Run on a GPU: python3 scripts/split_load_probe.py
+Run on a GPU: python3 experiments/split_load_probe.py
 """
 from __future__ import annotations
 

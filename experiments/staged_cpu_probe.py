@@ -3,7 +3,7 @@ copy_both_ways and copy_batch, staged ('auto', the host side one span) against t
 kernel ('kernel'), 64 MiB each way of 4 KiB blocks, then the top of a cProfile of
 twenty staged copy_both_ways calls.
 
-Run on a GPU: python3 scripts/staged_cpu_probe.py
+Run on a GPU: python3 experiments/staged_cpu_probe.py
 """
 import cProfile, pstats, time
 import numpy as np, torch, kvcopy

@@ -21,7 +21,7 @@ pair's (and one way of the contiguous copy's), for
 Staging: STAGES buffers of CHUNK bytes per direction, copy engines on a stream of their
 own, events between the two. Every staged case checks its bytes once.
 
-Run on a GPU: python3 scripts/staged_probe.py [chunk MiB ...]
+Run on a GPU: python3 experiments/staged_probe.py [chunk MiB ...]
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ time and wall of copy_both_ways and of a one-way copy_batch, as fractions of the
 contiguous pair (or copy) measured the same way in the same run. The call time's
 growth with the number of chunks gives the CPU cost per chunk.
 
-Run on a GPU: python3 scripts/staging_chunk_probe.py [chunk MiB ...]
+Run on a GPU: python3 experiments/staging_chunk_probe.py [chunk MiB ...]
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ write-combined pinned memory:
   against one contiguous cuMemcpyAsync of the same bytes.
 Each batch's bytes are checked once after a copy from the write-combined slot.
 
-Run on a GPU: python3 scripts/wc_descriptors_probe.py
+Run on a GPU: python3 experiments/wc_descriptors_probe.py
 """
 from __future__ import annotations
 
