@@ -205,7 +205,7 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
         streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
     handle = effective_handle(streams[0][0])
     plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks,
-                       stream=lambda: dispatch.producer_stream(handle))
+                       stream=dispatch.producer_stream_once(handle))
     if len(streams) == 1:
         return dispatch.execute_blocks(plan, handle, method)
     return _between_devices(plan, streams, method)
@@ -219,7 +219,7 @@ def _block_side(side: Any, name: str, split_blocks: bool, handle: int,
         if geometry is not None:
             return geometry.with_mapping(side[2])
         return plan_blocks(*side, split_blocks=split_blocks,
-                           stream=lambda: dispatch.producer_stream(handle))
+                           stream=dispatch.producer_stream_once(handle))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
 

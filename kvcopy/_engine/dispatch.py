@@ -3,7 +3,7 @@ and issues it by the chosen path: the copy kernel (kvcopy._engine.kernel), batch
 per-copy DMA, or staging (kvcopy._engine.staged)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -191,6 +191,19 @@ def producer_stream(handle: int) -> int:
             return side_streams.for_caller(handle, _PRODUCERS)
     except CudaError:   # (the copy itself will name what is wrong with the stream)
         return handle
+
+
+def producer_stream_once(handle: int) -> Callable[[], int]:
+    """producer_stream(handle) as a function for planning (interop.tensors.
+    ConsumerStream), asking the driver at the first DLPack producer of GPU memory only:
+    a list of a layer's arrays hands every one the same stream."""
+    found: list[int] = []
+
+    def stream() -> int:
+        if not found:
+            found.append(producer_stream(handle))
+        return found[0]
+    return stream
 
 
 # The caller's side streams (indices) for swap_blocks' id uploads and for DLPack

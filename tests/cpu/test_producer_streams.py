@@ -98,3 +98,20 @@ def test_producers_are_handed_the_stream_or_under_capture_a_side_stream(driver, 
     assert sides == [(HANDLE, engine.dispatch._PRODUCERS), (2, engine.dispatch._PRODUCERS)]
     driver.capturing = -1                           # the copy will name the stream's fault
     assert producer_stream(HANDLE) == HANDLE
+
+
+def test_a_calls_producers_share_one_answer(driver, seams):
+    """Every DLPack producer of one call (a layer's arrays) is handed the stream found
+    for the first: the driver is asked once a call, and not before a producer asks."""
+    stream = engine.dispatch.producer_stream_once(HANDLE)
+    assert driver.asked == []
+    handed: list = []
+    for _ in range(8):
+        block_layout(producer(2, handed), "src", stream)
+    assert handed == [HANDLE] * 8
+    assert driver.asked == [HANDLE]
+    seams.enter_context(testing.fake_runtime(scope=FakeScope,
+                                             side_stream=lambda handle, index=0: SIDE))
+    driver.capturing = 1                            # (a new call asks again)
+    assert engine.dispatch.producer_stream_once(HANDLE)() == SIDE
+    assert driver.asked == [HANDLE, HANDLE]
