@@ -2,11 +2,11 @@
 
 serving_probe.py serving_blocks got 4.0 + 4.0 GB/s and a +0.0% matmul slowdown for
 copy_both_ways of 16 KiB blocks in a fresh process, where the benchmark minutes before
-got 31.9 + 31.9 and +2.9%. The
-suspect: that call needs 256 KiB of descriptors, no call before had grown the ring's
-slots past 128 KiB, and each slot, on its first use at the larger size, frees its old
-buffers (ring.Slot.ensure -> release: cuMemFreeHost, cuMemFree) and allocates new
-ones, which may wait for all work on the device, here the matmul window.
+got 31.9 + 31.9 and +2.9%. The suspect: that call needs 256 KiB of descriptors, no
+call before had grown the ring's slots past 128 KiB, and each slot, on its first use
+at the larger size, frees its old buffers (ring.Slot.ensure -> release:
+cuMemFreeHost, cuMemFree) and allocates new ones, which may wait for all work on the
+device, here the matmul window.
 
 Measured here, while a sleep kernel of SLEEP_MS runs on another stream: the CPU time
 of each driver call a growth makes (cuMemHostAlloc, cuMemAlloc, cuMemFreeHost,
@@ -17,8 +17,8 @@ ring slot. A call that lasts about SLEEP_MS waited for the sleep kernel.
 Before those, kvcopy.prepare() beside a sleep kernel: what a process's first copy
 does (the device's facts, loading the copy kernel's module, the descriptor ring;
 this probe saw the first copy_batch wait 52 ms beside a 50 ms sleep, and
-device_info, which loads the module, 49 ms). The copy_batch calls
-after it then show whether anything else in a first copy waits.
+device_info, which loads the module, 49 ms). The copy_batch calls after it then show
+whether anything else in a first copy waits.
 
 Run on a GPU: python3 experiments/alloc_sync_probe.py
 """
