@@ -152,11 +152,37 @@ cdef inline bint _seen_before(IdSet* ids, uint64_t id) noexcept nogil:
     return False
 
 
+cdef extern from *:
+    int _popcount "__builtin_popcountll"(unsigned long long) noexcept nogil
+
+
+cdef inline uint64_t _bits_set(const uint64_t* words, uint64_t limit) noexcept nogil:
+    """How many of a bitmap's ``limit`` bits are set."""
+    cdef uint64_t total = 0, w
+    for w in range((limit + 63) >> 6):
+        total += _popcount(words[w])
+    return total
+
+
+# A bitmap finds repeats without testing each id's bit: every id's bit is set and the
+# bits are counted at the end (fewer than the ids: one repeats). No branch waits on
+# what a load found, so the stores pipeline (experiments/id_checks_probe.py). The
+# bound is checked before each store, so an id out of range writes nothing.
+
 cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
                          uint64_t dst_limit, IdSet* seen) noexcept nogil:
     # (a negative id is a huge unsigned one, so one comparison checks both ends)
     cdef Py_ssize_t i
     cdef uint64_t s, d
+    cdef uint64_t* words = seen.words   # (a local: no store through it can change it)
+    if seen.mask == 0:
+        for i in range(n):
+            s = <uint64_t>pairs[2 * i]
+            d = <uint64_t>pairs[2 * i + 1]
+            if s >= src_limit or d >= dst_limit:
+                return 0
+            words[d >> 6] |= (<uint64_t>1) << (d & 63)
+        return 1 if _bits_set(words, dst_limit) == <uint64_t>n else 0
     for i in range(n):
         s = <uint64_t>pairs[2 * i]
         d = <uint64_t>pairs[2 * i + 1]
@@ -230,7 +256,19 @@ cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
     # (seen: an empty set, or NULL to check bounds only; a negative slot skips its row
     # and is neither bounded nor counted)
     cdef Py_ssize_t i
-    cdef uint64_t s
+    cdef uint64_t s, counted = 0
+    cdef uint64_t* words
+    if seen != NULL and seen.mask == 0:
+        words = seen.words
+        for i in range(n):
+            if slots[i] < 0:
+                continue
+            s = <uint64_t>slots[i]
+            if s >= limit:
+                return 0
+            words[s >> 6] |= (<uint64_t>1) << (s & 63)
+            counted += 1
+        return 1 if _bits_set(words, limit) == counted else 0
     for i in range(n):
         if slots[i] < 0:
             continue
