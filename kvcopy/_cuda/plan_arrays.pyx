@@ -137,13 +137,18 @@ cdef inline bint _id_set_has(const IdSet* ids, uint64_t id) noexcept nogil:
     return _hash_slot(ids, id)[0] == id
 
 
+cdef inline void _mark(uint64_t* words, uint64_t id) noexcept nogil:
+    """Sets bit ``id`` of a bitmap."""
+    words[id >> 6] |= (<uint64_t>1) << (id & 63)
+
+
 cdef inline bint _seen_before(IdSet* ids, uint64_t id) noexcept nogil:
     """Whether ``id`` (below the set's limit) was added already; adds it."""
     cdef uint64_t* slot
     if ids.mask == 0:
         if (ids.words[id >> 6] >> (id & 63)) & 1:
             return True
-        ids.words[id >> 6] |= (<uint64_t>1) << (id & 63)
+        _mark(ids.words, id)
         return False
     slot = _hash_slot(ids, id)
     if slot[0] == id:
@@ -181,7 +186,7 @@ cdef int _scan_block_ids(const int64_t* pairs, Py_ssize_t n, uint64_t src_limit,
             d = <uint64_t>pairs[2 * i + 1]
             if s >= src_limit or d >= dst_limit:
                 return 0
-            words[d >> 6] |= (<uint64_t>1) << (d & 63)
+            _mark(words, d)
         return 1 if _bits_set(words, dst_limit) == <uint64_t>n else 0
     for i in range(n):
         s = <uint64_t>pairs[2 * i]
@@ -266,7 +271,7 @@ cdef int _scan_slots(const int64_t* slots, Py_ssize_t n, uint64_t limit,
             s = <uint64_t>slots[i]
             if s >= limit:
                 return 0
-            words[s >> 6] |= (<uint64_t>1) << (s & 63)
+            _mark(words, s)
             counted += 1
         return 1 if _bits_set(words, limit) == counted else 0
     for i in range(n):
