@@ -11,7 +11,7 @@ from typing import Any
 from kvcopy._engine import both_ways, dispatch
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
 from kvcopy._engine import rows_memo
-from kvcopy._plans.rows import Indices, plan_rows, read_indices, rows_stream
+from kvcopy._plans.rows import Indices, RowsPlan, plan_rows, read_indices, rows_stream
 from kvcopy.layouts import Layout
 from kvcopy._plans.races import race_between, refuse_crossing
 from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
@@ -351,6 +351,14 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
     return execute_rows(plan, handle, method,
                         remember=lambda again: rows_memo.remember((src, dst), key, again))
+
+
+def copy_planned_rows(plan: RowsPlan, stream: Any) -> str:
+    """Issue ``plan`` (plan_rows' answer, every check made) on ``stream`` (any stream
+    kvcopy.resolve_stream accepts) as copy_rows issues its own, for a drop-in that plans
+    every part of a transfer before it issues any; nothing is kept to repeat the call.
+    Returns the method that ran, as copy_rows."""
+    return execute_rows(plan, resolve_stream(stream), "auto")
 
 
 def _gpu_only(a: Indices | None, b: Indices | None) -> bool:

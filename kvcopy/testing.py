@@ -57,11 +57,11 @@ from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, 
 from kvcopy._engine import rows as rows_engine
 from kvcopy._engine import rows_memo
 from kvcopy._plans.blocks import plan_blocks
-from kvcopy._plans.rows import expand, plan_rows
+from kvcopy._plans.rows import RowsPlan, expand, plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
-from kvcopy.api import copy_rows
+from kvcopy.api import copy_planned_rows, copy_rows
 from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config
 from kvcopy.layouts import Layout
@@ -246,7 +246,11 @@ def _copy_rows_on_host(src: Layout, dst: Layout, src_indices: Any = None,
                        dst_indices: Any = None, *, rows: int | None = None, stream: Any = None,
                        method: str = "auto") -> str:
     """copy_rows' plan, every check made, run with memmove between host memory."""
-    plan = plan_rows(src, dst, src_indices, dst_indices, rows)
+    return _run_plan_on_host(plan_rows(src, dst, src_indices, dst_indices, rows), stream)
+
+
+def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
+    """A plan run with memmove between host memory, every span checked before any write."""
     if plan.device_indices:
         raise ValueError("rows_on_host: indices on the GPU cannot be read on the host")
     sources, destinations, sizes = (np.ascontiguousarray(part) for part in expand(plan))
@@ -268,7 +272,7 @@ def rows_on_host() -> Iterator[None]:
     """copy_rows, wherever kvcopy calls it, run on the CPU between host memory (see the
     module's docstring); raises ValueError for memory the process cannot read or write
     on the host, and for indices on the GPU."""
-    with _standing_in([(copy_rows, _copy_rows_on_host),
+    with _standing_in([(copy_rows, _copy_rows_on_host), (copy_planned_rows, _run_plan_on_host),
                        (compat_vllm._torch_stream, lambda caller: None)]):
         yield
 

@@ -12,8 +12,8 @@ method: the legacy stream works, small blocks go through the copy kernel, and
 
 vLLM's offload worker describes a transfer as strided runs (``CopyRunDescriptor``)
 and hands them to a copy backend through a per-direction adapter; ``CopyBackend``
-and ``CopyBackendAdapter`` keep those two interfaces and copy the runs by
-``kvcopy.copy_rows``, never expanding them into one descriptor per fragment.
+and ``CopyBackendAdapter`` keep those two interfaces and copy the runs as
+``kvcopy.copy_rows`` does, never expanding them into one descriptor per fragment.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._plans.rows import plan_rows
-from kvcopy.api import copy_batch, copy_rows
+from kvcopy.api import copy_batch, copy_planned_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
 
@@ -200,14 +200,13 @@ class CopyBackend:
 
     def submit(self, run_descs: Any) -> None:
         """Copy every fragment of ``run_descs`` on torch's current stream."""
-        groups = run_groups(run_descs)
-        if len(groups) > 1:
-            for src, dst, count in groups[1:]:   # (each copy_rows checks its own group first)
-                plan_rows(src, dst, None, None, count)
-        if groups:
+        # (every group planned, with copy_rows' checks, before any is issued)
+        plans = [plan_rows(src, dst, None, None, count)
+                 for src, dst, count in run_groups(run_descs)]
+        if plans:
             stream = _torch_stream("CopyBackend.submit")
-            for src, dst, count in groups:
-                copy_rows(src, dst, rows=count, stream=stream)
+            for plan in plans:
+                copy_planned_rows(plan, stream)
         self._in_flight += 1
 
     def finish_transfer(self) -> None:

@@ -161,6 +161,34 @@ def test_the_backend_moves_every_fragment_of_its_runs():
     np.testing.assert_array_equal(dst, want)
 
 
+def test_submit_plans_each_shape_of_run_once(monkeypatch):
+    from kvcopy.compat import vllm as compat_vllm
+    from kvcopy.testing import rows_on_host
+
+    src = random_bytes((1 << 14,), 3)
+    dst = np.zeros(1 << 14, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    runs = [Run(s, d, 256, 4, 512, 256), Run(s + 4096, d + 2048, 96, 3, 200, 96),
+            Run(s + 8192, d + 4096, 256, 4, 512, 256), Run(s + 12000, d + 8000, 40, 5, 48, 40)]
+    planned = []
+    real = compat_vllm.plan_rows
+
+    def counting(src_layout, dst_layout, a, b, rows):
+        planned.append(rows)
+        return real(src_layout, dst_layout, a, b, rows)
+
+    monkeypatch.setattr(compat_vllm, "plan_rows", counting)
+    with rows_on_host():
+        CopyBackend().submit(runs)
+    assert planned == [4, 3, 5]
+    want = np.zeros_like(dst)
+    for run in runs:
+        for j in range(run.num_fragments):
+            lo, to = run.src_base - s + j * run.src_stride, run.dst_base - d + j * run.dst_stride
+            want[to:to + run.fragment_size] = src[lo:lo + run.fragment_size]
+    np.testing.assert_array_equal(dst, want)
+
+
 def _as_lists(groups):
     return [(a.bases.tolist(), b.bases.tolist(), a.row_bytes, a.slot_stride, b.slot_stride, n)
             for a, b, n in groups]
