@@ -16,6 +16,18 @@ from kvcopy.testing import plans
 from helpers.host_copies import random_bytes, run_on_host
 
 
+def _assert_fragments_moved(runs, src, dst):
+    """dst (zeros before) holds every fragment of every run from src, and nothing else."""
+    s, d = src.ctypes.data, dst.ctypes.data
+    want = np.zeros_like(dst)
+    for run in runs:
+        src_base, dst_base, size, count, src_stride, dst_stride = run
+        for j in range(count):
+            lo, to = src_base - s + j * src_stride, dst_base - d + j * dst_stride
+            want[to:to + size] = src[lo:lo + size]
+    np.testing.assert_array_equal(dst, want)
+
+
 def test_runs_of_several_shapes_move_every_fragment():
     src = random_bytes((1 << 16,), 1)
     dst = np.zeros(1 << 16, np.uint8)
@@ -27,13 +39,7 @@ def test_runs_of_several_shapes_move_every_fragment():
     assert [(g[0].num_planes, g[2]) for g in groups] == [(3, 4), (1, 7)]
     for a, b, count in groups:
         run_on_host(*plans.expand(plans.plan_rows(a, b, rows=count)))
-    want = np.zeros_like(dst)
-    for run in runs:
-        src_base, dst_base, size, count, src_stride, dst_stride = run
-        for j in range(count):
-            lo, to = src_base - s + j * src_stride, dst_base - d + j * dst_stride
-            want[to:to + size] = src[lo:lo + size]
-    np.testing.assert_array_equal(dst, want)
+    _assert_fragments_moved(runs, src, dst)
 
 
 @pytest.mark.parametrize("run, error, words", [
@@ -153,12 +159,7 @@ def test_the_backend_moves_every_fragment_of_its_runs():
     with rows_on_host():
         adapter.submit(1, runs)
     adapter.finish_transfer(1)
-    want = np.zeros_like(dst)
-    for run in runs:
-        for j in range(run.num_fragments):
-            lo, to = run.src_base - s + j * run.src_stride, run.dst_base - d + j * run.dst_stride
-            want[to:to + run.fragment_size] = src[lo:lo + run.fragment_size]
-    np.testing.assert_array_equal(dst, want)
+    _assert_fragments_moved(runs, src, dst)
 
 
 def test_submit_plans_each_shape_of_run_once(monkeypatch):
@@ -181,12 +182,7 @@ def test_submit_plans_each_shape_of_run_once(monkeypatch):
     with rows_on_host():
         CopyBackend().submit(runs)
     assert planned == [4, 3, 5]
-    want = np.zeros_like(dst)
-    for run in runs:
-        for j in range(run.num_fragments):
-            lo, to = run.src_base - s + j * run.src_stride, run.dst_base - d + j * run.dst_stride
-            want[to:to + run.fragment_size] = src[lo:lo + run.fragment_size]
-    np.testing.assert_array_equal(dst, want)
+    _assert_fragments_moved(runs, src, dst)
 
 
 def _as_lists(groups):
