@@ -157,6 +157,14 @@ cdef inline bint _seen_before(IdSet* ids, uint64_t id) noexcept nogil:
     return False
 
 
+cdef inline void _id_set_add(IdSet* ids, uint64_t id) noexcept nogil:
+    """Adds ``id`` (below the set's limit); a bitmap's bit is set without a test first."""
+    if ids.mask == 0:
+        _mark(ids.words, id)
+    else:
+        _seen_before(ids, id)
+
+
 cdef extern from *:
     int _popcount "__builtin_popcountll"(unsigned long long) noexcept nogil
 
@@ -319,7 +327,7 @@ def first_common_slot(const int64_t[::1] a, const int64_t[::1] b, int64_t limit)
         for i in range(na):
             s = <uint64_t>a[i]
             if s < <uint64_t>limit:
-                _seen_before(&seen, s)
+                _id_set_add(&seen, s)
         for i in range(nb):
             s = <uint64_t>b[i]
             if s < <uint64_t>limit and _id_set_has(&seen, s):
