@@ -4,7 +4,8 @@ synchronised after; a cProfile), and the GPU time, wall and CPU per call of swap
 by the layout kernel, by the block kernel (tensor table), and of copy_rows on the same
 ids (host and GPU indices), then both kernels at several CTA counts, each against the
 contiguous copy of as many bytes. ``steps``: only the CPU time of each step of
-execute_blocks' layout-kernel launch, the driver calls included. ``sizes``: the CPU
+execute_blocks' layout-kernel launch, the driver calls included, at 1 and 32,768 pairs,
+and a cProfile of one-pair calls. ``sizes``: the CPU
 time of a call from 1 to 32,768 pairs, each call synchronised after and back to back,
 and its plan and issue apart (what a call costs whatever its size, and per pair).
 ``chained``: the layout kernel's chunked launches as execute_blocks issues them (each
@@ -66,10 +67,10 @@ class _Timed:
         return timed
 
 
-def launch_steps(src, dst, calls: int = 200) -> None:
+def launch_steps(src, dst, pairs: int, calls: int = 200) -> None:
     """CPU microseconds per call of each step of execute_blocks (driver calls included)."""
     d, h = engine.dispatch, stream.cuda_stream
-    plan = plans.plan_blocks(src, dst, mapping, stream=h)
+    plan = plans.plan_blocks(src, dst, mapping[:pairs].copy(), stream=h)
     for _ in range(10):   # (the first call loads the kernel and asks the device once)
         d.execute_blocks(plan, h)
     stream.synchronize()
@@ -201,8 +202,20 @@ if sys.argv[1:] == ["sizes"]:
 
 if sys.argv[1:] == ["steps"]:
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
-        print(direction, end=" ")
-        launch_steps(src, dst)
+        for pairs in (1, PAIRS):
+            print(f"{direction} pairs {pairs:6d}", end=" ")
+            launch_steps(src, dst, pairs)
+    one = mapping[:1].copy()
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(2000):
+        kvcopy.swap_blocks(host, gpu, one, stream=stream)
+        if i % 100 == 99:
+            stream.synchronize()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
+    print("h2d pairs 1, 2000 calls:\n" + "\n".join(out.getvalue().splitlines()[6:40]))
     sys.exit(0)
 
 for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
