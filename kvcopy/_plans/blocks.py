@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda.plan_arrays import block_ids_ok
+from kvcopy._cuda.plan_arrays import block_addresses, block_ids_ok
 from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
@@ -179,19 +179,13 @@ class BlockPlan:
         """Each side as the layout kernel takes it (BlockGeometry.layout_sides)."""
         return self.geometry.layout_sides
 
-    def _addresses(self, base, stride, factor, ids) -> np.ndarray:
-        ids = ids.astype(np.uint64)[None, :]
-        if (factor == 1).all():
-            return (base[:, None] + ids * stride[:, None]).ravel()
-        factor = factor[:, None]
-        sub = (ids % factor) * np.uint64(self.geometry.block_bytes)
-        return (base[:, None] + (ids // factor) * stride[:, None] + sub).ravel()
-
     def copy_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every block copy as uint64 (src, dst, size) arrays, tensor-major, unmerged."""
         g = self.geometry
-        src = self._addresses(g.src_base, g.src_stride, g.src_factor, self.mapping[:, 0])
-        dst = self._addresses(g.dst_base, g.dst_stride, g.dst_factor, self.mapping[:, 1])
+        src = block_addresses(self.mapping, 0, g.src_base, g.src_stride, g.src_factor,
+                              g.block_bytes)
+        dst = block_addresses(self.mapping, 1, g.dst_base, g.dst_stride, g.dst_factor,
+                              g.block_bytes)
         return src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64)
 
     def copy_plan(self) -> CopyPlan:

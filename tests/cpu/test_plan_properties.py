@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvcopy._plans.blocks import plan_blocks
 from kvcopy._plans.copies import plan_copies
+from kvcopy.testing import cuda
 
 
 def apply(plan) -> None:
@@ -129,3 +130,40 @@ def test_block_ids_are_refused_exactly_when_out_of_range_or_written_twice(src_bl
         assert "is out of range" in message
     else:
         assert "both write destination block" in message
+
+
+def _numpy_addresses(mapping, column, base, stride, factor, block_bytes):
+    """Block addresses by NumPy, tensor-major (the oracle of block_addresses)."""
+    ids = mapping[:, column].astype(np.uint64)[None, :]
+    factor = factor[:, None]
+    return (base[:, None] + (ids // factor) * stride[:, None]
+            + (ids % factor) * np.uint64(block_bytes)).ravel()
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors=st.integers(1, 5), pairs=st.integers(0, 60), column=st.sampled_from([0, 1]),
+       block_bytes=st.sampled_from([1, 64, 2048, 1 << 20]), data=st.data())
+def test_block_addresses_match_numpy(tensors, pairs, column, block_bytes, data):
+    u64 = st.integers(0, 2**64 - 1)
+    base = np.array(data.draw(st.lists(u64, min_size=tensors, max_size=tensors)), np.uint64)
+    stride = np.array(data.draw(st.lists(st.integers(0, 2**40), min_size=tensors,
+                                         max_size=tensors)), np.uint64)
+    factor = np.array(data.draw(st.lists(st.sampled_from([1, 1, 2, 3, 8]), min_size=tensors,
+                                         max_size=tensors)), np.uint64)
+    mapping = np.array(data.draw(st.lists(st.integers(0, 2**31), min_size=2 * pairs,
+                                          max_size=2 * pairs)), np.int64).reshape(pairs, 2)
+    with np.errstate(over="ignore"):
+        expected = _numpy_addresses(mapping, column, base, stride, factor, block_bytes)
+    found = cuda.plan_arrays.block_addresses(mapping, column, base, stride, factor, block_bytes)
+    assert found.dtype == np.uint64
+    np.testing.assert_array_equal(found, expected)
+
+
+@pytest.mark.parametrize("column, lengths, match", [
+    (2, (1, 1, 1), "column must be 0 or 1"),
+    (0, (2, 1, 2), "differ in length"),
+])
+def test_block_addresses_refuses_bad_arguments(column, lengths, match):
+    base, stride, factor = (np.ones(k, np.uint64) for k in lengths)
+    with pytest.raises(ValueError, match=match):
+        cuda.plan_arrays.block_addresses(np.zeros((3, 2), np.int64), column, base, stride, factor, 64)
