@@ -258,7 +258,7 @@ def block_addresses(const int64_t[:, ::1] mapping, Py_ssize_t column,
     ``base[t] + (id // factor[t]) * stride[t] + (id % factor[t]) * block_bytes``
     (uint64, wrapping as NumPy's uint64 does). One pass instead of a dozen NumPy
     operations: small swap_blocks calls go to the copy engines as pointers, and
-    this is most of their planning."""
+    every such call builds them."""
     cdef Py_ssize_t n = mapping.shape[0], tensors = base.shape[0], t, i
     cdef uint64_t b, st, f, id
     if mapping.shape[1] != 2 or column not in (0, 1):
