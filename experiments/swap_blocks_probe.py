@@ -4,8 +4,8 @@ synchronised after; a cProfile), and the GPU time, wall and CPU per call of swap
 by the layout kernel, by the block kernel (tensor table), and of copy_rows on the same
 ids (host and GPU indices), then both kernels at several CTA counts, each against the
 contiguous copy of as many bytes. ``steps``: only the CPU time of each step of
-execute_blocks' layout-kernel launch, the driver calls included, at 1 and 32,768 pairs,
-and a cProfile of one-pair calls. ``sizes``: the CPU
+execute_blocks, the driver calls included, at 32,768 pairs (the layout kernel's launch)
+and at one (the copy engines, issue_dma), and a cProfile of one-pair calls. ``sizes``: the CPU
 time of a call from 1 to 32,768 pairs, each call synchronised after and back to back,
 and its plan and issue apart (what a call costs whatever its size, and per pair).
 ``chained``: the layout kernel's chunked launches as execute_blocks issues them (each
@@ -76,11 +76,12 @@ def launch_steps(src, dst, pairs: int, calls: int = 200) -> None:
     stream.synchronize()
     spent: dict[str, float] = defaultdict(float)
     real = {name: getattr(d, name) for name in ("plan_arrays", "launch", "rows", "settled_classes",
-                                                "decide", "wait_for_streams", "ring")}
+                                                "decide", "wait_for_streams", "issue_dma",
+                                                "ring")}
     d.plan_arrays = _Timed(real["plan_arrays"], spent, ("split_block_ids",))
     d.launch = _Timed(real["launch"], spent, ("upload",))
     d.rows = _Timed(real["rows"], spent, ("RowsLaunches",))
-    for name in ("settled_classes", "decide", "wait_for_streams"):
+    for name in ("settled_classes", "decide", "wait_for_streams", "issue_dma"):
         setattr(d, name, _Timed(d, spent, (name,)).__getattr__(name))
     try:
         whole = 0.0
