@@ -119,15 +119,17 @@ def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
                 options.append(b"--no-cache")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
+        raw = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, raw)
+        # (the log is a C string: its NUL would reach messages and log files)
+        log = raw.rstrip(b"\x00").decode(errors="replace").rstrip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelUnavailable(f"NVRTC could not compile the copy kernel for sm_{arch}: "
-                                    f"{err.name}\n{log.decode(errors='replace')}")
+                                    f"{err.name}\n{log}")
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, log.decode(errors="replace")
+        return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -38,6 +38,19 @@ def test_compiles_to_a_cubin_with_all_entry_points(arch):
         assert name in cubin
 
 
+def test_a_failed_compile_says_why_in_plain_text():
+    """NVRTC's log is a C string: its NUL must not reach the message (nor the logs it
+    is written to)."""
+    _nvrtc_or_skip()
+    with pytest.raises(kernels.KernelUnavailable) as caught:
+        kernels.compile_cubin(1)
+    message = str(caught.value)
+    assert message.startswith("NVRTC could not compile the copy kernel for sm_1: "
+                              "NVRTC_ERROR_INVALID_OPTION\n")
+    assert "--gpu-architecture" in message
+    assert "\x00" not in message and message == message.rstrip()
+
+
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_kernel_fits_a_cta_of_the_most_threads(arch):
     """A kernel needing more than 65536 / 512 registers per thread fails every launch of
