@@ -250,19 +250,17 @@ def split_block_ids(const int64_t[:, ::1] mapping, uintptr_t out, Py_ssize_t sta
     return 16 * count
 
 
-def block_addresses(const int64_t[:, ::1] mapping, Py_ssize_t column,
-                    const uint64_t[::1] base, const uint64_t[::1] stride,
-                    const uint64_t[::1] factor, uint64_t block_bytes):
-    """The address of every block that column ``column`` of a checked swap_blocks
-    mapping names, tensor-major: entry t * n + i is tensor t's block of pair i,
-    ``base[t] + (id // factor[t]) * stride[t] + (id % factor[t]) * block_bytes``
-    (uint64, wrapping as NumPy's uint64 does). One pass instead of a dozen NumPy
-    operations: small swap_blocks calls go to the copy engines as pointers, and
-    every such call builds them."""
-    cdef Py_ssize_t n = mapping.shape[0], tensors = base.shape[0], t, i
+def block_addresses(const int64_t[:] ids, const uint64_t[::1] base,
+                    const uint64_t[::1] stride, const uint64_t[::1] factor,
+                    uint64_t block_bytes):
+    """The address of every block ``ids`` names in each tensor (a column of a checked
+    swap_blocks mapping, read in place), tensor-major: entry t * n + i is tensor t's
+    block ids[i], ``base[t] + (id // factor[t]) * stride[t] + (id % factor[t]) *
+    block_bytes`` (uint64, wrapping as NumPy's uint64 does). One pass instead of a
+    dozen NumPy operations: small swap_blocks calls go to the copy engines as
+    pointers, and every such call builds them."""
+    cdef Py_ssize_t n = ids.shape[0], tensors = base.shape[0], t, i
     cdef uint64_t b, st, f, id
-    if mapping.shape[1] != 2 or column not in (0, 1):
-        raise ValueError("mapping must have two columns, and column must be 0 or 1")
     if stride.shape[0] != tensors or factor.shape[0] != tensors:
         raise ValueError("base, stride and factor differ in length")
     out = np.empty(tensors * n, dtype=np.uint64)
@@ -272,10 +270,10 @@ def block_addresses(const int64_t[:, ::1] mapping, Py_ssize_t column,
             b, st, f = base[t], stride[t], factor[t]
             if f == 1:
                 for i in range(n):
-                    o[t * n + i] = b + <uint64_t>mapping[i, column] * st
+                    o[t * n + i] = b + <uint64_t>ids[i] * st
             else:
                 for i in range(n):
-                    id = <uint64_t>mapping[i, column]
+                    id = <uint64_t>ids[i]
                     o[t * n + i] = b + (id // f) * st + (id % f) * block_bytes
     return out
 

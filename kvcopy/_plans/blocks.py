@@ -182,9 +182,9 @@ class BlockPlan:
     def copy_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every block copy as uint64 (src, dst, size) arrays, tensor-major, unmerged."""
         g = self.geometry
-        src = block_addresses(self.mapping, 0, g.src_base, g.src_stride, g.src_factor,
+        src = block_addresses(self.mapping[:, 0], g.src_base, g.src_stride, g.src_factor,
                               g.block_bytes)
-        dst = block_addresses(self.mapping, 1, g.dst_base, g.dst_stride, g.dst_factor,
+        dst = block_addresses(self.mapping[:, 1], g.dst_base, g.dst_stride, g.dst_factor,
                               g.block_bytes)
         return src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcopy._cuda.plan_arrays import block_addresses
 from kvcopy._plans.overlaps import first_overlap, overlap_between
 from kvcopy.arguments import require_same_length
 from kvcopy.kept import make_room
@@ -37,12 +38,9 @@ class Side:
     ids: np.ndarray       # (n,) int64
 
     def addresses(self, tensor: int) -> np.ndarray:
-        f = int(self.factor[tensor])
-        ids = self.ids.astype(np.uint64)
-        if f == 1:
-            return np.uint64(self.base[tensor]) + ids * np.uint64(self.stride[tensor])
-        return (np.uint64(self.base[tensor]) + (ids // np.uint64(f)) * np.uint64(self.stride[tensor])
-                + (ids % np.uint64(f)) * np.uint64(self.block_bytes))
+        t = slice(tensor, tensor + 1)
+        return block_addresses(self.ids, self.base[t], self.stride[t], self.factor[t],
+                               self.block_bytes)
 
 
 def side_of(plan: object, column: int, label: str) -> Side:

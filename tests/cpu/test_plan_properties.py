@@ -154,16 +154,17 @@ def test_block_addresses_match_numpy(tensors, pairs, column, block_bytes, data):
                                           max_size=2 * pairs)), np.int64).reshape(pairs, 2)
     with np.errstate(over="ignore"):
         expected = _numpy_addresses(mapping, column, base, stride, factor, block_bytes)
-    found = cuda.plan_arrays.block_addresses(mapping, column, base, stride, factor, block_bytes)
+    found = cuda.plan_arrays.block_addresses(mapping[:, column], base, stride, factor,
+                                             block_bytes)
     assert found.dtype == np.uint64
     np.testing.assert_array_equal(found, expected)
 
 
-@pytest.mark.parametrize("column, lengths, match", [
-    (2, (1, 1, 1), "column must be 0 or 1"),
-    (0, (2, 1, 2), "differ in length"),
+@pytest.mark.parametrize("ids, lengths, match", [
+    (np.zeros((3, 2), np.int64), (1, 1, 1), "wrong number of dimensions"),
+    (np.zeros(3, np.int64), (2, 1, 2), "differ in length"),
 ])
-def test_block_addresses_refuses_bad_arguments(column, lengths, match):
+def test_block_addresses_refuses_bad_arguments(ids, lengths, match):
     base, stride, factor = (np.ones(k, np.uint64) for k in lengths)
     with pytest.raises(ValueError, match=match):
-        cuda.plan_arrays.block_addresses(np.zeros((3, 2), np.int64), column, base, stride, factor, 64)
+        cuda.plan_arrays.block_addresses(ids, base, stride, factor, 64)
