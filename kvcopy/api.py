@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvcopy._engine import both_ways, dispatch
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
 from kvcopy._engine import rows_memo
@@ -47,7 +49,7 @@ def _check_options(method: str, src_access_order: str, max_ctas: int | None,
 
 def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
                method: RequestedMethod = "auto", src_access_order: str = "stream",
-               max_ctas: int | None = None, check_overlap: bool = False,
+               max_ctas: int | None = None, check_overlap: bool = True,
                allow_batch: bool = True) -> str:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
 
@@ -74,10 +76,13 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             work on the GPU may still be writing them (e.g. GPU-to-host right
             after compute).
         max_ctas: CTAs for the copy kernel (default: kvcopy.config).
-        check_overlap: raise ValueError if two copies write overlapping bytes,
-            or a copy reads bytes a copy writes. Off by default (it sorts the
-            batch); copies of one batch run in no defined order, so such a
-            batch gives unspecified bytes.
+        check_overlap: raise ValueError, before anything is enqueued, where two
+            copies write overlapping bytes or a copy reads bytes a copy writes
+            (a copy onto exactly itself changes nothing and passes): the copies
+            of one batch run in no defined order, so such a batch would give
+            unspecified bytes. On by default; it costs O(n) where the
+            destinations come in address order and the two sides lie apart,
+            else a sort. False leaves the guarantee to a caller that makes it.
         allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
             the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
             where the batch API misbehaves.
@@ -96,26 +101,35 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         CaptureError: method='batch' on a capturing stream.
     """
     if not (method == "auto" and src_access_order == "stream" and max_ctas is None
-            and check_overlap is False and allow_batch is True):   # defaults need no checks
+            and check_overlap is True and allow_batch is True):   # defaults need no checks
         _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
-    if check_overlap:
-        plan_copies(src, dst, size_arr)  # bad copies are reported before overlaps
-        clash = find_overlap(dst, size_arr)
+    if check_overlap and len(src) == len(dst) == len(size_arr) and len(src) > 0:
+        _refuse_order_dependence(src, dst, size_arr)
+    handle = (resolve_stream(stream) if stream is not None
+              else current_framework_stream(src_ptrs, dst_ptrs, sizes))
+    return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
+                                 None if max_ctas is None else int(max_ctas), allow_batch)
+
+
+def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """ValueError where two copies write one byte or a copy reads a byte a copy writes;
+    a bad copy (a null pointer, a wrap) is named first, as the planner names it."""
+    clash = find_overlap(dst, sizes)
+    moved = src != dst   # (a copy onto exactly itself changes nothing)
+    crossing = None if clash else find_read_of_written(src, dst, sizes, moved)
+    if clash or crossing:
+        plan_copies(src, dst, sizes)   # (raises for a bad copy)
         if clash:
-            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping bytes")
-        crossing = find_read_of_written(src, dst, size_arr)
+            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping "
+                             "bytes; the copies of one batch run in no defined order")
         if crossing:
             i, j = crossing
             what = (f"copy {i} reads bytes that it writes itself" if i == j else
                     f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes")
             raise ValueError(f"{what}; the copies of one batch run in no defined order")
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
-                                 None if max_ctas is None else int(max_ctas), allow_batch)
 
 
 def _require_triple(batch: Any, name: str, parts: str) -> None:
@@ -143,8 +157,10 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     kvcopy's own forked from ``stream`` and joined back. Either way the copies
     start after the work already queued on ``stream`` and work queued on it
     afterwards starts after both. Both batches are validated before either is
-    issued, and a pair of them in which one side writes bytes the other reads or
-    writes is refused (ValueError naming both copies): the two run in no order.
+    issued; a side whose copies write one byte twice or read what another writes
+    is refused as copy_batch refuses it, and so is a pair of them in which one side
+    writes bytes the other reads or writes (ValueError naming both copies): the two
+    run in no order.
 
     Where each side's host side is a few long spans (as copy_batch's 'staged'),
     both go through GPU staging buffers, which keeps both directions near the
@@ -159,6 +175,12 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     """
     check_method(method)
     first, second = _triple(store, "store"), _triple(load, "load")
+    for side, name in ((first, "store"), (second, "load")):
+        if len(side[0]) == len(side[1]) == len(side[2]) and len(side[0]) > 0:
+            try:
+                _refuse_order_dependence(*side)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
     refuse_crossing(first, second)
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(*store, *load))

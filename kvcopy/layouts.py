@@ -13,13 +13,17 @@ address from these numbers and the indices (kvcopy._engine.rows).
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Sequence
 
 import numpy as np
 
+from kvcopy._plans.row_overlaps import overlapping_rows
 from kvcopy.arguments import require_int
-from kvcopy.interop.tensors import strided
+from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.tensors import strided_access
 
 _U64_MAX = (1 << 64) - 1   # slots, sizes and strides are 64-bit on the GPU
 
@@ -30,8 +34,13 @@ class Layout:
 
     Build one with Layout.of (tensors or arrays of any framework kvcopy reads) or
     Layout.from_pointers (a custom allocator's addresses). A layout holds the objects
-    it was built from (``keep``), so their memory lives as long as it does; the rows
-    of distinct slots must not overlap (every engine layout's do not)."""
+    it was built from (``keep``), so their memory lives as long as it does, and
+    remembers where their torch tensors' memory was: a layout whose tensor was since
+    moved (``resize_``, ``set_``) is refused rather than written where that tensor no
+    longer is. Every row lies below 2**64; ``bases`` is read-only. A destination's rows
+    must not overlap one another (copy_rows refuses one whose rows do); a source's may.
+    ``readonly``: memory that must not be written (a read-only array), refused as a
+    destination."""
 
     bases: np.ndarray                 # uint64, one base address per plane
     slots: int                        # slots per plane: an index must be below this
@@ -42,6 +51,61 @@ class Layout:
     pieces: int = 1
     piece_stride: int = 0
     keep: tuple = field(default=(), repr=False)
+    readonly: bool = False
+    # (data_ptr, shape) of each torch tensor in ``keep`` when the layout was made, None
+    # for other objects; empty where ``keep`` holds nothing to check
+    seen: tuple = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        # Checked here too, so that a Layout built directly is as sound as from_pointers'.
+        found = np.asarray(self.bases)
+        if found.ndim != 1 or found.dtype.kind not in "iu":
+            raise TypeError("bases must be a 1-D sequence of integer addresses")
+        if len(found) == 0:
+            raise ValueError("bases: a layout needs at least one plane")
+        if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
+            raise ValueError("bases: every base address must be a positive address")
+        bases = found.astype(np.uint64)   # (a copy: the caller's array stays the caller's)
+        bases.flags.writeable = False
+        object.__setattr__(self, "bases", bases)
+        for name in ("slots", "row_bytes", "page_size", "pieces"):
+            require_int(getattr(self, name), name, minimum=1, maximum=_U64_MAX)
+        for name in ("page_stride", "slot_stride", "piece_stride"):
+            require_int(getattr(self, name), name, minimum=0, maximum=_U64_MAX)
+        if self.row_bytes % self.pieces:
+            raise ValueError(f"row_bytes ({self.row_bytes}) must be a multiple of pieces "
+                             f"({self.pieces})")
+        top = int(found.max()) + self.extent
+        if top > _U64_MAX + 1:
+            raise ValueError(f"bases: rows reach {top:#x}, past the end of the 64-bit address "
+                             "space")
+        if not isinstance(self.keep, tuple):
+            raise TypeError(f"keep must be a tuple, got {type(self.keep).__name__}")
+        if len(self.seen) != len(self.keep):
+            object.__setattr__(self, "seen", ())
+
+    def moved(self) -> int | None:
+        """The position in ``keep`` of a torch tensor whose memory is no longer where it
+        was when the layout was made, or None."""
+        for k, fact in enumerate(self.seen):
+            if fact is not None:
+                tensor = self.keep[k]
+                if tensor.data_ptr() != fact[0] or tensor.shape != fact[1]:
+                    return k
+        return None
+
+    def check_current(self, name: str) -> None:
+        """Raise ValueError naming ``name`` where one of the layout's tensors moved."""
+        k = self.moved()
+        if k is not None:
+            raise ValueError(f"{name}: tensor {k} of the layout has moved or changed shape "
+                             "since the layout was made (resize_ or set_): make the layout "
+                             "again")
+
+    @cached_property
+    def rows_overlap(self) -> str | None:
+        """What overlaps where two rows (or planes) share bytes, None where none do."""
+        return overlapping_rows(self)
 
     @property
     def num_planes(self) -> int:
@@ -69,11 +133,28 @@ class Layout:
         return self.bases[:, None] + within[None, :]
 
     def select(self, planes: Any) -> "Layout":
-        """The same layout over some of its planes (an index, a slice or a sequence)."""
-        chosen = np.atleast_1d(self.bases[planes]).astype(np.uint64)
-        if len(chosen) == 0:
+        """The same layout over some of its planes (an int, a slice or a sequence of
+        ints, negative ones counting from the end). Raises TypeError or ValueError
+        naming ``planes``."""
+        count = self.num_planes
+        if isinstance(planes, slice):
+            picked = list(range(count))[planes]
+        else:
+            many = isinstance(planes, (list, tuple, range, np.ndarray))
+            items = list(np.asarray(planes).ravel()) if isinstance(planes, np.ndarray) \
+                else list(planes) if many else [planes]
+            picked = []
+            for item in items:
+                if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
+                    raise TypeError(f"planes: expected ints, a slice or a sequence of ints; "
+                                    f"got {type(item).__name__} ({item!r})")
+                if not -count <= int(item) < count:
+                    raise ValueError(f"planes: {int(item)} is out of range for "
+                                     f"{count} planes")
+                picked.append(operator.index(item) % count)
+        if not picked:
             raise ValueError("planes: selects no plane")
-        return replace(self, bases=chosen)
+        return replace(self, bases=self.bases[picked])
 
     def side(self, indices: int) -> tuple[int, int, int, int, int, int]:
         """This layout as one side of the layout kernel's job (kvcopy_rows_side, rows.h),
@@ -94,10 +175,6 @@ class Layout:
         found = np.asarray(bases)
         if found.ndim != 1 or found.dtype.kind not in "iu":
             raise TypeError("bases must be a 1-D sequence of integer addresses")
-        if len(found) == 0:
-            raise ValueError("bases: a layout needs at least one plane")
-        if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
-            raise ValueError("bases: every base address must be a positive address")
         slots = require_int(slots, "slots", minimum=1, maximum=_U64_MAX)
         row_bytes = require_int(row_bytes, "row_bytes", minimum=1, maximum=_U64_MAX)
         page_size = require_int(page_size, "page_size", minimum=1, maximum=_U64_MAX)
@@ -113,8 +190,8 @@ class Layout:
             page_stride = slot_stride if page_stride is None else page_stride
         page_stride = require_int(page_size * slot_stride if page_stride is None else page_stride,
                                   "page_stride", minimum=0, maximum=_U64_MAX)
-        return cls(found.astype(np.uint64), slots, row_bytes, page_size, page_stride,
-                   slot_stride, pieces, piece_stride, tuple(keep))
+        return cls(found, slots, row_bytes, page_size, page_stride, slot_stride, pieces,
+                   piece_stride, tuple(keep))
 
     @classmethod
     def of(cls, tensors: Any, *, slot: int, page: int | None = None,
@@ -139,10 +216,10 @@ class Layout:
         items = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if not items:
             raise ValueError(f"{name}: no tensor given")
-        found = [strided(t, f"{name}[{i}]" if len(items) > 1 else name)
+        found = [strided_access(t, f"{name}[{i}]" if len(items) > 1 else name)
                  for i, t in enumerate(items)]
-        _, shape, strides, itemsize = found[0]
-        for i, (_, s, st, size) in enumerate(found[1:], 1):
+        _, shape, strides, itemsize, _ = found[0]
+        for i, (_, s, st, size, _) in enumerate(found[1:], 1):
             if (s, st, size) != (shape, strides, itemsize):
                 raise ValueError(f"{name}[{i}]: shape {s}, strides {st} and itemsize {size} "
                                  f"differ from {name}[0]'s {shape}, {strides}, {itemsize}")
@@ -181,6 +258,9 @@ class Layout:
             kwargs["piece_stride"] = strides[count % ndim]
         if slots == 0 or piece == 0 or n_pieces == 0:
             raise ValueError(f"{name}: shape {shape} holds no rows")
-        return cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
+        made = cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
                                  row_bytes=piece * n_pieces, pieces=n_pieces,
                                  keep=tuple(items), **kwargs)
+        seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None
+                     for t in items)
+        return replace(made, readonly=any(f[4] for f in found), seen=seen)

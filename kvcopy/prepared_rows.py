@@ -35,9 +35,13 @@ class PreparedRows:
 
     def __call__(self) -> str:
         """Enqueue the transfer; returns 'kernel' ('none' for a transfer of no rows).
-        Raises CudaError where the launch fails (its context destroyed, say)."""
+        Raises ValueError, enqueuing nothing, where a tensor of either layout has moved
+        since (``resize_``, ``set_``), and CudaError where the launch fails (its
+        context destroyed, say)."""
         if self._launches is None:
             return "none"
+        for layout, name in zip(self._keep[:2], ("src", "dst")):
+            layout.check_current(name)
         self._launches.launch()
         note_decision(self._decision)
         return "kernel"

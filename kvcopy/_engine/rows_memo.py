@@ -5,7 +5,8 @@ launches instead of a whole plan.
 A serving step moves the same layouts by index tensors it refills in place, on the
 same stream, step after step. What such a call works out (the checks, the memory's
 classes, the policy's answer, the kernel's jobs, a staged pair's chunks) depends only
-on the layouts, which never change (kvcopy.Layout is frozen and holds its memory), on
+on the layouts, which never change (kvcopy.Layout is frozen and holds its memory; one
+whose torch tensor moved is planned anew, which refuses it), on
 where the index tensors are and how long, and on the stream, the method and the
 settings its work is shaped by; the indices' values are read by the kernel when it
 runs. So a call whose key matches the last one for its layouts repeats that call's
@@ -85,6 +86,8 @@ def entry(*layouts: Any) -> "_Entry | None":
     found = _memo.get(tuple(map(id, layouts)))
     if found is None or not found.holds(layouts):
         return None
+    if any(layout.moved() is not None for layout in layouts):
+        return None   # (planned anew, which names the tensor that moved)
     return found
 
 

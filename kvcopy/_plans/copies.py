@@ -58,8 +58,12 @@ def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
     return first_overlap(dst, sizes)
 
 
-def find_read_of_written(src: np.ndarray, dst: np.ndarray,
-                         sizes: np.ndarray) -> tuple[int, int] | None:
+def find_read_of_written(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                         compared: np.ndarray | None = None) -> tuple[int, int] | None:
     """Indices (i, j) where copy i reads bytes that copy j writes (i may equal j: a
-    copy onto itself, in part), or None."""
-    return overlap_between(src, sizes, dst, sizes)
+    copy onto itself, in part), or None; ``compared`` (a mask) leaves copies out."""
+    if compared is None or bool(compared.all()):
+        return overlap_between(src, sizes, dst, sizes)
+    kept = np.flatnonzero(compared)
+    found = overlap_between(src[kept], sizes[kept], dst[kept], sizes[kept])
+    return None if found is None else (int(kept[found[0]]), int(kept[found[1]]))

@@ -171,6 +171,15 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     for layout, name in ((src, "src"), (dst, "dst")):
         if not isinstance(layout, Layout):
             raise TypeError(f"{name} must be a kvcopy.Layout, got {type_name(layout)}")
+    src.check_current("src")
+    dst.check_current("dst")
+    if dst.readonly:
+        raise ValueError("dst: its memory is read-only (a read-only array or buffer); copy "
+                         "into writable memory")
+    clash = dst.rows_overlap
+    if clash is not None:
+        raise ValueError(f"dst: its rows overlap ({clash}); rows written there would land in "
+                         "no defined order")
     if src.num_planes != dst.num_planes:
         raise ValueError(f"src has {src.num_planes} planes and dst {dst.num_planes}: a row is "
                          "copied plane to plane")

@@ -359,5 +359,13 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
 def strided(obj: Any, name: str) -> tuple[int, tuple, tuple, int]:
     """(pointer, shape, byte strides, itemsize) of a tensor or array of any framework
     kvcopy reads. Raises TypeError naming ``name`` for anything else."""
-    ptr, shape, strides, itemsize, _readonly, _stream = _raw(obj, name, None)
-    return int(ptr), tuple(int(e) for e in shape), tuple(int(s) for s in strides), int(itemsize)
+    ptr, shape, strides, itemsize, _readonly = strided_access(obj, name)
+    return ptr, shape, strides, itemsize
+
+
+def strided_access(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
+    """strided's answer and whether the memory is read-only (a read-only NumPy array or
+    memmap, a ``bytes`` object's buffer, a JAX array, a producer that says so)."""
+    ptr, shape, strides, itemsize, readonly, _stream = _raw(obj, name, None)
+    return (int(ptr), tuple(int(e) for e in shape), tuple(int(s) for s in strides),
+            int(itemsize), bool(readonly))

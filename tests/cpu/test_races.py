@@ -183,3 +183,30 @@ def test_the_tensor_pairs_of_a_geometry_are_worked_out_once():
     for _ in range(3):
         plan_blocks([p], [pool()], [[0, 1]])
     assert len(races._pairs) <= before + 6
+
+
+def test_copy_batch_refuses_order_dependent_batches_by_default():
+    with pytest.raises(ValueError, match=r"dst_ptrs\[0\] and dst_ptrs\[1\] write overlapping"):
+        kvcopy.copy_batch([0x10000, 0x20000], [0x30000, 0x30000], [64, 64], stream=0)
+    with pytest.raises(ValueError, match=r"src_ptrs\[1\] reads bytes that dst_ptrs\[0\] writes"):
+        kvcopy.copy_batch([0x10000, 0x20000], [0x20010, 0x30000], [64, 64], stream=0)
+    with pytest.raises(ValueError, match=r"store: dst_ptrs\[0\] and dst_ptrs\[1\] write"):
+        kvcopy.copy_both_ways(([0x10000, 0x20000], [0x30000, 0x30020], [64, 64]),
+                              ([0x50000], [0x60000], [8]), stream=0)
+    # a bad copy is named before any overlap it takes part in
+    with pytest.raises(ValueError, match=r"dst_ptrs\[1\] is a null pointer"):
+        kvcopy.copy_batch([0x10000, 0x20000], [0x30000, 0], [64, 64], stream=0)
+
+
+def test_copy_batch_passes_disjoint_and_self_copies_to_the_driver():
+    from kvcopy.errors import NoDriverError
+    # apart, out of order, continuing each other, onto exactly themselves: no refusal, so
+    # the call reaches the driver (absent here)
+    for batch in (([0x10000, 0x20000], [0x40000, 0x30000], [64, 64]),
+                  ([0x10000, 0x10040], [0x30000, 0x30040], [64, 64]),
+                  ([0x10000, 0x20000], [0x10000, 0x20000], [64, 64])):
+        with pytest.raises(NoDriverError):
+            kvcopy.copy_batch(*batch, stream=0)
+    with pytest.raises(NoDriverError):
+        kvcopy.copy_batch([0x10000, 0x20000], [0x30000, 0x30000], [64, 64], stream=0,
+                          check_overlap=False)
