@@ -9,7 +9,8 @@ memory; ``key_value_ptrs`` holds each layer's paged cache address (an int64 tens
 skipped). ``direction`` D2H (True) gathers the paged caches into the chunk, H2D
 (False) scatters the chunk into them. ``engine_kv_format`` names how each layer's
 cache is laid out, as LMCache's ``EngineKVFormat`` does (LMCache's own enum members,
-this module's, their values, or, as LMCache's earlier op took, a ``use_mla`` bool):
+this module's, their values, or a bool in that argument's place, which LMCache's
+earlier op took as its ``use_mla`` flag: True for MLA):
 
 - NL_X_TWO_NB_BS_NH_HS (vLLM flash-attn): a layer is ``[2, page_buffer_size, hidden]``;
   NB_NL_TWO_BS_NH_HS (vLLM cross-layer) is addressed the same way from its layer
@@ -18,9 +19,18 @@ this module's, their values, or, as LMCache's earlier op took, a ``use_mla`` boo
 - NL_X_NB_BS_HS (vLLM MLA) and NL_X_NBBS_ONE_HS (SGLang MLA): ``[slots, hidden]``;
 - NL_X_TWO_NB_NH_BS_HS and NL_X_NB_TWO_NH_BS_HS (the HND forms of flash-attn and
   flashinfer): heads before the block's tokens, each head ``head_size`` elements;
-- NL_X_NB_NH_BS_TWO_HS and NL_X_NB_BS_NH_TWO_HS: K and V fused into each head's
-  (or each token's) last dimension, a block ``block_stride_elems`` apart (0: blocks
-  back to back).
+- NL_X_NB_NH_BS_CS and NL_X_NB_BS_NH_CS (vLLM's blocks-first caches, K and V fused
+  into a head's content, ``[blocks, heads, block_size, content]`` and ``[blocks,
+  block_size, heads, content]``), and their deprecated forms NL_X_NB_NH_BS_TWO_HS and
+  NL_X_NB_BS_NH_TWO_HS: a block ``block_stride_elems`` apart (0: blocks back to back);
+  ``head_size`` is the content size for NL_X_NB_NH_BS_CS (as LMCache's kernel takes
+  it) and half a head's content for NL_X_NB_NH_BS_TWO_HS;
+- NL_X_TWO_NB_NH_ONE_BS_HS: as NL_X_TWO_NB_NH_BS_HS (the singleton changes no address).
+
+NL_X_NB_BSV_BSS (the DSA indexer), NL_X_TWO_X_NB_BS_NH_HS and NL_X_TWO_X_NB_BS_HS (a
+layer as a tuple of tensors) are refused by name. For the MLA formats a
+``page_buffer_size`` of 0 is taken, as LMCache's kernel ignores it there: the slot
+mapping's bounds are then the caller's.
 
 The SGLang MHA formats go by ``multi_layer_kv_transfer_unilateral`` (K's layers, then
 V's, each ``[page_buffer_size, hidden]``), as in LMCache. One layer at a time,
@@ -63,17 +73,36 @@ class EngineKVFormat(IntEnum):
     NL_X_NB_TWO_NH_BS_HS = 7
     NB_NL_TWO_NH_BS_HS = 8
     TWO_X_NL_X_NB_BS_NH_HS = 9
-    NL_X_NB_NH_BS_TWO_HS = 10
-    NL_X_NB_BS_NH_TWO_HS = 11
+    NL_X_NB_NH_BS_TWO_HS = 10   # (deprecated by LMCache for NL_X_NB_NH_BS_CS)
+    NL_X_NB_BS_NH_TWO_HS = 11   # (deprecated by LMCache for NL_X_NB_BS_NH_CS)
+    NL_X_NB_NH_BS_CS = 12
+    NL_X_NB_BS_NH_CS = 13
+    NL_X_NB_BSV_BSS = 14
+    NL_X_TWO_NB_NH_ONE_BS_HS = 15
+    NL_X_TWO_X_NB_BS_NH_HS = 16
+    NL_X_TWO_X_NB_BS_HS = 17
 
 
 _F = EngineKVFormat
-_ONE_PLANE = {_F.NL_X_NB_BS_HS, _F.NL_X_NBBS_ONE_HS, _F.NL_X_NB_NH_BS_TWO_HS,
-              _F.NL_X_NB_BS_NH_TWO_HS}          # MLA, or K and V fused in a row
+# (the same memory under LMCache's newer name: an HND layer's singleton, K and V fused
+# into a content dimension)
+_SAME_AS = {_F.NL_X_TWO_NB_NH_ONE_BS_HS: _F.NL_X_TWO_NB_NH_BS_HS}
+_MLA = {_F.NL_X_NB_BS_HS, _F.NL_X_NBBS_ONE_HS}
+_ONE_PLANE = _MLA | {_F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_BS_NH_TWO_HS, _F.NL_X_NB_NH_BS_CS,
+                     _F.NL_X_NB_BS_NH_CS}       # MLA, or K and V fused in a row
 _NEEDS_BLOCK = {_F.NL_X_NB_TWO_BS_NH_HS, _F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS,
-                _F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_BS_NH_TWO_HS}
-_NEEDS_HEAD = {_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS, _F.NL_X_NB_NH_BS_TWO_HS}
+                _F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_BS_NH_TWO_HS, _F.NL_X_NB_NH_BS_CS,
+                _F.NL_X_NB_BS_NH_CS}
+_NEEDS_HEAD = {_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS, _F.NL_X_NB_NH_BS_TWO_HS,
+               _F.NL_X_NB_NH_BS_CS}
 _UNILATERAL = {_F.TWO_X_NL_X_NBBS_NH_HS, _F.TWO_X_NL_X_NB_BS_NH_HS}
+# Formats whose pages kvcopy does not address: refused by name, never guessed at.
+_NOT_TAKEN = {
+    _F.NL_X_NB_BSV_BSS: "the DSA indexer's blocks keep their values and their scales in two "
+                        "runs of unequal rows",
+    _F.NL_X_TWO_X_NB_BS_NH_HS: "a layer's K and V come as a tuple of tensors",
+    _F.NL_X_TWO_X_NB_BS_HS: "a layer's planes come as a tuple of tensors of unequal widths",
+}
 
 
 def _member(value: Any, enum: type[IntEnum], name: str) -> Any:
@@ -94,7 +123,11 @@ def _engine_format(value: Any) -> EngineKVFormat:
     """The format ``value`` names; a bool is the ``use_mla`` of LMCache's earlier op."""
     if isinstance(value, bool):
         return _F.NL_X_NB_BS_HS if value else _F.NL_X_TWO_NB_BS_NH_HS
-    return _member(value, EngineKVFormat, "engine_kv_format")
+    fmt = _member(value, EngineKVFormat, "engine_kv_format")
+    if fmt in _NOT_TAKEN:
+        raise ValueError(f"engine_kv_format {fmt.name} is not taken by kvcopy's drop-in: "
+                         f"{_NOT_TAKEN[fmt]}; move it with LMCache's own op")
+    return _SAME_AS.get(fmt, fmt)
 
 
 def _direction(value: Any) -> bool:
@@ -139,11 +172,13 @@ def _paged(fmt: EngineKVFormat, bases: list[int], slots: int, row: int, block: i
                                     page_size=block, page_stride=page, slot_stride=head,
                                     pieces=row // head, piece_stride=block * head)
     page = block_step or block * row
-    if fmt is _F.NL_X_NB_NH_BS_TWO_HS:   # a head's K and V side by side, heads before tokens
+    if fmt in (_F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_NH_BS_CS):
+        # a head's K and V side by side (a head's content), heads before tokens
+        width = 2 * head if fmt is _F.NL_X_NB_NH_BS_TWO_HS else head
         return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
-                                    page_stride=page, slot_stride=2 * head,
-                                    pieces=row // (2 * head), piece_stride=block * 2 * head)
-    if fmt is _F.NL_X_NB_BS_NH_TWO_HS:
+                                    page_stride=page, slot_stride=width,
+                                    pieces=row // width, piece_stride=block * width)
+    if fmt in (_F.NL_X_NB_BS_NH_TWO_HS, _F.NL_X_NB_BS_NH_CS):
         return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
                                     page_stride=page)
     raise ValueError(f"engine_kv_format {fmt.name}: LMCache's multi_layer_kv_transfer does not "
@@ -173,6 +208,16 @@ def _chunk_rows(paged: Layout, key_value: Any, skip: int, slot_mapping: Any, tok
     return chunk, paged, None, slot_mapping, tokens
 
 
+def _unstated_slots(bases: list[int], row: int) -> int:
+    """Slots of MLA caches of unstated size (page_buffer_size 0): as many as lie below the
+    next layer's cache (the last, below the end of the address space), so that the slot
+    mapping's bounds are the caller's, as with LMCache's kernel, and no two layers meet."""
+    ordered = sorted(set(bases)) + [1 << 64]
+    if len(ordered) <= len(bases):
+        raise ValueError("key_value_ptrs: two layers have one address")
+    return max(1, min(b - a for a, b in zip(ordered, ordered[1:])) // row)
+
+
 def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
                   page_buffer_size: int, direction: Any,
                   engine_kv_format: Any = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
@@ -184,7 +229,9 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     gather = _direction(direction)
     planes = 1 if fmt in _ONE_PLANE else 2
     layers, tokens, row = _chunk(key_value, planes, fmt)
-    slots = require_int(page_buffer_size, "page_buffer_size", minimum=1)
+    # (LMCache's kernel ignores page_buffer_size for MLA, and its tests pass 0 there)
+    slots = require_int(page_buffer_size, "page_buffer_size",
+                        minimum=0 if fmt in _MLA else 1)
     block = require_int(block_size, "block_size", minimum=0)
     element = key_value.element_size()
     head = require_int(head_size, "head_size", minimum=0) * element
@@ -202,7 +249,7 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
         bases = addresses_of(key_value_ptrs, "key_value_ptrs")
         if len(bases) != layers:
             raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-        return _paged(fmt, bases, slots, row, block, head, step)
+        return _paged(fmt, bases, slots or _unstated_slots(bases, row), row, block, head, step)
 
     # (the table is read where the kept layout is not found: one lookup a call)
     paged = kept_layout([key_value_ptrs], ("paged", fmt, layers, slots, row, block, head, step),

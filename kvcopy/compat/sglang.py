@@ -19,8 +19,8 @@ layers, then V's; one list for MLA), a token a row of their first dimension, and
 page-first direct host buffers ``[pages, layers, page_size, ...]`` (K's and V's, or
 one for MLA). SGLang moves their tokens a page (or a run of consecutive tokens) at a
 time, its indices brought to the host first; kvcopy moves them token by token, the
-indices read where they are, which is the same where each page's indices are
-consecutive (SGLang's own condition).
+indices read where they are (host indices beside GPU ones are uploaded to that GPU),
+which is the same where each page's indices are consecutive (SGLang's own condition).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Lay
         bases, reaches = [], []
         for table, name in zip(tables, names):
             found = addresses_of(table, name)
-            if len(found) < num_layers:
+            if len(found) != num_layers:   # (SGLang's own check: the table is the layers)
                 raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
             bases += found[:num_layers]
             reaches += reaches_of(table, name, num_layers)
@@ -90,13 +90,23 @@ def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, 
               engine=(src_k, dst_k))
 
 
+def _page_first_layer(layer_id: Any, item: int, layout_dim: Any) -> tuple[int, int]:
+    """(layer, layout_dim) of a page-first layer, checked: the layer's item lies within
+    a token's ``layout_dim`` bytes (else it would read another token's layers)."""
+    layer = require_int(layer_id, "layer_id", minimum=0)
+    dim = require_int(layout_dim, "src_layout_dim", minimum=1)
+    if (layer + 1) * item > dim:
+        raise ValueError(f"layer_id {layer}: its item of {item} bytes ends at byte "
+                         f"{(layer + 1) * item} of a token, past src_layout_dim ({dim})")
+    return layer, dim
+
+
 def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id,
                                 item_size, src_layout_dim, block_quota=2,
                                 num_warps_per_block=32) -> None:
     """Layer ``layer_id``'s items from page-first buffers into layer-first ones."""
     item = require_int(item_size, "item_size", minimum=1)
-    layer = require_int(layer_id, "layer_id", minimum=0)
-    dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
+    layer, dim = _page_first_layer(layer_id, item, src_layout_dim)
     copy_kept(_buffers((src_k, src_v), ("src_k", "src_v"), item, dim, layer * item),
               _buffers((dst_k, dst_v), ("dst_k", "dst_v"), item, item), src_indices, dst_indices,
               engine=(src_k, dst_k))
@@ -205,8 +215,7 @@ def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id
                                     src_layout_dim, block_quota=2,
                                     num_warps_per_block=32) -> None:
     item = require_int(item_size, "item_size", minimum=1)
-    layer = require_int(layer_id, "layer_id", minimum=0)
-    dim = require_int(src_layout_dim, "src_layout_dim", minimum=1)
+    layer, dim = _page_first_layer(layer_id, item, src_layout_dim)
     copy_kept(_buffers((src,), ("src",), item, dim, layer * item),
               _buffers((dst,), ("dst",), item, item), src_indices, dst_indices, engine=(src, dst))
 
@@ -274,6 +283,22 @@ def _layers_per_buffer(device: Any, buffers: int, name: str) -> int:
     return len(device) // buffers
 
 
+def _one_device(src_indices: Any, dst_indices: Any) -> tuple[Any, Any]:
+    """SGLang's direct transfers take each side's indices wherever they are (its own
+    tests pass host source indices with GPU destination indices); kvcopy reads both
+    sides' from one place, so host indices beside GPU ones go up to that GPU (an
+    upload on the current stream, no wait for the GPU)."""
+    import torch
+
+    pair = (src_indices, dst_indices)
+    if not all(isinstance(i, torch.Tensor) for i in pair) or \
+            src_indices.is_cuda == dst_indices.is_cuda:
+        return pair
+    device = (src_indices if src_indices.is_cuda else dst_indices).device
+    moved = tuple(i if i.is_cuda else i.to(device=device, dtype=torch.int64) for i in pair)
+    return moved[0], moved[1]
+
+
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
     """Every token of ``src_indices`` from each tensor of ``src_layers`` to the same tensor
     of ``dst_layers`` (a token a row of dimension 0)."""
@@ -282,6 +307,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     if src.num_planes != dst.num_planes:
         raise ValueError(f"src_layers has {src.num_planes} tensors and dst_layers "
                          f"{dst.num_planes}")
+    src_indices, dst_indices = _one_device(src_indices, dst_indices)
     copy_kept(src, dst, src_indices, dst_indices, engine=(src_layers[0], dst_layers[0]))
 
 
@@ -293,6 +319,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     first = require_int(layer_id, "layer_id", minimum=0)
     buffers = len(src_ptrs) if isinstance(src_ptrs, (list, tuple)) else 1
     count = _layers_per_buffer(dst_ptrs, buffers, "dst_ptrs")
+    src_indices, dst_indices = _one_device(src_indices, dst_indices)
     copy_kept(_page_first_layers(src_ptrs, "src_ptrs", tokens, first, count),
               _token_rows(dst_ptrs, "dst_ptrs"), src_indices, dst_indices,
               engine=(src_ptrs[0], dst_ptrs[0]))
@@ -305,6 +332,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     tokens = require_int(page_size, "page_size", minimum=1)
     buffers = len(dst_ptrs) if isinstance(dst_ptrs, (list, tuple)) else 1
     count = _layers_per_buffer(src_ptrs, buffers, "src_ptrs")
+    src_indices, dst_indices = _one_device(src_indices, dst_indices)
     copy_kept(_token_rows(src_ptrs, "src_ptrs"),
               _page_first_layers(dst_ptrs, "dst_ptrs", tokens, 0, count), src_indices,
               dst_indices, engine=(src_ptrs[0], dst_ptrs[0]))

@@ -69,6 +69,14 @@ def test_a_new_table_where_an_old_one_was_is_read_anew():
      ValueError, "src_k: holds no page of 8 tokens of 128 bytes"),
     (lambda b, i: sglang.transfer_kv_all_layer_lf_ph(b, b, b, b, i, i, 64, 128, 2, 0, 2),
      ValueError, "page_size must be at least 1, got 0"),
+    # a layer past a token's layout_dim, or a layout_dim below one item, would read
+    # another token's layers
+    (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 2, 16, 32), ValueError,
+     "layer_id 2: its item of 16 bytes ends at byte 48 of a token, past src_layout_dim (32)"),
+    (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 0, 64, 32), ValueError,
+     "layer_id 0: its item of 64 bytes ends at byte 64 of a token, past src_layout_dim (32)"),
+    (lambda b, i: sglang.transfer_kv_per_layer_mla_pf_lf(b, b, i, i, 4, 8, 32), ValueError,
+     "layer_id 4: its item of 8 bytes ends at byte 40 of a token, past src_layout_dim (32)"),
 ])
 def test_sglang_bad_arguments_are_named(call, error, words):
     buf = torch.zeros((8, 64), dtype=torch.uint8)
@@ -186,3 +194,15 @@ def test_sglang_direct_arguments_are_named(call, error, words):
     with pytest.raises(error) as info:
         call(device, host, torch.arange(4))
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_sglang_all_layer_tables_must_hold_exactly_num_layers(mla):
+    layers = [torch.zeros((8, 64), dtype=torch.uint8) for _ in range(3)]
+    table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    indices = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="src_(k_)?layers has 3 layers, num_layers is 2"):
+        if mla:
+            sglang.transfer_kv_all_layer_mla(table, table, indices, indices, 64, 2)
+        else:
+            sglang.transfer_kv_all_layer(table, table, table, table, indices, indices, 64, 2)

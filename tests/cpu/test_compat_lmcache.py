@@ -39,10 +39,11 @@ def lmcache_offset(fmt: F, kv: int, slot: int, row: int, head: int, step: int) -
                     + at * head + o)
         return (block * 2 * heads * BLOCK * head + kv * heads * BLOCK * head + h * BLOCK * head
                 + at * head + o)
-    if fmt is F.NL_X_NB_NH_BS_TWO_HS:
+    if fmt in (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_NH_BS_CS):
+        # [blocks, heads, block_size, content]: a head's K and V side by side
         h, o = divmod(b, 2 * head)
         return block * (step or row * BLOCK) + h * BLOCK * 2 * head + at * 2 * head + o
-    assert fmt is F.NL_X_NB_BS_NH_TWO_HS
+    assert fmt in (F.NL_X_NB_BS_NH_TWO_HS, F.NL_X_NB_BS_NH_CS)
     return block * (step or BLOCK * row) + at * row + b
 
 
@@ -50,19 +51,26 @@ CASES = [pytest.param(fmt, stride, id=f"{fmt.name}-{stride}") for fmt, stride in
     (F.NB_NL_TWO_BS_NH_HS, 0), (F.NL_X_TWO_NB_BS_NH_HS, 0), (F.NL_X_NB_TWO_BS_NH_HS, 0),
     (F.NL_X_NB_BS_HS, 0), (F.NL_X_NBBS_ONE_HS, 0), (F.NL_X_TWO_NB_NH_BS_HS, 0),
     (F.NL_X_NB_TWO_NH_BS_HS, 0), (F.NL_X_NB_NH_BS_TWO_HS, 0), (F.NL_X_NB_NH_BS_TWO_HS, 400),
-    (F.NL_X_NB_BS_NH_TWO_HS, 0), (F.NL_X_NB_BS_NH_TWO_HS, 300))]
+    (F.NL_X_NB_BS_NH_TWO_HS, 0), (F.NL_X_NB_BS_NH_TWO_HS, 300), (F.NL_X_NB_NH_BS_CS, 0),
+    (F.NL_X_NB_NH_BS_CS, 400), (F.NL_X_NB_BS_NH_CS, 0), (F.NL_X_NB_BS_NH_CS, 300),
+    (F.NL_X_TWO_NB_NH_ONE_BS_HS, 0))]
+
+FUSED = (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS, F.NL_X_NB_NH_BS_CS, F.NL_X_NB_BS_NH_CS)
 
 
 @pytest.mark.parametrize("fmt, stride", CASES)
 @pytest.mark.parametrize("direction", [TransferDirection.D2H, TransferDirection.H2D],
                          ids=["D2H", "H2D"])
 def test_each_format_moves_the_bytes_lmcaches_kernel_moves(fmt, stride, direction):
-    fused = fmt in (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_BS_NH_TWO_HS)
+    fused = fmt in FUSED
     planes = 1 if fused or fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS) else 2
     hidden = HEADS * HEAD * (2 if fused else 1)
     row, head, step = hidden * 2, HEAD * 2, stride * 2
+    # (LMCache's kernel takes a content-fused head's whole content as its head size)
+    head_size = 2 * HEAD if fmt is F.NL_X_NB_NH_BS_CS else HEAD
+    oracle = F.NL_X_TWO_NB_NH_BS_HS if fmt is F.NL_X_TWO_NB_NH_ONE_BS_HS else fmt
     chunk = torch.from_numpy(random_bytes((planes, LAYERS, TOKENS, row), 1).view(np.int16))
-    size = max(int(lmcache_offset(fmt, kv, s, row, head, step)[-1]) for kv in range(planes)
+    size = max(int(lmcache_offset(oracle, kv, s, row, head, step)[-1]) for kv in range(planes)
                for s in range(SLOTS)) + 1
     paged = [random_bytes((size,), 2 + layer) for layer in range(LAYERS)]
     ptrs = torch.tensor([p.ctypes.data for p in paged], dtype=torch.int64)
@@ -71,8 +79,8 @@ def test_each_format_moves_the_bytes_lmcaches_kernel_moves(fmt, stride, directio
     skip = 2
     before_chunk, before_paged = chunk.numpy().view(np.uint8).copy(), [p.copy() for p in paged]
 
-    rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, SLOTS, direction, fmt, BLOCK, HEAD,
-                                 skip, stride)
+    rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, SLOTS, direction, fmt, BLOCK,
+                                 head_size, skip, stride)
     run_on_host(*plans.expand(plans.plan_rows(*rows[:4], rows=rows[4])))
 
     want_chunk, want_paged = before_chunk.copy(), [p.copy() for p in before_paged]
@@ -80,7 +88,7 @@ def test_each_format_moves_the_bytes_lmcaches_kernel_moves(fmt, stride, directio
         s = int(slot_mapping[t])
         for layer in range(LAYERS):
             for kv in range(planes):
-                at = lmcache_offset(fmt, kv, s, row, head, step)
+                at = lmcache_offset(oracle, kv, s, row, head, step)
                 if s < 0:
                     continue
                 if direction is TransferDirection.D2H:
@@ -128,7 +136,13 @@ def test_formats_and_directions_come_by_name_value_or_the_older_bools():
      "TWO_X_NL_X_NBBS_NH_HS: LMCache's multi_layer_kv_transfer does not take it (its layers go "
      "by multi_layer_kv_transfer_unilateral)"),
     (dict(engine_kv_format=F.NB_NL_TWO_NH_BS_HS), ValueError, "does not take it"),
-    (dict(engine_kv_format=12), ValueError, "engine_kv_format must be one of NB_NL_TWO_BS_NH_HS"),
+    (dict(engine_kv_format=18), ValueError, "engine_kv_format must be one of NB_NL_TWO_BS_NH_HS"),
+    (dict(engine_kv_format=F.NL_X_NB_BSV_BSS), ValueError,
+     "engine_kv_format NL_X_NB_BSV_BSS is not taken by kvcopy's drop-in: the DSA indexer's"),
+    (dict(engine_kv_format=types.SimpleNamespace(name="NL_X_TWO_X_NB_BS_NH_HS")), ValueError,
+     "NL_X_TWO_X_NB_BS_NH_HS is not taken by kvcopy's drop-in: a layer's K and V come as a "
+     "tuple"),
+    (dict(page_buffer_size=0), ValueError, "page_buffer_size must be at least 1, got 0"),
     (dict(engine_kv_format="vllm"), ValueError, "got 'vllm'"),
     (dict(direction="up"), ValueError, "direction must be one of H2D, D2H, got 'up'"),
     (dict(engine_kv_format=F.NL_X_NB_TWO_BS_NH_HS), ValueError,
@@ -254,3 +268,18 @@ def test_a_block_stride_in_elements_is_kept_in_bytes_of_the_chunks_dtype():
                                       F.NL_X_NB_BS_NH_TWO_HS, BLOCK, 0, 0, 300)[0]
         strides.append(paged.page_stride)
     assert strides == [600, 1200]
+
+
+def test_mla_takes_a_page_buffer_size_of_0_as_lmcaches_kernel_does():
+    row = 16
+    chunk = torch.from_numpy(random_bytes((1, LAYERS, 3, row), 7))
+    paged = [np.zeros(40 * row, np.uint8) for _ in range(LAYERS)]
+    ptrs = torch.tensor([p.ctypes.data for p in paged], dtype=torch.int64)
+    slot_mapping = np.array([7, 39, 0], dtype=np.int64)
+    for fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS):
+        rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, 0, TransferDirection.H2D, fmt)
+        run_on_host(*plans.expand(plans.plan_rows(*rows[:4], rows=rows[4])))
+        for t, s in enumerate(slot_mapping.tolist()):
+            for layer in range(LAYERS):
+                np.testing.assert_array_equal(paged[layer][s * row:(s + 1) * row],
+                                              chunk[0, layer, t].numpy())
