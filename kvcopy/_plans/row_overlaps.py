@@ -1,12 +1,15 @@
 """Whether a layout's rows overlap: a destination whose rows share bytes would be
 written in no defined order (copy_rows refuses it).
 
-A layout's rows form a lattice: planes (bases), pages, slots within a page and pieces
-within a row, each a stride and a count. Where the strides nest (sorted by stride,
-each dimension's whole extent fits below the next stride) no two pieces can meet, in
-O(dimensions); every engine layout nests, including K and V interleaved by block and
-heads interleaved by token. Anything else is settled exactly by listing its pieces,
-up to a bound beyond which the layout is refused as unprovable.
+A plane's rows form a lattice: pages, slots within a page and pieces within a row,
+each a stride and a count. Where the strides nest (sorted by stride, each dimension's
+whole extent fits below the next stride) no two pieces of a plane can meet, in
+O(dimensions); every engine layout nests, heads interleaved by token included. Planes
+evenly spaced (layers, K and V interleaved by block) are one more dimension; other
+planes are compared pair by pair where their spans meet, each pair by whether the
+distance between them is a difference of two points of the lattice. Anything else is
+settled exactly by listing its pieces, up to a bound beyond which the layout is
+refused as unprovable.
 """
 from __future__ import annotations
 
@@ -31,17 +34,51 @@ def _nests(dims: list[tuple[int, int]], innermost: int) -> bool:
     return True
 
 
-def _plane_dimension(bases: np.ndarray, extent: int) -> list[tuple[int, int]] | None:
-    """The planes as one more lattice dimension: none where their spans lie apart,
-    (step, count) where their bases are evenly spaced, None where they are neither."""
+def _evenly_spaced(bases: np.ndarray) -> list[tuple[int, int]] | None:
+    """The planes as one more lattice dimension (step, count) where their bases are
+    evenly spaced (layers or K and V of one tensor), else None."""
     if len(bases) < 2:
         return []
-    ordered = np.sort(bases)
-    steps = np.diff(ordered)
-    if int(steps.min()) >= extent:
-        return []
+    steps = np.diff(np.sort(bases))
     if int(steps.min()) > 0 and bool((steps == steps[0]).all()):
         return [(int(steps[0]), len(bases))]
+    return None
+
+
+def _meets(shift: int, dims: list[tuple[int, int]], innermost: int) -> bool:
+    """Whether a nested lattice and itself moved by ``shift`` bytes share a byte: whether
+    ``shift`` is a difference of two of its points within ``innermost`` bytes. The
+    strides nest, so each dimension leaves at most two multiples to try."""
+    if not dims:
+        return abs(shift) < innermost
+    (stride, count), inner = dims[-1], dims[:-1]
+    if stride == 0:
+        return _meets(shift, inner, innermost)
+    low = shift // stride
+    return any(-count < m < count and _meets(shift - m * stride, inner, innermost)
+               for m in (low, low + 1))
+
+
+# Pairs of planes whose spans meet, each tried against the lattice, at most.
+_PAIRS_TRIED = 1 << 16
+
+
+def _planes_meet(layout: Any, dims: list[tuple[int, int]]) -> tuple[int, int] | None | bool:
+    """Two planes that share a byte, None where none do, False where too many pairs of
+    planes would have to be tried."""
+    order = np.argsort(layout.bases, kind="stable")
+    bases = layout.bases[order].tolist()
+    nested = sorted(d for d in dims if d[1] > 1)
+    extent, tried = layout.extent, 0
+    for i, base in enumerate(bases):
+        for j in range(i + 1, len(bases)):
+            if bases[j] >= base + extent:
+                break
+            tried += 1
+            if tried > _PAIRS_TRIED:
+                return False
+            if _meets(bases[j] - base, nested, layout.piece_bytes):
+                return int(order[i]), int(order[j])
     return None
 
 
@@ -63,9 +100,15 @@ def overlapping_rows(layout: Any) -> str | None:
     dims = [(layout.piece_stride, layout.pieces),
             (layout.slot_stride, min(layout.page_size, layout.slots)),
             (layout.page_stride, pages)]
-    planes = _plane_dimension(layout.bases, layout.extent)
-    if planes is not None and _nests(dims + planes, layout.piece_bytes):
-        return None
+    if _nests(dims, layout.piece_bytes):
+        planes = _evenly_spaced(layout.bases)
+        if planes is not None and _nests(dims + planes, layout.piece_bytes):
+            return None
+        met = _planes_meet(layout, dims)
+        if met is None:
+            return None
+        if met is not False:
+            return f"plane {met[0]} and plane {met[1]} share bytes"
     total = layout.num_planes * layout.slots * layout.pieces
     if total > _LISTED_PIECES:
         return (f"its strides (page {layout.page_stride}, slot {layout.slot_stride}, piece "

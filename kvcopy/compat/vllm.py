@@ -17,7 +17,6 @@ and ``CopyBackendAdapter`` keep those two interfaces and copy the runs as
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._plans.rows import plan_rows
+from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy.api import copy_batch, copy_planned_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
@@ -106,10 +106,13 @@ def _run_table(runs: list) -> np.ndarray | None:
     if kind is tuple and any(len(run) != 6 for run in runs):
         return None
     try:
-        values = np.fromiter(itertools.chain.from_iterable(runs), np.int64, 6 * len(runs))
+        table: np.ndarray = np.array(runs)
     except (TypeError, ValueError, OverflowError):
         return None
-    table: np.ndarray = values.reshape(-1, 6)
+    # (only integers: a float or a string field is named by the per-run reading, never
+    # truncated into an address or a size)
+    if table.dtype.kind != "i" or table.shape != (len(runs), 6):
+        return None
     if table.min() < 0:
         return None   # (not runs: the per-run reading says which)
     live = table[:, 3] > 0
@@ -125,12 +128,18 @@ def _read_runs(runs: list) -> np.ndarray:
     table = []
     for i, run in enumerate(runs):
         try:
-            values = ([int(getattr(run, f)) for f in _RUN_FIELDS] if hasattr(run, "src_base")
-                      else [int(v) for v in run])
-        except (TypeError, ValueError):
+            fields = ([getattr(run, f) for f in _RUN_FIELDS] if hasattr(run, "src_base")
+                      else list(run))
+        except TypeError:
             raise TypeError(f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 ints")
-        if len(values) != 6:
-            raise TypeError(f"run_descs[{i}]: {len(values)} fields, expected {_RUN_FIELDS}")
+        if len(fields) != 6:
+            raise TypeError(f"run_descs[{i}]: {len(fields)} fields, expected {_RUN_FIELDS}")
+        values = []
+        for name, value in zip(_RUN_FIELDS, fields):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 "
+                                f"ints: {name} is a {type(value).__name__} ({value!r})")
+            values.append(int(value))
         src, dst, size, count, src_stride, dst_stride = values
         if min(values) < 0 or (count and (src == 0 or dst == 0 or size == 0)):
             raise ValueError(f"run_descs[{i}]: {dict(zip(_RUN_FIELDS, values))} is not a run")
@@ -171,6 +180,19 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     return pairs
 
 
+def _refuse_crossing_shapes(plans: list) -> None:
+    """ValueError where runs of two shapes touch the same bytes, one of them writing:
+    the groups of one submit run in no order (within a shape, plan_rows refuses it)."""
+    for i, first in enumerate(plans):
+        for j in range(i + 1, len(plans)):
+            try:
+                refuse_rows_crossing(first, plans[j])
+            except ValueError:
+                raise ValueError(f"run_descs: runs of shape {i} and of shape {j} (in the order "
+                                 "first met) touch the same bytes, at least one of them "
+                                 "writing; the runs of one submit run in no order") from None
+
+
 class CopyBackend:
     """vLLM's offload copy backend (``vllm.v1.kv_offload.cpu.copy_backend.CopyBackend``:
     ``submit(run_descs)``, ``finish_transfer()``, ``clear()``) over kvcopy.copy_rows.
@@ -180,8 +202,8 @@ class CopyBackend:
     fragments: one copy_rows per shape of run (see run_groups), whatever the fragments'
     size or alignment. Every group is planned, with all of copy_rows' checks, before any
     is enqueued; a submit that raises records no transfer. Fragments that write the same
-    bytes twice are the caller's error, as in vLLM: finding them would mean expanding the
-    runs, so they are not looked for (the bytes then hold either fragment). Nothing is
+    bytes twice, or read bytes another fragment writes, are refused (ValueError), within
+    one shape of run and between shapes: their copies would run in no order. Nothing is
     held per transfer, so ``finish_transfer`` only retires the oldest one in flight
     (RuntimeError where none is) and ``clear`` forgets them all.
 
@@ -203,6 +225,7 @@ class CopyBackend:
         # (every group planned, with copy_rows' checks, before any is issued)
         plans = [plan_rows(src, dst, None, None, count)
                  for src, dst, count in run_groups(run_descs)]
+        _refuse_crossing_shapes(plans)
         if plans:
             stream = _torch_stream("CopyBackend.submit")
             for plan in plans:

@@ -47,6 +47,10 @@ def test_runs_of_several_shapes_move_every_fragment():
     ("abcdef", TypeError, "run_descs[0]: not a CopyRunDescriptor"),
     ((0, 64, 8, 1, 8, 8), ValueError, "run_descs[0]: {'src_base': 0"),
     ((64, 64, 8, 1, -8, 8), ValueError, "is not a run"),
+    # never truncated or parsed into an address or a size
+    ((64, 64, 16.7, 1, 8, 8), TypeError, "fragment_size is a float (16.7)"),
+    (Run(64, 64, 16, "2", 8, 8), TypeError, "num_fragments is a str ('2')"),
+    ((64, 64, 16, 1, 8, np.float64(8)), TypeError, "dst_stride is a float64"),
 ])
 def test_bad_runs_are_named(run, error, words):
     with pytest.raises(error) as info:
@@ -216,3 +220,20 @@ def test_a_run_of_seven_fields_among_tuples_is_named():
         run_groups(runs)
     with pytest.raises(ValueError, match=r"run_descs\[1\]: .* is not a run"):
         run_groups([Run(4096, 8192, 8, 1, 8, 8), Run(0, 8192, 8, 1, 8, 8)])
+
+
+def test_a_run_reading_what_a_run_of_another_shape_writes_is_refused():
+    from kvcopy.testing import rows_on_host
+
+    src, dst = random_bytes((4096,), 6), np.zeros(4096, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    writes = Run(s, d, 128, 2, 128, 128)                # writes dst[0:256]
+    reads = Run(d + 64, d + 1024, 64, 2, 64, 64)        # reads dst[64:192]
+    twice = Run(s + 512, d + 128, 32, 1, 32, 32)        # writes dst[128:160] again
+    adapter = CopyBackendAdapter(gpu_to_cpu=True)
+    for runs in ([writes, reads], [writes, twice]):
+        with rows_on_host(), pytest.raises(ValueError, match="run_descs: runs of shape 0 and "
+                                                               "of shape 1 .* touch the same"):
+            adapter.submit(1, runs)
+    np.testing.assert_array_equal(dst, 0)
+    assert adapter.backend.in_flight == 0

@@ -29,8 +29,8 @@ def chunk(slots: int = 8, seed: int = 0) -> np.ndarray:
     (lambda a: Layout.from_pointers([a.ctypes.data], slots=8, row_bytes=ROW, page_size=4,
                                     page_stride=2 * ROW), "share bytes"),
     (lambda a: Layout.from_pointers([a.ctypes.data] * 2, slots=4, row_bytes=ROW),
-     "plane 0 slot 0 and plane 1 slot 0 share bytes"),
-    (lambda a: Layout.of([a, a], slot=0), "plane 0 slot 0 and plane 1 slot 0 share bytes"),
+     "plane 0 and plane 1 share bytes"),
+    (lambda a: Layout.of([a, a], slot=0), "plane 0 and plane 1 share bytes"),
     (lambda a: Layout.of(a, slot=0).select([0, 0]), "share bytes"),
     (lambda a: Layout.from_pointers([a.ctypes.data], slots=4, row_bytes=ROW, pieces=2,
                                     piece_stride=4), "plane 0 slot 0 and plane 0 slot 0"),
@@ -159,3 +159,51 @@ def test_select_picks_planes_as_asked():
     assert layout.select(-1).bases.tolist() == [12288]
     assert layout.select(np.array([2, 0])).bases.tolist() == [12288, 4096]
     assert layout.select(slice(1, None)).bases.tolist() == [8192, 12288]
+
+
+def _brute_overlap(layout: Layout) -> bool:
+    """Whether two pieces of the layout share a byte, byte by byte."""
+    seen: set[int] = set()
+    slots = np.arange(layout.slots)
+    for plane in layout.row_addresses(slots).tolist():
+        for row in plane:
+            for j in range(layout.pieces):
+                start = row + j * layout.piece_stride
+                piece = set(range(start, start + layout.piece_bytes))
+                if seen & piece:
+                    return True
+                seen |= piece
+    return False
+
+
+def test_the_overlap_verdict_matches_every_byte_on_random_layouts():
+    rng = np.random.default_rng(11)
+    verdicts = set()
+    for _ in range(400):
+        pieces = int(rng.integers(1, 3))
+        piece = int(rng.integers(1, 5))
+        page_size = int(rng.integers(1, 4))
+        layout = Layout.from_pointers(
+            (4096 + rng.choice(64, size=int(rng.integers(1, 4)), replace=False)).tolist(),
+            slots=int(rng.integers(1, 7)), row_bytes=piece * pieces, page_size=page_size,
+            slot_stride=int(rng.integers(0, 12)),
+            page_stride=int(rng.integers(0, 40)), pieces=pieces,
+            piece_stride=int(rng.integers(0, 12)))
+        found = layout.rows_overlap is not None
+        assert found == _brute_overlap(layout), layout
+        verdicts.add(found)
+    assert verdicts == {True, False}
+
+
+def test_runs_interleaved_at_scattered_pages_are_accepted_and_a_meeting_pair_refused():
+    # vLLM's canonical layout: each TP rank's head fragments interleaved into shared pages
+    # at scattered page addresses (planes neither apart nor evenly spaced)
+    page, fragment, ranks = 4096, 256, 4
+    pages = [3, 17, 4, 60, 9]
+    bases = [4096 * 1024 + p * page + r * fragment for p in pages for r in range(ranks)]
+    layout = Layout.from_pointers(bases, slots=4, row_bytes=fragment,
+                                  slot_stride=ranks * fragment)
+    assert layout.rows_overlap is None
+    clashing = Layout.from_pointers(bases + [bases[5] + ranks * fragment], slots=4,
+                                    row_bytes=fragment, slot_stride=ranks * fragment)
+    assert clashing.rows_overlap == "plane 5 and plane 20 share bytes"
