@@ -1,8 +1,10 @@
 """TransferQueue: ordered asynchronous block transfers between two fixed caches."""
 from __future__ import annotations
 
+import math
 import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable
@@ -22,6 +24,17 @@ from kvcopy._runtime.prepare import prepare_current_context
 
 _GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
               | classify.KIND_PEER_UNMAPPED)
+
+
+def _seconds(timeout: Any) -> float:
+    """``timeout`` as seconds (TypeError or ValueError naming it)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                              np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got "
+                        f"{type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+    return float(timeout)
 
 
 def _swap_sides(message: str) -> str:
@@ -52,6 +65,8 @@ class _Job:
     start: int
     end: int
     back_method: str = ""
+    waiters: int = 0        # threads in wait() on this job's end event, outside the lock
+    finished: bool = False  # reported; its events go with the last waiter
 
 
 class TransferQueue:
@@ -244,17 +259,23 @@ class TransferQueue:
         return both_ways.execute_plans_both(plan, back_plan, self._stream, self.method,
                                             ("block_mapping", "back"))
 
+    @staticmethod
+    def _release(job: _Job) -> None:
+        for event in (job.start, job.end):
+            try:
+                driver.event_destroy(event)
+            except KVCopyError:
+                pass
+
     def _finish(self, job: _Job) -> TransferResult:
         ok, error, seconds = True, "", 0.0
         try:
             seconds = driver.event_elapsed_ms(job.start, job.end) / 1e3
         except KVCopyError as exc:
             ok, error = False, str(exc)
-        for event in (job.start, job.end):
-            try:
-                driver.event_destroy(event)
-            except KVCopyError:
-                pass
+        job.finished = True
+        if not job.waiters:   # (else the last thread waiting on its end event releases them)
+            self._release(job)
         return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error,
                               job.back_method)
 
@@ -278,13 +299,22 @@ class TransferQueue:
                 driver.pop_context()
         return done
 
-    def wait(self, job_ids: Iterable[Hashable] | None = None) -> list[TransferResult]:
-        """Block until the given jobs (default: all) are done; returns every finished job's result.
+    def wait(self, job_ids: Iterable[Hashable] | None = None, *,
+             timeout: float | None = None) -> list[TransferResult]:
+        """Block until the given jobs (default: all) are done; returns every finished job's
+        result. The queue's lock is not held while the GPU works: other threads submit and
+        poll meanwhile.
+
+        Args:
+            timeout: seconds to wait at most (None: as long as it takes); past it
+                TimeoutError is raised and the jobs stay pending.
 
         Raises:
             TypeError: ``job_ids`` is a single string or bytes (pass ``[job_id]``)
-                or not iterable.
+                or not iterable; ``timeout`` is not a number.
+            ValueError: a negative or non-finite ``timeout``.
             KeyError: a job id that is not pending.
+            TimeoutError: the jobs were not done within ``timeout``.
         """
         if isinstance(job_ids, (str, bytes)):
             raise TypeError(f"job_ids: expected a collection of job ids, got the {type(job_ids).__name__} "
@@ -292,6 +322,7 @@ class TransferQueue:
         if job_ids is not None and not isinstance(job_ids, Iterable):
             raise TypeError(f"job_ids: expected a collection of job ids or None, got "
                             f"{type(job_ids).__name__}")
+        deadline = None if timeout is None else time.monotonic() + _seconds(timeout)
         with self._lock:
             wanted = None if job_ids is None else set(job_ids)
             last = None
@@ -303,29 +334,65 @@ class TransferQueue:
                 if unknown:
                     raise KeyError(f"TransferQueue.wait: no pending job with id {sorted(map(repr, unknown))}")
             if last is not None:
-                self._push()
-                try:
-                    try:
-                        driver.event_synchronize(last.end)  # jobs finish in order
-                    except KVCopyError:
-                        pass
-                finally:
-                    driver.pop_context()
+                last.waiters += 1   # (its events outlive a poll that reports it meanwhile)
+        if last is not None:
+            try:
+                self._wait_for(last, deadline)   # jobs finish in order
+            finally:
+                with self._lock:
+                    last.waiters -= 1
+                    if last.finished and not last.waiters:
+                        self._push()
+                        try:
+                            self._release(last)
+                        finally:
+                            driver.pop_context()
         return self.poll()
 
-    def close(self) -> None:
-        """Wait for every job, then release the stream and events. Safe to call twice."""
-        if self._closed:
-            return
-        self.wait()
+    def _wait_for(self, job: _Job, deadline: float | None) -> None:
+        """Until ``job``'s end event has completed (or failed), or TimeoutError past
+        ``deadline``; without the queue's lock."""
+        self._push()
+        try:
+            if deadline is None:
+                try:
+                    driver.event_synchronize(job.end)
+                except KVCopyError:
+                    pass   # (a failed job is reported by poll)
+                return
+            pause = 20e-6
+            while True:
+                try:
+                    if driver.event_query(job.end):
+                        return
+                except KVCopyError:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"TransferQueue.wait: job {job.job_id!r} was not done "
+                                       "within the timeout; it is still pending")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1e-3)
+        finally:
+            driver.pop_context()
+
+    def close(self) -> list[TransferResult]:
+        """Refuse new jobs, wait for every job submitted before, then release the stream
+        and events; returns the results of the jobs it saw finish (every job whose submit
+        returned is reported by poll, wait or this). Safe to call twice."""
         with self._lock:
-            self._closed = True
+            if self._closed:
+                return []
+            self._closed = True   # (first: a submit racing close is refused, never lost)
+        results = self.wait()
+        with self._lock:
             self._push()
             try:
                 driver.stream_synchronize(self._stream)
                 driver.stream_destroy(self._stream)
             finally:
                 driver.pop_context()
+        return results
 
     @property
     def closed(self) -> bool:
