@@ -106,17 +106,38 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
-    if check_overlap and len(src) == len(dst) == len(size_arr) and len(src) > 0:
-        _refuse_order_dependence(src, dst, size_arr)
+    if len(src) == len(dst) == len(size_arr) and len(src) > 0:
+        _refuse_bad_copies(src, dst, size_arr)
+        if check_overlap:
+            _refuse_order_dependence(src, dst, size_arr)
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
     return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
                                  None if max_ctas is None else int(max_ctas), allow_batch)
 
 
+_SIZE_LIMIT = np.uint64(1 << 63)
+
+
+def _refuse_bad_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """ValueError naming a copy with a null pointer, a size of 2**63 or more, or a span
+    that wraps the address space, before anything touches the driver (the planner
+    names it; this finds whether there is one, in a few vector passes)."""
+    live = sizes != 0
+    if bool((live & ((src == 0) | (dst == 0) | (src + sizes < src) | (dst + sizes < dst)
+                     | (sizes >= _SIZE_LIMIT))).any()):
+        plan_copies(src, dst, sizes)
+
+
 def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """ValueError where two copies write one byte or a copy reads a byte a copy writes;
     a bad copy (a null pointer, a wrap) is named first, as the planner names it."""
+    if len(sizes) == 1:   # (one copy meets only itself: plain integers, no sorts)
+        s, d, n = int(src[0]), int(dst[0]), int(sizes[0])
+        if s != d and n and s < d + n and d < s + n:
+            raise ValueError("copy 0 reads bytes that it writes itself; the copies of one "
+                             "batch run in no defined order")
+        return
     clash = find_overlap(dst, sizes)
     moved = src != dst   # (a copy onto exactly itself changes nothing)
     crossing = None if clash else find_read_of_written(src, dst, sizes, moved)

@@ -140,12 +140,18 @@ def _check_args(total_bytes: Any, repeats: Any, save_result: Any, minimum_bytes:
 
 
 def _check_device(value: Any, name: str) -> int:
-    ordinal = require_int(value, name, minimum=0, maximum=1 << 16)
+    """``value`` as a device ordinal this process sees; call _check_ordinal first."""
+    ordinal = _check_ordinal(value, name)
     count = driver.device_count()
     if ordinal >= count:
         raise ValueError(f"{name} is {ordinal}, but this process sees {count} device"
                          f"{'' if count == 1 else 's'}")
     return ordinal
+
+
+def _check_ordinal(value: Any, name: str) -> int:
+    """``value`` as a device ordinal, checked before the driver is loaded."""
+    return require_int(value, name, minimum=0, maximum=1 << 16)
 
 
 def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
@@ -161,6 +167,7 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
     device model and driver version.
     """
     _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
+    _check_ordinal(device, "device")
     driver.init()
     device = _check_device(device, "device")
     driver.push_context(driver.primary_context(device))
@@ -228,12 +235,12 @@ def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: in
     on each GPU) and streams of its own. Returns the source device's thresholds.
     """
     _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
+    if _check_ordinal(src_device, "src_device") == _check_ordinal(dst_device, "dst_device"):
+        raise ValueError(f"src_device and dst_device are both {int(src_device)}; "
+                         "calibrate_peers measures copies between two GPUs")
     driver.init()
     src_device = _check_device(src_device, "src_device")
     dst_device = _check_device(dst_device, "dst_device")
-    if src_device == dst_device:
-        raise ValueError(f"src_device and dst_device are both {src_device}; calibrate_peers "
-                         "measures copies between two GPUs")
     for a, b in ((src_device, dst_device), (dst_device, src_device)):
         _calibrate_pair(a, b, total_bytes, repeats, save_result)
     return devices.thresholds(src_device)

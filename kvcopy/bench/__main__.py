@@ -81,14 +81,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
                              "it finds on this host, as a deployment that calibrates would")
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: not a folder")
+    return args
+
+
+def make_out(out: Path) -> None:
+    """Make ``--out`` and show it can be written (exit 2 where not): only once a GPU is
+    there to measure, so that a machine without one is left as it was."""
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / ".kvcopy-bench-write-test"
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvcopy-bench-write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        parser.error(f"--out {args.out}: cannot write there ({exc.strerror or exc})")
-    return args
+        print(f"python -m kvcopy.bench: error: --out {out}: cannot write there "
+              f"({exc.strerror or exc})", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run_metadata(name: str, device: int) -> dict:
@@ -124,6 +133,7 @@ def run_metadata(name: str, device: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = gpu_or_exit(args.device)
+    make_out(args.out)
     calibrated = None
     if args.calibrate:
         calibrated = dataclasses.asdict(kvcopy.calibrate(save_result=False))

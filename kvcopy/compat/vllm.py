@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvcopy.arguments import require_bool, require_int
+from kvcopy.arguments import require_bool, require_int, require_same_length
 from kvcopy._plans.rows import plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy.api import copy_batch, copy_planned_rows
@@ -73,6 +73,7 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
     allow_batch = require_bool(use_batch_api, "use_batch_api")
     if bytes_per_chunk is not None:
         require_int(bytes_per_chunk, "bytes_per_chunk", minimum=1)
+    require_same_length(src_ptrs, dst_ptrs, sizes)   # (before torch is asked for its stream)
     stream = _torch_stream("swap_blocks_batch")
     copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
                src_access_order="any" if access_any else "stream", allow_batch=allow_batch)

@@ -154,12 +154,29 @@ def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, cap
 
 
 def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring(tmp_path, capsys):
-    from kvcopy.bench.__main__ import parse_args
+    from kvcopy.bench.__main__ import make_out, parse_args
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(SystemExit):
-        parse_args(["--out", str(blocker / "out")])
-    assert "cannot write there" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--out", str(blocker)])
+    assert exit_.value.code == 2 and "not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        make_out(blocker / "out")
+    assert exit_.value.code == 2 and "cannot write there" in capsys.readouterr().err
+
+
+def test_without_a_gpu_the_benchmark_exits_2_and_makes_no_output_folder(tmp_path, capsys):
+    from kvcopy.bench.__main__ import main
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is here: the benchmark would run")
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick", "--out", str(tmp_path / "new")])
+    assert exit_.value.code == 2
+    assert not (tmp_path / "new").exists()
 
 
 def test_every_benchmark_flag_has_help():

@@ -254,3 +254,36 @@ def test_cuda_stream_protocol_is_checked(value, kind, match):
     with pytest.raises(kind, match=match):
         kvcopy.resolve_stream(Stream(value))
     assert kvcopy.resolve_stream(Stream((0, 0x7F0000000000))) == 0x7F0000000000
+
+
+def test_bad_copies_and_device_numbers_are_refused_before_the_driver_is_loaded():
+    """Refusals that need no driver come first: nothing asks the driver before them."""
+    from kvcopy.testing import fake_cuda
+
+    class NoDriverCalls:
+        def __getattr__(self, name):
+            raise AssertionError(f"driver.{name} was asked for before the arguments were "
+                                 "checked")
+
+    with fake_cuda(NoDriverCalls(), ("driver", "describe", "launch", "classify")):
+        _refused_before_the_driver()
+
+
+def _refused_before_the_driver():
+    with pytest.raises(ValueError, match=r"sizes\[0\]"):
+        kvcopy.copy_batch([4096], [8192], [1 << 63], stream=0)
+    with pytest.raises(ValueError, match=r"dst_ptrs\[1\] is a null pointer"):
+        kvcopy.copy_batch([4096, 8192], [16384, 0], [8, 8], stream=0)
+    with pytest.raises(TypeError, match="device must be an int"):
+        kvcopy.calibrate(device="0")
+    with pytest.raises(ValueError, match="src_device and dst_device are both 0"):
+        kvcopy.calibrate_peers(0, 0)
+
+
+def test_vllms_swap_blocks_batch_checks_lengths_before_asking_torch_for_a_stream():
+    torch = pytest.importorskip("torch")
+    from kvcopy.compat import vllm
+    ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
+    with pytest.raises(ValueError, match="src_ptrs, dst_ptrs and sizes differ in length: 2, 2 "
+                                         "and 1"):
+        vllm.swap_blocks_batch(ptrs, ptrs, torch.tensor([8], dtype=torch.int64))
