@@ -63,9 +63,9 @@ def _meets(shift: int, dims: list[tuple[int, int]], innermost: int) -> bool:
 _PAIRS_TRIED = 1 << 16
 
 
-def _planes_meet(layout: Any, dims: list[tuple[int, int]]) -> tuple[int, int] | None | bool:
-    """Two planes that share a byte, None where none do, False where too many pairs of
-    planes would have to be tried."""
+def _planes_meet(layout: Any, dims: list[tuple[int, int]]) -> tuple[int, int] | None | str:
+    """Two planes that share a byte, None where none do, "unsettled" where too many
+    pairs of planes would have to be tried."""
     order = np.argsort(layout.bases, kind="stable")
     bases = layout.bases[order].tolist()
     nested = sorted(d for d in dims if d[1] > 1)
@@ -76,7 +76,7 @@ def _planes_meet(layout: Any, dims: list[tuple[int, int]]) -> tuple[int, int] | 
                 break
             tried += 1
             if tried > _PAIRS_TRIED:
-                return False
+                return "unsettled"
             if _meets(bases[j] - base, nested, layout.piece_bytes):
                 return int(order[i]), int(order[j])
     return None
@@ -107,7 +107,7 @@ def overlapping_rows(layout: Any) -> str | None:
         met = _planes_meet(layout, dims)
         if met is None:
             return None
-        if met is not False:
+        if isinstance(met, tuple):
             return f"plane {met[0]} and plane {met[1]} share bytes"
     total = layout.num_planes * layout.slots * layout.pieces
     if total > _LISTED_PIECES:

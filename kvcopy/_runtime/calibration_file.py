@@ -193,7 +193,11 @@ def save(path: Path, device_name: str, driver_version: int, updates: Mapping[str
                 current[name] = float(value)
             else:
                 current[name] = {**current[name], **value}
-        current["measurements"] = {**current["measurements"], **measurements}
+        # the newest MAX_MEASUREMENTS only: a file past the loader's cap would be refused
+        # whole at the next load or save, thresholds and all
+        merged = {k: v for k, v in current["measurements"].items() if k not in measurements}
+        merged.update(measurements)
+        current["measurements"] = dict(list(merged.items())[-MAX_MEASUREMENTS:])
         current["saves"] = (current["saves"] + [{
             "pid": os.getpid(), "host": socket.gethostname(), "ordinal": ordinal,
             "at": round(time.time(), 3), "measured": sorted(measurements)}])[-MAX_SAVES_KEPT:]

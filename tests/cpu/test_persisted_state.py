@@ -301,3 +301,17 @@ def test_a_cache_that_cannot_be_written_compiles_in_memory_and_says_so_once(tmp_
     assert first[:4] == b"\x7fELF"
     if folder.is_dir():
         assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_saves_past_the_loaders_cap_on_measurements_keep_the_thresholds(cache):
+    cap = calibration_file.MAX_MEASUREMENTS
+    device.save_thresholds(INFO, {"batch_min_bytes": {"h2d": 2 * MiB}},
+                           {f"h2d/{k}": {"kernel": float(k)} for k in range(cap)})
+    device.save_thresholds(INFO, {"host_ctas": {"d2h": 5}},
+                           {f"d2h/{k}": {"kernel": 1.0} for k in range(10)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (a refused file would warn)
+        loaded = device.load_thresholds(INFO)
+    assert loaded.batch_min_bytes["h2d"] == 2 * MiB and loaded.host_ctas["d2h"] == 5
+    kept = json.loads(device.thresholds_path(INFO).read_text())["measurements"]
+    assert len(kept) == cap and "d2h/9" in kept and "h2d/0" not in kept   # the newest kept
