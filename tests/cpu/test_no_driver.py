@@ -36,7 +36,7 @@ def test_validation_happens_before_the_driver_is_needed():
     with pytest.raises(ValueError, match="src_access_order"):
         kvcopy.copy_batch([1], [3], [4], src_access_order="whenever")
     with pytest.raises(TypeError, match="stream"):
-        kvcopy.copy_batch([1], [3], [4], stream="s1")
+        kvcopy.copy_batch([1], [64], [4], stream="s1")
 
 
 def test_cuda_error_is_picklable_and_carries_fields():
