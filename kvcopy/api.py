@@ -21,10 +21,11 @@ from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.decide import last_decision
 from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
+from kvcopy._cuda.plan_arrays import copies_ok
 from kvcopy._runtime.context import ContextScope
 from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
                                     effective_handle, resolve_stream)
-from kvcopy._plans.copies import find_overlap, find_read_of_written, plan_copies
+from kvcopy._plans.copies import find_overlap, find_read_of_written
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
@@ -106,51 +107,30 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
-    if len(src) == len(dst) == len(size_arr) and len(src) > 0:
-        _refuse_bad_copies(src, dst, size_arr)
-        if check_overlap:
-            _refuse_order_dependence(src, dst, size_arr)
+    # (bad copies are refused here, before the driver; order dependence where asked)
+    if len(src) == len(dst) == len(size_arr) and not copies_ok(src, dst, size_arr) \
+            and check_overlap:
+        _refuse_order_dependence(src, dst, size_arr)
     handle = (resolve_stream(stream) if stream is not None
               else current_framework_stream(src_ptrs, dst_ptrs, sizes))
     return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
                                  None if max_ctas is None else int(max_ctas), allow_batch)
 
 
-_SIZE_LIMIT = np.uint64(1 << 63)
-
-
-def _refuse_bad_copies(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
-    """ValueError naming a copy with a null pointer, a size of 2**63 or more, or a span
-    that wraps the address space, before anything touches the driver (the planner
-    names it; this finds whether there is one, in a few vector passes)."""
-    live = sizes != 0
-    if bool((live & ((src == 0) | (dst == 0) | (src + sizes < src) | (dst + sizes < dst)
-                     | (sizes >= _SIZE_LIMIT))).any()):
-        plan_copies(src, dst, sizes)
-
-
 def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
-    """ValueError where two copies write one byte or a copy reads a byte a copy writes;
-    a bad copy (a null pointer, a wrap) is named first, as the planner names it."""
-    if len(sizes) == 1:   # (one copy meets only itself: plain integers, no sorts)
-        s, d, n = int(src[0]), int(dst[0]), int(sizes[0])
-        if s != d and n and s < d + n and d < s + n:
-            raise ValueError("copy 0 reads bytes that it writes itself; the copies of one "
-                             "batch run in no defined order")
-        return
+    """ValueError where two copies of a batch of valid copies write one byte, or a copy
+    reads a byte a copy writes (compared exactly: copies_ok's glance was not enough)."""
     clash = find_overlap(dst, sizes)
+    if clash:
+        raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping "
+                         "bytes; the copies of one batch run in no defined order")
     moved = src != dst   # (a copy onto exactly itself changes nothing)
-    crossing = None if clash else find_read_of_written(src, dst, sizes, moved)
-    if clash or crossing:
-        plan_copies(src, dst, sizes)   # (raises for a bad copy)
-        if clash:
-            raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping "
-                             "bytes; the copies of one batch run in no defined order")
-        if crossing:
-            i, j = crossing
-            what = (f"copy {i} reads bytes that it writes itself" if i == j else
-                    f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes")
-            raise ValueError(f"{what}; the copies of one batch run in no defined order")
+    crossing = find_read_of_written(src, dst, sizes, moved)
+    if crossing:
+        i, j = crossing
+        what = (f"copy {i} reads bytes that it writes itself" if i == j else
+                f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes")
+        raise ValueError(f"{what}; the copies of one batch run in no defined order")
 
 
 def _require_triple(batch: Any, name: str, parts: str) -> None:
@@ -197,9 +177,10 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
     check_method(method)
     first, second = _triple(store, "store"), _triple(load, "load")
     for side, name in ((first, "store"), (second, "load")):
-        if len(side[0]) == len(side[1]) == len(side[2]) and len(side[0]) > 0:
+        if len(side[0]) == len(side[1]) == len(side[2]):
             try:
-                _refuse_order_dependence(*side)
+                if not copies_ok(*side):
+                    _refuse_order_dependence(*side)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
     refuse_crossing(first, second)

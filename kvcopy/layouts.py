@@ -13,7 +13,6 @@ address from these numbers and the indices (kvcopy._engine.rows).
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Sequence
@@ -21,11 +20,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvcopy._plans.row_overlaps import overlapping_rows
-from kvcopy.arguments import require_int
+from kvcopy.arguments import require_bool, require_int
 from kvcopy.interop.frameworks import framework_of
 from kvcopy.interop.tensors import strided_access
 
 _U64_MAX = (1 << 64) - 1   # slots, sizes and strides are 64-bit on the GPU
+
+
+def _addresses(bases: Any) -> np.ndarray:
+    """``bases`` as an array of plane addresses: 1-D integers, at least one, all positive
+    (TypeError or ValueError naming ``bases``)."""
+    found = np.asarray(bases)
+    if found.ndim != 1 or found.dtype.kind not in "iu":
+        raise TypeError("bases must be a 1-D sequence of integer addresses")
+    if len(found) == 0:
+        raise ValueError("bases: a layout needs at least one plane")
+    if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
+        raise ValueError("bases: every base address must be a positive address")
+    return found
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,19 +64,14 @@ class Layout:
     piece_stride: int = 0
     keep: tuple = field(default=(), repr=False)
     readonly: bool = False
-    # (data_ptr, shape) of each torch tensor in ``keep`` when the layout was made, None
-    # for other objects; empty where ``keep`` holds nothing to check
+    # (data_ptr, shape) of each torch tensor in ``keep`` when the layout was first made
+    # (a layout derived from it by dataclasses.replace keeps its parent's), None for
+    # other objects; empty where ``keep`` holds nothing to check
     seen: tuple = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        # Checked here too, so that a Layout built directly is as sound as from_pointers'.
-        found = np.asarray(self.bases)
-        if found.ndim != 1 or found.dtype.kind not in "iu":
-            raise TypeError("bases must be a 1-D sequence of integer addresses")
-        if len(found) == 0:
-            raise ValueError("bases: a layout needs at least one plane")
-        if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
-            raise ValueError("bases: every base address must be a positive address")
+        # Checked here, so that a Layout built directly is as sound as from_pointers'.
+        found = _addresses(self.bases)
         bases = found.astype(np.uint64)   # (a copy: the caller's array stays the caller's)
         bases.flags.writeable = False
         object.__setattr__(self, "bases", bases)
@@ -81,7 +88,11 @@ class Layout:
                              "space")
         if not isinstance(self.keep, tuple):
             raise TypeError(f"keep must be a tuple, got {type(self.keep).__name__}")
-        if len(self.seen) != len(self.keep):
+        if not self.seen:   # (a new layout: where its tensors are now)
+            seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None
+                         for t in self.keep)
+            object.__setattr__(self, "seen", seen)
+        elif len(self.seen) != len(self.keep):   # (its objects dropped: nothing to check)
             object.__setattr__(self, "seen", ())
 
     def moved(self) -> int | None:
@@ -140,18 +151,15 @@ class Layout:
         if isinstance(planes, slice):
             picked = list(range(count))[planes]
         else:
-            many = isinstance(planes, (list, tuple, range, np.ndarray))
-            items = list(np.asarray(planes).ravel()) if isinstance(planes, np.ndarray) \
-                else list(planes) if many else [planes]
-            picked = []
+            items = (planes.ravel().tolist() if isinstance(planes, np.ndarray) else
+                     list(planes) if isinstance(planes, (list, tuple, range)) else [planes])
             for item in items:
                 if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
                     raise TypeError(f"planes: expected ints, a slice or a sequence of ints; "
                                     f"got {type(item).__name__} ({item!r})")
-                if not -count <= int(item) < count:
-                    raise ValueError(f"planes: {int(item)} is out of range for "
-                                     f"{count} planes")
-                picked.append(operator.index(item) % count)
+                if not -count <= item < count:
+                    raise ValueError(f"planes: {item} is out of range for {count} planes")
+            picked = [int(item) % count for item in items]
         if not picked:
             raise ValueError("planes: selects no plane")
         return replace(self, bases=self.bases[picked])
@@ -166,15 +174,15 @@ class Layout:
     def from_pointers(cls, bases: Sequence[int] | np.ndarray, *, slots: int, row_bytes: int,
                       page_size: int = 1, page_stride: int | None = None,
                       slot_stride: int | None = None, pieces: int = 1,
-                      piece_stride: int | None = None, keep: tuple = ()) -> "Layout":
+                      piece_stride: int | None = None, keep: tuple = (),
+                      readonly: bool = False) -> "Layout":
         """A layout from raw addresses (one base per plane) and byte strides.
 
         Defaults: rows back to back (``slot_stride = row_bytes``), pages of ``page_size``
-        slots back to back, a row's pieces back to back. Raises TypeError or ValueError
-        naming the argument."""
-        found = np.asarray(bases)
-        if found.ndim != 1 or found.dtype.kind not in "iu":
-            raise TypeError("bases must be a 1-D sequence of integer addresses")
+        slots back to back, a row's pieces back to back. ``readonly``: memory that must
+        not be written, refused as a destination. Raises TypeError or ValueError naming
+        the argument."""
+        found = _addresses(bases)
         slots = require_int(slots, "slots", minimum=1, maximum=_U64_MAX)
         row_bytes = require_int(row_bytes, "row_bytes", minimum=1, maximum=_U64_MAX)
         page_size = require_int(page_size, "page_size", minimum=1, maximum=_U64_MAX)
@@ -191,7 +199,7 @@ class Layout:
         page_stride = require_int(page_size * slot_stride if page_stride is None else page_stride,
                                   "page_stride", minimum=0, maximum=_U64_MAX)
         return cls(found, slots, row_bytes, page_size, page_stride, slot_stride, pieces,
-                   piece_stride, tuple(keep))
+                   piece_stride, tuple(keep), require_bool(readonly, "readonly"))
 
     @classmethod
     def of(cls, tensors: Any, *, slot: int, page: int | None = None,
@@ -258,9 +266,7 @@ class Layout:
             kwargs["piece_stride"] = strides[count % ndim]
         if slots == 0 or piece == 0 or n_pieces == 0:
             raise ValueError(f"{name}: shape {shape} holds no rows")
-        made = cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
+        return cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
                                  row_bytes=piece * n_pieces, pieces=n_pieces,
-                                 keep=tuple(items), **kwargs)
-        seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None
-                     for t in items)
-        return replace(made, readonly=any(f[4] for f in found), seen=seen)
+                                 keep=tuple(items), readonly=any(f[4] for f in found),
+                                 **kwargs)

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
 """One C pass that validates, drops zero-size copies and merges adjacent ones; one
+that validates a batch and says whether its copies are plainly apart; one
 pass that checks block ids or row slots (bounds and repeats); and the writes of ids
 into pinned memory for the layout kernel.
 
@@ -12,8 +13,9 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
-from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, COPY_TOO_LARGE,
-                               COPY_NULL_SRC, COPY_NULL_DST, COPY_SRC_WRAPS)
+from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem,
+                               COPY_OK, COPY_TOO_LARGE, COPY_NULL_SRC, COPY_NULL_DST,
+                               COPY_SRC_WRAPS)
 
 import numpy as np
 
@@ -69,6 +71,41 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
     if cursor.why:
         raise bad_copy_error(cursor.why, cursor.bad, sizes[cursor.bad])
     return out_src[:k], out_dst[:k], out_sizes[:k], origin[:k]
+
+
+def copies_ok(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes) -> bool:
+    """One pass over a batch of equal-length arrays, allocating nothing: raises
+    plan_arrays' ValueError for the first bad copy; else whether the batch is shown free
+    of order dependence at a glance, its non-empty destinations in address order without
+    meeting and every source but a copy's onto exactly itself outside the destinations'
+    span. False only means: compare the copies exactly (kvcopy._plans.overlaps)."""
+    cdef Py_ssize_t i, n = src.shape[0]
+    cdef int why = COPY_OK
+    cdef uint64_t size, reach = 0, dst_lo = 0xFFFFFFFFFFFFFFFFULL, src_lo = dst_lo
+    cdef uint64_t src_hi = 0
+    cdef bint ordered = True
+    with nogil:
+        for i in range(n):
+            size = sizes[i]
+            if size == 0:
+                continue
+            why = copy_problem(src[i], dst[i], size)
+            if why:
+                break
+            if dst[i] < reach:
+                ordered = False
+            reach = dst[i] + size
+            if dst[i] < dst_lo:
+                dst_lo = dst[i]
+            if src[i] != dst[i]:
+                if src[i] < src_lo:
+                    src_lo = src[i]
+                if src[i] + size > src_hi:
+                    src_hi = src[i] + size
+    if why:
+        raise bad_copy_error(why, i, sizes[i])
+    # (ordered: the destinations' span is [dst_lo, reach))
+    return ordered and (src_hi <= dst_lo or src_lo >= reach)
 
 
 cdef extern from "pinned_writes.h":

@@ -18,12 +18,6 @@ def _live(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 def first_overlap(starts: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
     """Indices (i, j), i < j, of two non-empty ranges of one set that overlap, or None."""
-    if starts.size > 1:
-        # ranges already in order and apart (engines' usual batches): O(n), no sort
-        ends = starts + sizes
-        if bool(((ends[:-1] <= starts[1:]) & (ends >= starts)[:-1]).all()) and \
-                bool(ends[-1] >= starts[-1]):
-            return None
     live = _live(starts, sizes)
     if live.size < 2:
         return None

@@ -48,12 +48,11 @@ def _evenly_spaced(bases: np.ndarray) -> list[tuple[int, int]] | None:
 def _meets(shift: int, dims: list[tuple[int, int]], innermost: int) -> bool:
     """Whether a nested lattice and itself moved by ``shift`` bytes share a byte: whether
     ``shift`` is a difference of two of its points within ``innermost`` bytes. The
-    strides nest, so each dimension leaves at most two multiples to try."""
+    strides nest (so each is at least ``innermost``, never 0), and each dimension
+    leaves at most two multiples to try."""
     if not dims:
         return abs(shift) < innermost
     (stride, count), inner = dims[-1], dims[:-1]
-    if stride == 0:
-        return _meets(shift, inner, innermost)
     low = shift // stride
     return any(-count < m < count and _meets(shift - m * stride, inner, innermost)
                for m in (low, low + 1))

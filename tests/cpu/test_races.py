@@ -210,3 +210,21 @@ def test_copy_batch_passes_disjoint_and_self_copies_to_the_driver():
     with pytest.raises(NoDriverError):
         kvcopy.copy_batch([0x10000, 0x20000], [0x30000, 0x30000], [64, 64], stream=0,
                           check_overlap=False)
+
+
+def test_copies_oks_glance_never_passes_a_batch_the_exact_check_refuses():
+    from kvcopy._plans.copies import find_overlap, find_read_of_written
+    from kvcopy.testing import cuda
+    rng = np.random.default_rng(3)
+    passed = 0
+    for _ in range(2000):
+        n = int(rng.integers(1, 6))
+        src = (rng.integers(1, 40, n) * 8).astype(np.uint64)
+        dst = (rng.integers(1, 40, n) * 8).astype(np.uint64)
+        sizes = (rng.integers(0, 4, n) * 8).astype(np.uint64)
+        if cuda.plan_arrays.copies_ok(src, dst, sizes):
+            passed += 1
+            moved = src != dst
+            assert find_overlap(dst, sizes) is None
+            assert find_read_of_written(src, dst, sizes, moved) is None
+    assert passed > 100
