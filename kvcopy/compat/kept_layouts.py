@@ -3,9 +3,8 @@
 An engine calls a drop-in with the same cache tensors step after step (a layer's K
 and V, the host pool, a table of layer addresses). Describing them again at every
 call (each tensor's address, shape and strides read through its framework) costs
-more than planning the copy: about 5 µs a tensor, 0.6 ms for 128 layer tensors,
-against 0.6 µs a tensor to find the kept layout (python3
-experiments/dropins_cpu_probe.py, bench/results/cpu-dropins.txt). A new layout at
+more than planning the copy, several times what finding the kept layout costs
+(docs/performance.md has the figures). A new layout at
 every call would also keep copy_rows from repeating its last call
 (kvcopy._engine.rows_memo, keyed by the layouts). So a layout is kept for the tensor
 objects it describes and the arguments that shape it (compat.per_tensors: used again

@@ -323,3 +323,19 @@ def test_the_scan_finds_every_way_of_reaching_in(tmp_path):
                      "y = engine.ring.Slot  # kvcopy._runtime.ring, named in prose\n")
     found = private_reaches(probe, tmp_path)
     assert [line.split(":")[1] for line in found] == ["1", "2", "3", "4", "5"], found
+
+
+def test_the_package_cites_no_results_file_and_the_reference_runs_stay_few():
+    # figures live in the docs; bench/results holds only the runs the docs are built from
+    repo = PACKAGE.parent
+    cited = [f"{path.relative_to(repo)}:{n}" for root in (PACKAGE, repo / "include")
+             for path in root.rglob("*") if path.suffix in (".py", ".pyx", ".pxd", ".h", ".cuh")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\bresults/[\w.-]+\.(txt|json|log|png|csv)", line)]
+    assert not cited, cited
+    runs = sorted(p.name for p in (repo / "bench" / "results").iterdir())
+    assert len(runs) <= 15, runs
+    docs = " ".join(p.read_text() for p in [*(repo / "docs").rglob("*.md"),
+                                            *(repo / "docs").rglob("*.py"),
+                                            repo / "bench" / "README.md"])
+    assert [name for name in runs if name not in docs] == []
