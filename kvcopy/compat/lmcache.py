@@ -49,7 +49,7 @@ from typing import Any
 
 from kvcopy.arguments import require_bool, require_int
 from kvcopy.compat.kept_layouts import copy_kept, kept_layout
-from kvcopy.compat.pointer_tables import addresses_of
+from kvcopy.compat.pointer_tables import addresses_of, slots_apart
 from kvcopy.layouts import Layout
 
 
@@ -208,16 +208,6 @@ def _chunk_rows(paged: Layout, key_value: Any, skip: int, slot_mapping: Any, tok
     return chunk, paged, None, slot_mapping, tokens
 
 
-def _unstated_slots(bases: list[int], row: int) -> int:
-    """Slots of MLA caches of unstated size (page_buffer_size 0): as many as lie below the
-    next layer's cache (the last, below the end of the address space), so that the slot
-    mapping's bounds are the caller's, as with LMCache's kernel, and no two layers meet."""
-    ordered = sorted(set(bases)) + [1 << 64]
-    if len(ordered) <= len(bases):
-        raise ValueError("key_value_ptrs: two layers have one address")
-    return max(1, min(b - a for a, b in zip(ordered, ordered[1:])) // row)
-
-
 def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
                   page_buffer_size: int, direction: Any,
                   engine_kv_format: Any = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
@@ -249,7 +239,10 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
         bases = addresses_of(key_value_ptrs, "key_value_ptrs")
         if len(bases) != layers:
             raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-        return _paged(fmt, bases, slots or _unstated_slots(bases, row), row, block, head, step)
+        # an MLA cache of unstated size: as far as the address space or the next layer,
+        # its slot mapping's bounds the caller's, as with LMCache's kernel
+        reach = slots or slots_apart(bases, [(1 << 64) - b for b in bases], row)
+        return _paged(fmt, bases, reach, row, block, head, step)
 
     # (the table is read where the kept layout is not found: one lookup a call)
     paged = kept_layout([key_value_ptrs], ("paged", fmt, layers, slots, row, block, head, step),

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvcopy.arguments import require_int
 from kvcopy.compat.kept_layouts import copy_kept, kept_layout
-from kvcopy.compat.pointer_tables import addresses_of, reaches_of
+from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
 from kvcopy.layouts import Layout
 
 
@@ -73,7 +73,7 @@ def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Lay
                 raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
             bases += found[:num_layers]
             reaches += reaches_of(table, name, num_layers)
-        slots = min(reaches) // item_size
+        slots = slots_apart(bases, reaches, item_size)
         if slots == 0:
             raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
         return Layout.from_pointers(bases, slots=slots, row_bytes=item_size)

@@ -206,3 +206,14 @@ def test_sglang_all_layer_tables_must_hold_exactly_num_layers(mla):
             sglang.transfer_kv_all_layer_mla(table, table, indices, indices, 64, 2)
         else:
             sglang.transfer_kv_all_layer(table, table, table, table, indices, indices, 64, 2)
+
+
+def test_a_tables_planes_are_counted_no_further_than_the_next_plane():
+    # three layers of 5120 bytes in one allocator segment: each address reaches the
+    # segment's end, so only the next layer's base says where a layer stops
+    bases = [1 << 20, (1 << 20) + 5120, (1 << 20) + 10240]
+    reaches = [1 << 21, (1 << 21) - 5120, (1 << 21) - 10240]
+    assert pointer_tables.slots_apart(bases, reaches, 128) == 40
+    assert pointer_tables.slots_apart(bases[::-1], reaches[::-1], 128) == 40
+    # a plane named twice is left to the destination's overlap check
+    assert pointer_tables.slots_apart([4096, 4096], [1024, 1024], 128) == 8

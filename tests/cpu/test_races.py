@@ -199,17 +199,25 @@ def test_copy_batch_refuses_order_dependent_batches_by_default():
 
 
 def test_copy_batch_passes_disjoint_and_self_copies_to_the_driver():
-    from kvcopy.errors import NoDriverError
+    from kvcopy.testing import fake_cuda
+
+    class Reached(Exception):
+        pass
+
+    class DriverReached:
+        def __getattr__(self, name):
+            raise Reached(name)
+
     # apart, out of order, continuing each other, onto exactly themselves: no refusal, so
-    # the call reaches the driver (absent here)
-    for batch in (([0x10000, 0x20000], [0x40000, 0x30000], [64, 64]),
-                  ([0x10000, 0x10040], [0x30000, 0x30040], [64, 64]),
-                  ([0x10000, 0x20000], [0x10000, 0x20000], [64, 64])):
-        with pytest.raises(NoDriverError):
-            kvcopy.copy_batch(*batch, stream=0)
-    with pytest.raises(NoDriverError):
-        kvcopy.copy_batch([0x10000, 0x20000], [0x30000, 0x30000], [64, 64], stream=0,
-                          check_overlap=False)
+    # the call goes on to the driver (stood in for: reaching it is the test)
+    batches = [(([0x10000, 0x20000], [0x40000, 0x30000], [64, 64]), {}),
+               (([0x10000, 0x10040], [0x30000, 0x30040], [64, 64]), {}),
+               (([0x10000, 0x20000], [0x10000, 0x20000], [64, 64]), {}),
+               (([0x10000, 0x20000], [0x30000, 0x30000], [64, 64]), {"check_overlap": False})]
+    with fake_cuda(DriverReached(), ("driver", "describe", "launch", "classify", "dma")):
+        for batch, options in batches:
+            with pytest.raises(Reached):
+                kvcopy.copy_batch(*batch, stream=0, **options)
 
 
 def test_copies_oks_glance_never_passes_a_batch_the_exact_check_refuses():
