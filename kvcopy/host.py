@@ -42,12 +42,17 @@ def pinned_empty(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndar
     """A new NumPy array in pinned, device-mapped host memory, freed with its last view.
 
     The device pointer of the memory is ``kvcopy.device_pointer(array)`` (equal
-    to the host pointer on systems with unified addressing).
+    to the host pointer on systems with unified addressing). A sub-array dtype
+    gives what ``numpy.empty`` gives: its dimensions join the shape and its base
+    type is the dtype.
     """
     shape = _shape_tuple(shape)
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"pinned_empty: dtype {dtype} holds Python objects")
+    if dtype.subdtype is not None:
+        dtype, inner = dtype.subdtype
+        shape = shape + tuple(inner)
     nbytes = dtype.itemsize
     for extent in shape:
         nbytes *= extent

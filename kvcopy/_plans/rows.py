@@ -20,7 +20,8 @@ from kvcopy._cuda.plan_arrays import row_slots_ok
 from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.streams import current_framework_stream, resolve_stream
-from kvcopy.interop.tensors import strided
+from kvcopy.interop.arrays import torch_integers
+from kvcopy.interop.tensors import strided, torch_integers_refusal
 from kvcopy.layouts import Layout
 from kvcopy._plans.overlaps import first_overlap, overlap_between
 
@@ -44,6 +45,9 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     """GPU-resident indices (a CUDA torch tensor, or a __cuda_array_interface__
     producer), read in place; None where ``obj`` is not on a GPU."""
     if framework_of(obj) == "torch":
+        refusal = torch_integers_refusal(obj)
+        if refusal:
+            raise TypeError(f"{name}: {refusal}")
         if not obj.is_cuda:
             return None
         import torch
@@ -76,7 +80,7 @@ def read_indices(obj: Any, name: str) -> Indices | None:
     if found is not None:
         return found
     if framework_of(obj) == "torch":
-        obj = obj.detach().numpy()
+        obj = torch_integers(obj, name, host_only=False)
     try:
         values = np.asarray(obj)
     except Exception as exc:  # noqa: BLE001 - anything NumPy cannot read

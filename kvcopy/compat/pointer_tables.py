@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcopy._cuda import driver
 from kvcopy.compat.per_tensors import PerTensors
 
 _KEPT = 256
@@ -63,6 +64,7 @@ def reaches_of(table: Any, name: str, count: int) -> list[int]:
 
 
 def _reach_of(address: int, name: str) -> int:
+    driver.init()   # NoDriverError, kvcopy's own, where there is no driver
     from cuda.bindings import driver as cu
 
     attrs = (cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
@@ -76,6 +78,7 @@ def _reach_of(address: int, name: str) -> int:
         answers.append(int(value))
     start, size = answers
     return start + size - address
+
 
 def slots_apart(bases: list[int], reaches: list[int], row: int) -> int:
     """Slots of ``row`` bytes that every plane of an address table holds (``reaches``:

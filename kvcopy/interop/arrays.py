@@ -6,16 +6,24 @@ from typing import Any
 import numpy as np
 
 from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.tensors import torch_integers_refusal
 
 _U64_MAX = 2**64 - 1
 _ID_MAX = 2**63 - 1
 
 
-def _from_torch(obj: Any, name: str) -> np.ndarray:
-    if obj.device.type != "cpu":
+def torch_integers(obj: Any, name: str, *, host_only: bool) -> np.ndarray:
+    """A torch tensor of integers as a NumPy array of its values. Raises TypeError
+    naming ``name`` for a tensor whose elements are not plain integers (meta, sparse,
+    nested, masked, quantized, negative or conjugate views, other dtypes) or, with
+    ``host_only``, one not on the CPU."""
+    refusal = torch_integers_refusal(obj)
+    if refusal:
+        raise TypeError(f"{name}: {refusal}")
+    if host_only and obj.device.type != "cpu":
         raise TypeError(f"{name}: a torch tensor of pointers or sizes must be on the CPU, "
                         f"got one on {obj.device}")
-    return obj.detach().contiguous().numpy()
+    return obj.detach().cpu().contiguous().numpy()
 
 
 def _from_sequence(obj: Any, name: str) -> np.ndarray:
@@ -64,7 +72,7 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
     if obj is None or isinstance(obj, (str, bytes, bytearray, int, float)):
         raise TypeError(f"{name}: expected a sequence or array of integers, got {type(obj).__name__}")
     if framework_of(obj) == "torch":
-        arr = _from_torch(obj, name)
+        arr = torch_integers(obj, name, host_only=True)
     elif isinstance(obj, np.ndarray):
         arr = obj
     elif isinstance(obj, (list, tuple)):
@@ -99,7 +107,7 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
     """An (n, 2) int64 array of [source block, destination block] pairs."""
     framework = framework_of(block_mapping)
     if framework == "torch":
-        block_mapping = block_mapping.detach().cpu().numpy()
+        block_mapping = torch_integers(block_mapping, "block_mapping", host_only=False)
     elif framework == "cupy":
         block_mapping = block_mapping.get()
     elif isinstance(block_mapping, (list, tuple)):
@@ -112,13 +120,15 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
                     side = "source" if column == 0 else "destination"
                     raise ValueError(f"block_mapping[{i}]: {side} block {int(v)} is out of range "
                                      "(block ids must be below 2**63)")
+    if isinstance(block_mapping, (list, tuple)) and not block_mapping:
+        return np.empty((0, 2), dtype=np.int64)   # [] names no pairs, whatever its dtype reads
     arr = np.asarray(block_mapping)
-    if arr.size == 0:
-        return np.empty((0, 2), dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"block_mapping: expected integer block ids, got dtype {arr.dtype}")
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"block_mapping: expected shape (n, 2), got {arr.shape}")
+    if arr.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _ID_MAX:
         pair, column = (int(i) for i in np.argwhere(arr > _ID_MAX)[0])
         side = "source" if column == 0 else "destination"

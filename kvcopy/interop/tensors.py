@@ -145,19 +145,42 @@ def _prod(extents) -> int:
 def torch_refusal(t: Any) -> str | None:
     """Why a torch tensor's memory is not its values as bytes, or None: a meta tensor
     has no memory, sparse and nested tensors keep their values elsewhere than one
-    strided buffer, and conjugate or negative views only mark their bytes to be
-    transformed."""
+    strided buffer, a masked tensor's mask is not in its bytes (and its address reads
+    0), and conjugate or negative views only mark their bytes to be transformed."""
     if t.is_meta:
         return "a meta tensor has no memory to copy"
     if t.is_nested:
         return "a nested tensor is not one strided buffer; copy its components"
     if t.layout is not _torch_strided(t):
         return f"a {t.layout} tensor is not one strided buffer (to_dense() first)"
+    if type(t).__name__ == "MaskedTensor":
+        return ("a masked tensor's mask is not in its bytes; pass get_data() (and copy the "
+                "mask separately)")
     if t.is_conj():
         return "a conjugate view's bytes are not its values (resolve_conj() first)"
     if t.is_neg():
         return "a negative view's bytes are not its values (resolve_neg() first)"
     return None
+
+
+def torch_integers_refusal(t: Any) -> str | None:
+    """Why a torch tensor cannot be read as integers (pointers, sizes, block ids, row
+    indices), or None: torch_refusal's reasons, a quantized tensor (its integers are
+    not its values), or a dtype that is not an integer."""
+    refusal = torch_refusal(t)
+    if refusal:
+        return refusal
+    if t.is_quantized:
+        return f"a quantized tensor ({t.dtype}) holds no plain integers"
+    dtype = t.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype is _torch_bool(t):
+        return f"expected integers, got dtype {dtype}"
+    return None
+
+
+def _torch_bool(t: Any) -> Any:
+    import sys
+    return sys.modules["torch"].bool
 
 
 def _torch_strided(t: Any) -> Any:

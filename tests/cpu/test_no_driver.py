@@ -46,3 +46,23 @@ def test_cuda_error_is_picklable_and_carries_fields():
     back = pickle.loads(pickle.dumps(err))
     assert (back.code, back.name, back.index) == (1, "CUDA_ERROR_INVALID_VALUE", 7)
     assert "CUDA_ERROR_INVALID_VALUE" in str(back) and "copy 7" in str(back)
+
+
+def test_sglang_address_tables_without_a_driver_say_so():
+    """The all-layer forms ask the driver how far each table's addresses reach: without
+    one, kvcopy's NoDriverError, not the loader's error."""
+    torch = pytest.importorskip("torch")
+    from kvcopy.compat import sglang
+    from kvcopy.testing import cuda
+
+    try:
+        cuda.driver.init()
+    except kvcopy.NoDriverError:
+        pass
+    else:
+        pytest.skip("a CUDA driver is present")
+    layers = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(4)]
+    table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    with pytest.raises(kvcopy.NoDriverError, match="no CUDA driver was found"):
+        sglang.transfer_kv_all_layer(table[:2], table[2:], table[:2], table[2:],
+                                     torch.arange(4), torch.arange(4), 64, 2)

@@ -169,6 +169,14 @@ def test_batch_from_python_ints_and_torch_pointer_tensors(torch_cuda):
     assert torch_cuda.equal(dst[20000:24096].cpu(), src[8192:12288])
 
 
+def test_pointers_in_gpu_memory_are_refused(torch_cuda):
+    """Reading them would wait for the GPU: pointers and sizes come from the host."""
+    on_gpu = torch_cuda.tensor([0x1000, 0x2000], dtype=torch_cuda.int64, device="cuda")
+    with pytest.raises(TypeError, match="^src_ptrs: a torch tensor of pointers or sizes must be "
+                                        "on the CPU, got one on cuda:0"):
+        kvcopy.copy_batch(on_gpu, [0x3000, 0x4000], [8, 8])
+
+
 # ------------------------------------------------------------------ streams
 
 @pytest.mark.parametrize("handle", [0, 1, 2])
