@@ -28,7 +28,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   above are how it changes them): nothing outside kvcopy imports them otherwise.
 - ``rows_on_host()``: every copy_rows call (kvcopy's drop-ins' included) planned
   with every check, then run on the CPU between host memory, row by row; the
-  drop-ins that copy on torch's current stream ask for none. An engine's test can
+  drop-ins that copy on torch's current stream ask for none, and tables of layer
+  addresses are sized from the host's mappings. An engine's test can
   run its transfers through kvcopy on CPU tensors and compare the bytes.
 - ``plans``: copy_rows' planning without a GPU: ``plan_rows`` (every check) and
   ``expand`` (the plan as the pointer copies the kernel computes), so that a test
@@ -62,6 +63,7 @@ from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
                              ring, side_streams)
 from kvcopy.api import copy_planned_rows, copy_rows
+from kvcopy.compat import pointer_tables
 from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config
 from kvcopy.layouts import Layout
@@ -267,13 +269,27 @@ def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
     return "host"
 
 
+def _host_reach(address: int, name: str) -> int:
+    """The bytes from ``address`` to the end of the host mapping holding it (what the
+    driver's range answers for memory it allocated): tables of layer addresses on the
+    host, sized without a driver."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(part, 16) for part in line.split(None, 1)[0].split("-"))
+            if start <= address < end:
+                return end - address
+    raise ValueError(f"{name}: address {address:#x} is not memory this process maps")
+
+
 @contextlib.contextmanager
 def rows_on_host() -> Iterator[None]:
     """copy_rows, wherever kvcopy calls it, run on the CPU between host memory (see the
     module's docstring); raises ValueError for memory the process cannot read or write
-    on the host, and for indices on the GPU."""
+    on the host, and for indices on the GPU. Tables of layer addresses reach to the end
+    of the host mapping that holds each address."""
     with _standing_in([(copy_rows, _copy_rows_on_host), (copy_planned_rows, _run_plan_on_host),
-                       (compat_vllm._torch_stream, lambda caller: None)]):
+                       (compat_vllm._torch_stream, lambda caller: None),
+                       (pointer_tables._reach_of, _host_reach)]):
         yield
 
 

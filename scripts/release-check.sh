@@ -45,7 +45,8 @@ V="$WORK/sdist-venv/bin/python"
 "$V" -m pip install -q "$SDIST[test,docs]" >"$WORK/sdist-install.log" 2>&1 \
   || { tail -30 "$WORK/sdist-install.log"; exit 1; }
 (cd tests && "$V" -c "import kvcopy, sys; assert 'sdist-venv' in kvcopy.__file__, kvcopy.__file__; print('installed:', kvcopy.__file__)")
-(cd tests && "$V" -m pytest -q -p no:cacheprovider -x .)
+# (the engines' ported suites ran in the test command: they check bytes, not packaging)
+(cd tests && "$V" -m pytest -q -p no:cacheprovider -x --ignore=engines .)
 
 echo "== docs, warnings as errors"
 # from another folder: the checkout's unbuilt kvcopy/ must not shadow the installed one

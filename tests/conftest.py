@@ -1,5 +1,7 @@
 """Shared fixtures. tests/cpu/ runs anywhere; tests/gpu/ is marked `gpu` as a whole and
-skips where no GPU is found; tests/helpers/ holds what both share."""
+skips where no GPU is found; tests/engines/ holds the engines' own tests ported to
+kvcopy's drop-ins (on the GPU, and on the CPU through kvcopy.testing.rows_on_host);
+tests/helpers/ holds what they share."""
 from __future__ import annotations
 
 import functools

@@ -23,8 +23,7 @@ earlier op took as its ``use_mla`` flag: True for MLA):
   into a head's content, ``[blocks, heads, block_size, content]`` and ``[blocks,
   block_size, heads, content]``), and their deprecated forms NL_X_NB_NH_BS_TWO_HS and
   NL_X_NB_BS_NH_TWO_HS: a block ``block_stride_elems`` apart (0: blocks back to back);
-  ``head_size`` is the content size for NL_X_NB_NH_BS_CS (as LMCache's kernel takes
-  it) and half a head's content for NL_X_NB_NH_BS_TWO_HS;
+  ``head_size`` is half a head's content for both (as LMCache's kernel takes it);
 - NL_X_TWO_NB_NH_ONE_BS_HS: as NL_X_TWO_NB_NH_BS_HS (the singleton changes no address).
 
 NL_X_NB_BSV_BSS (the DSA indexer), NL_X_TWO_X_NB_BS_NH_HS and NL_X_TWO_X_NB_BS_HS (a
@@ -95,6 +94,9 @@ _NEEDS_BLOCK = {_F.NL_X_NB_TWO_BS_NH_HS, _F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO
                 _F.NL_X_NB_BS_NH_CS}
 _NEEDS_HEAD = {_F.NL_X_TWO_NB_NH_BS_HS, _F.NL_X_NB_TWO_NH_BS_HS, _F.NL_X_NB_NH_BS_TWO_HS,
                _F.NL_X_NB_NH_BS_CS}
+# (K and V fused into a head's content: ``head_size`` is half that content, as LMCache's
+# kernel and its own round-trip test take it)
+_FUSED_HEADS = {_F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_NH_BS_CS}
 _UNILATERAL = {_F.TWO_X_NL_X_NBBS_NH_HS, _F.TWO_X_NL_X_NB_BS_NH_HS}
 # Formats whose pages kvcopy does not address: refused by name, never guessed at.
 _NOT_TAKEN = {
@@ -174,7 +176,7 @@ def _paged(fmt: EngineKVFormat, bases: list[int], slots: int, row: int, block: i
     page = block_step or block * row
     if fmt in (_F.NL_X_NB_NH_BS_TWO_HS, _F.NL_X_NB_NH_BS_CS):
         # a head's K and V side by side (a head's content), heads before tokens
-        width = 2 * head if fmt is _F.NL_X_NB_NH_BS_TWO_HS else head
+        width = 2 * head
         return Layout.from_pointers(planes(0), slots=slots, row_bytes=row, page_size=block,
                                     page_stride=page, slot_stride=width,
                                     pieces=row // width, piece_stride=block * width)
@@ -230,7 +232,7 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
     if fmt in _NEEDS_BLOCK and block == 0:
         raise ValueError(f"block_size is needed for engine_kv_format {fmt.name}")
     if fmt in _NEEDS_HEAD:
-        width = head * (2 if fmt is _F.NL_X_NB_NH_BS_TWO_HS else 1)
+        width = 2 * head if fmt in _FUSED_HEADS else head
         if width == 0 or row % width:
             raise ValueError(f"head_size ({head_size}) must divide a token's row of {row} bytes "
                              f"into heads for engine_kv_format {fmt.name}")

@@ -80,13 +80,15 @@ def _reach_of(address: int, name: str) -> int:
     return start + size - address
 
 
-def slots_apart(bases: list[int], reaches: list[int], row: int) -> int:
-    """Slots of ``row`` bytes that every plane of an address table holds (``reaches``:
-    each plane's bytes from its base), counted no further than the next plane's base:
-    a table gives no plane's size, and the memory it reaches (an allocator's whole
-    segment, the address space) runs on over the other planes. Planes named twice are
-    left to the destination's overlap check."""
+def slots_apart(bases: list[int], reaches: list[int], row: int, stride: int | None = None) -> int:
+    """Slots of ``row`` bytes, ``stride`` bytes apart (default ``row``), that every plane
+    of an address table holds (``reaches``: each plane's bytes from its base), counted
+    no further than the next plane's base: a table gives no plane's size, and the memory
+    it reaches (an allocator's whole segment, the address space) runs on over the other
+    planes. Planes named twice are left to the destination's overlap check."""
     ordered = sorted(set(bases))
     following = dict(zip(ordered, ordered[1:]))
-    return min(min(reach, following.get(base, base + reach) - base)
-               for base, reach in zip(bases, reaches)) // row
+    span = min(min(reach, following.get(base, base + reach) - base)
+               for base, reach in zip(bases, reaches))
+    step = row if stride is None else stride
+    return 0 if span < row else (span - row) // max(step, 1) + 1

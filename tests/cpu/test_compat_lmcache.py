@@ -66,8 +66,8 @@ def test_each_format_moves_the_bytes_lmcaches_kernel_moves(fmt, stride, directio
     planes = 1 if fused or fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS) else 2
     hidden = HEADS * HEAD * (2 if fused else 1)
     row, head, step = hidden * 2, HEAD * 2, stride * 2
-    # (LMCache's kernel takes a content-fused head's whole content as its head size)
-    head_size = 2 * HEAD if fmt is F.NL_X_NB_NH_BS_CS else HEAD
+    # (LMCache's kernel takes half a content-fused head's content as its head size)
+    head_size = HEAD
     oracle = F.NL_X_TWO_NB_NH_BS_HS if fmt is F.NL_X_TWO_NB_NH_ONE_BS_HS else fmt
     chunk = torch.from_numpy(random_bytes((planes, LAYERS, TOKENS, row), 1).view(np.int16))
     size = max(int(lmcache_offset(oracle, kv, s, row, head, step)[-1]) for kv in range(planes)
