@@ -28,8 +28,8 @@ earlier op took as its ``use_mla`` flag: True for MLA):
 
 NL_X_NB_BSV_BSS (the DSA indexer), NL_X_TWO_X_NB_BS_NH_HS and NL_X_TWO_X_NB_BS_HS (a
 layer as a tuple of tensors) are refused by name. For the MLA formats a
-``page_buffer_size`` of 0 is taken, as LMCache's kernel ignores it there: the slot
-mapping's bounds are then the caller's.
+``page_buffer_size`` of 0 is taken, as LMCache's kernel ignores it there: a layer's
+slots are then as many as its allocation holds (up to the next layer's address).
 
 The SGLang MHA formats go by ``multi_layer_kv_transfer_unilateral`` (K's layers, then
 V's, each ``[page_buffer_size, hidden]``), as in LMCache. One layer at a time,
@@ -48,7 +48,7 @@ from typing import Any
 
 from kvcopy.arguments import require_bool, require_int
 from kvcopy.compat.kept_layouts import copy_kept, kept_layout
-from kvcopy.compat.pointer_tables import addresses_of, slots_apart
+from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
 from kvcopy.layouts import Layout
 
 
@@ -241,9 +241,10 @@ def transfer_rows(key_value: Any, key_value_ptrs: Any, slot_mapping: Any,
         bases = addresses_of(key_value_ptrs, "key_value_ptrs")
         if len(bases) != layers:
             raise ValueError(f"key_value_ptrs has {len(bases)} layers, key_value {layers}")
-        # an MLA cache of unstated size: as far as the address space or the next layer,
-        # its slot mapping's bounds the caller's, as with LMCache's kernel
-        reach = slots or slots_apart(bases, [(1 << 64) - b for b in bases], row)
+        # an MLA cache of unstated size: as far as its allocation (the driver's answer)
+        # or the next layer reaches
+        reach = slots or slots_apart(bases, reaches_of(key_value_ptrs, "key_value_ptrs", layers),
+                                     row)
         return _paged(fmt, bases, reach, row, block, head, step)
 
     # (the table is read where the kept layout is not found: one lookup a call)

@@ -11,7 +11,7 @@ import pytest
 
 from kvcopy.compat import lmcache
 from kvcopy.compat.lmcache import EngineKVFormat as F, TransferDirection
-from kvcopy.testing import plans
+from kvcopy.testing import plans, rows_on_host
 from helpers.host_copies import random_bytes, run_on_host
 
 torch = pytest.importorskip("torch")
@@ -277,7 +277,9 @@ def test_mla_takes_a_page_buffer_size_of_0_as_lmcaches_kernel_does():
     ptrs = torch.tensor([p.ctypes.data for p in paged], dtype=torch.int64)
     slot_mapping = np.array([7, 39, 0], dtype=np.int64)
     for fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS):
-        rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, 0, TransferDirection.H2D, fmt)
+        with rows_on_host():   # (the layers' extents from the host's mappings)
+            rows = lmcache.transfer_rows(chunk, ptrs, slot_mapping, 0, TransferDirection.H2D,
+                                         fmt)
         run_on_host(*plans.expand(plans.plan_rows(*rows[:4], rows=rows[4])))
         for t, s in enumerate(slot_mapping.tolist()):
             for layer in range(LAYERS):
