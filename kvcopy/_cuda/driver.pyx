@@ -68,10 +68,12 @@ def init() -> None:
     except CudaError:
         raise
     except Exception as exc:  # cydriver raises when libcuda cannot be loaded
+        # (from None: the loader's traceback runs to thirty lines that say what the one
+        # line below says; it stays on __context__ for whoever wants it)
         raise NoDriverError(
             "no CUDA driver was found: libcuda could not be loaded "
             f"({type(exc).__name__}: {exc}). kvcopy needs an NVIDIA GPU and its driver."
-        ) from exc
+        ) from None
     check(status)
     check(cydriver.cuDriverGetVersion(&version))
     _driver_version = version

@@ -66,3 +66,25 @@ def test_sglang_address_tables_without_a_driver_say_so():
     with pytest.raises(kvcopy.NoDriverError, match="no CUDA driver was found"):
         sglang.transfer_kv_all_layer(table[:2], table[2:], table[:2], table[2:],
                                      torch.arange(4), torch.arange(4), 64, 2)
+
+
+def test_the_no_driver_error_is_short_and_keeps_its_cause():
+    """What a user reads first is kvcopy's one line, not the loader's traceback; the
+    loader's error stays on ``__context__``."""
+    import subprocess
+    import sys
+
+    from kvcopy.testing import cuda
+
+    try:
+        cuda.driver.init()
+    except kvcopy.NoDriverError as err:
+        assert err.__context__ is not None and err.__cause__ is None
+    else:
+        pytest.skip("a CUDA driver is present")
+    run = subprocess.run([sys.executable, "-c", "import kvcopy; kvcopy.copy_batch([4096], "
+                          "[8192], [8])"], capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1
+    assert lines[-1].startswith("kvcopy.errors.NoDriverError: no CUDA driver was found")
+    assert len(lines) < 16 and "During handling" not in run.stderr, run.stderr
