@@ -9,5 +9,5 @@ fi
 VENV=${KVCOPY_BENCH_VENV:-.venv-bench}
 python3 -m venv --system-site-packages "$VENV"   # reuse an installed CUDA torch if there is one
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q torch
-"$VENV/bin/python" -m pip install -q ".[bench,nvrtc]"
+"$VENV/bin/python" -m pip install -q ".[bench,cu13]"
 cd /tmp && "$OLDPWD/$VENV/bin/python" -m kvcopy.bench --quick --out "$OLDPWD/bench-out" "$@"

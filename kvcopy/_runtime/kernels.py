@@ -69,7 +69,7 @@ def nvrtc_version() -> tuple[int, int]:
     except Exception as exc:  # libnvrtc missing: DynamicLibNotFoundError and kin
         raise KernelUnavailable(
             f"NVRTC is not available ({type(exc).__name__}: {exc}); install nvidia-cuda-nvrtc "
-            "(pip install 'kvcopy[nvrtc]') for the copy kernel") from exc
+            "(pip install 'kvcopy-cuda[cu13]', or '[cu12]' with CUDA 12) for the copy kernel") from exc
     return int(major), int(minor)
 
 

@@ -238,7 +238,8 @@ def test_errors_before_any_copy(torch_cuda):
     host = torch.zeros((8, 64)).pin_memory()
     with pytest.raises(ValueError, match="out of range"):
         kvcopy.swap_blocks(gpu, host, [[0, 8]])
-    with pytest.raises(TypeError, match="integer block ids"):
+    with pytest.raises(TypeError, match="^block_mapping: expected integers, got dtype "
+                                        "torch.float32"):
         kvcopy.swap_blocks(gpu, host, torch.tensor([[0.0, 1.0]]))
     with pytest.raises(ValueError, match="contiguous"):
         kvcopy.swap_blocks(gpu[:, ::2], host[:, :32], [[0, 0]])
