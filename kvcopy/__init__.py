@@ -17,7 +17,7 @@ from kvcopy.rows_both_ways import copy_rows_both_ways
 from kvcopy.queue import TransferQueue, TransferResult
 from kvcopy._runtime.prepare import prepare
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BlockView", "CaptureError", "CudaError", "IndexOutOfRange", "KVCopyError", "Layout",

@@ -102,7 +102,10 @@ def plan_dma(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::
     cdef int bad_side = 0
     cdef Py_ssize_t bad_index = -1
     cdef uint64_t bad_ptr = 0, bad_size = 0
-    cdef _Range cur_s_copy, cur_d_copy
+    # (set before their first read, at the first copy; zeroed so that the compiler
+    # sees it too)
+    cdef _Range cur_s_copy = _Range(0, 0, 0, 0, 0)
+    cdef _Range cur_d_copy = _Range(0, 0, 0, 0, 0)
     if dst.shape[0] != n or sizes.shape[0] != n:
         raise length_error(n, dst.shape[0], sizes.shape[0])
     out_src, out_dst, out_sizes, origin = empty_plan(n)

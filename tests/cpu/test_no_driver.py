@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 import kvcopy
-from conftest import gpu_reason
 
 
 def test_import_and_api_surface():

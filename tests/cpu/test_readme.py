@@ -47,7 +47,8 @@ def test_benchmark_command_says_plainly_that_there_is_no_gpu():
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
 def test_python_block_runs(torch_cuda, capsys, index):
     code = PYTHON_BLOCKS[index]
-    exec(compile(code, f"README.md (python block {index})", "exec"), {})   # blocks assert their results
+    # (the blocks assert their results)
+    exec(compile(code, f"README.md (python block {index})", "exec"), {})
     out = capsys.readouterr().out
     if "TransferQueue" in code and '"req-1"' in code:
         assert "req-1" in out
@@ -62,7 +63,8 @@ def test_the_docs_have_python_blocks_to_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page, index, code", DOC_BLOCKS, ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
+@pytest.mark.parametrize("page, index, code", DOC_BLOCKS,
+                         ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
 def test_doc_python_block_runs(torch_cuda, page, index, code):
     exec(compile(code, f"docs/{page} (python block {index})", "exec"), {})
 
@@ -79,3 +81,13 @@ def test_readme_stays_short_and_links_what_exists():
     for target in re.findall(r"\]\(([^)#]+)\)", README):
         if "://" not in target:
             assert (ROOT / target).exists(), target
+
+
+def test_the_version_is_one_everywhere():
+    """The package, its installed metadata and the changelog's newest release agree."""
+    from importlib.metadata import version
+
+    import kvcopy
+
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M).group(1)
+    assert kvcopy.__version__ == version("kvcopy-cuda") == newest
