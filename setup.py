@@ -159,8 +159,8 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
-CUDA_MODULES = ("driver", "memory", "classify", "describe", "dma", "launch", "plan_arrays", "replay_records", "rows",
-                "stage", "testing")
+CUDA_MODULES = ("driver", "memory", "classify", "describe", "dma", "launch", "plan_arrays",
+                "replay_records", "rows", "stage", "testing")
 
 
 # Optimised and without debug information: -g0 overrides the -g of Python's own

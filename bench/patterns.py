@@ -23,11 +23,13 @@ for _ in range(50):   # find four pinned and four device buffers lying back to b
     hb = [pinned.allocate(S, stream=s) for _ in range(N)]
     db = [dev.allocate(S, stream=s) for _ in range(N)]
     hp = [int(b.handle) for b in hb]; dp = [int(b.handle) for b in db]
-    if all(hp[i + 1] == hp[i] + S for i in range(N - 1)) and all(dp[i + 1] == dp[i] + S for i in range(N - 1)):
+    if (all(hp[i + 1] == hp[i] + S for i in range(N - 1))
+            and all(dp[i + 1] == dp[i] + S for i in range(N - 1))):
         break
 else:
     print("adjacent: could not get back-to-back buffers"); raise SystemExit
-h = np.frombuffer((np.ctypeslib.as_array((__import__('ctypes').c_uint8 * (N * S)).from_address(hp[0]))), np.uint8)
+h = np.frombuffer(np.ctypeslib.as_array((__import__('ctypes').c_uint8 * (N * S))
+                                        .from_address(hp[0])), np.uint8)
 out = []
 for method in ("auto", "batch", "loop", "kernel"):
     h[:] = np.random.default_rng(1).integers(0, 256, N * S, dtype=np.uint8)
@@ -35,7 +37,8 @@ for method in ("auto", "batch", "loop", "kernel"):
     try:
         m1 = kvcopy.copy_batch(hp, dp, [S] * N, stream=s, method=method)
         with kvcopy.register(back):
-            m2 = kvcopy.copy_batch(dp, [back.ctypes.data + i * S for i in range(N)], [S] * N, stream=s, method=method)
+            m2 = kvcopy.copy_batch(dp, [back.ctypes.data + i * S for i in range(N)], [S] * N,
+                                   stream=s, method=method)
             s.sync()
         out.append(f"{method}:{m1}/{m2}:" + ("ok" if np.array_equal(back, h) else "WRONG"))
     except Exception as e:

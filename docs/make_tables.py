@@ -146,7 +146,7 @@ def tables() -> str:
     two = json.loads(TWO_GPUS.read_text())
     parts = [
         "<!-- written by docs/make_tables.py from the reference results; do not edit -->",
-        "", f"## Scattered blocks, one way", "",
+        "", "## Scattered blocks, one way", "",
         f"Measured on {machine(one['meta'], ONE_GPU)}. GB/s over the GPU time of the "
         "enqueued copy (the wall figure, in brackets or its own column, is call to "
         "completion); 64 MiB per batch (inside the GPU 256 MiB), medians.", "",

@@ -21,6 +21,8 @@ kv_classify, kv_describe, kv_driver, kv_launch, kv_testing = (cuda.classify, cud
                                                               cuda.driver, cuda.launch,
                                                               cuda.testing)
 kv_memory = cuda.memory
+from kvcopy.testing import engine
+decide = engine.decide
 from kvcopy.interop.arrays import as_u64_array
 from kvcopy._plans.copies import plan_copies
 from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch

@@ -4,8 +4,9 @@
 # builds kvcopy's wheel once with CUDA_HOME pointing at the system's CUDA toolkit
 # (whose headers may be older or newer than the cuda-bindings the build uses),
 # checks that the wheel ships no generated C++, type-checks the package with
-# mypy, and puts cuda-bindings 12.9 and the lowest declared cuda-core in side
-# folders for the tests that prove kvcopy runs under them.
+# mypy, lints it (ruff, cython-lint, clang-format), and puts cuda-bindings 12.9
+# and the lowest declared cuda-core in side folders for the tests that prove
+# kvcopy runs under them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVCOPY_TEST_VENV:-.venv-test}
@@ -38,10 +39,16 @@ assert any(n.endswith("copy_kernel.cuh") for n in names), "the wheel lacks the k
 print(f"wheel: {sys.argv[1].rsplit('/', 1)[-1]}, {len(names)} files, no generated C++")
 PYCHECK
 "$VPY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
-"$VPY" -m pip install -q "$WHEEL[test,cu13,typecheck]"
+"$VPY" -m pip install -q "$WHEEL[test,cu13,typecheck,lint]"
 
-# Type-check the package (its source; the .pyi stubs describe the Cython modules).
+# Type-check the package (its source; the .pyi stubs describe the Cython modules), and
+# lint: ruff for the Python, cython-lint for the Cython, clang-format for the C and CUDA
+# sources (settings in pyproject.toml and .clang-format).
 "$VPY" -m mypy -p kvcopy
+"$VPY" -m ruff check -q .
+PATH="$(dirname "$VPY"):$PATH" "$(dirname "$VPY")/cython-lint" kvcopy/_cuda/*.pyx kvcopy/_cuda/*.pxd
+"$(dirname "$VPY")/clang-format" --dry-run --Werror include/kvcopy/*.h include/kvcopy/*.cuh \
+  kvcopy/_cuda/*.h
 
 # cuda-bindings 12.9 and the lowest declared cuda-core, each in a side folder.
 CB12="$PWD/$VENV/cuda-bindings-12.9"

@@ -23,8 +23,7 @@
 
 template <typename Word>
 __device__ __forceinline__ void kvcopy_copy_words(const Word* __restrict__ src,
-                                                  Word* __restrict__ dst,
-                                                  unsigned long long count,
+                                                  Word* __restrict__ dst, unsigned long long count,
                                                   unsigned lane) {
     unsigned long long i = lane;
     const unsigned long long stride = 32ULL * KVCOPY_UNROLL;
@@ -50,8 +49,7 @@ __device__ __forceinline__ void kvcopy_copy_words(const Word* __restrict__ src,
 
 template <typename Word>
 __device__ __forceinline__ void kvcopy_copy_aligned(const char* src, char* dst,
-                                                    unsigned long long len,
-                                                    unsigned lane) {
+                                                    unsigned long long len, unsigned lane) {
     const unsigned long long w = sizeof(Word);
     unsigned long long head = (w - ((unsigned long long)src & (w - 1))) & (w - 1);
     if (head > len) head = len;
@@ -66,8 +64,7 @@ __device__ __forceinline__ void kvcopy_copy_aligned(const char* src, char* dst,
 
 /* Copies len bytes with one warp, using the widest word for which source and
  * destination share their alignment. */
-__device__ __forceinline__ void kvcopy_copy_span(const char* src, char* dst,
-                                                 unsigned long long len,
+__device__ __forceinline__ void kvcopy_copy_span(const char* src, char* dst, unsigned long long len,
                                                  unsigned lane) {
     const unsigned long long mis = (unsigned long long)src ^ (unsigned long long)dst;
     if ((mis & 15) == 0) {
@@ -146,8 +143,8 @@ struct kvcopy_bulk_ring {
  * multiples of 16 bytes) go through registers; on older GPUs every span does. */
 struct kvcopy_bulk_copier {
     kvcopy_bulk_ring* ring;
-    unsigned warp;                // this warp's ring in the CTA's
-    unsigned long long pieces;    // pieces loaded so far (lane 0)
+    unsigned warp;              // this warp's ring in the CTA's
+    unsigned long long pieces;  // pieces loaded so far (lane 0)
 
     __device__ __forceinline__ void init(kvcopy_bulk_ring* shared_ring, unsigned lane) {
         ring = shared_ring;
@@ -156,7 +153,7 @@ struct kvcopy_bulk_copier {
 #if __CUDA_ARCH__ >= 900
         if (lane == 0) {
             for (int s = 0; s < KVCOPY_BULK_STAGES; ++s)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar(s)) : "memory");
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar(s)) : "memory");
             // make the initialised barriers visible to the bulk copy unit
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -168,8 +165,9 @@ struct kvcopy_bulk_copier {
     __device__ __forceinline__ void span(const char* src, char* dst, unsigned long long len,
                                          unsigned lane) {
 #if __CUDA_ARCH__ >= 900
-        if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)
-              | len) & 15ULL) == 0) {
+        if (((reinterpret_cast<unsigned long long>(src) |
+              reinterpret_cast<unsigned long long>(dst) | len) &
+             15ULL) == 0) {
             if (lane == 0) {
                 for (unsigned long long off = 0; off < len; off += KVCOPY_BULK_STAGE_BYTES) {
                     const unsigned long long rest = len - off;
@@ -189,7 +187,8 @@ struct kvcopy_bulk_copier {
     __device__ __forceinline__ void drain(unsigned lane) {
 #if __CUDA_ARCH__ >= 900
         if (lane == 0) {
-            const unsigned long long first = pieces > KVCOPY_BULK_LAG ? pieces - KVCOPY_BULK_LAG : 0;
+            const unsigned long long first =
+                pieces > KVCOPY_BULK_LAG ? pieces - KVCOPY_BULK_LAG : 0;
             for (unsigned long long p = first; p < pieces; ++p) store(p);
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         }
@@ -214,16 +213,20 @@ struct kvcopy_bulk_copier {
             // the stage's previous piece, k - STAGES, must have been read by its store;
             // stores issued so far: pieces 0 .. k - 1 - LAG, so the newest
             // STAGES - 1 - LAG of them may still be pending
-            asm volatile("cp.async.bulk.wait_group.read %0;"
-                         :: "n"(KVCOPY_BULK_STAGES - 1 - KVCOPY_BULK_LAG) : "memory");
+            asm volatile(
+                "cp.async.bulk.wait_group.read %0;" ::"n"(KVCOPY_BULK_STAGES - 1 - KVCOPY_BULK_LAG)
+                : "memory");
         }
         ring->dst[warp][s] = dst;
         ring->len[warp][s] = len;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(bar(s)), "r"(len) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                     " [%0], [%1], %2, [%3];"
-                     :: "r"(buffer(s)), "l"(src), "r"(len), "r"(bar(s)) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar(s)),
+                     "r"(len)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1], %2, [%3];" ::"r"(buffer(s)),
+            "l"(src), "r"(len), "r"(bar(s))
+            : "memory");
         if (k >= KVCOPY_BULK_LAG) store(k - KVCOPY_BULK_LAG);
         pieces = k + 1;
     }
@@ -234,13 +237,17 @@ struct kvcopy_bulk_copier {
         const unsigned parity = (unsigned)((p / KVCOPY_BULK_STAGES) & 1);
         unsigned done = 0;
         while (!done) {
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
-                         " selp.u32 %0, 1, 0, p; }"
-                         : "=r"(done) : "r"(bar(s)), "r"(parity) : "memory");
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                " selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(bar(s)), "r"(parity)
+                : "memory");
         }
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                     :: "l"(ring->dst[warp][s]), "r"(buffer(s)), "r"(ring->len[warp][s])
-                     : "memory");
+        asm volatile(
+            "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(ring->dst[warp][s]),
+            "r"(buffer(s)), "r"(ring->len[warp][s])
+            : "memory");
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
 #endif
@@ -285,8 +292,8 @@ __device__ __forceinline__ void kvcopy_scatter_single_tiles(Copier& copier, Sour
     kvcopy_desc mine = base + lane * num_warps < count ? descs[base + lane * num_warps] : none;
     while (base < count) {
         const unsigned long long next = base + group;
-        const kvcopy_desc ahead = next + lane * num_warps < count ? descs[next + lane * num_warps]
-                                                                  : none;
+        const kvcopy_desc ahead =
+            next + lane * num_warps < count ? descs[next + lane * num_warps] : none;
         for (int j = 0; j < 32; ++j) {
             if (base + (unsigned long long)j * num_warps >= count) break;
             // the whole copy (one tile): tile_start is not read, so a launch may take
@@ -308,15 +315,14 @@ __device__ __forceinline__ void kvcopy_scatter_split(Copier& copier, const kvcop
                                                      unsigned long long count,
                                                      unsigned long long total_tiles,
                                                      unsigned long long warp,
-                                                     unsigned long long num_warps,
-                                                     unsigned lane) {
+                                                     unsigned long long num_warps, unsigned lane) {
     unsigned long long split = num_warps / total_tiles;
     if (split > KVCOPY_MAX_SPLIT) split = KVCOPY_MAX_SPLIT;
     for (unsigned long long u = warp; u < total_tiles * split; u += num_warps) {
         const unsigned long long t = u / split, part = u - t * split;
         // one tile per copy: tile t is copy t, no search (descriptors may be in host memory)
-        const kvcopy_desc desc = descs[total_tiles == count ? t
-                                                            : kvcopy_find_desc(descs, 0, count, t, lane)];
+        const kvcopy_desc desc =
+            descs[total_tiles == count ? t : kvcopy_find_desc(descs, 0, count, t, lane)];
         // one-tile copies start at their first byte whatever tile_start says (a slice)
         const unsigned long long offset =
             total_tiles == count ? 0ULL : (t - desc.tile_start) * KVCOPY_TILE_BYTES;
@@ -376,8 +382,7 @@ __device__ __forceinline__ void kvcopy_with_bulk_copier(Work work) {
 }
 
 /* The same as kvcopy_scatter_body, through the bulk copier. */
-__device__ __forceinline__ void kvcopy_bulk_body(const kvcopy_desc* descs,
-                                                 unsigned long long count,
+__device__ __forceinline__ void kvcopy_bulk_body(const kvcopy_desc* descs, unsigned long long count,
                                                  unsigned long long total_tiles) {
     kvcopy_with_bulk_copier([&](kvcopy_bulk_copier& copier) {
         kvcopy_scatter_warps(copier, descs, count, total_tiles, kvcopy_warp_index(),
@@ -400,53 +405,55 @@ struct kvcopy_pairs_source {
 /* A batch of ``count`` copies of ``size`` bytes each (at most one tile), as
  * kvcopy_pair entries in device memory or in pinned host memory mapped for the
  * device. Launched with at most one warp per copy. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pairs(
-    const kvcopy_pair* __restrict__ pairs, unsigned long long count, unsigned long long size) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_scatter_pairs(const kvcopy_pair* __restrict__ pairs, unsigned long long count,
+                         unsigned long long size) {
     const kvcopy_pairs_source source = {pairs, size};
     kvcopy_register_copier copier;
     kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(), kvcopy_warp_count(),
                                 threadIdx.x & 31u);
 }
 
-extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS) kvcopy_bulk_pairs(
-    const kvcopy_pair* __restrict__ pairs, unsigned long long count, unsigned long long size) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS)
+    kvcopy_bulk_pairs(const kvcopy_pair* __restrict__ pairs, unsigned long long count,
+                      unsigned long long size) {
     const kvcopy_pairs_source source = {pairs, size};
     kvcopy_with_bulk_copier([&](kvcopy_bulk_copier& copier) {
-        kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(),
-                                    kvcopy_warp_count(), threadIdx.x & 31u);
+        kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(), kvcopy_warp_count(),
+                                    threadIdx.x & 31u);
     });
 }
 
 /* Descriptors in device memory, or in pinned host memory mapped for the device
  * (one-tile copies only: the multi-tile search would cross PCIe per step). */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter(const kvcopy_desc* __restrict__ descs,
-                                          unsigned long long count,
-                                          unsigned long long total_tiles) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_scatter(const kvcopy_desc* __restrict__ descs, unsigned long long count,
+                   unsigned long long total_tiles) {
     kvcopy_scatter_body(descs, count, total_tiles);
 }
 
 /* One copier's three by-value entry points (kvcopy_inline_batch and its 4 KiB and
  * 1 KiB variants), named <prefix>_inline, _inline_small and _inline_tiny. */
-#define KVCOPY_INLINE_ENTRIES(prefix, threads, body)                                          \
-    extern "C" __global__ void __launch_bounds__(threads) prefix##_inline(                    \
-        const __grid_constant__ kvcopy_inline_batch batch) {                                  \
-        body(batch.descs, batch.count, batch.total_tiles);                                    \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(threads) prefix##_inline_small(              \
-        const __grid_constant__ kvcopy_inline_batch_small batch) {                            \
-        body(batch.descs, batch.count, batch.total_tiles);                                    \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(threads) prefix##_inline_tiny(               \
-        const __grid_constant__ kvcopy_inline_batch_tiny batch) {                             \
-        body(batch.descs, batch.count, batch.total_tiles);                                    \
+#define KVCOPY_INLINE_ENTRIES(prefix, threads, body)                                     \
+    extern "C" __global__ void __launch_bounds__(threads)                                \
+        prefix##_inline(const __grid_constant__ kvcopy_inline_batch batch) {             \
+        body(batch.descs, batch.count, batch.total_tiles);                               \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(threads)                                \
+        prefix##_inline_small(const __grid_constant__ kvcopy_inline_batch_small batch) { \
+        body(batch.descs, batch.count, batch.total_tiles);                               \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(threads)                                \
+        prefix##_inline_tiny(const __grid_constant__ kvcopy_inline_batch_tiny batch) {   \
+        body(batch.descs, batch.count, batch.total_tiles);                               \
     }
 
 KVCOPY_INLINE_ENTRIES(kvcopy_scatter, KVCOPY_MAX_THREADS, kvcopy_scatter_body)
 
 /* The bulk copier's entry points: descriptors in a table, and by value. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS) kvcopy_bulk_scatter(
-    const kvcopy_desc* __restrict__ descs, unsigned long long count,
-    unsigned long long total_tiles) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS)
+    kvcopy_bulk_scatter(const kvcopy_desc* __restrict__ descs, unsigned long long count,
+                        unsigned long long total_tiles) {
     kvcopy_bulk_body(descs, count, total_tiles);
 }
 
@@ -457,13 +464,11 @@ KVCOPY_INLINE_ENTRIES(kvcopy_bulk, KVCOPY_BULK_THREADS, kvcopy_bulk_body)
  * tile_start counts from 0; a launch over slices of two tables needs no
  * reordering). Used for a store and a load over PCIe at the same time, whose
  * shares of the link depend on how many SMs issue each. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs,
-                                               unsigned long long count_a,
-                                               unsigned long long tiles_a,
-                                               unsigned long long ctas_a,
-                                               unsigned long long count_b,
-                                               unsigned long long tiles_b,
-                                               const kvcopy_desc* __restrict__ descs_b) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs, unsigned long long count_a,
+                        unsigned long long tiles_a, unsigned long long ctas_a,
+                        unsigned long long count_b, unsigned long long tiles_b,
+                        const kvcopy_desc* __restrict__ descs_b) {
     const unsigned long long per_cta = blockDim.x >> 5;
     const unsigned long long in_cta = threadIdx.x >> 5;
     kvcopy_register_copier copier;
@@ -489,14 +494,11 @@ __device__ __forceinline__ unsigned long long kvcopy_block_address(unsigned long
 /* swap_blocks' copies, warp `warp` of `num_warps`: tile t is part (t % tiles_per_block)
  * of pair (t / tiles_per_block) % num_pairs of tensor t / (tiles_per_block * num_pairs).
  * mapping holds [src id, dst id] pairs. */
-__device__ __forceinline__ void kvcopy_blocks_warps(const kvcopy_block_tensor* __restrict__ tensors,
-                                                    unsigned long long num_tensors,
-                                                    const long long* __restrict__ mapping,
-                                                    unsigned long long num_pairs,
-                                                    unsigned long long block_bytes,
-                                                    unsigned long long tiles_per_block,
-                                                    unsigned long long warp,
-                                                    unsigned long long num_warps) {
+__device__ __forceinline__ void kvcopy_blocks_warps(
+    const kvcopy_block_tensor* __restrict__ tensors, unsigned long long num_tensors,
+    const long long* __restrict__ mapping, unsigned long long num_pairs,
+    unsigned long long block_bytes, unsigned long long tiles_per_block, unsigned long long warp,
+    unsigned long long num_warps) {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned long long tiles_per_tensor = tiles_per_block * num_pairs;
     const unsigned long long total = tiles_per_tensor * num_tensors;
@@ -506,12 +508,12 @@ __device__ __forceinline__ void kvcopy_blocks_warps(const kvcopy_block_tensor* _
         const unsigned long long pair = within / tiles_per_block;
         const unsigned long long part = within - pair * tiles_per_block;
         const kvcopy_block_tensor tensor = tensors[k];
-        const unsigned long long src = kvcopy_block_address(
-            tensor.src_base, tensor.src_stride, tensor.src_factor,
-            (unsigned long long)mapping[2 * pair], block_bytes);
-        const unsigned long long dst = kvcopy_block_address(
-            tensor.dst_base, tensor.dst_stride, tensor.dst_factor,
-            (unsigned long long)mapping[2 * pair + 1], block_bytes);
+        const unsigned long long src =
+            kvcopy_block_address(tensor.src_base, tensor.src_stride, tensor.src_factor,
+                                 (unsigned long long)mapping[2 * pair], block_bytes);
+        const unsigned long long dst =
+            kvcopy_block_address(tensor.dst_base, tensor.dst_stride, tensor.dst_factor,
+                                 (unsigned long long)mapping[2 * pair + 1], block_bytes);
         const unsigned long long offset = part * KVCOPY_TILE_BYTES;
         unsigned long long len = block_bytes - offset;
         if (len > KVCOPY_TILE_BYTES) len = KVCOPY_TILE_BYTES;
@@ -521,12 +523,10 @@ __device__ __forceinline__ void kvcopy_blocks_warps(const kvcopy_block_tensor* _
 }
 
 /* swap_blocks: the block copies of one tensor table and id mapping, over the grid. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors,
-                                         unsigned long long num_tensors,
-                                         const long long* __restrict__ mapping,
-                                         unsigned long long num_pairs,
-                                         unsigned long long block_bytes,
-                                         unsigned long long tiles_per_block) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_blocks(const kvcopy_block_tensor* __restrict__ tensors, unsigned long long num_tensors,
+                  const long long* __restrict__ mapping, unsigned long long num_pairs,
+                  unsigned long long block_bytes, unsigned long long tiles_per_block) {
     kvcopy_blocks_warps(tensors, num_tensors, mapping, num_pairs, block_bytes, tiles_per_block,
                         kvcopy_warp_index(), kvcopy_warp_count());
 }
@@ -534,12 +534,12 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks(c
 /* swap_blocks_both_ways: two swap_blocks in one launch, each with its own CTAs (as
  * kvcopy_scatter_pair): CTAs [0, ctas_a) copy side a, the others side b. Side b's
  * tensor rows follow side a's num_tensors_a rows, its id pairs side a's num_pairs_a. */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks_pair(
-    const kvcopy_block_tensor* __restrict__ tensors, const long long* __restrict__ mapping,
-    unsigned long long num_tensors_a, unsigned long long num_pairs_a,
-    unsigned long long block_bytes_a, unsigned long long ctas_a,
-    unsigned long long num_tensors_b, unsigned long long num_pairs_b,
-    unsigned long long block_bytes_b) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_blocks_pair(const kvcopy_block_tensor* __restrict__ tensors,
+                       const long long* __restrict__ mapping, unsigned long long num_tensors_a,
+                       unsigned long long num_pairs_a, unsigned long long block_bytes_a,
+                       unsigned long long ctas_a, unsigned long long num_tensors_b,
+                       unsigned long long num_pairs_b, unsigned long long block_bytes_b) {
     const unsigned long long per_cta = blockDim.x >> 5;
     const unsigned long long in_cta = threadIdx.x >> 5;
     if (blockIdx.x < ctas_a) {
@@ -547,11 +547,10 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_blocks_p
                             (block_bytes_a + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES,
                             blockIdx.x * per_cta + in_cta, ctas_a * per_cta);
     } else {
-        kvcopy_blocks_warps(tensors + num_tensors_a, num_tensors_b, mapping + 2 * num_pairs_a,
-                            num_pairs_b, block_bytes_b,
-                            (block_bytes_b + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES,
-                            (blockIdx.x - ctas_a) * per_cta + in_cta,
-                            (gridDim.x - ctas_a) * per_cta);
+        kvcopy_blocks_warps(
+            tensors + num_tensors_a, num_tensors_b, mapping + 2 * num_pairs_a, num_pairs_b,
+            block_bytes_b, (block_bytes_b + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES,
+            (blockIdx.x - ctas_a) * per_cta + in_cta, (gridDim.x - ctas_a) * per_cta);
     }
 }
 #include "rows_kernel.cuh"

@@ -22,12 +22,12 @@
 #define KVCOPY_ROWS_PLANES 128
 
 typedef struct kvcopy_rows_side {
-    unsigned long long indices;       /* device-visible int64 slots, one per row; 0: slot = row */
-    unsigned long long slots;         /* an index >= slots is out of range */
-    unsigned long long page_size;     /* slots per page */
-    unsigned long long page_stride;   /* bytes from a page to the next */
-    unsigned long long slot_stride;   /* bytes from a slot to the next within a page */
-    unsigned long long piece_stride;  /* bytes from a piece of a row to the next */
+    unsigned long long indices;      /* device-visible int64 slots, one per row; 0: slot = row */
+    unsigned long long slots;        /* an index >= slots is out of range */
+    unsigned long long page_size;    /* slots per page */
+    unsigned long long page_stride;  /* bytes from a page to the next */
+    unsigned long long slot_stride;  /* bytes from a slot to the next within a page */
+    unsigned long long piece_stride; /* bytes from a piece of a row to the next */
 } kvcopy_rows_side;
 
 typedef struct kvcopy_rows_plane {
@@ -38,12 +38,12 @@ typedef struct kvcopy_rows_plane {
 typedef struct kvcopy_rows_job {
     kvcopy_rows_side src;
     kvcopy_rows_side dst;
-    kvcopy_rows_side only_skipped_by;     /* indices and slots only; indices 0: every row */
-    unsigned long long first_row;         /* the job copies rows first_row .. first_row + rows - 1 */
+    kvcopy_rows_side only_skipped_by; /* indices and slots only; indices 0: every row */
+    unsigned long long first_row;     /* the job copies rows first_row .. first_row + rows - 1 */
     unsigned long long rows;
     unsigned long long pieces;
     unsigned long long piece_bytes;
-    unsigned long long units_per_tile;    /* pieces one warp takes at once; 0: one tile each */
+    unsigned long long units_per_tile; /* pieces one warp takes at once; 0: one tile each */
     unsigned long long tiles_per_plane;
     unsigned long long num_planes;
     kvcopy_rows_plane planes[KVCOPY_ROWS_PLANES];

@@ -10,8 +10,8 @@ __device__ kvcopy_rows_status kvcopy_rows_report = {0ULL, ~0ULL};
 /* Row `row`'s slot on a side; false where the row is skipped: a negative index, or
  * one out of range (which also sets *bad). */
 __device__ __forceinline__ bool kvcopy_row_slot(const kvcopy_rows_side& side,
-                                                unsigned long long row,
-                                                unsigned long long* slot, bool* bad) {
+                                                unsigned long long row, unsigned long long* slot,
+                                                bool* bad) {
     if (!side.indices) {
         *slot = row;
         return true;
@@ -49,7 +49,7 @@ __device__ __forceinline__ bool kvcopy_rows_unit(const kvcopy_rows_job& job, uns
     if (job.only_skipped_by.indices) {
         unsigned long long ignored = 0;
         if (kvcopy_row_slot(job.only_skipped_by, row, &ignored, &bad)) return false;
-        bad = false;   /* reported by the job that skipped it */
+        bad = false; /* reported by the job that skipped it */
     }
     const bool src_ok = kvcopy_row_slot(job.src, row, &s, &bad);
     const bool dst_ok = kvcopy_row_slot(job.dst, row, &d, &bad);
@@ -107,8 +107,8 @@ __device__ __forceinline__ unsigned long long kvcopy_warp_or(unsigned long long 
 /* The layout kernel: tile t is plane t / tiles_per_plane; within a plane a tile is
  * units_per_tile consecutive units (pieces up to half a tile), or one part of
  * KVCOPY_TILE_BYTES of one unit (longer pieces). */
-extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_rows(
-    const __grid_constant__ kvcopy_rows_job job) {
+extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
+    kvcopy_rows(const __grid_constant__ kvcopy_rows_job job) {
     const unsigned lane = threadIdx.x & 31u;
     const unsigned long long units = job.rows * job.pieces;
     const unsigned long long total = job.tiles_per_plane * job.num_planes;
@@ -117,7 +117,8 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS) kvcopy_rows(
         const unsigned long long p = t / job.tiles_per_plane;
         const unsigned long long local = t - p * job.tiles_per_plane;
         if (job.units_per_tile == 0) {
-            const unsigned long long parts = (job.piece_bytes + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
+            const unsigned long long parts =
+                (job.piece_bytes + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
             const unsigned long long unit = local / parts;
             const unsigned long long part = local - unit * parts;
             unsigned long long src = 0, dst = 0;

@@ -38,15 +38,14 @@ typedef struct kvcopy_memcpy_attributes {
 #define KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE 1
 
 /* CUresult is a C enum: int-sized on every supported platform. */
-typedef int (*kvcopy_batch_v12080_fn)(
-    unsigned long long *dsts, unsigned long long *srcs, size_t *sizes, size_t count,
-    kvcopy_memcpy_attributes *attrs, size_t *attr_idxs, size_t num_attrs,
-    size_t *fail_idx, void *stream);
+typedef int (*kvcopy_batch_v12080_fn)(unsigned long long* dsts, unsigned long long* srcs,
+                                      size_t* sizes, size_t count, kvcopy_memcpy_attributes* attrs,
+                                      size_t* attr_idxs, size_t num_attrs, size_t* fail_idx,
+                                      void* stream);
 
-typedef int (*kvcopy_batch_v13000_fn)(
-    unsigned long long *dsts, unsigned long long *srcs, size_t *sizes, size_t count,
-    kvcopy_memcpy_attributes *attrs, size_t *attr_idxs, size_t num_attrs,
-    void *stream);
+typedef int (*kvcopy_batch_v13000_fn)(unsigned long long* dsts, unsigned long long* srcs,
+                                      size_t* sizes, size_t count, kvcopy_memcpy_attributes* attrs,
+                                      size_t* attr_idxs, size_t num_attrs, void* stream);
 
 /* Which ABI the resolved entry point has. */
 #define KVCOPY_BATCH_ABI_NONE 0

@@ -11,7 +11,7 @@ cdef enum:
     _KIND_STRADDLE = 16       # a copy runs past the end of its allocation: DMA decides
     _KIND_PAGEABLE = 32       # memory the driver does not know (always with _KIND_HOST_UNMAPPED)
     _KIND_PEER = 64           # another device's memory, readable and writable from this one
-    _KIND_PEER_UNMAPPED = 128 # another device's memory this device cannot access: DMA only
+    _KIND_PEER_UNMAPPED = 128  # another device's memory this device cannot access: DMA only
     _KIND_ANY_DEVICE = _KIND_DEVICE | _KIND_PEER | _KIND_PEER_UNMAPPED
 
 cdef enum:
@@ -42,7 +42,6 @@ cdef struct _Range:
     int64_t delta    # device view = host pointer + delta
 
 
-
 cdef struct _Classifier:
     # Driver answers kept as address ranges, for one call only: the driver is
     # asked once per allocation, not once per pointer.
@@ -58,7 +57,6 @@ cdef struct _Classifier:
     # driver (NULL: ask the driver); an address in none of them is pageable
     const int64_t* answers
     Py_ssize_t answer_count
-
 
 
 cdef int query_range(uint64_t ptr, uint64_t size, _Range* out) noexcept nogil
@@ -86,7 +84,6 @@ cdef inline void classifier_init(_Classifier* c, Py_ssize_t copies) noexcept nog
     c.cache[0].end = 0
 
 
-
 cdef inline uint64_t classify(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
     """Classify the copy [p, p + size) and return the address the device uses for p.
 
@@ -97,4 +94,3 @@ cdef inline uint64_t classify(_Classifier* c, uint64_t p, uint64_t size) noexcep
     if r.start <= p and p + size <= r.end:
         return <uint64_t>(<int64_t>p + r.delta)
     return classify_slow(c, p, size)
-

@@ -6,7 +6,7 @@ The driver is asked once per allocation, not once per pointer: its answers are
 kept as address ranges for the duration of one call (classify.pxd).
 """
 
-from libc.stdint cimport uint64_t, uintptr_t, int64_t
+from libc.stdint cimport uint64_t, int64_t
 from libc.stdlib cimport malloc, free
 
 from cuda.bindings cimport cydriver
@@ -258,7 +258,6 @@ cdef uint64_t classify_slow(_Classifier* c, uint64_t p, uint64_t size) noexcept 
     return <uint64_t>(<int64_t>p + r.delta)
 
 
-
 def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint64_t[::1] device_view):
     """Classify every pointer of a batch and write the address the device uses.
 
@@ -279,7 +278,6 @@ def classify_pointers(const uint64_t[::1] ptrs, const uint64_t[::1] sizes, uint6
     kinds, ordinal = c.kinds, c.ordinal
     free(c)
     return kinds, ordinal
-
 
 
 cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
@@ -315,4 +313,3 @@ cdef _Range* locate(_Classifier* c, uint64_t p, uint64_t size) noexcept nogil:
     c.succ[c.last] = hit
     c.last = hit
     return &c.cache[hit]
-

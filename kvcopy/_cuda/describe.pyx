@@ -296,4 +296,3 @@ cdef DescribedBatch _describe(object src, object dst, object sizes, uintptr_t de
 def fast_describe_available() -> bool:
     """Whether this CPU runs the vectorised describe pass (AVX2 on x86-64)."""
     return _fast_describe
-

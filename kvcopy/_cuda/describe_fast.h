@@ -26,9 +26,9 @@ static inline int kvcopy_fast_describe_available(void) { return 0; }
 #endif
 
 /* Bits of kvcopy_describe_in_ranges' answer. */
-#define KVCOPY_FAST_MISFIT 1u   /* a copy is empty, too long, or outside its side's range */
-#define KVCOPY_FAST_MERGES 2u   /* a copy continues the previous one on both sides */
-#define KVCOPY_FAST_SIZES 4u    /* not every copy has the first one's size */
+#define KVCOPY_FAST_MISFIT 1u /* a copy is empty, too long, or outside its side's range */
+#define KVCOPY_FAST_MERGES 2u /* a copy continues the previous one on both sides */
+#define KVCOPY_FAST_SIZES 4u  /* not every copy has the first one's size */
 
 /* What the fast passes learn of each side besides the entries: how many copies
  * continue the one before on the source and on the destination side (a batch's
@@ -41,15 +41,14 @@ typedef struct {
 } kvcopy_sides;
 
 /* Per-copy checks of the scalar pass; also the reference for the AVX2 one. */
-static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z,
-                                          uint64_t src_start, uint64_t src_span,
-                                          uint64_t dst_start, uint64_t dst_span,
+static inline uint64_t kvcopy_fast_misfit(uint64_t s, uint64_t t, uint64_t z, uint64_t src_start,
+                                          uint64_t src_span, uint64_t dst_start, uint64_t dst_span,
                                           uint64_t max_size) {
     const uint64_t s_end = s + z, t_end = t + z;
     /* unsigned wrap-around folds "below start" into "above span" */
-    return (uint64_t)((s - src_start) > src_span) | (uint64_t)((s_end - src_start) > src_span)
-         | (uint64_t)((t - dst_start) > dst_span) | (uint64_t)((t_end - dst_start) > dst_span)
-         | (uint64_t)(s_end <= s) | (uint64_t)(t_end <= t) | (uint64_t)(z > max_size);
+    return (uint64_t)((s - src_start) > src_span) | (uint64_t)((s_end - src_start) > src_span) |
+           (uint64_t)((t - dst_start) > dst_span) | (uint64_t)((t_end - dst_start) > dst_span) |
+           (uint64_t)(s_end <= s) | (uint64_t)(t_end <= t) | (uint64_t)(z > max_size);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -63,7 +62,7 @@ KVCOPY_FAST_TARGET static inline __m256i kvcopy_gt_u64(__m256i a, __m256i b) {
 
 /* The lanes' continuations (each lane's count negated), into *sides. */
 KVCOPY_FAST_TARGET static inline void kvcopy_sides_add(kvcopy_sides* sides, __m256i s_runs,
-                                                      __m256i t_runs) {
+                                                       __m256i t_runs) {
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i*)lanes, s_runs);
     sides->src_runs -= lanes[0] + lanes[1] + lanes[2] + lanes[3];
@@ -73,8 +72,8 @@ KVCOPY_FAST_TARGET static inline void kvcopy_sides_add(kvcopy_sides* sides, __m2
 
 /* Copies i..i+3 of a batch, and the ones before each (i >= 1). */
 typedef struct {
-    __m256i s, t, z;      /* source, destination, size */
-    __m256i ps, pt, pz;   /* of copies i-1..i+2 */
+    __m256i s, t, z;    /* source, destination, size */
+    __m256i ps, pt, pz; /* of copies i-1..i+2 */
 } kvcopy_four;
 
 KVCOPY_FAST_TARGET static inline kvcopy_four kvcopy_four_at(const uint64_t* src,
@@ -105,13 +104,12 @@ KVCOPY_FAST_TARGET static inline void kvcopy_put(__m256i* at, __m256i v, int str
  * reads for ownership of lines the device has just snooped. */
 KVCOPY_FAST_TARGET
 static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64_t* __restrict dst,
-                                    const uint64_t* __restrict sizes, void* entries,
-                                    int pairs, uint64_t tiles_per_copy, int64_t first, int64_t n,
+                                    const uint64_t* __restrict sizes, void* entries, int pairs,
+                                    uint64_t tiles_per_copy, int64_t first, int64_t n,
                                     uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                     uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
-                                    uint64_t* misfit_io,
-                                    uint64_t* merges_io, uint64_t* sizes_io, uint64_t* total_io,
-                                    kvcopy_sides* sides_io) {
+                                    uint64_t* misfit_io, uint64_t* merges_io, uint64_t* sizes_io,
+                                    uint64_t* total_io, kvcopy_sides* sides_io) {
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
     const __m256i s_span = _mm256_set1_epi64x((long long)src_span);
     const __m256i t_start = _mm256_set1_epi64x((long long)dst_start);
@@ -122,17 +120,17 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     const __m256i zero = _mm256_setzero_si256();
     const __m256i four = _mm256_set1_epi64x((long long)(4 * tiles_per_copy));
     const __m256i size0 = _mm256_set1_epi64x((long long)sizes[0]);
-    kvcopy_desc* d = (kvcopy_desc*)entries;   /* one of the two is written */
+    kvcopy_desc* d = (kvcopy_desc*)entries; /* one of the two is written */
     kvcopy_pair* p = (kvcopy_pair*)entries;
     const int stream = ((uintptr_t)(pairs ? (void*)(p + first) : (void*)(d + first)) & 31u) == 0;
-    const uint64_t k = tiles_per_copy;   /* copy i's first tile is i * k */
+    const uint64_t k = tiles_per_copy; /* copy i's first tile is i * k */
     __m256i index = _mm256_setr_epi64x((long long)(first * k), (long long)((first + 1) * k),
                                        (long long)((first + 2) * k), (long long)((first + 3) * k));
     __m256i misfit = zero, merges = zero, differ = zero, total = zero;
-    __m256i s_runs = zero, t_runs = zero;   /* continuations, each lane's negated */
+    __m256i s_runs = zero, t_runs = zero; /* continuations, each lane's negated */
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
-        const kvcopy_four f = kvcopy_four_at(src, dst, sizes, i);   /* (first >= 1) */
+        const kvcopy_four f = kvcopy_four_at(src, dst, sizes, i); /* (first >= 1) */
         const __m256i s = f.s, t = f.t, z = f.z, ps = f.ps, pt = f.pt, pz = f.pz;
         const __m256i s_end = _mm256_add_epi64(s, z), t_end = _mm256_add_epi64(t, z);
         misfit = _mm256_or_si256(misfit, kvcopy_gt_u64(_mm256_sub_epi64(s, s_start), s_span));
@@ -146,7 +144,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
         const __m256i s_on = _mm256_cmpeq_epi64(s, _mm256_add_epi64(ps, pz));
         const __m256i t_on = _mm256_cmpeq_epi64(t, _mm256_add_epi64(pt, pz));
         merges = _mm256_or_si256(merges, _mm256_and_si256(s_on, t_on));
-        s_runs = _mm256_add_epi64(s_runs, s_on);   /* (a true lane is -1) */
+        s_runs = _mm256_add_epi64(s_runs, s_on); /* (a true lane is -1) */
         t_runs = _mm256_add_epi64(t_runs, t_on);
         total = _mm256_add_epi64(total, z);
         differ = _mm256_or_si256(differ, _mm256_xor_si256(f.z, size0));
@@ -163,7 +161,8 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
             continue;
         }
         /* four descriptors {src, dst, size, tile_start}: a 4x4 transpose */
-        const __m256i cd_lo = _mm256_unpacklo_epi64(z, index), cd_hi = _mm256_unpackhi_epi64(z, index);
+        const __m256i cd_lo = _mm256_unpacklo_epi64(z, index),
+                      cd_hi = _mm256_unpackhi_epi64(z, index);
         const __m256i d0 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
         const __m256i d1 = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
         const __m256i d2 = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
@@ -175,7 +174,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
         kvcopy_put(out + 3, d3, stream);
         index = _mm256_add_epi64(index, four);
     }
-    if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered */
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i*)lanes, misfit);
     *misfit_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
@@ -198,15 +197,12 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
  * answers hold only where *sizes_io stays 0: a copy of another size may run past its
  * range's end unseen, so the caller then describes the copies again. */
 KVCOPY_FAST_TARGET
-static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
-                                          const uint64_t* __restrict dst,
-                                          const uint64_t* __restrict sizes,
-                                          kvcopy_pair* __restrict p, int64_t first, int64_t n,
-                                          uint64_t z0, uint64_t src_start, uint64_t src_limit,
-                                          int64_t src_delta, uint64_t dst_start,
-                                          uint64_t dst_limit, int64_t dst_delta,
-                                          uint64_t* misfit_io, uint64_t* merges_io,
-                                          uint64_t* sizes_io, kvcopy_sides* sides_io) {
+static int64_t kvcopy_pairs_one_size_avx2(
+    const uint64_t* __restrict src, const uint64_t* __restrict dst,
+    const uint64_t* __restrict sizes, kvcopy_pair* __restrict p, int64_t first, int64_t n,
+    uint64_t z0, uint64_t src_start, uint64_t src_limit, int64_t src_delta, uint64_t dst_start,
+    uint64_t dst_limit, int64_t dst_delta, uint64_t* misfit_io, uint64_t* merges_io,
+    uint64_t* sizes_io, kvcopy_sides* sides_io) {
     const uint64_t sign_bit = 0x8000000000000000ULL;
     const __m256i sign = _mm256_set1_epi64x((long long)sign_bit);
     const __m256i s_start = _mm256_set1_epi64x((long long)src_start);
@@ -218,16 +214,18 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
     const __m256i t_delta = _mm256_set1_epi64x((long long)dst_delta);
     const __m256i size0 = _mm256_set1_epi64x((long long)z0);
     __m256i misfit = _mm256_setzero_si256(), merges = misfit, differ = misfit;
-    __m256i s_runs = misfit, t_runs = misfit;   /* continuations, negated */
+    __m256i s_runs = misfit, t_runs = misfit; /* continuations, negated */
     const int stream = ((uintptr_t)(p + first) & 31u) == 0;
     int64_t i = first;
     for (; i + 4 <= n; i += 4) {
-        const kvcopy_four f = kvcopy_four_at(src, dst, sizes, i);   /* (first >= 1) */
-        const __m256i s = f.s, t = f.t;   /* (a size other than z0 sets differ) */
-        misfit = _mm256_or_si256(misfit, _mm256_cmpgt_epi64(
-            _mm256_xor_si256(_mm256_sub_epi64(s, s_start), sign), s_limit));
-        misfit = _mm256_or_si256(misfit, _mm256_cmpgt_epi64(
-            _mm256_xor_si256(_mm256_sub_epi64(t, t_start), sign), t_limit));
+        const kvcopy_four f = kvcopy_four_at(src, dst, sizes, i); /* (first >= 1) */
+        const __m256i s = f.s, t = f.t; /* (a size other than z0 sets differ) */
+        misfit = _mm256_or_si256(
+            misfit,
+            _mm256_cmpgt_epi64(_mm256_xor_si256(_mm256_sub_epi64(s, s_start), sign), s_limit));
+        misfit = _mm256_or_si256(
+            misfit,
+            _mm256_cmpgt_epi64(_mm256_xor_si256(_mm256_sub_epi64(t, t_start), sign), t_limit));
         differ = _mm256_or_si256(differ, _mm256_xor_si256(f.z, size0));
         const __m256i s_on = _mm256_cmpeq_epi64(_mm256_sub_epi64(s, f.ps), size0);
         const __m256i t_on = _mm256_cmpeq_epi64(_mm256_sub_epi64(t, f.pt), size0);
@@ -240,7 +238,7 @@ static int64_t kvcopy_pairs_one_size_avx2(const uint64_t* __restrict src,
         kvcopy_put(po, _mm256_permute2x128_si256(ab_lo, ab_hi, 0x20), stream);
         kvcopy_put(po + 1, _mm256_permute2x128_si256(ab_lo, ab_hi, 0x31), stream);
     }
-    if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered */
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i*)lanes, misfit);
     *misfit_io |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
@@ -280,15 +278,15 @@ typedef struct {
  * returns end. */
 static inline int64_t kvcopy_describe_scalar(const uint64_t* src, const uint64_t* dst,
                                              const uint64_t* sizes, void* descs_out, int pairs,
-                                             uint64_t tiles_per_copy, int64_t first,
-                                             int64_t end, uint64_t src_start, uint64_t src_span,
+                                             uint64_t tiles_per_copy, int64_t first, int64_t end,
+                                             uint64_t src_start, uint64_t src_span,
                                              int64_t src_delta, uint64_t dst_start,
                                              uint64_t dst_span, int64_t dst_delta,
                                              uint64_t max_size, kvcopy_found* f) {
     for (int64_t i = first; i < end; ++i) {
-        f->misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span,
-                                        dst_start, dst_span, max_size);
-        if (i > 0) {   /* copy i continues copy i - 1 on each side, on both: merges */
+        f->misfit |= kvcopy_fast_misfit(src[i], dst[i], sizes[i], src_start, src_span, dst_start,
+                                        dst_span, max_size);
+        if (i > 0) { /* copy i continues copy i - 1 on each side, on both: merges */
             const uint64_t s_on = src[i] == src[i - 1] + sizes[i - 1];
             const uint64_t t_on = dst[i] == dst[i - 1] + sizes[i - 1];
             f->merges |= s_on & t_on;
@@ -317,9 +315,8 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           const uint64_t* __restrict dst,
                                           const uint64_t* __restrict sizes, void* descs_out,
                                           int pairs, uint64_t tiles_per_copy, int64_t n,
-                                          uint64_t src_start, uint64_t src_span,
-                                          int64_t src_delta, uint64_t dst_start,
-                                          uint64_t dst_span, int64_t dst_delta,
+                                          uint64_t src_start, uint64_t src_span, int64_t src_delta,
+                                          uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                           uint64_t* total_out, kvcopy_sides* sides_out) {
     const uint64_t max_size = tiles_per_copy * KVCOPY_TILE_BYTES;
     kvcopy_found f = {0, 0, 0, 0, {0, 0, 0}};
@@ -333,15 +330,14 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     const uint64_t z0 = n ? sizes[0] : 0;
     /* (its continuations assume the copy before has size z0: the head's copies too) */
-    if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span
-            && z0 <= dst_span && !f.differ) {
+    if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span &&
+        z0 <= dst_span && !f.differ) {
         uint64_t one_misfit = 0, one_merges = 0, one_differ = 0;
         kvcopy_sides one_sides = f.sides;
         const int64_t end = kvcopy_pairs_one_size_avx2(
-            src, dst, sizes, (kvcopy_pair*)descs_out, i, n, z0, src_start, src_span - z0,
-            src_delta, dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges,
-            &one_differ, &one_sides);
-        if (!one_differ) {   /* else the pass below describes these copies again */
+            src, dst, sizes, (kvcopy_pair*)descs_out, i, n, z0, src_start, src_span - z0, src_delta,
+            dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges, &one_differ, &one_sides);
+        if (!one_differ) { /* else the pass below describes these copies again */
             f.misfit |= one_misfit;
             f.merges |= one_merges;
             f.sides = one_sides;
@@ -358,17 +354,17 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
     *total_out = f.total;
     f.sides.largest = f.differ ? max_size : (n ? sizes[0] : 0);
     *sides_out = f.sides;
-    return (f.misfit ? KVCOPY_FAST_MISFIT : 0u) | (f.merges ? KVCOPY_FAST_MERGES : 0u)
-         | (f.differ ? KVCOPY_FAST_SIZES : 0u);
+    return (f.misfit ? KVCOPY_FAST_MISFIT : 0u) | (f.merges ? KVCOPY_FAST_MERGES : 0u) |
+           (f.differ ? KVCOPY_FAST_SIZES : 0u);
 }
 
 /* One finished entry, as kvcopy_put writes the vector pass's (``stream``: streaming). */
 KVCOPY_FAST_TARGET static inline void kvcopy_put_desc(kvcopy_desc* at, uint64_t s, uint64_t t,
-                                                     uint64_t z, uint64_t tile_start,
-                                                     int stream) {
+                                                      uint64_t z, uint64_t tile_start, int stream) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    kvcopy_put((__m256i*)at, _mm256_setr_epi64x((long long)s, (long long)t, (long long)z,
-                                                (long long)tile_start), stream);
+    kvcopy_put((__m256i*)at,
+               _mm256_setr_epi64x((long long)s, (long long)t, (long long)z, (long long)tile_start),
+               stream);
 #else
     (void)stream;
     at->src = s;
@@ -391,8 +387,7 @@ static int64_t kvcopy_describe_merging(const uint64_t* __restrict src,
                                        const uint64_t* __restrict dst,
                                        const uint64_t* __restrict sizes,
                                        kvcopy_desc* __restrict out, int64_t n, int merge,
-                                       int64_t src_delta, int64_t dst_delta,
-                                       uint64_t* tiles_out) {
+                                       int64_t src_delta, int64_t dst_delta, uint64_t* tiles_out) {
     int64_t kept = 0;
     uint64_t tiles = 0;
     /* streaming where the entries are 32-byte aligned, as in the vector pass */
@@ -414,11 +409,11 @@ static int64_t kvcopy_describe_merging(const uint64_t* __restrict src,
         tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
         at_src = s, at_dst = t, size = z;
     }
-    kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta,
-                    size, tiles, stream);
+    kvcopy_put_desc(out + kept++, at_src + (uint64_t)src_delta, at_dst + (uint64_t)dst_delta, size,
+                    tiles, stream);
     tiles += (size + KVCOPY_TILE_BYTES - 1) / KVCOPY_TILE_BYTES;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (stream) _mm_sfence();  /* streaming stores are weakly ordered */
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered */
 #endif
     *tiles_out = tiles;
     return kept;

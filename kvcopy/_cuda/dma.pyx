@@ -18,7 +18,6 @@ from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_PAGEABLE, classifier_init, locate)
 from kvcopy._cuda.copy_loop cimport PlanCursor, plan_cursor_init, next_copy
 
-import numpy as np
 
 from kvcopy._cuda import driver
 from kvcopy._cuda.plan_arrays import bad_copy_error, empty_plan, length_error
@@ -186,6 +185,7 @@ def first_host_span_denied(const uint64_t[::1] ptrs, const uint64_t[::1] sizes,
                 break
     kvcopy_maps_free(&maps)
     return found
+
 
 # ---------------------------------------------------------------- batched DMA
 

@@ -109,7 +109,8 @@ def device_attributes(int ordinal) -> dict:
         "cc_minor": cydriver.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
         "unified_addressing": cydriver.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
         "can_map_host_memory": cydriver.CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY,
-        "host_pointer_for_registered_mem": cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+        "host_pointer_for_registered_mem":
+            cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
         "host_register_supported": cydriver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
     }
     out = {"ordinal": ordinal, "name": name.decode(errors="replace"),

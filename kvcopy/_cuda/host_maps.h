@@ -25,9 +25,9 @@ typedef struct kvcopy_map {
 } kvcopy_map;
 
 typedef struct kvcopy_maps {
-    kvcopy_map* entries;   /* sorted by start, as the kernel lists them */
+    kvcopy_map* entries; /* sorted by start, as the kernel lists them */
     int64_t count;
-    int available;         /* 0: /proc/self/maps could not be read */
+    int available; /* 0: /proc/self/maps could not be read */
 } kvcopy_maps;
 
 /* Read the calling process's mappings. Returns 0, or -1 when out of memory. */
@@ -56,12 +56,12 @@ static int kvcopy_maps_load(kvcopy_maps* maps) {
         while (*cursor == ' ') {
             cursor++;
         }
-        unsigned flags = (cursor[0] == 'r' ? KVCOPY_MAP_READ : 0u)
-                       | (cursor[0] != '\0' && cursor[1] == 'w' ? KVCOPY_MAP_WRITE : 0u);
+        unsigned flags = (cursor[0] == 'r' ? KVCOPY_MAP_READ : 0u) |
+                         (cursor[0] != '\0' && cursor[1] == 'w' ? KVCOPY_MAP_WRITE : 0u);
         if (maps->count == capacity) {
             capacity *= 2;
-            kvcopy_map* grown = (kvcopy_map*)realloc(maps->entries,
-                                                     (size_t)capacity * sizeof(kvcopy_map));
+            kvcopy_map* grown =
+                (kvcopy_map*)realloc(maps->entries, (size_t)capacity * sizeof(kvcopy_map));
             if (grown == NULL) {
                 fclose(f);
                 return -1;

@@ -330,7 +330,6 @@ def blocks_upload_bytes(Py_ssize_t num_tensors, Py_ssize_t num_pairs) -> int:
     return ((num_tensors * sizeof(kvcopy_block_tensor) + 15) & ~15) + num_pairs * 2 * sizeof(int64_t)
 
 
-
 def launch_blocks_both_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_t device_buf,
                               const uint64_t[:, ::1] tensors_a, const int64_t[:, ::1] mapping_a,
                               unsigned long long block_bytes_a, unsigned int ctas_a,

@@ -57,8 +57,8 @@ def host_alloc(size_t nbytes) -> int:
     init()
     cdef void* ptr = NULL
     with nogil:
-        check(cydriver.cuMemHostAlloc(&ptr, nbytes,
-                                       cydriver.CU_MEMHOSTALLOC_PORTABLE | cydriver.CU_MEMHOSTALLOC_DEVICEMAP))
+        check(cydriver.cuMemHostAlloc(
+            &ptr, nbytes, cydriver.CU_MEMHOSTALLOC_PORTABLE | cydriver.CU_MEMHOSTALLOC_DEVICEMAP))
     return <uintptr_t>ptr
 
 
@@ -90,4 +90,3 @@ def host_device_pointer(uintptr_t ptr) -> int:
     cdef CUdeviceptr dptr = 0
     check(cydriver.cuMemHostGetDevicePointer(&dptr, <void*>ptr, 0))
     return dptr
-

@@ -23,8 +23,7 @@
 #endif
 
 /* pairs[2i] to src[i] and pairs[2i + 1] to dst[i], for i in [0, n). */
-static inline void kvcopy_split_pairs(const int64_t* pairs, int64_t* src, int64_t* dst,
-                                      int64_t n) {
+static inline void kvcopy_split_pairs(const int64_t* pairs, int64_t* src, int64_t* dst, int64_t n) {
     int64_t i = 0;
 #if KVCOPY_STREAMING_STORES
     const int src_aligned = ((uintptr_t)src & 15u) == 0;

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import classify, describe, dma, driver, launch, plan_arrays, rows
+from kvcopy._cuda import describe, dma, driver, launch, plan_arrays, rows
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine import replay, staged
 from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,

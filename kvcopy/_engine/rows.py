@@ -65,11 +65,11 @@ def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, in
     copied, which the caller uploads on its stream before the launches that read them and
     fences the slot behind."""
     where, offset = [], 0
-    for indices, rows in sides:
+    for indices, count in sides:
         if indices is not None and indices.host is not None:
             plan_arrays.write_indices(slot.host + offset, indices.host)
             where.append(slot.device + offset)
-            offset += 8 * rows
+            offset += 8 * count
         else:
             where.append(indices.device if indices is not None else 0)
     return where, offset

@@ -117,7 +117,8 @@ def block_copy_rows(direction: str, block: int, total: int, memory: str,
 
     contiguous_src, contiguous_dst = pools.src[:nbytes], pools.dst[:nbytes]
     with torch.cuda.stream(stream):
-        ceiling_row = row("contiguous", "", lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True), None)
+        ceiling_row = row("contiguous", "",
+                          lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True), None)
     ceiling = ceiling_row.gbps
     yield ceiling_row
     for method in methods:

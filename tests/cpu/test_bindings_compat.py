@@ -43,8 +43,8 @@ def test_driver_module_under_current_bindings():
 
     # the imports themselves check every cimported signature
     from kvcopy.testing import cuda as layer
-    classify, describe, dma, driver, launch = (layer.classify, layer.describe, layer.dma,
-                                               layer.driver, layer.launch)
-    testing = layer.testing
+    modules = (layer.classify, layer.describe, layer.dma, layer.driver, layer.launch,
+               layer.testing)
+    assert all(m is not None for m in modules)
 
     assert int(cuda.bindings.__version__.split(".")[0]) in (12, 13)

@@ -9,6 +9,8 @@ copy_both_ways' fused launch (both_ways._fused) makes the same joint choice: one
 launch of the descriptor pair, a Decision for the copy engines, or None (apart)."""
 from __future__ import annotations
 
+from typing import Iterator
+
 
 import numpy as np
 

@@ -13,8 +13,8 @@ decide, dispatch = engine.decide, engine.dispatch
 device = engine.device
 from kvcopy.config import config
 from kvcopy.calibrate import _next_threshold
-from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest, Decision, DeviceCaps,
-                           Thresholds, fewest_ctas)
+from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest,
+                           Decision, DeviceCaps, Thresholds, fewest_ctas)
 
 MiB = 1 << 20
 

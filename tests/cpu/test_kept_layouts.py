@@ -38,7 +38,7 @@ def test_a_changed_or_new_tensor_is_described_anew():
     assert moved is not first and moved.bases.tolist() == [t.data_ptr()]
     memory = np.zeros((8, 16), np.uint8)
     a = torch.from_numpy(memory)
-    kept = kept_layout([a], ("rows",), lambda: _rows(a))
+    kept = kept_layout([a], ("rows",), lambda: _rows(a))  # noqa: F821 - called before the del
     del a
     b = torch.from_numpy(memory)   # another tensor at the same address, shape and strides
     assert kept_layout([b], ("rows",), lambda: _rows(b)) is not kept
@@ -62,7 +62,7 @@ def test_a_tables_contents_count_and_a_caches_do_not():
 
 def test_a_kept_layout_keeps_no_tensor_alive_and_a_failed_build_keeps_nothing():
     t = torch.zeros((8, 16))
-    kept_layout([t], ("rows",), lambda: _rows(t))
+    kept_layout([t], ("rows",), lambda: _rows(t))  # noqa: F821 - called before the del
     gone = weakref.ref(t)
     del t
     gc.collect()

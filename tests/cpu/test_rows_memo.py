@@ -102,7 +102,8 @@ def test_bad_indices_between_known_layouts_are_refused_as_at_first(driver):
         kvcopy.copy_rows(paged, chunk, bad, stream=STREAM)
     with pytest.raises(ValueError, match="rows .41. differs from the indices' length .40."):
         kvcopy.copy_rows(paged, chunk, GpuIndices(40), rows=41, stream=STREAM)
-    with pytest.raises(ValueError, match="must both be on the GPU or both on the host; got src_indices on the GPU"):
+    with pytest.raises(ValueError, match="must both be on the GPU or both on the host; got "
+                                         "src_indices on the GPU"):
         kvcopy.copy_rows(paged, chunk, GpuIndices(4), np.arange(4), stream=STREAM)
     assert len(driver.calls) == calls
 

@@ -150,7 +150,7 @@ def test_rows_cut_in_strided_pieces_on_the_gpu_side_arrive_whole(staged_rows):
     """An HND cache: a token's row is its heads, page_size tokens apart; the chunk keeps
     each row whole."""
     fake, make = staged_rows
-    step = make(1)
+    make(1)
     heads, page, head_bytes, pages, tokens = 4, 8, 64, 8, 24   # two chunks of 16 rows
     rng = np.random.default_rng(9)
     cache = rng.integers(0, 256, (pages, heads, page, head_bytes), dtype=np.uint8)

@@ -23,7 +23,8 @@ PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.kept", "kv
         "kvcopy.policy.layout_kernel",
         "kvcopy.policy.defaults", "kvcopy.interop",
         "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
-        "kvcopy._plans.overlaps", "kvcopy._plans.row_overlaps", "kvcopy._plans.rows", "kvcopy._plans.rows_races",
+        "kvcopy._plans.overlaps", "kvcopy._plans.row_overlaps", "kvcopy._plans.rows",
+        "kvcopy._plans.rows_races",
         "kvcopy._plans.rows_staging", "kvcopy.layouts",
         "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
         "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
@@ -39,7 +40,8 @@ LAYERS = [
      "kvcopy._engine.rows"},
     {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
-    {"kvcopy.api", "kvcopy.prepared_rows", "kvcopy.rows_both_ways", "kvcopy.queue", "kvcopy.calibrate", "kvcopy.compat", "kvcopy.testing"},
+    {"kvcopy.api", "kvcopy.prepared_rows", "kvcopy.rows_both_ways", "kvcopy.queue", "kvcopy.calibrate",
+     "kvcopy.compat", "kvcopy.testing"},
     {"kvcopy"},                                                        # __init__: re-exports
     {"kvcopy.bench"},                                                  # uses the public API
 ]

@@ -56,7 +56,8 @@ def test_layouts_and_directions(torch_cuda, layout, direction):
     mapping = mapping_for(src_views[0].shape[0], dst_views[0].shape[0], 40)
     expected = [d.clone() for d in dst_views]
     for e, s in zip(expected, src_views):
-        e[torch.from_numpy(mapping[:, 1]).to(e.device)] = s[torch.from_numpy(mapping[:, 0]).to(s.device)].to(e.device)
+        to = torch.from_numpy(mapping[:, 1]).to(e.device)
+        e[to] = s[torch.from_numpy(mapping[:, 0]).to(s.device)].to(e.device)
     used = kvcopy.swap_blocks(src_views, dst_views, mapping, stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
     assert used in ("kernel", "batch", "loop")

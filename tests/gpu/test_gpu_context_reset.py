@@ -4,7 +4,6 @@ cuda.close(), cudaDeviceReset in an extension): what kvcopy kept for the old one
 be used in the new one, even where the driver hands back the same handle."""
 from __future__ import annotations
 
-import pytest
 
 from helpers.child import run_child
 

@@ -261,7 +261,8 @@ def test_capture_on_a_cuda_core_stream(torch_cuda, method):
     rng = np.random.default_rng(6)
     s_off, d_off = rng.permutation(512)[:256] * 8192, rng.permutation(512)[:256] * 8192
     sizes = np.full(256, 8192)
-    (err,) = driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    (err,) = driver.cuStreamBeginCapture(handle, mode)
     assert err == driver.CUresult.CUDA_SUCCESS
     used = kvcopy.copy_batch(src.data_ptr() + s_off, dst.data_ptr() + d_off, sizes, stream=stream,
                              method=method)
@@ -290,7 +291,8 @@ ptr_s = src.data_ptr() + np.arange(0, 1 << 18, 8192)
 ptr_d = dst.data_ptr() + np.arange(0, 1 << 18, 8192)
 used = [kvcopy.copy_batch(ptr_s, ptr_d, np.full(32, 4096), stream=0, method=m) for m in ("auto", "batch")]
 torch.cuda.synchronize()
-print(json.dumps({"used": used, "ok": bool(torch.equal(dst.cpu().view(32, -1)[:, :1024], src.view(32, -1)[:, :1024]))}))
+same = torch.equal(dst.cpu().view(32, -1)[:, :1024], src.view(32, -1)[:, :1024])
+print(json.dumps({"used": used, "ok": bool(same)}))
 """
 
 
