@@ -95,7 +95,8 @@ for major in 12 13; do
   "$C" -m pip install -q --upgrade pip
   "$C" -m pip install -q "$WHEEL[cu$major]" >"$WORK/cu$major.log" 2>&1 || { tail -20 "$WORK/cu$major.log"; exit 1; }
   "$C" -m pip list 2>/dev/null | grep -iE "^(kvcopy|cuda|nvidia)" | sed "s/^/  cu$major: /"
-  "$C" - "$major" <<'MAJOR'
+  # (from another folder: the checkout's unbuilt kvcopy/ must not shadow the installed one)
+  (cd "$WORK" && "$C" - "$major") <<'MAJOR'
 import importlib.metadata as m, sys
 major = sys.argv[1]
 have = {d.metadata["Name"].lower(): d.version for d in m.distributions()}
