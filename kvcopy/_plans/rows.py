@@ -45,11 +45,11 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     """GPU-resident indices (a CUDA torch tensor, or a __cuda_array_interface__
     producer), read in place; None where ``obj`` is not on a GPU."""
     if framework_of(obj) == "torch":
+        if not obj.is_cuda:
+            return None   # (host tensors are read, and checked, by torch_integers)
         refusal = torch_integers_refusal(obj)
         if refusal:
             raise TypeError(f"{name}: {refusal}")
-        if not obj.is_cuda:
-            return None
         import torch
         if obj.dtype != torch.int64:
             raise TypeError(f"{name}: GPU indices must be int64, got {obj.dtype}")
