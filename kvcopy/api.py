@@ -81,9 +81,10 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
             copies write overlapping bytes or a copy reads bytes a copy writes
             (a copy onto exactly itself changes nothing and passes): the copies
             of one batch run in no defined order, so such a batch would give
-            unspecified bytes. On by default; it costs O(n) where the
-            destinations come in address order and the two sides lie apart,
-            else a sort. False leaves the guarantee to a caller that makes it.
+            unspecified bytes. On by default; it costs one expected-linear
+            pass over the batch (a sort only where copies of very unequal sizes
+            crowd one place, and to name the copies of a refusal). False leaves
+            the guarantee to a caller that makes it.
         allow_batch: False keeps cuMemcpyBatchAsync out ('auto' then picks
             the kernel or one cuMemcpyAsync per copy), for drivers or GPUs
             where the batch API misbehaves.

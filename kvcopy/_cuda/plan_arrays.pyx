@@ -74,15 +74,16 @@ def plan_arrays(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t
 
 
 def copies_ok(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[::1] sizes) -> bool:
-    """One pass over a batch of equal-length arrays, allocating nothing: raises
-    plan_arrays' ValueError for the first bad copy; else whether the batch is shown free
-    of order dependence at a glance, its non-empty destinations in address order without
-    meeting and every source but a copy's onto exactly itself outside the destinations'
-    span. False only means: compare the copies exactly (kvcopy._plans.overlaps)."""
+    """Raises plan_arrays' ValueError for the first bad copy of a batch of equal-length
+    arrays; else whether the batch is shown free of order dependence: at a glance (its
+    non-empty destinations in address order without meeting, every source but a copy's
+    onto exactly itself outside the destinations' span), else by one expected-linear
+    pass over buckets of addresses (copies_apart.h). False only means: compare the
+    copies exactly (kvcopy._plans.overlaps), which names the copies that meet."""
     cdef Py_ssize_t i, n = src.shape[0]
-    cdef int why = COPY_OK
+    cdef int why = COPY_OK, apart
     cdef uint64_t size, reach = 0, dst_lo = 0xFFFFFFFFFFFFFFFFULL, src_lo = dst_lo
-    cdef uint64_t src_hi = 0
+    cdef uint64_t src_hi = 0, dst_hi = 0
     cdef bint ordered = True
     with nogil:
         for i in range(n):
@@ -95,6 +96,8 @@ def copies_ok(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[:
             if dst[i] < reach:
                 ordered = False
             reach = dst[i] + size
+            if reach > dst_hi:
+                dst_hi = reach
             if dst[i] < dst_lo:
                 dst_lo = dst[i]
             if src[i] != dst[i]:
@@ -105,7 +108,18 @@ def copies_ok(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[:
     if why:
         raise bad_copy_error(why, i, sizes[i])
     # (ordered: the destinations' span is [dst_lo, reach))
-    return ordered and (src_hi <= dst_lo or src_lo >= reach)
+    if ordered and (src_hi <= dst_lo or src_lo >= reach):
+        return True
+    # not at a glance (destinations out of order, sources among them): by buckets
+    with nogil:
+        apart = kvcopy_copies_apart(&src[0], &dst[0], &sizes[0], n,
+                                    src_hi <= dst_lo or src_lo >= dst_hi)
+    return apart == 1
+
+
+cdef extern from "copies_apart.h":
+    int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                            int64_t n, int sources_apart) noexcept nogil
 
 
 cdef extern from "pinned_writes.h":

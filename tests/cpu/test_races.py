@@ -236,3 +236,66 @@ def test_copies_oks_glance_never_passes_a_batch_the_exact_check_refuses():
             assert find_overlap(dst, sizes) is None
             assert find_read_of_written(src, dst, sizes, moved) is None
     assert passed > 100
+
+
+@pytest.mark.parametrize("sizes_from", ["equal", "mixed"])
+def test_copies_ok_passes_no_batch_the_exact_check_refuses_at_any_length(sizes_from):
+    """The bucket pass, which decides where the glance does not (sources and
+    destinations interleaved, out of order), is sound for batches of any length."""
+    from kvcopy._plans.copies import find_overlap, find_read_of_written
+    from kvcopy.testing import cuda
+    rng = np.random.default_rng(5)
+    verdicts = {True: 0, False: 0}
+    for _ in range(400):
+        n = int(rng.integers(2, 200))
+        span = int(rng.integers(2 * n + 1, 8 * n))
+        if rng.random() < 0.5:   # distinct slots: apart where sizes stay within a slot
+            slots = rng.permutation(span)[:2 * n] + 1
+            src, dst = (slots[:n] * 64).astype(np.uint64), (slots[n:] * 64).astype(np.uint64)
+        else:
+            src = (rng.integers(1, span, n) * 64).astype(np.uint64)
+            dst = (rng.integers(1, span, n) * 64).astype(np.uint64)
+        sizes = (np.full(n, 64) if sizes_from == "equal"
+                 else rng.integers(0, 3, n) * 32).astype(np.uint64)
+        exact_ok = (find_overlap(dst, sizes) is None
+                    and find_read_of_written(src, dst, sizes, src != dst) is None)
+        ok = cuda.plan_arrays.copies_ok(src, dst, sizes)
+        assert not ok or exact_ok
+        verdicts[ok] += 1
+    assert verdicts[True] > 20 and verdicts[False] > 20
+
+
+def test_copies_ok_shows_a_shuffled_block_batch_apart_and_finds_one_clash():
+    """Equal blocks in random order within one pool, sources and destinations mixed
+    (as a copy inside one GPU's cache): shown apart in one pass, without the sort; one
+    destination moved onto another's bytes, or a source onto a destination, is not."""
+    from kvcopy.testing import cuda
+    rng = np.random.default_rng(7)
+    base, block, n = 0x7F0000000000, 2048, 8192
+    slots = rng.permutation(2 * n).astype(np.uint64)
+    src = base + slots[:n] * np.uint64(block)
+    dst = base + slots[n:] * np.uint64(block)
+    sizes = np.full(n, block, dtype=np.uint64)
+    assert cuda.plan_arrays.copies_ok(src, dst, sizes)
+    clash = dst.copy()
+    clash[100] = dst[4000] + np.uint64(block // 2)   # half over another destination
+    assert not cuda.plan_arrays.copies_ok(src, clash, sizes)
+    reads = src.copy()
+    reads[7] = dst[8000] + np.uint64(1)               # reads what copy 8000 writes
+    assert not cuda.plan_arrays.copies_ok(reads, dst, sizes)
+    onto_itself = src.copy()
+    onto_itself[9] = dst[9]                           # a copy onto exactly itself
+    assert cuda.plan_arrays.copies_ok(onto_itself, dst, sizes)
+    partly_itself = src.copy()
+    partly_itself[9] = dst[9] + np.uint64(8)          # a copy onto part of itself
+    assert not cuda.plan_arrays.copies_ok(partly_itself, dst, sizes)
+
+
+def test_copy_batch_names_the_copies_the_bucket_pass_finds():
+    """Where the bucket pass finds two copies meeting, the exact check names them."""
+    base, block = 0x7F0000000000, 4096
+    dst = [base + k * block for k in (5, 1, 9, 3)]
+    dst[2] = dst[0] + 64
+    src = [base + 0x100000 + k * block for k in range(4)]
+    with pytest.raises(ValueError, match=r"dst_ptrs\[0\] and dst_ptrs\[2\] write overlapping"):
+        kvcopy.copy_batch(src, dst, [block] * 4, stream=0)

@@ -1,0 +1,216 @@
+/* Whether a batch of copies is free of order dependence, in one expected-linear pass
+ * (host code, used by kvcopy/_cuda/plan_arrays.pyx's copies_ok): no two destinations
+ * meet, and no copy reads bytes another copy writes (a copy onto exactly itself is
+ * left out of the second test, as the exact check leaves it out).
+ *
+ * Addresses are cut into buckets as wide as the largest copy, rounded up to a power of
+ * two, so a range touches at most two buckets and two ranges that share a byte share a
+ * bucket. Each destination range is entered under its buckets in a hash table; a range
+ * is compared only with the ranges already entered under its own buckets. A bucket
+ * that gathers more than KVCOPY_APART_CHAIN ranges (very unequal sizes) ends the pass
+ * undecided: the caller then sorts (kvcopy._plans.overlaps), so the pass never costs
+ * more than a constant per copy.
+ *
+ * The table lives in a scratch area each thread keeps (up to KVCOPY_APART_KEPT bytes;
+ * a larger one is freed after the call), and a slot is free unless it carries the
+ * current pass's stamp: a pass neither allocates nor clears memory in the steady state
+ * (a fresh allocation of a few hundred KiB costs more in page faults than the pass).
+ *
+ * Returns 1 where the batch is shown apart, 0 where two copies meet or the pass is
+ * undecided (the caller compares exactly, which names the copies), -1 where memory
+ * for the table could not be had. Zero-size copies are skipped; the caller has refused
+ * copies that wrap the address space.
+ */
+#ifndef KVCOPY_COPIES_APART_H
+#define KVCOPY_COPIES_APART_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVCOPY_APART_CHAIN 8
+#define KVCOPY_APART_KEPT (16u << 20)
+
+#ifdef __cplusplus
+#define KVCOPY_THREAD_LOCAL thread_local
+#else
+#define KVCOPY_THREAD_LOCAL _Thread_local
+#endif
+
+typedef struct {
+    uint64_t bucket; /* the bucket this slot holds */
+    uint32_t stamp;  /* the pass that filled it: any other value means free */
+    int32_t head;    /* its newest entry */
+} kvcopy_bucket_slot_t;
+
+typedef struct {
+    int32_t next; /* the entry entered before it under the same bucket, or -1 */
+    int32_t copy;
+} kvcopy_bucket_entry_t;
+
+typedef struct {
+    kvcopy_bucket_slot_t* slots;
+    kvcopy_bucket_entry_t* entries;
+    uint64_t mask;
+    uint32_t stamp;
+    int32_t used;
+} kvcopy_bucket_table;
+
+typedef struct {
+    void* memory;
+    size_t bytes;
+    uint32_t stamp;
+} kvcopy_apart_scratch;
+
+static KVCOPY_THREAD_LOCAL kvcopy_apart_scratch kvcopy_apart_kept = {NULL, 0, 0};
+
+static inline uint64_t kvcopy_bucket_find(const kvcopy_bucket_table* t, uint64_t bucket) {
+    /* Fibonacci hashing spreads buckets that follow each other over the slots */
+    uint64_t slot = (bucket * 0x9E3779B97F4A7C15ULL) >> 20;
+    for (;; ++slot) {
+        const kvcopy_bucket_slot_t* s = &t->slots[slot & t->mask];
+        if (s->stamp != t->stamp || s->bucket == bucket) {
+            return slot & t->mask;
+        }
+    }
+}
+
+/* 1: no destination under ``bucket`` overlaps [lo, hi); 0: one does, or the bucket
+ * holds too many to compare. With ``src``, the destinations of copies onto exactly
+ * themselves are passed over. */
+static inline int kvcopy_bucket_clear(const kvcopy_bucket_table* t, uint64_t bucket, uint64_t lo,
+                                      uint64_t hi, const uint64_t* src, const uint64_t* dst,
+                                      const uint64_t* sizes) {
+    const kvcopy_bucket_slot_t* s = &t->slots[kvcopy_bucket_find(t, bucket)];
+    int seen = 0;
+    if (s->stamp != t->stamp) {
+        return 1;
+    }
+    for (int32_t e = s->head; e >= 0; e = t->entries[e].next) {
+        int32_t j = t->entries[e].copy;
+        if ((src == NULL || src[j] != dst[j]) && dst[j] < hi && lo < dst[j] + sizes[j]) {
+            return 0;
+        }
+        if (++seen > KVCOPY_APART_CHAIN) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static inline void kvcopy_bucket_enter(kvcopy_bucket_table* t, uint64_t bucket, int32_t copy) {
+    kvcopy_bucket_slot_t* s = &t->slots[kvcopy_bucket_find(t, bucket)];
+    int32_t e = t->used++;
+    if (s->stamp != t->stamp) {
+        s->stamp = t->stamp;
+        s->bucket = bucket;
+        s->head = -1;
+    }
+    t->entries[e].copy = copy;
+    t->entries[e].next = s->head;
+    s->head = e;
+}
+
+/* Room for ``slots`` slots and ``entries`` entries, from the thread's scratch where it
+ * is large enough (kept up to KVCOPY_APART_KEPT bytes); 0 where memory is short. */
+static inline int kvcopy_bucket_table_init(kvcopy_bucket_table* t, uint64_t slots,
+                                           int64_t entries) {
+    size_t slot_bytes = (size_t)slots * sizeof(kvcopy_bucket_slot_t);
+    size_t bytes = slot_bytes + (size_t)entries * sizeof(kvcopy_bucket_entry_t);
+    kvcopy_apart_scratch* kept = &kvcopy_apart_kept;
+    if (kept->bytes < bytes) {
+        free(kept->memory);
+        kept->memory = malloc(bytes);
+        kept->bytes = kept->memory ? bytes : 0;
+        kept->stamp = 0;
+        if (!kept->memory) {
+            return 0;
+        }
+        memset(kept->memory, 0, bytes); /* stamp 0 is never a pass's */
+    }
+    if (++kept->stamp == 0) { /* every stamp used: clear, and start again */
+        memset(kept->memory, 0, kept->bytes);
+        kept->stamp = 1;
+    }
+    t->slots = (kvcopy_bucket_slot_t*)kept->memory;
+    t->entries = (kvcopy_bucket_entry_t*)((char*)kept->memory + slot_bytes);
+    t->mask = slots - 1;
+    t->stamp = kept->stamp;
+    t->used = 0;
+    return 1;
+}
+
+static inline void kvcopy_bucket_table_done(void) {
+    kvcopy_apart_scratch* kept = &kvcopy_apart_kept;
+    if (kept->bytes > KVCOPY_APART_KEPT) {
+        free(kept->memory);
+        kept->memory = NULL;
+        kept->bytes = 0;
+    }
+}
+
+static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
+                                      const uint64_t* sizes, int64_t n, int sources_apart) {
+    uint64_t widest = 0, slots = 4;
+    int shift = 0;
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (sizes[i] != 0) {
+            ++live;
+            if (sizes[i] > widest) {
+                widest = sizes[i];
+            }
+        }
+    }
+    if (live == 0) {
+        return 1;
+    }
+    if (n >= INT32_MAX / 2) {
+        return 0; /* entries are counted in 32 bits: the exact check decides */
+    }
+    while (shift < 63 && (1ULL << shift) < widest) {
+        ++shift;
+    }
+    while (slots < 4 * (uint64_t)live) {
+        slots *= 2;
+    }
+    kvcopy_bucket_table t;
+    if (!kvcopy_bucket_table_init(&t, slots, 2 * live)) {
+        return -1;
+    }
+    int apart = 1;
+    /* destinations against each other, each entered after it is compared */
+    for (int64_t i = 0; i < n && apart; ++i) {
+        if (sizes[i] == 0) {
+            continue;
+        }
+        uint64_t lo = dst[i], hi = dst[i] + sizes[i];
+        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
+        if (hi < lo || !kvcopy_bucket_clear(&t, first, lo, hi, NULL, dst, sizes) ||
+            (last != first && !kvcopy_bucket_clear(&t, last, lo, hi, NULL, dst, sizes))) {
+            apart = 0;
+            break;
+        }
+        kvcopy_bucket_enter(&t, first, (int32_t)i);
+        if (last != first) {
+            kvcopy_bucket_enter(&t, last, (int32_t)i);
+        }
+    }
+    /* every moved copy's source against every moved copy's destination, unless the
+       caller found the sources' span outside the destinations' */
+    for (int64_t i = 0; i < n && apart && !sources_apart; ++i) {
+        if (sizes[i] == 0 || src[i] == dst[i]) {
+            continue;
+        }
+        uint64_t lo = src[i], hi = src[i] + sizes[i];
+        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
+        if (hi < lo || !kvcopy_bucket_clear(&t, first, lo, hi, src, dst, sizes) ||
+            (last != first && !kvcopy_bucket_clear(&t, last, lo, hi, src, dst, sizes))) {
+            apart = 0;
+        }
+    }
+    kvcopy_bucket_table_done();
+    return apart;
+}
+
+#endif /* KVCOPY_COPIES_APART_H */
