@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import kvcopy
 from kvcopy._plans.blocks import plan_blocks
+from kvcopy._plans.rows import read_indices
 from kvcopy.interop.tensors import BlockLayout, block_layout
 
 torch = pytest.importorskip("torch")
@@ -287,3 +288,41 @@ def test_vllms_swap_blocks_batch_checks_lengths_before_asking_torch_for_a_stream
     with pytest.raises(ValueError, match="src_ptrs, dst_ptrs and sizes differ in length: 2, 2 "
                                          "and 1"):
         vllm.swap_blocks_batch(ptrs, ptrs, torch.tensor([8], dtype=torch.int64))
+
+
+def _gpu_index_face(ptr: int = 0x7F0000001000, n: int = 16, **fields) -> dict:
+    face = {"shape": (n,), "typestr": "<i8", "data": (ptr, False), "version": 3,
+            "strides": None, "stream": None}
+    face.update(fields)
+    return face
+
+
+def test_gpu_indices_read_again_from_their_fields_give_the_same_reading():
+    """An index interface read before is known by its fields (a new object with the same
+    fields reads the same; another address or length reads anew); each reading keeps
+    its own object."""
+    first = Producer("__cuda_array_interface__", _gpu_index_face())
+    again = Producer("__cuda_array_interface__", _gpu_index_face())
+    a, b = read_indices(first, "src_indices"), read_indices(again, "src_indices")
+    assert (a.count, a.device, a.keep) == (16, 0x7F0000001000, first)
+    assert (b.count, b.device, b.keep) == (16, 0x7F0000001000, again)
+    moved = read_indices(Producer("__cuda_array_interface__",
+                                        _gpu_index_face(ptr=0x7F0000002000, n=3)), "x")
+    assert (moved.count, moved.device) == (3, 0x7F0000002000)
+
+
+@pytest.mark.parametrize("fields, kind, match", [
+    ({"data": (0x7F0000001000, 0)}, TypeError, "data"),
+    ({"version": 3.0}, TypeError, "version 3.0"),
+    ({"strides": (16,)}, ValueError, "one contiguous dimension"),
+    ({"shape": (16, 1)}, ValueError, "one contiguous dimension"),
+    ({"typestr": "<i4"}, TypeError, "int64"),
+    ({"mask": object()}, TypeError, "mask"),
+])
+def test_gpu_indices_like_ones_read_before_are_still_checked_in_full(fields, kind, match):
+    """A field of another type or value than a reading kept before (0 for False, 3.0 for
+    3) is no match for it: the interface is read, and refused, in full."""
+    read_indices(Producer("__cuda_array_interface__", _gpu_index_face()), "src_indices")
+    bad = Producer("__cuda_array_interface__", _gpu_index_face(**fields))
+    with pytest.raises(kind, match=match):
+        read_indices(bad, "src_indices")
