@@ -8,6 +8,7 @@ stops with both versions named when none does. The kernel sources in
 include/kvcopy/ are copied into the package so that an installed kvcopy can
 compile them with NVRTC.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,22 +88,30 @@ def cuda_include_dirs() -> list[str]:
             raise RuntimeError(
                 f"kvcopy: KVCOPY_CUDA_INCLUDE={explicit} holds cuda.h of CUDA {found[0]}.{found[1]}, "
                 f"but cuda-bindings {want[0]}.{want[1]} needs CUDA {want[0]}.{want[1]} or a newer "
-                f"{want[0]}.x")
-        print(f"kvcopy: skipping {folder}: cuda.h is CUDA {found[0]}.{found[1]}, cuda-bindings "
-              f"is {want[0]}.{want[1]}", file=sys.stderr)
+                f"{want[0]}.x"
+            )
+        print(
+            f"kvcopy: skipping {folder}: cuda.h is CUDA {found[0]}.{found[1]}, cuda-bindings "
+            f"is {want[0]}.{want[1]}",
+            file=sys.stderr,
+        )
     if chosen is None:
         # An older header of the same major often still compiles (cydriver only
         # needs the names kvcopy's modules touch); try the newest one, and name
         # both versions if the compiler then fails (BuildExtNamingVersions).
-        same_major = [(header_version(c), c) for c in candidates
-                      if (header_version(c) or (0, 0))[0] == want[0]]
+        same_major = [
+            (header_version(c), c) for c in candidates if (header_version(c) or (0, 0))[0] == want[0]
+        ]
         if not same_major:
             raise RuntimeError(HEADER_ADVICE.format(want=want, seen=", ".join(seen) or "none"))
         chosen = max(same_major)[1]
-        print(f"kvcopy: warning: no cuda.h of CUDA {want[0]}.{want[1]} or newer; trying {chosen}",
-              file=sys.stderr)
-    BuildExtNamingVersions.note = (f"cuda.h from {chosen} (CUDA {header_version(chosen)}) with "
-                                   f"cuda-bindings {want[0]}.{want[1]}")
+        print(
+            f"kvcopy: warning: no cuda.h of CUDA {want[0]}.{want[1]} or newer; trying {chosen}",
+            file=sys.stderr,
+        )
+    BuildExtNamingVersions.note = (
+        f"cuda.h from {chosen} (CUDA {header_version(chosen)}) with cuda-bindings {want[0]}.{want[1]}"
+    )
     dirs = [chosen]
     # cuda-bindings' pxd also includes cudaProfiler.h, which may live in another wheel.
     if not (chosen / "cudaProfiler.h").is_file():
@@ -113,7 +122,8 @@ def cuda_include_dirs() -> list[str]:
 HEADER_ADVICE = (
     "kvcopy: no cuda.h fits cuda-bindings {want[0]}.{want[1]} (needs CUDA {want[0]}.{want[1]} "
     "or a newer {want[0]}.x). Found: {seen}. Install nvidia-cuda-runtime=={want[0]}.{want[1]}.* "
-    "in the build environment, or point KVCOPY_CUDA_INCLUDE or CUDA_HOME at a matching toolkit.")
+    "in the build environment, or point KVCOPY_CUDA_INCLUDE or CUDA_HOME at a matching toolkit."
+)
 
 
 class BuildExtNamingVersions(build_ext):
@@ -133,8 +143,9 @@ class BuildExtNamingVersions(build_ext):
                 ext.include_dirs = includes + list(ext.include_dirs)
         # setuptools' own Extension objects are kept (it has prepared them); only their
         # sources turn from .pyx into the generated .cpp
-        generated = cythonize(self.extensions, compiler_directives={"language_level": "3"},
-                              nthreads=os.cpu_count() or 1)
+        generated = cythonize(
+            self.extensions, compiler_directives={"language_level": "3"}, nthreads=os.cpu_count() or 1
+        )
         for ext, made in zip(self.extensions, generated):
             ext.sources = made.sources
 
@@ -142,10 +153,12 @@ class BuildExtNamingVersions(build_ext):
         try:
             super().build_extensions()
         except (CompileError, DistutilsExecError) as exc:
-            raise RuntimeError(f"kvcopy: compiling against {self.note} failed ({exc}). The "
-                               "headers must be of the bindings' CUDA version or newer: install "
-                               "the matching nvidia-cuda-runtime, or set KVCOPY_CUDA_INCLUDE or "
-                               "CUDA_HOME to a matching toolkit.") from exc
+            raise RuntimeError(
+                f"kvcopy: compiling against {self.note} failed ({exc}). The "
+                "headers must be of the bindings' CUDA version or newer: install "
+                "the matching nvidia-cuda-runtime, or set KVCOPY_CUDA_INCLUDE or "
+                "CUDA_HOME to a matching toolkit."
+            ) from exc
 
 
 class BuildPyWithKernelSources(build_py):
@@ -159,8 +172,19 @@ class BuildPyWithKernelSources(build_py):
         super().run()
 
 
-CUDA_MODULES = ("driver", "memory", "classify", "describe", "dma", "launch", "plan_arrays",
-                "replay_records", "rows", "stage", "testing")
+CUDA_MODULES = (
+    "driver",
+    "memory",
+    "classify",
+    "describe",
+    "dma",
+    "launch",
+    "plan_arrays",
+    "replay_records",
+    "rows",
+    "stage",
+    "testing",
+)
 
 
 # Optimised and without debug information: -g0 overrides the -g of Python's own
@@ -170,12 +194,20 @@ LINK_ARGS = ["-Wl,--strip-all"]
 
 
 def extensions() -> list[Extension]:
-    layer = [Extension(f"kvcopy._cuda.{name}", [f"kvcopy/_cuda/{name}.pyx"], language="c++",
-                       extra_compile_args=COMPILE_ARGS + ["-std=c++17"],
-                       extra_link_args=LINK_ARGS)
-             for name in CUDA_MODULES]
+    layer = [
+        Extension(
+            f"kvcopy._cuda.{name}",
+            [f"kvcopy/_cuda/{name}.pyx"],
+            language="c++",
+            extra_compile_args=COMPILE_ARGS + ["-std=c++17"],
+            extra_link_args=LINK_ARGS,
+        )
+        for name in CUDA_MODULES
+    ]
     return layer
 
 
-setup(ext_modules=extensions(),
-      cmdclass={"build_py": BuildPyWithKernelSources, "build_ext": BuildExtNamingVersions})
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_py": BuildPyWithKernelSources, "build_ext": BuildExtNamingVersions},
+)

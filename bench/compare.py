@@ -12,6 +12,7 @@ difference.
 Exit status 1 where a GPU-time ratio is beyond tolerance and beyond noise; wall time
 is reported, not judged (a busy host moves it by more than a change does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def rows_by_key(path: Path, method: str) -> dict[tuple, dict[str, Any]]:
         if row.get("method") != method:
             continue
         key = tuple(str(row.get(field)) for field in KEY)
-        n = sum(1 for k in found if k[:len(KEY)] == key)
+        n = sum(1 for k in found if k[: len(KEY)] == key)
         found[key + (n,)] = row
     return found
 
@@ -44,14 +45,15 @@ def summary(values: list[float]) -> tuple[float, float]:
     return mean, noise
 
 
-def compare(before: list[Path], after: list[Path], method: str, tolerance: float
-            ) -> tuple[list[str], int]:
+def compare(before: list[Path], after: list[Path], method: str, tolerance: float) -> tuple[list[str], int]:
     """Report lines, and how many GPU-time ratios are beyond tolerance and noise."""
     old = [rows_by_key(p, method) for p in before]
     new = [rows_by_key(p, method) for p in after]
     keys = [k for k in old[0] if all(k in runs for runs in old + new)]
-    lines = [f"{'row':44} {'chose':8} {'gpu after/before':>17} {'noise':>11} "
-             f"{'wall after/before':>18} {'noise':>11}"]
+    lines = [
+        f"{'row':44} {'chose':8} {'gpu after/before':>17} {'noise':>11} "
+        f"{'wall after/before':>18} {'noise':>11}"
+    ]
     beyond = 0
     for key in keys:
         cells = []
@@ -73,11 +75,11 @@ def compare(before: list[Path], after: list[Path], method: str, tolerance: float
         chose = str(new[0][key].get("chose", ""))
         text = [f"{name:44} {chose:8}"]
         for ratio, nb, na, mark in cells:
-            text.append(f"{'':>17} {'':>11}" if ratio is None else
-                        f"{ratio:17.3f} {nb:5.3f}/{na:5.3f}{mark}")
+            text.append(f"{'':>17} {'':>11}" if ratio is None else f"{ratio:17.3f} {nb:5.3f}/{na:5.3f}{mark}")
         lines.append(" ".join(text))
-    lines.append(f"{len(keys)} rows of method {method!r}; GPU time beyond {tolerance:.0%} and "
-                 f"noise: {beyond}")
+    lines.append(
+        f"{len(keys)} rows of method {method!r}; GPU time beyond {tolerance:.0%} and noise: {beyond}"
+    )
     return lines, beyond
 
 

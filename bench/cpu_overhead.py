@@ -14,6 +14,7 @@ busy_pinned, is the busy state with the thread pinned to one core (as
 engines that set CPU affinity run): a synchronise then cannot move the thread
 to a core whose caches hold none of its data.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -25,7 +26,7 @@ import kvcopy
 from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
 
 KiB = 1 << 10
-BUSY_CYCLES = 4_000_000   # ~2 ms of sleep kernel ahead of each timed call
+BUSY_CYCLES = 4_000_000  # ~2 ms of sleep kernel ahead of each timed call
 WARM_SECONDS = 0.001
 STATES = ("idle", "busy", "busy_warm")
 
@@ -86,9 +87,11 @@ def busy_pinned(call, stream, calls: int) -> list[float]:
 
 
 def report(label: str, times: dict[str, list[float]]) -> None:
-    parts = [f"{state}_median_us={statistics.median(v):.1f} "
-             f"{state}_p25_us={statistics.quantiles(v, n=4)[0]:.1f} {state}_min_us={min(v):.1f}"
-             for state, v in times.items()]
+    parts = [
+        f"{state}_median_us={statistics.median(v):.1f} "
+        f"{state}_p25_us={statistics.quantiles(v, n=4)[0]:.1f} {state}_min_us={min(v):.1f}"
+        for state, v in times.items()
+    ]
     print(f"cpu_overhead {label} " + " ".join(parts))
 
 
@@ -97,8 +100,11 @@ def main() -> None:
     _keep, s, d, sizes = scattered_batch(count, block)
     stream = torch.cuda.Stream()
     for method in ("kernel", "batch"):
-        times = cpu_times(lambda m=method: kvcopy.copy_batch(s, d, sizes, stream=stream, method=m),
-                          stream, calls=200 if method == "kernel" else 10)
+        times = cpu_times(
+            lambda m=method: kvcopy.copy_batch(s, d, sizes, stream=stream, method=m),
+            stream,
+            calls=200 if method == "kernel" else 10,
+        )
         report(f"copy_batch method={method} count={count} block={block}", times)
 
 
@@ -110,13 +116,13 @@ def swap_blocks_overhead(pairs: int = 1024) -> None:
     stream = torch.cuda.Stream()
     for direction, (src, dst) in {"d2h": (gpu, host), "h2d": (host, gpu)}.items():
         used = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
-        times = cpu_times(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream,
-                          calls=50)
+        times = cpu_times(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream, calls=50)
         report(f"swap_blocks {direction} tensors={2 * layers} pairs={pairs} method={used}", times)
 
 
 if __name__ == "__main__":
     import sys
+
     main()
     for pairs in [int(a) for a in sys.argv[1:]] or [1024]:
         swap_blocks_overhead(pairs)

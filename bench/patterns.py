@@ -5,6 +5,7 @@ since some of them used to kill the interpreter). Prints one line per pattern:
   bogus      a host address that is not mapped (42) in a batch
 Run on a GPU machine with kvcopy installed: python3 bench/patterns.py
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -17,6 +17,7 @@ call is to be held to (docs/performance.md, "CPU time per call").
 ``--only`` runs the rows whose label contains TEXT; ``--profile`` prints where the
 time of those rows goes (cProfile, which also times Cython functions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,10 @@ from typing import Callable
 
 import numpy as np
 
-BLOCK_SHAPE = (16, 1, 64)   # bf16: 2 KiB a block
+BLOCK_SHAPE = (16, 1, 64)  # bf16: 2 KiB a block
 
 
-def median_quartile(call: Callable[[], object], sync: Callable[[], None],
-                    calls: int) -> tuple[float, float]:
+def median_quartile(call: Callable[[], object], sync: Callable[[], None], calls: int) -> tuple[float, float]:
     """Median and first quartile of ``calls`` timed calls, µs, each after a sync."""
     for _ in range(20):
         call()
@@ -56,18 +56,15 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
     from kvcopy.compat import lmcache, sglang
 
     def gpu(n: int, layers: int = 1) -> list:
-        return [torch.empty((n,) + BLOCK_SHAPE, dtype=torch.bfloat16, device="cuda")
-                for _ in range(layers)]
+        return [torch.empty((n,) + BLOCK_SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
 
     def host(n: int, layers: int = 1) -> list:
-        return [torch.empty((n,) + BLOCK_SHAPE, dtype=torch.bfloat16, pin_memory=True)
-                for _ in range(layers)]
+        return [torch.empty((n,) + BLOCK_SHAPE, dtype=torch.bfloat16, pin_memory=True) for _ in range(layers)]
 
     rng = np.random.default_rng(0)
 
     def pairs(blocks: int, n: int) -> np.ndarray:
-        return np.stack([rng.choice(blocks, n, replace=False),
-                         rng.choice(blocks, n, replace=False)], axis=1)
+        return np.stack([rng.choice(blocks, n, replace=False), rng.choice(blocks, n, replace=False)], axis=1)
 
     pinned = torch.empty(2048, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(2048, dtype=torch.uint8, device="cuda")
@@ -83,19 +80,39 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
 
     one_g, one_h = gpu(64), host(64)
     one = pairs(64, 1)
-    out.append(("swap_blocks 1 pair, 1 tensor a side", 8,
-                lambda: kvcopy.swap_blocks(one_g, one_h, one, stream=stream)))
+    out.append(
+        (
+            "swap_blocks 1 pair, 1 tensor a side",
+            8,
+            lambda: kvcopy.swap_blocks(one_g, one_h, one, stream=stream),
+        )
+    )
     layer_g, layer_h = gpu(64, 32), host(64, 32)
-    out.append(("swap_blocks 1 pair, 32 tensors a side", 12,
-                lambda: kvcopy.swap_blocks(layer_g, layer_h, one, stream=stream)))
+    out.append(
+        (
+            "swap_blocks 1 pair, 32 tensors a side",
+            12,
+            lambda: kvcopy.swap_blocks(layer_g, layer_h, one, stream=stream),
+        )
+    )
     many_g, many_h = gpu(8192, 64), host(8192, 64)
     many = pairs(8192, 4096)
-    out.append(("swap_blocks 4096 pairs, 64 tensors a side", 60,
-                lambda: kvcopy.swap_blocks(many_g, many_h, many, stream=stream)))
+    out.append(
+        (
+            "swap_blocks 4096 pairs, 64 tensors a side",
+            60,
+            lambda: kvcopy.swap_blocks(many_g, many_h, many, stream=stream),
+        )
+    )
     big_g, big_h = gpu(65536), host(65536)
     big = pairs(65536, 32768)
-    out.append(("swap_blocks 32768 pairs, 1 tensor a side", 120,
-                lambda: kvcopy.swap_blocks(big_g, big_h, big, stream=stream)))
+    out.append(
+        (
+            "swap_blocks 32768 pairs, 1 tensor a side",
+            120,
+            lambda: kvcopy.swap_blocks(big_g, big_h, big, stream=stream),
+        )
+    )
 
     src_pool = torch.empty(2 * 8192 * 2048, dtype=torch.uint8, pin_memory=True)
     dst_pool = torch.empty(2 * 8192 * 2048, dtype=torch.uint8, device="cuda")
@@ -105,8 +122,9 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
     sizes = np.full(8192, 2048, dtype=np.uint64)
     s1, d1, z1 = src_ptrs[:1].copy(), dst_ptrs[:1].copy(), sizes[:1].copy()
     out.append(("copy_batch 1 copy", 6, lambda: kvcopy.copy_batch(s1, d1, z1, stream=stream)))
-    out.append(("copy_batch 8192 copies", 30,
-                lambda: kvcopy.copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream)))
+    out.append(
+        ("copy_batch 8192 copies", 30, lambda: kvcopy.copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream))
+    )
 
     tokens_g = torch.empty(8192, 1024, dtype=torch.bfloat16, device="cuda")
     tokens_h = torch.empty(8192, 1024, dtype=torch.bfloat16, pin_memory=True)
@@ -114,13 +132,27 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
     index_h = torch.from_numpy(rng.choice(8192, 256, replace=False).astype(np.int64))
     index_g = index_h.cuda()
     cupy_like = _ArrayInterface(index_g)
-    out.append(("copy_rows 256 rows, GPU indices (torch)", 5,
-                lambda: kvcopy.copy_rows(src_layout, dst_layout, index_g, index_g, stream=stream)))
-    out.append(("copy_rows 256 rows, GPU indices (__cuda_array_interface__)", 5,
-                lambda: kvcopy.copy_rows(src_layout, dst_layout, cupy_like, cupy_like,
-                                         stream=stream)))
-    out.append(("copy_rows 256 rows, host indices", 15,
-                lambda: kvcopy.copy_rows(src_layout, dst_layout, index_h, index_h, stream=stream)))
+    out.append(
+        (
+            "copy_rows 256 rows, GPU indices (torch)",
+            5,
+            lambda: kvcopy.copy_rows(src_layout, dst_layout, index_g, index_g, stream=stream),
+        )
+    )
+    out.append(
+        (
+            "copy_rows 256 rows, GPU indices (__cuda_array_interface__)",
+            5,
+            lambda: kvcopy.copy_rows(src_layout, dst_layout, cupy_like, cupy_like, stream=stream),
+        )
+    )
+    out.append(
+        (
+            "copy_rows 256 rows, host indices",
+            15,
+            lambda: kvcopy.copy_rows(src_layout, dst_layout, index_h, index_h, stream=stream),
+        )
+    )
 
     layers, item = 32, 2048
     k_g, v_g = gpu(4096, layers), gpu(4096, layers)
@@ -129,30 +161,34 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
 
     def per_layer() -> None:
         with torch.cuda.stream(stream):
-            sglang.transfer_kv_per_layer(k_g[0], k_h[0], v_g[0], v_h[0], hicache_idx,
-                                         hicache_idx, item)
+            sglang.transfer_kv_per_layer(k_g[0], k_h[0], v_g[0], v_h[0], hicache_idx, hicache_idx, item)
+
     out.append(("SGLang transfer_kv_per_layer, 256 tokens", 8, per_layer))
 
     def table(tensors: list) -> object:
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device="cuda")
+
     tables = [table(t) for t in (k_g, k_h, v_g, v_h)]
 
     def all_layer() -> None:
         with torch.cuda.stream(stream):
-            sglang.transfer_kv_all_layer(tables[0], tables[1], tables[2], tables[3], hicache_idx,
-                                         hicache_idx, item, layers)
+            sglang.transfer_kv_all_layer(
+                tables[0], tables[1], tables[2], tables[3], hicache_idx, hicache_idx, item, layers
+            )
+
     out.append(("SGLang transfer_kv_all_layer, 32 layers, 256 tokens", 8, all_layer))
 
-    flash = [torch.empty(2, 256, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-             for _ in range(layers)]
+    flash = [torch.empty(2, 256, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
     flash_ptrs = torch.tensor([c.data_ptr() for c in flash], dtype=torch.int64).pin_memory()
     chunk = torch.empty(2, layers, 256, 8 * 128, dtype=torch.bfloat16, pin_memory=True)
     slot_mapping = torch.from_numpy(rng.choice(256 * 16, 256, replace=False)).cuda()
 
     def lmcache_store() -> None:
         with torch.cuda.stream(stream):
-            lmcache.multi_layer_kv_transfer(chunk, flash_ptrs, slot_mapping, flash[0].device,
-                                            256 * 16, True, False)
+            lmcache.multi_layer_kv_transfer(
+                chunk, flash_ptrs, slot_mapping, flash[0].device, 256 * 16, True, False
+            )
+
     out.append(("LMCache multi_layer_kv_transfer, 32 layers, 256 tokens", 10, lmcache_store))
     return out
 
@@ -182,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, target, call in rows(torch, stream):
         if args.only not in label:
             continue
-        calls = args.calls if "4096 pairs" not in label and "32768" not in label \
-            else max(args.calls // 10, 20)
+        calls = (
+            args.calls if "4096 pairs" not in label and "32768" not in label else max(args.calls // 10, 20)
+        )
         try:
             median, p25 = median_quartile(call, stream.synchronize, calls)
-        except Exception as exc:   # (a row that fails says so; the others still run)
+        except Exception as exc:  # (a row that fails says so; the others still run)
             print(f"{label:60s} failed: {type(exc).__name__}: {exc}", flush=True)
             continue
         shown = "" if target is None else f"{target:7d}"

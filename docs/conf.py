@@ -1,4 +1,5 @@
 """Sphinx configuration of kvcopy's documentation (built with warnings as errors)."""
+
 from __future__ import annotations
 
 import sys

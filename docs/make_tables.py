@@ -7,6 +7,7 @@ The reference results are bench/results/h200-quick.json (one H200) and
 bench/results/h200x2-quick.json (two H200s joined by NVLink), written by
 ``python -m kvcopy.bench --quick --out DIR`` on those machines.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def machine(meta: dict, path: Path) -> str:
     parts = [meta.get("device", "unknown GPU")]
     if meta.get("driver"):
         parts.append(f"driver {meta['driver']}")
-    else:   # files written before results recorded their driver
+    else:  # files written before results recorded their driver
         parts.append("driver not recorded in the file (the reference machines run 580)")
     if meta.get("cuda_runtime"):
         parts.append(f"CUDA {meta['cuda_runtime']}")
@@ -44,8 +45,9 @@ def machine(meta: dict, path: Path) -> str:
 
 
 def _rows(data: dict) -> dict:
-    return {(r["direction"], r["block_bytes"], r["method"]): r for r in data["rows"]
-            if r["memory"] == "torch"}
+    return {
+        (r["direction"], r["block_bytes"], r["method"]): r for r in data["rows"] if r["memory"] == "torch"
+    }
 
 
 def _num(value: float, big: bool) -> str:
@@ -60,13 +62,17 @@ def sweep_table(data: dict, blocks: tuple | None = None, full: bool = True) -> l
         if r is None:
             return "—"
         big = direction == "d2d"
-        return (f"{_num(r['gbps'], big)} ({_num(r['wall_gbps'], big)})" if wall
-                else _num(r["gbps"], big))
+        return f"{_num(r['gbps'], big)} ({_num(r['wall_gbps'], big)})" if wall else _num(r["gbps"], big)
 
     head = ["block", "dir", "contiguous", "kvcopy auto (method)", "of contiguous", "auto wall"]
     if full:
-        head += ["batch DMA (wall)", "vLLM's Triton kernel", "cuda.core copy_batch (wall)",
-                 "torch per-block copy_", "torch gather + staging"]
+        head += [
+            "batch DMA (wall)",
+            "vLLM's Triton kernel",
+            "cuda.core copy_batch (wall)",
+            "torch per-block copy_",
+            "torch gather + staging",
+        ]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for direction in ("h2d", "d2h", "d2d"):
         for block in sorted({b for d, b, _ in rows if d == direction}):
@@ -76,15 +82,22 @@ def sweep_table(data: dict, blocks: tuple | None = None, full: bool = True) -> l
             if auto is None:
                 continue
             big = direction == "d2d"
-            line = [label(block), direction.upper(), cell(direction, block, "contiguous"),
-                    f"{_num(auto['gbps'], big)} ({auto['chose']})",
-                    f"{auto['fraction_of_ceiling']:.2f}", _num(auto["wall_gbps"], big)]
+            line = [
+                label(block),
+                direction.upper(),
+                cell(direction, block, "contiguous"),
+                f"{_num(auto['gbps'], big)} ({auto['chose']})",
+                f"{auto['fraction_of_ceiling']:.2f}",
+                _num(auto["wall_gbps"], big),
+            ]
             if full:
-                line += [cell(direction, block, "batch", wall=True),
-                         cell(direction, block, "triton_vllm_grid"),
-                         cell(direction, block, "cuda.core.copy_batch", wall=True),
-                         cell(direction, block, "torch_copy_loop"),
-                         cell(direction, block, "torch_gather_staging")]
+                line += [
+                    cell(direction, block, "batch", wall=True),
+                    cell(direction, block, "triton_vllm_grid"),
+                    cell(direction, block, "cuda.core.copy_batch", wall=True),
+                    cell(direction, block, "torch_copy_loop"),
+                    cell(direction, block, "torch_gather_staging"),
+                ]
             out.append("| " + " | ".join(line) + " |")
     return out
 
@@ -97,8 +110,11 @@ def both_ways_table(data: dict) -> list[str]:
         cells = []
         for method in methods:
             found = [r for r in rows if r["block_bytes"] == block and r["method"] == method]
-            cells.append(f"{found[0]['of_contiguous_pair']:.2f} ({found[0]['wall_of_contiguous_pair']:.2f})"
-                         if found else "—")
+            cells.append(
+                f"{found[0]['of_contiguous_pair']:.2f} ({found[0]['wall_of_contiguous_pair']:.2f})"
+                if found
+                else "—"
+            )
         out.append(f"| {label(block)} | " + " | ".join(cells) + " |")
     return out
 
@@ -107,13 +123,14 @@ def small_batch_table(data: dict) -> list[str]:
     rows = data.get("scenarios", {}).get("small_batches", [])
     keys = list(dict.fromkeys((r["direction"], r["method"]) for r in rows))
     counts = sorted({r["blocks"] for r in rows})
-    out = ["| direction | method | " + " | ".join(f"{n} blocks" for n in counts) + " |",
-           "|---|---|" + "---:|" * len(counts)]
+    out = [
+        "| direction | method | " + " | ".join(f"{n} blocks" for n in counts) + " |",
+        "|---|---|" + "---:|" * len(counts),
+    ]
     for direction, method in keys:
         cells = []
         for n in counts:
-            found = [r for r in rows if (r["direction"], r["method"], r["blocks"]) ==
-                     (direction, method, n)]
+            found = [r for r in rows if (r["direction"], r["method"], r["blocks"]) == (direction, method, n)]
             cells.append(f"{found[0]['wall_us']:.1f}" if found else "—")
         out.append(f"| {direction} | {method} | " + " | ".join(cells) + " |")
     return out
@@ -121,11 +138,15 @@ def small_batch_table(data: dict) -> list[str]:
 
 def serving_table(data: dict) -> list[str]:
     rows = data.get("scenarios", {}).get("serving_step", [])
-    out = ["| block | method | store GB/s | load GB/s | matmul slowdown (median) |",
-           "|---:|---|---:|---:|---:|"]
+    out = [
+        "| block | method | store GB/s | load GB/s | matmul slowdown (median) |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {label(r['block_bytes'])} | {r['method']} | {r['store_gbps']:.1f} | "
-                   f"{r['load_gbps']:.1f} | {100 * r['median_slowdown']:+.1f}% |")
+        out.append(
+            f"| {label(r['block_bytes'])} | {r['method']} | {r['store_gbps']:.1f} | "
+            f"{r['load_gbps']:.1f} | {100 * r['median_slowdown']:+.1f}% |"
+        )
     return out
 
 
@@ -136,8 +157,9 @@ def peer_table(data: dict) -> list[str]:
     keys = [k for k in rows[0] if k not in ("scenario",)]
     out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        out.append("| " + " | ".join(f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k])
-                                     for k in keys) + " |")
+        out.append(
+            "| " + " | ".join(f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
+        )
     return out
 
 
@@ -146,27 +168,52 @@ def tables() -> str:
     two = json.loads(TWO_GPUS.read_text())
     parts = [
         "<!-- written by docs/make_tables.py from the reference results; do not edit -->",
-        "", "## Scattered blocks, one way", "",
+        "",
+        "## Scattered blocks, one way",
+        "",
         f"Measured on {machine(one['meta'], ONE_GPU)}. GB/s over the GPU time of the "
         "enqueued copy (the wall figure, in brackets or its own column, is call to "
-        "completion); 64 MiB per batch (inside the GPU 256 MiB), medians.", "",
-        *sweep_table(one), "",
-        "## A store and a load at once (`copy_both_ways`)", "",
-        "Fraction of the contiguous pair (two copies, one each way, at once) in GPU time, "
-        "wall in brackets.", "", *both_ways_table(one), "",
-        "## Small batches, call to completion (µs, 16 KiB blocks)", "",
-        *small_batch_table(one), "",
-        "## A bf16 matmul beside a store and a load", "", *serving_table(one), "",
-        "## Between two GPUs", "", f"Measured on {machine(two['meta'], TWO_GPUS)}.", "",
-        *peer_table(two), "",
+        "completion); 64 MiB per batch (inside the GPU 256 MiB), medians.",
+        "",
+        *sweep_table(one),
+        "",
+        "## A store and a load at once (`copy_both_ways`)",
+        "",
+        "Fraction of the contiguous pair (two copies, one each way, at once) in GPU time, wall in brackets.",
+        "",
+        *both_ways_table(one),
+        "",
+        "## Small batches, call to completion (µs, 16 KiB blocks)",
+        "",
+        *small_batch_table(one),
+        "",
+        "## A bf16 matmul beside a store and a load",
+        "",
+        *serving_table(one),
+        "",
+        "## Between two GPUs",
+        "",
+        f"Measured on {machine(two['meta'], TWO_GPUS)}.",
+        "",
+        *peer_table(two),
+        "",
     ]
     return "\n".join(parts)
 
 
 def readme_table() -> str:
     one = json.loads(ONE_GPU.read_text())
-    return "\n".join([START, "", f"On {machine(one['meta'], ONE_GPU)}:", "",
-                      *sweep_table(one, README_BLOCKS, full=False), "", END])
+    return "\n".join(
+        [
+            START,
+            "",
+            f"On {machine(one['meta'], ONE_GPU)}:",
+            "",
+            *sweep_table(one, README_BLOCKS, full=False),
+            "",
+            END,
+        ]
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -179,11 +226,13 @@ def main(argv: list[str]) -> int:
         return 1
     want_readme = pattern.sub(lambda _: readme_table(), readme)
     if check:
-        stale = [p.name for p, want in ((TABLES, want_tables), (README, want_readme))
-                 if not p.is_file() or p.read_text() != want]
+        stale = [
+            p.name
+            for p, want in ((TABLES, want_tables), (README, want_readme))
+            if not p.is_file() or p.read_text() != want
+        ]
         if stale:
-            print(f"out of date: {', '.join(stale)}; run python docs/make_tables.py",
-                  file=sys.stderr)
+            print(f"out of date: {', '.join(stale)}; run python docs/make_tables.py", file=sys.stderr)
             return 1
         return 0
     TABLES.write_text(want_tables)

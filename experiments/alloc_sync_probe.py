@@ -22,6 +22,7 @@ whether anything else in a first copy waits.
 
 Run on a GPU: python3 experiments/alloc_sync_probe.py
 """
+
 from __future__ import annotations
 
 import time
@@ -30,6 +31,7 @@ import torch
 
 import kvcopy
 from kvcopy.testing import cuda
+
 kv_driver, kv_memory = cuda.driver, cuda.memory
 from kvcopy.bench.workloads import scattered_batch
 
@@ -69,17 +71,20 @@ def _timed_us(call) -> float:
 
 
 def driver_calls() -> None:
-    for name, make, free in (("cuMemHostAlloc / cuMemFreeHost", kv_memory.host_alloc,
-                              kv_memory.host_free),
-                             ("cuMemAlloc / cuMemFree", kv_memory.mem_alloc, kv_memory.mem_free)):
+    for name, make, free in (
+        ("cuMemHostAlloc / cuMemFreeHost", kv_memory.host_alloc, kv_memory.host_free),
+        ("cuMemAlloc / cuMemFree", kv_memory.mem_alloc, kv_memory.mem_free),
+    ):
         torch.cuda.synchronize()
         busy = _sleep_beside()
         holder: list[int] = []
         alloc_us = _timed_us(lambda: holder.append(make(NBYTES)))
         free_us = _timed_us(lambda: free(holder[0]))
-        print(f"beside a {SLEEP_MS} ms sleep: {name}: allocate {alloc_us:9.1f} us, "
-              f"free {free_us:9.1f} us, sleep still running after: {not busy.query()}",
-              flush=True)
+        print(
+            f"beside a {SLEEP_MS} ms sleep: {name}: allocate {alloc_us:9.1f} us, "
+            f"free {free_us:9.1f} us, sleep still running after: {not busy.query()}",
+            flush=True,
+        )
         busy.synchronize()
 
 
@@ -89,8 +94,11 @@ def first_call_steps() -> None:
     torch.cuda.synchronize()
     busy = _sleep_beside()
     prepare_us = _timed_us(kvcopy.prepare)
-    print(f"beside a {SLEEP_MS} ms sleep: kvcopy.prepare() {prepare_us:9.1f} us, "
-          f"sleep still running after: {not busy.query()}", flush=True)
+    print(
+        f"beside a {SLEEP_MS} ms sleep: kvcopy.prepare() {prepare_us:9.1f} us, "
+        f"sleep still running after: {not busy.query()}",
+        flush=True,
+    )
     torch.cuda.synchronize()
 
 
@@ -98,14 +106,15 @@ def copy_calls() -> None:
     stream = torch.cuda.Stream()
     for count in (4096, 8192):
         _keep, s, d, sizes = scattered_batch(count, 16 << 10, seed=count)
-        for k in range(10):   # more than the ring's 8 slots
+        for k in range(10):  # more than the ring's 8 slots
             torch.cuda.synchronize()
             _sleep_beside()
-            us = _timed_us(lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
-                                                     method="kernel"))
-            print(f"beside a {SLEEP_MS} ms sleep: copy_batch {count} x 16 KiB "
-                  f"({count * 32 >> 10} KiB of descriptors), call {k}: {us:9.1f} us",
-                  flush=True)
+            us = _timed_us(lambda: kvcopy.copy_batch(s, d, sizes, stream=stream, method="kernel"))
+            print(
+                f"beside a {SLEEP_MS} ms sleep: copy_batch {count} x 16 KiB "
+                f"({count * 32 >> 10} KiB of descriptors), call {k}: {us:9.1f} us",
+                flush=True,
+            )
         torch.cuda.synchronize()
 
 
@@ -113,5 +122,5 @@ if __name__ == "__main__":
     torch.cuda.init()
     torch.cuda.synchronize()
     first_call_steps()
-    copy_calls()      # first: the ring's slots are fresh in this process
+    copy_calls()  # first: the ring's slots are fresh in this process
     driver_calls()

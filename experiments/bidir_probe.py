@@ -2,6 +2,7 @@
 against the contiguous pair, in GPU time (events spanning both streams), one way
 and both ways. KVCOPY_UNROLL picks the loads in flight per thread.
 Run on a GPU: python3 experiments/bidir_probe.py"""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,12 @@ def main() -> None:
 
         def ptrs(a, b):
             p = rng.permutation(2 * n)
-            return ((a.data_ptr() + p[:n] * block).astype(np.uint64),
-                    (b.data_ptr() + p[-n:] * block).astype(np.uint64), np.full(n, block, np.uint64))
+            return (
+                (a.data_ptr() + p[:n] * block).astype(np.uint64),
+                (b.data_ptr() + p[-n:] * block).astype(np.uint64),
+                np.full(n, block, np.uint64),
+            )
+
         h2d, d2h = ptrs(host_a, gpu_a), ptrs(gpu_b, host_b)
 
         def contiguous_pair():
@@ -44,38 +49,71 @@ def main() -> None:
                 gpu_a[:TOTAL].copy_(host_a[:TOTAL], non_blocking=True)
             with torch.cuda.stream(s2):
                 host_b[:TOTAL].copy_(gpu_b[:TOTAL], non_blocking=True)
+
         pair = span_ms(contiguous_pair, s1, s2)
+
         def on(stream, fn):
             def run():
                 with torch.cuda.stream(stream):
                     fn()
+
             return run
-        alone_h = span_ms(on(s1, lambda: gpu_a[:TOTAL].copy_(host_a[:TOTAL], non_blocking=True)),
-                          s1, s2)
-        alone_d = span_ms(on(s2, lambda: host_b[:TOTAL].copy_(gpu_b[:TOTAL], non_blocking=True)),
-                          s1, s2)
-        print(f"block {block // KiB} KiB: contiguous pair {2 * TOTAL / pair / 1e6:.1f} GB/s, "
-              f"h2d {TOTAL / alone_h / 1e6:.1f}, d2h {TOTAL / alone_d / 1e6:.1f}")
+
+        alone_h = span_ms(on(s1, lambda: gpu_a[:TOTAL].copy_(host_a[:TOTAL], non_blocking=True)), s1, s2)
+        alone_d = span_ms(on(s2, lambda: host_b[:TOTAL].copy_(gpu_b[:TOTAL], non_blocking=True)), s1, s2)
+        print(
+            f"block {block // KiB} KiB: contiguous pair {2 * TOTAL / pair / 1e6:.1f} GB/s, "
+            f"h2d {TOTAL / alone_h / 1e6:.1f}, d2h {TOTAL / alone_d / 1e6:.1f}"
+        )
         print("  ctas x threads: h2d/contig, d2h/contig, both/pair")
-        for ctas, threads in ((2, 512), (4, 512), (8, 512), (16, 512), (32, 512), (4, 256),
-                              (8, 256), (8, 128)):
+        for ctas, threads in (
+            (2, 512),
+            (4, 512),
+            (8, 512),
+            (16, 512),
+            (32, 512),
+            (4, 256),
+            (8, 256),
+            (8, 128),
+        ):
             config.threads_per_cta = threads
             h = span_ms(lambda: kvcopy.copy_batch(*h2d, stream=s1, method="kernel", max_ctas=ctas), s1, s2)
             d = span_ms(lambda: kvcopy.copy_batch(*d2h, stream=s2, method="kernel", max_ctas=ctas), s1, s2)
-            both = span_ms(lambda: (kvcopy.copy_batch(*h2d, stream=s1, method="kernel", max_ctas=ctas),
-                                    kvcopy.copy_batch(*d2h, stream=s2, method="kernel", max_ctas=ctas)),
-                           s1, s2)
-            print(f"  {ctas:>3} x {threads}: {alone_h / h:.2f} {alone_d / d:.2f} {pair / both:.2f}",
-                  flush=True)
+            both = span_ms(
+                lambda: (
+                    kvcopy.copy_batch(*h2d, stream=s1, method="kernel", max_ctas=ctas),
+                    kvcopy.copy_batch(*d2h, stream=s2, method="kernel", max_ctas=ctas),
+                ),
+                s1,
+                s2,
+            )
+            print(
+                f"  {ctas:>3} x {threads}: {alone_h / h:.2f} {alone_d / d:.2f} {pair / both:.2f}", flush=True
+            )
         config.threads_per_cta = 512
-        for label, fn in (("batch+batch", lambda: (kvcopy.copy_batch(*h2d, stream=s1, method="batch"),
-                                                   kvcopy.copy_batch(*d2h, stream=s2, method="batch"))),
-                          ("kernel h2d + batch d2h", lambda: (
-                              kvcopy.copy_batch(*h2d, stream=s1, method="kernel"),
-                              kvcopy.copy_batch(*d2h, stream=s2, method="batch"))),
-                          ("batch h2d + kernel d2h", lambda: (
-                              kvcopy.copy_batch(*h2d, stream=s1, method="batch"),
-                              kvcopy.copy_batch(*d2h, stream=s2, method="kernel")))):
+        for label, fn in (
+            (
+                "batch+batch",
+                lambda: (
+                    kvcopy.copy_batch(*h2d, stream=s1, method="batch"),
+                    kvcopy.copy_batch(*d2h, stream=s2, method="batch"),
+                ),
+            ),
+            (
+                "kernel h2d + batch d2h",
+                lambda: (
+                    kvcopy.copy_batch(*h2d, stream=s1, method="kernel"),
+                    kvcopy.copy_batch(*d2h, stream=s2, method="batch"),
+                ),
+            ),
+            (
+                "batch h2d + kernel d2h",
+                lambda: (
+                    kvcopy.copy_batch(*h2d, stream=s1, method="batch"),
+                    kvcopy.copy_batch(*d2h, stream=s2, method="kernel"),
+                ),
+            ),
+        ):
             print(f"  {label}: {pair / span_ms(fn, s1, s2):.2f}", flush=True)
 
 

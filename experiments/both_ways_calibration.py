@@ -2,6 +2,7 @@
 shipped default, 128 KiB) against the contiguous pair: where a store and a load at
 once go to the copy engines depends on the host's CPU cost per copy.
 Run on a GPU: python3 experiments/both_ways_calibration.py"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import torch
 
 import kvcopy
 from kvcopy.testing import engine
+
 device = engine.device
 from kvcopy.bench.extra import bidirectional
 from kvcopy.policy import BOTH_WAYS_BATCH_MIN_BYTES
@@ -26,21 +28,33 @@ def main() -> None:
     found = kvcopy.calibrate()
     path = device.thresholds_path(device.device_info(0))
     measured = json.loads(path.read_text())["measurements"]
-    for key in sorted((k for k in measured if k.startswith("both_ways/")),
-                      key=lambda k: int(k.split("/")[1])):
+    for key in sorted(
+        (k for k in measured if k.startswith("both_ways/")), key=lambda k: int(k.split("/")[1])
+    ):
         gbps = measured[key]
-        print(f"calibrate both ways {int(key.split('/')[1]) // KiB:>4} KiB: kernel pair "
-              f"{gbps['kernel']:.1f} GB/s, engines {gbps['batch']:.1f} GB/s", flush=True)
-    print(f"calibrated crossover: {found.both_ways_batch_min_bytes / KiB:.0f} KiB "
-          f"(default {BOTH_WAYS_BATCH_MIN_BYTES // KiB} KiB)", flush=True)
-    for label, crossover in (("calibrated", found.both_ways_batch_min_bytes),
-                             ("default", BOTH_WAYS_BATCH_MIN_BYTES)):
+        print(
+            f"calibrate both ways {int(key.split('/')[1]) // KiB:>4} KiB: kernel pair "
+            f"{gbps['kernel']:.1f} GB/s, engines {gbps['batch']:.1f} GB/s",
+            flush=True,
+        )
+    print(
+        f"calibrated crossover: {found.both_ways_batch_min_bytes / KiB:.0f} KiB "
+        f"(default {BOTH_WAYS_BATCH_MIN_BYTES // KiB} KiB)",
+        flush=True,
+    )
+    for label, crossover in (
+        ("calibrated", found.both_ways_batch_min_bytes),
+        ("default", BOTH_WAYS_BATCH_MIN_BYTES),
+    ):
         device.set_thresholds(0, dataclasses.replace(found, both_ways_batch_min_bytes=crossover))
         for row in bidirectional(blocks=(32 * KiB, 64 * KiB, 128 * KiB)):
             if row["method"] == "copy_both_ways":
-                print(f"{label:<10} copy_both_ways {row['block_bytes'] // KiB:>4} KiB "
-                      f"chose {row['chose']:<6} of pair GPU {row['of_contiguous_pair']:.2f} "
-                      f"wall {row['wall_of_contiguous_pair']:.2f}", flush=True)
+                print(
+                    f"{label:<10} copy_both_ways {row['block_bytes'] // KiB:>4} KiB "
+                    f"chose {row['chose']:<6} of pair GPU {row['of_contiguous_pair']:.2f} "
+                    f"wall {row['wall_of_contiguous_pair']:.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ has read it. sm_90 or newer. Copies must be multiples of 16 bytes, 16-byte align
 Run on a GPU: python3 experiments/bulk_probe.py [sanity] [oneway] [beside] [both]
 (BULK_VARIANTS=5x8K,2x8Kw BULK_CTAS=2,4 BULK_DIRS=d2h narrow it down)
 """
+
 from __future__ import annotations
 
 import os
@@ -120,8 +121,11 @@ extern "C" __global__ void __launch_bounds__(32) bulk_pairs(
 """
 
 # name -> (stages, stage bytes, full wait); BULK_VARIANTS picks some ("5x8K,2x8Kw")
-VARIANTS = {f"{n}x{b}K{'w' if w else ''}": (n, b * KiB, w)
-            for n, b in ((2, 4), (2, 8), (3, 8), (4, 4), (5, 8), (10, 4)) for w in (0, 1)}
+VARIANTS = {
+    f"{n}x{b}K{'w' if w else ''}": (n, b * KiB, w)
+    for n, b in ((2, 4), (2, 8), (3, 8), (4, 4), (5, 8), (10, 4))
+    for w in (0, 1)
+}
 CTAS = [int(c) for c in os.environ.get("BULK_CTAS", "2,4,8,16").split(",")]
 DIRECTIONS = os.environ.get("BULK_DIRS", "h2d,d2h").split(",")
 
@@ -130,8 +134,7 @@ def _core():
     try:
         from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
     except ImportError:  # cuda.core < 0.4
-        from cuda.core.experimental import (Device, LaunchConfig, Program, ProgramOptions,
-                                            launch)
+        from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
     return Device, LaunchConfig, Program, ProgramOptions, launch
 
 
@@ -142,11 +145,12 @@ CC = DEVICE.compute_capability
 
 
 def compile_variant(stages: int, stage_bytes: int, full_wait: int):
-    text = (f"#define STAGES {stages}\n#define STAGE_BYTES {stage_bytes}\n"
-            f"#define FULL_WAIT {full_wait}\n" + SOURCE)
+    text = (
+        f"#define STAGES {stages}\n#define STAGE_BYTES {stage_bytes}\n"
+        f"#define FULL_WAIT {full_wait}\n" + SOURCE
+    )
     options = ProgramOptions(arch=f"sm_{CC[0]}{CC[1]}", std="c++17")
-    return Program(text, code_type="c++", options=options).compile("cubin").get_kernel(
-        "bulk_pairs")
+    return Program(text, code_type="c++", options=options).compile("cubin").get_kernel("bulk_pairs")
 
 
 class Streams:
@@ -178,8 +182,14 @@ class Batch:
 
     def bulk(self, kernel, ctas: int, stream) -> None:
         DEVICE.set_current()  # the copy loop calls from a thread of its own
-        launch(stream, LaunchConfig(grid=ctas, block=32), kernel,
-               np.uint64(self.pairs.data_ptr()), np.uint64(self.count), np.uint64(self.block))
+        launch(
+            stream,
+            LaunchConfig(grid=ctas, block=32),
+            kernel,
+            np.uint64(self.pairs.data_ptr()),
+            np.uint64(self.count),
+            np.uint64(self.block),
+        )
 
     def kvcopy_kernel(self, stream) -> None:
         kvcopy.copy_batch(self.src, self.dst, self.sizes, stream=stream, method="kernel")
@@ -233,8 +243,10 @@ def oneway(kernels: dict) -> None:
             ref = gbps(TOTAL, gpu_ms(lambda: batch.kvcopy_kernel(ts), [ts]))
             batch.kvcopy_kernel(ts)
             ok = batch.check()
-            line = (f"oneway {direction} {block // KiB:3d} KiB contiguous {ceiling:5.1f}  "
-                    f"kvcopy kernel {ref / ceiling:.3f}{'' if ok else ' WRONG'}")
+            line = (
+                f"oneway {direction} {block // KiB:3d} KiB contiguous {ceiling:5.1f}  "
+                f"kvcopy kernel {ref / ceiling:.3f}{'' if ok else ' WRONG'}"
+            )
             for name, kernel in kernels.items():
                 for ctas in CTAS:
                     ms = gpu_ms(lambda: batch.bulk(kernel, ctas, cs), [ts])
@@ -253,13 +265,15 @@ def beside(kernels: dict, pairs: int = 8) -> None:
         calls = [("kvcopy kernel", lambda: batch.kvcopy_kernel(ts))]
         for name, kernel in kernels.items():
             for ctas in CTAS:
-                calls.append((f"{name} x{ctas}",
-                              lambda k=kernel, c=ctas: batch.bulk(k, c, cs)))
+                calls.append((f"{name} x{ctas}", lambda k=kernel, c=ctas: batch.bulk(k, c, cs)))
         for label, call in calls:
             spread, rates, _ = paired(matmuls, [Copier(direction, call, ts, TOTAL)], pairs)
-            print(f"beside {direction} 16 KiB {label:14s} median {spread['median_slowdown']:+.3f} "
-                  f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f} "
-                  f"copy {rates[direction]:.1f} GB/s", flush=True)
+            print(
+                f"beside {direction} 16 KiB {label:14s} median {spread['median_slowdown']:+.3f} "
+                f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f} "
+                f"copy {rates[direction]:.1f} GB/s",
+                flush=True,
+            )
 
 
 def both(kernels: dict) -> None:
@@ -271,17 +285,25 @@ def both(kernels: dict) -> None:
         def contiguous() -> None:
             load.contiguous(t1)
             store.contiguous(t2)
+
         pair = gbps(2 * TOTAL, gpu_ms(contiguous, [t1, t2]))
-        ref = gbps(2 * TOTAL, gpu_ms(lambda: kvcopy.copy_both_ways(
-            (store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes), stream=t1),
-            [t1]))
-        line = (f"both {block // KiB:3d} KiB pair {pair:5.1f}  kvcopy copy_both_ways "
-                f"{ref / pair:.3f}")
+        ref = gbps(
+            2 * TOTAL,
+            gpu_ms(
+                lambda: kvcopy.copy_both_ways(
+                    (store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes), stream=t1
+                ),
+                [t1],
+            ),
+        )
+        line = f"both {block // KiB:3d} KiB pair {pair:5.1f}  kvcopy copy_both_ways {ref / pair:.3f}"
         for name, kernel in kernels.items():
             for h, d in ((4, 4), (8, 4), (8, 8), (16, 8), (16, 16)):
+
                 def enqueue(k=kernel, h=h, d=d) -> None:
                     load.bulk(k, h, c1)
                     store.bulk(k, d, c2)
+
                 ms = gpu_ms(enqueue, [t1, t2])
                 enqueue()
                 ok = load.check() and store.check()
@@ -299,6 +321,7 @@ def sanity(kernels: dict) -> None:
             batch.bulk(kernel, 4, stream)
             print(f"sanity {direction} {name}: {'ok' if batch.check() else 'WRONG'}", flush=True)
     from kvcopy.testing import engine
+
     registers_per_thread = engine.kernels.registers_per_thread
     print(f"kvcopy kernel registers per thread: {registers_per_thread(CC[0] * 10 + CC[1])}")
 
@@ -308,13 +331,17 @@ def main(parts: list[str]) -> None:
         sys.exit(f"bulk copies need sm_90 or newer; this GPU is sm_{CC[0]}{CC[1]}")
     chosen = os.environ.get("BULK_VARIANTS", "5x8K,10x4K").split(",")
     kernels = {name: compile_variant(*VARIANTS[name]) for name in chosen}
-    print(f"# bulk_probe on {torch.cuda.get_device_name()}, 64 MiB batches, GPU time, "
-          "fractions of the contiguous copy (or pair) in the same run", flush=True)
+    print(
+        f"# bulk_probe on {torch.cuda.get_device_name()}, 64 MiB batches, GPU time, "
+        "fractions of the contiguous copy (or pair) in the same run",
+        flush=True,
+    )
     for part in parts or ["oneway", "beside", "both"]:
         {"sanity": sanity, "oneway": oneway, "beside": beside, "both": both}[part](kernels)
 
 
 if __name__ == "__main__":
     import faulthandler
+
     faulthandler.enable()
     main(sys.argv[1:])

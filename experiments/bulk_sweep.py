@@ -10,6 +10,7 @@ the bulk copy unit (config.bulk_stores = True) at several CTA counts
   small   call to completion of 16, 64 and 256 x 16 KiB
 
 Run on a GPU: python3 experiments/bulk_sweep.py [alone] [beside] [small]"""
+
 from __future__ import annotations
 
 import contextlib
@@ -44,14 +45,17 @@ def alone() -> None:
         def contiguous() -> None:
             with torch.cuda.stream(stream):
                 pools.dst[:TOTAL].copy_(pools.src[:TOTAL], non_blocking=True)
+
         ceiling = measure(contiguous, stream)
         line = f"alone d2h {block // KiB:4d} KiB  contiguous {TOTAL / ceiling.gpu_ms / 1e6:5.1f} GB/s"
         for ctas in (None, *BULK_CTAS):
             with copier(ctas) as name:
                 t = measure(lambda: kvcopy.copy_batch(*ptrs, stream=stream), stream)
                 variant = kvcopy.last_decision().variant
-            line += (f"  {name} {ceiling.gpu_ms / t.gpu_ms:.3f}/{ceiling.wall_ms / t.wall_ms:.3f}"
-                     f"{'' if variant == name.split()[0] else ' (' + variant + ')'}")
+            line += (
+                f"  {name} {ceiling.gpu_ms / t.gpu_ms:.3f}/{ceiling.wall_ms / t.wall_ms:.3f}"
+                f"{'' if variant == name.split()[0] else ' (' + variant + ')'}"
+            )
         print(line + "   (GPU time / wall, of contiguous)", flush=True)
 
 
@@ -64,9 +68,12 @@ def beside(pairs: int = 10) -> None:
         with copier(ctas) as name:
             call = lambda: kvcopy.copy_batch(*ptrs, stream=stream)  # noqa: E731
             spread, rates, _ = paired(matmuls, [Copier("d2h", call, stream, TOTAL)], pairs)
-        print(f"beside d2h 16 KiB {name:10s} median {spread['median_slowdown']:+.3f} "
-              f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f} "
-              f"copy {rates['d2h']:.1f} GB/s", flush=True)
+        print(
+            f"beside d2h 16 KiB {name:10s} median {spread['median_slowdown']:+.3f} "
+            f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f} "
+            f"copy {rates['d2h']:.1f} GB/s",
+            flush=True,
+        )
 
 
 def small() -> None:
@@ -77,8 +84,9 @@ def small() -> None:
         line = f"small d2h {count:3d} x 16 KiB call to completion"
         for ctas in (None, 4):
             with copier(ctas) as name:
-                us = call_to_completion_us(lambda: kvcopy.copy_batch(*ptrs, stream=stream),
-                                           stream.synchronize)
+                us = call_to_completion_us(
+                    lambda: kvcopy.copy_batch(*ptrs, stream=stream), stream.synchronize
+                )
             line += f"  {name} {us:.1f} us"
         print(line, flush=True)
 
@@ -86,8 +94,11 @@ def small() -> None:
 def main(parts: list[str]) -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
-    print(f"# bulk_sweep on {torch.cuda.get_device_name()} "
-          f"(sm_{''.join(map(str, torch.cuda.get_device_capability()))})", flush=True)
+    print(
+        f"# bulk_sweep on {torch.cuda.get_device_name()} "
+        f"(sm_{''.join(map(str, torch.cuda.get_device_capability()))})",
+        flush=True,
+    )
     for part in parts or ["alone", "beside", "small"]:
         {"alone": alone, "beside": beside, "small": small}[part]()
 

@@ -12,14 +12,23 @@ process of its own.
 
     python3 experiments/capture_frees.py
 """
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
-CASES = ["pinned_array_collected", "torch_graph_collected", "host_free", "host_free_relaxed",
-         "host_free_relaxed_other_thread", "host_free_other_thread", "device_free_relaxed",
-         "device_free_relaxed_other_thread", "event_destroy"]
+CASES = [
+    "pinned_array_collected",
+    "torch_graph_collected",
+    "host_free",
+    "host_free_relaxed",
+    "host_free_relaxed_other_thread",
+    "host_free_other_thread",
+    "device_free_relaxed",
+    "device_free_relaxed_other_thread",
+    "event_destroy",
+]
 
 CHILD = r"""
 import gc, threading, torch, kvcopy
@@ -86,8 +95,9 @@ print(f"{case:36s} {' '.join(said):40s} {verdict}")
 def main() -> None:
     print(f"{'case':36s} {'free returned':40s} capture")
     for case in CASES:
-        child = subprocess.run([sys.executable, "-c", CHILD.replace("CASE", repr(case))],
-                               capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD.replace("CASE", repr(case))], capture_output=True, text=True
+        )
         lines = [line for line in child.stdout.splitlines() if line.strip()]
         print(lines[-1] if lines else f"{case:36s} child failed: {child.stderr[-200:]}")
 

@@ -5,6 +5,7 @@ rows (pinned pool <-> device pool, NumPy pointer arrays): h2d and d2h at 2 KiB x
 tagged with the first argument, so that two builds of kvcopy can be timed
 alternately on one machine (the benchmark's cpu_us is a median of 7, too few to
 compare builds by)."""
+
 from __future__ import annotations
 
 import statistics
@@ -18,7 +19,7 @@ from kvcopy.bench.workloads import scattered_batch
 
 CALLS = 150
 ROWS = ((2048, 32768), (4096, 16384), (16384, 4096))
-SLEEP_CYCLES = 2_000_000   # ~1 ms of GPU work ahead of each call
+SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU work ahead of each call
 
 tag = sys.argv[1] if len(sys.argv) > 1 else ""
 stream = torch.cuda.Stream()
@@ -43,5 +44,8 @@ for block, count in ROWS:
     _keep, host, gpu, sizes = scattered_batch(count, block)
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
         median, least = cpu_us(lambda: kvcopy.copy_batch(src, dst, sizes, stream=stream))
-        print(f"{tag} {direction} {block:6d} x {count:6d}: cpu_us median {median:7.1f} "
-              f"min {least:7.1f} chose {kvcopy.last_decision().method}", flush=True)
+        print(
+            f"{tag} {direction} {block:6d} x {count:6d}: cpu_us median {median:7.1f} "
+            f"min {least:7.1f} chose {kvcopy.last_decision().method}",
+            flush=True,
+        )

@@ -3,6 +3,7 @@ layers x K and V of paged GPU caches (blocks of 16 tokens, 2 KiB rows) gathered 
 256 token slots into a pinned chunk, 200 calls each synchronised after; the same
 transfer prepared once (kvcopy.prepare_rows) and called 200 times; then a cProfile of
 200 more copy_rows calls. Prints the medians and minimums in microseconds."""
+
 from __future__ import annotations
 
 import cProfile
@@ -25,8 +26,6 @@ stream = torch.cuda.Stream()
 
 def call() -> None:
     kvcopy.copy_rows(src, dst, slots, stream=stream)
-
-
 
 
 def cpu_us(fn) -> str:

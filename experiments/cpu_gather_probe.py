@@ -19,6 +19,7 @@ The loaded bytes are checked once per block size.
 
 Run on a GPU: python3 experiments/cpu_gather_probe.py
 """
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,11 @@ class Gatherer:
 
     def gather(self, src2d: np.ndarray, idx: np.ndarray, out2d: np.ndarray) -> None:
         bounds = np.linspace(0, len(idx), self.threads + 1).astype(int)
-        futures = [self.pool.submit(np.take, src2d, idx[a:b], 0, out2d[a:b], "clip")
-                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        futures = [
+            self.pool.submit(np.take, src2d, idx[a:b], 0, out2d[a:b], "clip")
+            for a, b in zip(bounds[:-1], bounds[1:])
+            if b > a
+        ]
         wait(futures)
         for f in futures:
             f.result()
@@ -64,8 +68,7 @@ class TorchGatherer:
 
     def gather(self, src2d: np.ndarray, idx: np.ndarray, out2d: np.ndarray) -> None:
         torch.set_num_threads(self.threads)
-        torch.index_select(torch.from_numpy(src2d), 0, torch.from_numpy(idx),
-                           out=torch.from_numpy(out2d))
+        torch.index_select(torch.from_numpy(src2d), 0, torch.from_numpy(idx), out=torch.from_numpy(out2d))
 
 
 def main() -> None:
@@ -95,8 +98,11 @@ def main() -> None:
 
     load_ref = wall_ms(contiguous_load, sync)
     pair_ref = wall_ms(contiguous_pair, sync)
-    print(f"contiguous: load {TOTAL / load_ref / 1e6:.1f} GB/s wall, pair "
-          f"{2 * TOTAL / pair_ref / 1e6:.1f} GB/s wall", flush=True)
+    print(
+        f"contiguous: load {TOTAL / load_ref / 1e6:.1f} GB/s wall, pair "
+        f"{2 * TOTAL / pair_ref / 1e6:.1f} GB/s wall",
+        flush=True,
+    )
     rng = np.random.default_rng(0)
     gatherers = {t: Gatherer(t) for t in (1, 2, 4, 8)}
     for block in (4 * KiB, 16 * KiB, 64 * KiB):
@@ -105,10 +111,16 @@ def main() -> None:
         gidx = rng.permutation(2 * n)[:n].astype(np.int64)
         sidx, didx = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
         sizes = np.full(n, block, dtype=np.uint64)
-        load = (np.uint64(host_a.data_ptr()) + hidx.astype(np.uint64) * np.uint64(block),
-                np.uint64(gpu_a.data_ptr()) + gidx.astype(np.uint64) * np.uint64(block), sizes)
-        store = (np.uint64(gpu_b.data_ptr()) + sidx.astype(np.uint64) * np.uint64(block),
-                 np.uint64(host_b.data_ptr()) + didx.astype(np.uint64) * np.uint64(block), sizes)
+        load = (
+            np.uint64(host_a.data_ptr()) + hidx.astype(np.uint64) * np.uint64(block),
+            np.uint64(gpu_a.data_ptr()) + gidx.astype(np.uint64) * np.uint64(block),
+            sizes,
+        )
+        store = (
+            np.uint64(gpu_b.data_ptr()) + sidx.astype(np.uint64) * np.uint64(block),
+            np.uint64(host_b.data_ptr()) + didx.astype(np.uint64) * np.uint64(block),
+            sizes,
+        )
         host2d = host_a.numpy().reshape(-1, block)
         stage2d = [s.numpy().reshape(-1, block) for s in stage_host]
         offsets = np.arange(per_chunk, dtype=np.uint64) * np.uint64(block)
@@ -130,28 +142,35 @@ def main() -> None:
             for _ in range(3):
                 torch.index_select(src_t, 0, idx_t, out=out_t)
             t_seconds = (time.perf_counter() - t0) / 3
-            print(f"  gather alone, {t} threads: np.take {TOTAL / seconds / 1e9:.1f} GB/s, "
-                  f"torch.index_select {TOTAL / t_seconds / 1e9:.1f} GB/s", flush=True)
+            print(
+                f"  gather alone, {t} threads: np.take {TOTAL / seconds / 1e9:.1f} GB/s, "
+                f"torch.index_select {TOTAL / t_seconds / 1e9:.1f} GB/s",
+                flush=True,
+            )
 
         def load_by_gather(g: Gatherer | TorchGatherer) -> Callable[[], None]:
             def run() -> None:
                 for k, start in enumerate(range(0, n, per_chunk)):
                     buf, end = k % 2, min(n, start + per_chunk)
                     if k >= 2:
-                        done[buf].synchronize()   # its last copy out of host staging is over
-                    g.gather(host2d, hidx[start:end], stage2d[buf][:end - start])
+                        done[buf].synchronize()  # its last copy out of host staging is over
+                    g.gather(host2d, hidx[start:end], stage2d[buf][: end - start])
                     with torch.cuda.stream(s1):
-                        stage_gpu[buf][:(end - start) * block].copy_(
-                            stage_host[buf][:(end - start) * block], non_blocking=True)
-                        kvcopy.copy_batch(scatter_src[buf][:end - start], load[1][start:end],
-                                          sizes[start:end], stream=s1)
+                        stage_gpu[buf][: (end - start) * block].copy_(
+                            stage_host[buf][: (end - start) * block], non_blocking=True
+                        )
+                        kvcopy.copy_batch(
+                            scatter_src[buf][: end - start], load[1][start:end], sizes[start:end], stream=s1
+                        )
                         done[buf].record(s1)
+
             return run
 
         def with_store(fn: Callable[[], object]) -> Callable[[], None]:
             def run() -> None:
                 kvcopy.copy_batch(*store, stream=s2)
                 fn()
+
             return run
 
         gpu_a.zero_()
@@ -161,26 +180,30 @@ def main() -> None:
         want = host_a.view(-1, block)[torch.from_numpy(hidx)].cuda()
         print(f"  bytes after a gathered load: {'ok' if torch.equal(got, want) else 'WRONG'}")
 
-        kernel_load = lambda: kvcopy.copy_batch(*load, stream=s1)   # noqa: E731
+        kernel_load = lambda: kvcopy.copy_batch(*load, stream=s1)  # noqa: E731
         cases: dict[str, tuple[Callable[[], object], float, int]] = {
             "load, kernel": (kernel_load, load_ref, TOTAL),
             "load + store, kernel (two streams)": (with_store(kernel_load), pair_ref, 2 * TOTAL),
-            "copy_both_ways": (lambda: kvcopy.copy_both_ways(store, load, stream=s1), pair_ref,
-                               2 * TOTAL),
+            "copy_both_ways": (lambda: kvcopy.copy_both_ways(store, load, stream=s1), pair_ref, 2 * TOTAL),
         }
         for t in (2, 4, 8):
             cases[f"load by gather, {t} threads"] = (load_by_gather(gatherers[t]), load_ref, TOTAL)
             cases[f"load by gather, {t} threads + store, kernel"] = (
-                with_store(load_by_gather(gatherers[t])), pair_ref, 2 * TOTAL)
+                with_store(load_by_gather(gatherers[t])),
+                pair_ref,
+                2 * TOTAL,
+            )
         for t in (8, 14):
             by_torch = load_by_gather(TorchGatherer(t))
             cases[f"load by index_select, {t} threads"] = (by_torch, load_ref, TOTAL)
             cases[f"load by index_select, {t} threads + store, kernel"] = (
-                with_store(by_torch), pair_ref, 2 * TOTAL)
+                with_store(by_torch),
+                pair_ref,
+                2 * TOTAL,
+            )
         for name, (fn, ref, moved) in cases.items():
             ms = wall_ms(fn, sync)
-            print(f"  {name:<44} {moved / ms / 1e6:6.1f} GB/s wall, {ref / ms:.3f} of contiguous",
-                  flush=True)
+            print(f"  {name:<44} {moved / ms / 1e6:6.1f} GB/s wall, {ref / ms:.3f} of contiguous", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The median CPU time of a call, for the probes that need no GPU."""
+
 from __future__ import annotations
 
 import statistics

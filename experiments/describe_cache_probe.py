@@ -16,6 +16,7 @@ sleep kernel as long, then a synchronize; time.sleep as long. Medians of 60.
 
 Run on a GPU: python3 experiments/describe_cache_probe.py
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,9 +27,11 @@ import torch
 
 import kvcopy
 from kvcopy.testing import engine
+
 decide, dispatch = engine.decide, engine.dispatch
 kernels = engine.kernels
 from kvcopy.testing import cuda
+
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 kv_memory = cuda.memory
 from kvcopy.bench.workloads import scattered_batch
@@ -52,9 +55,12 @@ def probe(count: int, block: int) -> None:
 
     def kernel_reads(buffer: int) -> Callable[[], None]:
         mapped = kv_memory.host_device_pointer(buffer)
-        return lambda: (kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas,
-                                               threads, handle), stream.synchronize())
-    kv_describe.describe_copies(s, d, sizes, buffers[0])   # (a kernel over it copies the batch)
+        return lambda: (
+            kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas, threads, handle),
+            stream.synchronize(),
+        )
+
+    kv_describe.describe_copies(s, d, sizes, buffers[0])  # (a kernel over it copies the batch)
     t0 = time.perf_counter()
     kernel_reads(buffers[0])()
     copy_s = time.perf_counter() - t0
@@ -64,11 +70,14 @@ def probe(count: int, block: int) -> None:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(cycles)
         stream.synchronize()
+
     between: dict[str, Callable[[], object]] = {
         "nothing": lambda: None,
         "kernel reads it in place, sync": kernel_reads(buffers[0]),
-        "copy engine uploads it, sync": lambda: (kv_launch.upload(device, buffers[0], nbytes, handle),
-                                                 stream.synchronize()),
+        "copy engine uploads it, sync": lambda: (
+            kv_launch.upload(device, buffers[0], nbytes, handle),
+            stream.synchronize(),
+        ),
         "kernel reads another buffer, sync": kernel_reads(buffers[1]),
         "sleep kernel as long, sync": sleep_kernel,
         "time.sleep as long": lambda: time.sleep(copy_s),
@@ -81,8 +90,11 @@ def probe(count: int, block: int) -> None:
             kv_describe.describe_copies(s, d, sizes, buffers[0])
             times.append((time.perf_counter() - t0) * 1e6)
             after()
-        print(f"describe {count:6d} x {block // 1024:2d} KiB, between: {name:36s} "
-              f"median {statistics.median(times):7.1f} us  min {min(times):7.1f}", flush=True)
+        print(
+            f"describe {count:6d} x {block // 1024:2d} KiB, between: {name:36s} "
+            f"median {statistics.median(times):7.1f} us  min {min(times):7.1f}",
+            flush=True,
+        )
     for _ in range(3):
         times = []
         for _ in range(60):
@@ -90,8 +102,11 @@ def probe(count: int, block: int) -> None:
             kvcopy.copy_batch(s, d, sizes, stream=stream, method="kernel")
             times.append((time.perf_counter() - t0) * 1e6)
             stream.synchronize()
-        print(f"copy_batch {count:6d} x {block // 1024:2d} KiB, synced: median "
-              f"{statistics.median(times):7.1f} us  min {min(times):7.1f}", flush=True)
+        print(
+            f"copy_batch {count:6d} x {block // 1024:2d} KiB, synced: median "
+            f"{statistics.median(times):7.1f} us  min {min(times):7.1f}",
+            flush=True,
+        )
     for buffer in buffers:
         kv_memory.host_free(buffer)
     kv_memory.mem_free(device)

@@ -4,6 +4,7 @@ table of the batch), against a stable sort of the destinations in NumPy (what th
 sparse case cost before). Needs no GPU. Median microseconds of 400 calls each.
 
     python3 experiments/id_checks_probe.py"""
+
 from __future__ import annotations
 
 import numpy as np

@@ -14,6 +14,7 @@ then split_block_ids chunk by chunk).
 
     python3 experiments/id_threads_probe.py          (gcc with OpenMP; pinned memory
                                                       needs a GPU, else pageable)"""
+
 from __future__ import annotations
 
 import ctypes
@@ -132,9 +133,21 @@ def build() -> ctypes.CDLL:
     """The C above as a shared library (gcc -O3 -fopenmp)."""
     folder = pathlib.Path(tempfile.mkdtemp(prefix="kvcopy-id-threads-"))
     (folder / "ids.c").write_text(SOURCE)
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                    f"-I{HEADER_DIR}", str(folder / "ids.c"), "-o", str(folder / "ids.so")],
-                   check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O3",
+            "-march=native",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            f"-I{HEADER_DIR}",
+            str(folder / "ids.c"),
+            "-o",
+            str(folder / "ids.so"),
+        ],
+        check=True,
+    )
     lib = ctypes.CDLL(str(folder / "ids.so"))
     i64, u64, ptr, c_int = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int
     lib.check.argtypes = [ptr, i64, u64, u64, ptr, c_int]
@@ -150,8 +163,9 @@ def ring_memory() -> tuple[np.ndarray, str]:
     """The ring: pinned where a GPU is present (as kvcopy's rings are), else pageable."""
     try:
         import kvcopy
+
         return kvcopy.pinned_empty(RING, dtype=np.uint8), "pinned"
-    except Exception as exc:   # no driver or no GPU: the CPU-side figures still hold
+    except Exception as exc:  # no driver or no GPU: the CPU-side figures still hold
         print(f"(no pinned memory: {type(exc).__name__}; pageable ring)")
         return np.zeros(RING, dtype=np.uint8), "pageable"
 
@@ -160,9 +174,10 @@ def main() -> None:
     lib = build()
     ring, kind = ring_memory()
     rng = np.random.default_rng(1)
-    mapping = np.ascontiguousarray(np.stack([rng.permutation(POOL)[:PAIRS],
-                                             rng.permutation(POOL)[:PAIRS]], axis=1))
-    bits = np.zeros(max(THREADS) * POOL // 64, dtype=np.uint64)   # a bitmap a thread
+    mapping = np.ascontiguousarray(
+        np.stack([rng.permutation(POOL)[:PAIRS], rng.permutation(POOL)[:PAIRS]], axis=1)
+    )
+    bits = np.zeros(max(THREADS) * POOL // 64, dtype=np.uint64)  # a bitmap a thread
     nbytes, offset = 16 * PAIRS, 0
 
     def slot() -> tuple[int, int]:
@@ -199,8 +214,9 @@ def main() -> None:
                 bad = run(threads)
                 spent[name].append(time.perf_counter() - start)
                 assert bad == -1, (name, threads, bad)
-        row = "  ".join(f"{name} {statistics.median(v) * 1e6:6.1f} ({min(v) * 1e6:5.1f})"
-                        for name, v in spent.items())
+        row = "  ".join(
+            f"{name} {statistics.median(v) * 1e6:6.1f} ({min(v) * 1e6:5.1f})" for name, v in spent.items()
+        )
         print(f"threads {threads}:  {row}")
 
 
@@ -208,11 +224,13 @@ def verify(lib: ctypes.CDLL, mapping: np.ndarray, bits: np.ndarray, ring: np.nda
     """Every variant writes the ids exactly and finds a repeated and an out-of-range id."""
     m, b = mapping.ctypes.data, bits.ctypes.data
     src, dst = ring.ctypes.data, ring.ctypes.data + 8 * PAIRS
-    written = np.frombuffer(ring[:16 * PAIRS].data, dtype=np.int64)
+    written = np.frombuffer(ring[: 16 * PAIRS].data, dtype=np.int64)
     bad_at = PAIRS * 3 // 4
     for threads in THREADS:
-        for run in (lambda: lib.split(m, PAIRS, src, dst, threads),
-                    lambda: lib.fused(m, PAIRS, POOL, POOL, b, src, dst, threads)):
+        for run in (
+            lambda: lib.split(m, PAIRS, src, dst, threads),
+            lambda: lib.fused(m, PAIRS, POOL, POOL, b, src, dst, threads),
+        ):
             written[:] = -7
             run()
             assert (written[:PAIRS] == mapping[:, 0]).all(), threads
@@ -221,8 +239,7 @@ def verify(lib: ctypes.CDLL, mapping: np.ndarray, bits: np.ndarray, ring: np.nda
         twice[bad_at, 1] = twice[5, 1]
         outside[bad_at, 0] = POOL
         # (a repeat across two threads' ranges is reported as -2)
-        for case, found in ((twice, {bad_at} if threads == 1 else {bad_at, -2}),
-                            (outside, {bad_at})):
+        for case, found in ((twice, {bad_at} if threads == 1 else {bad_at, -2}), (outside, {bad_at})):
             c = case.ctypes.data
             assert lib.check(c, PAIRS, POOL, POOL, b, threads) in found, threads
             assert lib.fused(c, PAIRS, POOL, POOL, b, src, dst, threads) in found, threads

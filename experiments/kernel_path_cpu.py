@@ -3,6 +3,7 @@
 kernel queued ahead, so the GPU never waits for the CPU), median and p25 of
 CALLS calls. Prints one line, tagged with the first argument, so that two
 builds of kvcopy can be timed alternately on one machine."""
+
 from __future__ import annotations
 
 import statistics
@@ -16,7 +17,8 @@ import kvcopy
 
 try:
     from kvcopy.bench.workloads import scattered_batch
-except ImportError:   # a build from before kvcopy.bench.workloads, timed for comparison
+except ImportError:  # a build from before kvcopy.bench.workloads, timed for comparison
+
     def scattered_batch(count: int, block: int):
         src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(2 * count * block, dtype=torch.uint8, device="cuda")
@@ -24,6 +26,7 @@ except ImportError:   # a build from before kvcopy.bench.workloads, timed for co
         s = np.uint64(src.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
         d = np.uint64(dst.data_ptr()) + (rng.permutation(2 * count)[:count] * block).astype(np.uint64)
         return (src, dst), s, d, np.full(count, block, dtype=np.uint64)
+
 
 CALLS, COUNT, BLOCK = 400, 8192, 16384
 
@@ -44,5 +47,7 @@ for i in range(CALLS):
 stream.synchronize()
 times.sort()
 tag = (sys.argv[1] if len(sys.argv) > 1 else "") + ":" + kvcopy.__file__
-print(f"kernel_path_cpu {tag} count={COUNT} median_us={statistics.median(times):.1f} "
-      f"p25_us={times[len(times) // 4]:.1f} min_us={times[0]:.1f} method={kvcopy.last_decision().method}")
+print(
+    f"kernel_path_cpu {tag} count={COUNT} median_us={statistics.median(times):.1f} "
+    f"p25_us={times[len(times) // 4]:.1f} min_us={times[0]:.1f} method={kvcopy.last_decision().method}"
+)

@@ -3,6 +3,7 @@
 Each configuration runs in a subprocess, because the unroll factor is baked
 into the cubin that a process loads once.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,14 @@ import subprocess
 import sys
 
 KiB, MiB = 1 << 10, 1 << 20
-CASES = [("h2d", 2 * KiB), ("h2d", 16 * KiB), ("h2d", 4 * MiB), ("d2h", 16 * KiB),
-         ("d2h", 4 * MiB), ("d2d", 16 * KiB)]
+CASES = [
+    ("h2d", 2 * KiB),
+    ("h2d", 16 * KiB),
+    ("h2d", 4 * MiB),
+    ("d2h", 16 * KiB),
+    ("d2h", 4 * MiB),
+    ("d2d", 16 * KiB),
+]
 
 
 def child(ctas: int) -> None:
@@ -28,9 +35,18 @@ def child(ctas: int) -> None:
             ctas_used = "sm"
         else:
             ctas_used = ctas
-        print(json.dumps({"direction": direction, "block": block, "ctas": ctas_used,
-                          "ceiling": rows[0]["gbps"] if isinstance(rows[0], dict) else rows[0].gbps,
-                          "kernel": rows[1].gbps, "fraction": rows[1].fraction_of_ceiling}))
+        print(
+            json.dumps(
+                {
+                    "direction": direction,
+                    "block": block,
+                    "ctas": ctas_used,
+                    "ceiling": rows[0]["gbps"] if isinstance(rows[0], dict) else rows[0].gbps,
+                    "kernel": rows[1].gbps,
+                    "fraction": rows[1].fraction_of_ceiling,
+                }
+            )
+        )
         torch.cuda.empty_cache()
 
 
@@ -39,15 +55,17 @@ def main() -> None:
         child(int(os.environ["KVCOPY_HOST_CTAS"]))
         return
     for unroll, threads, ctas in itertools.product((4, 8), (256, 512), (16,)):
-        env = dict(os.environ, KVCOPY_UNROLL=str(unroll), KVCOPY_THREADS=str(threads),
-                   KVCOPY_HOST_CTAS=str(ctas))
-        out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True,
-                             text=True)
+        env = dict(
+            os.environ, KVCOPY_UNROLL=str(unroll), KVCOPY_THREADS=str(threads), KVCOPY_HOST_CTAS=str(ctas)
+        )
+        out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
         for line in out.stdout.splitlines():
             r = json.loads(line)
-            print(f"unroll={unroll} threads={threads} ctas={r['ctas']} {r['direction']} "
-                  f"{r['block'] // KiB:>5}KiB kernel={r['kernel']:7.1f} GB/s "
-                  f"ceiling={r['ceiling']:7.1f} fraction={r['fraction']:.2f}")
+            print(
+                f"unroll={unroll} threads={threads} ctas={r['ctas']} {r['direction']} "
+                f"{r['block'] // KiB:>5}KiB kernel={r['kernel']:7.1f} GB/s "
+                f"ceiling={r['ceiling']:7.1f} fraction={r['fraction']:.2f}"
+            )
         if out.returncode:
             print(out.stderr[-2000:])
 

@@ -26,6 +26,7 @@ stream beside the store by the kernel with 2 or 4 CTAs on another, GPU time and 
 
 Run on a GPU: python3 experiments/link_budget.py
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -35,12 +36,12 @@ import torch
 import kvcopy
 from kvcopy.bench.timing import call_to_completion_us
 
-from serving_probe import TOTAL, KiB, MiB, BothWays, per_stream_ms   # scripts/
+from serving_probe import TOTAL, KiB, MiB, BothWays, per_stream_ms  # scripts/
 
-OVERHEAD = 26        # bytes per TLP on the wire besides its payload (header, seq, LCRC, framing)
-SM_PIECE = 128       # an SM store's payload, and the data an SM load's request asks for
-ENGINE_WRITE = 256   # a copy engine's write payload (the usual max payload size)
-ENGINE_READ = 512    # a copy engine's read request (the usual max read request size)
+OVERHEAD = 26  # bytes per TLP on the wire besides its payload (header, seq, LCRC, framing)
+SM_PIECE = 128  # an SM store's payload, and the data an SM load's request asks for
+ENGINE_WRITE = 256  # a copy engine's write payload (the usual max payload size)
+ENGINE_READ = 512  # a copy engine's read request (the usual max read request size)
 
 
 def upstream_bytes(h2d_gbps: float, d2h_gbps: float, h2d_by: str, d2h_by: str) -> float:
@@ -61,12 +62,14 @@ def main() -> None:
         """Enqueue one TOTAL-byte batch of the load (side 0, on s1) or the store (side 1,
         on s2) by ``method``."""
         if method == "contiguous":
+
             def contiguous():
                 with torch.cuda.stream(s1 if side == 0 else s2):
                     if side == 0:
                         both.gpu_a[:TOTAL].copy_(both.host_a[:TOTAL], non_blocking=True)
                     else:
                         both.host_b[:TOTAL].copy_(both.gpu_b[:TOTAL], non_blocking=True)
+
             return contiguous
         block = small if method == "kernel" else large
         ptrs = batches[block][side]
@@ -74,6 +77,7 @@ def main() -> None:
 
         def copy():
             kvcopy.copy_batch(*ptrs, stream=stream, method=method, max_ctas=ctas)
+
         return copy
 
     def rates(h2d: tuple, d2h: tuple) -> tuple[float, float]:
@@ -87,7 +91,9 @@ def main() -> None:
                         load()
                     if k < stores:
                         store()
+
             return run
+
         h_ms, _ = per_stream_ms(enqueue(1, 3), s1, s2)
         _, d_ms = per_stream_ms(enqueue(3, 1), s1, s2)
         return TOTAL / h_ms / 1e6, TOTAL / d_ms / 1e6
@@ -97,19 +103,29 @@ def main() -> None:
         ms = per_stream_ms(fn, s1, s2)[side]
         return TOTAL / ms / 1e6
 
-    print(f"# link_budget on {torch.cuda.get_device_name()}: GB/s of data; 'up' = modelled "
-          f"GB/s on the GPU-to-host lane ({OVERHEAD} B per TLP; SM pieces {SM_PIECE} B, "
-          f"engine writes {ENGINE_WRITE} B, engine read requests {ENGINE_READ} B)")
+    print(
+        f"# link_budget on {torch.cuda.get_device_name()}: GB/s of data; 'up' = modelled "
+        f"GB/s on the GPU-to-host lane ({OVERHEAD} B per TLP; SM pieces {SM_PIECE} B, "
+        f"engine writes {ENGINE_WRITE} B, engine read requests {ENGINE_READ} B)"
+    )
     for side, name in ((0, "h2d"), (1, "d2h")):
         for method, ctas in (("contiguous", None), ("batch", None), ("kernel", 4), ("kernel", 16)):
             label = method + (f" {ctas} CTAs" if ctas else "")
             print(f"alone {name} {label:<16} {alone(side, method, ctas):6.1f}", flush=True)
-    pairings = [(("contiguous", None), ("contiguous", None)), (("batch", None), ("batch", None)),
-                (("kernel", 16), ("batch", None)), (("kernel", 64), ("batch", None)),
-                (("batch", None), ("kernel", 4)), (("batch", None), ("kernel", 16)),
-                (("kernel", 4), ("kernel", 4)), (("kernel", 16), ("kernel", 4)),
-                (("kernel", 16), ("kernel", 16)), (("kernel", 32), ("kernel", 16)),
-                (("kernel", 64), ("kernel", 8)), (("kernel", 8), ("kernel", 32))]
+    pairings = [
+        (("contiguous", None), ("contiguous", None)),
+        (("batch", None), ("batch", None)),
+        (("kernel", 16), ("batch", None)),
+        (("kernel", 64), ("batch", None)),
+        (("batch", None), ("kernel", 4)),
+        (("batch", None), ("kernel", 16)),
+        (("kernel", 4), ("kernel", 4)),
+        (("kernel", 16), ("kernel", 4)),
+        (("kernel", 16), ("kernel", 16)),
+        (("kernel", 32), ("kernel", 16)),
+        (("kernel", 64), ("kernel", 8)),
+        (("kernel", 8), ("kernel", 32)),
+    ]
     reference = None
     for h2d, d2h in pairings:
         h, d = rates(h2d, d2h)
@@ -117,9 +133,11 @@ def main() -> None:
         by = ["kernel" if m == "kernel" else "engine" for m, _ in (h2d, d2h)]
         up = upstream_bytes(h, d, *by)
         label = " + ".join(m + (f" {c}" if c else "") for m, c in (h2d, d2h))
-        print(f"both {label:<30} h2d {h:5.1f} d2h {d:5.1f} sum {h + d:6.1f} "
-              f"({(h + d) / reference:.2f} of the engines' pair)  up {up:5.1f}", flush=True)
-
+        print(
+            f"both {label:<30} h2d {h:5.1f} d2h {d:5.1f} sum {h + d:6.1f} "
+            f"({(h + d) / reference:.2f} of the engines' pair)  up {up:5.1f}",
+            flush=True,
+        )
 
 
 def engines_for_the_load(blocks=(32 * KiB, 64 * KiB, 128 * KiB)) -> None:
@@ -130,16 +148,20 @@ def engines_for_the_load(blocks=(32 * KiB, 64 * KiB, 128 * KiB)) -> None:
     def sync() -> None:
         s1.synchronize()
         s2.synchronize()
+
     pair_gpu = both.span_ms(both.contiguous)
     pair_wall = call_to_completion_us(both.contiguous, sync, repeats=30)
     for block in blocks:
         load, store = both.batches(block)
         cases: dict[str, Callable[[], object]] = {
-            "copy_both_ways": lambda: kvcopy.copy_both_ways(store, load, stream=s2)}
+            "copy_both_ways": lambda: kvcopy.copy_both_ways(store, load, stream=s2)
+        }
         for ctas in (2, 4):
+
             def mixed(ctas: int = ctas) -> None:
                 kvcopy.copy_batch(*load, stream=s1, method="batch")
                 kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=ctas)
+
             cases[f"engines load + kernel store {ctas}"] = mixed
         cells = []
         for name, fn in cases.items():

@@ -17,6 +17,7 @@ Measured here, for each (a plain allocation alongside as the reference):
 
 Run on a GPU: python3 experiments/many_ranges_probe.py
 """
+
 from __future__ import annotations
 
 import json
@@ -123,23 +124,35 @@ print(json.dumps({"method": METHOD, "result": out[:300], "context after": after}
 
 
 def main() -> None:
-    for conf, host in (("", "pinned"), ("expandable_segments:True", "pinned"),
-                       ("", "registered")):
+    for conf, host in (("", "pinned"), ("expandable_segments:True", "pinned"), ("", "registered")):
         env = dict(os.environ)
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        run = subprocess.run([sys.executable, "-c", f"HOST = {host!r}\n" + CHILD],
-                             capture_output=True, text=True, env=env, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-c", f"HOST = {host!r}\n" + CHILD],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         if run.returncode:
             print(run.stderr[-3000:])
             continue
         print(json.dumps(json.loads(run.stdout.strip().splitlines()[-1])))
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     for method in ("kernel", "batch", "loop", "auto"):
-        run = subprocess.run([sys.executable, "-c", BAD_CHILD.replace("METHOD", repr(method))],
-                             capture_output=True, text=True, env=env, timeout=120)
-        print(run.stdout.strip().splitlines()[-1] if run.stdout.strip()
-              else f"{method}: exit {run.returncode}: {run.stderr[-300:]}")
+        run = subprocess.run(
+            [sys.executable, "-c", BAD_CHILD.replace("METHOD", repr(method))],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        print(
+            run.stdout.strip().splitlines()[-1]
+            if run.stdout.strip()
+            else f"{method}: exit {run.returncode}: {run.stderr[-300:]}"
+        )
 
 
 if __name__ == "__main__":

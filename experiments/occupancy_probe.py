@@ -13,6 +13,7 @@ measured beside kvcopy's copies for reference.
 
 Run on a GPU: python3 experiments/occupancy_probe.py [hold] [lean] [kvcopy] [sizes]
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,7 @@ import kvcopy
 from kvcopy.bench.beside import Copier, Matmuls, paired
 from kvcopy.bench.scenarios import Pools
 
-import bulk_probe   # scripts/: the ring kernel, and cuda.core's device, compiler and launch
+import bulk_probe  # scripts/: the ring kernel, and cuda.core's device, compiler and launch
 from bulk_probe import CC, DEVICE, LaunchConfig, Program, ProgramOptions, launch
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -68,16 +69,20 @@ extern "C" __global__ void hold(unsigned long long ns, int* sink) {
 
 def compile_hold(live: int):
     options = ProgramOptions(arch=f"sm_{CC[0]}{CC[1]}", std="c++17")
-    return Program(f"#define LIVE {live}\n" + SOURCE, code_type="c++",
-                   options=options).compile("cubin").get_kernel("hold")
+    return (
+        Program(f"#define LIVE {live}\n" + SOURCE, code_type="c++", options=options)
+        .compile("cubin")
+        .get_kernel("hold")
+    )
 
 
 def set_attribute(kernel, name: str, value: int) -> None:
     """cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_<name>) for ``kernel`` on this device."""
     from cuda.bindings import driver as cu
-    (err,) = cu.cuKernelSetAttribute(getattr(cu.CUfunction_attribute,
-                                             f"CU_FUNC_ATTRIBUTE_{name}"), value,
-                                     kernel.handle, DEVICE.device_id)
+
+    (err,) = cu.cuKernelSetAttribute(
+        getattr(cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}"), value, kernel.handle, DEVICE.device_id
+    )
     assert err == cu.CUresult.CUDA_SUCCESS, err
 
 
@@ -91,7 +96,7 @@ def prefer_max_shared(kernel) -> None:
 def registers(kernel) -> int:
     """Registers per thread of ``kernel``."""
     regs = kernel.attributes.num_regs
-    return regs() if callable(regs) else int(regs)   # a method in older cuda.core
+    return regs() if callable(regs) else int(regs)  # a method in older cuda.core
 
 
 class Throttled:
@@ -113,13 +118,12 @@ class Throttled:
 class Holder:
     """Launches of the hold kernel with one footprint (throttle them)."""
 
-    def __init__(self, ctas: int, threads: int, live: int, smem: int, hold_ns: int,
-                 carveout: bool) -> None:
+    def __init__(self, ctas: int, threads: int, live: int, smem: int, hold_ns: int, carveout: bool) -> None:
         self.hold_ns, self.launched = hold_ns, 0
         self.kernel = compile_hold(live)
         if carveout:
             prefer_max_shared(self.kernel)
-        if smem > 48 * KiB:   # past 48 KiB of dynamic shared memory, a kernel must opt in
+        if smem > 48 * KiB:  # past 48 KiB of dynamic shared memory, a kernel must opt in
             set_attribute(self.kernel, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem)
         self.config = LaunchConfig(grid=ctas, block=threads, shmem_size=smem)
         self.core_stream = DEVICE.create_stream()
@@ -127,15 +131,21 @@ class Holder:
         self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def __call__(self) -> None:
-        DEVICE.set_current()   # called from the copy loop's thread
+        DEVICE.set_current()  # called from the copy loop's thread
         self.launched += 1
-        launch(self.core_stream, self.config, self.kernel, np.uint64(self.hold_ns),
-               np.uint64(self.sink.data_ptr()))
+        launch(
+            self.core_stream,
+            self.config,
+            self.kernel,
+            np.uint64(self.hold_ns),
+            np.uint64(self.sink.data_ptr()),
+        )
 
 
 def matmul_kernel() -> str:
     """The matmul's kernel as the profiler saw it: name, grid, block, registers, smem."""
     from torch.profiler import ProfilerActivity, profile
+
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.matmul(a, a)
@@ -144,14 +154,17 @@ def matmul_kernel() -> str:
     prof.export_chrome_trace(path)
     events = json.load(open(path))["traceEvents"]
     found = [e for e in events if e.get("cat") == "kernel"]
-    return "; ".join(f"{e['name'][:90]} grid {e['args'].get('grid')} block "
-                     f"{e['args'].get('block')} regs {e['args'].get('registers per thread')} "
-                     f"smem {e['args'].get('shared memory')} occupancy "
-                     f"{e['args'].get('est. achieved occupancy %')}" for e in found)
+    return "; ".join(
+        f"{e['name'][:90]} grid {e['args'].get('grid')} block "
+        f"{e['args'].get('block')} regs {e['args'].get('registers per thread')} "
+        f"smem {e['args'].get('shared memory')} occupancy "
+        f"{e['args'].get('est. achieved occupancy %')}"
+        for e in found
+    )
 
 
 MS = 1_000_000
-FOOTPRINTS = [   # name, CTAs, threads, live registers, dynamic shared memory, hold (ns)
+FOOTPRINTS = [  # name, CTAs, threads, live registers, dynamic shared memory, hold (ns)
     ("whole SM (1024 thr) x1, 3.6 ms", 1, 1024, 40, 0, 36 * MS // 10),
     ("one warp, 8 regs, 16 KiB x1, 3.6 ms", 1, 32, 0, 16 * KiB, 36 * MS // 10),
     ("one warp, 8 regs, 16 KiB x4, 1.3 ms", 4, 32, 0, 16 * KiB, 13 * MS // 10),
@@ -170,11 +183,12 @@ def lean_bulk_rows(matmuls: Matmuls, pairs: int) -> None:
     cs, ts = stream.core[0], stream.torch[0]
     for stages, stage_bytes in ((5, 8 * KiB), (4, 8 * KiB)):
         for carveout in (False, True):
-            text = (f"#define STAGES {stages}\n#define STAGE_BYTES {stage_bytes}\n"
-                    f"#define FULL_WAIT 0\n" + bulk_probe.SOURCE)
+            text = (
+                f"#define STAGES {stages}\n#define STAGE_BYTES {stage_bytes}\n"
+                f"#define FULL_WAIT 0\n" + bulk_probe.SOURCE
+            )
             options = ProgramOptions(arch=f"sm_{CC[0]}{CC[1]}", std="c++17")
-            kernel = Program(text, code_type="c++", options=options).compile(
-                "cubin").get_kernel("bulk_pairs")
+            kernel = Program(text, code_type="c++", options=options).compile("cubin").get_kernel("bulk_pairs")
             if carveout:
                 prefer_max_shared(kernel)
             regs = registers(kernel)
@@ -182,13 +196,15 @@ def lean_bulk_rows(matmuls: Matmuls, pairs: int) -> None:
             ok = batch.check()
             for ctas in (2, 4, 8) if carveout else (4,):
                 call = Throttled(lambda k=kernel, c=ctas: batch.bulk(k, c, cs), ts)
-                spread, rates, _ = paired(matmuls, [Copier("d2h", call, ts, bulk_probe.TOTAL)],
-                                          pairs)
-                print(f"lean d2h {stages}x{stage_bytes // KiB}K regs {regs:3d} x{ctas:<2d} "
-                      f"{'max carveout' if carveout else 'default carveout'} "
-                      f"{'ok' if ok else 'WRONG'}  median {spread['median_slowdown']:+.3f} "
-                      f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  "
-                      f"copy {rates['d2h']:.1f} GB/s", flush=True)
+                spread, rates, _ = paired(matmuls, [Copier("d2h", call, ts, bulk_probe.TOTAL)], pairs)
+                print(
+                    f"lean d2h {stages}x{stage_bytes // KiB}K regs {regs:3d} x{ctas:<2d} "
+                    f"{'max carveout' if carveout else 'default carveout'} "
+                    f"{'ok' if ok else 'WRONG'}  median {spread['median_slowdown']:+.3f} "
+                    f"p25 {spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  "
+                    f"copy {rates['d2h']:.1f} GB/s",
+                    flush=True,
+                )
 
 
 def kvcopy_rows(matmuls: Matmuls, pairs: int) -> None:
@@ -197,14 +213,19 @@ def kvcopy_rows(matmuls: Matmuls, pairs: int) -> None:
         ptrs = pools.scattered(16 * KiB, 4096, 7)
         stream = torch.cuda.Stream()
         for label, options in (("default", {}), ("1 CTA", {"max_ctas": 1})):
+
             def call(options=options) -> None:
                 kvcopy.copy_batch(*ptrs, stream=stream, method="kernel", **options)
+
             call()
             variant = kvcopy.last_decision().variant
             spread, rates, _ = paired(matmuls, [Copier(direction, call, stream, 64 * MiB)], pairs)
-            print(f"copy {direction} 16 KiB kernel {label:8s} ({variant})  median "
-                  f"{spread['median_slowdown']:+.3f} p25 {spread['p25_slowdown']:+.3f} p75 "
-                  f"{spread['p75_slowdown']:+.3f}  copy {rates[direction]:.1f} GB/s", flush=True)
+            print(
+                f"copy {direction} 16 KiB kernel {label:8s} ({variant})  median "
+                f"{spread['median_slowdown']:+.3f} p25 {spread['p25_slowdown']:+.3f} p75 "
+                f"{spread['p75_slowdown']:+.3f}  copy {rates[direction]:.1f} GB/s",
+                flush=True,
+            )
 
 
 def batch_size_rows(matmuls: Matmuls, pairs: int) -> None:
@@ -218,36 +239,47 @@ def batch_size_rows(matmuls: Matmuls, pairs: int) -> None:
 
             def call() -> None:
                 kvcopy.copy_batch(*ptrs, stream=stream)
+
             call()
             decision = kvcopy.last_decision()
             spread, rates, _ = paired(matmuls, [Copier(direction, call, stream, total)], pairs)
-            print(f"batch {direction} {total // MiB:2d} MiB of 16 KiB {decision.method} "
-                  f"({decision.variant})  median {spread['median_slowdown']:+.3f} p25 "
-                  f"{spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  copy "
-                  f"{rates[direction]:.1f} GB/s", flush=True)
+            print(
+                f"batch {direction} {total // MiB:2d} MiB of 16 KiB {decision.method} "
+                f"({decision.variant})  median {spread['median_slowdown']:+.3f} p25 "
+                f"{spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  copy "
+                f"{rates[direction]:.1f} GB/s",
+                flush=True,
+            )
 
 
 def main(parts: list[str]) -> None:
     pairs = int(os.environ.get("PAIRS", "8"))
-    print(f"# occupancy_probe on {torch.cuda.get_device_name()} (sm_{CC[0]}{CC[1]}, "
-          f"{DEVICE.properties.multiprocessor_count} SMs); bf16 8192^2 matmul windows, "
-          f"{pairs} alone/beside pairs", flush=True)
+    print(
+        f"# occupancy_probe on {torch.cuda.get_device_name()} (sm_{CC[0]}{CC[1]}, "
+        f"{DEVICE.properties.multiprocessor_count} SMs); bf16 8192^2 matmul windows, "
+        f"{pairs} alone/beside pairs",
+        flush=True,
+    )
     try:
         print(f"matmul kernel: {matmul_kernel()}", flush=True)
-    except Exception as exc:   # the profiler is a nicety here
+    except Exception as exc:  # the profiler is a nicety here
         print(f"matmul kernel: profiler failed ({type(exc).__name__}: {exc})")
     matmuls = Matmuls()
     if "hold" in parts:
         for (name, ctas, threads, live, smem, hold_ns), carveout in itertools.product(
-                FOOTPRINTS, (False, True)):
+            FOOTPRINTS, (False, True)
+        ):
             holder = Holder(ctas, threads, live, smem, hold_ns, carveout)
             name += ", max carveout" if carveout else ""
             copier = Copier("hold", Throttled(holder, holder.torch_stream), holder.torch_stream, 0)
             spread, _, alone = paired(matmuls, [copier], pairs)
-            print(f"hold {name:64s} regs/thread {registers(holder.kernel):3d} launches "
-                  f"{holder.launched:5d}  median {spread['median_slowdown']:+.3f} p25 "
-                  f"{spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  "
-                  f"(alone {alone:.2f} ms)", flush=True)
+            print(
+                f"hold {name:64s} regs/thread {registers(holder.kernel):3d} launches "
+                f"{holder.launched:5d}  median {spread['median_slowdown']:+.3f} p25 "
+                f"{spread['p25_slowdown']:+.3f} p75 {spread['p75_slowdown']:+.3f}  "
+                f"(alone {alone:.2f} ms)",
+                flush=True,
+            )
     if "lean" in parts:
         lean_bulk_rows(matmuls, pairs)
     if "kvcopy" in parts:

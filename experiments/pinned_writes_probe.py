@@ -6,6 +6,7 @@ the aligned body out with streaming stores (kvcopy/_cuda/pinned_writes.h). Media
 microseconds of 400 writes each, the variants alternating.
 
     python3 experiments/pinned_writes_probe.py"""
+
 from __future__ import annotations
 
 import ctypes
@@ -49,8 +50,12 @@ def copy_streaming(at: int) -> None:
     cuda.plan_arrays.write_indices(at, indices)
 
 
-variants = {"split, plain stores": split_plain, "split, streaming": split_streaming,
-            "copy, memmove": copy_plain, "copy, streaming": copy_streaming}
+variants = {
+    "split, plain stores": split_plain,
+    "split, streaming": split_streaming,
+    "copy, memmove": copy_plain,
+    "copy, streaming": copy_streaming,
+}
 spent: dict[str, list[float]] = {name: [] for name in variants}
 for _ in range(400):
     for name, write in variants.items():

@@ -1,4 +1,5 @@
 """Where the CPU time of one call goes (cProfile, which also times Cython calls)."""
+
 from __future__ import annotations
 
 import cProfile
@@ -28,12 +29,10 @@ def profile(label: str, fn, calls: int = 200) -> None:
 def main() -> None:
     _keep, s, d, sizes = scattered_batch()
     stream = torch.cuda.Stream()
-    profile("copy_batch 8192 kernel", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream,
-                                                                method="kernel"))
+    profile("copy_batch 8192 kernel", lambda: kvcopy.copy_batch(s, d, sizes, stream=stream, method="kernel"))
     gpu, host = layered_caches(2048)
     mapping = block_pairs(2048, 1024)
-    profile("swap_blocks 64x1024", lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream),
-            calls=50)
+    profile("swap_blocks 64x1024", lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream), calls=50)
 
 
 if __name__ == "__main__":

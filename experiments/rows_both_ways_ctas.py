@@ -1,6 +1,7 @@
 """A store and a load at once in layout form with GPU indices (copy_rows_both_ways, as
 the layouts benchmark's 'both ways' rows): the layout kernel's CTAs per side swept,
 against the contiguous pair of the same bytes on two streams, GPU time and wall."""
+
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,8 @@ for h2d, d2h in SPLITS:
     engine.rows_memo.forget()
     for r in both_ways_rows(torch, rows_bytes=(4 * KiB, 16 * KiB, 64 * KiB), repeats=9):
         if "gpu indices" in r["method"]:
-            print(f"load {h2d:>3} store {d2h:>3} CTAs  {r['scenario']:<22} of pair "
-                  f"{r['of_contiguous_pair']:.2f} wall {r['wall_of_contiguous_pair']:.2f}",
-                  flush=True)
+            print(
+                f"load {h2d:>3} store {d2h:>3} CTAs  {r['scenario']:<22} of pair "
+                f"{r['of_contiguous_pair']:.2f} wall {r['wall_of_contiguous_pair']:.2f}",
+                flush=True,
+            )

@@ -14,6 +14,7 @@ pair from 4 to 32 MiB a side: policy.ROWS_STAGING_MIN_BYTES.
 `cpu`: CPU time of a copy_rows_both_ways call at 32 MiB a side of 16 KiB rows, staged
 and as the layout kernel's pair, indices on the GPU and on the host, each call
 synchronised after. `profile`: where a staged call's CPU goes (cProfile)."""
+
 from __future__ import annotations
 
 import functools
@@ -56,36 +57,58 @@ class Side:
         origin.wait_event(done)
 
 
-def staged_load(side: Side, host: torch.Tensor, pool: Layout, slots: torch.Tensor,
-                row_bytes: int, origin: torch.cuda.Stream) -> None:
+def staged_load(
+    side: Side,
+    host: torch.Tensor,
+    pool: Layout,
+    slots: torch.Tensor,
+    row_bytes: int,
+    origin: torch.cuda.Stream,
+) -> None:
     rows = CHUNK // row_bytes
     side.start_after(origin)
     for k in range(TOTAL // CHUNK):
         b = k % 2
         side.copy.wait_event(side.free[b])
         with torch.cuda.stream(side.copy):
-            side.bufs[b].copy_(host[k * CHUNK:(k + 1) * CHUNK], non_blocking=True)
+            side.bufs[b].copy_(host[k * CHUNK : (k + 1) * CHUNK], non_blocking=True)
         side.filled[b].record(side.copy)
         side.kernel.wait_event(side.filled[b])
-        kvcopy.copy_rows(Layout.of(side.bufs[b].view(rows, row_bytes), slot=0), pool, None,
-                         slots[k * rows:(k + 1) * rows], stream=side.kernel)
+        kvcopy.copy_rows(
+            Layout.of(side.bufs[b].view(rows, row_bytes), slot=0),
+            pool,
+            None,
+            slots[k * rows : (k + 1) * rows],
+            stream=side.kernel,
+        )
         side.free[b].record(side.kernel)
     side.join(side.kernel, origin)
 
 
-def staged_store(side: Side, pool: Layout, slots: torch.Tensor, host: torch.Tensor,
-                 row_bytes: int, origin: torch.cuda.Stream) -> None:
+def staged_store(
+    side: Side,
+    pool: Layout,
+    slots: torch.Tensor,
+    host: torch.Tensor,
+    row_bytes: int,
+    origin: torch.cuda.Stream,
+) -> None:
     rows = CHUNK // row_bytes
     side.start_after(origin)
     for k in range(TOTAL // CHUNK):
         b = k % 2
         side.kernel.wait_event(side.free[b])
-        kvcopy.copy_rows(pool, Layout.of(side.bufs[b].view(rows, row_bytes), slot=0),
-                         slots[k * rows:(k + 1) * rows], None, stream=side.kernel)
+        kvcopy.copy_rows(
+            pool,
+            Layout.of(side.bufs[b].view(rows, row_bytes), slot=0),
+            slots[k * rows : (k + 1) * rows],
+            None,
+            stream=side.kernel,
+        )
         side.filled[b].record(side.kernel)
         side.copy.wait_event(side.filled[b])
         with torch.cuda.stream(side.copy):
-            host[k * CHUNK:(k + 1) * CHUNK].copy_(side.bufs[b], non_blocking=True)
+            host[k * CHUNK : (k + 1) * CHUNK].copy_(side.bufs[b], non_blocking=True)
         side.free[b].record(side.copy)
     side.join(side.copy, origin)
 
@@ -106,17 +129,19 @@ class Step:
         the slots at random on the GPU."""
         count = self.total // row_bytes
         order = rng.permutation(2 * count)
-        return (Layout.of(self.pool_gpu.view(2 * count, row_bytes), slot=0),
-                Layout.of(self.out_host.view(count, row_bytes), slot=0),
-                Layout.of(self.in_host.view(count, row_bytes), slot=0),
-                torch.from_numpy(order[:count].copy()).cuda(),
-                torch.from_numpy(order[count:].copy()).cuda())
+        return (
+            Layout.of(self.pool_gpu.view(2 * count, row_bytes), slot=0),
+            Layout.of(self.out_host.view(count, row_bytes), slot=0),
+            Layout.of(self.in_host.view(count, row_bytes), slot=0),
+            torch.from_numpy(order[:count].copy()).cuda(),
+            torch.from_numpy(order[count:].copy()).cuda(),
+        )
 
     def contiguous(self) -> None:
         with torch.cuda.stream(self.s1):
             self.up.copy_(self.in_host, non_blocking=True)
         with torch.cuda.stream(self.s2):
-            self.out_host.copy_(self.pool_gpu[:self.total], non_blocking=True)
+            self.out_host.copy_(self.pool_gpu[: self.total], non_blocking=True)
 
 
 def sizes() -> None:
@@ -129,15 +154,20 @@ def sizes() -> None:
 
             def both(least: int) -> None:
                 policy.ROWS_STAGING_MIN_BYTES = least
-                kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b),
-                                           stream=s1)
+                kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b), stream=s1)
 
-            cases = {"contiguous": step.contiguous, "kernel pair": functools.partial(both, 1 << 62),
-                     "staged": functools.partial(both, 1)}
+            cases = {
+                "contiguous": step.contiguous,
+                "kernel pair": functools.partial(both, 1 << 62),
+                "staged": functools.partial(both, 1),
+            }
             for name, chose, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, 9):
-                print(f"{total // MiB:>3} MiB a side {row_bytes // KiB:>3} KiB rows  {name:<12} "
-                      f"({chose or '-'}) of pair {pair_ms / gpu_ms:.2f} wall "
-                      f"{pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}", flush=True)
+                print(
+                    f"{total // MiB:>3} MiB a side {row_bytes // KiB:>3} KiB rows  {name:<12} "
+                    f"({chose or '-'}) of pair {pair_ms / gpu_ms:.2f} wall "
+                    f"{pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}",
+                    flush=True,
+                )
 
 
 def chunks() -> None:
@@ -150,25 +180,33 @@ def chunks() -> None:
 
         def staged(chunk_bytes: int) -> None:
             kvcopy.config.staging_bytes = chunk_bytes
-            kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b),
-                                       stream=s1)
+            kvcopy.copy_rows_both_ways((pool, chunk_out, a), (chunk_in, pool, None, b), stream=s1)
 
         cases = {"contiguous": step.contiguous}
-        cases.update({f"chunks of {c // MiB} MiB": functools.partial(staged, c)
-                      for c in (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)})
+        cases.update(
+            {
+                f"chunks of {c // MiB} MiB": functools.partial(staged, c)
+                for c in (2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
+            }
+        )
         for name, chose, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, 9):
-            print(f"{row_bytes // KiB:>3} KiB rows  {name:<16} ({chose or '-'}) of pair "
-                  f"{pair_ms / gpu_ms:.2f} wall {pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}",
-                  flush=True)
+            print(
+                f"{row_bytes // KiB:>3} KiB rows  {name:<16} ({chose or '-'}) of pair "
+                f"{pair_ms / gpu_ms:.2f} wall {pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}",
+                flush=True,
+            )
 
 
 def _calls(step: Step, s1: torch.cuda.Stream):
     """The pair's call at 32 MiB a side of 16 KiB rows, indices on the GPU and on the host."""
     pool, chunk_out, chunk_in, a, b = step.rows(16 * KiB, np.random.default_rng(6))
     host_a, host_b = a.cpu().numpy(), b.cpu().numpy()
-    return {where: functools.partial(kvcopy.copy_rows_both_ways, (pool, chunk_out, x),
-                                     (chunk_in, pool, None, y), stream=s1)
-            for where, x, y in (("gpu indices", a, b), ("host indices", host_a, host_b))}
+    return {
+        where: functools.partial(
+            kvcopy.copy_rows_both_ways, (pool, chunk_out, x), (chunk_in, pool, None, y), stream=s1
+        )
+        for where, x, y in (("gpu indices", a, b), ("host indices", host_a, host_b))
+    }
 
 
 def cpu() -> None:
@@ -187,14 +225,18 @@ def cpu() -> None:
                 call()
                 spent.append(time.perf_counter() - start)
                 torch.cuda.synchronize()
-            print(f"{name}, {where} {chose} call cpu median "
-                  f"{statistics.median(spent) * 1e6:.1f} min {min(spent) * 1e6:.1f}", flush=True)
+            print(
+                f"{name}, {where} {chose} call cpu median "
+                f"{statistics.median(spent) * 1e6:.1f} min {min(spent) * 1e6:.1f}",
+                flush=True,
+            )
 
 
 def profile() -> None:
     """cProfile of 200 staged calls each way of giving the indices: where the CPU goes."""
     import cProfile
     import pstats
+
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     for where, call in _calls(Step(TOTAL, s1, s2), s1).items():
         for _ in range(20):
@@ -226,15 +268,18 @@ def main() -> None:
         cases = {
             "contiguous": step.contiguous,
             "kernel pair (copy_rows_both_ways)": functools.partial(
-                kvcopy.copy_rows_both_ways, (pool, chunk_out, a), (chunk_in, pool, None, b),
-                stream=s1),
+                kvcopy.copy_rows_both_ways, (pool, chunk_out, a), (chunk_in, pool, None, b), stream=s1
+            ),
             "store kernel, load staged": lambda: (kernel_store(), load_staged()),
             "store staged, load kernel": lambda: (store_staged(), kernel_load()),
             "both staged": lambda: (store_staged(), load_staged()),
         }
         for name, _, gpu_ms, seconds, pair_ms, pair_s in timed_pair(cases, s1, s2, 9):
-            print(f"{row_bytes // KiB:>3} KiB rows  {name:<36} of pair {pair_ms / gpu_ms:.2f} "
-                  f"wall {pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}", flush=True)
+            print(
+                f"{row_bytes // KiB:>3} KiB rows  {name:<36} of pair {pair_ms / gpu_ms:.2f} "
+                f"wall {pair_s / seconds:.2f}  gpu_ms {gpu_ms:.3f}",
+                flush=True,
+            )
         # every byte right, once, for the staged sides
         pool_gpu.random_(0, 256)
         in_host.random_(0, 256)
@@ -245,10 +290,13 @@ def main() -> None:
         store_staged()
         load_staged()
         torch.cuda.synchronize()
-        ok = (torch.equal(out_host.view(count, row_bytes), expect_store)
-              and torch.equal(pool_gpu.view(2 * count, row_bytes), expect_pool))
+        ok = torch.equal(out_host.view(count, row_bytes), expect_store) and torch.equal(
+            pool_gpu.view(2 * count, row_bytes), expect_pool
+        )
         print(f"{row_bytes // KiB:>3} KiB rows  staged bytes right: {ok}", flush=True)
 
 
 if __name__ == "__main__":
-    {"sizes": sizes, "chunks": chunks, "cpu": cpu, "profile": profile}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"sizes": sizes, "chunks": chunks, "cpu": cpu, "profile": profile}.get(
+        sys.argv[1] if sys.argv[1:] else "", main
+    )()

@@ -2,6 +2,7 @@
 132 CTAs (config.host_ctas), each direction, on the layouts benchmark's transfers
 (2 KiB token rows, 512 B and 128 B fragment runs), as a fraction of the contiguous
 copy of the same bytes by GPU time in the same run. Prints one line per transfer."""
+
 from __future__ import annotations
 
 import torch
@@ -21,12 +22,12 @@ def sweep(name: str, src, dst, s, d, rows: int, nbytes: int, h2d: bool, stream) 
     def contiguous() -> None:
         with torch.cuda.stream(stream):
             b.copy_(a, non_blocking=True)
+
     base = measure(contiguous, stream, repeats=9).gpu_ms
     cells = []
     for ctas in CTAS:
         kvcopy.config.host_ctas = ctas
-        t = measure(lambda: kvcopy.copy_rows(src, dst, s, d, rows=rows, stream=stream), stream,
-                    repeats=9)
+        t = measure(lambda: kvcopy.copy_rows(src, dst, s, d, rows=rows, stream=stream), stream, repeats=9)
         cells.append(f"{ctas}:{base / t.gpu_ms:.2f}")
     kvcopy.config.host_ctas = None
     print(f"{name} {'h2d' if h2d else 'd2h'}  " + " ".join(cells), flush=True)

@@ -6,6 +6,7 @@ multi-tile (64 KiB) blocks.
 
 Run on a GPU: python3 experiments/slice_sweep.py
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,10 @@ def alone() -> None:
             cells = []
             for label, limit in LIMITS.items():
                 kvcopy.config.launch_bytes = limit
-                ceiling, row = list(block_copy_rows(direction, block, TOTAL, "torch", ["kernel"],
-                                                    False, 7))
-                cells.append(f"{label}: gpu {row.fraction_of_ceiling:.3f} "
-                             f"wall {row.wall_gbps / ceiling.wall_gbps:.3f}")
+                ceiling, row = list(block_copy_rows(direction, block, TOTAL, "torch", ["kernel"], False, 7))
+                cells.append(
+                    f"{label}: gpu {row.fraction_of_ceiling:.3f} wall {row.wall_gbps / ceiling.wall_gbps:.3f}"
+                )
                 torch.cuda.empty_cache()
             print(f"alone {direction} {block // KiB:>2} KiB  " + "  ".join(cells), flush=True)
     kvcopy.config.launch_bytes = 16 * MiB
@@ -37,20 +38,26 @@ def alone() -> None:
 def beside() -> None:
     for direction in ("h2d", "d2h"):
         for block in (16 * KiB, 64 * KiB):
-            variants = [(label, {"method": "kernel", "launch_bytes": limit})
-                        for label, limit in LIMITS.items()]
-            for row in compute_beside(pairs=10, block=block, total=TOTAL, direction=direction,
-                                      variants=variants):
-                print(f"beside {direction} {block // KiB:>2} KiB {row['method']:<10} "
-                      f"median {row['median_slowdown']:+.3f} (p25 {row['p25_slowdown']:+.3f} "
-                      f"p75 {row['p75_slowdown']:+.3f}) copy {row['copy_gbps']:.1f} GB/s",
-                      flush=True)
+            variants = [
+                (label, {"method": "kernel", "launch_bytes": limit}) for label, limit in LIMITS.items()
+            ]
+            for row in compute_beside(
+                pairs=10, block=block, total=TOTAL, direction=direction, variants=variants
+            ):
+                print(
+                    f"beside {direction} {block // KiB:>2} KiB {row['method']:<10} "
+                    f"median {row['median_slowdown']:+.3f} (p25 {row['p25_slowdown']:+.3f} "
+                    f"p75 {row['p75_slowdown']:+.3f}) copy {row['copy_gbps']:.1f} GB/s",
+                    flush=True,
+                )
             torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     torch.cuda.init()
-    print(f"# slice_sweep on {torch.cuda.get_device_name()}: config.launch_bytes 16 MiB "
-          f"(default), 32 MiB, 0 (one launch); 64 MiB batches")
+    print(
+        f"# slice_sweep on {torch.cuda.get_device_name()}: config.launch_bytes 16 MiB "
+        f"(default), 32 MiB, 0 (one launch); 64 MiB batches"
+    )
     alone()
     beside()

@@ -16,6 +16,7 @@ benchmark's small_batches scenario times them.
 
 Run on a GPU: python3 experiments/small_batch_probe.py
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,9 @@ def cpu_us(fn, synchronize, repeats: int = REPEATS) -> float:
 
 def main() -> None:
     kvcopy.prepare()
-    print(f"small_batch_probe: {torch.cuda.get_device_name()}, {BLOCK // KiB} KiB blocks, "
-          f"median of {REPEATS}")
+    print(
+        f"small_batch_probe: {torch.cuda.get_device_name()}, {BLOCK // KiB} KiB blocks, median of {REPEATS}"
+    )
     for batch in small_batch_cases(COUNTS, BLOCK):
         direction, count = batch.direction, batch.count
         base = call_to_completion_us(batch.contiguous, batch.synchronize, repeats=REPEATS)
@@ -62,9 +64,11 @@ def main() -> None:
             fn = functools.partial(kvcopy.copy_batch, *batch.ptrs, stream=batch.handle)
             wall = call_to_completion_us(fn, batch.synchronize, repeats=REPEATS)
             cpu = cpu_us(fn, batch.synchronize)
-            print(f"{direction} {count:4d} blocks ctas {str(ctas or 'default'):>7} "
-                  f"({last_method()}/{last_copier()}) wall {wall:7.1f} us "
-                  f"cpu {cpu:6.1f} us  of contiguous {base / wall:.3f}")
+            print(
+                f"{direction} {count:4d} blocks ctas {str(ctas or 'default'):>7} "
+                f"({last_method()}/{last_copier()}) wall {wall:7.1f} us "
+                f"cpu {cpu:6.1f} us  of contiguous {base / wall:.3f}"
+            )
         kvcopy.config.host_ctas = None
         kvcopy.config.bulk_ctas = None
 

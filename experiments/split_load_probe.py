@@ -18,6 +18,7 @@ per copy of batched DMA at each size, which bounds the share the engines can tak
 
 Run on a GPU: python3 experiments/split_load_probe.py
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,7 +30,7 @@ import torch
 import kvcopy
 from kvcopy.bench.timing import call_to_completion_us
 
-from serving_probe import KiB, BothWays, sliced, stream_times_ms   # scripts/
+from serving_probe import KiB, BothWays, sliced, stream_times_ms  # scripts/
 
 DMA_CALL = 64
 SHARES = (0.0, 0.1, 0.25, 0.4, 0.6)
@@ -61,17 +62,22 @@ def main(blocks=(4 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB)) -> None:
 
     def sync() -> None:
         torch.cuda.synchronize()
+
     pair_gpu = max(span_ms(both.contiguous, [s1, s2]), 1e-9)
     pair_wall = call_to_completion_us(both.contiguous, sync, repeats=30)
-    print(f"# split_load on {torch.cuda.get_device_name()}: contiguous pair "
-          f"{pair_gpu * 1e3:.0f} us GPU, {pair_wall:.0f} us wall; cells: GPU time (wall) "
-          f"of the pair", flush=True)
+    print(
+        f"# split_load on {torch.cuda.get_device_name()}: contiguous pair "
+        f"{pair_gpu * 1e3:.0f} us GPU, {pair_wall:.0f} us wall; cells: GPU time (wall) "
+        f"of the pair",
+        flush=True,
+    )
     for block in blocks:
         load, store = both.batches(block)
         n = len(load[0])
         per_copy = dma_cpu_us_per_copy(load, s1)
         cases: dict[str, tuple[Callable[[], object], list]] = {
-            "copy_both_ways": (lambda: kvcopy.copy_both_ways(store, load, stream=s2), [s2])}
+            "copy_both_ways": (lambda: kvcopy.copy_both_ways(store, load, stream=s2), [s2])
+        }
         for share in SHARES:
             head = n - int(n * share)
 
@@ -79,26 +85,25 @@ def main(blocks=(4 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB)) -> None:
                 """One launch for the store and the load's head, the tail by DMA."""
                 kvcopy.copy_both_ways(store, sliced(load, 0, head), stream=s2, method="kernel")
                 for i in range(head, n, DMA_CALL):
-                    kvcopy.copy_batch(*sliced(load, i, min(i + DMA_CALL, n)), stream=s1,
-                                      method="batch")
+                    kvcopy.copy_batch(*sliced(load, i, min(i + DMA_CALL, n)), stream=s1, method="batch")
+
             cases[f"fused+dma {share:.2f}"] = (fused, [s2, s1])
             if share:
+
                 def apart(head: int = head) -> None:
                     """The store and the load's head as two kernels, the tail by DMA."""
                     kvcopy.copy_batch(*store, stream=s2, method="kernel", max_ctas=4)
-                    kvcopy.copy_batch(*sliced(load, 0, head), stream=s1, method="kernel",
-                                      max_ctas=8)
+                    kvcopy.copy_batch(*sliced(load, 0, head), stream=s1, method="kernel", max_ctas=8)
                     for i in range(head, n, DMA_CALL):
-                        kvcopy.copy_batch(*sliced(load, i, min(i + DMA_CALL, n)), stream=s3,
-                                          method="batch")
+                        kvcopy.copy_batch(*sliced(load, i, min(i + DMA_CALL, n)), stream=s3, method="batch")
+
                 cases[f"apart+dma {share:.2f}"] = (apart, [s2, s1, s3])
         cells = []
         for name, (fn, streams) in cases.items():
             gpu = pair_gpu / span_ms(fn, streams)
             wall = pair_wall / call_to_completion_us(fn, sync, repeats=20, warmup=3)
             cells.append(f"{name} {gpu:.3f} ({wall:.3f})")
-        print(f"split {block // KiB:>3} KiB  dma cpu {per_copy:.2f} us/copy  "
-              + "  ".join(cells), flush=True)
+        print(f"split {block // KiB:>3} KiB  dma cpu {per_copy:.2f} us/copy  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ own, events between the two. Every staged case checks its bytes once.
 
 Run on a GPU: python3 experiments/staged_probe.py [chunk MiB ...]
 """
+
 from __future__ import annotations
 
 import sys
@@ -34,7 +35,7 @@ import torch
 import kvcopy
 from kvcopy.bench.timing import call_to_completion_us
 
-from serving_probe import TOTAL, KiB, MiB, per_stream_ms   # scripts/
+from serving_probe import TOTAL, KiB, MiB, per_stream_ms  # scripts/
 
 STAGES = 2
 
@@ -45,8 +46,7 @@ class Direction:
     def __init__(self, chunk: int) -> None:
         self.main, self.dma = torch.cuda.Stream(), torch.cuda.Stream()
         self.chunk = chunk
-        self.staging = [torch.empty(chunk, dtype=torch.uint8, device="cuda")
-                        for _ in range(STAGES)]
+        self.staging = [torch.empty(chunk, dtype=torch.uint8, device="cuda") for _ in range(STAGES)]
         self.filled = [torch.cuda.Event() for _ in range(STAGES)]
         self.freed = [torch.cuda.Event() for _ in range(STAGES)]
 
@@ -63,8 +63,8 @@ class Layout:
         self.host_out = torch.zeros(TOTAL, dtype=torch.uint8).pin_memory()
         self.gpu_load = torch.zeros(2 * TOTAL, dtype=torch.uint8, device="cuda")
         self.gpu_store = torch.randint(0, 255, (2 * TOTAL,), dtype=torch.uint8, device="cuda")
-        self.load_ids = rng.permutation(2 * self.n)[:self.n]
-        self.store_ids = rng.permutation(2 * self.n)[:self.n]
+        self.load_ids = rng.permutation(2 * self.n)[: self.n]
+        self.store_ids = rng.permutation(2 * self.n)[: self.n]
         self.load, self.store = Direction(chunk), Direction(chunk)
         sizes = np.full(self.n, block, np.uint64)
         self.sizes = sizes
@@ -74,11 +74,14 @@ class Layout:
         self.gpu_store_ptrs = (self.gpu_store.data_ptr() + self.store_ids * block).astype(np.uint64)
         per_chunk = chunk // block
         # per chunk: the range of copies, and the staging buffer's block addresses
-        self.chunks = [(start, min(start + per_chunk, self.n))
-                       for start in range(0, self.n, per_chunk)]
-        self.staging_ptrs = [[(d.staging[k].data_ptr() + np.arange(per_chunk) * block)
-                              .astype(np.uint64) for k in range(STAGES)]
-                             for d in (self.load, self.store)]
+        self.chunks = [(start, min(start + per_chunk, self.n)) for start in range(0, self.n, per_chunk)]
+        self.staging_ptrs = [
+            [
+                (d.staging[k].data_ptr() + np.arange(per_chunk) * block).astype(np.uint64)
+                for k in range(STAGES)
+            ]
+            for d in (self.load, self.store)
+        ]
 
     # ---- what kvcopy does now
     def load_triple(self):
@@ -99,18 +102,24 @@ class Layout:
     # ---- staged
     def staged_load(self) -> None:
         d, block = self.load, self.block
-        d.dma.wait_stream(d.main)   # after the work queued before (and the start)
+        d.dma.wait_stream(d.main)  # after the work queued before (and the start)
         for k, (start, stop) in enumerate(self.chunks):
             slot, count = k % STAGES, stop - start
             if k >= STAGES:
                 d.dma.wait_event(d.freed[slot])
             with torch.cuda.stream(d.dma):
-                d.staging[slot][:count * block].copy_(
-                    self.host_in[start * block:stop * block], non_blocking=True)
+                d.staging[slot][: count * block].copy_(
+                    self.host_in[start * block : stop * block], non_blocking=True
+                )
             d.filled[slot].record(d.dma)
             d.main.wait_event(d.filled[slot])
-            kvcopy.copy_batch(self.staging_ptrs[0][slot][:count], self.gpu_load_ptrs[start:stop],
-                              self.sizes[start:stop], stream=d.main, method="kernel")
+            kvcopy.copy_batch(
+                self.staging_ptrs[0][slot][:count],
+                self.gpu_load_ptrs[start:stop],
+                self.sizes[start:stop],
+                stream=d.main,
+                method="kernel",
+            )
             d.freed[slot].record(d.main)
 
     def staged_store(self) -> None:
@@ -119,15 +128,21 @@ class Layout:
             slot, count = k % STAGES, stop - start
             if k >= STAGES:
                 d.main.wait_event(d.freed[slot])
-            kvcopy.copy_batch(self.gpu_store_ptrs[start:stop], self.staging_ptrs[1][slot][:count],
-                              self.sizes[start:stop], stream=d.main, method="kernel")
+            kvcopy.copy_batch(
+                self.gpu_store_ptrs[start:stop],
+                self.staging_ptrs[1][slot][:count],
+                self.sizes[start:stop],
+                stream=d.main,
+                method="kernel",
+            )
             d.filled[slot].record(d.main)
             d.dma.wait_event(d.filled[slot])
             with torch.cuda.stream(d.dma):
-                self.host_out[start * block:stop * block].copy_(
-                    d.staging[slot][:count * block], non_blocking=True)
+                self.host_out[start * block : stop * block].copy_(
+                    d.staging[slot][: count * block], non_blocking=True
+                )
             d.freed[slot].record(d.dma)
-        d.main.wait_stream(d.dma)   # the store is done when its last chunk has landed
+        d.main.wait_stream(d.dma)  # the store is done when its last chunk has landed
 
     def contiguous_pair(self) -> None:
         with torch.cuda.stream(self.load.main):
@@ -173,18 +188,26 @@ def load_ms(layout: Layout, fn: Callable[[], object]) -> float:
 
 
 def main(chunks_mib: list[int]) -> None:
-    print(f"# staged_probe on {torch.cuda.get_device_name()}: host side contiguous, GPU blocks "
-          f"scattered; {TOTAL // MiB} MiB each way; {STAGES} staging buffers per direction. "
-          "gpu: GPU time, wall: call to completion, as fractions of the contiguous pair's "
-          "(one way: of the contiguous copy's)", flush=True)
+    print(
+        f"# staged_probe on {torch.cuda.get_device_name()}: host side contiguous, GPU blocks "
+        f"scattered; {TOTAL // MiB} MiB each way; {STAGES} staging buffers per direction. "
+        "gpu: GPU time, wall: call to completion, as fractions of the contiguous pair's "
+        "(one way: of the contiguous copy's)",
+        flush=True,
+    )
     for chunk in (c * MiB for c in chunks_mib):
         for block in (4 * KiB, 16 * KiB, 64 * KiB):
             measure(Layout(block, chunk))
             torch.cuda.empty_cache()
 
 
-def timed_cells(layout: Layout, cases: dict, reference_ms: float, reference_us: float,
-                ms: Callable[[Layout, Callable[[], object]], float]) -> list[str]:
+def timed_cells(
+    layout: Layout,
+    cases: dict,
+    reference_ms: float,
+    reference_us: float,
+    ms: Callable[[Layout, Callable[[], object]], float],
+) -> list[str]:
     """Each case run once and its bytes checked, then its GPU time and wall as fractions
     of the reference's."""
     cells = []
@@ -195,7 +218,7 @@ def timed_cells(layout: Layout, cases: dict, reference_ms: float, reference_us: 
             gpu = reference_ms / ms(layout, fn)
             wall = reference_us / call_to_completion_us(fn, layout.sync, repeats=30)
             cells.append(f"{name}: gpu {gpu:.3f} wall {wall:.3f} ({verdict})")
-        except Exception as exc:   # one case's failure leaves the others measured
+        except Exception as exc:  # one case's failure leaves the others measured
             cells.append(f"{name}: FAILED {type(exc).__name__}: {exc}")
     return cells
 
@@ -205,26 +228,21 @@ def measure(layout: Layout) -> None:
     both_cases = {
         "copy_both_ways": (layout.copy_both_ways, True, True),
         "copy_batch x2": (lambda: (layout.kernel_load(), layout.kernel_store()), True, True),
-        "staged load + kernel store": (lambda: (layout.staged_load(), layout.kernel_store()),
-                                       True, True),
-        "kernel load + staged store": (lambda: (layout.kernel_load(), layout.staged_store()),
-                                       True, True),
+        "staged load + kernel store": (lambda: (layout.staged_load(), layout.kernel_store()), True, True),
+        "kernel load + staged store": (lambda: (layout.kernel_load(), layout.staged_store()), True, True),
         "both staged": (lambda: (layout.staged_load(), layout.staged_store()), True, True),
     }
     pair_gpu = span_ms(layout, layout.contiguous_pair)
     pair_wall = call_to_completion_us(layout.contiguous_pair, layout.sync, repeats=30)
     cells = [f"pair {2 * TOTAL / pair_gpu / 1e6:.1f} GB/s"]
     cells += timed_cells(layout, both_cases, pair_gpu, pair_wall, span_ms)
-    print(f"both {chunk // MiB} MiB chunks {block // KiB:>2} KiB  " + "  ".join(cells),
-          flush=True)
+    print(f"both {chunk // MiB} MiB chunks {block // KiB:>2} KiB  " + "  ".join(cells), flush=True)
     one_gpu = load_ms(layout, layout.contiguous_load)
     one_wall = call_to_completion_us(layout.contiguous_load, layout.sync, repeats=30)
-    load_cases = {"kernel": (layout.kernel_load, True, False),
-                  "staged": (layout.staged_load, True, False)}
+    load_cases = {"kernel": (layout.kernel_load, True, False), "staged": (layout.staged_load, True, False)}
     cells = [f"h2d {TOTAL / one_gpu / 1e6:.1f} GB/s"]
     cells += timed_cells(layout, load_cases, one_gpu, one_wall, load_ms)
-    print(f"load {chunk // MiB} MiB chunks {block // KiB:>2} KiB  " + "  ".join(cells),
-          flush=True)
+    print(f"load {chunk // MiB} MiB chunks {block // KiB:>2} KiB  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ growth with the number of chunks gives the CPU cost per chunk.
 
 Run on a GPU: python3 experiments/staging_chunk_probe.py [chunk MiB ...]
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,11 +52,15 @@ def main(chunks_mib: list[int]) -> None:
                 host_out.copy_(gpu_out[:TOTAL], non_blocking=True)
             s1.wait_stream(s2)
 
-    ref = {way: measure(functools.partial(contiguous, way == "both"), s1, repeats=9)
-           for way in ("both", "h2d")}
-    print(f"# staging_chunk_probe: {torch.cuda.get_device_name()}, 64 MiB each way, host one span; "
-          f"contiguous pair {ref['both'].gpu_ms * 1e3:.0f} us GPU ({ref['both'].wall_ms * 1e3:.0f} wall), "
-          f"copy {ref['h2d'].gpu_ms * 1e3:.0f} us ({ref['h2d'].wall_ms * 1e3:.0f})", flush=True)
+    ref = {
+        way: measure(functools.partial(contiguous, way == "both"), s1, repeats=9) for way in ("both", "h2d")
+    }
+    print(
+        f"# staging_chunk_probe: {torch.cuda.get_device_name()}, 64 MiB each way, host one span; "
+        f"contiguous pair {ref['both'].gpu_ms * 1e3:.0f} us GPU ({ref['both'].wall_ms * 1e3:.0f} wall), "
+        f"copy {ref['h2d'].gpu_ms * 1e3:.0f} us ({ref['h2d'].wall_ms * 1e3:.0f})",
+        flush=True,
+    )
     rng = np.random.default_rng(3)
     default = config.staging_bytes
     for block in (4 * KiB, 16 * KiB):
@@ -66,30 +71,38 @@ def main(chunks_mib: list[int]) -> None:
         def slots(pool: torch.Tensor) -> np.ndarray:
             picked = rng.permutation(2 * n)[:n].astype(np.uint64)
             return np.uint64(pool.data_ptr()) + picked * np.uint64(block)
+
         load = (np.uint64(host_in.data_ptr()) + host, slots(gpu_in), sizes)
         store = (slots(gpu_out), np.uint64(host_out.data_ptr()) + host, sizes)
-        calls = {"both": functools.partial(kvcopy.copy_both_ways, store, load, stream=s1),
-                 "h2d": functools.partial(kvcopy.copy_batch, *load, stream=s1)}
-        for way, call in calls.items():   # the kernel alone, for comparison
+        calls = {
+            "both": functools.partial(kvcopy.copy_both_ways, store, load, stream=s1),
+            "h2d": functools.partial(kvcopy.copy_batch, *load, stream=s1),
+        }
+        for way, call in calls.items():  # the kernel alone, for comparison
             t = measure(functools.partial(call, method="kernel"), s1, repeats=9)
-            print(f"{way:4s} {block // KiB:3d} KiB kernel{'':31s}call {t.cpu_us:7.0f} us  "
-                  f"GPU {ref[way].gpu_ms / t.gpu_ms:.3f}  wall {ref[way].wall_ms / t.wall_ms:.3f}", flush=True)
+            print(
+                f"{way:4s} {block // KiB:3d} KiB kernel{'':31s}call {t.cpu_us:7.0f} us  "
+                f"GPU {ref[way].gpu_ms / t.gpu_ms:.3f}  wall {ref[way].wall_ms / t.wall_ms:.3f}",
+                flush=True,
+            )
         for mib in chunks_mib:
             config.staging_bytes = mib * MiB
             for way, call in calls.items():
                 call()
                 s1.synchronize()
                 chose = kvcopy.last_decision().method
-                if mib == chunks_mib[0] and way == "h2d":   # the bytes, once per block size
+                if mib == chunks_mib[0] and way == "h2d":  # the bytes, once per block size
                     ids = (load[1] - np.uint64(gpu_in.data_ptr())).astype(np.int64)
                     got = gpu_in.view(-1, block)[torch.from_numpy(ids // block)].flatten().cpu()
                     assert torch.equal(got, host_in), "staged load: wrong bytes"
                 t = measure(call, s1, repeats=9)
                 r = ref[way]
                 chunks = -(-TOTAL // (mib * MiB)) * (2 if way == "both" else 1)
-                print(f"{way:4s} {block // KiB:3d} KiB chunk {mib:3d} MiB ({chunks:3d} chunks) {chose:7s} "
-                      f"call {t.cpu_us:7.0f} us  GPU {r.gpu_ms / t.gpu_ms:.3f}  wall {r.wall_ms / t.wall_ms:.3f}",
-                      flush=True)
+                print(
+                    f"{way:4s} {block // KiB:3d} KiB chunk {mib:3d} MiB ({chunks:3d} chunks) {chose:7s} "
+                    f"call {t.cpu_us:7.0f} us  GPU {r.gpu_ms / t.gpu_ms:.3f}  wall {r.wall_ms / t.wall_ms:.3f}",
+                    flush=True,
+                )
     config.staging_bytes = default
 
 

@@ -14,6 +14,7 @@ against the uploads on the caller's stream, each behind the launch before: wheth
 the GPU waits between launches, by GPU time and wall; every byte checked.
 
     python3 experiments/swap_blocks_probe.py [steps | sizes | chained]"""
+
 from __future__ import annotations
 
 import cProfile
@@ -64,6 +65,7 @@ class _Timed:
             if name == "RowsLaunches":
                 return _Timed(out, self._spent, ("launch",))
             return out
+
         return timed
 
 
@@ -71,13 +73,23 @@ def launch_steps(src, dst, pairs: int, calls: int = 200) -> None:
     """CPU microseconds per call of each step of execute_blocks (driver calls included)."""
     d, h = engine.dispatch, stream.cuda_stream
     plan = plans.plan_blocks(src, dst, mapping[:pairs].copy(), stream=h)
-    for _ in range(10):   # (the first call loads the kernel and asks the device once)
+    for _ in range(10):  # (the first call loads the kernel and asks the device once)
         d.execute_blocks(plan, h)
     stream.synchronize()
     spent: dict[str, float] = defaultdict(float)
-    real = {name: getattr(d, name) for name in ("plan_arrays", "launch", "rows", "settled_classes",
-                                                "decide", "wait_for_streams", "issue_dma",
-                                                "ring")}
+    real = {
+        name: getattr(d, name)
+        for name in (
+            "plan_arrays",
+            "launch",
+            "rows",
+            "settled_classes",
+            "decide",
+            "wait_for_streams",
+            "issue_dma",
+            "ring",
+        )
+    }
     d.plan_arrays = _Timed(real["plan_arrays"], spent, ("split_block_ids",))
     d.launch = _Timed(real["launch"], spent, ("upload",))
     d.rows = _Timed(real["rows"], spent, ("RowsLaunches",))
@@ -106,6 +118,7 @@ def by_pairs(src, dst, direction: str) -> None:
 
         def call() -> None:
             kvcopy.swap_blocks(src, dst, m, stream=stream)
+
         for _ in range(20):
             call()
         stream.synchronize()
@@ -133,8 +146,11 @@ def by_pairs(src, dst, direction: str) -> None:
 
         def us(values: list) -> float:
             return statistics.median(values) * 1e6
-        print(f"{direction} pairs {n:6d} synchronised {us(synced):6.1f} back to back "
-              f"{us(piped):6.1f} plan {us(planned):6.1f} issue {us(issued):6.1f}")
+
+        print(
+            f"{direction} pairs {n:6d} synchronised {us(synced):6.1f} back to back "
+            f"{us(piped):6.1f} plan {us(planned):6.1f} issue {us(issued):6.1f}"
+        )
 
 
 def contiguous_timing(src, dst):
@@ -144,6 +160,7 @@ def contiguous_timing(src, dst):
     def contiguous():
         with torch.cuda.stream(stream):
             b.copy_(a, non_blocking=True)
+
     return measure(contiguous, stream, repeats=15)
 
 
@@ -153,6 +170,7 @@ def chained() -> None:
     from kvcopy import policy
     from kvcopy.config import config
     from kvcopy.testing import cuda
+
     own = engine.dispatch._launch_as_rows
 
     def caller_uploads(blocks, sides, kernel, target, src_view, dst_view) -> None:
@@ -160,36 +178,47 @@ def chained() -> None:
         with engine.ring.ring_for_current_context().reserve(16 * n) as slot:
             for count in policy.id_chunks(n):
                 at = 16 * start
-                nbytes = cuda.plan_arrays.split_block_ids(blocks.mapping, slot.host + at,
-                                                          start, count)
+                nbytes = cuda.plan_arrays.split_block_ids(blocks.mapping, slot.host + at, start, count)
                 cuda.launch.upload(slot.device + at, slot.host + at, nbytes, handle)
-                cuda.rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
-                                       (slot.device + at + 8 * count, *sides[1]), src_view,
-                                       dst_view, count, 1, blocks.geometry.block_bytes,
-                                       target.rows_ctas(), config.threads_per_cta,
-                                       handle).launch()
+                cuda.rows.RowsLaunches(
+                    kernel.function_rows,
+                    (slot.device + at, *sides[0]),
+                    (slot.device + at + 8 * count, *sides[1]),
+                    src_view,
+                    dst_view,
+                    count,
+                    1,
+                    blocks.geometry.block_bytes,
+                    target.rows_ctas(),
+                    config.threads_per_cta,
+                    handle,
+                ).launch()
                 start += count
             engine.ring.DescriptorRing.fence(slot, handle)
 
     for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
         c = contiguous_timing(src, dst)
         print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f}")
-        for name, way in (("uploads on the caller's stream", caller_uploads),
-                          ("uploads on a side stream", own)):
+        for name, way in (
+            ("uploads on the caller's stream", caller_uploads),
+            ("uploads on a side stream", own),
+        ):
             engine.dispatch._launch_as_rows = way
             try:
                 src.random_(0, 256)
                 dst.zero_()
                 ran = kvcopy.swap_blocks(src, dst, mapping, stream=stream)
                 stream.synchronize()
-                ok = torch.equal(dst[torch.from_numpy(mapping[:, 1])].cpu(),
-                                 src[torch.from_numpy(mapping[:, 0])].cpu())
-                t = measure(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream),
-                            stream, repeats=15)
+                ok = torch.equal(
+                    dst[torch.from_numpy(mapping[:, 1])].cpu(), src[torch.from_numpy(mapping[:, 0])].cpu()
+                )
+                t = measure(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream, repeats=15)
             finally:
                 engine.dispatch._launch_as_rows = own
-            print(f"{direction} {name:<31} ({ran}) gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
-                  f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:6.1f} bytes right: {ok}")
+            print(
+                f"{direction} {name:<31} ({ran}) gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
+                f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:6.1f} bytes right: {ok}"
+            )
 
 
 if sys.argv[1:] == ["chained"]:
@@ -230,11 +259,12 @@ for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
     cases = {"swap_blocks": lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream)}
 
     def block_kernel():
-        BlockPlan.layout_sides = lambda self: None   # the tensor table's kernel instead
+        BlockPlan.layout_sides = lambda self: None  # the tensor table's kernel instead
         try:
             kvcopy.swap_blocks(src, dst, mapping, stream=stream)
         finally:
             BlockPlan.layout_sides = layout_sides
+
     cases["swap_blocks, block kernel"] = block_kernel
     ls, ld = Layout.of(src, slot=0), Layout.of(dst, slot=0)
     cases["copy_rows host ids"] = lambda: kvcopy.copy_rows(ls, ld, src_ids, dst_ids, stream=stream)
@@ -243,14 +273,18 @@ for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
     cases["prepared gpu ids"] = prepared
     for name, fn in cases.items():
         t = measure(fn, stream, repeats=15)
-        print(f"{direction} {name:<20} gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
-              f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:7.1f} gpu_ms {t.gpu_ms:.3f}")
+        print(
+            f"{direction} {name:<20} gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
+            f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:7.1f} gpu_ms {t.gpu_ms:.3f}"
+        )
     for ctas in (4, 8, 16, 32, 64):
         kvcopy.config.host_ctas = ctas
         t = measure(cases["swap_blocks, block kernel"], stream, repeats=15)
         r = measure(cases["swap_blocks"], stream, repeats=15)
-        print(f"{direction} ctas {ctas:>3} block kernel gpu_vs {c.gpu_ms / t.gpu_ms:.3f} "
-              f"layout kernel gpu_vs {c.gpu_ms / r.gpu_ms:.3f}")
+        print(
+            f"{direction} ctas {ctas:>3} block kernel gpu_vs {c.gpu_ms / t.gpu_ms:.3f} "
+            f"layout kernel gpu_vs {c.gpu_ms / r.gpu_ms:.3f}"
+        )
     del kvcopy.config.host_ctas
     profile = cProfile.Profile()
     profile.enable()

@@ -22,6 +22,7 @@ Each batch's bytes are checked once after a copy from the write-combined slot.
 
 Run on a GPU: python3 experiments/wc_descriptors_probe.py
 """
+
 from __future__ import annotations
 
 import statistics
@@ -33,9 +34,11 @@ from cuda.bindings import driver as cu
 
 import kvcopy
 from kvcopy.testing import engine
+
 decide, dispatch = engine.decide, engine.dispatch
 kernels = engine.kernels
 from kvcopy.testing import cuda
+
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 kv_memory = cuda.memory
 from kvcopy.bench.scenarios import Pools, scattered_offsets
@@ -52,15 +55,14 @@ def _check(result: tuple) -> object:
 
 
 def write_combined_alloc(nbytes: int) -> int:
-    flags = (cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
-             | cu.CU_MEMHOSTALLOC_WRITECOMBINED)
+    flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_WRITECOMBINED
     return int(_check(cu.cuMemHostAlloc(nbytes, flags)))
 
 
 def _gpu_ms(run, stream: torch.cuda.Stream, repeats: int = 10) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(repeats + 1):   # (the first warms up)
+    for _ in range(repeats + 1):  # (the first warms up)
         stream.synchronize()
         start.record(stream)
         run()
@@ -72,7 +74,7 @@ def _gpu_ms(run, stream: torch.cuda.Stream, repeats: int = 10) -> float:
 
 def probe(direction: str, block: int) -> None:
     count = TOTAL // block
-    pools = Pools(direction, TOTAL, "torch")   # (the source filled at random)
+    pools = Pools(direction, TOTAL, "torch")  # (the source filled at random)
     src_pool, dst_pool = pools.src, pools.dst
     rng = np.random.default_rng(block)
     src_off, dst_off = (o.astype(np.uint64) for o in scattered_offsets(count, block, rng))
@@ -91,13 +93,24 @@ def probe(direction: str, block: int) -> None:
     def copy_from(slot: int):
         mapped = kv_memory.host_device_pointer(slot)
         if compact_size:
-            return lambda: kv_launch.launch_compact(kernel.function_compact, mapped, n, compact_size,
-                                                  ctas, threads, handle)
-        return lambda: kv_launch.launch_descs(kernel.function_uploaded, mapped, n, tiles, ctas,
-                                              threads, handle)
-    contiguous_ms = _gpu_ms(lambda: _check(cu.cuMemcpyAsync(
-        cu.CUdeviceptr(dst_pool.data_ptr()), cu.CUdeviceptr(src_pool.data_ptr()), TOTAL,
-        cu.CUstream(handle))), stream)
+            return lambda: kv_launch.launch_compact(
+                kernel.function_compact, mapped, n, compact_size, ctas, threads, handle
+            )
+        return lambda: kv_launch.launch_descs(
+            kernel.function_uploaded, mapped, n, tiles, ctas, threads, handle
+        )
+
+    contiguous_ms = _gpu_ms(
+        lambda: _check(
+            cu.cuMemcpyAsync(
+                cu.CUdeviceptr(dst_pool.data_ptr()),
+                cu.CUdeviceptr(src_pool.data_ptr()),
+                TOTAL,
+                cu.CUstream(handle),
+            )
+        ),
+        stream,
+    )
     for name, slot in slots.items():
         times = []
         for _ in range(30):
@@ -106,25 +119,36 @@ def probe(direction: str, block: int) -> None:
             times.append((time.perf_counter() - t0) * 1e6)
         ms = _gpu_ms(copy_from(slot), stream)
         entries = "pairs" if compact_size else "descriptors"
-        print(f"{direction} {block >> 10:>2} KiB x{count:<6} {name:<15} describe median "
-              f"{statistics.median(times):7.1f} us min {min(times):7.1f}  kernel "
-              f"{contiguous_ms / ms:.3f} of the contiguous copy ({entries})", flush=True)
+        print(
+            f"{direction} {block >> 10:>2} KiB x{count:<6} {name:<15} describe median "
+            f"{statistics.median(times):7.1f} us min {min(times):7.1f}  kernel "
+            f"{contiguous_ms / ms:.3f} of the contiguous copy ({entries})",
+            flush=True,
+        )
     dst_pool.zero_()
     copy_from(slots["write-combined"])()
     stream.synchronize()
     src_bytes, dst_bytes = src_pool.cpu().numpy(), dst_pool.cpu().numpy()
     picks = rng.choice(count, size=min(count, 512), replace=False)
-    right = all(np.array_equal(src_bytes[int(src_off[i]):int(src_off[i]) + block],
-                               dst_bytes[int(dst_off[i]):int(dst_off[i]) + block]) for i in picks)
-    print(f"{direction} {block >> 10:>2} KiB bytes right after the write-combined copy "
-          f"({len(picks)} copies checked): {right}", flush=True)
+    right = all(
+        np.array_equal(
+            src_bytes[int(src_off[i]) : int(src_off[i]) + block],
+            dst_bytes[int(dst_off[i]) : int(dst_off[i]) + block],
+        )
+        for i in picks
+    )
+    print(
+        f"{direction} {block >> 10:>2} KiB bytes right after the write-combined copy "
+        f"({len(picks)} copies checked): {right}",
+        flush=True,
+    )
     kv_memory.host_free(slots["cached"])
     _check(cu.cuMemFreeHost(slots["write-combined"]))
 
 
 if __name__ == "__main__":
     torch.cuda.init()
-    torch.empty(1, device="cuda")   # (the primary context current, as kvcopy finds it)
+    torch.empty(1, device="cuda")  # (the primary context current, as kvcopy finds it)
     for direction in DIRECTIONS:
         for block in (2 << 10, 4 << 10, 16 << 10):
             probe(direction, block)

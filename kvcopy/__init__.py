@@ -3,8 +3,16 @@
 Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
-from kvcopy.api import (check_indices, copy_batch, copy_both_ways, copy_rows, last_decision,
-                        swap_blocks, swap_blocks_both_ways)
+
+from kvcopy.api import (
+    check_indices,
+    copy_batch,
+    copy_both_ways,
+    copy_rows,
+    last_decision,
+    swap_blocks,
+    swap_blocks_both_ways,
+)
 from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
 from kvcopy.errors import CaptureError, CudaError, IndexOutOfRange, KVCopyError, NoDriverError
@@ -20,10 +28,32 @@ from kvcopy._runtime.prepare import prepare
 __version__ = "0.3.0"
 
 __all__ = [
-    "BlockView", "CaptureError", "CudaError", "IndexOutOfRange", "KVCopyError", "Layout",
-    "NoDriverError", "PreparedRows", "TransferQueue", "TransferResult", "block_view",
-    "calibrate", "calibrate_peers", "check_indices", "config", "copy_batch", "copy_both_ways",
-    "copy_rows", "copy_rows_both_ways", "device_pointer", "last_decision", "pinned_empty",
-    "prepare", "prepare_rows", "register", "resolve_stream", "swap_blocks",
+    "BlockView",
+    "CaptureError",
+    "CudaError",
+    "IndexOutOfRange",
+    "KVCopyError",
+    "Layout",
+    "NoDriverError",
+    "PreparedRows",
+    "TransferQueue",
+    "TransferResult",
+    "block_view",
+    "calibrate",
+    "calibrate_peers",
+    "check_indices",
+    "config",
+    "copy_batch",
+    "copy_both_ways",
+    "copy_rows",
+    "copy_rows_both_ways",
+    "device_pointer",
+    "last_decision",
+    "pinned_empty",
+    "prepare",
+    "prepare_rows",
+    "register",
+    "resolve_stream",
+    "swap_blocks",
     "swap_blocks_both_ways",
 ]

@@ -4,6 +4,7 @@ copy_batch copies raw pointer triples; swap_blocks copies blocks of paged KV
 caches by block id; copy_both_ways and swap_blocks_both_ways take a store and a
 load at once. All validate everything before anything is enqueued.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,21 +24,25 @@ from kvcopy.interop.arrays import as_list, as_u64_array
 from kvcopy._cuda import driver
 from kvcopy._cuda.plan_arrays import copies_ok
 from kvcopy._runtime.context import ContextScope
-from kvcopy.interop.streams import (current_framework_stream, current_framework_streams,
-                                    effective_handle, resolve_stream)
+from kvcopy.interop.streams import (
+    current_framework_stream,
+    current_framework_streams,
+    effective_handle,
+    resolve_stream,
+)
 from kvcopy._plans.copies import find_overlap, find_read_of_written
 from kvcopy.policy import RequestedMethod, check_method
 
 _ACCESS_ORDERS = ("stream", "any")
-_MAX_GRID = 2**31 - 1   # the driver's limit on a launch's x dimension
+_MAX_GRID = 2**31 - 1  # the driver's limit on a launch's x dimension
 
 
-def _check_options(method: str, src_access_order: str, max_ctas: int | None,
-                   check_overlap: bool, allow_batch: bool) -> None:
+def _check_options(
+    method: str, src_access_order: str, max_ctas: int | None, check_overlap: bool, allow_batch: bool
+) -> None:
     check_method(method)
     if not isinstance(src_access_order, str):
-        raise TypeError(f"src_access_order must be 'stream' or 'any'; got "
-                        f"{type(src_access_order).__name__}")
+        raise TypeError(f"src_access_order must be 'stream' or 'any'; got {type(src_access_order).__name__}")
     if src_access_order not in _ACCESS_ORDERS:
         raise ValueError(f"src_access_order must be 'stream' or 'any'; got {src_access_order!r}")
     if max_ctas is not None:
@@ -48,10 +53,18 @@ def _check_options(method: str, src_access_order: str, max_ctas: int | None,
         raise ValueError("method='batch' contradicts allow_batch=False")
 
 
-def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
-               method: RequestedMethod = "auto", src_access_order: str = "stream",
-               max_ctas: int | None = None, check_overlap: bool = True,
-               allow_batch: bool = True) -> str:
+def copy_batch(
+    src_ptrs: Any,
+    dst_ptrs: Any,
+    sizes: Any,
+    *,
+    stream: Any = None,
+    method: RequestedMethod = "auto",
+    src_access_order: str = "stream",
+    max_ctas: int | None = None,
+    check_overlap: bool = True,
+    allow_batch: bool = True,
+) -> str:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, asynchronously.
 
     Pointers may be device memory, pinned host memory or pageable host memory,
@@ -102,20 +115,33 @@ def copy_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None,
         CudaError: the driver failed; ``.index`` is the failing copy where known.
         CaptureError: method='batch' on a capturing stream.
     """
-    if not (method == "auto" and src_access_order == "stream" and max_ctas is None
-            and check_overlap is True and allow_batch is True):   # defaults need no checks
+    if not (
+        method == "auto"
+        and src_access_order == "stream"
+        and max_ctas is None
+        and check_overlap is True
+        and allow_batch is True
+    ):  # defaults need no checks
         _check_options(method, src_access_order, max_ctas, check_overlap, allow_batch)
     src = as_u64_array(src_ptrs, "src_ptrs")
     dst = as_u64_array(dst_ptrs, "dst_ptrs")
     size_arr = as_u64_array(sizes, "sizes")
     # (bad copies are refused here, before the driver; order dependence where asked)
-    if len(src) == len(dst) == len(size_arr) and not copies_ok(src, dst, size_arr) \
-            and check_overlap:
+    if len(src) == len(dst) == len(size_arr) and not copies_ok(src, dst, size_arr) and check_overlap:
         _refuse_order_dependence(src, dst, size_arr)
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(src_ptrs, dst_ptrs, sizes))
-    return dispatch.execute_arrays(src, dst, size_arr, handle, method, src_access_order == "any",
-                                 None if max_ctas is None else int(max_ctas), allow_batch)
+    handle = (
+        resolve_stream(stream) if stream is not None else current_framework_stream(src_ptrs, dst_ptrs, sizes)
+    )
+    return dispatch.execute_arrays(
+        src,
+        dst,
+        size_arr,
+        handle,
+        method,
+        src_access_order == "any",
+        None if max_ctas is None else int(max_ctas),
+        allow_batch,
+    )
 
 
 def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
@@ -123,33 +149,43 @@ def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
     reads a byte a copy writes (compared exactly: copies_ok's glance was not enough)."""
     clash = find_overlap(dst, sizes)
     if clash:
-        raise ValueError(f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping "
-                         "bytes; the copies of one batch run in no defined order")
-    moved = src != dst   # (a copy onto exactly itself changes nothing)
+        raise ValueError(
+            f"dst_ptrs[{clash[0]}] and dst_ptrs[{clash[1]}] write overlapping "
+            "bytes; the copies of one batch run in no defined order"
+        )
+    moved = src != dst  # (a copy onto exactly itself changes nothing)
     crossing = find_read_of_written(src, dst, sizes, moved)
     if crossing:
         i, j = crossing
-        what = (f"copy {i} reads bytes that it writes itself" if i == j else
-                f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes")
+        what = (
+            f"copy {i} reads bytes that it writes itself"
+            if i == j
+            else f"src_ptrs[{i}] reads bytes that dst_ptrs[{j}] writes"
+        )
         raise ValueError(f"{what}; the copies of one batch run in no defined order")
 
 
 def _require_triple(batch: Any, name: str, parts: str) -> None:
     """Raise TypeError unless ``batch`` is a tuple or list of three."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 3:
-        what = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
-                else type(batch).__name__)
+        what = (
+            f"a {type(batch).__name__} of {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else type(batch).__name__
+        )
         raise TypeError(f"{name} must be a ({parts}) triple; got {what}")
 
 
 def _triple(batch: Any, name: str) -> tuple:
     _require_triple(batch, name, "src_ptrs, dst_ptrs, sizes")
-    return tuple(as_u64_array(a, f"{name}: {part}")
-                 for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch))
+    return tuple(
+        as_u64_array(a, f"{name}: {part}") for part, a in zip(("src_ptrs", "dst_ptrs", "sizes"), batch)
+    )
 
 
-def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
-                   method: RequestedMethod = "auto") -> tuple[str, str]:
+def copy_both_ways(
+    store: Any, load: Any, *, stream: Any = None, method: RequestedMethod = "auto"
+) -> tuple[str, str]:
     """Copy two batches at once, typically a store (GPU to host) and a load (host to GPU).
 
     Each is a ``(src_ptrs, dst_ptrs, sizes)`` triple as copy_batch takes. Where the
@@ -185,13 +221,19 @@ def copy_both_ways(store: Any, load: Any, *, stream: Any = None,
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
     refuse_crossing(first, second)
-    handle = (resolve_stream(stream) if stream is not None
-              else current_framework_stream(*store, *load))
+    handle = resolve_stream(stream) if stream is not None else current_framework_stream(*store, *load)
     return both_ways.execute_both(first, second, handle, method, ("store", "load"))
 
 
-def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
-                method: RequestedMethod = "auto", split_blocks: bool = False) -> str:
+def swap_blocks(
+    src: Any,
+    dst: Any,
+    block_mapping: Any,
+    *,
+    stream: Any = None,
+    method: RequestedMethod = "auto",
+    split_blocks: bool = False,
+) -> str:
     """Copy blocks ``block_mapping[k, 0]`` of ``src`` to blocks ``block_mapping[k, 1]`` of ``dst``.
 
     ``src`` and ``dst`` are a tensor/array or equal-length sequences of them
@@ -229,29 +271,30 @@ def swap_blocks(src: Any, dst: Any, block_mapping: Any, *, stream: Any = None,
         srcs, dsts = as_list(src), as_list(dst)
         streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
     handle = effective_handle(streams[0][0])
-    plan = plan_blocks(src, dst, block_mapping, split_blocks=split_blocks,
-                       stream=dispatch.producer_stream_once(handle))
+    plan = plan_blocks(
+        src, dst, block_mapping, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle)
+    )
     if len(streams) == 1:
         return dispatch.execute_blocks(plan, handle, method)
     return _between_devices(plan, streams, method)
 
 
-def _block_side(side: Any, name: str, split_blocks: bool, handle: int,
-                geometry: BlockGeometry | None = None) -> BlockPlan:
+def _block_side(
+    side: Any, name: str, split_blocks: bool, handle: int, geometry: BlockGeometry | None = None
+) -> BlockPlan:
     """One side of swap_blocks_both_ways, validated (its tensors read again unless
     ``geometry`` is given); errors named after the side."""
     try:
         if geometry is not None:
             return geometry.with_mapping(side[2])
-        return plan_blocks(*side, split_blocks=split_blocks,
-                           stream=dispatch.producer_stream_once(handle))
+        return plan_blocks(*side, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
 
 
-def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
-                          method: RequestedMethod = "auto",
-                          split_blocks: bool = False) -> tuple[str, str]:
+def swap_blocks_both_ways(
+    store: Any, load: Any, *, stream: Any = None, method: RequestedMethod = "auto", split_blocks: bool = False
+) -> tuple[str, str]:
     """swap_blocks of a store and a load at once, as one copy_both_ways.
 
     Each side is a ``(src, dst, block_mapping)`` triple as swap_blocks takes,
@@ -280,21 +323,25 @@ def swap_blocks_both_ways(store: Any, load: Any, *, stream: Any = None,
         _require_triple(side, name, "src, dst, block_mapping")
     # None: the stream of the first tensor of each side's src and dst, as swap_blocks
     tensors = [parts[0] for side in (store, load) for parts in map(as_list, side[:2]) if parts]
-    handle = effective_handle(resolve_stream(stream) if stream is not None
-                              else current_framework_stream(*tensors))
+    handle = effective_handle(
+        resolve_stream(stream) if stream is not None else current_framework_stream(*tensors)
+    )
     # the load usually goes back between the store's caches: read them once
-    both = (geometry_and_reverse(store[0], store[1])
-            if load[0] is store[1] and load[1] is store[0] else None)
-    plans = [_block_side(side, name, split_blocks, handle, both and both[k])
-             for k, (side, name) in enumerate(((store, "store"), (load, "load")))]
+    both = geometry_and_reverse(store[0], store[1]) if load[0] is store[1] and load[1] is store[0] else None
+    plans = [
+        _block_side(side, name, split_blocks, handle, both and both[k])
+        for k, (side, name) in enumerate(((store, "store"), (load, "load")))
+    ]
     race = race_between(plans[0], plans[1], ("store: block_mapping", "load: block_mapping"))
     if race:
-        raise ValueError(f"{race}: a store and a load at once run in no order with each "
-                         "other; issue them one after the other to order them")
+        raise ValueError(
+            f"{race}: a store and a load at once run in no order with each "
+            "other; issue them one after the other to order them"
+        )
     producers = [p for plan in plans for p in plan.geometry.producer_streams]
     if producers:
         with ContextScope(handle):
-            if driver.stream_capture_status(handle) == 0:   # a graph cannot wait outside it
+            if driver.stream_capture_status(handle) == 0:  # a graph cannot wait outside it
                 dispatch.wait_for_streams(handle, producers)
     return both_ways.execute_plans_both(plans[0], plans[1], handle, method, ("store", "load"))
 
@@ -313,9 +360,16 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     return ran
 
 
-def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None, *,
-              rows: int | None = None, stream: Any = None,
-              method: RequestedMethod = "auto") -> str:
+def copy_rows(
+    src: Layout,
+    dst: Layout,
+    src_indices: Any = None,
+    dst_indices: Any = None,
+    *,
+    rows: int | None = None,
+    stream: Any = None,
+    method: RequestedMethod = "auto",
+) -> str:
     """Copy rows between two layouts (kvcopy.Layout), asynchronously: row r goes from
     slot ``src_indices[r]`` of every source plane to slot ``dst_indices[r]`` of the
     same destination plane, every piece of it.
@@ -374,8 +428,9 @@ def copy_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
         handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
     # (execute_rows hands over what repeats the call only where its indices are on the GPU)
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
-    return execute_rows(plan, handle, method,
-                        remember=lambda again: rows_memo.remember((src, dst), key, again))
+    return execute_rows(
+        plan, handle, method, remember=lambda again: rows_memo.remember((src, dst), key, again)
+    )
 
 
 def copy_planned_rows(plan: RowsPlan, stream: Any) -> str:
@@ -401,5 +456,12 @@ def check_indices(stream: Any = None) -> None:
     rows_check_indices(resolve_stream(stream) if stream is not None else None)
 
 
-__all__ = ["check_indices", "copy_batch", "copy_both_ways", "copy_rows", "last_decision",
-           "swap_blocks", "swap_blocks_both_ways"]
+__all__ = [
+    "check_indices",
+    "copy_batch",
+    "copy_both_ways",
+    "copy_rows",
+    "last_decision",
+    "swap_blocks",
+    "swap_blocks_both_ways",
+]

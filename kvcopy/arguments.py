@@ -1,5 +1,6 @@
 """Checks of scalar arguments, shared by the public functions: a wrong type is a
 TypeError, a wrong value a ValueError, and both name the argument."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,7 @@ def require_bool(value: Any, name: str) -> bool:
     raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
 
 
-def require_int(value: Any, name: str, *, minimum: int | None = None,
-                maximum: int | None = None) -> int:
+def require_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as an int within [minimum, maximum]; Python and NumPy integers only."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
@@ -32,5 +32,6 @@ def require_same_length(src: Any, dst: Any, sizes: Any, prefix: str = "") -> Non
     """ValueError where a (src_ptrs, dst_ptrs, sizes) triple's arrays differ in length;
     ``prefix`` names the batch in the message (e.g. 'store: ')."""
     if not len(src) == len(dst) == len(sizes):
-        raise ValueError(f"{prefix}src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, "
-                         f"{len(dst)} and {len(sizes)}")
+        raise ValueError(
+            f"{prefix}src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, {len(dst)} and {len(sizes)}"
+        )

@@ -1,4 +1,5 @@
 """calibrate(): where batched DMA catches up with the copy kernel on this GPU."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,8 +82,9 @@ def _footprint(src: int, dst: int, total_bytes: int, time_ms, rng) -> tuple[int,
     """The fewest copy-kernel CTAs that keep one direction at FOOTPRINT_FLOOR of the
     contiguous copy (one cuMemcpyAsync of the same bytes) at every FOOTPRINT_BLOCKS
     size; and the fractions behind it (CTAs -> the worst over the sizes)."""
-    contiguous = plan_copies(np.array([src], np.uint64), np.array([dst], np.uint64),
-                             np.array([total_bytes], np.uint64))
+    contiguous = plan_copies(
+        np.array([src], np.uint64), np.array([dst], np.uint64), np.array([total_bytes], np.uint64)
+    )
     reference = time_ms(contiguous, "loop", None)
     worst: dict = {}
     for block in FOOTPRINT_BLOCKS:
@@ -93,8 +95,16 @@ def _footprint(src: int, dst: int, total_bytes: int, time_ms, rng) -> tuple[int,
     return fewest_ctas(worst, FOOTPRINT_FLOOR), worst
 
 
-def _both_ways_threshold(device: int, host: int, dev: int, total_bytes: int, stream: int,
-                         events: tuple[int, int], repeats: int, rng) -> tuple[float, dict]:
+def _both_ways_threshold(
+    device: int,
+    host: int,
+    dev: int,
+    total_bytes: int,
+    stream: int,
+    events: tuple[int, int],
+    repeats: int,
+    rng,
+) -> tuple[float, dict]:
     """The smallest BOTH_WAYS_BLOCKS size from which a store and a load at once by
     copy engines (interleaved chunks) keep up with the kernel pair at every larger
     size, each timed from the call to the end of both; and the GB/s behind it. The
@@ -106,15 +116,16 @@ def _both_ways_threshold(device: int, host: int, dev: int, total_bytes: int, str
     found, measured = float("inf"), {}
     for block in BOTH_WAYS_BLOCKS:
         load = _scattered_plan(host, dev, block, total_bytes // 2, rng)
-        store = _scattered_plan(dev + total_bytes, host + total_bytes, block,
-                                total_bytes // 2, rng)
+        store = _scattered_plan(dev + total_bytes, host + total_bytes, block, total_bytes // 2, rng)
         pair = ((store.src, store.dst, store.sizes), (load.src, load.dst, load.sizes))
         gbps: dict = {}
         for method, label in (("kernel", "kernel"), ("auto", "batch")):
+
             def run(m: str = method) -> tuple[str, str]:
                 return execute_both(*pair, stream, m, thresholds=engines)
+
             if run() != (label, label):
-                continue   # that path is not available here
+                continue  # that path is not available here
             ms = _median_ms(run, stream, *events, repeats)
             gbps[label] = (store.total_bytes + load.total_bytes) / ms / 1e6
         measured[f"both_ways/{block}"] = gbps
@@ -128,9 +139,12 @@ def _save(info: devices.DeviceInfo, updates: dict, measured: dict) -> None:
     try:
         devices.save_thresholds(info, updates, measured)
     except OSError as exc:
-        warnings.warn(f"kvcopy: the calibration of device {info.ordinal} is in use but could "
-                      f"not be saved ({exc}); set KVCOPY_CACHE_DIR to a writable folder",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"kvcopy: the calibration of device {info.ordinal} is in use but could "
+            f"not be saved ({exc}); set KVCOPY_CACHE_DIR to a writable folder",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_args(total_bytes: Any, repeats: Any, save_result: Any, minimum_bytes: int) -> None:
@@ -144,8 +158,9 @@ def _check_device(value: Any, name: str) -> int:
     ordinal = _check_ordinal(value, name)
     count = driver.device_count()
     if ordinal >= count:
-        raise ValueError(f"{name} is {ordinal}, but this process sees {count} device"
-                         f"{'' if count == 1 else 's'}")
+        raise ValueError(
+            f"{name} is {ordinal}, but this process sees {count} device{'' if count == 1 else 's'}"
+        )
     return ordinal
 
 
@@ -154,8 +169,9 @@ def _check_ordinal(value: Any, name: str) -> int:
     return require_int(value, name, minimum=0, maximum=1 << 16)
 
 
-def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
-              save_result: bool = True) -> Thresholds:
+def calibrate(
+    device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5, save_result: bool = True
+) -> Thresholds:
     """Measure, on this GPU and host, where batched DMA catches up with the copy
     kernel (one way, and for a store and a load at once: copy_both_ways), and the
     fewest copy-kernel CTAs that keep each host direction at 0.90 of the contiguous
@@ -185,8 +201,15 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
         methods = ["kernel"] + (["batch"] if info.caps.batch_available else [])
 
         def time_ms(plan, method, max_ctas) -> float:
-            return _median_ms(lambda: execute(plan, stream, method, max_ctas=max_ctas), stream,
-                              start, end, repeats, primed=True)
+            return _median_ms(
+                lambda: execute(plan, stream, method, max_ctas=max_ctas),
+                stream,
+                start,
+                end,
+                repeats,
+                primed=True,
+            )
+
         for direction, (src, dst) in {"h2d": (host, dev), "d2h": (dev, host)}.items():
             if info.caps.kernel_available:
                 ctas[direction], fractions = _footprint(src, dst, total_bytes, time_ms, rng)
@@ -204,13 +227,17 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
         updates: dict = {"batch_min_bytes": found, "host_ctas": ctas}
         if info.caps.kernel_available and info.caps.batch_available:
             updates["both_ways_batch_min_bytes"], by_block = _both_ways_threshold(
-                device, host, dev, total_bytes, stream, (start, end), repeats, rng)
+                device, host, dev, total_bytes, stream, (start, end), repeats, rng
+            )
             measured.update(by_block)
         result = dataclasses.replace(
-            before, batch_min_bytes={**before.batch_min_bytes, **found},
+            before,
+            batch_min_bytes={**before.batch_min_bytes, **found},
             host_ctas={**before.host_ctas, **ctas},
-            both_ways_batch_min_bytes=updates.get("both_ways_batch_min_bytes",
-                                                  before.both_ways_batch_min_bytes))
+            both_ways_batch_min_bytes=updates.get(
+                "both_ways_batch_min_bytes", before.both_ways_batch_min_bytes
+            ),
+        )
         devices.set_thresholds(device, result)
         if save_result:
             _save(info, updates, measured)
@@ -222,8 +249,14 @@ def calibrate(device: int = 0, *, total_bytes: int = 64 << 20, repeats: int = 5,
         driver.pop_context()
 
 
-def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: int = 128 << 20,
-                    repeats: int = 5, save_result: bool = True) -> Thresholds:
+def calibrate_peers(
+    src_device: int = 0,
+    dst_device: int = 1,
+    *,
+    total_bytes: int = 128 << 20,
+    repeats: int = 5,
+    save_result: bool = True,
+) -> Thresholds:
     """Measure, for copies between two GPUs in both directions, where batched DMA
     catches up with the copy kernel; the result is stored under 'p2p A>B' in the
     thresholds of the source device A, which launches such copies for tensors
@@ -236,8 +269,10 @@ def calibrate_peers(src_device: int = 0, dst_device: int = 1, *, total_bytes: in
     """
     _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
     if _check_ordinal(src_device, "src_device") == _check_ordinal(dst_device, "dst_device"):
-        raise ValueError(f"src_device and dst_device are both {int(src_device)}; "
-                         "calibrate_peers measures copies between two GPUs")
+        raise ValueError(
+            f"src_device and dst_device are both {int(src_device)}; "
+            "calibrate_peers measures copies between two GPUs"
+        )
     driver.init()
     src_device = _check_device(src_device, "src_device")
     dst_device = _check_device(dst_device, "dst_device")
@@ -269,9 +304,8 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
                 if method == "batch" and not info.caps.batch_available:
                     continue
                 try:
-                    ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end,
-                                    repeats)
-                except ValueError:   # the kernel cannot reach device b: nothing to calibrate
+                    ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end, repeats)
+                except ValueError:  # the kernel cannot reach device b: nothing to calibrate
                     return
                 gbps[method] = plan.total_bytes / ms / 1e6
             measured[f"{key}/{block}"] = gbps

@@ -1,4 +1,5 @@
 """User-settable defaults, validated when set and when read from the environment."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ from typing import Any
 
 from kvcopy.arguments import require_bool, require_int
 
-MAX_THREADS_PER_CTA = 512   # the copy kernel is compiled for at most 512 threads per CTA
+MAX_THREADS_PER_CTA = 512  # the copy kernel is compiled for at most 512 threads per CTA
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,8 @@ class _Setting:
     minimum: int
     maximum: int
     multiple_of: int = 1
-    optional: bool = False   # None allowed (means "decide per device")
-    boolean: bool = False    # True/False; the environment variable is 0 or 1
+    optional: bool = False  # None allowed (means "decide per device")
+    boolean: bool = False  # True/False; the environment variable is 0 or 1
 
 
 _SETTINGS = {
@@ -28,8 +29,9 @@ _SETTINGS = {
     "peer_ctas": _Setting("KVCOPY_PEER_CTAS", None, 1, 65535, optional=True),
     "enable_peer_access": _Setting("KVCOPY_ENABLE_PEER_ACCESS", 1, 0, 1, boolean=True),
     "batch_chunk": _Setting("KVCOPY_BATCH_CHUNK", 16384, 1, 1 << 24),
-    "threads_per_cta": _Setting("KVCOPY_THREADS", MAX_THREADS_PER_CTA, 32, MAX_THREADS_PER_CTA,
-                                multiple_of=32),
+    "threads_per_cta": _Setting(
+        "KVCOPY_THREADS", MAX_THREADS_PER_CTA, 32, MAX_THREADS_PER_CTA, multiple_of=32
+    ),
     "stores_by_dma": _Setting("KVCOPY_STORES_BY_DMA", 0, 0, 1, boolean=True),
     "bulk_stores": _Setting("KVCOPY_BULK_STORES", 1, 0, 1, boolean=True),
     "bulk_ctas": _Setting("KVCOPY_BULK_CTAS", None, 1, 65535, optional=True),
@@ -45,11 +47,9 @@ def _validate(name: str, value: Any) -> int | bool | None:
         return None
     if spec.boolean:
         return require_bool(value, f"kvcopy.config.{name}")
-    value = require_int(value, f"kvcopy.config.{name}", minimum=spec.minimum,
-                        maximum=spec.maximum)
+    value = require_int(value, f"kvcopy.config.{name}", minimum=spec.minimum, maximum=spec.maximum)
     if value % spec.multiple_of:
-        raise ValueError(f"kvcopy.config.{name} must be a multiple of {spec.multiple_of}, "
-                         f"got {value}")
+        raise ValueError(f"kvcopy.config.{name} must be a multiple of {spec.multiple_of}, got {value}")
     return value
 
 
@@ -68,8 +68,7 @@ def env_int(variable: str, default: int | None, *, minimum: int, maximum: int) -
     except ValueError:
         raise ValueError(f"environment variable {variable}={text!r} is not an integer") from None
     if not minimum <= value <= maximum:
-        raise ValueError(f"environment variable {variable}={value} is out of range "
-                         f"[{minimum}, {maximum}]")
+        raise ValueError(f"environment variable {variable}={value} is out of range [{minimum}, {maximum}]")
     return value
 
 
@@ -92,8 +91,10 @@ def per_thread_default_stream() -> bool:
     try:
         return int(text) != 0
     except ValueError:
-        raise ValueError(f"environment variable {_PTDS}={text!r} is not an integer; "
-                         "cuda-python reads it with int() too (0: legacy, 1: per-thread)") from None
+        raise ValueError(
+            f"environment variable {_PTDS}={text!r} is not an integer; "
+            "cuda-python reads it with int() too (0: legacy, 1: per-thread)"
+        ) from None
 
 
 def cache_dir() -> Path:
@@ -118,12 +119,11 @@ def _from_environment(name: str) -> int | bool | None:
     if spec.boolean:
         return bool(value)
     if value is not None and value % spec.multiple_of:
-        raise ValueError(f"environment variable {spec.env}={value} must be a multiple of "
-                         f"{spec.multiple_of}")
+        raise ValueError(f"environment variable {spec.env}={value} must be a multiple of {spec.multiple_of}")
     return value
 
 
-_changes = 0   # assignments to kvcopy.config so far (see changes())
+_changes = 0  # assignments to kvcopy.config so far (see changes())
 
 
 def changes() -> int:
@@ -215,8 +215,7 @@ class Config:
     def __setattr__(self, name: str, value: Any) -> None:
         global _changes
         if name not in _SETTINGS:
-            raise AttributeError(f"kvcopy.config has no setting {name!r}; "
-                                 f"settings: {', '.join(_SETTINGS)}")
+            raise AttributeError(f"kvcopy.config has no setting {name!r}; settings: {', '.join(_SETTINGS)}")
         object.__setattr__(self, name, _validate(name, value))
         _changes += 1
 
@@ -225,8 +224,7 @@ class Config:
         variable's value where one is set, as at import)."""
         global _changes
         if name not in _SETTINGS:
-            raise AttributeError(f"kvcopy.config has no setting {name!r}; "
-                                 f"settings: {', '.join(_SETTINGS)}")
+            raise AttributeError(f"kvcopy.config has no setting {name!r}; settings: {', '.join(_SETTINGS)}")
         object.__setattr__(self, name, _from_environment(name))
         _changes += 1
 

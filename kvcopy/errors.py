@@ -1,4 +1,5 @@
 """kvcopy's exceptions."""
+
 from __future__ import annotations
 
 
@@ -52,8 +53,10 @@ class IndexOutOfRange(KVCopyError, IndexError):
     def __init__(self, skipped: int, first_row: int) -> None:
         self.skipped = int(skipped)
         self.first_row = int(first_row)
-        super().__init__(f"{self.skipped} row copies skipped for an out-of-range index; the "
-                         f"first at row {self.first_row} of the indices")
+        super().__init__(
+            f"{self.skipped} row copies skipped for an out-of-range index; the "
+            f"first at row {self.first_row} of the indices"
+        )
 
     def __reduce__(self):
         return (type(self), (self.skipped, self.first_row))

@@ -1,4 +1,5 @@
 """Pinned host memory: new buffers, and page-locking of memory that exists already."""
+
 from __future__ import annotations
 
 import weakref
@@ -31,9 +32,13 @@ class _PinnedAllocation:
             self.ptr = memory.host_alloc(max(nbytes, 1))
             self.device_ptr = memory.host_device_pointer(self.ptr)
         self.nbytes = nbytes
-        self.__array_interface__ = {"shape": shape, "typestr": dtype.str,
-                                    "data": (self.ptr, False), "version": 3}
-        if dtype.fields is not None:   # structured: typestr alone would say raw void
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": dtype.str,
+            "data": (self.ptr, False),
+            "version": 3,
+        }
+        if dtype.fields is not None:  # structured: typestr alone would say raw void
             self.__array_interface__["descr"] = dtype.descr
         weakref.finalize(self, _free_pinned, self.ptr)
 
@@ -57,8 +62,10 @@ def pinned_empty(shape: int | tuple[int, ...], dtype: Any = np.uint8) -> np.ndar
     for extent in shape:
         nbytes *= extent
     if nbytes > MAX_PINNED_BYTES:
-        raise ValueError(f"pinned_empty: shape {shape} of {dtype} needs {nbytes} bytes, more than "
-                         f"the {MAX_PINNED_BYTES} one allocation can hold")
+        raise ValueError(
+            f"pinned_empty: shape {shape} of {dtype} needs {nbytes} bytes, more than "
+            f"the {MAX_PINNED_BYTES} one allocation can hold"
+        )
     return np.asarray(_PinnedAllocation(nbytes, shape, dtype))
 
 
@@ -69,8 +76,9 @@ def _shape_tuple(shape: Any) -> tuple[int, ...]:
     elif isinstance(shape, (tuple, list)):
         items = tuple(shape)
     else:
-        raise TypeError(f"pinned_empty: shape must be an int or a tuple of ints, got "
-                        f"{type(shape).__name__} ({shape!r})")
+        raise TypeError(
+            f"pinned_empty: shape must be an int or a tuple of ints, got {type(shape).__name__} ({shape!r})"
+        )
     out = tuple(require_int(extent, f"pinned_empty: shape[{i}]") for i, extent in enumerate(items))
     if any(extent < 0 for extent in out):
         raise ValueError(f"pinned_empty: negative dimension in shape {out}")
@@ -86,8 +94,10 @@ def _host_range(obj: Any, caller: str = "register") -> tuple[int, int, bool]:
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(f"{caller}: {type(obj).__name__} does not expose a buffer "
-                        "(NumPy arrays, mmap, bytearray and shared memory do)") from None
+        raise TypeError(
+            f"{caller}: {type(obj).__name__} does not expose a buffer "
+            "(NumPy arrays, mmap, bytearray and shared memory do)"
+        ) from None
     if not view.c_contiguous:
         raise ValueError(f"{caller}: the buffer must be C-contiguous")
     arr = np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)

@@ -10,6 +10,7 @@ and ``row_bytes // pieces`` bytes long. kvcopy.copy_rows moves rows between two
 layouts of as many planes and the same row bytes; the copy kernel computes each
 address from these numbers and the indices (kvcopy._engine.rows).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,7 +25,7 @@ from kvcopy.arguments import require_bool, require_int
 from kvcopy.interop.frameworks import framework_of
 from kvcopy.interop.tensors import strided_access
 
-_U64_MAX = (1 << 64) - 1   # slots, sizes and strides are 64-bit on the GPU
+_U64_MAX = (1 << 64) - 1  # slots, sizes and strides are 64-bit on the GPU
 
 
 def _addresses(bases: Any) -> np.ndarray:
@@ -35,7 +36,7 @@ def _addresses(bases: Any) -> np.ndarray:
         raise TypeError("bases must be a 1-D sequence of integer addresses")
     if len(found) == 0:
         raise ValueError("bases: a layout needs at least one plane")
-    if int(found.min()) <= 0:   # (one reduction: signed or unsigned)
+    if int(found.min()) <= 0:  # (one reduction: signed or unsigned)
         raise ValueError("bases: every base address must be a positive address")
     return found
 
@@ -54,8 +55,8 @@ class Layout:
     ``readonly``: memory that must not be written (a read-only array), refused as a
     destination."""
 
-    bases: np.ndarray                 # uint64, one base address per plane
-    slots: int                        # slots per plane: an index must be below this
+    bases: np.ndarray  # uint64, one base address per plane
+    slots: int  # slots per plane: an index must be below this
     row_bytes: int
     page_size: int = 1
     page_stride: int = 0
@@ -72,7 +73,7 @@ class Layout:
     def __post_init__(self) -> None:
         # Checked here, so that a Layout built directly is as sound as from_pointers'.
         found = _addresses(self.bases)
-        bases = found.astype(np.uint64)   # (a copy: the caller's array stays the caller's)
+        bases = found.astype(np.uint64)  # (a copy: the caller's array stays the caller's)
         bases.flags.writeable = False
         object.__setattr__(self, "bases", bases)
         for name in ("slots", "row_bytes", "page_size", "pieces"):
@@ -80,19 +81,16 @@ class Layout:
         for name in ("page_stride", "slot_stride", "piece_stride"):
             require_int(getattr(self, name), name, minimum=0, maximum=_U64_MAX)
         if self.row_bytes % self.pieces:
-            raise ValueError(f"row_bytes ({self.row_bytes}) must be a multiple of pieces "
-                             f"({self.pieces})")
+            raise ValueError(f"row_bytes ({self.row_bytes}) must be a multiple of pieces ({self.pieces})")
         top = int(found.max()) + self.extent
         if top > _U64_MAX + 1:
-            raise ValueError(f"bases: rows reach {top:#x}, past the end of the 64-bit address "
-                             "space")
+            raise ValueError(f"bases: rows reach {top:#x}, past the end of the 64-bit address space")
         if not isinstance(self.keep, tuple):
             raise TypeError(f"keep must be a tuple, got {type(self.keep).__name__}")
-        if not self.seen:   # (a new layout: where its tensors are now)
-            seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None
-                         for t in self.keep)
+        if not self.seen:  # (a new layout: where its tensors are now)
+            seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None for t in self.keep)
             object.__setattr__(self, "seen", seen)
-        elif len(self.seen) != len(self.keep):   # (its objects dropped: nothing to check)
+        elif len(self.seen) != len(self.keep):  # (its objects dropped: nothing to check)
             object.__setattr__(self, "seen", ())
 
     def moved(self) -> int | None:
@@ -109,9 +107,11 @@ class Layout:
         """Raise ValueError naming ``name`` where one of the layout's tensors moved."""
         k = self.moved()
         if k is not None:
-            raise ValueError(f"{name}: tensor {k} of the layout has moved or changed shape "
-                             "since the layout was made (resize_ or set_): make the layout "
-                             "again")
+            raise ValueError(
+                f"{name}: tensor {k} of the layout has moved or changed shape "
+                "since the layout was made (resize_ or set_): make the layout "
+                "again"
+            )
 
     @cached_property
     def rows_overlap(self) -> str | None:
@@ -130,17 +130,19 @@ class Layout:
     def extent(self) -> int:
         """Bytes from a plane's base to the end of its last row."""
         last = self.slots - 1
-        return ((last // self.page_size) * self.page_stride
-                + (last % self.page_size) * self.slot_stride
-                + (self.pieces - 1) * self.piece_stride + self.piece_bytes)
+        return (
+            (last // self.page_size) * self.page_stride
+            + (last % self.page_size) * self.slot_stride
+            + (self.pieces - 1) * self.piece_stride
+            + self.piece_bytes
+        )
 
     def row_addresses(self, slots: np.ndarray) -> np.ndarray:
         """Where each slot's row (its first piece) starts in each plane: a uint64 array
         of shape (planes, len(slots)) for non-negative ``slots``."""
         slots = np.asarray(slots).astype(np.uint64)
         size = np.uint64(self.page_size)
-        within = ((slots // size) * np.uint64(self.page_stride)
-                  + (slots % size) * np.uint64(self.slot_stride))
+        within = (slots // size) * np.uint64(self.page_stride) + (slots % size) * np.uint64(self.slot_stride)
         return self.bases[:, None] + within[None, :]
 
     def select(self, planes: Any) -> "Layout":
@@ -151,12 +153,19 @@ class Layout:
         if isinstance(planes, slice):
             picked = list(range(count))[planes]
         else:
-            items = (planes.ravel().tolist() if isinstance(planes, np.ndarray) else
-                     list(planes) if isinstance(planes, (list, tuple, range)) else [planes])
+            items = (
+                planes.ravel().tolist()
+                if isinstance(planes, np.ndarray)
+                else list(planes)
+                if isinstance(planes, (list, tuple, range))
+                else [planes]
+            )
             for item in items:
                 if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
-                    raise TypeError(f"planes: expected ints, a slice or a sequence of ints; "
-                                    f"got {type(item).__name__} ({item!r})")
+                    raise TypeError(
+                        f"planes: expected ints, a slice or a sequence of ints; "
+                        f"got {type(item).__name__} ({item!r})"
+                    )
                 if not -count <= item < count:
                     raise ValueError(f"planes: {item} is out of range for {count} planes")
             picked = [int(item) % count for item in items]
@@ -167,15 +176,23 @@ class Layout:
     def side(self, indices: int) -> tuple[int, int, int, int, int, int]:
         """This layout as one side of the layout kernel's job (kvcopy_rows_side, rows.h),
         its rows' slots read from ``indices`` (a device address; 0: slot = row)."""
-        return (indices, self.slots, self.page_size, self.page_stride, self.slot_stride,
-                self.piece_stride)
+        return (indices, self.slots, self.page_size, self.page_stride, self.slot_stride, self.piece_stride)
 
     @classmethod
-    def from_pointers(cls, bases: Sequence[int] | np.ndarray, *, slots: int, row_bytes: int,
-                      page_size: int = 1, page_stride: int | None = None,
-                      slot_stride: int | None = None, pieces: int = 1,
-                      piece_stride: int | None = None, keep: tuple = (),
-                      readonly: bool = False) -> "Layout":
+    def from_pointers(
+        cls,
+        bases: Sequence[int] | np.ndarray,
+        *,
+        slots: int,
+        row_bytes: int,
+        page_size: int = 1,
+        page_stride: int | None = None,
+        slot_stride: int | None = None,
+        pieces: int = 1,
+        piece_stride: int | None = None,
+        keep: tuple = (),
+        readonly: bool = False,
+    ) -> "Layout":
         """A layout from raw addresses (one base per plane) and byte strides.
 
         Defaults: rows back to back (``slot_stride = row_bytes``), pages of ``page_size``
@@ -190,21 +207,44 @@ class Layout:
         if row_bytes % pieces:
             raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of pieces ({pieces})")
         piece = row_bytes // pieces
-        piece_stride = require_int(piece if piece_stride is None else piece_stride,
-                                   "piece_stride", minimum=0, maximum=_U64_MAX)
-        slot_stride = require_int(row_bytes if slot_stride is None else slot_stride,
-                                  "slot_stride", minimum=0, maximum=_U64_MAX)
-        if page_size == 1:   # every slot is its own page
+        piece_stride = require_int(
+            piece if piece_stride is None else piece_stride, "piece_stride", minimum=0, maximum=_U64_MAX
+        )
+        slot_stride = require_int(
+            row_bytes if slot_stride is None else slot_stride, "slot_stride", minimum=0, maximum=_U64_MAX
+        )
+        if page_size == 1:  # every slot is its own page
             page_stride = slot_stride if page_stride is None else page_stride
-        page_stride = require_int(page_size * slot_stride if page_stride is None else page_stride,
-                                  "page_stride", minimum=0, maximum=_U64_MAX)
-        return cls(found, slots, row_bytes, page_size, page_stride, slot_stride, pieces,
-                   piece_stride, tuple(keep), require_bool(readonly, "readonly"))
+        page_stride = require_int(
+            page_size * slot_stride if page_stride is None else page_stride,
+            "page_stride",
+            minimum=0,
+            maximum=_U64_MAX,
+        )
+        return cls(
+            found,
+            slots,
+            row_bytes,
+            page_size,
+            page_stride,
+            slot_stride,
+            pieces,
+            piece_stride,
+            tuple(keep),
+            require_bool(readonly, "readonly"),
+        )
 
     @classmethod
-    def of(cls, tensors: Any, *, slot: int, page: int | None = None,
-           planes: Sequence[int] = (), pieces: int | None = None,
-           name: str = "tensors") -> "Layout":
+    def of(
+        cls,
+        tensors: Any,
+        *,
+        slot: int,
+        page: int | None = None,
+        planes: Sequence[int] = (),
+        pieces: int | None = None,
+        name: str = "tensors",
+    ) -> "Layout":
         """The layout of one tensor or a list of tensors of one shape, strides and dtype
         (one per layer, say), by naming what each dimension is:
 
@@ -224,13 +264,14 @@ class Layout:
         items = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if not items:
             raise ValueError(f"{name}: no tensor given")
-        found = [strided_access(t, f"{name}[{i}]" if len(items) > 1 else name)
-                 for i, t in enumerate(items)]
+        found = [strided_access(t, f"{name}[{i}]" if len(items) > 1 else name) for i, t in enumerate(items)]
         _, shape, strides, itemsize, _ = found[0]
         for i, (_, s, st, size, _) in enumerate(found[1:], 1):
             if (s, st, size) != (shape, strides, itemsize):
-                raise ValueError(f"{name}[{i}]: shape {s}, strides {st} and itemsize {size} "
-                                 f"differ from {name}[0]'s {shape}, {strides}, {itemsize}")
+                raise ValueError(
+                    f"{name}[{i}]: shape {s}, strides {st} and itemsize {size} "
+                    f"differ from {name}[0]'s {shape}, {strides}, {itemsize}"
+                )
         ndim = len(shape)
         named = {"slot": slot, "page": page, "pieces": pieces}
         roles: dict[int, str] = {}
@@ -249,13 +290,17 @@ class Layout:
         piece = itemsize
         for d in reversed(row_dims):
             if shape[d] != 1 and strides[d] != piece:
-                raise ValueError(f"{name}: the row dimensions {tuple(row_dims)} of shape {shape} "
-                                 f"must be contiguous; strides are {strides} bytes")
+                raise ValueError(
+                    f"{name}: the row dimensions {tuple(row_dims)} of shape {shape} "
+                    f"must be contiguous; strides are {strides} bytes"
+                )
             piece *= shape[d]
         plane_dims = [d % ndim for d in planes]
-        bases = [ptr + sum(i * strides[d] for i, d in zip(index, plane_dims))
-                 for ptr, *_ in found
-                 for index in itertools.product(*(range(shape[d]) for d in plane_dims))]
+        bases = [
+            ptr + sum(i * strides[d] for i, d in zip(index, plane_dims))
+            for ptr, *_ in found
+            for index in itertools.product(*(range(shape[d]) for d in plane_dims))
+        ]
         slot_d, count = slot % ndim, pieces
         kwargs: dict[str, int] = {"slot_stride": strides[slot_d]}
         if page is not None:
@@ -266,7 +311,12 @@ class Layout:
             kwargs["piece_stride"] = strides[count % ndim]
         if slots == 0 or piece == 0 or n_pieces == 0:
             raise ValueError(f"{name}: shape {shape} holds no rows")
-        return cls.from_pointers(np.array(bases, dtype=np.uint64), slots=slots,
-                                 row_bytes=piece * n_pieces, pieces=n_pieces,
-                                 keep=tuple(items), readonly=any(f[4] for f in found),
-                                 **kwargs)
+        return cls.from_pointers(
+            np.array(bases, dtype=np.uint64),
+            slots=slots,
+            row_bytes=piece * n_pieces,
+            pieces=n_pieces,
+            keep=tuple(items),
+            readonly=any(f[4] for f in found),
+            **kwargs,
+        )

@@ -1,5 +1,6 @@
 """A copy_rows transfer planned once and issued by each call: what a serving step
 that moves the same layouts by an index tensor it refills pays per step."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,13 +26,12 @@ class PreparedRows:
 
     __slots__ = ("_launches", "_decision", "_keep", "rows", "stream")
 
-    def __init__(self, launches: Any, decision: Any, keep: tuple, rows: int,
-                 stream: int) -> None:
+    def __init__(self, launches: Any, decision: Any, keep: tuple, rows: int, stream: int) -> None:
         self._launches = launches
         self._decision = decision
         self._keep = keep
-        self.rows = rows        # rows per call (row r: index r of each side's indices)
-        self.stream = stream    # the raw stream handle every call enqueues on
+        self.rows = rows  # rows per call (row r: index r of each side's indices)
+        self.stream = stream  # the raw stream handle every call enqueues on
 
     def __call__(self) -> str:
         """Enqueue the transfer; returns 'kernel' ('none' for a transfer of no rows).
@@ -50,8 +50,15 @@ class PreparedRows:
         return f"<kvcopy.PreparedRows {self.rows} rows on stream {self.stream:#x}>"
 
 
-def prepare_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None,
-                 *, rows: int | None = None, stream: Any = None) -> PreparedRows:
+def prepare_rows(
+    src: Layout,
+    dst: Layout,
+    src_indices: Any = None,
+    dst_indices: Any = None,
+    *,
+    rows: int | None = None,
+    stream: Any = None,
+) -> PreparedRows:
     """Prepare a copy_rows transfer to be issued many times: every argument is checked,
     the memory classified and the layout kernel's launches built now, so that each
     call of the result costs one launch on the CPU (copy_rows plans the whole transfer

@@ -1,4 +1,5 @@
 """TransferQueue: ordered asynchronous block transfers between two fixed caches."""
+
 from __future__ import annotations
 
 import math
@@ -17,21 +18,23 @@ from kvcopy._plans.blocks import BlockGeometry, BlockPlan, block_geometry, cross
 from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
 from kvcopy.interop.arrays import as_list
-from kvcopy.interop.streams import (STREAM_LEGACY, current_framework_streams, effective_handle,
-                                    resolve_event, resolve_stream)
+from kvcopy.interop.streams import (
+    STREAM_LEGACY,
+    current_framework_streams,
+    effective_handle,
+    resolve_event,
+    resolve_stream,
+)
 from kvcopy.policy import RequestedMethod, check_method
 from kvcopy._runtime.prepare import prepare_current_context
 
-_GPU_KINDS = (classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER
-              | classify.KIND_PEER_UNMAPPED)
+_GPU_KINDS = classify.KIND_DEVICE | classify.KIND_MANAGED | classify.KIND_PEER | classify.KIND_PEER_UNMAPPED
 
 
 def _seconds(timeout: Any) -> float:
     """``timeout`` as seconds (TypeError or ValueError naming it)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                              np.floating)):
-        raise TypeError(f"timeout must be a number of seconds or None, got "
-                        f"{type(timeout).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
     if not math.isfinite(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
     return float(timeout)
@@ -65,7 +68,7 @@ class _Job:
     start: int
     end: int
     back_method: str = ""
-    waiters: int = 0        # threads in wait() on this job's end event, outside the lock
+    waiters: int = 0  # threads in wait() on this job's end event, outside the lock
     finished: bool = False  # reported; its events go with the last waiter
 
 
@@ -92,21 +95,24 @@ class TransferQueue:
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, src: Any, dst: Any, *, method: RequestedMethod = "auto",
-                 split_blocks: bool = False) -> None:
+    def __init__(
+        self, src: Any, dst: Any, *, method: RequestedMethod = "auto", split_blocks: bool = False
+    ) -> None:
         check_method(method)
         self.src, self.dst = as_list(src), as_list(dst)
         self.method = method
         self.split_blocks = split_blocks
         # the caches are fixed: read their geometry once, not on every submit
         self._geometry = geometry = block_geometry(self.src, self.dst, split_blocks=split_blocks)
-        self._back_geometry: BlockGeometry | None = None   # read at the first job with back
+        self._back_geometry: BlockGeometry | None = None  # read at the first job with back
         caller = effective_handle(self._caller_streams()[0][0])
         with ContextScope(caller) as scope:
             src_kinds, src_device = classify.classify_pointers(
-                geometry.src_base, geometry.src_extent, np.empty_like(geometry.src_base))
+                geometry.src_base, geometry.src_extent, np.empty_like(geometry.src_base)
+            )
             dst_kinds, dst_device = classify.classify_pointers(
-                geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base))
+                geometry.dst_base, geometry.dst_extent, np.empty_like(geometry.dst_base)
+            )
         # The queue's stream lives on the device that holds the caches; between two
         # GPUs, on the source's, whose kernel then reads locally and writes remotely.
         owner = decide.memory_owner(src_device, dst_device)
@@ -131,8 +137,7 @@ class TransferQueue:
     def _caller_streams(self) -> list[tuple[int, int]]:
         """The caller's current stream on each device holding the caches (see
         current_framework_streams): the first source and destination tensors say."""
-        return current_framework_streams(self.src[0] if self.src else None,
-                                         self.dst[0] if self.dst else None)
+        return current_framework_streams(self.src[0] if self.src else None, self.dst[0] if self.dst else None)
 
     def _dependencies(self, after: Any) -> list[tuple[str, int, int]]:
         """What a job waits for: ('event', handle, -1) or ('stream', handle, device)
@@ -143,8 +148,7 @@ class TransferQueue:
             # streams that array-interface producers declared are waited for by
             # submit, for every job, whatever ``after`` says
             streams = [(effective_handle(h), d) for h, d in self._caller_streams()]
-            return [("stream", h, d) for i, (h, d) in enumerate(streams)
-                    if (h, d) not in streams[:i]]
+            return [("stream", h, d) for i, (h, d) in enumerate(streams) if (h, d) not in streams[:i]]
         items = list(after) if isinstance(after, (list, tuple)) else [after]
         found = []
         for index, item in enumerate(items):
@@ -161,8 +165,7 @@ class TransferQueue:
                 raise type(exc)(f"{where}: expected a stream or an event; {detail}") from None
         return found
 
-    def submit(self, job_id: Hashable, block_mapping: Any, *, back: Any = None,
-               after: Any = None) -> None:
+    def submit(self, job_id: Hashable, block_mapping: Any, *, back: Any = None, after: Any = None) -> None:
         """Queue the copy of ``block_mapping`` pairs; returns without waiting for the GPU.
 
         Args:
@@ -198,8 +201,10 @@ class TransferQueue:
         try:
             hash(job_id)
         except TypeError:
-            raise TypeError(f"job_id must be hashable (wait() and the results name the job "
-                            f"by it); got a {type(job_id).__name__}") from None
+            raise TypeError(
+                f"job_id must be hashable (wait() and the results name the job "
+                f"by it); got a {type(job_id).__name__}"
+            ) from None
         with self._lock:
             if self._closed:
                 raise KVCopyError("TransferQueue is closed")
@@ -215,7 +220,7 @@ class TransferQueue:
                         driver.stream_wait_event(self._stream, handle)
                     else:
                         driver.stream_wait_stream(self._stream, handle, device)
-                for producer in self._geometry.producer_streams:   # the protocol's, always
+                for producer in self._geometry.producer_streams:  # the protocol's, always
                     driver.stream_wait_stream(self._stream, producer)
                 # the start event after every wait: a job's seconds are its copy's alone
                 driver.event_record(start, self._stream)
@@ -236,28 +241,29 @@ class TransferQueue:
         # (messages about the other way's geometry name the queue's caches as the caller does)
         if self._back_geometry is None:
             try:
-                self._back_geometry = block_geometry(self.dst, self.src,
-                                                     split_blocks=self.split_blocks)
+                self._back_geometry = block_geometry(self.dst, self.src, split_blocks=self.split_blocks)
             except (TypeError, ValueError) as exc:
-                raise type(exc)("back: the caches cannot be copied the other way: "
-                                + _swap_sides(str(exc))) from None
+                raise type(exc)(
+                    "back: the caches cannot be copied the other way: " + _swap_sides(str(exc))
+                ) from None
         try:
             back_plan = self._back_geometry.with_mapping(back)
         except (TypeError, ValueError) as exc:
             raise type(exc)(_swap_sides(str(exc)).replace("block_mapping", "back")) from None
         clash = crossing_pairs(plan, back_plan)
         if clash:
-            raise ValueError(f"{clash}: a job's two ways run at once, in no order; submit "
-                             "them as two jobs to order them")
+            raise ValueError(
+                f"{clash}: a job's two ways run at once, in no order; submit them as two jobs to order them"
+            )
         return back_plan
 
     def _execute(self, plan: BlockPlan, back_plan: BlockPlan | None) -> tuple[str, str]:
         """Issue a job's copies on the queue's stream: the methods that ran each way."""
         if back_plan is None:
-            return dispatch.execute_blocks(plan, self._stream, self.method,
-                                         wait_for_producers=False), ""
-        return both_ways.execute_plans_both(plan, back_plan, self._stream, self.method,
-                                            ("block_mapping", "back"))
+            return dispatch.execute_blocks(plan, self._stream, self.method, wait_for_producers=False), ""
+        return both_ways.execute_plans_both(
+            plan, back_plan, self._stream, self.method, ("block_mapping", "back")
+        )
 
     @staticmethod
     def _release(job: _Job) -> None:
@@ -274,10 +280,9 @@ class TransferQueue:
         except KVCopyError as exc:
             ok, error = False, str(exc)
         job.finished = True
-        if not job.waiters:   # (else the last thread waiting on its end event releases them)
+        if not job.waiters:  # (else the last thread waiting on its end event releases them)
             self._release(job)
-        return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error,
-                              job.back_method)
+        return TransferResult(job.job_id, job.nbytes, seconds, ok, job.method, error, job.back_method)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that have finished since the last call, in submission order."""
@@ -299,8 +304,9 @@ class TransferQueue:
                 driver.pop_context()
         return done
 
-    def wait(self, job_ids: Iterable[Hashable] | None = None, *,
-             timeout: float | None = None) -> list[TransferResult]:
+    def wait(
+        self, job_ids: Iterable[Hashable] | None = None, *, timeout: float | None = None
+    ) -> list[TransferResult]:
         """Block until the given jobs (default: all) are done; returns every finished job's
         result. The queue's lock is not held while the GPU works: other threads submit and
         poll meanwhile.
@@ -317,11 +323,14 @@ class TransferQueue:
             TimeoutError: the jobs were not done within ``timeout``.
         """
         if isinstance(job_ids, (str, bytes)):
-            raise TypeError(f"job_ids: expected a collection of job ids, got the {type(job_ids).__name__} "
-                            f"{job_ids!r}; pass [{job_ids!r}] to wait for that one job")
+            raise TypeError(
+                f"job_ids: expected a collection of job ids, got the {type(job_ids).__name__} "
+                f"{job_ids!r}; pass [{job_ids!r}] to wait for that one job"
+            )
         if job_ids is not None and not isinstance(job_ids, Iterable):
-            raise TypeError(f"job_ids: expected a collection of job ids or None, got "
-                            f"{type(job_ids).__name__}")
+            raise TypeError(
+                f"job_ids: expected a collection of job ids or None, got {type(job_ids).__name__}"
+            )
         deadline = None if timeout is None else time.monotonic() + _seconds(timeout)
         with self._lock:
             wanted = None if job_ids is None else set(job_ids)
@@ -334,10 +343,10 @@ class TransferQueue:
                 if unknown:
                     raise KeyError(f"TransferQueue.wait: no pending job with id {sorted(map(repr, unknown))}")
             if last is not None:
-                last.waiters += 1   # (its events outlive a poll that reports it meanwhile)
+                last.waiters += 1  # (its events outlive a poll that reports it meanwhile)
         if last is not None:
             try:
-                self._wait_for(last, deadline)   # jobs finish in order
+                self._wait_for(last, deadline)  # jobs finish in order
             finally:
                 with self._lock:
                     last.waiters -= 1
@@ -358,7 +367,7 @@ class TransferQueue:
                 try:
                     driver.event_synchronize(job.end)
                 except KVCopyError:
-                    pass   # (a failed job is reported by poll)
+                    pass  # (a failed job is reported by poll)
                 return
             pause = 20e-6
             while True:
@@ -369,8 +378,10 @@ class TransferQueue:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"TransferQueue.wait: job {job.job_id!r} was not done "
-                                       "within the timeout; it is still pending")
+                    raise TimeoutError(
+                        f"TransferQueue.wait: job {job.job_id!r} was not done "
+                        "within the timeout; it is still pending"
+                    )
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 1e-3)
         finally:
@@ -383,7 +394,7 @@ class TransferQueue:
         with self._lock:
             if self._closed:
                 return []
-            self._closed = True   # (first: a submit racing close is refused, never lost)
+            self._closed = True  # (first: a submit racing close is refused, never lost)
         results = self.wait()
         with self._lock:
             self._push()

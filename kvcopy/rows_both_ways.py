@@ -1,11 +1,11 @@
 """copy_rows_both_ways: a store and a load at once in layout form (a serving step)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from kvcopy._engine import both_ways, rows_memo
-from kvcopy._engine.rows_both_ways import (execute_rows_both, repeat_staged,
-                                           try_staged_rows_both)
+from kvcopy._engine.rows_both_ways import execute_rows_both, repeat_staged, try_staged_rows_both
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._plans.rows import RowsPlan, expand, plan_rows, read_indices, rows_stream
 from kvcopy.interop.frameworks import type_name
@@ -24,8 +24,9 @@ def _plan_side(side: Any, name: str) -> RowsPlan:
         raise type(exc)(f"{name}: {exc}") from None
 
 
-def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
-                        method: RequestedMethod = "auto") -> tuple[str, str]:
+def copy_rows_both_ways(
+    store: Any, load: Any, *, stream: Any = None, method: RequestedMethod = "auto"
+) -> tuple[str, str]:
     """Copy rows between layouts both ways at once, typically a store (GPU to host) and
     a load (host to GPU) of a serving step, asynchronously.
 
@@ -69,12 +70,15 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
         return ran
     plans = [_plan_side(store, "store"), _plan_side(load, "load")]
     layouts = tuple(layout for p in plans for layout in (p.src, p.dst))
-    handle = rows_stream(stream, layouts,
-                         tuple(i.keep for p in plans for i in (p.src_indices, p.dst_indices)
-                               if i is not None))
-    key = rows_memo.pair_key(*(rows_memo.call_key(p.src_indices, p.dst_indices,
-                                                  _rows_given(side), handle, method)
-                               for p, side in zip(plans, (store, load))))
+    handle = rows_stream(
+        stream, layouts, tuple(i.keep for p in plans for i in (p.src_indices, p.dst_indices) if i is not None)
+    )
+    key = rows_memo.pair_key(
+        *(
+            rows_memo.call_key(p.src_indices, p.dst_indices, _rows_given(side), handle, method)
+            for p, side in zip(plans, (store, load))
+        )
+    )
     if not any(p.device_indices for p in plans):
         refuse_rows_crossing(plans[0], plans[1])
     if any(p.host_indices for p in plans):
@@ -88,12 +92,12 @@ def copy_rows_both_ways(store: Any, load: Any, *, stream: Any = None,
     staged = try_staged_rows_both(plans[0], plans[1], handle, method, remember)
     if staged is not None:
         return staged
-    return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method,
-                                  ("store", "load"))
+    return both_ways.execute_both(expand(plans[0]), expand(plans[1]), handle, method, ("store", "load"))
 
 
-def _repeat_with_host_indices(layouts: tuple, key: tuple, plans: list[RowsPlan],
-                              handle: int) -> tuple[str, str] | None:
+def _repeat_with_host_indices(
+    layouts: tuple, key: tuple, plans: list[RowsPlan], handle: int
+) -> tuple[str, str] | None:
     """The staged pair remembered for these layouts and this key, issued again with the
     plans' host indices; None where there is none, or it cannot run."""
     known = rows_memo.entry(*layouts)
@@ -116,19 +120,24 @@ def _repeat(store: Any, load: Any, stream: Any, method: str) -> tuple[str, str] 
     layouts = (store[0], store[1], load[0], load[1])
     known = rows_memo.entry(*layouts)
     if known is None or getattr(known.repeat, "host", False):
-        return None   # (a pair with host indices is repeated once they are checked)
+        return None  # (a pair with host indices is repeated once they are checked)
     # (these layouts were checked against each other: only the indices are read again)
     given = [tuple(side[2:4]) + (None,) * (4 - min(len(side), 4)) for side in (store, load)]
     try:
-        read = [(read_indices(a, f"{name}: src_indices"), read_indices(b, f"{name}: dst_indices"))
-                for (a, b), name in zip(given, ("store", "load"))]
+        read = [
+            (read_indices(a, f"{name}: src_indices"), read_indices(b, f"{name}: dst_indices"))
+            for (a, b), name in zip(given, ("store", "load"))
+        ]
     except (TypeError, ValueError):
-        return None   # (planned afresh, which names the argument)
+        return None  # (planned afresh, which names the argument)
     if any(i is not None and i.host is not None for pair in read for i in pair):
-        return None   # (host indices are checked at every call)
-    handle = rows_stream(stream, layouts, tuple(i for pair in given for i in pair
-                                                if i is not None))
-    key = rows_memo.pair_key(*(rows_memo.call_key(a, b, _rows_given(side), handle, method)
-                               for (a, b), side in zip(read, (store, load))))
+        return None  # (host indices are checked at every call)
+    handle = rows_stream(stream, layouts, tuple(i for pair in given for i in pair if i is not None))
+    key = rows_memo.pair_key(
+        *(
+            rows_memo.call_key(a, b, _rows_given(side), handle, method)
+            for (a, b), side in zip(read, (store, load))
+        )
+    )
     again = rows_memo.repeat(known, key)
     return None if again is None else repeat_staged(again, handle)

@@ -37,6 +37,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   ``refuse_rows_crossing`` (copy_rows_both_ways' race check); and swap_blocks'
   planning (``plan_blocks``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import (classify, describe, dma, driver, launch, memory, plan_arrays,
-                          replay_records, stage)
+from kvcopy._cuda import classify, describe, dma, driver, launch, memory, plan_arrays, replay_records, stage
 from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
@@ -60,8 +60,17 @@ from kvcopy._engine import rows_memo
 from kvcopy._plans.blocks import plan_blocks
 from kvcopy._plans.rows import RowsPlan, expand, plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
-from kvcopy._runtime import (calibration_file, context, device, kernels, peers, persist, prepare,
-                             ring, side_streams)
+from kvcopy._runtime import (
+    calibration_file,
+    context,
+    device,
+    kernels,
+    peers,
+    persist,
+    prepare,
+    ring,
+    side_streams,
+)
 from kvcopy.api import copy_planned_rows, copy_rows
 from kvcopy.compat import pointer_tables
 from kvcopy.compat import vllm as compat_vllm
@@ -69,30 +78,68 @@ from kvcopy.config import config
 from kvcopy.layouts import Layout
 
 CUDA_LAYERS = ("driver", "describe", "launch")
-_LAYERS = {"driver": driver, "memory": memory, "describe": describe, "launch": launch, "dma": dma,
-           "stage": stage, "classify": classify, "replay_records": replay_records,
-           "plan_arrays": plan_arrays, "rows": rows_cuda}
+_LAYERS = {
+    "driver": driver,
+    "memory": memory,
+    "describe": describe,
+    "launch": launch,
+    "dma": dma,
+    "stage": stage,
+    "classify": classify,
+    "replay_records": replay_records,
+    "plan_arrays": plan_arrays,
+    "rows": rows_cuda,
+}
 
 # What white-box tests read; changing it goes through the seams above.
 cuda = types.SimpleNamespace(
-    classify=classify, describe=describe, dma=dma, driver=driver, launch=launch, memory=memory,
-    plan_arrays=plan_arrays, replay_records=replay_records, stage=stage, testing=cuda_testing,
-    rows=rows_cuda)
+    classify=classify,
+    describe=describe,
+    dma=dma,
+    driver=driver,
+    launch=launch,
+    memory=memory,
+    plan_arrays=plan_arrays,
+    replay_records=replay_records,
+    stage=stage,
+    testing=cuda_testing,
+    rows=rows_cuda,
+)
 engine = types.SimpleNamespace(
-    both_ways=both_ways, decide=decide, dispatch=dispatch, kernel=kernel, replay=replay,
-    staged=staged, traffic_window=traffic_window, context=context, device=device,
-    kernels=kernels, peers=peers, prepare=prepare, ring=ring, side_streams=side_streams,
-    calibration_file=calibration_file, persist=persist, rows=rows_engine,
-    rows_memo=rows_memo)
-plans = types.SimpleNamespace(plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks,
-                                refuse_rows_crossing=refuse_rows_crossing)
+    both_ways=both_ways,
+    decide=decide,
+    dispatch=dispatch,
+    kernel=kernel,
+    replay=replay,
+    staged=staged,
+    traffic_window=traffic_window,
+    context=context,
+    device=device,
+    kernels=kernels,
+    peers=peers,
+    prepare=prepare,
+    ring=ring,
+    side_streams=side_streams,
+    calibration_file=calibration_file,
+    persist=persist,
+    rows=rows_engine,
+    rows_memo=rows_memo,
+)
+plans = types.SimpleNamespace(
+    plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks, refuse_rows_crossing=refuse_rows_crossing
+)
 
 
 def _users() -> list[types.ModuleType]:
     """kvcopy's modules outside the driver layer and this one, as loaded now."""
-    return [module for name, module in list(sys.modules.items())
-            if module is not None and (name == "kvcopy" or name.startswith("kvcopy."))
-            and not name.startswith("kvcopy._cuda") and name != __name__]
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None
+        and (name == "kvcopy" or name.startswith("kvcopy."))
+        and not name.startswith("kvcopy._cuda")
+        and name != __name__
+    ]
 
 
 @contextlib.contextmanager
@@ -145,8 +192,9 @@ def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[o
     unknown = set(layers) - set(_LAYERS)
     if unknown:
         raise ValueError(f"fake_cuda: no layer {sorted(unknown)}; layers: {sorted(_LAYERS)}")
-    with _standing_in([(_LAYERS[layer], fake) for layer in layers]
-                      + [(decide._targets, {}), (rows_memo._memo, {})]):
+    with _standing_in(
+        [(_LAYERS[layer], fake) for layer in layers] + [(decide._targets, {}), (rows_memo._memo, {})]
+    ):
         yield fake
 
 
@@ -160,8 +208,7 @@ class _Ring:
     def reserve(self, nbytes: int) -> "_Ring":
         self.slot = self.slots[self.reserved % len(self.slots)]
         if nbytes > self.slot.capacity:
-            raise AssertionError(f"fake ring: {nbytes} bytes asked of a {self.slot.capacity}-"
-                                 "byte slot")
+            raise AssertionError(f"fake ring: {nbytes} bytes asked of a {self.slot.capacity}-byte slot")
         self.reserved += 1
         return self
 
@@ -173,13 +220,17 @@ class _Ring:
 
 
 @contextlib.contextmanager
-def fake_runtime(*, caps: policy.DeviceCaps | None = None,
-                 thresholds: policy.Thresholds | None = None, copy_kernel: object = None,
-                 slot: ring.Slot | Sequence[ring.Slot] | None = None,
-                 descriptor_ring: object = None,
-                 staging: object = None,
-                 side_stream: Callable[..., int] | None = None,
-                 scope: type | None = None) -> Iterator[None]:
+def fake_runtime(
+    *,
+    caps: policy.DeviceCaps | None = None,
+    thresholds: policy.Thresholds | None = None,
+    copy_kernel: object = None,
+    slot: ring.Slot | Sequence[ring.Slot] | None = None,
+    descriptor_ring: object = None,
+    staging: object = None,
+    side_stream: Callable[..., int] | None = None,
+    scope: type | None = None,
+) -> Iterator[None]:
     """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
     by default) and ``thresholds`` (the defaults), no policy answer or copy_rows call
     remembered; where given, ``copy_kernel`` as the kernel loaded in every context,
@@ -221,12 +272,12 @@ def _put_back(table: dict[int, Any], value: Any) -> None:
 
 
 @contextlib.contextmanager
-def fake_compiler(compile_cubin: Callable[[int], bytes],
-                  version: tuple[int, int] = (13, 0)) -> Iterator[None]:
+def fake_compiler(
+    compile_cubin: Callable[[int], bytes], version: tuple[int, int] = (13, 0)
+) -> Iterator[None]:
     """NVRTC replaced for the block: kernels are compiled by ``compile_cubin(arch)`` and
     the kernel cache keys them under NVRTC ``version``."""
-    with _standing_in([(kernels.compile_cubin, compile_cubin),
-                       (kernels.nvrtc_version, lambda: version)]):
+    with _standing_in([(kernels.compile_cubin, compile_cubin), (kernels.nvrtc_version, lambda: version)]):
         yield
 
 
@@ -244,9 +295,16 @@ def fake_clock(clock: Callable[[], float]) -> Iterator[Callable[[], float]]:
         traffic_window.forget()
 
 
-def _copy_rows_on_host(src: Layout, dst: Layout, src_indices: Any = None,
-                       dst_indices: Any = None, *, rows: int | None = None, stream: Any = None,
-                       method: str = "auto") -> str:
+def _copy_rows_on_host(
+    src: Layout,
+    dst: Layout,
+    src_indices: Any = None,
+    dst_indices: Any = None,
+    *,
+    rows: int | None = None,
+    stream: Any = None,
+    method: str = "auto",
+) -> str:
     """copy_rows' plan, every check made, run with memmove between host memory."""
     return _run_plan_on_host(plan_rows(src, dst, src_indices, dst_indices, rows), stream)
 
@@ -257,13 +315,21 @@ def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
         raise ValueError("rows_on_host: indices on the GPU cannot be read on the host")
     sources, destinations, sizes = (np.ascontiguousarray(part) for part in expand(plan))
     # (all checked before any is written)
-    denied = [i for i in (dma.first_host_span_denied(sources, sizes),
-                          dma.first_host_span_denied(destinations, sizes, write=True)) if i >= 0]
+    denied = [
+        i
+        for i in (
+            dma.first_host_span_denied(sources, sizes),
+            dma.first_host_span_denied(destinations, sizes, write=True),
+        )
+        if i >= 0
+    ]
     if denied:
         bad = min(denied)
-        raise ValueError(f"rows_on_host: {int(sizes[bad])} bytes from {int(sources[bad]):#x} to "
-                         f"{int(destinations[bad]):#x} are not host memory this process reads "
-                         "and writes")
+        raise ValueError(
+            f"rows_on_host: {int(sizes[bad])} bytes from {int(sources[bad]):#x} to "
+            f"{int(destinations[bad]):#x} are not host memory this process reads "
+            "and writes"
+        )
     for source, destination, size in zip(sources.tolist(), destinations.tolist(), sizes.tolist()):
         ctypes.memmove(destination, source, size)
     return "host"
@@ -287,12 +353,29 @@ def rows_on_host() -> Iterator[None]:
     module's docstring); raises ValueError for memory the process cannot read or write
     on the host, and for indices on the GPU. Tables of layer addresses reach to the end
     of the host mapping that holds each address."""
-    with _standing_in([(copy_rows, _copy_rows_on_host), (copy_planned_rows, _run_plan_on_host),
-                       (compat_vllm._torch_stream, lambda caller: None),
-                       (pointer_tables._reach_of, _host_reach)]):
+    with _standing_in(
+        [
+            (copy_rows, _copy_rows_on_host),
+            (copy_planned_rows, _run_plan_on_host),
+            (compat_vllm._torch_stream, lambda caller: None),
+            (pointer_tables._reach_of, _host_reach),
+        ]
+    ):
         yield
 
 
-__all__ = ["CUDA_LAYERS", "capabilities", "cuda", "describe_copies_answered",
-           "describe_copies_in", "engine", "fake_clock", "fake_compiler", "fake_cuda",
-           "fake_runtime", "fast_describe_available", "rows_on_host", "settings"]
+__all__ = [
+    "CUDA_LAYERS",
+    "capabilities",
+    "cuda",
+    "describe_copies_answered",
+    "describe_copies_in",
+    "engine",
+    "fake_clock",
+    "fake_compiler",
+    "fake_cuda",
+    "fake_runtime",
+    "fast_describe_available",
+    "rows_on_host",
+    "settings",
+]

@@ -42,10 +42,11 @@ PYCHECK
 "$VPY" -m pip install -q "$WHEEL[test,cu13,typecheck,lint]"
 
 # Type-check the package (its source; the .pyi stubs describe the Cython modules), and
-# lint: ruff for the Python, cython-lint for the Cython, clang-format for the C and CUDA
-# sources (settings in pyproject.toml and .clang-format).
+# lint: ruff (lint and format) for the Python, cython-lint for the Cython, clang-format
+# for the C and CUDA sources (settings in pyproject.toml and .clang-format).
 "$VPY" -m mypy -p kvcopy
 "$VPY" -m ruff check -q .
+"$VPY" -m ruff format --check -q .
 PATH="$(dirname "$VPY"):$PATH" "$(dirname "$VPY")/cython-lint" kvcopy/_cuda/*.pyx kvcopy/_cuda/*.pxd
 "$(dirname "$VPY")/clang-format" --dry-run --Werror include/kvcopy/*.h include/kvcopy/*.cuh \
   kvcopy/_cuda/*.h

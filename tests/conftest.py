@@ -2,6 +2,7 @@
 skips where no GPU is found; tests/engines/ holds the engines' own tests ported to
 kvcopy's drop-ins (on the GPU, and on the CPU through kvcopy.testing.rows_on_host);
 tests/helpers/ holds what they share."""
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,9 @@ except ImportError as exc:
         f"kvcopy cannot be imported here ({exc}). Its Cython modules are built at install: run "
         "`bash scripts/test.sh` (builds, installs and runs the tests in .venv-test), or "
         "`pip install -e .` and then pytest. From the repository root an unbuilt kvcopy/ "
-        "folder shadows an installed one.", returncode=4)
+        "folder shadows an installed one.",
+        returncode=4,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +38,7 @@ def gpu_reason() -> str | None:
         return "no CUDA GPU visible to torch"
     try:
         from kvcopy.testing import cuda
+
         kv_driver = cuda.driver
 
         kv_driver.init()
@@ -122,6 +126,7 @@ def device_thresholds_kept():
     found them: a calibration measured on a small budget may find, say, that the copy
     engines never keep up both ways, and every later test would be decided by that."""
     from kvcopy.testing import engine
+
     device = engine.device
 
     before = dict(device._thresholds)
@@ -129,4 +134,4 @@ def device_thresholds_kept():
     if device._thresholds != before:
         device._thresholds.clear()
         device._thresholds.update(before)
-        device.generation += 1   # decisions remembered since are not reused
+        device.generation += 1  # decisions remembered since are not reused

@@ -1,5 +1,6 @@
 """The ``kvcopy-settings`` directive: the configuration table, generated from
 kvcopy.config's settings so that names, variables, defaults and ranges cannot drift."""
+
 from __future__ import annotations
 
 import re
@@ -44,8 +45,10 @@ class SettingsTable(SphinxDirective):
 
     def run(self) -> list[nodes.Node]:
         # the page is Markdown (MyST), so the nested text is a Markdown table
-        lines = ["| setting | environment variable | default | values | what it does and trades |",
-                 "|---|---|---|---|---|"]
+        lines = [
+            "| setting | environment variable | default | values | what it does and trades |",
+            "|---|---|---|---|---|",
+        ]
         for row in rows():
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
         container = nodes.container()

@@ -1,12 +1,22 @@
 """Type stub of kvcopy._cuda.dma: DMA planning, batched and per-copy DMA."""
+
 import numpy as np
 
-def plan_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool = True
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
-def first_host_span_denied(ptrs: np.ndarray, sizes: np.ndarray,
-                           write: bool = False) -> int: ...
+def plan_dma(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+def first_host_span_denied(ptrs: np.ndarray, sizes: np.ndarray, write: bool = False) -> int: ...
 def batch_abi() -> int: ...
-def memcpy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int,
-                 access_any: bool, chunk: int, *, order: int = 0, flags: int = -1,
-                 hints: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None: ...
+def memcpy_batch(
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    stream: int,
+    access_any: bool,
+    chunk: int,
+    *,
+    order: int = 0,
+    flags: int = -1,
+    hints: tuple[int, int, int, int] = (0, 0, 0, 0),
+) -> None: ...
 def memcpy_loop(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None: ...

@@ -1,4 +1,5 @@
 """Type stub of kvcopy._cuda.replay_records: the records small batches are replayed from."""
+
 from typing import Any, Callable
 
 import numpy as np
@@ -9,11 +10,19 @@ MAX_COPIES: int
 KEPT: int
 
 def current_context_key() -> int: ...
-def record(ctx: int, stream: int, epoch: int, method: int, batch: DescribedBatch,
-             launched: tuple[int, int, int, int], decision: Any,
-             note: tuple[Callable[..., object], int, str] | None) -> None: ...
+def record(
+    ctx: int,
+    stream: int,
+    epoch: int,
+    method: int,
+    batch: DescribedBatch,
+    launched: tuple[int, int, int, int],
+    decision: Any,
+    note: tuple[Callable[..., object], int, str] | None,
+) -> None: ...
 def forget() -> None: ...
 def records() -> int: ...
 def replays() -> int: ...
-def replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int, method: int,
-                 epoch: int, descs_out: int) -> Any: ...
+def replay(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int, method: int, epoch: int, descs_out: int
+) -> Any: ...

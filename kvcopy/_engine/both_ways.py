@@ -18,6 +18,7 @@ swap_blocks_both_ways' sides, where both go to the kernel, are one launch of the
 block kernel instead (execute_blocks_both): it computes each block's addresses from
 the tensor tables and ids, so no copy is described on the CPU.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -56,20 +57,20 @@ def _one_owner(found: Iterable[decide.MemoryClasses]) -> int | None:
     return owners.pop() if owners else -1
 
 
-Side = tuple[int, int, decide.MemoryClasses]   # copies, bytes, memory
+Side = tuple[int, int, decide.MemoryClasses]  # copies, bytes, memory
 
 
-def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
-                 thresholds: policy.Thresholds | None
-                 ) -> tuple[decide.Target, decide.Target] | Decision | None:
+def _kernel_pair(
+    handle: int, method: str, sides: Iterable[Side], thresholds: policy.Thresholds | None
+) -> tuple[decide.Target, decide.Target] | Decision | None:
     """Each side's target, from its (copies, bytes, MemoryClasses), and their joint
     choice: a Decision where both go to the copy engines together
     (policy.choose_both_ways), both targets where the kernel takes both, else None
     (each side apart, as the policy says)."""
-    a, b = (decide.decide(handle, method, count, nbytes, found, False)
-            for count, nbytes, found in sides)
-    joint = policy.choose_both_ways(a.request, b.request, a.info.caps,
-                                    thresholds or device.thresholds(a.info.ordinal), method)
+    a, b = (decide.decide(handle, method, count, nbytes, found, False) for count, nbytes, found in sides)
+    joint = policy.choose_both_ways(
+        a.request, b.request, a.info.caps, thresholds or device.thresholds(a.info.ordinal), method
+    )
     if joint is not None:
         return joint
     if a.decision.method != "kernel" or b.decision.method != "kernel":
@@ -77,10 +78,15 @@ def _kernel_pair(handle: int, method: str, sides: Iterable[Side],
     return a, b
 
 
-def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, method: str,
-           names: tuple[str, str],
-           thresholds: policy.Thresholds | None
-           ) -> tuple[str, str] | Decision | list[staged.StagedBatch] | None:
+def _fused(
+    scope: ContextScope,
+    handle: int,
+    first: Arrays,
+    second: Arrays,
+    method: str,
+    names: tuple[str, str],
+    thresholds: policy.Thresholds | None,
+) -> tuple[str, str] | Decision | list[staged.StagedBatch] | None:
     """Describe (so validate) both batches into one slot and, where the policy picks
     the kernel for both, launch them as one. A Decision: both go to the copy
     engines together (policy.choose_both_ways). Staged batches: both go through
@@ -100,49 +106,76 @@ def _fused(scope: ContextScope, handle: int, first: Arrays, second: Arrays, meth
                 return None
             if scope.follow_memory(owner):
                 continue  # switched device: describe again there
-            joint = _kernel_pair(handle, method, ((count_a, bytes_a, found_a),
-                                                  (count_b, bytes_b, found_b)), thresholds)
+            joint = _kernel_pair(
+                handle, method, ((count_a, bytes_a, found_a), (count_b, bytes_b, found_b)), thresholds
+            )
             if not isinstance(joint, tuple):
                 return joint
             a, b = joint
             both_staged = _staged_pair((a, b), (batch_a, batch_b), method, names, thresholds)
             if both_staged:
-                return both_staged   # issued once the slot is given back
+                return both_staged  # issued once the slot is given back
             kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
-            in_place = (tiles_a == count_a and policy.descriptors_in_place(
-                tiles_b, count_b, (a.request.direction, b.request.direction)))
+            in_place = tiles_a == count_a and policy.descriptors_in_place(
+                tiles_b, count_b, (a.request.direction, b.request.direction)
+            )
             ctas = (a.ctas(None, both_ways=True), b.ctas(None, both_ways=True))
             if in_place:
                 launches = policy.both_ways_launches(bytes_a, bytes_b, config.launch_bytes)
-                _launch_in_slices(kernel.function_both, slot, count_a, count_b, ctas,
-                                  launches, handle)
+                _launch_in_slices(kernel.function_both, slot, count_a, count_b, ctas, launches, handle)
             else:
-                launch.launch_both(kernel.function_both, slot.device, count_a, tiles_a,
-                                   ctas[0], count_b, tiles_b, ctas[1], config.threads_per_cta,
-                                   handle, slot.host)
+                launch.launch_both(
+                    kernel.function_both,
+                    slot.device,
+                    count_a,
+                    tiles_a,
+                    ctas[0],
+                    count_b,
+                    tiles_b,
+                    ctas[1],
+                    config.threads_per_cta,
+                    handle,
+                    slot.host,
+                )
             ring.DescriptorRing.fence(slot, handle)
             return "kernel", "kernel"
 
 
-def _staged_pair(targets: tuple[decide.Target, decide.Target],
-                 batches: tuple[describe.DescribedBatch, describe.DescribedBatch],
-                 method: str, names: tuple[str, str], thresholds: policy.Thresholds | None
-                 ) -> list[staged.StagedBatch]:
+def _staged_pair(
+    targets: tuple[decide.Target, decide.Target],
+    batches: tuple[describe.DescribedBatch, describe.DescribedBatch],
+    method: str,
+    names: tuple[str, str],
+    thresholds: policy.Thresholds | None,
+) -> list[staged.StagedBatch]:
     """Both sides as staged batches, where the policy stages both (kvcopy._engine.staged); else
     none: one side staged beside the kernel pair's other side falls below the kernel
     pair."""
     found = []
     for target, batch, name in zip(targets, batches, names):
-        side = staged.plan_batch(target.request, target.decision, batch, method,
-                                 thresholds or device.thresholds(target.info.ordinal), name)
+        side = staged.plan_batch(
+            target.request,
+            target.decision,
+            batch,
+            method,
+            thresholds or device.thresholds(target.info.ordinal),
+            name,
+        )
         if side is None:
             return []
         found.append(side)
     return found
 
 
-def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int,
-                      ctas: tuple[int, int], launches: int, handle: int) -> None:
+def _launch_in_slices(
+    function: int,
+    slot: ring.Slot,
+    count_a: int,
+    count_b: int,
+    ctas: tuple[int, int],
+    launches: int,
+    handle: int,
+) -> None:
     """The fused kernel over two batches of one-tile copies described back to back in
     ``slot``, read in place, as ``launches`` launches in a row: slice k of both
     batches in each (one-tile copies ignore tile_start: any slice is a batch)."""
@@ -151,14 +184,30 @@ def _launch_in_slices(function: int, slot: ring.Slot, count_a: int, count_b: int
     for k in range(launches):
         n_a = max(min(step_a, count_a - k * step_a), 0)
         n_b = max(min(step_b, count_b - k * step_b), 0)
-        launch.launch_both(function, slot.mapped + k * step_a * entry, n_a, n_a, ctas[0], n_b, n_b,
-                           ctas[1], config.threads_per_cta, handle, 0,
-                           slot.mapped + (count_a + k * step_b) * entry)
+        launch.launch_both(
+            function,
+            slot.mapped + k * step_a * entry,
+            n_a,
+            n_a,
+            ctas[0],
+            n_b,
+            n_b,
+            ctas[1],
+            config.threads_per_cta,
+            handle,
+            0,
+            slot.mapped + (count_a + k * step_b) * entry,
+        )
 
 
-def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str = "auto",
-                 names: tuple[str, str] = ("first", "second"),
-                 thresholds: policy.Thresholds | None = None) -> tuple[str, str]:
+def execute_both(
+    first: Arrays,
+    second: Arrays,
+    stream_handle: int,
+    method: str = "auto",
+    names: tuple[str, str] = ("first", "second"),
+    thresholds: policy.Thresholds | None = None,
+) -> tuple[str, str]:
     """Issue two batches together, ordered after the work on ``stream_handle`` and
     before the work enqueued there next (see the module doc); returns the method
     each ran with. Raises ValueError (prefixed with the side's name) for a bad copy
@@ -178,8 +227,14 @@ def execute_both(first: Arrays, second: Arrays, stream_handle: int, method: str 
         raise
 
 
-def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
-                  names: tuple[str, str], thresholds: policy.Thresholds | None) -> tuple[str, str]:
+def _execute_both(
+    handle: int,
+    first: Arrays,
+    second: Arrays,
+    method: str,
+    names: tuple[str, str],
+    thresholds: policy.Thresholds | None,
+) -> tuple[str, str]:
     with ContextScope(handle) as scope:
         capturing = driver.stream_capture_status(handle) != 0
         ran = None
@@ -202,21 +257,21 @@ def _execute_both(handle: int, first: Arrays, second: Arrays, method: str,
             decide.note_decision(ran)
             _interleave_batches(handle, plans[0], plans[1], names)
             return "batch", "batch"
-        if capturing:   # one stream: the graph keeps the two in order
-            return (dispatch.execute_copies(scope, handle, *first, method, True, False, None),
-                    dispatch.execute_copies(scope, handle, *second, method, True, False, None))
+        if capturing:  # one stream: the graph keeps the two in order
+            return (
+                dispatch.execute_copies(scope, handle, *first, method, True, False, None),
+                dispatch.execute_copies(scope, handle, *second, method, True, False, None),
+            )
         side = side_streams.for_caller(handle)
         driver.stream_wait_stream(side, handle)
         ran_a = dispatch.execute_copies(scope, handle, *first, method, True, False, None)
         # the side stream is a created stream of this context: its scope never moves
-        ran_b = dispatch.execute_copies(ContextScope(side), side, *second, method, True, False,
-                                      None)
+        ran_b = dispatch.execute_copies(ContextScope(side), side, *second, method, True, False, None)
         driver.stream_wait_stream(handle, side)
         return ran_a, ran_b
 
 
-def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
-                        names: tuple[str, str]) -> None:
+def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan, names: tuple[str, str]) -> None:
     """cuMemcpyBatchAsync of two planned batches, policy.BOTH_WAYS_DMA_CHUNK copies at a time in
     turn: the first on ``handle``, the second on the side stream (forked from
     ``handle`` before, joined into it after, even when a call fails)."""
@@ -229,18 +284,26 @@ def _interleave_batches(handle: int, first: CopyPlan, second: CopyPlan,
                 if start >= plan.count:
                     continue
                 try:
-                    dma.memcpy_batch(plan.dst[start:stop], plan.src[start:stop],
-                                     plan.sizes[start:stop], stream, False, policy.BOTH_WAYS_DMA_CHUNK)
+                    dma.memcpy_batch(
+                        plan.dst[start:stop],
+                        plan.src[start:stop],
+                        plan.sizes[start:stop],
+                        stream,
+                        False,
+                        policy.BOTH_WAYS_DMA_CHUNK,
+                    )
                 except CudaError as exc:
                     index = None if exc.index is None else exc.index + start
-                    raise type(exc)(exc.code, exc.name, f"{name}: {exc.message}",
-                                    plan.caller_index(index)) from None
+                    raise type(exc)(
+                        exc.code, exc.name, f"{name}: {exc.message}", plan.caller_index(index)
+                    ) from None
     finally:
         driver.stream_wait_stream(handle, side)
 
 
-def execute_blocks_both(first: BlockPlan, second: BlockPlan, stream_handle: int,
-                        method: str = "auto") -> tuple[str, str] | None:
+def execute_blocks_both(
+    first: BlockPlan, second: BlockPlan, stream_handle: int, method: str = "auto"
+) -> tuple[str, str] | None:
     """Two validated swap_blocks plans as one launch of the block kernel, CTAs split by
     direction as execute_both splits them, ordered as execute_both orders its work.
     Memory is classified per tensor, as swap_blocks classifies it. Returns None,
@@ -259,8 +322,9 @@ def execute_blocks_both(first: BlockPlan, second: BlockPlan, stream_handle: int,
         return None
 
 
-def execute_plans_both(first: BlockPlan, second: BlockPlan, stream_handle: int, method: str,
-                       names: tuple[str, str]) -> tuple[str, str]:
+def execute_plans_both(
+    first: BlockPlan, second: BlockPlan, stream_handle: int, method: str, names: tuple[str, str]
+) -> tuple[str, str]:
     """Two validated swap_blocks plans together (swap_blocks_both_ways, a TransferQueue
     job with ``back``): one launch of the block kernel where execute_blocks_both
     applies, else every block copy of both through execute_both, its errors prefixed
@@ -268,39 +332,52 @@ def execute_plans_both(first: BlockPlan, second: BlockPlan, stream_handle: int, 
     ran = execute_blocks_both(first, second, stream_handle, method)
     if ran is not None:
         return ran
-    return execute_both(first.copy_arrays(), second.copy_arrays(), stream_handle, method,
-                        names)
+    return execute_both(first.copy_arrays(), second.copy_arrays(), stream_handle, method, names)
 
 
-def _blocks_both(scope: ContextScope, handle: int, first: BlockPlan, second: BlockPlan,
-                 method: str) -> tuple[str, str] | None:
+def _blocks_both(
+    scope: ContextScope, handle: int, first: BlockPlan, second: BlockPlan, method: str
+) -> tuple[str, str] | None:
     if driver.stream_capture_status(handle) != 0:
         return None
-    views = [(np.empty_like(p.geometry.src_base), np.empty_like(p.geometry.dst_base))
-             for p in (first, second)]
+    views = [
+        (np.empty_like(p.geometry.src_base), np.empty_like(p.geometry.dst_base)) for p in (first, second)
+    ]
     while True:
         found = [dispatch.classify_tensors(p, *v) for p, v in zip((first, second), views)]
         owner = _one_owner(found)
         if owner is None:
             return None
         if not scope.follow_memory(owner):
-            break   # else switched device: classify again there
-    joint = _kernel_pair(handle, method, [(p.num_copies, p.total_bytes, f)
-                                          for p, f in zip((first, second), found)], None)
+            break  # else switched device: classify again there
+    joint = _kernel_pair(
+        handle, method, [(p.num_copies, p.total_bytes, f) for p, f in zip((first, second), found)], None
+    )
     if not isinstance(joint, tuple):
-        return None   # the copy engines for both, or either side apart
+        return None  # the copy engines for both, or either side apart
     a, b = joint
     if {a.request.direction, b.request.direction} - {"h2d", "d2h", "d2d"}:
         return None
     kernel = kernels.kernel_for_current_context(*a.info.cc, a.info.driver_version)
     tables = [p.tensor_table(*v) for p, v in zip((first, second), views)]
-    nbytes = launch.blocks_both_upload_bytes(tables[0].shape[0], first.num_pairs,
-                                              tables[1].shape[0], second.num_pairs)
+    nbytes = launch.blocks_both_upload_bytes(
+        tables[0].shape[0], first.num_pairs, tables[1].shape[0], second.num_pairs
+    )
     with ring.ring_for_current_context().reserve(nbytes) as slot:
         launch.launch_blocks_both_uploaded(
-            kernel.function_blocks_both, slot.host, slot.device,
-            tables[0], first.mapping, first.geometry.block_bytes, a.ctas(None, both_ways=True),
-            tables[1], second.mapping, second.geometry.block_bytes,
-            b.ctas(None, both_ways=True), config.threads_per_cta, handle)
+            kernel.function_blocks_both,
+            slot.host,
+            slot.device,
+            tables[0],
+            first.mapping,
+            first.geometry.block_bytes,
+            a.ctas(None, both_ways=True),
+            tables[1],
+            second.mapping,
+            second.geometry.block_bytes,
+            b.ctas(None, both_ways=True),
+            config.threads_per_cta,
+            handle,
+        )
         ring.DescriptorRing.fence(slot, handle)
     return "kernel", "kernel"

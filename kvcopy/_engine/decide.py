@@ -2,6 +2,7 @@
 or per tensor), its direction, and the policy's answer for it on this device,
 remembered per question; the calling thread's last decision is kept for
 kvcopy.last_decision()."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,9 @@ log = logging.getLogger("kvcopy")
 _HOST = classify.KIND_HOST_MAPPED | classify.KIND_HOST_UNMAPPED
 _PEER = classify.KIND_PEER | classify.KIND_PEER_UNMAPPED
 _DEVICE = classify.KIND_DEVICE | classify.KIND_MANAGED | _PEER
-_DMA_ONLY = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_STRADDLE
-             | classify.KIND_PEER_UNMAPPED)
+_DMA_ONLY = (
+    classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_STRADDLE | classify.KIND_PEER_UNMAPPED
+)
 _last = threading.local()
 
 
@@ -92,16 +94,18 @@ def reach_peers(found: MemoryClasses, method: str) -> bool:
     return peers.enable_for(here, peers.peers_of((found.src_device, found.dst_device), here))
 
 
-def classify_sides(src: Any, src_extent: Any, dst: Any, dst_extent: Any, src_view: Any,
-                   dst_view: Any) -> MemoryClasses:
+def classify_sides(
+    src: Any, src_extent: Any, dst: Any, dst_extent: Any, src_view: Any, dst_view: Any
+) -> MemoryClasses:
     """Classify each side's bases (uint64 arrays, each reaching ``extent`` bytes), writing
     each base as the device sees it into the side's view."""
-    return MemoryClasses(*classify.classify_pointers(src, src_extent, src_view),
-                         *classify.classify_pointers(dst, dst_extent, dst_view))
+    return MemoryClasses(
+        *classify.classify_pointers(src, src_extent, src_view),
+        *classify.classify_pointers(dst, dst_extent, dst_view),
+    )
 
 
-def settled_classes(scope: Any, method: str,
-                    classify_again: Callable[[], MemoryClasses]) -> MemoryClasses:
+def settled_classes(scope: Any, method: str, classify_again: Callable[[], MemoryClasses]) -> MemoryClasses:
     """A call's memory as ``classify_again`` finds it, classified once more where the
     call's scope switched to the device that owns it (host memory may be mapped
     elsewhere there) and once more where peer access was enabled for it."""
@@ -117,8 +121,7 @@ def unreachable(found: MemoryClasses, here: int) -> str:
     """What, in a batch, the device ``here`` cannot dereference (for error messages)."""
     kinds = found.kinds
     if kinds & classify.KIND_PEER_UNMAPPED:
-        return peers.why_unreachable(here, peers.peers_of((found.src_device, found.dst_device),
-                                                          here))
+        return peers.why_unreachable(here, peers.peers_of((found.src_device, found.dst_device), here))
     if kinds & classify.KIND_MANAGED:
         return "managed memory"
     if kinds & classify.KIND_HOST_UNMAPPED:
@@ -137,8 +140,8 @@ class Target:
     info: "device.DeviceInfo"
     request: CopyRequest
     decision: Decision
-    host_ctas: int = policy.HOST_CTAS["h2d"]        # the device's, for this direction
-    both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]   # the same, beside the other way
+    host_ctas: int = policy.HOST_CTAS["h2d"]  # the device's, for this direction
+    both_ways_ctas: int = policy.BOTH_WAYS_CTAS["h2d"]  # the same, beside the other way
     # the same decision whichever way the other direction's traffic was answered
     # (kvcopy._engine.replay replays only such batches' launches); None: not asked,
     # as for batches too large ever to be recorded
@@ -147,8 +150,7 @@ class Target:
     def launch_shape(self, max_ctas: int | None) -> tuple[int, int]:
         """CTAs and threads per CTA of a scatter launch by the decided copier."""
         if self.decision.variant == "bulk":
-            return (max_ctas or config.bulk_ctas or policy.BULK_STORE_CTAS,
-                    launch.BULK_THREADS)
+            return (max_ctas or config.bulk_ctas or policy.BULK_STORE_CTAS, launch.BULK_THREADS)
         return self.ctas(max_ctas), config.threads_per_cta
 
     def ctas(self, max_ctas: int | None, both_ways: bool = False) -> int:
@@ -173,9 +175,16 @@ _targets: dict[tuple, Target] = {}
 _TARGETS_KEPT = 256
 
 
-def decide(handle: int, method: str, count: int, total_bytes: int, found: MemoryClasses,
-           capturing: bool | None = None, allow_batch: bool = True,
-           note_traffic: bool = False) -> Target:
+def decide(
+    handle: int,
+    method: str,
+    count: int,
+    total_bytes: int,
+    found: MemoryClasses,
+    capturing: bool | None = None,
+    allow_batch: bool = True,
+    note_traffic: bool = False,
+) -> Target:
     """Ask the policy for a method, given the classified memory of a batch
     (``capturing``: the stream's capture state, asked of the driver when None).
     With ``note_traffic`` (copy_batch's one-sided calls) and
@@ -196,34 +205,63 @@ def decide(handle: int, method: str, count: int, total_bytes: int, found: Memory
         direction = _direction(found.src_kinds, found.dst_kinds)
         # (only 'auto' asks: an explicit method's answer does not depend on it)
         recent = method == "auto" and traffic_window.other_way_recent(
-            ordinal, direction, config.traffic_window_ms / 1000, handle, total_bytes)
+            ordinal, direction, config.traffic_window_ms / 1000, handle, total_bytes
+        )
         traffic_window.note(ordinal, direction, handle, total_bytes)
-    key = (ordinal, device.generation, handle, method, found, count, total_bytes, capturing,
-           allow_batch, config.stores_by_dma, config.bulk_stores, recent)
+    key = (
+        ordinal,
+        device.generation,
+        handle,
+        method,
+        found,
+        count,
+        total_bytes,
+        capturing,
+        allow_batch,
+        config.stores_by_dma,
+        config.bulk_stores,
+        recent,
+    )
     target = _targets.get(key)
     if target is None:
-        target = ask_policy(ordinal, handle, method, count, total_bytes, found, capturing,
-                            allow_batch, recent, direction)
+        target = ask_policy(
+            ordinal, handle, method, count, total_bytes, found, capturing, allow_batch, recent, direction
+        )
         # (traffic was part of the question; whether it mattered is asked only where a
         # replay could follow)
         if method == "auto" and direction is not None:
-            if count > replay.MAX_COPIES or not policy.may_replay(method, None, allow_batch,
-                                                                  capturing):
+            if count > replay.MAX_COPIES or not policy.may_replay(method, None, allow_batch, capturing):
                 target = dataclasses.replace(target, traffic_free=None)
-            elif policy.depends_on_other_way(target.request, target.decision, target.info.caps,
-                                             device.thresholds(ordinal), method):
+            elif policy.depends_on_other_way(
+                target.request, target.decision, target.info.caps, device.thresholds(ordinal), method
+            ):
                 target = dataclasses.replace(target, traffic_free=False)
         make_room(_targets, _TARGETS_KEPT)
         _targets[key] = target
     _last.decision = target.decision
-    log.debug("kvcopy: %d copies, %d bytes, %s -> %s (%s)", count, total_bytes,
-              target.request.direction, target.decision.method, target.decision.reason)
+    log.debug(
+        "kvcopy: %d copies, %d bytes, %s -> %s (%s)",
+        count,
+        total_bytes,
+        target.request.direction,
+        target.decision.method,
+        target.decision.reason,
+    )
     return target
 
 
-def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: int,
-               found: MemoryClasses, capturing: bool, allow_batch: bool,
-               other_way_recent: bool = False, direction: str | None = None) -> Target:
+def ask_policy(
+    ordinal: int,
+    handle: int,
+    method: str,
+    count: int,
+    total_bytes: int,
+    found: MemoryClasses,
+    capturing: bool,
+    allow_batch: bool,
+    other_way_recent: bool = False,
+    direction: str | None = None,
+) -> Target:
     """The policy's answer for a classified batch (``direction``: where the caller
     already derived it from ``found``)."""
     info = device.device_info(ordinal)
@@ -232,15 +270,27 @@ def ask_policy(ordinal: int, handle: int, method: str, count: int, total_bytes: 
     accessible = not found.kinds & _DMA_ONLY
     if direction is None:
         direction = _direction(found.src_kinds, found.dst_kinds)
-    request = CopyRequest(direction=direction, count=count,
-                          total_bytes=total_bytes, device_accessible=accessible,
-                          stream_kind=stream_kind(handle), capturing=capturing,
-                          batch_allowed=allow_batch,
-                          devices=(found.src_device, found.dst_device),
-                          unreachable="" if accessible else unreachable(found, ordinal),
-                          stores_by_dma=config.stores_by_dma, bulk_stores=config.bulk_stores,
-                          other_way_recent=other_way_recent)
+    request = CopyRequest(
+        direction=direction,
+        count=count,
+        total_bytes=total_bytes,
+        device_accessible=accessible,
+        stream_kind=stream_kind(handle),
+        capturing=capturing,
+        batch_allowed=allow_batch,
+        devices=(found.src_device, found.dst_device),
+        unreachable="" if accessible else unreachable(found, ordinal),
+        stores_by_dma=config.stores_by_dma,
+        bulk_stores=config.bulk_stores,
+        other_way_recent=other_way_recent,
+    )
     thresholds = device.thresholds(ordinal)
     decision = choose_method(request, info.caps, thresholds, method)
-    return Target(handle, info, request, decision, thresholds.ctas_for(request.direction),
-                  thresholds.ctas_for(request.direction, both_ways=True))
+    return Target(
+        handle,
+        info,
+        request,
+        decision,
+        thresholds.ctas_for(request.direction),
+        thresholds.ctas_for(request.direction, both_ways=True),
+    )

@@ -1,6 +1,7 @@
 """Runs a batch: enters its context, has it described and decided (kvcopy._engine.decide),
 and issues it by the chosen path: the copy kernel (kvcopy._engine.kernel), batched or
 per-copy DMA, or staging (kvcopy._engine.staged)."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -11,8 +12,15 @@ from kvcopy import policy
 from kvcopy._cuda import describe, dma, driver, launch, plan_arrays, rows
 from kvcopy._cuda.describe import DescribedBatch
 from kvcopy._engine import replay, staged
-from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
-                                   reach_peers, settled_classes)
+from kvcopy._engine.decide import (
+    MemoryClasses,
+    Target,
+    classify_sides,
+    decide,
+    note_decision,
+    reach_peers,
+    settled_classes,
+)
 from kvcopy._engine.kernel import HostScratch, launch_kernel
 from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._runtime.context import ContextScope
@@ -33,30 +41,41 @@ def run_staged(handle: int, batches: list[staged.StagedBatch], info: device.Devi
     return "staged"
 
 
-def issue_dma(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target,
-              access_any: bool) -> None:
+def issue_dma(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target, access_any: bool
+) -> None:
     """Plan the batch for the DMA engines (merged only inside allocations, pageable
     pointers checked against this process's mappings) and issue it."""
     plan = CopyPlan(*dma.plan_dma(src, dst, sizes, merge))
     try:
         if target.decision.method == "batch":
-            dma.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any,
-                             config.batch_chunk)
+            dma.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any, config.batch_chunk)
         else:
             dma.memcpy_loop(plan.dst, plan.src, plan.sizes, target.handle)
     except CudaError as exc:
         message = exc.message
         if target.request.unreachable and target.request.direction == "p2p":
             # the driver refuses copies with another GPU's memory not mapped for this one
-            message += (f"; the batch has {target.request.unreachable}, which the driver's copy "
-                        "engines refuse as well")
+            message += (
+                f"; the batch has {target.request.unreachable}, which the driver's copy "
+                "engines refuse as well"
+            )
         raise type(exc)(exc.code, exc.name, message, plan.caller_index(exc.index)) from None
 
 
-def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.ndarray,
-                   sizes: np.ndarray, method: str, merge: bool, access_any: bool,
-                   max_ctas: int | None, allow_batch: bool = True,
-                   described: DescribedBatch | None = None) -> str:
+def execute_copies(
+    scope: ContextScope,
+    handle: int,
+    src: np.ndarray,
+    dst: np.ndarray,
+    sizes: np.ndarray,
+    method: str,
+    merge: bool,
+    access_any: bool,
+    max_ctas: int | None,
+    allow_batch: bool = True,
+    described: DescribedBatch | None = None,
+) -> str:
     """Describe, decide and issue a batch in the scope's context, by exactly one path.
 
     One pass (describe_copies) validates and plans the batch, classifies its
@@ -77,13 +96,20 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     # batches too large to pass by value are described in half the bytes where they can be
     compact = not capturing and len(sizes) > launch.INLINE_MAX
     while True:
-        space = (HostScratch(nbytes) if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
-                 else ring.ring_for_current_context().reserve(nbytes))
+        space = (
+            HostScratch(nbytes)
+            if capturing or len(sizes) <= launch.INLINE_MAX_SMALL
+            else ring.ring_for_current_context().reserve(nbytes)
+        )
         with space as slot:
-            batch = described if described is not None and described.table == slot.host else (
-                describe.describe_compact if compact else describe.describe_copies)(
-                    src, dst, sizes, slot.host, merge)
-            described = None   # (described again below, where the device changes)
+            batch = (
+                described
+                if described is not None and described.table == slot.host
+                else (describe.describe_compact if compact else describe.describe_copies)(
+                    src, dst, sizes, slot.host, merge
+                )
+            )
+            described = None  # (described again below, where the device changes)
             if batch.count == 0:
                 return "none"
             found = MemoryClasses.of(batch)
@@ -91,18 +117,29 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
                 continue  # switched device: host memory may be mapped elsewhere there
             if reach_peers(found, method):
                 continue  # peer access enabled: another GPU's memory is now reachable
-            target = decide(handle, method, batch.count, batch.total_bytes, found, capturing,
-                            allow_batch, note_traffic=True)
+            target = decide(
+                handle,
+                method,
+                batch.count,
+                batch.total_bytes,
+                found,
+                capturing,
+                allow_batch,
+                note_traffic=True,
+            )
             if target.decision.method != "kernel":
                 break
             # (a caller's CTA limit asks for the kernel itself)
-            staging = None if max_ctas is not None else staged.plan_batch(
-                target.request, target.decision, batch, method,
-                device.thresholds(target.info.ordinal))
+            staging = (
+                None
+                if max_ctas is not None
+                else staged.plan_batch(
+                    target.request, target.decision, batch, method, device.thresholds(target.info.ordinal)
+                )
+            )
             if staging is None:
                 launched = launch_kernel(batch, target, slot, max_ctas)
-                if launched and merge and policy.may_replay(method, max_ctas, allow_batch,
-                                                            capturing):
+                if launched and merge and policy.may_replay(method, max_ctas, allow_batch, capturing):
                     # (copy_batch's next call like this one is replayed)
                     replay.record(target, batch, method, launched)
                 return "kernel"
@@ -112,20 +149,33 @@ def execute_copies(scope: ContextScope, handle: int, src: np.ndarray, dst: np.nd
     return target.decision.method
 
 
-def execute(plan: CopyPlan, stream_handle: int, method: str = "auto",
-            access_any: bool = False, max_ctas: int | None = None) -> str:
+def execute(
+    plan: CopyPlan,
+    stream_handle: int,
+    method: str = "auto",
+    access_any: bool = False,
+    max_ctas: int | None = None,
+) -> str:
     """Issue a planned batch on the stream (a raw handle; 0 means the default stream)."""
     if plan.count == 0:
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        return execute_copies(scope, handle, plan.src, plan.dst, plan.sizes, method, False,
-                              access_any, max_ctas)
+        return execute_copies(
+            scope, handle, plan.src, plan.dst, plan.sizes, method, False, access_any, max_ctas
+        )
 
 
-def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int,
-                   method: str = "auto", access_any: bool = False,
-                   max_ctas: int | None = None, allow_batch: bool = True) -> str:
+def execute_arrays(
+    src: np.ndarray,
+    dst: np.ndarray,
+    sizes: np.ndarray,
+    stream_handle: int,
+    method: str = "auto",
+    access_any: bool = False,
+    max_ctas: int | None = None,
+    allow_batch: bool = True,
+) -> str:
     """Validate and issue three uint64 arrays (copy_batch's path: no CopyPlan is built
     unless a DMA method runs). Raises ValueError for a bad copy before issuing any."""
     require_same_length(src, dst, sizes)
@@ -143,8 +193,9 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         described = answer
     try:
         with ContextScope(handle) as scope:
-            return execute_copies(scope, handle, src, dst, sizes, method, True, access_any,
-                                  max_ctas, allow_batch, described)
+            return execute_copies(
+                scope, handle, src, dst, sizes, method, True, access_any, max_ctas, allow_batch, described
+            )
     except NoDriverError:
         # without a GPU, bad input is still reported as such, and empty copies need none
         if plan_copies(src, dst, sizes).count == 0:
@@ -157,8 +208,7 @@ def execute_arrays(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_h
         raise
 
 
-def classify_tensors(blocks: BlockPlan, src_view: np.ndarray,
-                     dst_view: np.ndarray) -> MemoryClasses:
+def classify_tensors(blocks: BlockPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
     """Classify a swap_blocks plan's memory per tensor, writing each tensor's base as
     the device sees it into ``src_view`` and ``dst_view``."""
     g = blocks.geometry
@@ -182,14 +232,14 @@ def producer_stream(handle: int) -> int:
     caller's to order when it replays. The DLPack value for no ordering, -1, is
     refused by JAX (CUDA_ERROR_INVALID_HANDLE), so the producer's wait goes to a
     stream no copy runs on. Asked only where such a producer is met (a driver call)."""
-    if handle == STREAM_LEGACY:   # (the legacy stream never captures)
+    if handle == STREAM_LEGACY:  # (the legacy stream never captures)
         return handle
     try:
         with ContextScope(handle):
             if driver.stream_capture_status(handle) == 0:
                 return handle
             return side_streams.for_caller(handle, _PRODUCERS)
-    except CudaError:   # (the copy itself will name what is wrong with the stream)
+    except CudaError:  # (the copy itself will name what is wrong with the stream)
         return handle
 
 
@@ -203,6 +253,7 @@ def producer_stream_once(handle: int) -> Callable[[], int]:
         if not found:
             found.append(producer_stream(handle))
         return found[0]
+
     return stream
 
 
@@ -212,9 +263,14 @@ _ID_UPLOADS = 3
 _PRODUCERS = 4
 
 
-def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, ...]],
-                    kernel: kernels.CopyKernel, target: Target, src_view: np.ndarray,
-                    dst_view: np.ndarray) -> None:
+def _launch_as_rows(
+    blocks: BlockPlan,
+    sides: tuple[tuple[int, ...], tuple[int, ...]],
+    kernel: kernels.CopyKernel,
+    target: Target,
+    src_view: np.ndarray,
+    dst_view: np.ndarray,
+) -> None:
     """A swap_blocks plan whose sides have one stride each, by the layout kernel, the
     rest of the job passed by value (no tensor table), with the layout kernel's CTAs.
     The ids go up in chunks (policy.id_chunks), each as one array per side, each
@@ -233,16 +289,26 @@ def _launch_as_rows(blocks: BlockPlan, sides: tuple[tuple[int, ...], tuple[int, 
             launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
             if uploads != handle:
                 driver.stream_wait_stream(handle, uploads)
-            rows.RowsLaunches(kernel.function_rows, (slot.device + at, *sides[0]),
-                              (slot.device + at + 8 * count, *sides[1]), src_view, dst_view,
-                              count, 1, blocks.geometry.block_bytes, target.rows_ctas(),
-                              config.threads_per_cta, handle).launch()
+            rows.RowsLaunches(
+                kernel.function_rows,
+                (slot.device + at, *sides[0]),
+                (slot.device + at + 8 * count, *sides[1]),
+                src_view,
+                dst_view,
+                count,
+                1,
+                blocks.geometry.block_bytes,
+                target.rows_ctas(),
+                config.threads_per_cta,
+                handle,
+            ).launch()
             start += count
         ring.DescriptorRing.fence(slot, handle)
 
 
-def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
-                   wait_for_producers: bool = True) -> str:
+def execute_blocks(
+    blocks: BlockPlan, stream_handle: int, method: str = "auto", wait_for_producers: bool = True
+) -> str:
     """Issue a swap_blocks plan: memory is classified per tensor, not per block, and
     the kernel computes block addresses itself from the ids: the layout kernel where
     each side's tensors share one stride (the usual caches), else the block kernel
@@ -256,10 +322,8 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
     with ContextScope(handle) as scope:
         src_view = np.empty_like(blocks.geometry.src_base)
         dst_view = np.empty_like(blocks.geometry.dst_base)
-        found = settled_classes(scope, method,
-                                lambda: classify_tensors(blocks, src_view, dst_view))
-        target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found,
-                        note_traffic=True)
+        found = settled_classes(scope, method, lambda: classify_tensors(blocks, src_view, dst_view))
+        target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found, note_traffic=True)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:
             wait_for_streams(handle, blocks.geometry.producer_streams)
@@ -283,8 +347,16 @@ def execute_blocks(blocks: BlockPlan, stream_handle: int, method: str = "auto",
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)
         with ring.ring_for_current_context().reserve(nbytes) as slot:
-            launch.launch_blocks_uploaded(kernel.function_blocks, slot.host, slot.device, table,
-                                        blocks.mapping, blocks.geometry.block_bytes,
-                                        target.ctas(None), config.threads_per_cta, handle)
+            launch.launch_blocks_uploaded(
+                kernel.function_blocks,
+                slot.host,
+                slot.device,
+                table,
+                blocks.mapping,
+                blocks.geometry.block_bytes,
+                target.ctas(None),
+                config.threads_per_cta,
+                handle,
+            )
             ring.DescriptorRing.fence(slot, handle)
         return "kernel"

@@ -1,6 +1,7 @@
 """Issues a described batch by the copy kernel: descriptors by value in one launch
 for small batches and under capture, else a table in a ring slot, read in place or
 uploaded first, in one launch or several (config.launch_bytes)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -16,8 +17,9 @@ from kvcopy._runtime import kernels, ring
 from kvcopy.config import config
 
 
-def launch_kernel(batch: DescribedBatch, target: Target, slot: "ring.Slot | HostScratch",
-                  max_ctas: int | None) -> tuple[int, int, int, int] | None:
+def launch_kernel(
+    batch: DescribedBatch, target: Target, slot: "ring.Slot | HostScratch", max_ctas: int | None
+) -> tuple[int, int, int, int] | None:
     """Launch the copy kernel over ``batch``, described into ``slot`` (its entries
     kvcopy_pair where batch.compact_size says so).
 
@@ -36,19 +38,19 @@ def launch_kernel(batch: DescribedBatch, target: Target, slot: "ring.Slot | Host
     ctas, threads = target.launch_shape(max_ctas)
     # pairs come only from batches past one launch's inline descriptors (describe_compact)
     if compact_size or (count > kernel.per_launch and not target.request.capturing):
-        assert isinstance(slot, ring.Slot)   # only capture and small batches use scratch memory
+        assert isinstance(slot, ring.Slot)  # only capture and small batches use scratch memory
         in_place = policy.descriptors_in_place(tiles, count, (target.request.direction,))
         table, upload = (slot.mapped, 0) if in_place else (slot.device, slot.host)
         entry = describe.COMPACT_BYTES if compact_size else describe.DESCRIPTOR_BYTES
-        step = policy.copies_per_launch(target.request.direction, count,
-                                        target.request.total_bytes, config.launch_bytes)
+        step = policy.copies_per_launch(
+            target.request.direction, count, target.request.total_bytes, config.launch_bytes
+        )
         if step >= count:
             slice_tiles = [tiles]
-        elif compact_size:   # pairs have no tile_start: any slice is a batch
+        elif compact_size:  # pairs have no tile_start: any slice is a batch
             slice_tiles = [min(step, count - start) for start in range(0, count, step)]
         else:
-            slice_tiles = number_tiles_per_slice(slot.host, count, tiles,
-                                                 np.arange(0, count, step))
+            slice_tiles = number_tiles_per_slice(slot.host, count, tiles, np.arange(0, count, step))
         if upload and len(slice_tiles) > 1:
             # one upload ahead of all the launches: one per launch sat between each
             # two on the stream, a copy engine's round trip each
@@ -58,11 +60,13 @@ def launch_kernel(batch: DescribedBatch, target: Target, slot: "ring.Slot | Host
             n, offset = min(step, count - start), start * entry
             # (an upload left here is a single launch's, at offset 0)
             if compact_size:
-                launch.launch_compact(functions.compact, table + offset, n, compact_size, ctas,
-                                    threads, handle, upload)
+                launch.launch_compact(
+                    functions.compact, table + offset, n, compact_size, ctas, threads, handle, upload
+                )
             else:
-                launch.launch_descs(functions.uploaded, table + offset, n, slice_tiles[k], ctas,
-                                    threads, handle, upload)
+                launch.launch_descs(
+                    functions.uploaded, table + offset, n, slice_tiles[k], ctas, threads, handle, upload
+                )
         ring.DescriptorRing.fence(slot, handle)
         return None
     # the smaller variants' parameters (1 or 4 KiB) cost the driver less to copy per launch
@@ -107,8 +111,7 @@ def pinned_descriptors(host: int, count: int) -> np.ndarray:
     return np.frombuffer(memoryview(pinned), dtype=np.uint64).reshape(count, 4)
 
 
-def number_tiles_per_slice(host_table: int, count: int, tiles: int,
-                           starts: np.ndarray) -> list[int]:
+def number_tiles_per_slice(host_table: int, count: int, tiles: int, starts: np.ndarray) -> list[int]:
     """Renumber the tiles of the ``count`` descriptors at ``host_table`` (pinned, not yet
     read by the GPU) so that each slice (``starts``: each slice's first descriptor,
     ascending, the first 0) counts its tiles from 0, as a batch of its own; return

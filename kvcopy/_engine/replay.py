@@ -16,6 +16,7 @@ set, and a batch whose decision would differ with it (policy.depends_on_other_wa
 is never recorded. Replays note their own traffic, as the full path does.
 last_decision() reports the recorded decision.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -32,8 +33,8 @@ from kvcopy.policy import Decision
 # the methods whose batches are recorded, as replay_records' keys take them
 METHODS = {"auto": 1, "kernel": 2}
 MAX_COPIES: int = replay_records.MAX_COPIES
-forget = replay_records.forget          # drop every record
-replays = replay_records.replays        # batches launched from a record so far
+forget = replay_records.forget  # drop every record
+replays = replay_records.replays  # batches launched from a record so far
 
 
 class Decided(Protocol):
@@ -58,8 +59,9 @@ def epoch() -> int:
     return device.generation << 32 | changes()
 
 
-def replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
-           method: str, descs_out: int) -> Decision | DescribedBatch | None:
+def replay(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int, method: str, descs_out: int
+) -> Decision | DescribedBatch | None:
     """Launch a batch that repeats a recorded one and return its recorded decision.
     A DescribedBatch: the batch was described into ``descs_out`` (host memory for
     MAX_COPIES descriptors) and matched no record; the full path issues it from
@@ -72,8 +74,7 @@ def replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int,
     return replay_records.replay(src, dst, sizes, handle, code, epoch(), descs_out)
 
 
-def record(target: Decided, batch: DescribedBatch, method: str,
-           launched: tuple[int, int, int, int]) -> bool:
+def record(target: Decided, batch: DescribedBatch, method: str, launched: tuple[int, int, int, int]) -> bool:
     """Record a batch the full path just launched by value (``launched``: function,
     descriptors per launch, CTAs, threads) under ``target`` (decide.Target). A target
     whose decision depends on the other direction's traffic (not ``traffic_free``)
@@ -89,6 +90,5 @@ def record(target: Decided, batch: DescribedBatch, method: str,
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
     note = (traffic_window.note, target.info.ordinal, request.direction) if noting else None
-    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision,
-                          note)
+    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
     return True

@@ -9,6 +9,7 @@ transfer replayed after the index tensor is updated moves the new indices' rows.
 Host indices go to the GPU first, through a descriptor ring slot (uploaded on the
 stream, fenced behind the launch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,14 @@ import numpy as np
 
 from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
 from kvcopy._engine import traffic_window
-from kvcopy._engine.decide import (MemoryClasses, Target, classify_sides, decide, note_decision,
-                                   settled_classes)
+from kvcopy._engine.decide import (
+    MemoryClasses,
+    Target,
+    classify_sides,
+    decide,
+    note_decision,
+    settled_classes,
+)
 from kvcopy._engine.dispatch import execute_copies, issue_dma
 from kvcopy._plans.rows import Indices, RowsPlan, expand
 from kvcopy._runtime import kernels, ring
@@ -33,33 +40,59 @@ from kvcopy.policy import Decision
 
 def _classify(plan: RowsPlan, src_view: np.ndarray, dst_view: np.ndarray) -> MemoryClasses:
     """Each plane's memory, its base as the device sees it written to the views."""
-    return classify_sides(plan.src.bases, np.full(plan.src.num_planes, plan.src.extent, np.uint64),
-                          plan.dst.bases, np.full(plan.dst.num_planes, plan.dst.extent, np.uint64),
-                          src_view, dst_view)
+    return classify_sides(
+        plan.src.bases,
+        np.full(plan.src.num_planes, plan.src.extent, np.uint64),
+        plan.dst.bases,
+        np.full(plan.dst.num_planes, plan.dst.extent, np.uint64),
+        src_view,
+        dst_view,
+    )
 
 
-def _launches(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
-              src_indices: int, dst_indices: int, context: int = 0) -> rows.RowsLaunches:
+def _launches(
+    plan: RowsPlan,
+    target: Target,
+    src_view: np.ndarray,
+    dst_view: np.ndarray,
+    src_indices: int,
+    dst_indices: int,
+    context: int = 0,
+) -> rows.RowsLaunches:
     kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
-    return rows.RowsLaunches(kernel.function_rows, plan.side(plan.src, src_indices),
-                             plan.side(plan.dst, dst_indices), src_view, dst_view, plan.rows,
-                             plan.pieces, plan.piece_bytes, target.rows_ctas(),
-                             config.threads_per_cta, target.handle, context)
+    return rows.RowsLaunches(
+        kernel.function_rows,
+        plan.side(plan.src, src_indices),
+        plan.side(plan.dst, dst_indices),
+        src_view,
+        dst_view,
+        plan.rows,
+        plan.pieces,
+        plan.piece_bytes,
+        target.rows_ctas(),
+        config.threads_per_cta,
+        target.handle,
+        context,
+    )
 
 
-def _launch(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray,
-            src_indices: int, dst_indices: int) -> None:
+def _launch(
+    plan: RowsPlan,
+    target: Target,
+    src_view: np.ndarray,
+    dst_view: np.ndarray,
+    src_indices: int,
+    dst_indices: int,
+) -> None:
     _launches(plan, target, src_view, dst_view, src_indices, dst_indices).launch()
 
 
 def host_indices_bytes(sides: Sequence[tuple[Indices | None, int]]) -> int:
     """The ring-slot bytes indices_for_device() copies for ``sides`` ((indices, rows) each)."""
-    return sum(8 * rows for indices, rows in sides
-               if indices is not None and indices.host is not None)
+    return sum(8 * rows for indices, rows in sides if indices is not None and indices.host is not None)
 
 
-def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, int]]
-                       ) -> tuple[list[int], int]:
+def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, int]]) -> tuple[list[int], int]:
     """Each side's indices as the device reads them (0: none): GPU indices in place, host
     values copied into the pinned ``slot`` and read at ``slot.device``; and the bytes
     copied, which the caller uploads on its stream before the launches that read them and
@@ -76,8 +109,7 @@ def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, in
 
 
 @contextlib.contextmanager
-def uploaded_indices(sides: Sequence[tuple[Indices | None, int]],
-                     handle: int) -> Iterator[list[int]]:
+def uploaded_indices(sides: Sequence[tuple[Indices | None, int]], handle: int) -> Iterator[list[int]]:
     """Each side's indices as the device reads them (indices_for_device), host values
     copied into a ring slot of their own and uploaded on ``handle``; the work the block
     queues on ``handle`` reads them there. The slot is fenced on ``handle`` when the
@@ -91,20 +123,21 @@ def uploaded_indices(sides: Sequence[tuple[Indices | None, int]],
             ring.DescriptorRing.fence(slot, handle)
 
 
-def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray,
-                      dst_view: np.ndarray) -> None:
+def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
     """Host indices copied into a ring slot, uploaded on the stream, then the launch."""
     sides = ((plan.src_indices, plan.rows), (plan.dst_indices, plan.rows))
     with uploaded_indices(sides, target.handle) as where:
         _launch(plan, target, src_view, dst_view, *where)
 
 
-_UNREACHABLE = (classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED
-                | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE)
+_UNREACHABLE = (
+    classify.KIND_HOST_UNMAPPED | classify.KIND_MANAGED | classify.KIND_PEER_UNMAPPED | classify.KIND_STRADDLE
+)
 
 
-def settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
-           prepared: bool = False) -> tuple[Target, np.ndarray, np.ndarray, bool]:
+def settle(
+    scope: ContextScope, plan: RowsPlan, handle: int, method: str, prepared: bool = False
+) -> tuple[Target, np.ndarray, np.ndarray, bool]:
     """The plan's memory classified (the scope following it to its device, peer access
     enabled where the layout kernel will run), the policy's answer, and the planes'
     bases as the device sees them. ``prepared``: built for kvcopy.PreparedRows, whose
@@ -112,20 +145,26 @@ def settle(scope: ContextScope, plan: RowsPlan, handle: int, method: str,
     src_view = np.empty_like(plan.src.bases)
     dst_view = np.empty_like(plan.dst.bases)
     kernel_only = prepared or plan.device_indices
-    found = settled_classes(scope, "kernel" if kernel_only else method,
-                            lambda: _classify(plan, src_view, dst_view))
+    found = settled_classes(
+        scope, "kernel" if kernel_only else method, lambda: _classify(plan, src_view, dst_view)
+    )
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:
-            raise ValueError("indices on the GPU need both layouts in memory the GPU can read "
-                             "and write (GPU or pinned host memory); pass them on the host "
-                             "for pageable memory")
+            raise ValueError(
+                "indices on the GPU need both layouts in memory the GPU can read "
+                "and write (GPU or pinned host memory); pass them on the host "
+                "for pageable memory"
+            )
         if prepared:
-            raise ValueError("prepare_rows: the layout kernel needs both layouts in memory the "
-                             "GPU can read and write (GPU or pinned host memory); call "
-                             "copy_rows for pageable memory")
+            raise ValueError(
+                "prepare_rows: the layout kernel needs both layouts in memory the "
+                "GPU can read and write (GPU or pinned host memory); call "
+                "copy_rows for pageable memory"
+            )
     capturing = driver.stream_capture_status(handle) != 0
-    target = decide(handle, method, plan.copies, plan.total_bytes, found, capturing,
-                    note_traffic=not prepared)
+    target = decide(
+        handle, method, plan.copies, plan.total_bytes, found, capturing, note_traffic=not prepared
+    )
     return target, src_view, dst_view, capturing
 
 
@@ -136,7 +175,7 @@ def _kernel_decision(target: Target, why: str) -> Decision:
     return Decision("kernel", why, "registers")
 
 
-Traffic = tuple[int, str, int, int]   # (device ordinal, direction, stream, bytes)
+Traffic = tuple[int, str, int, int]  # (device ordinal, direction, stream, bytes)
 
 
 class Repeat:
@@ -145,8 +184,7 @@ class Repeat:
 
     __slots__ = ("launches", "decision", "traffic")
 
-    def __init__(self, launches: rows.RowsLaunches, decision: Decision,
-                 traffic: Traffic | None) -> None:
+    def __init__(self, launches: rows.RowsLaunches, decision: Decision, traffic: Traffic | None) -> None:
         self.launches, self.decision, self.traffic = launches, decision, traffic
 
     def usable(self) -> bool:
@@ -180,8 +218,12 @@ def noted_traffic(target: Target, plan: RowsPlan) -> Traffic | None:
     return target.info.ordinal, direction, target.handle, plan.total_bytes
 
 
-def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
-                 remember: Callable[["Repeat"], None] | None = None) -> str:
+def execute_rows(
+    plan: RowsPlan,
+    stream_handle: int,
+    method: str = "auto",
+    remember: Callable[["Repeat"], None] | None = None,
+) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
     method that ran ('kernel', 'batch', 'loop', or 'none' for no rows). Where the plan's
     indices are on the GPU, ``remember`` is given what repeats the call (kvcopy._engine.
@@ -192,10 +234,10 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
     with ContextScope(handle) as scope:
         target, src_view, dst_view, capturing = settle(scope, plan, handle, method)
         if plan.device_indices:
-            launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
-                                 context=driver.current_context())
-            again = Repeat(launches, _kernel_decision(target, _GPU_INDICES),
-                           noted_traffic(target, plan))
+            launches = _launches(
+                plan, target, src_view, dst_view, *_device_addresses(plan), context=driver.current_context()
+            )
+            again = Repeat(launches, _kernel_decision(target, _GPU_INDICES), noted_traffic(target, plan))
             again()
             if remember is not None:
                 remember(again)
@@ -209,7 +251,7 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
                 note_decision(target.decision)
                 return "kernel"
             except KernelUnavailable:
-                pass   # NVRTC missing: the rows go as pointer copies
+                pass  # NVRTC missing: the rows go as pointer copies
         src, dst, sizes = expand(plan)
         if target.decision.method == "kernel":
             # under capture: the pointer path passes descriptors by value
@@ -219,23 +261,25 @@ def execute_rows(plan: RowsPlan, stream_handle: int, method: str = "auto",
         return target.decision.method
 
 
-def prepare_launches(plan: RowsPlan, stream_handle: int
-                     ) -> tuple[rows.RowsLaunches | None, Decision]:
+def prepare_launches(plan: RowsPlan, stream_handle: int) -> tuple[rows.RowsLaunches | None, Decision]:
     """The layout kernel's launches for ``plan`` on the stream (None for no rows), built
     once for kvcopy.PreparedRows: its memory classified and its CTAs decided now, its
     indices (on the GPU, or none) read by every launch when it runs. Host indices are
     refused: they would have to be checked and uploaded at each call."""
     if plan.host_indices:
-        raise ValueError("prepare_rows: indices on the host are checked and uploaded at each "
-                         "copy; pass them on the GPU (read when each copy runs), or call "
-                         "copy_rows")
+        raise ValueError(
+            "prepare_rows: indices on the host are checked and uploaded at each "
+            "copy; pass them on the GPU (read when each copy runs), or call "
+            "copy_rows"
+        )
     if plan.rows == 0:
         return None, Decision("kernel", "no rows: nothing to launch")
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
         target, src_view, dst_view, _ = settle(scope, plan, handle, "auto", prepared=True)
-        launches = _launches(plan, target, src_view, dst_view, *_device_addresses(plan),
-                             context=driver.current_context())
+        launches = _launches(
+            plan, target, src_view, dst_view, *_device_addresses(plan), context=driver.current_context()
+        )
         return launches, _kernel_decision(target, _PREPARED)
 
 
@@ -244,8 +288,10 @@ _PREPARED = "a prepared transfer: the layout kernel, launched as built"
 
 
 def _device_addresses(plan: RowsPlan) -> tuple[int, int]:
-    return tuple(i.device if i is not None else 0   # type: ignore[return-value]
-                 for i in (plan.src_indices, plan.dst_indices))
+    return tuple(
+        i.device if i is not None else 0  # type: ignore[return-value]
+        for i in (plan.src_indices, plan.dst_indices)
+    )
 
 
 def check_indices(stream_handle: int | None) -> None:
@@ -256,7 +302,7 @@ def check_indices(stream_handle: int | None) -> None:
     with ContextScope(handle):
         kernel = kernels.loaded_kernel()
         if kernel is None or not kernel.rows_report:
-            return   # no layout kernel ran in this context
+            return  # no layout kernel ran in this context
         skipped, first = rows.take_report(kernel.rows_report, handle, stream_handle is None)
     if skipped:
         raise IndexOutOfRange(skipped, first)

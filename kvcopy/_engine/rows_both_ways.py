@@ -8,6 +8,7 @@ of host rows back to back go through GPU staging buffers where the policy says s
 (try_staged_rows_both). Sides whose indices are all on the host and are not staged go
 as pointer copies through kvcopy._engine.both_ways instead (its fused kernel pair, or
 the copy engines from long rows)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -21,10 +22,13 @@ from kvcopy._runtime.context import ContextScope
 from kvcopy.interop.streams import effective_handle
 
 
-def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
-                      method: str = "auto",
-                      remember: Callable[[rows_staged.StagedPair], None] | None = None
-                      ) -> tuple[str, str]:
+def execute_rows_both(
+    first: RowsPlan,
+    second: RowsPlan,
+    stream_handle: int,
+    method: str = "auto",
+    remember: Callable[[rows_staged.StagedPair], None] | None = None,
+) -> tuple[str, str]:
     """Issue both plans at once, after the work queued on the stream and before the
     work queued there next; returns the method each ran with. Where the pair is staged,
     ``remember`` is given what repeats it (kvcopy._engine.rows_memo keeps it;
@@ -35,9 +39,9 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
             return execute_rows(first, handle, method), execute_rows(second, handle, method)
         found = rows_staged.wanted(first, second, method)
         if found is not None:
-            both = rows_staged.try_staged(first, second, handle, found,
-                                          lambda plan: settle(scope, plan, handle, method)[:3],
-                                          remember)
+            both = rows_staged.try_staged(
+                first, second, handle, found, lambda plan: settle(scope, plan, handle, method)[:3], remember
+            )
             if both is not None:
                 return both
         side = side_streams.for_caller(handle)
@@ -49,10 +53,13 @@ def execute_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
             driver.stream_wait_stream(handle, side)
 
 
-def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
-                         method: str = "auto",
-                         remember: Callable[[rows_staged.StagedPair], None] | None = None
-                         ) -> tuple[str, str] | None:
+def try_staged_rows_both(
+    first: RowsPlan,
+    second: RowsPlan,
+    stream_handle: int,
+    method: str = "auto",
+    remember: Callable[[rows_staged.StagedPair], None] | None = None,
+) -> tuple[str, str] | None:
     """Both plans through GPU staging buffers where the policy stages them, outside
     capture; None where not, nothing issued. Asked of the plans first, so that a pair
     that is not staged costs no driver call here. ``remember``: as execute_rows_both's."""
@@ -63,13 +70,14 @@ def try_staged_rows_both(first: RowsPlan, second: RowsPlan, stream_handle: int,
     with ContextScope(handle) as scope:
         if driver.stream_capture_status(handle) != 0:
             return None
-        return rows_staged.try_staged(first, second, handle, found,
-                                      lambda plan: settle(scope, plan, handle, method)[:3],
-                                      remember)
+        return rows_staged.try_staged(
+            first, second, handle, found, lambda plan: settle(scope, plan, handle, method)[:3], remember
+        )
 
 
-def repeat_staged(again: rows_staged.StagedPair, stream_handle: int,
-                  plans: tuple[RowsPlan, RowsPlan] | None = None) -> tuple[str, str] | None:
+def repeat_staged(
+    again: rows_staged.StagedPair, stream_handle: int, plans: tuple[RowsPlan, RowsPlan] | None = None
+) -> tuple[str, str] | None:
     """A remembered staged pair issued again on the stream, outside capture (``plans``:
     the call's, checked, where its indices are on the host); None, nothing issued, where
     it cannot run (the caller then plans the call afresh)."""

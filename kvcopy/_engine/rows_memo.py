@@ -19,6 +19,7 @@ Layouts are held weakly (the memo keeps no cache alive) and the index tensors no
 all (a new tensor at the same address is what the kernel will read). Work built in a
 context that is gone is built again. At most _KEPT sets of layouts are remembered.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,39 +46,61 @@ class Again(Protocol):
 class _Entry:
     __slots__ = ("layouts", "key", "repeat")
 
-    def __init__(self, layouts: tuple[Layout, ...], key: tuple, repeat: Any,
-                 gone: Callable[[object], None] | None = None) -> None:
+    def __init__(
+        self,
+        layouts: tuple[Layout, ...],
+        key: tuple,
+        repeat: Any,
+        gone: Callable[[object], None] | None = None,
+    ) -> None:
         self.layouts = tuple(weakref.ref(layout, gone) for layout in layouts)
         self.key, self.repeat = key, repeat
 
     def holds(self, layouts: tuple[Any, ...]) -> bool:
         return len(layouts) == len(self.layouts) and all(
-            ref() is layout for ref, layout in zip(self.layouts, layouts))
+            ref() is layout for ref, layout in zip(self.layouts, layouts)
+        )
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.layouts)
 
 
 _memo: dict[tuple[int, ...], _Entry] = {}
-_changing = threading.Lock()   # (lookups read the dict as it stands; changes take turns)
+_changing = threading.Lock()  # (lookups read the dict as it stands; changes take turns)
 
 
 def _side(indices: Indices | None) -> tuple[int, int] | None:
     return None if indices is None else (indices.count, indices.device)
 
 
-def call_key(src_indices: Indices | None, dst_indices: Indices | None, rows: Any,
-             handle: int, method: str) -> tuple:
+def call_key(
+    src_indices: Indices | None, dst_indices: Indices | None, rows: Any, handle: int, method: str
+) -> tuple:
     """What, besides the layouts, a copy_rows call's launches depend on."""
-    return (_side(src_indices), _side(dst_indices), rows, handle, method, config.host_ctas,
-            config.device_ctas, config.peer_ctas, config.threads_per_cta)
+    return (
+        _side(src_indices),
+        _side(dst_indices),
+        rows,
+        handle,
+        method,
+        config.host_ctas,
+        config.device_ctas,
+        config.peer_ctas,
+        config.threads_per_cta,
+    )
 
 
 def pair_key(store_key: tuple, load_key: tuple) -> tuple:
     """What, besides the four layouts, a copy_rows_both_ways call's work depends on
     (each side's call_key, and the staged path's settings)."""
-    return (store_key, load_key, config.staging_bytes, policy.ROWS_STAGING_MIN_BYTES,
-            policy.ROWS_STAGING_MAX_PLANES, policy.STAGING_CTAS)
+    return (
+        store_key,
+        load_key,
+        config.staging_bytes,
+        policy.ROWS_STAGING_MIN_BYTES,
+        policy.ROWS_STAGING_MAX_PLANES,
+        policy.STAGING_CTAS,
+    )
 
 
 def entry(*layouts: Any) -> "_Entry | None":
@@ -87,7 +110,7 @@ def entry(*layouts: Any) -> "_Entry | None":
     if found is None or not found.holds(layouts):
         return None
     if any(layout.moved() is not None for layout in layouts):
-        return None   # (planned anew, which names the tensor that moved)
+        return None  # (planned anew, which names the tensor that moved)
     return found
 
 
@@ -108,7 +131,7 @@ def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:
     at = tuple(map(id, layouts))
     with _changing:
         if at not in _memo:
-            make_room(_memo, _KEPT)   # (entries of freed layouts are gone already)
+            make_room(_memo, _KEPT)  # (entries of freed layouts are gone already)
         _memo[at] = _Entry(layouts, key, again, dropper(_memo, at))
 
 

@@ -25,6 +25,7 @@ A pair, once built, is a StagedPair: the same call again issues its chunks witho
 classifying or building them again (kvcopy._engine.rows_memo keeps it); host indices
 are still checked at every call and uploaded anew.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -57,10 +58,20 @@ class _Side:
     the device reads them; the planes' bases as the device sees them: ``src_view``,
     ``dst_view``)."""
 
-    def __init__(self, plan: RowsPlan, load: bool, indices: int, src_view: np.ndarray,
-                 dst_view: np.ndarray, copy_stream: int, kernel_stream: int,
-                 buffers: tuple[int, int], staging: staged.StagingBuffers, chunk_bytes: int,
-                 function: int) -> None:
+    def __init__(
+        self,
+        plan: RowsPlan,
+        load: bool,
+        indices: int,
+        src_view: np.ndarray,
+        dst_view: np.ndarray,
+        copy_stream: int,
+        kernel_stream: int,
+        buffers: tuple[int, int],
+        staging: staged.StagingBuffers,
+        chunk_bytes: int,
+        function: int,
+    ) -> None:
         self.copy_stream, self.kernel_stream, self.buffers = copy_stream, kernel_stream, buffers
         chunks = StagedChunks(plan, load, chunk_bytes, tuple(staging.address(b) for b in buffers))
         if load:
@@ -72,10 +83,27 @@ class _Side:
             host, gpu_bases, host_bases = plan.side(plan.dst, 0), src_view, dst_view
             only = (indices, plan.src.slots)
         self.chunks = rows.StagedRowsSide(
-            function, load, staging_side(plan), gpu, host, gpu_bases, host_bases, only,
-            plan.pieces, plan.piece_bytes, policy.STAGING_CTAS,
-            config.threads_per_cta, copy_stream, kernel_stream, chunks.first_rows,
-            chunks.row_counts, chunks.host, chunks.staged, chunks.nbytes, chunks.staging_bases)
+            function,
+            load,
+            staging_side(plan),
+            gpu,
+            host,
+            gpu_bases,
+            host_bases,
+            only,
+            plan.pieces,
+            plan.piece_bytes,
+            policy.STAGING_CTAS,
+            config.threads_per_cta,
+            copy_stream,
+            kernel_stream,
+            chunks.first_rows,
+            chunks.row_counts,
+            chunks.host,
+            chunks.staged,
+            chunks.nbytes,
+            chunks.staging_bases,
+        )
 
     def issue(self, k: int, staging: staged.StagingBuffers) -> None:
         """Chunk k: its host spans by the copy engines and its rows by the layout kernel,
@@ -84,8 +112,7 @@ class _Side:
         self.chunks.issue(k, staging.free[buffer], staging.filled[buffer])
 
 
-def wanted(first: RowsPlan, second: RowsPlan, method: str
-           ) -> tuple[Decision, list[bool]] | None:
+def wanted(first: RowsPlan, second: RowsPlan, method: str) -> tuple[Decision, list[bool]] | None:
     """policy.choose_rows_staging's answer for the pair from the plans alone (no driver
     call), with whether each side is a load; None: not staged. The caller's stream is
     not capturing."""
@@ -95,15 +122,20 @@ def wanted(first: RowsPlan, second: RowsPlan, method: str
     found = [_orientation(p) for p in (first, second)]
     sizes = (first.total_bytes, second.total_bytes)
     want = ("h2d" if found[0][0] else "d2h", "h2d" if found[1][0] else "d2h")
-    decision = policy.choose_rows_staging(want, sizes, (found[0][1], found[1][1]), chunk_bytes,
-                                          False, method, policy.ROWS_STAGING_MIN_BYTES)
+    decision = policy.choose_rows_staging(
+        want, sizes, (found[0][1], found[1][1]), chunk_bytes, False, method, policy.ROWS_STAGING_MIN_BYTES
+    )
     return None if decision is None else (decision, [f[0] for f in found])
 
 
-def try_staged(first: RowsPlan, second: RowsPlan, handle: int,
-               found: tuple[Decision, list[bool]], settle: Any,
-               remember: Callable[["StagedPair"], None] | None = None
-               ) -> tuple[str, str] | None:
+def try_staged(
+    first: RowsPlan,
+    second: RowsPlan,
+    handle: int,
+    found: tuple[Decision, list[bool]],
+    settle: Any,
+    remember: Callable[["StagedPair"], None] | None = None,
+) -> tuple[str, str] | None:
     """Issue both plans through staging buffers, as wanted() said they go (``found``:
     its answer), where their memory allows (``settle(plan)``: the plan's (Target,
     src_view, dst_view), classified and decided as copy_rows does); None where not,
@@ -117,22 +149,27 @@ def try_staged(first: RowsPlan, second: RowsPlan, handle: int,
     for (target, _, _), direction in zip(settled, want):
         request = target.request
         devices = (-1, ordinal) if direction == "h2d" else (ordinal, -1)
-        if (request.direction != direction or not request.device_accessible
-                or request.devices != devices or target.info.ordinal != ordinal):
-            return None   # (pageable or another GPU's memory: the unstaged ways)
+        if (
+            request.direction != direction
+            or not request.device_accessible
+            or request.devices != devices
+            or target.info.ordinal != ordinal
+        ):
+            return None  # (pageable or another GPU's memory: the unstaged ways)
     staging = staged.context_buffers(chunk_bytes)
     if staging is None:
         return None
     info = settled[0][0].info
-    function = kernels.kernel_for_current_context(info.cc[0], info.cc[1],
-                                                  info.driver_version).function_rows
+    function = kernels.kernel_for_current_context(info.cc[0], info.cc[1], info.driver_version).function_rows
     sides = _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
     note_decision(decision)
     if remember is not None:
-        traffic = tuple(noted_traffic(target, plan)
-                        for (target, _, _), plan in zip(settled, (first, second)))
-        remember(StagedPair(sides, handle, decision, staging, traffic, loads,
-                            first.host_indices or second.host_indices))
+        traffic = tuple(noted_traffic(target, plan) for (target, _, _), plan in zip(settled, (first, second)))
+        remember(
+            StagedPair(
+                sides, handle, decision, staging, traffic, loads, first.host_indices or second.host_indices
+            )
+        )
     return "staged", "staged"
 
 
@@ -144,12 +181,18 @@ class StagedPair:
     first. Its sides hold the staging buffers' addresses and the context's streams, so
     it runs only in the context it was built in, with the same buffers."""
 
-    __slots__ = ("sides", "handle", "decision", "staging", "buffers", "context", "traffic",
-                 "loads", "host")
+    __slots__ = ("sides", "handle", "decision", "staging", "buffers", "context", "traffic", "loads", "host")
 
-    def __init__(self, sides: list[_Side], handle: int, decision: Decision,
-                 staging: staged.StagingBuffers, traffic: tuple, loads: list[bool],
-                 host: bool) -> None:
+    def __init__(
+        self,
+        sides: list[_Side],
+        handle: int,
+        decision: Decision,
+        staging: staged.StagingBuffers,
+        traffic: tuple,
+        loads: list[bool],
+        host: bool,
+    ) -> None:
         self.sides, self.handle, self.decision = sides, handle, decision
         self.staging, self.buffers = staging, (staging.base, staging.capacity)
         self.context = driver.current_context_key()
@@ -159,8 +202,7 @@ class StagedPair:
         """True: whether it may run is known only in its context (see __call__)."""
         return True
 
-    def __call__(self, plans: tuple[RowsPlan, RowsPlan] | None = None
-                 ) -> tuple[str, str] | None:
+    def __call__(self, plans: tuple[RowsPlan, RowsPlan] | None = None) -> tuple[str, str] | None:
         """Issue the pair again, the caller's context current and its stream not
         capturing (``plans``: the call's, where the pair was built with host indices);
         None, nothing issued, where the context was made again or the staging buffers
@@ -185,8 +227,7 @@ class StagedPair:
         note_again(self.traffic)
         return "staged", "staged"
 
-    def _issue_again(self, staging: staged.StagingBuffers,
-                     indices: list[int] | None) -> bool:
+    def _issue_again(self, staging: staged.StagingBuffers, indices: list[int] | None) -> bool:
         """Every chunk again (the staging lock held), each side's GPU indices read at
         ``indices`` where given; False, nothing issued, where the buffers were made
         again."""
@@ -199,41 +240,67 @@ class StagedPair:
         return True
 
 
-def _gpu_sides(plans: tuple[RowsPlan, RowsPlan], loads: list[bool]
-               ) -> list[tuple[Indices | None, int]]:
+def _gpu_sides(plans: tuple[RowsPlan, RowsPlan], loads: list[bool]) -> list[tuple[Indices | None, int]]:
     """Each side's GPU-side indices and rows (a load's destination, a store's source)."""
-    return [(plan.dst_indices if load else plan.src_indices, plan.rows)
-            for plan, load in zip(plans, loads)]
+    return [(plan.dst_indices if load else plan.src_indices, plan.rows) for plan, load in zip(plans, loads)]
 
 
-def _issue(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool], handle: int,
-           staging: staged.StagingBuffers, chunk_bytes: int, function: int) -> list[_Side]:
+def _issue(
+    first: RowsPlan,
+    second: RowsPlan,
+    settled: list,
+    loads: list[bool],
+    handle: int,
+    staging: staged.StagingBuffers,
+    chunk_bytes: int,
+    function: int,
+) -> list[_Side]:
     gpu_sides = _gpu_sides((first, second), loads)
-    if not host_indices_bytes(gpu_sides):   # (GPU indices on both sides: read in place)
+    if not host_indices_bytes(gpu_sides):  # (GPU indices on both sides: read in place)
         where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]
-        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
-                            function)
+        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes, function)
     # (fenced after the sides are joined back: every launch that reads the slot is behind it)
     with uploaded_indices(gpu_sides, handle) as where:
-        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes,
-                            function)
+        return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes, function)
 
 
-def _issue_sides(first: RowsPlan, second: RowsPlan, settled: list, loads: list[bool],
-                 indices: list[int], handle: int, staging: staged.StagingBuffers,
-                 chunk_bytes: int, function: int) -> list[_Side]:
+def _issue_sides(
+    first: RowsPlan,
+    second: RowsPlan,
+    settled: list,
+    loads: list[bool],
+    indices: list[int],
+    handle: int,
+    staging: staged.StagingBuffers,
+    chunk_bytes: int,
+    function: int,
+) -> list[_Side]:
     """Both sides built (``indices``: each GPU side's as the device reads them) and
     issued, under the staging lock; returns them."""
     with staging.lock:
         sides = []
-        for j, (plan, (_, src_view, dst_view), load) in enumerate(zip((first, second), settled,
-                                                                      loads)):
+        for j, (plan, (_, src_view, dst_view), load) in enumerate(zip((first, second), settled, loads)):
             # the first side's kernel runs on the caller's stream, the second's beside it
-            streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
-                       (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
+            streams = (
+                (side_streams.for_caller(handle, 0), handle)
+                if j == 0
+                else (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1))
+            )
             buffers = (j * staged.BUFFERS_PER_SIDE, j * staged.BUFFERS_PER_SIDE + 1)
-            sides.append(_Side(plan, load, indices[j], src_view, dst_view, *streams, buffers,
-                               staging, chunk_bytes, function))
+            sides.append(
+                _Side(
+                    plan,
+                    load,
+                    indices[j],
+                    src_view,
+                    dst_view,
+                    *streams,
+                    buffers,
+                    staging,
+                    chunk_bytes,
+                    function,
+                )
+            )
         _run(sides, handle, staging)
     return sides
 

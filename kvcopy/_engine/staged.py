@@ -27,6 +27,7 @@ buffers' lock, so two calls' waits and records on one buffer never interleave (a
 the buffers never grow under a call). Never under capture
 (policy.choose_staging): a graph would keep the shared buffers' addresses.
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,8 +44,8 @@ from kvcopy._runtime.context import PerContext
 from kvcopy.errors import CudaError
 from kvcopy.policy import Decision, HostSpans
 
-BUFFERS_PER_SIDE = 2   # one fills while the other is scattered
-SIDES = 2              # copy_both_ways stages both of its batches
+BUFFERS_PER_SIDE = 2  # one fills while the other is scattered
+SIDES = 2  # copy_both_ways stages both of its batches
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class StagingBuffers:
         with self.lock:
             if chunk_bytes <= self.capacity:
                 return True
-            for event in self.free:   # the old buffers may still be read
+            for event in self.free:  # the old buffers may still be read
                 driver.event_synchronize(event)
             if self.base:
                 memory.mem_free(self.base)
@@ -118,8 +119,14 @@ def context_buffers(chunk_bytes: int) -> StagingBuffers | None:
     return staging if staging.ensure(chunk_bytes) else None
 
 
-def plan_batch(request: policy.CopyRequest, decision: Decision, batch: DescribedBatch,
-               method: str, thresholds: policy.Thresholds, name: str = "") -> StagedBatch | None:
+def plan_batch(
+    request: policy.CopyRequest,
+    decision: Decision,
+    batch: DescribedBatch,
+    method: str,
+    thresholds: policy.Thresholds,
+    name: str = "",
+) -> StagedBatch | None:
     """The described batch as a staged side, where policy.choose_staging stages it (its
     host side's spans as the describe pass counted them) and the context's staging
     buffers exist (allocated here on first use); else None."""
@@ -132,9 +139,17 @@ def plan_batch(request: policy.CopyRequest, decision: Decision, batch: Described
     staged = policy.choose_staging(request, decision, spans, chunk_bytes, thresholds, method)
     if staged is None or not _buffers.current().ensure(chunk_bytes):
         return None
-    return StagedBatch(request.direction, host, gpu, batch.sizes,
-                       len(batch.sizes) - batch.empty_copies, staged, chunk_bytes, name,
-                       batch.largest_copy)
+    return StagedBatch(
+        request.direction,
+        host,
+        gpu,
+        batch.sizes,
+        len(batch.sizes) - batch.empty_copies,
+        staged,
+        chunk_bytes,
+        name,
+        batch.largest_copy,
+    )
 
 
 class _Side:
@@ -147,9 +162,16 @@ class _Side:
     for as long. Other batches (few copies per chunk) are planned whole and uploaded
     once; the kernel then reads ``table`` (the slot's device copy)."""
 
-    def __init__(self, batch: StagedBatch, first_descriptor: int, buffers: tuple[int, int],
-                 staging: StagingBuffers, slot: ring.Slot, copy_stream: int,
-                 kernel_stream: int) -> None:
+    def __init__(
+        self,
+        batch: StagedBatch,
+        first_descriptor: int,
+        buffers: tuple[int, int],
+        staging: StagingBuffers,
+        slot: ring.Slot,
+        copy_stream: int,
+        kernel_stream: int,
+    ) -> None:
         self.batch, self.first_descriptor, self.buffers = batch, first_descriptor, buffers
         self.copy_stream, self.kernel_stream = copy_stream, kernel_stream
         self.in_place = batch.one_tile_copies
@@ -166,10 +188,13 @@ class _Side:
         self.span_bytes = np.empty(room, dtype=np.uint64)
         # (the addresses, for launch.issue_staged_chunk: asking NumPy costs microseconds)
         self.span_addresses: tuple[int, int, int] = (
-            self.span_host.ctypes.data, self.span_staged.ctypes.data, self.span_bytes.ctypes.data)
-        self.planned, self._next_copy = 0, 0   # chunks planned; the first copy left
+            self.span_host.ctypes.data,
+            self.span_staged.ctypes.data,
+            self.span_bytes.ctypes.data,
+        )
+        self.planned, self._next_copy = 0, 0  # chunks planned; the first copy left
         if not self.in_place:
-            self.has_chunk(len(batch.sizes))   # every chunk now: the table is uploaded whole
+            self.has_chunk(len(batch.sizes))  # every chunk now: the table is uploaded whole
 
     def has_chunk(self, k: int) -> bool:
         """Whether the side has a chunk k, planning it first where it is not yet."""
@@ -178,10 +203,20 @@ class _Side:
             j = self.planned
             first = int(self.chunk_first[j])
             self._next_copy, taken, tiles, spans = stage.plan_next_chunk(
-                batch.host, batch.gpu, batch.sizes, batch.direction == "h2d", batch.chunk_bytes,
-                self._staging.address(self.buffers[j % BUFFERS_PER_SIDE]), self._next_copy,
-                self._host_table + first * describe.DESCRIPTOR_BYTES, self.span_first,
-                self.span_host, self.span_staged, self.span_bytes, int(self.span_bounds[j]))
+                batch.host,
+                batch.gpu,
+                batch.sizes,
+                batch.direction == "h2d",
+                batch.chunk_bytes,
+                self._staging.address(self.buffers[j % BUFFERS_PER_SIDE]),
+                self._next_copy,
+                self._host_table + first * describe.DESCRIPTOR_BYTES,
+                self.span_first,
+                self.span_host,
+                self.span_staged,
+                self.span_bytes,
+                int(self.span_bounds[j]),
+            )
             if taken:
                 self.chunk_first[j + 1], self.chunk_tiles[j] = first + taken, tiles
                 self.span_bounds[j + 1] = spans
@@ -192,12 +227,15 @@ class _Side:
         """A side planned whole: its descriptors to the slot's device copy, on ``handle``."""
         if not self.in_place:
             offset = self.first_descriptor * describe.DESCRIPTOR_BYTES
-            launch.upload(self.table + offset, self._host_table,
-                          int(self.chunk_first[self.planned]) * describe.DESCRIPTOR_BYTES, handle)
+            launch.upload(
+                self.table + offset,
+                self._host_table,
+                int(self.chunk_first[self.planned]) * describe.DESCRIPTOR_BYTES,
+                handle,
+            )
 
 
-def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
-        driver_version: int) -> None:
+def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int], driver_version: int) -> None:
     """Issue one or two staged sides on the caller's stream ``handle`` (in its context),
     chunks of the sides in turn so that both directions start at once."""
     staging = _buffers.current()
@@ -210,8 +248,11 @@ def run(handle: int, batches: list[StagedBatch], cc: tuple[int, int],
         sides, first = [], 0
         for j, batch in enumerate(batches):
             # the first side's kernel runs on the caller's stream, the second's beside it
-            streams = ((side_streams.for_caller(handle, 0), handle) if j == 0 else
-                       (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1)))
+            streams = (
+                (side_streams.for_caller(handle, 0), handle)
+                if j == 0
+                else (side_streams.for_caller(handle, 2), side_streams.for_caller(handle, 1))
+            )
             buffers = (j * BUFFERS_PER_SIDE, j * BUFFERS_PER_SIDE + 1)
             sides.append(_Side(batch, first, buffers, staging, slot, *streams))
             first += batch.count
@@ -246,11 +287,22 @@ def _issue_chunk(side: _Side, k: int, staging: StagingBuffers, function: int) ->
     first = int(side.chunk_first[k])
     descs = side.table + (side.first_descriptor + first) * describe.DESCRIPTOR_BYTES
     try:
-        launch.issue_staged_chunk(side.batch.direction == "h2d", side.copy_stream,
-                                  side.kernel_stream, staging.free[buffer], staging.filled[buffer],
-                                  *side.span_addresses, lo, hi, function, descs,
-                                  int(side.chunk_first[k + 1]) - first, int(side.chunk_tiles[k]),
-                                  policy.STAGING_CTAS, config.threads_per_cta)
+        launch.issue_staged_chunk(
+            side.batch.direction == "h2d",
+            side.copy_stream,
+            side.kernel_stream,
+            staging.free[buffer],
+            staging.filled[buffer],
+            *side.span_addresses,
+            lo,
+            hi,
+            function,
+            descs,
+            int(side.chunk_first[k + 1]) - first,
+            int(side.chunk_tiles[k]),
+            policy.STAGING_CTAS,
+            config.threads_per_cta,
+        )
     except CudaError as exc:
         index = None if exc.index is None else int(side.span_first[exc.index])
         prefix = f"{side.batch.name}: " if side.batch.name else ""

@@ -13,6 +13,7 @@ stream runs its copies one after another, never both at once. Nor does one of le
 than a quarter of the batch's bytes (policy.OTHER_WAY_MIN_SHARE). Times, byte counts and
 stream handles only: no driver call, nothing on any stream.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,7 @@ def note(device: int, direction: str, stream: int = 0, nbytes: int = 0) -> None:
         _last[(device, direction)] = (_clock(), stream, nbytes)
 
 
-def other_way_recent(device: int, direction: str, window_s: float, stream: int = 0,
-                     nbytes: int = 0) -> bool:
+def other_way_recent(device: int, direction: str, window_s: float, stream: int = 0, nbytes: int = 0) -> bool:
     """Whether ``device`` issued a batch the other way from ``direction`` ('h2d' or
     'd2h') within the last ``window_s`` seconds, on a stream other than ``stream``,
     of at least policy.OTHER_WAY_MIN_SHARE of ``nbytes`` (this batch's bytes); False for
@@ -49,9 +49,9 @@ def other_way_recent(device: int, direction: str, window_s: float, stream: int =
         return False
     when, on, other_bytes = last
     if on == stream and stream not in _SHARED_HANDLES:
-        return False     # queued behind it on the same stream: not both at once
+        return False  # queued behind it on the same stream: not both at once
     if other_bytes < policy.OTHER_WAY_MIN_SHARE * nbytes:
-        return False     # over long before this batch is
+        return False  # over long before this batch is
     return _clock() - when < window_s
 
 

@@ -1,5 +1,6 @@
 """Planning of swap_blocks calls: where each tensor pair keeps its blocks, and the
 checked block-id mapping. No driver calls; the engine issues the plan."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +14,15 @@ from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
-from kvcopy.interop.tensors import (BlockLayout, ConsumerStream, block_layout, flat_buffer_layout,
-                            is_flat_buffer, uniform_torch_layout)
+from kvcopy.interop.tensors import (
+    BlockLayout,
+    ConsumerStream,
+    block_layout,
+    flat_buffer_layout,
+    is_flat_buffer,
+    uniform_torch_layout,
+)
 from kvcopy.kept import make_room
-
 
 
 def _split(layout: BlockLayout, block_bytes: int, name: str) -> tuple[BlockLayout, int]:
@@ -24,11 +30,13 @@ def _split(layout: BlockLayout, block_bytes: int, name: str) -> tuple[BlockLayou
     if layout.block_bytes == block_bytes:
         return layout, 1
     if layout.block_bytes % block_bytes:
-        raise ValueError(f"{name}: blocks of {layout.block_bytes} bytes do not hold whole "
-                         f"blocks of {block_bytes} bytes")
+        raise ValueError(
+            f"{name}: blocks of {layout.block_bytes} bytes do not hold whole blocks of {block_bytes} bytes"
+        )
     factor = layout.block_bytes // block_bytes
-    return BlockLayout(layout.ptr, layout.num_blocks * factor, layout.block_stride, block_bytes,
-                       layout.readonly), factor
+    return BlockLayout(
+        layout.ptr, layout.num_blocks * factor, layout.block_stride, block_bytes, layout.readonly
+    ), factor
 
 
 def _extent(layout: BlockLayout) -> int:
@@ -51,8 +59,10 @@ def _check_ids(ids: np.ndarray, limits: np.ndarray, side: str, tensor: str, mult
         bad = (ids < 0) | (ids >= limit)
         if bad.any():
             pair = int(np.argmax(bad))
-            raise ValueError(f"block_mapping[{pair}]: {side} block {int(ids[pair])} is out of "
-                             f"range for {_name(tensor, k, multi)}, which has {limit} blocks")
+            raise ValueError(
+                f"block_mapping[{pair}]: {side} block {int(ids[pair])} is out of "
+                f"range for {_name(tensor, k, multi)}, which has {limit} blocks"
+            )
 
 
 def _check_unique_destinations(ids: np.ndarray) -> None:
@@ -66,8 +76,10 @@ def _check_unique_destinations(ids: np.ndarray) -> None:
         return
     k = int(np.argmax(same))
     first, second = sorted((int(order[k]), int(order[k + 1])))
-    raise ValueError(f"block_mapping[{first}] and block_mapping[{second}] both write "
-                     f"destination block {int(ids[order[k]])}")
+    raise ValueError(
+        f"block_mapping[{first}] and block_mapping[{second}] both write "
+        f"destination block {int(ids[order[k]])}"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,21 +90,21 @@ class BlockGeometry:
     Columns are (T,) uint64 arrays, one entry per tensor pair.
     """
 
-    block_bytes: int           # bytes of every copied block (after split_blocks)
+    block_bytes: int  # bytes of every copied block (after split_blocks)
     src_base: np.ndarray
     dst_base: np.ndarray
-    src_extent: np.ndarray     # bytes each tensor spans
+    src_extent: np.ndarray  # bytes each tensor spans
     dst_extent: np.ndarray
     src_stride: np.ndarray
     dst_stride: np.ndarray
-    src_factor: np.ndarray     # sub-blocks per block
+    src_factor: np.ndarray  # sub-blocks per block
     dst_factor: np.ndarray
-    src_blocks: np.ndarray     # blocks (sub-blocks) each tensor holds
+    src_blocks: np.ndarray  # blocks (sub-blocks) each tensor holds
     dst_blocks: np.ndarray
-    producer_streams: tuple = ()   # streams __cuda_array_interface__ producers declared
-                                   # pending writes on: copies wait for them first
-    key: tuple | None = None       # identifies the memory layout (every column above), so
-                                   # that what depends only on it is worked out once
+    producer_streams: tuple = ()  # streams __cuda_array_interface__ producers declared
+    # pending writes on: copies wait for them first
+    key: tuple | None = None  # identifies the memory layout (every column above), so
+    # that what depends only on it is worked out once
 
     @property
     def num_tensors(self) -> int:
@@ -101,11 +113,21 @@ class BlockGeometry:
     def reversed(self) -> "BlockGeometry":
         """The same tensor pairs with src and dst swapped. Only where either side may be
         written (geometry_and_reverse: torch tensors); a read-only side is not recorded."""
-        return BlockGeometry(self.block_bytes, self.dst_base, self.src_base, self.dst_extent,
-                             self.src_extent, self.dst_stride, self.src_stride, self.dst_factor,
-                             self.src_factor, self.dst_blocks, self.src_blocks,
-                             self.producer_streams,
-                             None if self.key is None else ("reversed", self.key))
+        return BlockGeometry(
+            self.block_bytes,
+            self.dst_base,
+            self.src_base,
+            self.dst_extent,
+            self.src_extent,
+            self.dst_stride,
+            self.src_stride,
+            self.dst_factor,
+            self.src_factor,
+            self.dst_blocks,
+            self.src_blocks,
+            self.producer_streams,
+            None if self.key is None else ("reversed", self.key),
+        )
 
     @cached_property
     def id_limits(self) -> tuple[int, int]:
@@ -152,7 +174,7 @@ class BlockPlan:
     """A validated swap_blocks call: per-tensor geometry plus the id mapping."""
 
     geometry: BlockGeometry
-    mapping: np.ndarray        # (n, 2) int64, C-contiguous
+    mapping: np.ndarray  # (n, 2) int64, C-contiguous
 
     @property
     def num_pairs(self) -> int:
@@ -170,8 +192,9 @@ class BlockPlan:
         """(T, 6) uint64 rows of kvcopy_block_tensor, with the bases the device uses."""
         g = self.geometry
         table = np.empty((g.num_tensors, 6), dtype=np.uint64)
-        for column, values in enumerate((src_base, dst_base, g.src_stride, g.dst_stride,
-                                         g.src_factor, g.dst_factor)):
+        for column, values in enumerate(
+            (src_base, dst_base, g.src_stride, g.dst_stride, g.src_factor, g.dst_factor)
+        ):
             table[:, column] = values
         return table
 
@@ -182,10 +205,8 @@ class BlockPlan:
     def copy_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every block copy as uint64 (src, dst, size) arrays, tensor-major, unmerged."""
         g = self.geometry
-        src = block_addresses(self.mapping[:, 0], g.src_base, g.src_stride, g.src_factor,
-                              g.block_bytes)
-        dst = block_addresses(self.mapping[:, 1], g.dst_base, g.dst_stride, g.dst_factor,
-                              g.block_bytes)
+        src = block_addresses(self.mapping[:, 0], g.src_base, g.src_stride, g.src_factor, g.block_bytes)
+        dst = block_addresses(self.mapping[:, 1], g.dst_base, g.dst_stride, g.dst_factor, g.block_bytes)
         return src, dst, np.full(src.shape[0], g.block_bytes, dtype=np.uint64)
 
     def copy_plan(self) -> CopyPlan:
@@ -206,19 +227,19 @@ def crossing_pairs(forward: BlockPlan, back: BlockPlan) -> str | None:
     # reads the destination caches, which forward writes (column 1 against 0)
     checks = [(0, 1, "source", "reads", "writes"), (1, 0, "destination", "writes", "reads")]
     g = forward.geometry
-    if np.array_equal(g.src_base, g.dst_base):   # one set of caches: every id is one block
+    if np.array_equal(g.src_base, g.dst_base):  # one set of caches: every id is one block
         checks.append((1, 1, "destination", "writes", "writes"))
     for mine, theirs, cache, verb, other in checks:
-        block, i, j = np.intersect1d(forward.mapping[:, mine], back.mapping[:, theirs],
-                                     return_indices=True)
+        block, i, j = np.intersect1d(forward.mapping[:, mine], back.mapping[:, theirs], return_indices=True)
         if block.size:
-            return (f"block_mapping[{int(i[0])}] {verb} {cache} block {int(block[0])}, which "
-                    f"back[{int(j[0])}] {other}")
+            return (
+                f"block_mapping[{int(i[0])}] {verb} {cache} block {int(block[0])}, which "
+                f"back[{int(j[0])}] {other}"
+            )
     return None
 
 
-def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
-               stream: ConsumerStream) -> tuple[list, int, tuple]:
+def _pair_rows(srcs: list, dsts: list, split_blocks: bool, stream: ConsumerStream) -> tuple[list, int, tuple]:
     """Per-tensor-pair geometry rows, tensor by tensor (any framework, mixed shapes),
     the block size, and the producer streams the tensors declared."""
     multi = len(srcs) > 1
@@ -234,39 +255,57 @@ def _pair_rows(srcs: list, dsts: list, split_blocks: bool,
             pair_block, s_factor, d_factor = ls.block_bytes, 1, 1
         else:
             if not split_blocks:
-                raise ValueError(f"{_name('src', i, multi)} has blocks of {ls.block_bytes} bytes but "
-                                 f"{_name('dst', i, multi)} of {ld.block_bytes}; pass "
-                                 "split_blocks=True if the larger blocks hold several of the smaller ones")
+                raise ValueError(
+                    f"{_name('src', i, multi)} has blocks of {ls.block_bytes} bytes but "
+                    f"{_name('dst', i, multi)} of {ld.block_bytes}; pass "
+                    "split_blocks=True if the larger blocks hold several of the smaller ones"
+                )
             pair_block = min(ls.block_bytes, ld.block_bytes)
             s_factor = _split(ls, pair_block, _name("src", i, multi))[1]
             d_factor = _split(ld, pair_block, _name("dst", i, multi))[1]
         if block is None:
             block = pair_block
         elif pair_block != block:
-            raise ValueError(f"{_name('src', i, multi)}/{_name('dst', i, multi)} copy blocks of "
-                             f"{pair_block} bytes, the tensors before them blocks of {block} bytes; "
-                             "call swap_blocks once per size")
-        rows.append((ls.ptr, ld.ptr, _extent(ls), _extent(ld), ls.block_stride, ld.block_stride,
-                     s_factor, d_factor, ls.num_blocks * s_factor, ld.num_blocks * d_factor))
-    assert block is not None   # block_geometry refuses empty lists
+            raise ValueError(
+                f"{_name('src', i, multi)}/{_name('dst', i, multi)} copy blocks of "
+                f"{pair_block} bytes, the tensors before them blocks of {block} bytes; "
+                "call swap_blocks once per size"
+            )
+        rows.append(
+            (
+                ls.ptr,
+                ld.ptr,
+                _extent(ls),
+                _extent(ld),
+                ls.block_stride,
+                ld.block_stride,
+                s_factor,
+                d_factor,
+                ls.num_blocks * s_factor,
+                ld.num_blocks * d_factor,
+            )
+        )
+    assert block is not None  # block_geometry refuses empty lists
     return rows, block, tuple(producers)
 
 
-def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
-                     stream: ConsumerStream) -> tuple[BlockLayout, BlockLayout]:
+def _layouts_of_pair(
+    s: Any, d: Any, i: int, multi: bool, stream: ConsumerStream
+) -> tuple[BlockLayout, BlockLayout]:
     """Both layouts of pair i; a flat buffer takes its block size from the other side."""
     try:
         src_flat, dst_flat = is_flat_buffer(s), is_flat_buffer(d)
         if src_flat and dst_flat:
-            raise TypeError("src and dst are both flat buffers: wrap one in "
-                            "kvcopy.block_view(buffer, block_bytes) to give the block size")
+            raise TypeError(
+                "src and dst are both flat buffers: wrap one in "
+                "kvcopy.block_view(buffer, block_bytes) to give the block size"
+            )
         if src_flat:
             ld = block_layout(d, "dst", stream)
             ls = flat_buffer_layout(s, ld.block_bytes, "src")
         else:
             ls = block_layout(s, "src", stream)
-            ld = (flat_buffer_layout(d, ls.block_bytes, "dst") if dst_flat
-                  else block_layout(d, "dst", stream))
+            ld = flat_buffer_layout(d, ls.block_bytes, "dst") if dst_flat else block_layout(d, "dst", stream)
     except (TypeError, ValueError) as exc:  # re-raise naming the tensor's position
         message = str(exc)
         for side in ("src", "dst"):
@@ -275,8 +314,9 @@ def _layouts_of_pair(s: Any, d: Any, i: int, multi: bool,
     return ls, ld
 
 
-def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
-                   stream: ConsumerStream = None) -> BlockGeometry:
+def block_geometry(
+    src: Any, dst: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
+) -> BlockGeometry:
     """Validate the tensors of a swap_blocks call (no driver needed). Raises TypeError/ValueError.
 
     Runs on every swap_blocks call, so a list of torch tensors of one shape,
@@ -297,11 +337,33 @@ def block_geometry(src: Any, dst: Any, *, split_blocks: bool = False,
         return fast
     rows, block, producers = _pair_rows(srcs, dsts, split_blocks, stream)
     table = np.array(rows, dtype=np.uint64)
-    (src_base, dst_base, src_extent, dst_extent, src_stride, dst_stride, src_factor, dst_factor,
-     src_blocks, dst_blocks) = (np.ascontiguousarray(table[:, i]) for i in range(10))
-    return BlockGeometry(block, src_base, dst_base, src_extent, dst_extent, src_stride,
-                         dst_stride, src_factor, dst_factor, src_blocks, dst_blocks, producers,
-                         ("rows", block, table.tobytes()))
+    (
+        src_base,
+        dst_base,
+        src_extent,
+        dst_extent,
+        src_stride,
+        dst_stride,
+        src_factor,
+        dst_factor,
+        src_blocks,
+        dst_blocks,
+    ) = (np.ascontiguousarray(table[:, i]) for i in range(10))
+    return BlockGeometry(
+        block,
+        src_base,
+        dst_base,
+        src_extent,
+        dst_extent,
+        src_stride,
+        dst_stride,
+        src_factor,
+        dst_factor,
+        src_blocks,
+        dst_blocks,
+        producers,
+        ("rows", block, table.tobytes()),
+    )
 
 
 def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
@@ -314,7 +376,7 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
     if ls.block_bytes != ld.block_bytes:
         return None
     key = ("uniform", ls, ld, ptr_s.tobytes(), ptr_d.tobytes())
-    found = _uniform_geometries.get(key)   # (an engine passes the same caches every step)
+    found = _uniform_geometries.get(key)  # (an engine passes the same caches every step)
     if found is not None:
         return found
     n = len(srcs)
@@ -322,10 +384,20 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
     def column(value: int) -> np.ndarray:
         return np.full(n, value, dtype=np.uint64)
 
-    geometry = BlockGeometry(ls.block_bytes, ptr_s, ptr_d, column(_extent(ls)),
-                             column(_extent(ld)), column(ls.block_stride),
-                             column(ld.block_stride), column(1), column(1),
-                             column(ls.num_blocks), column(ld.num_blocks), key=key)
+    geometry = BlockGeometry(
+        ls.block_bytes,
+        ptr_s,
+        ptr_d,
+        column(_extent(ls)),
+        column(_extent(ld)),
+        column(ls.block_stride),
+        column(ld.block_stride),
+        column(1),
+        column(1),
+        column(ls.num_blocks),
+        column(ld.num_blocks),
+        key=key,
+    )
     make_room(_uniform_geometries, _GEOMETRIES_KEPT)
     _uniform_geometries[key] = geometry
     return geometry
@@ -350,18 +422,26 @@ def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeomet
     return None if forward is None else (forward, forward.reversed())
 
 
-def plan_blocks(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False,
-                stream: ConsumerStream = None) -> BlockPlan:
+def plan_blocks(
+    src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
+) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
-    return block_geometry(src, dst, split_blocks=split_blocks,
-                          stream=stream).with_mapping(block_mapping)
+    return block_geometry(src, dst, split_blocks=split_blocks, stream=stream).with_mapping(block_mapping)
 
 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
     """The pointer-level plan of a swap_blocks call, and the tensors (for stream lookup)."""
-    return plan_blocks(src, dst, block_mapping, split_blocks=split_blocks).copy_plan(), \
-        as_list(src) + as_list(dst)
+    return plan_blocks(src, dst, block_mapping, split_blocks=split_blocks).copy_plan(), as_list(
+        src
+    ) + as_list(dst)
 
 
-__all__ = ["BlockGeometry", "BlockPlan", "block_geometry", "crossing_pairs", "geometry_and_reverse",
-           "plan_block_copies", "plan_blocks"]
+__all__ = [
+    "BlockGeometry",
+    "BlockPlan",
+    "block_geometry",
+    "crossing_pairs",
+    "geometry_and_reverse",
+    "plan_block_copies",
+    "plan_blocks",
+]

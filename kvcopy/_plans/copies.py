@@ -4,6 +4,7 @@ Planning drops zero-size copies, merges copies that continue each other on both
 sides, checks bounds, and remembers where each planned copy came from so that
 driver errors can name the caller's index. The loop itself is in kvcopy/_cuda/plan_arrays.pyx.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,9 @@ def find_overlap(dst: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | None:
     return first_overlap(dst, sizes)
 
 
-def find_read_of_written(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
-                         compared: np.ndarray | None = None) -> tuple[int, int] | None:
+def find_read_of_written(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, compared: np.ndarray | None = None
+) -> tuple[int, int] | None:
     """Indices (i, j) where copy i reads bytes that copy j writes (i may equal j: a
     copy onto itself, in part), or None; ``compared`` (a mask) leaves copies out."""
     if compared is None or bool(compared.all()):

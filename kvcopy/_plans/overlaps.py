@@ -5,6 +5,7 @@ Everything here works on byte ranges (start, size) held in uint64 arrays, sorts
 the batch at most once per check (O(n log n) in the batch, never in the pool it
 addresses) and ignores zero-size ranges.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,12 +31,11 @@ def first_overlap(starts: np.ndarray, sizes: np.ndarray) -> tuple[int, int] | No
     if not clash.any():
         return None
     k = int(np.argmax(clash))
-    first = int(order[int(np.argmax(ends[:k + 1] == reach[k]))])
+    first = int(order[int(np.argmax(ends[: k + 1] == reach[k]))])
     return tuple(sorted((first, int(order[k + 1]))))  # type: ignore[return-value]
 
 
-def _first_hit_packed(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
-                      b_hi: np.ndarray) -> int | None:
+def _first_hit_packed(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray, b_hi: np.ndarray) -> int | None:
     """One sweep over both sets sorted together by start: an a range and a b range
     overlap exactly where, for the one of them that starts later (or second at equal
     starts), the largest end among the other set's ranges started before it passes its
@@ -75,11 +75,12 @@ def _first_hit_packed(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
 # Up to this many (a, b) pairs, every pair is compared in Python: a layout's few
 # planes per side cost less so than the sorts' NumPy calls.
 _FEW_PAIRS = 16
-_U64_END = 1 << 64   # a range reaching it wraps the address space: not compared (as _live)
+_U64_END = 1 << 64  # a range reaching it wraps the address space: not compared (as _live)
 
 
-def _overlap_between_few(a_starts: list[int], a_sizes: list[int], b_starts: list[int],
-                         b_sizes: list[int]) -> tuple[int, int] | None:
+def _overlap_between_few(
+    a_starts: list[int], a_sizes: list[int], b_starts: list[int], b_sizes: list[int]
+) -> tuple[int, int] | None:
     """overlap_between, pair by pair (the first overlapping pair in (i, j) order)."""
     for i, (s, x) in enumerate(zip(a_starts, a_sizes)):
         if x == 0 or s + x >= _U64_END:
@@ -90,22 +91,22 @@ def _overlap_between_few(a_starts: list[int], a_sizes: list[int], b_starts: list
     return None
 
 
-def overlap_between(a_starts: np.ndarray, a_sizes: np.ndarray, b_starts: np.ndarray,
-                    b_sizes: np.ndarray) -> tuple[int, int] | None:
+def overlap_between(
+    a_starts: np.ndarray, a_sizes: np.ndarray, b_starts: np.ndarray, b_sizes: np.ndarray
+) -> tuple[int, int] | None:
     """Indices (i, j) of a non-empty range a[i] and a non-empty range b[j] that
     overlap, or None. Ranges within one set may overlap each other."""
     if a_starts.size * b_starts.size <= _FEW_PAIRS:
-        return _overlap_between_few(a_starts.tolist(), a_sizes.tolist(), b_starts.tolist(),
-                                    b_sizes.tolist())
+        return _overlap_between_few(a_starts.tolist(), a_sizes.tolist(), b_starts.tolist(), b_sizes.tolist())
     a_live, b_live = _live(a_starts, a_sizes), _live(b_starts, b_sizes)
     if a_live.size == 0 or b_live.size == 0:
         return None
     a_lo, b_lo = a_starts[a_live], b_starts[b_live]
     a_hi, b_hi = a_lo + a_sizes[a_live], b_lo + b_sizes[b_live]
     if int(a_hi.max()) <= int(b_lo.min()) or int(b_hi.max()) <= int(a_lo.min()):
-        return None   # the two sets lie apart: the usual case, two memories
+        return None  # the two sets lie apart: the usual case, two memories
     found = _first_hit_packed(a_lo, a_hi, b_lo, b_hi)
-    if found is None:   # addresses too wide to pack: sort b by index instead
+    if found is None:  # addresses too wide to pack: sort b by index instead
         order = np.argsort(b_lo, kind="stable")
         reach = np.maximum.accumulate(b_hi[order])
         count = np.searchsorted(b_lo[order], a_hi, side="left")

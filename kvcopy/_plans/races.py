@@ -10,6 +10,7 @@ base, stride and split) compare block ids, once per call; tensors whose blocks
 interleave but never meet (K and V in one block) cost nothing more; only other
 overlapping tensors are compared copy by copy, by kvcopy._plans.overlaps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,30 +28,47 @@ from kvcopy.kept import make_room
 class Side:
     """The tensors one column of a plan addresses, and the ids it reads or writes."""
 
-    label: str            # how messages name the side's pairs, e.g. 'block_mapping'
-    role: str             # 'reads' or 'writes'
-    tensors: str          # 'src' or 'dst', for messages
+    label: str  # how messages name the side's pairs, e.g. 'block_mapping'
+    role: str  # 'reads' or 'writes'
+    tensors: str  # 'src' or 'dst', for messages
     base: np.ndarray
     extent: np.ndarray
     stride: np.ndarray
     factor: np.ndarray
     block_bytes: int
-    ids: np.ndarray       # (n,) int64
+    ids: np.ndarray  # (n,) int64
 
     def addresses(self, tensor: int) -> np.ndarray:
         t = slice(tensor, tensor + 1)
-        return block_addresses(self.ids, self.base[t], self.stride[t], self.factor[t],
-                               self.block_bytes)
+        return block_addresses(self.ids, self.base[t], self.stride[t], self.factor[t], self.block_bytes)
 
 
 def side_of(plan: object, column: int, label: str) -> Side:
     """One column of a BlockPlan as a Side."""
     g = plan.geometry  # type: ignore[attr-defined]
     if column == 0:
-        return Side(label, "reads", "src", g.src_base, g.src_extent, g.src_stride,
-                    g.src_factor, g.block_bytes, plan.mapping[:, 0])  # type: ignore[attr-defined]
-    return Side(label, "writes", "dst", g.dst_base, g.dst_extent, g.dst_stride, g.dst_factor,
-                g.block_bytes, plan.mapping[:, 1])  # type: ignore[attr-defined]
+        return Side(
+            label,
+            "reads",
+            "src",
+            g.src_base,
+            g.src_extent,
+            g.src_stride,
+            g.src_factor,
+            g.block_bytes,
+            plan.mapping[:, 0],  # type: ignore[attr-defined]
+        )
+    return Side(
+        label,
+        "writes",
+        "dst",
+        g.dst_base,
+        g.dst_extent,
+        g.dst_stride,
+        g.dst_factor,
+        g.block_bytes,
+        plan.mapping[:, 1],  # type: ignore[attr-defined]
+    )
 
 
 def _overlapping_tensors(a: Side, b: Side, distinct: bool) -> list[tuple[int, int]]:
@@ -64,15 +82,14 @@ def _overlapping_tensors(a: Side, b: Side, distinct: bool) -> list[tuple[int, in
     lo_a, lo_b = a.base, b.base
     hi_a, hi_b = a.base + a.extent, b.base + b.extent
     found = []
-    for x in range(lo_a.size):   # reached only where some tensors do overlap
-        ys = np.flatnonzero((lo_b < hi_a[x]) & (hi_b > lo_a[x]) & (a.extent[x] > 0)
-                            & (b.extent > 0))
+    for x in range(lo_a.size):  # reached only where some tensors do overlap
+        ys = np.flatnonzero((lo_b < hi_a[x]) & (hi_b > lo_a[x]) & (a.extent[x] > 0) & (b.extent > 0))
         found += [(x, int(y)) for y in ys if not distinct or y > x]
     return found
 
 
-_PAIRS_KEPT = 2048   # (a few a geometry: as many geometries as blocks keeps)
-_pairs: dict[tuple, list] = {}   # geometry keys -> overlapping tensor pairs
+_PAIRS_KEPT = 2048  # (a few a geometry: as many geometries as blocks keeps)
+_pairs: dict[tuple, list] = {}  # geometry keys -> overlapping tensor pairs
 
 
 def _pairs_for(a: Side, b: Side, distinct: bool, key: tuple | None) -> list[tuple[int, int]]:
@@ -100,8 +117,12 @@ def _never_meet(a: Side, x: int, b: Side, y: int) -> bool:
 
 
 def _alike(a: Side, x: int, b: Side, y: int) -> bool:
-    return (a.base[x] == b.base[y] and a.stride[x] == b.stride[y] and a.factor[x] == b.factor[y]
-            and a.block_bytes == b.block_bytes)
+    return (
+        a.base[x] == b.base[y]
+        and a.stride[x] == b.stride[y]
+        and a.factor[x] == b.factor[y]
+        and a.block_bytes == b.block_bytes
+    )
 
 
 def _common_id(a: Side, b: Side, same_pair_ok: bool) -> tuple[int, int] | None:
@@ -127,12 +148,20 @@ def _common_id(a: Side, b: Side, same_pair_ok: bool) -> tuple[int, int] | None:
 def _describe(a: Side, i: int, x: int, b: Side, j: int, y: int, multi: bool) -> str:
     def where(side: Side, pair: int, tensor: int) -> str:
         name = f"{side.tensors}[{tensor}]" if multi else side.tensors
-        return (f"{side.label}[{pair}] {side.role} block {int(side.ids[pair])} of {name}")
+        return f"{side.label}[{pair}] {side.role} block {int(side.ids[pair])} of {name}"
+
     return f"{where(a, i, x)}, memory that {where(b, j, y)} too"
 
 
-def first_race(a: Side, b: Side, *, same_side: bool = False, same_plan: bool = False,
-               key: tuple | None = None, harmless: Any = None) -> str | None:
+def first_race(
+    a: Side,
+    b: Side,
+    *,
+    same_side: bool = False,
+    same_plan: bool = False,
+    key: tuple | None = None,
+    harmless: Any = None,
+) -> str | None:
     """A message naming two copies of which one writes memory the other touches, or None.
 
     ``a`` and ``b`` are sides of one or two plans; ``same_side``: they are one side
@@ -145,12 +174,12 @@ def first_race(a: Side, b: Side, *, same_side: bool = False, same_plan: bool = F
     if not pairs:
         return None
     multi = max(a.base.size, b.base.size) > 1
-    by_ids: dict[bool, tuple[int, int] | None] = {}   # one mapping per plan: once each
+    by_ids: dict[bool, tuple[int, int] | None] = {}  # one mapping per plan: once each
     for x, y in pairs:
         if _never_meet(a, x, b, y) or _never_meet(b, y, a, x):
             continue
         if _alike(a, x, b, y):
-            if same_side:   # the same destination memory twice: every pair writes it twice
+            if same_side:  # the same destination memory twice: every pair writes it twice
                 if a.ids.size and not (harmless and harmless((x, y))):
                     return _describe(a, 0, x, b, 0, y, multi)
                 continue
@@ -175,8 +204,11 @@ def _duplicate_copies(plan: object, race_pair: tuple[int, int]) -> bool:
     order can change (a layer list that names one cache several times)."""
     g = plan.geometry  # type: ignore[attr-defined]
     x, y = race_pair
-    return bool(g.src_base[x] == g.src_base[y] and g.src_stride[x] == g.src_stride[y]
-                and g.src_factor[x] == g.src_factor[y])
+    return bool(
+        g.src_base[x] == g.src_base[y]
+        and g.src_stride[x] == g.src_stride[y]
+        and g.src_factor[x] == g.src_factor[y]
+    )
 
 
 def race_in_plan(plan: object, label: str = "block_mapping") -> str | None:
@@ -185,26 +217,33 @@ def race_in_plan(plan: object, label: str = "block_mapping") -> str | None:
     memory written through two destination tensors. A pair copying a block onto itself
     within one tensor is allowed: the bytes are the same whatever the order."""
     key = plan.geometry.key  # type: ignore[attr-defined]
-    if (key is not None and _pairs.get((key, "dst", "src", False)) == []
-            and _pairs.get((key, "dst", "dst", True)) == []):
-        return None   # no tensors of this layout overlap: the usual case, kept cheap
+    if (
+        key is not None
+        and _pairs.get((key, "dst", "src", False)) == []
+        and _pairs.get((key, "dst", "dst", True)) == []
+    ):
+        return None  # no tensors of this layout overlap: the usual case, kept cheap
     reads, writes = side_of(plan, 0, label), side_of(plan, 1, label)
-    return (first_race(writes, reads, same_plan=True, key=key)
-            or first_race(writes, writes, same_side=True, key=key,
-                          harmless=lambda pair: _duplicate_copies(plan, pair)))
+    return first_race(writes, reads, same_plan=True, key=key) or first_race(
+        writes, writes, same_side=True, key=key, harmless=lambda pair: _duplicate_copies(plan, pair)
+    )
 
 
 def race_between(first: object, second: object, labels: tuple[str, str]) -> str | None:
     """Between two plans issued at once: one's writes against the other's reads and writes."""
     k1, k2 = first.geometry.key, second.geometry.key  # type: ignore[attr-defined]
     key = None if k1 is None or k2 is None else (k1, k2)
-    if key is not None and all(_pairs.get(((key, k), "dst", t, False)) == []
-                               for k, t in ((1, "src"), (2, "src"), (3, "dst"))):
-        return None   # no tensors of these layouts overlap: the usual case, kept cheap
+    if key is not None and all(
+        _pairs.get(((key, k), "dst", t, False)) == [] for k, t in ((1, "src"), (2, "src"), (3, "dst"))
+    ):
+        return None  # no tensors of these layouts overlap: the usual case, kept cheap
     r1, w1 = side_of(first, 0, labels[0]), side_of(first, 1, labels[0])
     r2, w2 = side_of(second, 0, labels[1]), side_of(second, 1, labels[1])
-    return (first_race(w1, r2, key=key and (key, 1)) or first_race(w2, r1, key=key and (key, 2))
-            or first_race(w1, w2, key=key and (key, 3)))
+    return (
+        first_race(w1, r2, key=key and (key, 1))
+        or first_race(w2, r1, key=key and (key, 2))
+        or first_race(w1, w2, key=key and (key, 3))
+    )
 
 
 __all__ = ["first_race", "race_between", "race_in_plan"]
@@ -215,15 +254,16 @@ def refuse_crossing(store: tuple, load: tuple) -> None:
     with at least one of them writing: the result would depend on which ran first."""
     for name, (src, dst, sizes) in (("store", store), ("load", load)):
         require_same_length(src, dst, sizes, prefix=f"{name}: ")
-    checks = (("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0],
-               load[2], "reads"),
-              ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0],
-               store[2], "reads"),
-              ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1],
-               load[2], "writes"))
+    checks = (
+        ("store: dst_ptrs", store[1], store[2], "writes", "load: src_ptrs", load[0], load[2], "reads"),
+        ("load: dst_ptrs", load[1], load[2], "writes", "store: src_ptrs", store[0], store[2], "reads"),
+        ("store: dst_ptrs", store[1], store[2], "writes", "load: dst_ptrs", load[1], load[2], "writes"),
+    )
     for name_a, a, a_sizes, verb_a, name_b, b, b_sizes, verb_b in checks:
         clash = overlap_between(a, a_sizes, b, b_sizes)
         if clash:
-            raise ValueError(f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
-                             f"{verb_b}; a store and a load at once run in no order with each "
-                             "other: issue them one after the other to order them")
+            raise ValueError(
+                f"{name_a}[{clash[0]}] {verb_a} bytes that {name_b}[{clash[1]}] "
+                f"{verb_b}; a store and a load at once run in no order with each "
+                "other: issue them one after the other to order them"
+            )

@@ -11,6 +11,7 @@ distance between them is a difference of two points of the lattice. Anything els
 settled exactly by listing its pieces, up to a bound beyond which the layout is
 refused as unprovable.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,8 +55,7 @@ def _meets(shift: int, dims: list[tuple[int, int]], innermost: int) -> bool:
         return abs(shift) < innermost
     (stride, count), inner = dims[-1], dims[:-1]
     low = shift // stride
-    return any(-count < m < count and _meets(shift - m * stride, inner, innermost)
-               for m in (low, low + 1))
+    return any(-count < m < count and _meets(shift - m * stride, inner, innermost) for m in (low, low + 1))
 
 
 # Pairs of planes whose spans meet, each tried against the lattice, at most.
@@ -84,7 +84,7 @@ def _planes_meet(layout: Any, dims: list[tuple[int, int]]) -> tuple[int, int] | 
 def _listed(layout: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every piece of every row: its start, plane and slot."""
     slots = np.arange(layout.slots, dtype=np.int64)
-    rows = layout.row_addresses(slots)                          # (planes, slots)
+    rows = layout.row_addresses(slots)  # (planes, slots)
     piece = np.arange(layout.pieces, dtype=np.uint64) * np.uint64(layout.piece_stride)
     starts = (rows[:, :, None] + piece[None, None, :]).ravel()
     plane = np.repeat(np.arange(layout.num_planes), layout.slots * layout.pieces)
@@ -96,9 +96,11 @@ def overlapping_rows(layout: Any) -> str | None:
     """None where no two pieces of distinct rows (or planes) of ``layout`` (a
     kvcopy.Layout) share a byte, else what overlaps, for an error message."""
     pages = -(-layout.slots // layout.page_size)
-    dims = [(layout.piece_stride, layout.pieces),
-            (layout.slot_stride, min(layout.page_size, layout.slots)),
-            (layout.page_stride, pages)]
+    dims = [
+        (layout.piece_stride, layout.pieces),
+        (layout.slot_stride, min(layout.page_size, layout.slots)),
+        (layout.page_stride, pages),
+    ]
     if _nests(dims, layout.piece_bytes):
         planes = _evenly_spaced(layout.bases)
         if planes is not None and _nests(dims + planes, layout.piece_bytes):
@@ -110,9 +112,11 @@ def overlapping_rows(layout: Any) -> str | None:
             return f"plane {met[0]} and plane {met[1]} share bytes"
     total = layout.num_planes * layout.slots * layout.pieces
     if total > _LISTED_PIECES:
-        return (f"its strides (page {layout.page_stride}, slot {layout.slot_stride}, piece "
-                f"{layout.piece_stride}) and plane bases do not nest, and its {total} pieces "
-                "are too many to show apart one by one")
+        return (
+            f"its strides (page {layout.page_stride}, slot {layout.slot_stride}, piece "
+            f"{layout.piece_stride}) and plane bases do not nest, and its {total} pieces "
+            "are too many to show apart one by one"
+        )
     starts, plane, slot = _listed(layout)
     clash = first_overlap(starts, np.full(starts.size, layout.piece_bytes, np.uint64))
     if clash is None:

@@ -9,6 +9,7 @@ checks each against its side's slots before the row it names is written
 (kvcopy.check_indices); that no two rows write one slot, or read what another
 writes, is then the caller's to guarantee.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,17 +48,20 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     producer), read in place; None where ``obj`` is not on a GPU."""
     if framework_of(obj) == "torch":
         if not obj.is_cuda:
-            return None   # (host tensors are read, and checked, by torch_integers)
+            return None  # (host tensors are read, and checked, by torch_integers)
         refusal = torch_integers_refusal(obj)
         if refusal:
             raise TypeError(f"{name}: {refusal}")
         import torch
+
         if obj.dtype != torch.int64:
             raise TypeError(f"{name}: GPU indices must be int64, got {obj.dtype}")
         count = obj.numel()
         if obj.dim() != 1 or (count > 1 and obj.stride()[0] != 1):
-            raise ValueError(f"{name}: GPU indices must be one contiguous dimension, got shape "
-                             f"{tuple(obj.shape)} strides {tuple(obj.stride())}")
+            raise ValueError(
+                f"{name}: GPU indices must be one contiguous dimension, got shape "
+                f"{tuple(obj.shape)} strides {tuple(obj.stride())}"
+            )
         return Indices(count, obj.data_ptr() if count else 0, None, obj)
     face = getattr(obj, "__cuda_array_interface__", None)
     if not isinstance(face, dict):
@@ -70,8 +74,9 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
         raise TypeError(f"{name}: GPU indices must be int64 ('<i8'), got {face.get('typestr')!r}")
     ptr, shape, strides, _ = strided(obj, name)
     if len(shape) != 1 or (shape[0] > 1 and strides[0] != 8):
-        raise ValueError(f"{name}: GPU indices must be one contiguous dimension, got shape "
-                         f"{shape} strides {strides}")
+        raise ValueError(
+            f"{name}: GPU indices must be one contiguous dimension, got shape {shape} strides {strides}"
+        )
     if key is not None:
         make_room(_index_faces, _INDEX_FACES_KEPT)
         _index_faces[key] = (shape[0], ptr if shape[0] else 0)
@@ -85,14 +90,20 @@ def _plain_index_face(face: dict) -> tuple | None:
     interface, once read and checked, is known by these fields: CuPy builds a new one
     at every access, and reading it in full costs more than the copy's launch."""
     shape, data, strides = face.get("shape"), face.get("data"), face.get("strides")
-    if (type(shape) is not tuple or type(data) is not tuple or len(data) != 2
-            or type(data[0]) is not int or type(data[1]) is not bool
-            or type(face.get("version")) is not int or type(face.get("typestr")) is not str
-            or face.get("mask") is not None or face.get("stream") is not None
-            or face.get("offset") not in (0, None)
-            or not all(type(v) is int for v in shape)
-            or not (strides is None or (type(strides) is tuple
-                                        and all(type(v) is int for v in strides)))):
+    if (
+        type(shape) is not tuple
+        or type(data) is not tuple
+        or len(data) != 2
+        or type(data[0]) is not int
+        or type(data[1]) is not bool
+        or type(face.get("version")) is not int
+        or type(face.get("typestr")) is not str
+        or face.get("mask") is not None
+        or face.get("stream") is not None
+        or face.get("offset") not in (0, None)
+        or not all(type(v) is int for v in shape)
+        or not (strides is None or (type(strides) is tuple and all(type(v) is int for v in strides)))
+    ):
         return None
     return shape, face["typestr"], data, strides, face["version"]
 
@@ -151,8 +162,7 @@ class RowsPlan:
 
     @property
     def host_indices(self) -> bool:
-        return any(i is not None and i.host is not None
-                   for i in (self.src_indices, self.dst_indices))
+        return any(i is not None and i.host is not None for i in (self.src_indices, self.dst_indices))
 
     @property
     def device_indices(self) -> bool:
@@ -163,7 +173,7 @@ class RowsPlan:
         *head, piece_stride = layout.side(indices)
         if layout.pieces == 1 and self.pieces > 1:
             piece_stride = self.piece_bytes
-        return (*head, piece_stride)   # type: ignore[return-value]
+        return (*head, piece_stride)  # type: ignore[return-value]
 
 
 def _pieces(src: Layout, dst: Layout) -> tuple[int, int]:
@@ -172,8 +182,10 @@ def _pieces(src: Layout, dst: Layout) -> tuple[int, int]:
     elif src.pieces == 1:
         pieces = dst.pieces
     else:
-        raise ValueError(f"src and dst cut their rows in {src.pieces} and {dst.pieces} pieces: "
-                         "one side's rows must be whole, or both cut alike")
+        raise ValueError(
+            f"src and dst cut their rows in {src.pieces} and {dst.pieces} pieces: "
+            "one side's rows must be whole, or both cut alike"
+        )
     return pieces, src.row_bytes // pieces
 
 
@@ -183,8 +195,10 @@ def _check_bounds(indices: Indices | None, slots: int, name: str) -> None:
     beyond = indices.host >= slots
     if beyond.any():
         i = int(np.argmax(beyond))
-        raise ValueError(f"{name}[{i}] = {int(indices.host[i])} is out of range: the layout "
-                         f"has {slots} slots (a negative index skips its row)")
+        raise ValueError(
+            f"{name}[{i}] = {int(indices.host[i])} is out of range: the layout "
+            f"has {slots} slots (a negative index skips its row)"
+        )
 
 
 def _check_destinations(indices: Indices | None, name: str) -> None:
@@ -196,12 +210,15 @@ def _check_destinations(indices: Indices | None, name: str) -> None:
     twice = np.flatnonzero(indices.host[order[1:]] == indices.host[order[:-1]])
     if twice.size:
         k = int(twice[0])
-        raise ValueError(f"{name}: rows {int(order[k])} and {int(order[k + 1])} both write slot "
-                         f"{int(indices.host[order[k]])}; the result would depend on their order")
+        raise ValueError(
+            f"{name}: rows {int(order[k])} and {int(order[k + 1])} both write slot "
+            f"{int(indices.host[order[k]])}; the result would depend on their order"
+        )
 
 
-def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None,
-              rows: int | None = None) -> RowsPlan:
+def plan_rows(
+    src: Layout, dst: Layout, src_indices: Any = None, dst_indices: Any = None, rows: int | None = None
+) -> RowsPlan:
     """Pair two layouts and the rows' indices, checking every argument (host indices
     whole) before anything is enqueued. Raises TypeError or ValueError naming it."""
     for layout, name in ((src, "src"), (dst, "dst")):
@@ -210,26 +227,31 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     src.check_current("src")
     dst.check_current("dst")
     if dst.readonly:
-        raise ValueError("dst: its memory is read-only (a read-only array or buffer); copy "
-                         "into writable memory")
+        raise ValueError(
+            "dst: its memory is read-only (a read-only array or buffer); copy into writable memory"
+        )
     clash = dst.rows_overlap
     if clash is not None:
-        raise ValueError(f"dst: its rows overlap ({clash}); rows written there would land in "
-                         "no defined order")
+        raise ValueError(
+            f"dst: its rows overlap ({clash}); rows written there would land in no defined order"
+        )
     if src.num_planes != dst.num_planes:
-        raise ValueError(f"src has {src.num_planes} planes and dst {dst.num_planes}: a row is "
-                         "copied plane to plane")
+        raise ValueError(
+            f"src has {src.num_planes} planes and dst {dst.num_planes}: a row is copied plane to plane"
+        )
     if src.row_bytes != dst.row_bytes:
         raise ValueError(f"src rows are {src.row_bytes} bytes and dst rows {dst.row_bytes}")
     pieces, piece_bytes = _pieces(src, dst)
     a, b = read_indices(src_indices, "src_indices"), read_indices(dst_indices, "dst_indices")
     if a is not None and b is not None and (a.host is None) != (b.host is None):
-        raise ValueError("src_indices and dst_indices must both be on the GPU or both on the "
-                         f"host; got src_indices {_where(a)} and dst_indices {_where(b)}")
+        raise ValueError(
+            "src_indices and dst_indices must both be on the GPU or both on the "
+            f"host; got src_indices {_where(a)} and dst_indices {_where(b)}"
+        )
     counts = {i.count for i in (a, b) if i is not None}
     if len(counts) > 1:
-        raise ValueError(f"src_indices has {a.count} rows and dst_indices "  # type: ignore[union-attr]
-                         f"{b.count}")  # type: ignore[union-attr]
+        a_count, b_count = (i.count for i in (a, b) if i is not None)
+        raise ValueError(f"src_indices has {a_count} rows and dst_indices {b_count}")
     if rows is not None:
         rows = require_int(rows, "rows", minimum=0)
         if counts and int(rows) not in counts:
@@ -240,11 +262,13 @@ def plan_rows(src: Layout, dst: Layout, src_indices: Any = None, dst_indices: An
     n = counts.pop()
     for layout, indices, name in ((src, a, "src"), (dst, b, "dst")):
         if indices is None and n > layout.slots:
-            raise ValueError(f"{name} has {layout.slots} slots and no indices: {n} rows would "
-                             "run past them")
+            raise ValueError(f"{name} has {layout.slots} slots and no indices: {n} rows would run past them")
         unique = name == "dst"
-        if indices is not None and indices.host is not None and \
-                not row_slots_ok(indices.host, layout.slots, unique):
+        if (
+            indices is not None
+            and indices.host is not None
+            and not row_slots_ok(indices.host, layout.slots, unique)
+        ):
             # (the one C pass found a problem: these say which)
             _check_bounds(indices, layout.slots, f"{name}_indices")
             if unique:
@@ -264,29 +288,33 @@ def rows_stream(stream: Any, layouts: tuple[Layout, ...], indices: tuple[Any, ..
     tensors were passed, else the default stream."""
     if stream is not None:
         return resolve_stream(stream)
-    return current_framework_stream(*(i for i in indices if i is not None),
-                                    *(t for layout in layouts for t in layout.keep))
+    return current_framework_stream(
+        *(i for i in indices if i is not None), *(t for layout in layouts for t in layout.keep)
+    )
 
 
 def _check_crossing(plan: RowsPlan) -> None:
     """Where the layouts share memory, no row may read bytes another row writes."""
     if plan.device_indices:
-        return   # not readable here: the caller's to guarantee (copy_rows' docstring)
+        return  # not readable here: the caller's to guarantee (copy_rows' docstring)
     src_lo, dst_lo = plan.src.bases, plan.dst.bases
-    spans = (np.full(len(src_lo), plan.src.extent, np.uint64),
-             np.full(len(dst_lo), plan.dst.extent, np.uint64))
+    spans = (
+        np.full(len(src_lo), plan.src.extent, np.uint64),
+        np.full(len(dst_lo), plan.dst.extent, np.uint64),
+    )
     if overlap_between(src_lo, spans[0], dst_lo, spans[1]) is None:
         return
     s, d, sizes = expand(plan)
     clash = first_overlap(d, sizes)
     if clash is not None:
-        raise ValueError("two rows write the same bytes of dst (expanded copies "
-                         f"{clash[0]} and {clash[1]})")
-    moved = s != d   # (a row copied onto itself changes nothing)
+        raise ValueError(f"two rows write the same bytes of dst (expanded copies {clash[0]} and {clash[1]})")
+    moved = s != d  # (a row copied onto itself changes nothing)
     hit = overlap_between(s[moved], sizes[moved], d[moved], sizes[moved])
     if hit is not None:
-        raise ValueError("src and dst share memory and a row reads bytes another row writes; "
-                         "the result would depend on their order")
+        raise ValueError(
+            "src and dst share memory and a row reads bytes another row writes; "
+            "the result would depend on their order"
+        )
 
 
 def _slots(indices: Indices | None, rows: int) -> np.ndarray:

@@ -7,6 +7,7 @@ common slot (distinct slots' rows never overlap: kvcopy.Layout's contract), foun
 a set of slots (plan_arrays.first_common_slot); only layouts that meet in some other
 way are expanded into their rows' bytes and compared.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,9 @@ from kvcopy._plans.overlaps import overlap_between
 from kvcopy._plans.rows import RowsPlan, expand, live_slots
 from kvcopy.layouts import Layout
 
-_NO_ORDER = "a store and a load at once run in no order with each other: issue them one " \
-            "after the other to order them"
+_NO_ORDER = (
+    "a store and a load at once run in no order with each other: issue them one after the other to order them"
+)
 
 
 def _spans(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -27,16 +29,19 @@ def _spans(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
 def _meet(x: Layout, y: Layout) -> bool:
     """Whether the two layouts' planes share a byte (their envelopes first: most
     layouts of a store and a load are apart)."""
-    if int(x.bases.max()) + x.extent <= int(y.bases.min()) or \
-            int(y.bases.max()) + y.extent <= int(x.bases.min()):
+    if int(x.bases.max()) + x.extent <= int(y.bases.min()) or int(y.bases.max()) + y.extent <= int(
+        x.bases.min()
+    ):
         return False
     return overlap_between(*_spans(x), *_spans(y)) is not None
 
 
 def _same_rows(x: Layout, y: Layout) -> bool:
     """Whether two layouts put every slot's row at the same bytes."""
-    geometry = lambda v: (v.slots, v.row_bytes, v.page_size, v.page_stride,  # noqa: E731
-                          v.slot_stride, v.pieces, v.piece_stride)
+
+    def geometry(v: Layout) -> tuple[int, ...]:
+        return (v.slots, v.row_bytes, v.page_size, v.page_stride, v.slot_stride, v.pieces, v.piece_stride)
+
     return geometry(x) == geometry(y) and np.array_equal(x.bases, y.bases)
 
 
@@ -50,13 +55,15 @@ def _slots_as_given(plan: RowsPlan, side: str) -> np.ndarray | None:
     """The host indices of ``side`` where the other side has none: every row is then
     copied unless its own slot is negative, so row r names slot[r] (or nothing);
     else None."""
-    mine, other = ((plan.src_indices, plan.dst_indices) if side == "src"
-                   else (plan.dst_indices, plan.src_indices))
+    mine, other = (
+        (plan.src_indices, plan.dst_indices) if side == "src" else (plan.dst_indices, plan.src_indices)
+    )
     return mine.host if other is None and mine is not None else None
 
 
-def _first_common_as_given(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
-                           slots: int) -> tuple[int, int, int] | None | bool:
+def _first_common_as_given(
+    a: RowsPlan, side_a: str, b: RowsPlan, side_b: str, slots: int
+) -> tuple[int, int, int] | None | bool:
     """_common_slot's answer read from each side's indices as given, without listing
     the rows that are copied (a serving step's store and load: the host side of each
     has no indices); False where that does not apply."""
@@ -71,12 +78,13 @@ def _first_common_as_given(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
     return int(np.argmax(slots_a == slot)), j, slot
 
 
-def _common_slot(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
-                 slots: int) -> tuple[int, int, int] | None:
+def _common_slot(
+    a: RowsPlan, side_a: str, b: RowsPlan, side_b: str, slots: int
+) -> tuple[int, int, int] | None:
     """(row of a, row of b, slot) of the first slot both name, or None."""
     found = _first_common_as_given(a, side_a, b, side_b, slots)
     if found is not False:
-        return found   # type: ignore[return-value]
+        return found  # type: ignore[return-value]
     rows_a, slots_a = _live(a, side_a)
     rows_b, slots_b = _live(b, side_b)
     j = first_common_slot(slots_a, slots_b, slots)
@@ -89,9 +97,11 @@ def _common_slot(a: RowsPlan, side_a: str, b: RowsPlan, side_b: str,
 def refuse_rows_crossing(store: RowsPlan, load: RowsPlan) -> None:
     """ValueError where ``store`` and ``load`` issued at once would touch the same
     bytes with at least one of them writing, naming both rows."""
-    checks = (("store", store, "dst", "writes", "load", load, "src", "reads"),
-              ("load", load, "dst", "writes", "store", store, "src", "reads"),
-              ("store", store, "dst", "writes", "load", load, "dst", "writes"))
+    checks = (
+        ("store", store, "dst", "writes", "load", load, "src", "reads"),
+        ("load", load, "dst", "writes", "store", store, "src", "reads"),
+        ("store", store, "dst", "writes", "load", load, "dst", "writes"),
+    )
     expanded: dict[str, tuple] = {}
     for name_a, a, side_a, verb_a, name_b, b, side_b, verb_b in checks:
         x, y = getattr(a, side_a), getattr(b, side_b)
@@ -100,9 +110,11 @@ def refuse_rows_crossing(store: RowsPlan, load: RowsPlan) -> None:
         if _same_rows(x, y):
             clash = _common_slot(a, side_a, b, side_b, x.slots)
             if clash:
-                raise ValueError(f"{name_a}: row {clash[0]} {verb_a} slot {clash[2]} of its "
-                                 f"{side_a}, which {name_b}: row {clash[1]} {verb_b} (its "
-                                 f"{side_b}); {_NO_ORDER}")
+                raise ValueError(
+                    f"{name_a}: row {clash[0]} {verb_a} slot {clash[2]} of its "
+                    f"{side_a}, which {name_b}: row {clash[1]} {verb_b} (its "
+                    f"{side_b}); {_NO_ORDER}"
+                )
             continue
         for name, plan in ((name_a, a), (name_b, b)):
             if name not in expanded:
@@ -111,6 +123,8 @@ def refuse_rows_crossing(store: RowsPlan, load: RowsPlan) -> None:
         ptrs_b = expanded[name_b][0 if side_b == "src" else 1]
         hit = overlap_between(ptrs_a, expanded[name_a][2], ptrs_b, expanded[name_b][2])
         if hit:
-            raise ValueError(f"{name_a}: {side_a}_ptrs[{hit[0]}] {verb_a} bytes that {name_b}: "
-                             f"{side_b}_ptrs[{hit[1]}] {verb_b} (the rows as pointer copies); "
-                             f"{_NO_ORDER}")
+            raise ValueError(
+                f"{name_a}: {side_a}_ptrs[{hit[0]}] {verb_a} bytes that {name_b}: "
+                f"{side_b}_ptrs[{hit[1]}] {verb_b} (the rows as pointer copies); "
+                f"{_NO_ORDER}"
+            )

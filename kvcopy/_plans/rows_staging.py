@@ -7,6 +7,7 @@ kernel scatters the staging rows to their GPU slots, or gathers them there, read
 the GPU side's indices on the GPU. The planner only computes addresses (numbers): the
 engine issues what it says.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,8 +52,10 @@ def chunk_rows(plan: RowsPlan, chunk_bytes: int) -> int:
     where not one row does."""
     per = chunk_bytes // (plan.src.num_planes * plan.src.row_bytes)
     if per == 0:
-        raise ValueError(f"a staging chunk of {chunk_bytes} bytes holds no row of "
-                         f"{plan.src.num_planes} planes x {plan.src.row_bytes} bytes")
+        raise ValueError(
+            f"a staging chunk of {chunk_bytes} bytes holds no row of "
+            f"{plan.src.num_planes} planes x {plan.src.row_bytes} bytes"
+        )
     return per
 
 
@@ -68,8 +71,7 @@ class StagedChunks:
     from the transfer's first). All uint64, (chunks, planes) C-contiguous, or a chunk
     each for the rows."""
 
-    def __init__(self, plan: RowsPlan, load: bool, chunk_bytes: int,
-                 buffers: tuple[int, ...]) -> None:
+    def __init__(self, plan: RowsPlan, load: bool, chunk_bytes: int, buffers: tuple[int, ...]) -> None:
         host = plan.src if load else plan.dst
         rb, planes = np.uint64(host.row_bytes), host.num_planes
         self.per = chunk_rows(plan, chunk_bytes)
@@ -83,7 +85,7 @@ class StagedChunks:
         self.host = host.bases[None, :] + offset[:, None]
         self.staged = buffer[:, None] + plane[None, :] * (rows * rb)[:, None]
         self.nbytes = np.repeat((rows * rb)[:, None], planes, axis=1)
-        self.staging_bases = self.staged - offset[:, None]   # (uint64: modulo 2**64)
+        self.staging_bases = self.staged - offset[:, None]  # (uint64: modulo 2**64)
 
     def __len__(self) -> int:
         return self.count

@@ -10,6 +10,7 @@ by every process on the host (one per GPU of a node, typically). Guarantees:
   RuntimeWarning naming the file and the fault, is remembered as bad until it
   changes, and the built-in defaults serve: a copy never fails because of a file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,18 +28,27 @@ from kvcopy._runtime import persist
 from kvcopy.policy import Thresholds
 
 SCHEMA = 2
-MAX_SAVES_KEPT = 64        # the newest save records kept in the file
+MAX_SAVES_KEPT = 64  # the newest save records kept in the file
 MAX_MEASUREMENTS = 4096
 MAX_THRESHOLD_BYTES = 1 << 40
 MAX_CTAS = 65535
 
 _THRESHOLD_KEY = re.compile(r"^(h2d|d2h|d2d|p2p|p2p \d{1,4}>\d{1,4})$")
 _CTA_KEYS = ("h2d", "d2h")
-_TOP_KEYS = {"schema", "device", "driver_version", "batch_min_bytes", "host_ctas",
-             "both_ways_ctas", "both_ways_batch_min_bytes", "measurements", "saves"}
+_TOP_KEYS = {
+    "schema",
+    "device",
+    "driver_version",
+    "batch_min_bytes",
+    "host_ctas",
+    "both_ways_ctas",
+    "both_ways_batch_min_bytes",
+    "measurements",
+    "saves",
+}
 
 _lock = threading.Lock()
-_bad: dict[Path, tuple[int, int, int]] = {}   # path -> (mtime_ns, size, inode) when found bad
+_bad: dict[Path, tuple[int, int, int]] = {}  # path -> (mtime_ns, size, inode) when found bad
 
 
 def path_for(cache: Path, device_name: str, driver_version: int) -> Path:
@@ -78,12 +88,15 @@ def _table(data: Mapping, name: str, keys: Any, check: Any) -> dict:
 def _measurements(data: Mapping) -> dict:
     found = data.get("measurements", {})
     if not isinstance(found, dict) or len(found) > MAX_MEASUREMENTS:
-        raise persist.BadFile("measurements is not an object of at most "
-                              f"{MAX_MEASUREMENTS} entries")
+        raise persist.BadFile(f"measurements is not an object of at most {MAX_MEASUREMENTS} entries")
     for key, row in found.items():
         if not isinstance(row, dict) or not all(
-                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
-                and math.isfinite(v) for k, v in row.items()):
+            isinstance(k, str)
+            and not isinstance(v, bool)
+            and isinstance(v, (int, float))
+            and math.isfinite(v)
+            for k, v in row.items()
+        ):
             raise persist.BadFile(f"measurements[{key!r}] is not an object of finite numbers")
     return found
 
@@ -112,8 +125,9 @@ def validate(data: Any, device_name: str, driver_version: int) -> dict:
         "measurements": _measurements(data),
     }
     if "both_ways_batch_min_bytes" in data:
-        out["both_ways_batch_min_bytes"] = _threshold(data["both_ways_batch_min_bytes"],
-                                                      "both_ways_batch_min_bytes")
+        out["both_ways_batch_min_bytes"] = _threshold(
+            data["both_ways_batch_min_bytes"], "both_ways_batch_min_bytes"
+        )
     saves = data.get("saves", [])
     if not isinstance(saves, list) or not all(isinstance(s, dict) for s in saves):
         raise persist.BadFile("saves is not a list of objects")
@@ -130,9 +144,12 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 
 
 def _warn_bad(path: Path, fault: str) -> None:
-    warnings.warn(f"kvcopy: ignoring the calibration file {path}: it {fault}; the built-in "
-                  "defaults are used (run kvcopy.calibrate() again to rewrite it)",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"kvcopy: ignoring the calibration file {path}: it {fault}; the built-in "
+        "defaults are used (run kvcopy.calibrate() again to rewrite it)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def load(path: Path, device_name: str, driver_version: int) -> Thresholds | None:
@@ -145,8 +162,7 @@ def load(path: Path, device_name: str, driver_version: int) -> Thresholds | None
         if _bad.get(path) == signature:
             return None
         try:
-            tables = validate(persist.read_json(path, allow_infinity=True), device_name,
-                              driver_version)
+            tables = validate(persist.read_json(path, allow_infinity=True), device_name, driver_version)
         except persist.BadFile as exc:
             _bad[path] = signature
             _warn_bad(path, str(exc))
@@ -164,16 +180,22 @@ def _over_defaults(tables: Mapping) -> Thresholds:
         batch_min_bytes={**defaults.batch_min_bytes, **tables["batch_min_bytes"]},
         host_ctas={**defaults.host_ctas, **tables["host_ctas"]},
         both_ways_ctas={**defaults.both_ways_ctas, **tables["both_ways_ctas"]},
-        both_ways_batch_min_bytes=tables.get("both_ways_batch_min_bytes",
-                                             defaults.both_ways_batch_min_bytes))
+        both_ways_batch_min_bytes=tables.get("both_ways_batch_min_bytes", defaults.both_ways_batch_min_bytes),
+    )
 
 
 def _encode_threshold(value: float) -> float | None:
     return None if value == float("inf") else value
 
 
-def save(path: Path, device_name: str, driver_version: int, updates: Mapping[str, Any],
-         measurements: Mapping[str, Mapping[str, float]], ordinal: int = -1) -> Thresholds:
+def save(
+    path: Path,
+    device_name: str,
+    driver_version: int,
+    updates: Mapping[str, Any],
+    measurements: Mapping[str, Mapping[str, float]],
+    ordinal: int = -1,
+) -> Thresholds:
     """Merge ``updates`` (table name -> {key: value}, or both_ways_batch_min_bytes ->
     value) and ``measurements`` into the file under its lock and replace it atomically.
     A bad file is replaced (with a warning). Returns the thresholds the file now holds.
@@ -183,8 +205,11 @@ def save(path: Path, device_name: str, driver_version: int, updates: Mapping[str
     """
     with persist.locked(path):
         try:
-            current = validate(persist.read_json(path, allow_infinity=True) or
-                               {"batch_min_bytes": {}}, device_name, driver_version)
+            current = validate(
+                persist.read_json(path, allow_infinity=True) or {"batch_min_bytes": {}},
+                device_name,
+                driver_version,
+            )
         except persist.BadFile as exc:
             _warn_bad(path, f"{exc} (it is being replaced)")
             current = validate({"batch_min_bytes": {}}, device_name, driver_version)
@@ -198,19 +223,30 @@ def save(path: Path, device_name: str, driver_version: int, updates: Mapping[str
         merged = {k: v for k, v in current["measurements"].items() if k not in measurements}
         merged.update(measurements)
         current["measurements"] = dict(list(merged.items())[-MAX_MEASUREMENTS:])
-        current["saves"] = (current["saves"] + [{
-            "pid": os.getpid(), "host": socket.gethostname(), "ordinal": ordinal,
-            "at": round(time.time(), 3), "measured": sorted(measurements)}])[-MAX_SAVES_KEPT:]
+        current["saves"] = (
+            current["saves"]
+            + [
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "ordinal": ordinal,
+                    "at": round(time.time(), 3),
+                    "measured": sorted(measurements),
+                }
+            ]
+        )[-MAX_SAVES_KEPT:]
         document = {
-            "schema": SCHEMA, "device": device_name, "driver_version": driver_version,
-            "batch_min_bytes": {k: _encode_threshold(v)
-                                for k, v in current["batch_min_bytes"].items()},
-            "host_ctas": current["host_ctas"], "both_ways_ctas": current["both_ways_ctas"],
-            "measurements": current["measurements"], "saves": current["saves"],
+            "schema": SCHEMA,
+            "device": device_name,
+            "driver_version": driver_version,
+            "batch_min_bytes": {k: _encode_threshold(v) for k, v in current["batch_min_bytes"].items()},
+            "host_ctas": current["host_ctas"],
+            "both_ways_ctas": current["both_ways_ctas"],
+            "measurements": current["measurements"],
+            "saves": current["saves"],
         }
         if "both_ways_batch_min_bytes" in current:
-            document["both_ways_batch_min_bytes"] = _encode_threshold(
-                current["both_ways_batch_min_bytes"])
+            document["both_ways_batch_min_bytes"] = _encode_threshold(current["both_ways_batch_min_bytes"])
         persist.atomic_write(path, persist.dump_json(document))
         with _lock:
             _bad.pop(path, None)

@@ -1,5 +1,6 @@
 """Which CUDA context a call runs in, restored afterwards; and what kvcopy keeps one
 of per context."""
+
 from __future__ import annotations
 
 import threading
@@ -75,8 +76,8 @@ class PerContext(Generic[T]):
 
     def current(self) -> T:
         """The one for the calling thread's current context."""
-        ctx = driver.current_context_key()   # (not the handle: a reset reuses it)
-        item = self._items.get(ctx)   # entries are only ever added: found without the lock
+        ctx = driver.current_context_key()  # (not the handle: a reset reuses it)
+        item = self._items.get(ctx)  # entries are only ever added: found without the lock
         if item is None:
             with self._lock:
                 item = self._items.get(ctx)

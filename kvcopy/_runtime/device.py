@@ -1,5 +1,6 @@
 """Per-device facts and state, gathered once: capabilities, thresholds (and their
 files, written by kvcopy.calibrate), and the copy kernel's availability."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,11 @@ def device_info(ordinal: int) -> DeviceInfo:
             kernels.kernel_for_current_context(*cc, driver_version)
         except kernels.KernelUnavailable as exc:
             kernel_ok = False
-            warnings.warn(f"kvcopy: copy kernel unavailable on device {ordinal}, "
-                          f"using DMA only: {exc}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"kvcopy: copy kernel unavailable on device {ordinal}, using DMA only: {exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         caps = DeviceCaps(
             sm_count=int(attrs["sm_count"]),
             unified_addressing=bool(attrs["unified_addressing"]),
@@ -58,7 +62,7 @@ def device_info(ordinal: int) -> DeviceInfo:
             kernel_available=kernel_ok,
             bulk_copy=kernel_ok and cc >= (9, 0),
         )
-        caps = dataclasses.replace(caps, **_caps_overrides)   # type: ignore[arg-type]
+        caps = dataclasses.replace(caps, **_caps_overrides)  # type: ignore[arg-type]
         info = DeviceInfo(ordinal, str(attrs["name"]), cc, driver_version, caps)
         _infos[ordinal] = info
         return info
@@ -112,5 +116,6 @@ def save_thresholds(info: DeviceInfo, updates: dict, measurements: dict) -> Thre
     Raises:
         OSError: the cache folder cannot be written.
     """
-    return calibration_file.save(thresholds_path(info), info.name, info.driver_version,
-                                 updates, measurements, info.ordinal)
+    return calibration_file.save(
+        thresholds_path(info), info.name, info.driver_version, updates, measurements, info.ordinal
+    )

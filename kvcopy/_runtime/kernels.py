@@ -5,6 +5,7 @@ It is compiled at first use for the GPU's architecture into a cubin, which is
 cached in memory and on disk (keyed by source, architecture and NVRTC version)
 under $KVCOPY_CACHE_DIR, else $XDG_CACHE_HOME/kvcopy, else ~/.cache/kvcopy.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,9 +22,12 @@ from kvcopy.config import MAX_THREADS_PER_CTA, cache_dir, kernel_unroll
 from kvcopy.errors import KVCopyError
 
 _SOURCE_FILES = ("copy_kernel.cuh", "descriptor.h", "rows.h", "rows_kernel.cuh")
-_OPTIONS = ("-std=c++17", "-default-device",
-            f"-DKVCOPY_UNROLL={kernel_unroll()}",
-            f"-DKVCOPY_MAX_THREADS={MAX_THREADS_PER_CTA}")   # the kernel's __launch_bounds__
+_OPTIONS = (
+    "-std=c++17",
+    "-default-device",
+    f"-DKVCOPY_UNROLL={kernel_unroll()}",
+    f"-DKVCOPY_MAX_THREADS={MAX_THREADS_PER_CTA}",
+)  # the kernel's __launch_bounds__
 
 
 class KernelUnavailable(KVCopyError):
@@ -32,7 +36,7 @@ class KernelUnavailable(KVCopyError):
 
 def _source_dir() -> Path:
     here = Path(__file__).resolve().parent
-    package = here.parent   # kvcopy/
+    package = here.parent  # kvcopy/
     for candidate in (package / "_include" / "kvcopy", package.parent / "include" / "kvcopy"):
         if (candidate / "copy_kernel.cuh").is_file():
             return candidate
@@ -69,7 +73,8 @@ def nvrtc_version() -> tuple[int, int]:
     except Exception as exc:  # libnvrtc missing: DynamicLibNotFoundError and kin
         raise KernelUnavailable(
             f"NVRTC is not available ({type(exc).__name__}: {exc}); install nvidia-cuda-nvrtc "
-            "(pip install 'kvcopy-cuda[cu13]', or '[cu12]' with CUDA 12) for the copy kernel") from exc
+            "(pip install 'kvcopy-cuda[cu13]', or '[cu12]' with CUDA 12) for the copy kernel"
+        ) from exc
     return int(major), int(minor)
 
 
@@ -107,15 +112,22 @@ def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
     nvrtc = _nvrtc()
     sources = kernel_sources()
     headers = [n for n in _SOURCE_FILES if n != "copy_kernel.cuh"]
-    prog = _nvrtc_call(nvrtc, nvrtc.nvrtcCreateProgram(
-        sources["copy_kernel.cuh"].encode(), b"kvcopy_copy_kernel.cu", len(headers),
-        [sources[h].encode() for h in headers], [h.encode() for h in headers]),
-        "nvrtcCreateProgram")
+    prog = _nvrtc_call(
+        nvrtc,
+        nvrtc.nvrtcCreateProgram(
+            sources["copy_kernel.cuh"].encode(),
+            b"kvcopy_copy_kernel.cu",
+            len(headers),
+            [sources[h].encode() for h in headers],
+            [h.encode() for h in headers],
+        ),
+        "nvrtcCreateProgram",
+    )
     try:
         options = [f"--gpu-architecture=sm_{arch}".encode()] + [o.encode() for o in _OPTIONS]
         if verbose:
             options.append(b"--ptxas-options=-v")
-            if nvrtc_version() >= (12, 9):   # a cached program would report nothing
+            if nvrtc_version() >= (12, 9):  # a cached program would report nothing
                 options.append(b"--no-cache")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -124,8 +136,9 @@ def _compile(arch: int, verbose: bool = False) -> tuple[bytes, str]:
         # (the log is a C string: its NUL would reach messages and log files)
         log = raw.rstrip(b"\x00").decode(errors="replace").rstrip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise KernelUnavailable(f"NVRTC could not compile the copy kernel for sm_{arch}: "
-                                    f"{err.name}\n{log}")
+            raise KernelUnavailable(
+                f"NVRTC could not compile the copy kernel for sm_{arch}: {err.name}\n{log}"
+            )
         size = _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _nvrtc_call(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
@@ -149,8 +162,8 @@ def _unpack_cubin(data: bytes) -> bytes | None:
     """The cubin in a cache file, or None where the file is not whole and intact."""
     if len(data) < _HEADER_BYTES or not data.startswith(_CUBIN_MAGIC):
         return None
-    digest = data[len(_CUBIN_MAGIC):len(_CUBIN_MAGIC) + 32]
-    size = int.from_bytes(data[len(_CUBIN_MAGIC) + 32:_HEADER_BYTES], "little")
+    digest = data[len(_CUBIN_MAGIC) : len(_CUBIN_MAGIC) + 32]
+    size = int.from_bytes(data[len(_CUBIN_MAGIC) + 32 : _HEADER_BYTES], "little")
     cubin = data[_HEADER_BYTES:]
     if size == 0 or len(cubin) != size or hashlib.sha256(cubin).digest() != digest:
         return None
@@ -168,9 +181,12 @@ def cubin_path(arch: int) -> Path:
 def _warn_cache_once(problem: str) -> None:
     if problem not in _warned_cache:
         _warned_cache.add(problem)
-        warnings.warn(f"kvcopy: {problem}; the copy kernel is compiled in memory in each "
-                      "process (set KVCOPY_CACHE_DIR to a writable folder)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"kvcopy: {problem}; the copy kernel is compiled in memory in each "
+            "process (set KVCOPY_CACHE_DIR to a writable folder)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def cached_cubin(arch: int, *, rebuild: bool = False) -> bytes:
@@ -190,8 +206,7 @@ def cached_cubin(arch: int, *, rebuild: bool = False) -> bytes:
     try:
         persist.atomic_write(path, _pack_cubin(cubin))
     except OSError as exc:
-        _warn_cache_once(f"the kernel cache {path.parent} cannot be written "
-                         f"({exc.strerror or exc})")
+        _warn_cache_once(f"the kernel cache {path.parent} cannot be written ({exc.strerror or exc})")
     return cubin
 
 
@@ -210,11 +225,11 @@ def _load_module(arch: int) -> int:
 class ScatterFunctions:
     """One copier's entry points, one per way a batch's descriptors reach the kernel."""
 
-    uploaded: int            # descriptors in device (or mapped pinned) memory
-    compact: int             # kvcopy_pair entries (copies of one size)
-    inline: int              # descriptors by value, KVCOPY_INLINE_MAX per launch
-    small: int               # by value within the 4 KiB parameter limit
-    tiny: int                # up to INLINE_MAX_TINY by value (1 KiB)
+    uploaded: int  # descriptors in device (or mapped pinned) memory
+    compact: int  # kvcopy_pair entries (copies of one size)
+    inline: int  # descriptors by value, KVCOPY_INLINE_MAX per launch
+    small: int  # by value within the 4 KiB parameter limit
+    tiny: int  # up to INLINE_MAX_TINY by value (1 KiB)
 
 
 @dataclass(frozen=True)
@@ -222,30 +237,43 @@ class CopyKernel:
     """The kernel loaded in one context."""
 
     module: int
-    function_uploaded: int     # descriptors in device memory, one launch per batch
-    function_blocks: int     # swap_blocks: tensor table + id mapping in device memory
-    function_both: int       # two batches in one launch, each with its own CTAs
-    function: int            # descriptors by value, KVCOPY_INLINE_MAX per launch
-    function_small: int      # descriptors by value within the 4 KiB parameter limit
-    function_tiny: int       # up to INLINE_MAX_TINY descriptors by value (1 KiB)
-    function_compact: int      # kvcopy_pair entries (copies of one size), one launch per batch
-    function_blocks_both: int   # two swap_blocks in one launch, each with its own CTAs
+    function_uploaded: int  # descriptors in device memory, one launch per batch
+    function_blocks: int  # swap_blocks: tensor table + id mapping in device memory
+    function_both: int  # two batches in one launch, each with its own CTAs
+    function: int  # descriptors by value, KVCOPY_INLINE_MAX per launch
+    function_small: int  # descriptors by value within the 4 KiB parameter limit
+    function_tiny: int  # up to INLINE_MAX_TINY descriptors by value (1 KiB)
+    function_compact: int  # kvcopy_pair entries (copies of one size), one launch per batch
+    function_blocks_both: int  # two swap_blocks in one launch, each with its own CTAs
     per_launch: int
-    bulk: ScatterFunctions   # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
-    function_rows: int = 0   # the layout kernel: addresses from layouts and indices
-    rows_report: int = 0     # device address of its out-of-range report
+    bulk: ScatterFunctions  # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
+    function_rows: int = 0  # the layout kernel: addresses from layouts and indices
+    rows_report: int = 0  # device address of its out-of-range report
 
     @functools.cached_property
     def registers(self) -> ScatterFunctions:
         """The register copier's entry points (built once: scatter() is on every launch)."""
-        return ScatterFunctions(self.function_uploaded, self.function_compact, self.function,
-                                self.function_small, self.function_tiny)
+        return ScatterFunctions(
+            self.function_uploaded,
+            self.function_compact,
+            self.function,
+            self.function_small,
+            self.function_tiny,
+        )
 
     @functools.cached_property
     def by_value(self) -> frozenset[int]:
         """Every entry point that takes its descriptors by value."""
-        return frozenset((self.function, self.function_small, self.function_tiny,
-                          self.bulk.inline, self.bulk.small, self.bulk.tiny))
+        return frozenset(
+            (
+                self.function,
+                self.function_small,
+                self.function_tiny,
+                self.bulk.inline,
+                self.bulk.small,
+                self.bulk.tiny,
+            )
+        )
 
     def scatter(self, variant: str) -> ScatterFunctions:
         """The entry points of the copier a Decision's ``variant`` names ('bulk', or
@@ -301,6 +329,7 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
 
         def function(name: str) -> int:
             return launch.module_function(module, name.encode())
+
         kernel = CopyKernel(
             module=module,
             function_uploaded=function("kvcopy_scatter"),
@@ -312,10 +341,13 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             function_tiny=function("kvcopy_scatter_inline_tiny"),
             function_compact=function("kvcopy_scatter_pairs"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
-            bulk=ScatterFunctions(function("kvcopy_bulk_scatter"), function("kvcopy_bulk_pairs"),
-                                  function("kvcopy_bulk_inline"),
-                                  function("kvcopy_bulk_inline_small"),
-                                  function("kvcopy_bulk_inline_tiny")),
+            bulk=ScatterFunctions(
+                function("kvcopy_bulk_scatter"),
+                function("kvcopy_bulk_pairs"),
+                function("kvcopy_bulk_inline"),
+                function("kvcopy_bulk_inline_small"),
+                function("kvcopy_bulk_inline_tiny"),
+            ),
             function_rows=function("kvcopy_rows"),
             rows_report=rows.report_address(module),
         )

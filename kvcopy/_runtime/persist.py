@@ -15,6 +15,7 @@ The rules, said once:
   :data:`MAX_NUMBER_CHARS` characters, no nesting deeper than :data:`MAX_DEPTH`,
   no file larger than :data:`MAX_FILE_BYTES`. Anything else is :class:`BadFile`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-try:   # POSIX; elsewhere writes are still atomic, only not serialised
+try:  # POSIX; elsewhere writes are still atomic, only not serialised
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
@@ -73,6 +74,7 @@ def _constant(allow_infinity: bool) -> Any:
         if name == "Infinity" and allow_infinity:
             return float("inf")
         raise BadFile(f"holds the non-JSON number {name}")
+
     return parse
 
 
@@ -84,6 +86,7 @@ def _bounded_number(kind: type) -> Any:
         if kind is float and value in (float("inf"), float("-inf")):
             raise BadFile(f"holds {text}, which overflows a float")
         return value
+
     return parse
 
 
@@ -105,13 +108,17 @@ def parse_json(data: bytes, *, allow_infinity: bool = False) -> Any:
     if data.count(b"[") + data.count(b"{") > 0 and _bracket_depth(data) > MAX_DEPTH:
         raise BadFile(f"nests deeper than {MAX_DEPTH} levels")
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_constant(allow_infinity),
-                           parse_float=_bounded_number(float), parse_int=_bounded_number(int))
+        value = json.loads(
+            data.decode("utf-8"),
+            parse_constant=_constant(allow_infinity),
+            parse_float=_bounded_number(float),
+            parse_int=_bounded_number(int),
+        )
     except BadFile:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadFile(f"is not valid JSON ({type(exc).__name__}: {exc})") from None
-    if _depth(value) > MAX_DEPTH:   # pragma: no cover - _bracket_depth refuses it first
+    if _depth(value) > MAX_DEPTH:  # pragma: no cover - _bracket_depth refuses it first
         raise BadFile(f"nests deeper than {MAX_DEPTH} levels")
     return value
 
@@ -125,9 +132,9 @@ def _bracket_depth(data: bytes) -> int:
         if in_string:
             if escaped:
                 escaped = False
-            elif byte == 0x5C:   # backslash
+            elif byte == 0x5C:  # backslash
                 escaped = True
-            elif byte == 0x22:   # quote
+            elif byte == 0x22:  # quote
                 in_string = False
         elif byte == 0x22:
             in_string = True

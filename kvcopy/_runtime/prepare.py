@@ -1,4 +1,5 @@
 """What a process's first copy on a device does, done when the caller chooses."""
+
 from __future__ import annotations
 
 from kvcopy._runtime import device as devices
@@ -37,5 +38,5 @@ def prepare(device: int | None = None) -> None:
 
 def prepare_current_context() -> None:
     """prepare() for the calling thread's current context (it must have one)."""
-    devices.device_info(driver.context_device())   # (loads the copy kernel)
+    devices.device_info(driver.context_device())  # (loads the copy kernel)
     ring.ring_for_current_context()

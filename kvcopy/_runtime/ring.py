@@ -12,6 +12,7 @@ cache lines are still in the CPU's cache, and writing 256 KiB of descriptors
 into memory that is not costs more than describing them. Only a slot still in
 flight makes the ring move on.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,7 @@ from kvcopy.policy import RING_MIN_CAPACITY_BYTES, RING_SLOTS
 class Slot:
     capacity: int = 0
     host: int = 0
-    mapped: int = 0     # where the device sees ``host``
+    mapped: int = 0  # where the device sees ``host``
     device: int = 0
     event: int = 0
     used: bool = False

@@ -1,6 +1,7 @@
 """Streams of kvcopy's own beside each caller's stream, for work that runs apart from
 the caller's stream and joins it again (copy_both_ways' second side, staged copies'
 copy-engine work)."""
+
 from __future__ import annotations
 
 import threading
@@ -24,7 +25,7 @@ class SideStreams:
 
     def for_caller(self, handle: int, index: int = 0) -> int:
         key = (handle, index)
-        side = self._by_caller.get(key)   # entries are only ever added
+        side = self._by_caller.get(key)  # entries are only ever added
         if side is not None:
             return side
         with self._lock:
@@ -34,7 +35,7 @@ class SideStreams:
                     side = driver.stream_create(non_blocking=True)
                     self._created.append(side)
                     self._by_caller[key] = side
-                else:   # handles are aligned pointers: hash them, not their low bits;
+                else:  # handles are aligned pointers: hash them, not their low bits;
                     # a caller's shared side streams are distinct from each other, so
                     # its staged copies and kernels still overlap
                     side = self._created[(hash((handle,)) + index) % MAX_SIDE_STREAMS]

@@ -1,4 +1,5 @@
 """Command line: python -m kvcopy.bench [--quick] [--device N] [--calibrate] [--out DIR]."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,24 @@ from kvcopy.bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
-BATCH_BYTES = 64 * MiB   # bytes per batch of the block sweep (GPU-to-GPU: four times that)
-SCHEMA_VERSION = 2       # of results.json: meta says device, driver, CUDA, torch, kvcopy, date
+BATCH_BYTES = 64 * MiB  # bytes per batch of the block sweep (GPU-to-GPU: four times that)
+SCHEMA_VERSION = 2  # of results.json: meta says device, driver, CUDA, torch, kvcopy, date
 QUICK_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 PEER_BLOCKS = [2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
-FULL_BLOCKS = [2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
-               512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB]
+FULL_BLOCKS = [
+    2 * KiB,
+    4 * KiB,
+    8 * KiB,
+    16 * KiB,
+    32 * KiB,
+    64 * KiB,
+    128 * KiB,
+    256 * KiB,
+    512 * KiB,
+    1 * MiB,
+    2 * MiB,
+    4 * MiB,
+]
 
 
 def torch_device_count() -> int:
@@ -44,8 +57,9 @@ def _block_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected KiB integers separated by commas, got {text!r}")
     bad = [k for k in sizes if not 1 <= k <= BATCH_BYTES // KiB]
     if bad:
-        raise argparse.ArgumentTypeError(f"block sizes must be from 1 to {BATCH_BYTES // KiB} KiB "
-                                         f"(the batch's size); got {bad}")
+        raise argparse.ArgumentTypeError(
+            f"block sizes must be from 1 to {BATCH_BYTES // KiB} KiB (the batch's size); got {bad}"
+        )
     return [k * KiB for k in sizes]
 
 
@@ -62,24 +76,45 @@ def _device_index(text: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Every argument checked before anything is measured (the output folder made and
     written to once), so that a run never ends in an error after its stages."""
-    parser = argparse.ArgumentParser(prog="python -m kvcopy.bench",
-                                     description="kvcopy against the ceiling and the alternatives")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcopy.bench", description="kvcopy against the ceiling and the alternatives"
+    )
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"),
-                        help="folder for results.json, results.csv and the plots (default "
-                             "bench-out; made if missing, files in it replaced)")
-    parser.add_argument("--device", type=_device_index, default=0,
-                        help="the GPU to measure (default 0); GPU-to-GPU rows use it and the next")
-    parser.add_argument("--no-alternatives", action="store_true",
-                        help="leave out the other libraries' paths (Triton, cuda.core, torch)")
-    parser.add_argument("--blocks", type=_block_list, default=None,
-                        help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64")
-    parser.add_argument("--no-scenarios", action="store_true",
-                        help="only the block sweep (no GPU-to-GPU, bidirectional, compute, "
-                             "layouts, swap_blocks)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
-                             "it finds on this host, as a deployment that calibrates would")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out"),
+        help="folder for results.json, results.csv and the plots (default "
+        "bench-out; made if missing, files in it replaced)",
+    )
+    parser.add_argument(
+        "--device",
+        type=_device_index,
+        default=0,
+        help="the GPU to measure (default 0); GPU-to-GPU rows use it and the next",
+    )
+    parser.add_argument(
+        "--no-alternatives",
+        action="store_true",
+        help="leave out the other libraries' paths (Triton, cuda.core, torch)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=_block_list,
+        default=None,
+        help="comma-separated block sizes in KiB instead of the sweep's, e.g. 16,64",
+    )
+    parser.add_argument(
+        "--no-scenarios",
+        action="store_true",
+        help="only the block sweep (no GPU-to-GPU, bidirectional, compute, layouts, swap_blocks)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run kvcopy.calibrate() first (not saved), so that 'auto' uses what "
+        "it finds on this host, as a deployment that calibrates would",
+    )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: not a folder")
@@ -95,8 +130,10 @@ def make_out(out: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        print(f"python -m kvcopy.bench: error: --out {out}: cannot write there "
-              f"({exc.strerror or exc})", file=sys.stderr)
+        print(
+            f"python -m kvcopy.bench: error: --out {out}: cannot write there ({exc.strerror or exc})",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
 
 
@@ -117,17 +154,31 @@ def run_metadata(name: str, device: int) -> dict:
         pass
     commit = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(kvcopy.__file__).parent, timeout=5).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(kvcopy.__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"schema_version": SCHEMA_VERSION, "device": name, "device_index": device,
-            "driver_version": version,
-            "driver": None if version is None else f"{version // 1000}.{version % 1000 // 10}",
-            "cuda_runtime": torch.version.cuda, "torch": torch.__version__,
-            "kvcopy": kvcopy.__version__, "kvcopy_commit": commit,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "device": name,
+        "device_index": device,
+        "driver_version": version,
+        "driver": None if version is None else f"{version // 1000}.{version % 1000 // 10}",
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "kvcopy": kvcopy.__version__,
+        "kvcopy_commit": commit,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     kvcopy_memory = [b for b in blocks if b == 16 * KiB] if args.quick else blocks
     jobs += [(d, b, "kvcopy") for d in ("h2d", "d2h") for b in kvcopy_memory]
     rows, scenarios, stage_seconds = [], {}, {}
-    max_loop_count = 4096 if args.quick else 32768   # per-block alternatives: seconds per batch
+    max_loop_count = 4096 if args.quick else 32768  # per-block alternatives: seconds per batch
     t0 = time.time()
     steps = len(jobs) + (0 if args.no_scenarios else 7)
     for i, (direction, block, memory) in enumerate(jobs):
@@ -155,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         size = 4 * total if direction == "d2d" else total
         alternatives = not args.no_alternatives and memory == "torch"
-        rows += [r.as_dict() for r in block_copy_rows(direction, block, size, memory, methods,
-                                                      alternatives, repeats, max_loop_count)]
+        rows += [
+            r.as_dict()
+            for r in block_copy_rows(
+                direction, block, size, memory, methods, alternatives, repeats, max_loop_count
+            )
+        ]
         stage_seconds[label] = round(time.time() - started, 2)
     if not args.no_scenarios and gpu_pairs.gpu_pair_available():
         progress(len(jobs), steps, "GPU0 <-> GPU1")
@@ -167,21 +222,37 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_scenarios:
         # quick: a 1024-block cache (2 GiB pinned); full: 4096 blocks (8 GiB pinned, ~10 s to pin)
         counts = (16, 256, 1024) if args.quick else (16, 64, 256, 1024, 4096)
-        stages = [("bidirectional", "both directions at once",
-                   lambda: extra.bidirectional(repeats=repeats)),
-                  ("host_spans", "host side one span (staged)",
-                   lambda: extra.host_spans(repeats=repeats)),
-                  ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
-                  ("compute_beside", "compute beside the copy (paired)",
-                   lambda: [row for direction in ("h2d", "d2h") for row in beside.compute_beside(
-                       pairs=12 if args.quick else 24, direction=direction)]),
-                  ("serving_step", "matmul beside a store and a load",
-                   lambda: [row for block in (16 * KiB, 256 * KiB) for row in beside.serving_step(
-                       pairs=8 if args.quick else 16, block=block)]),
-                  ("layouts", "layout transfers (copy_rows)", layouts.run_here),
-                  ("swap_blocks", "swap_blocks on a paged cache",
-                   lambda: extra.swap_blocks_cache(counts, repeats,
-                                                   batch_max_copies=16384 if args.quick else None))]
+        stages = [
+            ("bidirectional", "both directions at once", lambda: extra.bidirectional(repeats=repeats)),
+            ("host_spans", "host side one span (staged)", lambda: extra.host_spans(repeats=repeats)),
+            ("small_batches", "16-256 blocks, call to completion", extra.small_batches),
+            (
+                "compute_beside",
+                "compute beside the copy (paired)",
+                lambda: [
+                    row
+                    for direction in ("h2d", "d2h")
+                    for row in beside.compute_beside(pairs=12 if args.quick else 24, direction=direction)
+                ],
+            ),
+            (
+                "serving_step",
+                "matmul beside a store and a load",
+                lambda: [
+                    row
+                    for block in (16 * KiB, 256 * KiB)
+                    for row in beside.serving_step(pairs=8 if args.quick else 16, block=block)
+                ],
+            ),
+            ("layouts", "layout transfers (copy_rows)", layouts.run_here),
+            (
+                "swap_blocks",
+                "swap_blocks on a paged cache",
+                lambda: extra.swap_blocks_cache(
+                    counts, repeats, batch_max_copies=16384 if args.quick else None
+                ),
+            ),
+        ]
         for k, (key, label, run) in enumerate(stages):
             progress(len(jobs) + k, steps, label)
             started = time.time()
@@ -190,37 +261,58 @@ def main(argv: list[str] | None = None) -> int:
     progress(steps, steps, "done")
     sys.stderr.write("\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {**run_metadata(name, args.device),
-            "quick": args.quick, "seconds": round(time.time() - t0, 1),
-            "stage_seconds": stage_seconds,
-            "gpus": torch_device_count(), "calibrated": calibrated,
-            "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
-                      "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
-                      "from an idle stream; medians"}
+    meta = {
+        **run_metadata(name, args.device),
+        "quick": args.quick,
+        "seconds": round(time.time() - t0, 1),
+        "stage_seconds": stage_seconds,
+        "gpus": torch_device_count(),
+        "calibrated": calibrated,
+        "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
+        "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
+        "from an idle stream; medians",
+    }
     report.write_json(args.out / "results.json", meta, rows, {"scenarios": scenarios})
     report.write_csv(args.out / "results.csv", rows)
-    plotted = report.plot(args.out / "results.png", rows, f"kvcopy on {name}: scattered blocks, "
-                          f"{total >> 20} MiB per batch (GPU-to-GPU {4 * total >> 20} MiB)")
-    plotted_scenarios = report.plot_scenarios(args.out / "scenarios.png", scenarios,
-                                              f"kvcopy on {name}: serving-like load")
+    plotted = report.plot(
+        args.out / "results.png",
+        rows,
+        f"kvcopy on {name}: scattered blocks, {total >> 20} MiB per batch (GPU-to-GPU {4 * total >> 20} MiB)",
+    )
+    plotted_scenarios = report.plot_scenarios(
+        args.out / "scenarios.png", scenarios, f"kvcopy on {name}: serving-like load"
+    )
     print_table(rows, scenarios)
-    print(f"wrote {args.out}/results.json, results.csv" + (", results.png" if plotted else "")
-          + (", scenarios.png" if plotted_scenarios else ""))
+    print(
+        f"wrote {args.out}/results.json, results.csv"
+        + (", results.png" if plotted else "")
+        + (", scenarios.png" if plotted_scenarios else "")
+    )
     return 0
 
 
 def print_table(rows: list[dict], scenarios: dict) -> None:
-    print(f"{'dir':4} {'block':>8} {'memory':>6} {'method':>22} {'chose':>7} {'copier':>9} "
-          f"{'GB/s':>8} {'ceil':>6} {'wallGB/s':>9} {'cpu_us':>9}")
+    print(
+        f"{'dir':4} {'block':>8} {'memory':>6} {'method':>22} {'chose':>7} {'copier':>9} "
+        f"{'GB/s':>8} {'ceil':>6} {'wallGB/s':>9} {'cpu_us':>9}"
+    )
     for r in rows:
-        print(f"{r['direction']:4} {r['block_bytes'] // KiB:>6}Ki {r['memory']:>6} {r['method']:>22} "
-              f"{r['chose']:>7} {r.get('copier', ''):>9} {r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} "
-              f"{r['wall_gbps']:9.1f} {r['cpu_us']:9.1f}")
+        print(
+            f"{r['direction']:4} {r['block_bytes'] // KiB:>6}Ki {r['memory']:>6} {r['method']:>22} "
+            f"{r['chose']:>7} {r.get('copier', ''):>9} {r['gbps']:8.1f} {r['fraction_of_ceiling']:6.2f} "
+            f"{r['wall_gbps']:9.1f} {r['cpu_us']:9.1f}"
+        )
     for name, items in scenarios.items():
         print(f"-- {name}")
         for item in items:
-            print("   " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in item.items() if k != "scenario"))
+            print(
+                "   "
+                + " ".join(
+                    f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in item.items()
+                    if k != "scenario"
+                )
+            )
 
 
 if __name__ == "__main__":

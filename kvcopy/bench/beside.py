@@ -8,6 +8,7 @@ batched DMA's CPU cost limits it as it would in an engine. Each matmul window
 waits behind a sleep kernel on its stream while it is enqueued, so that the
 Python thread's turns never leave the compute stream idle.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,7 @@ from kvcopy.bench.scenarios import Pools
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
-_GATE_CYCLES = 40_000_000      # ~20 ms at 2 GHz: the copies are flowing when the window opens
+_GATE_CYCLES = 40_000_000  # ~20 ms at 2 GHz: the copies are flowing when the window opens
 
 
 @dataclass
@@ -47,8 +48,10 @@ class CopyLoop:
         self.rounds = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._events = {c.name: (torch.cuda.Event(enable_timing=True),
-                                 torch.cuda.Event(enable_timing=True)) for c in copiers}
+        self._events = {
+            c.name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for c in copiers
+        }
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -117,8 +120,13 @@ class Matmuls:
 
 def _spread(ratios: list[float]) -> dict:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"median_slowdown": statistics.median(ratios), "p25_slowdown": q[0],
-            "p75_slowdown": q[2], "min_slowdown": min(ratios), "max_slowdown": max(ratios)}
+    return {
+        "median_slowdown": statistics.median(ratios),
+        "p25_slowdown": q[0],
+        "p75_slowdown": q[2],
+        "min_slowdown": min(ratios),
+        "max_slowdown": max(ratios),
+    }
 
 
 def paired(matmuls: Matmuls, copiers: list[Copier], pairs: int) -> tuple[dict, dict, float]:
@@ -134,15 +142,16 @@ def paired(matmuls: Matmuls, copiers: list[Copier], pairs: int) -> tuple[dict, d
         alone.append(t_alone)
         for name, value in gbps.items():
             rates[name].append(value)
-    return (_spread(ratios), {k: statistics.median(v) for k, v in rates.items()},
-            statistics.median(alone))
+    return (_spread(ratios), {k: statistics.median(v) for k, v in rates.items()}, statistics.median(alone))
 
 
 COMPUTE_VARIANTS: list[tuple[str, dict]] = [
-    ("batch", {"method": "batch"}), ("kernel", {"method": "kernel"}),
+    ("batch", {"method": "batch"}),
+    ("kernel", {"method": "kernel"}),
     ("kernel, registers", {"method": "kernel", "bulk_stores": False}),
     ("kernel 1 CTA", {"method": "kernel", "max_ctas": 1}),
-    ("auto, stores_by_dma", {"stores_by_dma": True})]
+    ("auto, stores_by_dma", {"stores_by_dma": True}),
+]
 
 
 @contextlib.contextmanager
@@ -154,9 +163,13 @@ def settings(options: dict) -> Iterator[dict]:
         yield {k: v for k, v in options.items() if k not in names}
 
 
-def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB,
-                   direction: str = "h2d",
-                   variants: list[tuple[str, dict]] | None = None) -> Iterator[dict]:
+def compute_beside(
+    pairs: int = 20,
+    block: int = 16 * KiB,
+    total: int = 64 * MiB,
+    direction: str = "h2d",
+    variants: list[tuple[str, dict]] | None = None,
+) -> Iterator[dict]:
     """The matmul window alone and beside continuous copies one way, per variant
     (label, copy_batch options); 'kernel' is the default footprint."""
     import torch
@@ -167,20 +180,34 @@ def compute_beside(pairs: int = 20, block: int = 16 * KiB, total: int = 64 * MiB
     stream = torch.cuda.Stream()
     for label, options in variants or COMPUTE_VARIANTS:
         with settings(options) as copy_options:
+
             def call(options: dict = copy_options) -> object:
                 return kvcopy.copy_batch(*ptrs, stream=stream, **options)
-            spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)],
-                                            pairs)
-        yield {"scenario": "compute_beside", "direction": direction, "method": label,
-               "block_bytes": block, "pairs": pairs, **spread, "alone_ms": alone_ms,
-               "copy_gbps": gbps[direction]}
+
+            spread, gbps, alone_ms = paired(matmuls, [Copier(direction, call, stream, total)], pairs)
+        yield {
+            "scenario": "compute_beside",
+            "direction": direction,
+            "method": label,
+            "block_bytes": block,
+            "pairs": pairs,
+            **spread,
+            "alone_ms": alone_ms,
+            "copy_gbps": gbps[direction],
+        }
 
 
 # The settings of the rows labelled 'each call alone': the traffic window off, so that a
 # copy one way is decided without the other way's.
 EACH_CALL_ALONE = {"traffic_window_ms": 0}
-SERVING_METHODS = ("auto", "auto, each call alone", "kernel", "batch", "copy_both_ways",
-                   "auto, stores_by_dma")
+SERVING_METHODS = (
+    "auto",
+    "auto, each call alone",
+    "kernel",
+    "batch",
+    "copy_both_ways",
+    "auto, stores_by_dma",
+)
 
 
 def _settings_of(method: str) -> dict:
@@ -206,18 +233,33 @@ def serving_step(pairs: int = 10, block: int = 16 * KiB, total: int = 64 * MiB) 
     for method in SERVING_METHODS:
         with settings(_settings_of(method)):
             if method == "copy_both_ways":
-                both = Copier("store+load", functools.partial(kvcopy.copy_both_ways, store, load,
-                                                              stream=s_store), s_store, 2 * total)
+                both = Copier(
+                    "store+load",
+                    functools.partial(kvcopy.copy_both_ways, store, load, stream=s_store),
+                    s_store,
+                    2 * total,
+                )
                 spread, gbps, alone_ms = paired(matmuls, [both], pairs)
                 gbps = {"store": gbps["store+load"] / 2, "load": gbps["store+load"] / 2}
             else:
                 requested = cast(RequestedMethod, method.split(",")[0])
-                copiers = [Copier(name, functools.partial(kvcopy.copy_batch, *batch,
-                                                          stream=stream, method=requested),
-                                  stream, total)
-                           for name, batch, stream in (("store", store, s_store),
-                                                       ("load", load, s_load))]
+                copiers = [
+                    Copier(
+                        name,
+                        functools.partial(kvcopy.copy_batch, *batch, stream=stream, method=requested),
+                        stream,
+                        total,
+                    )
+                    for name, batch, stream in (("store", store, s_store), ("load", load, s_load))
+                ]
                 spread, gbps, alone_ms = paired(matmuls, copiers, pairs)
-        yield {"scenario": "serving_step", "method": method, "block_bytes": block,
-               "pairs": pairs, "store_gbps": gbps["store"], "load_gbps": gbps["load"],
-               **spread, "alone_ms": alone_ms}
+        yield {
+            "scenario": "serving_step",
+            "method": method,
+            "block_bytes": block,
+            "pairs": pairs,
+            "store_gbps": gbps["store"],
+            "load_gbps": gbps["load"],
+            **spread,
+            "alone_ms": alone_ms,
+        }

@@ -1,4 +1,5 @@
 """Timing by CUDA events (GPU time) and wall clock (CPU time and end-to-end time)."""
+
 from __future__ import annotations
 
 import statistics
@@ -11,9 +12,9 @@ _CYCLES_PER_US = 2000  # a safe upper bound of the SM clock (data-centre GPUs ru
 
 @dataclass
 class Timing:
-    gpu_ms: float        # median GPU time of the enqueued work, CUDA events
-    cpu_us: float        # median wall time from the call to its return
-    wall_ms: float       # median wall time from the call until the stream is idle
+    gpu_ms: float  # median GPU time of the enqueued work, CUDA events
+    cpu_us: float  # median wall time from the call to its return
+    wall_ms: float  # median wall time from the call until the stream is idle
     runs: int
 
 
@@ -54,8 +55,9 @@ def measure(fn: Callable[[], object], stream, *, repeats: int = 7, warmup: int =
     return Timing(statistics.median(gpu), statistics.median(cpu), statistics.median(wall), repeats)
 
 
-def _call_times_us(fn: Callable[[], object], synchronize: Callable[[], object], calls: int,
-                   warmup: int, timed_sync: bool) -> list[float]:
+def _call_times_us(
+    fn: Callable[[], object], synchronize: Callable[[], object], calls: int, warmup: int, timed_sync: bool
+) -> list[float]:
     """µs of each of ``calls`` calls of ``fn`` from an idle stream, ``synchronize`` after
     each: inside the timing with ``timed_sync``, outside it otherwise."""
     for _ in range(warmup):
@@ -73,22 +75,31 @@ def _call_times_us(fn: Callable[[], object], synchronize: Callable[[], object], 
     return times
 
 
-def call_to_completion_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
-                          repeats: int = 300, warmup: int = 10) -> float:
+def call_to_completion_us(
+    fn: Callable[[], object], synchronize: Callable[[], object], *, repeats: int = 300, warmup: int = 10
+) -> float:
     """Median wall time of ``fn`` and then ``synchronize`` (from an idle stream), in µs."""
     return statistics.median(_call_times_us(fn, synchronize, repeats, warmup, True))
 
 
-def call_cpu_us(fn: Callable[[], object], synchronize: Callable[[], object], *,
-                calls: int = 200, warmup: int = 20) -> tuple[float, float]:
+def call_cpu_us(
+    fn: Callable[[], object], synchronize: Callable[[], object], *, calls: int = 200, warmup: int = 20
+) -> tuple[float, float]:
     """Median and least CPU time from call to return of ``fn`` (µs), each call made on
     an idle stream (``synchronize`` after each, outside the timing)."""
     times = _call_times_us(fn, synchronize, calls, warmup, False)
     return statistics.median(times), min(times)
 
 
-def span_ms(fn: Callable[[], object], first, second, *, repeats: int = 7, warmup: int = 2,
-            cover_cycles: int | None = 4_000_000) -> float:
+def span_ms(
+    fn: Callable[[], object],
+    first,
+    second,
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    cover_cycles: int | None = 4_000_000,
+) -> float:
     """Median GPU time of work ``fn`` enqueues on two torch streams (of one device or
     two), from when both may start until both are done: ``second`` waits for the
     start event on ``first``, and ``first`` for the end of ``second``. A sleep on

@@ -1,4 +1,5 @@
 """Batches the benchmark and the probes measure, built in one place."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,8 +9,9 @@ import numpy as np
 KiB = 1 << 10
 
 
-def scattered_batch(count: int = 8192, block: int = 16 * KiB, seed: int = 0
-                    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+def scattered_batch(
+    count: int = 8192, block: int = 16 * KiB, seed: int = 0
+) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
     """``count`` blocks of ``block`` bytes at random slots of a pinned pool, to random
     slots of a device pool (each pool twice the batch): (buffers to keep alive,
     source pointers, destination pointers, sizes), the pointers as uint64 arrays."""
@@ -38,5 +40,6 @@ def layered_caches(blocks: int = 2048, layers: int = 32) -> tuple[list, list]:
 def block_pairs(blocks: int, pairs: int, seed: int = 1) -> np.ndarray:
     """(pairs, 2) distinct random [source block, destination block] ids below ``blocks``."""
     rng = np.random.default_rng(seed)
-    return np.stack([rng.choice(blocks, pairs, replace=False),
-                     rng.choice(blocks, pairs, replace=False)], axis=1)
+    return np.stack(
+        [rng.choice(blocks, pairs, replace=False), rng.choice(blocks, pairs, replace=False)], axis=1
+    )

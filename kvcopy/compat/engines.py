@@ -15,6 +15,7 @@ hook; a ``sitecustomize.py`` on ``PYTHONPATH`` that calls ``patch_from_environme
 runs in every Python process, its spawned workers included (docs/engines.md).
 Each engine patched logs one line (logger ``kvcopy.engines``, INFO).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,12 @@ from kvcopy.compat import vllm as vllm_compat
 
 _log = logging.getLogger("kvcopy.engines")
 _TRUE = {"1", "true", "yes", "on"}
-_LMCACHE_OPS = ("multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral",
-                "single_layer_kv_transfer", "single_layer_kv_transfer_sgl")
+_LMCACHE_OPS = (
+    "multi_layer_kv_transfer",
+    "multi_layer_kv_transfer_unilateral",
+    "single_layer_kv_transfer",
+    "single_layer_kv_transfer_sgl",
+)
 
 
 def _module(name: str) -> ModuleType | None:
@@ -79,16 +84,17 @@ def patch(*engines: str) -> dict[str, bool]:
     names = engines or tuple(_PATCHES)
     unknown = [n for n in names if n not in _PATCHES]
     if unknown:
-        raise ValueError(f"patch: unknown engine {unknown[0]!r}; expected one of "
-                         f"{', '.join(_PATCHES)}")
+        raise ValueError(f"patch: unknown engine {unknown[0]!r}; expected one of {', '.join(_PATCHES)}")
     done = {}
     for name in names:
         done[name] = _PATCHES[name]()
         if done[name]:
             _log.info("kvcopy: %s's copies go through kvcopy (process %d)", name, os.getpid())
         else:
-            _log.warning("kvcopy: %s was asked for but its modules cannot be imported here; "
-                         "its copies stay its own", name)
+            _log.warning(
+                "kvcopy: %s was asked for but its modules cannot be imported here; its copies stay its own",
+                name,
+            )
     return done
 
 

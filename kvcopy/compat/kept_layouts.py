@@ -13,6 +13,7 @@ contents too), holding no reference to them. Nor does it name them to copy_rows,
 which finds the framework's current stream through a layout's tensors where the
 indices name none: copy_kept passes that stream itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ from kvcopy.layouts import Layout
 _layouts = PerTensors(2048)
 
 
-def kept_layout(tensors: Sequence[Any], args: tuple, build: Callable[[], Layout], *,
-                contents: bool = False) -> Layout:
+def kept_layout(
+    tensors: Sequence[Any], args: tuple, build: Callable[[], Layout], *, contents: bool = False
+) -> Layout:
     """``build()``, the layout of ``tensors`` shaped by ``args`` (hashable, naming the
     builder too), or the one kept for these tensor objects and ``args`` where none of
     them has changed (``contents``: their values count too, as for tables of
@@ -38,15 +40,20 @@ def kept_layout(tensors: Sequence[Any], args: tuple, build: Callable[[], Layout]
 
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         return build()
-    return _layouts.get(tensors, args, lambda: dataclasses.replace(build(), keep=()),
-                        contents=contents)
+    return _layouts.get(tensors, args, lambda: dataclasses.replace(build(), keep=()), contents=contents)
 
 
-def copy_kept(src: Layout, dst: Layout, src_indices: Any, dst_indices: Any, *,
-              engine: Sequence[Any], rows: int | None = None) -> str:
+def copy_kept(
+    src: Layout,
+    dst: Layout,
+    src_indices: Any,
+    dst_indices: Any,
+    *,
+    engine: Sequence[Any],
+    rows: int | None = None,
+) -> str:
     """copy_rows between kept layouts on the current stream of the framework of the
     indices or, where they name none, of ``engine`` (a tensor of each side): the stream
     copy_rows would have found through the layouts' tensors."""
-    stream = current_framework_stream(*(i for i in (src_indices, dst_indices) if i is not None),
-                                      *engine)
+    stream = current_framework_stream(*(i for i in (src_indices, dst_indices) if i is not None), *engine)
     return copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=stream)

@@ -12,6 +12,7 @@ contents count as fixed for the object, so a table that changes must be a new te
 as the engines' own tables are. Only weak references to the tensors are held: a freed
 tensor is never kept alive, and a new tensor at a freed one's address is read anew.
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,16 +30,16 @@ def version_of(tensor: Any) -> int:
 def _facts(tensors: Sequence[Any], contents: bool) -> list:
     """What a value kept for tensor objects rests on (about 0.35 µs a tensor)."""
     if contents:
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version_of(t))
-                for t in tensors]
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version_of(t)) for t in tensors]
     return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
 
 class _Entry:
     __slots__ = ("tensors", "facts", "value")
 
-    def __init__(self, tensors: Sequence[Any], facts: list, value: Any,
-                 gone: Callable[[object], None]) -> None:
+    def __init__(
+        self, tensors: Sequence[Any], facts: list, value: Any, gone: Callable[[object], None]
+    ) -> None:
         self.tensors = tuple(weakref.ref(t, gone) for t in tensors)
         self.facts, self.value = facts, value
 
@@ -56,10 +57,11 @@ class PerTensors:
     def __init__(self, limit: int) -> None:
         self._kept: dict[tuple, _Entry] = {}
         self._limit = limit
-        self._changing = threading.Lock()   # (lookups read the dict as it stands)
+        self._changing = threading.Lock()  # (lookups read the dict as it stands)
 
-    def get(self, tensors: Sequence[Any], args: tuple, build: Callable[[], Any], *,
-            contents: bool = False) -> Any:
+    def get(
+        self, tensors: Sequence[Any], args: tuple, build: Callable[[], Any], *, contents: bool = False
+    ) -> Any:
         """The value kept for these tensor objects (torch tensors) and ``args``
         (hashable) where none of them has changed, else ``build()``'s, kept."""
         key = (tuple(map(id, tensors)), args)
@@ -70,7 +72,7 @@ class PerTensors:
         value = build()
         with self._changing:
             if key not in self._kept:
-                make_room(self._kept, self._limit)   # (entries of freed tensors are gone)
+                make_room(self._kept, self._limit)  # (entries of freed tensors are gone)
             self._kept[key] = _Entry(tensors, facts, value, dropper(self._kept, key))
         return value
 

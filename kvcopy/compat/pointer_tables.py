@@ -8,6 +8,7 @@ device or torch's version counter changes, and never reused for another tensor, 
 one that torch's caching allocator puts at the same address). An inference tensor
 has no version counter: its values are read once for the object.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,11 @@ def _read(table: Any, name: str) -> _Table:
 def _kept(table: Any, name: str) -> _Table:
     import torch
 
-    if not isinstance(table, torch.Tensor) or table.dim() != 1 \
-            or table.dtype not in (torch.int64, torch.uint64):
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.dim() != 1
+        or table.dtype not in (torch.int64, torch.uint64)
+    ):
         raise TypeError(f"{name} must be a 1-D int64 (or uint64) torch.Tensor of addresses")
     return _tables.get([table], (), lambda: _read(table, name), contents=True)
 
@@ -58,23 +62,24 @@ def reaches_of(table: Any, name: str, count: int) -> list[int]:
     driver reports it: how far a layer given only by its address may be addressed.
     ValueError naming the table where an address is not memory the driver knows."""
     found = _kept(table, name)
-    for address in found.addresses[len(found.reaches):count]:
+    for address in found.addresses[len(found.reaches) : count]:
         found.reaches.append(_reach_of(address, name))
     return found.reaches[:count]
 
 
 def _reach_of(address: int, name: str) -> int:
-    driver.init()   # NoDriverError, kvcopy's own, where there is no driver
+    driver.init()  # NoDriverError, kvcopy's own, where there is no driver
     from cuda.bindings import driver as cu
 
-    attrs = (cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-             cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+    attrs = (
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    )
     answers = []
     for attr in attrs:
         err, value = cu.cuPointerGetAttribute(attr, address)
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise ValueError(f"{name}: address {address:#x} is not memory the CUDA driver knows "
-                             f"({err.name})")
+            raise ValueError(f"{name}: address {address:#x} is not memory the CUDA driver knows ({err.name})")
         answers.append(int(value))
     start, size = answers
     return start + size - address
@@ -88,7 +93,6 @@ def slots_apart(bases: list[int], reaches: list[int], row: int, stride: int | No
     planes. Planes named twice are left to the destination's overlap check."""
     ordered = sorted(set(bases))
     following = dict(zip(ordered, ordered[1:]))
-    span = min(min(reach, following.get(base, base + reach) - base)
-               for base, reach in zip(bases, reaches))
+    span = min(min(reach, following.get(base, base + reach) - base) for base, reach in zip(bases, reaches))
     step = row if stride is None else stride
     return 0 if span < row else (span - row) // max(step, 1) + 1

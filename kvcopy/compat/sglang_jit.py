@@ -16,6 +16,7 @@ kvcopy's policy. Each call is one kvcopy.copy_rows on torch's current stream.
 SGLang's staged write-back forms (``*_staged_lf_pf``) are not provided: kvcopy's
 copy_rows stages by itself where that is faster.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,10 @@ def _items(tensors: tuple, names: tuple, element_dim: Any) -> Layout:
             try:
                 views.append(t if t.dim() == 2 and t.shape[1] == dim else t.view(-1, dim))
             except RuntimeError:
-                raise ValueError(f"{name}: shape {tuple(t.shape)} strides {tuple(t.stride())} "
-                                 f"cannot be seen as items of {dim} elements") from None
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} strides {tuple(t.stride())} "
+                    f"cannot be seen as items of {dim} elements"
+                ) from None
         return Layout.of(views, slot=0, name=names[0])
 
     return kept_layout(tensors, ("jit items", dim), build)
@@ -58,10 +61,11 @@ def _widened(indices: Any) -> Any:
 
 
 def _element_size(element_size: Any, src_stride: int, dst_stride: int) -> int:
-    if element_size is None:   # (SGLang's rule: both sides contiguous)
+    if element_size is None:  # (SGLang's rule: both sides contiguous)
         if src_stride != dst_stride:
-            raise ValueError(f"element_size is needed where the strides differ ({src_stride} "
-                             f"and {dst_stride} bytes)")
+            raise ValueError(
+                f"element_size is needed where the strides differ ({src_stride} and {dst_stride} bytes)"
+            )
         return src_stride
     return require_int(element_size, "element_size", minimum=1)
 
@@ -69,6 +73,7 @@ def _element_size(element_size: Any, src_stride: int, dst_stride: int) -> int:
 def _layer_tables(tables: tuple, names: tuple, item: int, stride: int) -> Layout:
     """Tables of per-layer addresses as planes (K's layers, then V's), items ``item``
     bytes every ``stride``."""
+
     def build() -> Layout:
         bases, reaches = [], []
         layers = len(addresses_of(tables[0], names[0]))
@@ -89,58 +94,101 @@ def _layer_tables(tables: tuple, names: tuple, item: int, stride: int) -> Layout
 def _stride(value: Any, name: str, item: int) -> int:
     stride = require_int(value, name, minimum=1)
     if stride < item:
-        raise ValueError(f"{name} ({stride}) is smaller than element_size ({item}): items would "
-                         "overlap")
+        raise ValueError(f"{name} ({stride}) is smaller than element_size ({item}): items would overlap")
     return stride
 
 
-def transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-                               indices_src, *, element_dim=None, unroll=None,
-                               block_quota=None) -> None:
+def transfer_hicache_one_layer(
+    k_cache_dst,
+    v_cache_dst,
+    indices_dst,
+    k_cache_src,
+    v_cache_src,
+    indices_src,
+    *,
+    element_dim=None,
+    unroll=None,
+    block_quota=None,
+) -> None:
     """One layer's K and V items ``indices_src[i]`` -> ``indices_dst[i]``."""
-    dim = k_cache_dst.size(-1) if element_dim is None and hasattr(k_cache_dst, "size") \
-        else element_dim
-    copy_kept(_items((k_cache_src, v_cache_src), ("k_cache_src", "v_cache_src"), dim),
-              _items((k_cache_dst, v_cache_dst), ("k_cache_dst", "v_cache_dst"), dim),
-              _widened(indices_src), _widened(indices_dst), engine=(k_cache_src, k_cache_dst))
+    dim = k_cache_dst.size(-1) if element_dim is None and hasattr(k_cache_dst, "size") else element_dim
+    copy_kept(
+        _items((k_cache_src, v_cache_src), ("k_cache_src", "v_cache_src"), dim),
+        _items((k_cache_dst, v_cache_dst), ("k_cache_dst", "v_cache_dst"), dim),
+        _widened(indices_src),
+        _widened(indices_dst),
+        engine=(k_cache_src, k_cache_dst),
+    )
 
 
-def transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *,
-                                   element_dim=None, unroll=None, block_quota=None) -> None:
+def transfer_hicache_one_layer_mla(
+    cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None, unroll=None, block_quota=None
+) -> None:
     """One layer's MLA items ``indices_src[i]`` -> ``indices_dst[i]``."""
-    dim = cache_dst.size(-1) if element_dim is None and hasattr(cache_dst, "size") \
-        else element_dim
-    copy_kept(_items((cache_src,), ("cache_src",), dim), _items((cache_dst,), ("cache_dst",), dim),
-              _widened(indices_src), _widened(indices_dst), engine=(cache_src, cache_dst))
+    dim = cache_dst.size(-1) if element_dim is None and hasattr(cache_dst, "size") else element_dim
+    copy_kept(
+        _items((cache_src,), ("cache_src",), dim),
+        _items((cache_dst,), ("cache_dst",), dim),
+        _widened(indices_src),
+        _widened(indices_dst),
+        engine=(cache_src, cache_dst),
+    )
 
 
-def transfer_hicache_all_layer(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src,
-                               indices_src, *, kv_cache_src_stride_bytes,
-                               kv_cache_dst_stride_bytes, element_size=None, unroll=None,
-                               block_quota=None) -> None:
+def transfer_hicache_all_layer(
+    k_ptr_dst,
+    v_ptr_dst,
+    indices_dst,
+    k_ptr_src,
+    v_ptr_src,
+    indices_src,
+    *,
+    kv_cache_src_stride_bytes,
+    kv_cache_dst_stride_bytes,
+    element_size=None,
+    unroll=None,
+    block_quota=None,
+) -> None:
     """Every layer's K and V items, the layers given by address tables."""
     src_stride = require_int(kv_cache_src_stride_bytes, "kv_cache_src_stride_bytes", minimum=1)
     dst_stride = require_int(kv_cache_dst_stride_bytes, "kv_cache_dst_stride_bytes", minimum=1)
     item = _element_size(element_size, src_stride, dst_stride)
     _stride(src_stride, "kv_cache_src_stride_bytes", item)
     _stride(dst_stride, "kv_cache_dst_stride_bytes", item)
-    copy_kept(_layer_tables((k_ptr_src, v_ptr_src), ("k_ptr_src", "v_ptr_src"), item, src_stride),
-              _layer_tables((k_ptr_dst, v_ptr_dst), ("k_ptr_dst", "v_ptr_dst"), item, dst_stride),
-              _widened(indices_src), _widened(indices_dst), engine=(k_ptr_src, k_ptr_dst))
+    copy_kept(
+        _layer_tables((k_ptr_src, v_ptr_src), ("k_ptr_src", "v_ptr_src"), item, src_stride),
+        _layer_tables((k_ptr_dst, v_ptr_dst), ("k_ptr_dst", "v_ptr_dst"), item, dst_stride),
+        _widened(indices_src),
+        _widened(indices_dst),
+        engine=(k_ptr_src, k_ptr_dst),
+    )
 
 
-def transfer_hicache_all_layer_mla(ptr_dst, indices_dst, ptr_src, indices_src, *,
-                                   cache_src_stride_bytes, cache_dst_stride_bytes,
-                                   element_size=None, unroll=None, block_quota=None) -> None:
+def transfer_hicache_all_layer_mla(
+    ptr_dst,
+    indices_dst,
+    ptr_src,
+    indices_src,
+    *,
+    cache_src_stride_bytes,
+    cache_dst_stride_bytes,
+    element_size=None,
+    unroll=None,
+    block_quota=None,
+) -> None:
     """Every layer's MLA items, the layers given by an address table."""
     src_stride = require_int(cache_src_stride_bytes, "cache_src_stride_bytes", minimum=1)
     dst_stride = require_int(cache_dst_stride_bytes, "cache_dst_stride_bytes", minimum=1)
     item = _element_size(element_size, src_stride, dst_stride)
     _stride(src_stride, "cache_src_stride_bytes", item)
     _stride(dst_stride, "cache_dst_stride_bytes", item)
-    copy_kept(_layer_tables((ptr_src,), ("ptr_src",), item, src_stride),
-              _layer_tables((ptr_dst,), ("ptr_dst",), item, dst_stride),
-              _widened(indices_src), _widened(indices_dst), engine=(ptr_src, ptr_dst))
+    copy_kept(
+        _layer_tables((ptr_src,), ("ptr_src",), item, src_stride),
+        _layer_tables((ptr_dst,), ("ptr_dst",), item, dst_stride),
+        _widened(indices_src),
+        _widened(indices_dst),
+        engine=(ptr_src, ptr_dst),
+    )
 
 
 __all__ = [

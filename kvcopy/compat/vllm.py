@@ -15,6 +15,7 @@ and hands them to a copy backend through a per-direction adapter; ``CopyBackend`
 and ``CopyBackendAdapter`` keep those two interfaces and copy the runs as
 ``kvcopy.copy_rows`` does, never expanding them into one descriptor per fragment.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -38,8 +39,9 @@ def _torch_stream(caller: str) -> Any:
     try:
         return torch.cuda.current_stream()
     except (AssertionError, RuntimeError) as exc:
-        raise NoDriverError(f"{caller} copies on torch's current CUDA stream, and torch has "
-                            f"none here: {exc}") from None
+        raise NoDriverError(
+            f"{caller} copies on torch's current CUDA stream, and torch has none here: {exc}"
+        ) from None
 
 
 def _check(tensor: Any, name: str) -> None:
@@ -47,15 +49,22 @@ def _check(tensor: Any, name: str) -> None:
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if (tensor.device.type != "cpu" or tensor.dtype not in (torch.int64, torch.uint64)
-            or tensor.dim() != 1):
-        raise TypeError(f"{name} must be a 1-D CPU int64 (or uint64) tensor, got {tensor.dtype} "
-                        f"of shape {tuple(tensor.shape)} on {tensor.device}")
+    if tensor.device.type != "cpu" or tensor.dtype not in (torch.int64, torch.uint64) or tensor.dim() != 1:
+        raise TypeError(
+            f"{name} must be a 1-D CPU int64 (or uint64) tensor, got {tensor.dtype} "
+            f"of shape {tuple(tensor.shape)} on {tensor.device}"
+        )
 
 
-def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
-                      is_src_access_order_any: bool = False, use_batch_api: bool = True, *,
-                      bytes_per_chunk: int | None = None) -> None:
+def swap_blocks_batch(
+    src_ptrs: Any,
+    dst_ptrs: Any,
+    sizes: Any,
+    is_src_access_order_any: bool = False,
+    use_batch_api: bool = True,
+    *,
+    bytes_per_chunk: int | None = None,
+) -> None:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` on torch's current stream.
 
     Args:
@@ -73,10 +82,16 @@ def swap_blocks_batch(src_ptrs: Any, dst_ptrs: Any, sizes: Any,
     allow_batch = require_bool(use_batch_api, "use_batch_api")
     if bytes_per_chunk is not None:
         require_int(bytes_per_chunk, "bytes_per_chunk", minimum=1)
-    require_same_length(src_ptrs, dst_ptrs, sizes)   # (before torch is asked for its stream)
+    require_same_length(src_ptrs, dst_ptrs, sizes)  # (before torch is asked for its stream)
     stream = _torch_stream("swap_blocks_batch")
-    copy_batch(src_ptrs, dst_ptrs, sizes, stream=stream,
-               src_access_order="any" if access_any else "stream", allow_batch=allow_batch)
+    copy_batch(
+        src_ptrs,
+        dst_ptrs,
+        sizes,
+        stream=stream,
+        src_access_order="any" if access_any else "stream",
+        allow_batch=allow_batch,
+    )
 
 
 class CopyRunDescriptor(NamedTuple):
@@ -115,7 +130,7 @@ def _run_table(runs: list) -> np.ndarray | None:
     if table.dtype.kind != "i" or table.shape != (len(runs), 6):
         return None
     if table.min() < 0:
-        return None   # (not runs: the per-run reading says which)
+        return None  # (not runs: the per-run reading says which)
     live = table[:, 3] > 0
     if not live.all():
         table = table[live]
@@ -129,8 +144,7 @@ def _read_runs(runs: list) -> np.ndarray:
     table = []
     for i, run in enumerate(runs):
         try:
-            fields = ([getattr(run, f) for f in _RUN_FIELDS] if hasattr(run, "src_base")
-                      else list(run))
+            fields = [getattr(run, f) for f in _RUN_FIELDS] if hasattr(run, "src_base") else list(run)
         except TypeError:
             raise TypeError(f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 ints")
         if len(fields) != 6:
@@ -138,8 +152,10 @@ def _read_runs(runs: list) -> np.ndarray:
         values = []
         for name, value in zip(_RUN_FIELDS, fields):
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 "
-                                f"ints: {name} is a {type(value).__name__} ({value!r})")
+                raise TypeError(
+                    f"run_descs[{i}]: not a CopyRunDescriptor or a tuple of 6 "
+                    f"ints: {name} is a {type(value).__name__} ({value!r})"
+                )
             values.append(int(value))
         src, dst, size, count, src_stride, dst_stride = values
         if min(values) < 0 or (count and (src == 0 or dst == 0 or size == 0)):
@@ -164,7 +180,7 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
         return []
     shapes = table[:, 2:]
     groups: list[np.ndarray]
-    if (shapes == shapes[0]).all():   # (the usual case: one shape of run)
+    if (shapes == shapes[0]).all():  # (the usual case: one shape of run)
         groups = [table]
     else:
         _, first, which = np.unique(shapes, axis=0, return_index=True, return_inverse=True)
@@ -173,11 +189,13 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     pairs = []
     for group in groups:
         size, count, src_stride, dst_stride = (int(v) for v in group[0, 2:])
-        pairs.append((
-            Layout.from_pointers(group[:, 0], slots=count, row_bytes=size,
-                                 slot_stride=src_stride),
-            Layout.from_pointers(group[:, 1], slots=count, row_bytes=size,
-                                 slot_stride=dst_stride), count))
+        pairs.append(
+            (
+                Layout.from_pointers(group[:, 0], slots=count, row_bytes=size, slot_stride=src_stride),
+                Layout.from_pointers(group[:, 1], slots=count, row_bytes=size, slot_stride=dst_stride),
+                count,
+            )
+        )
     return pairs
 
 
@@ -189,9 +207,11 @@ def _refuse_crossing_shapes(plans: list) -> None:
             try:
                 refuse_rows_crossing(first, plans[j])
             except ValueError:
-                raise ValueError(f"run_descs: runs of shape {i} and of shape {j} (in the order "
-                                 "first met) touch the same bytes, at least one of them "
-                                 "writing; the runs of one submit run in no order") from None
+                raise ValueError(
+                    f"run_descs: runs of shape {i} and of shape {j} (in the order "
+                    "first met) touch the same bytes, at least one of them "
+                    "writing; the runs of one submit run in no order"
+                ) from None
 
 
 class CopyBackend:
@@ -212,8 +232,7 @@ class CopyBackend:
     in stream order, which is correct for either value."""
 
     def __init__(self, *, is_src_access_order_any: bool = False) -> None:
-        self.is_src_access_order_any = require_bool(is_src_access_order_any,
-                                                    "is_src_access_order_any")
+        self.is_src_access_order_any = require_bool(is_src_access_order_any, "is_src_access_order_any")
         self._in_flight = 0
 
     @property
@@ -224,8 +243,7 @@ class CopyBackend:
     def submit(self, run_descs: Any) -> None:
         """Copy every fragment of ``run_descs`` on torch's current stream."""
         # (every group planned, with copy_rows' checks, before any is issued)
-        plans = [plan_rows(src, dst, None, None, count)
-                 for src, dst, count in run_groups(run_descs)]
+        plans = [plan_rows(src, dst, None, None, count) for src, dst, count in run_groups(run_descs)]
         _refuse_crossing_shapes(plans)
         if plans:
             stream = _torch_stream("CopyBackend.submit")
@@ -260,20 +278,27 @@ class CopyBackendAdapter:
     ``finish_transfer`` of any job but the oldest in flight raises RuntimeError."""
 
     @staticmethod
-    def resolve(layer_refs_per_group: Any = None, gpu_to_cpu: bool = False,
-                host_memory_is_pinned: bool = True, copy_runs: Any = None) -> CopyBackend:
+    def resolve(
+        layer_refs_per_group: Any = None,
+        gpu_to_cpu: bool = False,
+        host_memory_is_pinned: bool = True,
+        copy_runs: Any = None,
+    ) -> CopyBackend:
         """The backend for one direction (vLLM's ``resolve``, which picks among its own)."""
         require_bool(host_memory_is_pinned, "host_memory_is_pinned")
         return CopyBackend(is_src_access_order_any=not require_bool(gpu_to_cpu, "gpu_to_cpu"))
 
-    def __init__(self, layer_refs_per_group: Any = None, gpu_to_cpu: bool = False,
-                 host_memory_is_pinned: bool = True, copy_runs: Any = None) -> None:
-        self.backend = self.resolve(layer_refs_per_group, gpu_to_cpu, host_memory_is_pinned,
-                                    copy_runs)
+    def __init__(
+        self,
+        layer_refs_per_group: Any = None,
+        gpu_to_cpu: bool = False,
+        host_memory_is_pinned: bool = True,
+        copy_runs: Any = None,
+    ) -> None:
+        self.backend = self.resolve(layer_refs_per_group, gpu_to_cpu, host_memory_is_pinned, copy_runs)
         self._jobs: deque[Any] = deque()
 
-    def submit(self, job_id: Any, run_descs: Any, *,
-               is_src_access_order_any: bool | None = None) -> None:
+    def submit(self, job_id: Any, run_descs: Any, *, is_src_access_order_any: bool | None = None) -> None:
         """Copy the job's runs (``is_src_access_order_any``, passed by earlier vLLM
         workers, is checked and, as the backend's, needs nothing of kvcopy)."""
         if is_src_access_order_any is not None:
@@ -285,8 +310,10 @@ class CopyBackendAdapter:
         """Retire ``job_id``, the oldest job in flight."""
         if not self._jobs or self._jobs[0] != job_id:
             oldest = f"job {self._jobs[0]!r} is" if self._jobs else "no job is"
-            raise RuntimeError(f"finish_transfer({job_id!r}): transfers finish in submission "
-                               f"order, and {oldest} the oldest in flight")
+            raise RuntimeError(
+                f"finish_transfer({job_id!r}): transfers finish in submission "
+                f"order, and {oldest} the oldest in flight"
+            )
         self._jobs.popleft()
         self.backend.finish_transfer()
 

@@ -9,6 +9,7 @@ in place of the CPU offload worker's own, and ``KVCOPY_LMCACHE=1`` kvcopy's ops 
 Otherwise installing kvcopy changes nothing in vLLM. Each process that takes
 kvcopy's ops logs one line saying so (logger ``kvcopy.engines``, INFO).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,7 @@ def asked() -> bool:
 def register() -> dict[str, bool]:
     """vLLM's plugin hook: patch the engines asked for (see the module's docstring);
     for each, whether it was patched."""
-    wanted = [name for name, yes in (("vllm", asked()), ("lmcache", asked_by_name("lmcache")))
-              if yes]
+    wanted = [name for name, yes in (("vllm", asked()), ("lmcache", asked_by_name("lmcache"))) if yes]
     return patch(*wanted) if wanted else {}
 
 

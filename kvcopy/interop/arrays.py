@@ -1,4 +1,5 @@
 """Pointer, size and block-id arguments -> validated NumPy arrays."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,16 +22,18 @@ def torch_integers(obj: Any, name: str, *, host_only: bool) -> np.ndarray:
     if refusal:
         raise TypeError(f"{name}: {refusal}")
     if host_only and obj.device.type != "cpu":
-        raise TypeError(f"{name}: a torch tensor of pointers or sizes must be on the CPU, "
-                        f"got one on {obj.device}")
+        raise TypeError(
+            f"{name}: a torch tensor of pointers or sizes must be on the CPU, got one on {obj.device}"
+        )
     return obj.detach().cpu().contiguous().numpy()
 
 
 def _from_sequence(obj: Any, name: str) -> np.ndarray:
     for index, item in enumerate(obj):
         if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
-            raise TypeError(f"{name}[{index}] is {type(item).__name__} ({item!r}); "
-                            "pointers and sizes must be integers")
+            raise TypeError(
+                f"{name}[{index}] is {type(item).__name__} ({item!r}); pointers and sizes must be integers"
+            )
         if int(item) < 0:
             raise ValueError(f"{name}[{index}] = {item} is negative")
         if int(item) > _U64_MAX:
@@ -52,7 +55,7 @@ def _refuse_absurd_length(obj: Any, name: str) -> None:
     except OverflowError:
         raise ValueError(f"{name}: a sequence too long to count is no batch") from None
     except TypeError:
-        return   # no length: let the array conversion decide
+        return  # no length: let the array conversion decide
     if length > MAX_BATCH:
         raise ValueError(f"{name}: {length} entries, more than the {MAX_BATCH} a batch may hold")
 
@@ -86,8 +89,9 @@ def as_u64_array(obj: Any, name: str) -> np.ndarray:
             try:
                 arr = np.asarray(obj)
             except (OverflowError, MemoryError, ValueError) as exc:
-                raise ValueError(f"{name}: cannot be read as an array of integers "
-                                 f"({type(exc).__name__}: {exc})") from None
+                raise ValueError(
+                    f"{name}: cannot be read as an array of integers ({type(exc).__name__}: {exc})"
+                ) from None
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
@@ -112,16 +116,21 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
         block_mapping = block_mapping.get()
     elif isinstance(block_mapping, (list, tuple)):
         for i, pair in enumerate(block_mapping):
-            if (not isinstance(pair, (list, tuple, np.ndarray)) or len(pair) != 2
-                    or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)):
+            if (
+                not isinstance(pair, (list, tuple, np.ndarray))
+                or len(pair) != 2
+                or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in pair)
+            ):
                 raise TypeError(f"block_mapping[{i}] must be a pair of ints, got {pair!r}")
             for column, v in enumerate(pair):
                 if not -_ID_MAX - 1 <= int(v) <= _ID_MAX:
                     side = "source" if column == 0 else "destination"
-                    raise ValueError(f"block_mapping[{i}]: {side} block {int(v)} is out of range "
-                                     "(block ids must be below 2**63)")
+                    raise ValueError(
+                        f"block_mapping[{i}]: {side} block {int(v)} is out of range "
+                        "(block ids must be below 2**63)"
+                    )
     if isinstance(block_mapping, (list, tuple)) and not block_mapping:
-        return np.empty((0, 2), dtype=np.int64)   # [] names no pairs, whatever its dtype reads
+        return np.empty((0, 2), dtype=np.int64)  # [] names no pairs, whatever its dtype reads
     arr = np.asarray(block_mapping)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"block_mapping: expected integer block ids, got dtype {arr.dtype}")
@@ -132,6 +141,8 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _ID_MAX:
         pair, column = (int(i) for i in np.argwhere(arr > _ID_MAX)[0])
         side = "source" if column == 0 else "destination"
-        raise ValueError(f"block_mapping[{pair}]: {side} block {int(arr[pair, column])} is out of "
-                         "range (block ids must be below 2**63)")
+        raise ValueError(
+            f"block_mapping[{pair}]: {side} block {int(arr[pair, column])} is out of "
+            "range (block ids must be below 2**63)"
+        )
     return arr.astype(np.int64, copy=False)

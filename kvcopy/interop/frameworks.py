@@ -1,14 +1,22 @@
 """Which framework an object comes from, by its type's module: the one place
 kvcopy tells torch, CuPy, JAX, cuda.core and cuda.bindings objects apart. No
 framework is imported here."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from kvcopy.kept import make_room
 
-_PREFIXES = (("torch", "torch"), ("cupy", "cupy"), ("cupy_backends", "cupy"), ("jax", "jax"),
-             ("jaxlib", "jax"), ("cuda.core", "cuda.core"), ("cuda.bindings", "cuda.bindings"))
+_PREFIXES = (
+    ("torch", "torch"),
+    ("cupy", "cupy"),
+    ("cupy_backends", "cupy"),
+    ("jax", "jax"),
+    ("jaxlib", "jax"),
+    ("cuda.core", "cuda.core"),
+    ("cuda.bindings", "cuda.bindings"),
+)
 
 
 # Answers by type: a call asks of each of its arguments several times, and a NumPy
@@ -25,7 +33,7 @@ def framework_of(obj: Any) -> str | None:
         return _by_type[kind]
     except KeyError:
         pass
-    except TypeError:   # (a metaclass that makes its classes unhashable)
+    except TypeError:  # (a metaclass that makes its classes unhashable)
         return _framework_of_module(kind.__module__ or "")
     found = _framework_of_module(kind.__module__ or "")
     make_room(_by_type, _TYPES_KEPT)

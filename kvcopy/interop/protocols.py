@@ -7,6 +7,7 @@ plain bytes (masked arrays, object dtypes, data that is not a pointer) is refuse
 so a malformed producer gets a TypeError or ValueError naming the argument instead
 of a wild copy or a stray KeyError.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -23,10 +24,10 @@ class ArrayFields(NamedTuple):
 
     ptr: int
     shape: tuple[int, ...]
-    strides: tuple[int, ...]      # bytes
+    strides: tuple[int, ...]  # bytes
     itemsize: int
     readonly: bool
-    stream: int | None            # __cuda_array_interface__ v3: pending writes' stream
+    stream: int | None  # __cuda_array_interface__ v3: pending writes' stream
 
 
 def _is_int(value: Any) -> bool:
@@ -42,8 +43,7 @@ def _ints(value: Any, what: str, name: str, *, minimum: int | None = None) -> tu
     return out
 
 
-def read_array_interface(face: dict, attr: str, name: str,
-                         stream_check: Any) -> ArrayFields:
+def read_array_interface(face: dict, attr: str, name: str, stream_check: Any) -> ArrayFields:
     """The fields of ``obj.<attr>`` (``face``), checked; ``stream_check`` turns a CAI
     stream into a handle by kvcopy.resolve_stream's rules (or raises).
 
@@ -60,8 +60,9 @@ def read_array_interface(face: dict, attr: str, name: str,
             raise TypeError(f"{where} has no {key!r} entry")
     version = face["version"]
     if not _is_int(version) or int(version) not in versions:
-        raise TypeError(f"{where} has version {version!r}; kvcopy reads versions "
-                        f"{', '.join(map(str, versions))}")
+        raise TypeError(
+            f"{where} has version {version!r}; kvcopy reads versions {', '.join(map(str, versions))}"
+        )
     shape = _ints(face["shape"], "shape", where, minimum=0)
     typestr = face["typestr"]
     if not isinstance(typestr, str):
@@ -73,20 +74,21 @@ def read_array_interface(face: dict, attr: str, name: str,
     if dtype.hasobject or dtype.itemsize == 0:
         raise TypeError(f"{where} has typestr {typestr!r}: not plain bytes")
     if face.get("mask") is not None:
-        raise TypeError(f"{where} has a mask: a masked array's bytes are not its values; "
-                        "pass the data (and copy the mask) separately")
+        raise TypeError(
+            f"{where} has a mask: a masked array's bytes are not its values; "
+            "pass the data (and copy the mask) separately"
+        )
     data = face["data"]
     if data is None or not isinstance(data, (tuple, list)):
-        raise TypeError(f"{where} gives data as {type(data).__name__}; kvcopy needs a "
-                        "(pointer, read-only) pair")
+        raise TypeError(
+            f"{where} gives data as {type(data).__name__}; kvcopy needs a (pointer, read-only) pair"
+        )
     if len(data) != 2 or not _is_int(data[0]) or not isinstance(data[1], (bool, np.bool_)):
-        raise TypeError(f"{where} has data {data!r}; expected an (int pointer, bool "
-                        "read-only) pair")
+        raise TypeError(f"{where} has data {data!r}; expected an (int pointer, bool read-only) pair")
     if face.get("offset", 0) not in (0, None):
-        raise TypeError(f"{where} has an offset with pointer data, which the protocol "
-                        "does not define")
+        raise TypeError(f"{where} has an offset with pointer data, which the protocol does not define")
     ptr, readonly = int(data[0]), bool(data[1])
-    if not 0 <= ptr < _U64_LIMIT:   # (even an empty array's pointer is an address)
+    if not 0 <= ptr < _U64_LIMIT:  # (even an empty array's pointer is an address)
         raise ValueError(f"{where} has data pointer {ptr}, which is no 64-bit address")
     strides_value = face.get("strides")
     if strides_value is None:
@@ -99,13 +101,14 @@ def read_array_interface(face: dict, attr: str, name: str,
     for extent in shape:
         elements *= extent
     if elements:
-        if ptr == 0:   # (a pointer outside 64 bits was refused above)
+        if ptr == 0:  # (a pointer outside 64 bits was refused above)
             raise ValueError(f"{where} has data pointer {ptr} for {elements} elements")
         low = sum(s * (e - 1) for s, e in zip(strides, shape) if s < 0)
         high = sum(s * (e - 1) for s, e in zip(strides, shape) if s > 0) + dtype.itemsize
         if ptr + low < 0 or ptr + high > _U64_LIMIT:
-            raise ValueError(f"{where}: {elements} elements from {ptr:#x} reach past the "
-                             "64-bit address space")
+            raise ValueError(
+                f"{where}: {elements} elements from {ptr:#x} reach past the 64-bit address space"
+            )
     stream = None
     if attr == "__cuda_array_interface__" and face.get("stream") is not None:
         stream = stream_check(face["stream"], where)
@@ -125,12 +128,14 @@ def cuda_stream_handle(value: Any, owner: str) -> Any:
     """The handle in a ``__cuda_stream__`` result: a (0, handle) pair (version 0 is the
     only one defined). Returns the handle, still to be checked as a handle."""
     if not (isinstance(value, tuple) and len(value) == 2):
-        raise TypeError(f"stream: {owner}.__cuda_stream__ returned {value!r}, expected a "
-                        "(version, handle) tuple")
+        raise TypeError(
+            f"stream: {owner}.__cuda_stream__ returned {value!r}, expected a (version, handle) tuple"
+        )
     version = value[0]
     if not _is_int(version) or int(version) != 0:
-        raise TypeError(f"stream: {owner}.__cuda_stream__ returned version {version!r}; "
-                        "kvcopy reads version 0")
+        raise TypeError(
+            f"stream: {owner}.__cuda_stream__ returned version {version!r}; kvcopy reads version 0"
+        )
     return value[1]
 
 

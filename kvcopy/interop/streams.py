@@ -5,6 +5,7 @@ Handle values with special meaning in the driver API:
 CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1), 1 is CU_STREAM_LEGACY and 2 is
 CU_STREAM_PER_THREAD.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,9 @@ def _from_int(value: Any, origin: Any, what: str = "stream") -> int:
     """A handle given as a Python or NumPy integer (never a float or bool: a
     truncated handle would name some other stream)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what}: {type(origin).__name__} gave a handle of type "
-                        f"{type(value).__name__}, expected an int")
+        raise TypeError(
+            f"{what}: {type(origin).__name__} gave a handle of type {type(value).__name__}, expected an int"
+        )
     value = int(value)
     if value < 0 or value > _MAX_HANDLE:
         raise ValueError(f"{what}: handle {value} is not a valid CU{what} value")
@@ -60,7 +62,8 @@ def _from_int(value: Any, origin: Any, what: str = "stream") -> int:
             f"{what}: handle {value} is not a valid CU{what} value: handles are {special}"
             f"the address of a CU{what}, never below {_MIN_ADDRESS} (a torch stream's "
             "stream_id or a device index is not a handle; pass the stream or event "
-            "object itself)")
+            "object itself)"
+        )
     return value
 
 
@@ -84,7 +87,7 @@ def resolve_stream(obj: Any) -> int:
             stream lives in the first page: a small int is an id or an index).
     """
     if type(obj) is int and (_MIN_ADDRESS <= obj <= _MAX_HANDLE or 0 <= obj <= STREAM_PER_THREAD):
-        return obj   # a raw handle, the common case of engines' hot loops: kept cheap
+        return obj  # a raw handle, the common case of engines' hot loops: kept cheap
     if obj is None:
         return STREAM_DEFAULT
     if isinstance(obj, (bool, np.bool_)):
@@ -120,17 +123,17 @@ def current_framework_streams(*objs: Any) -> list[tuple[int, int]]:
     """
     for obj in objs:
         framework = framework_of(obj)
-        if framework == "torch":   # the object's own framework is imported already
+        if framework == "torch":  # the object's own framework is imported already
             torch = sys.modules["torch"]
             if not torch.cuda.is_available():
                 continue
-            devices = [o.device.index for o in objs
-                       if framework_of(o) == "torch" and getattr(o, "is_cuda", False)]
+            devices = [
+                o.device.index for o in objs if framework_of(o) == "torch" and getattr(o, "is_cuda", False)
+            ]
             if not devices:
                 devices = [torch.cuda.current_device()]
             ordered = list(dict.fromkeys(devices))
-            return [(_framework_default(torch.cuda.current_stream(d).cuda_stream), d)
-                    for d in ordered]
+            return [(_framework_default(torch.cuda.current_stream(d).cuda_stream), d) for d in ordered]
         if framework == "cupy":
             return [(_framework_default(sys.modules["cupy"].cuda.get_current_stream().ptr), -1)]
     return [(STREAM_DEFAULT, -1)]

@@ -5,6 +5,7 @@ contiguous. Reads torch, NumPy and CuPy attributes directly (cheap), any
 ``__cuda_array_interface__``/``__array_interface__`` dict, and everything else
 (JAX, DLPack producers) through cuda.core's StridedMemoryView.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Union
@@ -23,18 +24,18 @@ class BlockLayout(NamedTuple):
 
     ptr: int
     num_blocks: int
-    block_stride: int   # bytes from one block to the next
+    block_stride: int  # bytes from one block to the next
     block_bytes: int
     readonly: bool
-    stream: int | None = None   # the producer's stream (__cuda_array_interface__ v3):
-                                # pending writes there must be waited for before a copy
+    stream: int | None = None  # the producer's stream (__cuda_array_interface__ v3):
+    # pending writes there must be waited for before a copy
 
 
 _NOT_ARRAYS = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _U64_LIMIT = 1 << 64
 
 
-_DLPACK_GPU_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
+_DLPACK_GPU_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 # The stream a copy runs on, as handed to DLPack producers: a raw handle, None (no
 # ordering asked), or a function giving either, asked only where a producer of GPU
@@ -46,7 +47,7 @@ def _strided_memory_view() -> type:
     """cuda.core's StridedMemoryView: cuda.core.utils from 0.5, experimental before."""
     try:
         from cuda.core.utils import StridedMemoryView
-    except ImportError:   # cuda-core 0.3 and 0.4
+    except ImportError:  # cuda-core 0.3 and 0.4
         from cuda.core.experimental.utils import StridedMemoryView
     return StridedMemoryView
 
@@ -96,18 +97,20 @@ def _raw(obj: Any, name: str, stream: ConsumerStream) -> tuple[int, tuple, tuple
         if refusal:
             raise TypeError(f"{name}: {refusal}")
         size = obj.element_size()
-        return (obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
-                False, None)
+        return (obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size, False, None)
     if isinstance(obj, np.ndarray):
         if isinstance(obj, np.ma.MaskedArray):
-            raise TypeError(f"{name}: a masked array's bytes are not its values; pass "
-                            "array.data (and copy the mask separately)")
+            raise TypeError(
+                f"{name}: a masked array's bytes are not its values; pass "
+                "array.data (and copy the mask separately)"
+            )
         if obj.dtype.hasobject:
-            raise TypeError(f"{name}: a NumPy array of dtype {obj.dtype} holds Python objects, "
-                            "not block data")
+            raise TypeError(
+                f"{name}: a NumPy array of dtype {obj.dtype} holds Python objects, not block data"
+            )
         return obj.ctypes.data, obj.shape, obj.strides, obj.itemsize, not obj.flags.writeable, None
     jax = framework == "jax"
-    for attr in (() if jax else ("__cuda_array_interface__", "__array_interface__")):
+    for attr in () if jax else ("__cuda_array_interface__", "__array_interface__"):
         try:
             face = getattr(obj, attr, None)
         except Exception as exc:  # noqa: BLE001 - a producer's property that fails
@@ -116,23 +119,30 @@ def _raw(obj: Any, name: str, stream: ConsumerStream) -> tuple[int, tuple, tuple
             raise TypeError(f"{name}: {attr} is a {type(face).__name__}, not a dict")
         if isinstance(face, dict):
             fields = read_array_interface(face, attr, name, interface_stream)
-            return (fields.ptr, fields.shape, fields.strides, fields.itemsize, fields.readonly,
-                    fields.stream)
+            return (fields.ptr, fields.shape, fields.strides, fields.itemsize, fields.readonly, fields.stream)
     try:
         StridedMemoryView = _strided_memory_view()
-        view: Any = (obj if isinstance(obj, StridedMemoryView)
-                     else _view_of(StridedMemoryView, obj, _dlpack_consumer_stream(obj, stream)))
+        view: Any = (
+            obj
+            if isinstance(obj, StridedMemoryView)
+            else _view_of(StridedMemoryView, obj, _dlpack_consumer_stream(obj, stream))
+        )
         itemsize = np.dtype(view.dtype).itemsize
-        strides = (tuple(s * itemsize for s in view.strides) if view.strides is not None
-                   else c_strides(tuple(view.shape), itemsize))
+        strides = (
+            tuple(s * itemsize for s in view.strides)
+            if view.strides is not None
+            else c_strides(tuple(view.shape), itemsize)
+        )
         # a JAX array is immutable, whatever flag its capsule carries
         return int(view.ptr), tuple(view.shape), strides, itemsize, bool(view.readonly) or jax, None
-    except KVCopyError:   # (asking for the copy's stream failed: not the object's doing)
+    except KVCopyError:  # (asking for the copy's stream failed: not the object's doing)
         raise
     except Exception:  # noqa: BLE001 - anything that is not an array
-        raise TypeError(f"{name}: {type_name(obj)} is not a tensor "
-                        "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
-                        "interface, cuda.core Buffer or kvcopy.block_view)") from None
+        raise TypeError(
+            f"{name}: {type_name(obj)} is not a tensor "
+            "or array kvcopy can read (torch, NumPy, CuPy, JAX, DLPack, array "
+            "interface, cuda.core Buffer or kvcopy.block_view)"
+        ) from None
 
 
 def _prod(extents) -> int:
@@ -154,8 +164,7 @@ def torch_refusal(t: Any) -> str | None:
     if t.layout is not _torch_strided(t):
         return f"a {t.layout} tensor is not one strided buffer (to_dense() first)"
     if type(t).__name__ == "MaskedTensor":
-        return ("a masked tensor's mask is not in its bytes; pass get_data() (and copy the "
-                "mask separately)")
+        return "a masked tensor's mask is not in its bytes; pass get_data() (and copy the mask separately)"
     if t.is_conj():
         return "a conjugate view's bytes are not its values (resolve_conj() first)"
     if t.is_neg():
@@ -180,11 +189,13 @@ def torch_integers_refusal(t: Any) -> str | None:
 
 def _torch_bool(t: Any) -> Any:
     import sys
+
     return sys.modules["torch"].bool
 
 
 def _torch_strided(t: Any) -> Any:
     import sys
+
     return sys.modules["torch"].strided
 
 
@@ -205,7 +216,7 @@ def _torch_layout(t: Any) -> BlockLayout | None:
         size = t.element_size()
         block = size * (t.numel() // shape[0] if shape[0] else _prod(shape[1:]))
         if not block:
-            return None   # blocks of 0 bytes: the full path refuses them
+            return None  # blocks of 0 bytes: the full path refuses them
         return BlockLayout(ptr, shape[0], block, block, False)
     strides = t.stride()
     step = 1
@@ -234,17 +245,22 @@ def block_layout(obj: Any, name: str, stream: ConsumerStream = None) -> BlockLay
     if len(shape) == 0:
         raise ValueError(f"{name}: a 0-d array has no block dimension")
     if shape[0] > 0 and _prod(shape[1:]) == 0:
-        raise ValueError(f"{name}: its blocks hold 0 bytes (shape {tuple(shape)}): there is "
-                         "nothing in them to copy")
+        raise ValueError(
+            f"{name}: its blocks hold 0 bytes (shape {tuple(shape)}): there is nothing in them to copy"
+        )
     expected = itemsize
     for extent, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
         if extent != 1 and stride != expected:
-            raise ValueError(f"{name}: each block (dimensions 1 and up) must be contiguous in "
-                             f"memory; shape {tuple(shape)} has strides {tuple(strides)} bytes")
+            raise ValueError(
+                f"{name}: each block (dimensions 1 and up) must be contiguous in "
+                f"memory; shape {tuple(shape)} has strides {tuple(strides)} bytes"
+            )
         expected *= extent
     if shape[0] > 1 and strides[0] < expected:
-        raise ValueError(f"{name}: blocks overlap or run backwards (stride {strides[0]} bytes "
-                         f"for blocks of {expected} bytes)")
+        raise ValueError(
+            f"{name}: blocks overlap or run backwards (stride {strides[0]} bytes "
+            f"for blocks of {expected} bytes)"
+        )
     return BlockLayout(ptr, int(shape[0]), int(strides[0]), int(expected), readonly, producer)
 
 
@@ -264,11 +280,11 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
         for t in tensors:
             if type(t) is not kind or t.shape != shape or t.stride() != stride or t.dtype != dtype:
                 return None
-            ptrs.append(t.data_ptr())   # sparse tensors raise here, nested ones at .shape
+            ptrs.append(t.data_ptr())  # sparse tensors raise here, nested ones at .shape
     except RuntimeError:
-        return None   # the full path names the tensor and what it is
+        return None  # the full path names the tensor and what it is
     if 0 in ptrs:
-        return None   # a meta tensor (no memory) or an empty one: the full path decides
+        return None  # a meta tensor (no memory) or an empty one: the full path decides
     found = np.array(ptrs, dtype=np.uint64)
     # Conjugate and negative bits are per tensor and cost a call each: a list is checked
     # once per set of addresses (an engine passes the same caches every step).
@@ -282,13 +298,17 @@ def uniform_torch_layout(tensors: list) -> tuple[BlockLayout, np.ndarray] | None
 
 
 _PLAIN_LISTS_KEPT = 1024
-_plain_lists: dict[tuple, None] = {}   # tensor lists found free of conjugate/negative bits
+_plain_lists: dict[tuple, None] = {}  # tensor lists found free of conjugate/negative bits
 
 
 def is_flat_buffer(obj: Any) -> bool:
     """A cuda.core Buffer: bytes without a shape, whose blocks are sized by the other side."""
-    return (framework_of(obj) == "cuda.core"
-            and hasattr(obj, "handle") and hasattr(obj, "size") and not hasattr(obj, "shape"))
+    return (
+        framework_of(obj) == "cuda.core"
+        and hasattr(obj, "handle")
+        and hasattr(obj, "size")
+        and not hasattr(obj, "shape")
+    )
 
 
 def _buffer_address(buffer: Any) -> int:
@@ -299,8 +319,9 @@ def flat_buffer_layout(buffer: Any, block_bytes: int, name: str) -> BlockLayout:
     """A flat buffer seen as back-to-back blocks of ``block_bytes``."""
     size = int(buffer.size)
     if block_bytes <= 0 or size % block_bytes:
-        raise ValueError(f"{name}: a buffer of {size} bytes does not hold whole blocks of "
-                         f"{block_bytes} bytes")
+        raise ValueError(
+            f"{name}: a buffer of {size} bytes does not hold whole blocks of {block_bytes} bytes"
+        )
     return BlockLayout(_buffer_address(buffer), size // block_bytes, block_bytes, block_bytes, False)
 
 
@@ -312,19 +333,29 @@ class BlockView:
 
     def __init__(self, layout: BlockLayout, owner: Any = None) -> None:
         if not isinstance(layout, BlockLayout):
-            raise TypeError(f"BlockView takes a BlockLayout, got {type(layout).__name__}; make "
-                            "views with kvcopy.block_view(memory, block_bytes, ...)")
+            raise TypeError(
+                f"BlockView takes a BlockLayout, got {type(layout).__name__}; make "
+                "views with kvcopy.block_view(memory, block_bytes, ...)"
+            )
         self.layout = layout
-        self.owner = owner   # keeps a Buffer alive as long as the view
+        self.owner = owner  # keeps a Buffer alive as long as the view
 
     def __repr__(self) -> str:
         lay = self.layout
-        return (f"BlockView(ptr={lay.ptr:#x}, num_blocks={lay.num_blocks}, "
-                f"block_bytes={lay.block_bytes}, block_stride={lay.block_stride})")
+        return (
+            f"BlockView(ptr={lay.ptr:#x}, num_blocks={lay.num_blocks}, "
+            f"block_bytes={lay.block_bytes}, block_stride={lay.block_stride})"
+        )
 
 
-def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
-               block_stride: int | None = None, readonly: bool = False) -> BlockView:
+def block_view(
+    memory: Any,
+    block_bytes: int,
+    *,
+    num_blocks: int | None = None,
+    block_stride: int | None = None,
+    readonly: bool = False,
+) -> BlockView:
     """Describe blocks for :func:`kvcopy.swap_blocks` in memory without a shape.
 
     Args:
@@ -340,8 +371,11 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
         TypeError: ``memory`` is neither an int nor a cuda.core Buffer.
         ValueError: sizes that are not positive, or blocks past the Buffer's end.
     """
-    for label, value in (("block_bytes", block_bytes), ("num_blocks", num_blocks),
-                         ("block_stride", block_stride)):
+    for label, value in (
+        ("block_bytes", block_bytes),
+        ("num_blocks", num_blocks),
+        ("block_stride", block_stride),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             raise TypeError(f"block_view: {label} must be an int, got {type(value).__name__}")
     if not isinstance(readonly, (bool, np.bool_)):
@@ -361,21 +395,24 @@ def block_view(memory: Any, block_bytes: int, *, num_blocks: int | None = None,
     elif is_flat_buffer(memory):
         ptr, owner, capacity = _buffer_address(memory), memory, int(memory.size)
     else:
-        raise TypeError(f"block_view: expected an int address or a cuda.core Buffer, got "
-                        f"{type_name(memory)}")
+        raise TypeError(f"block_view: expected an int address or a cuda.core Buffer, got {type_name(memory)}")
     if num_blocks is None:
-        assert capacity is not None   # an integer address requires num_blocks (checked above)
+        assert capacity is not None  # an integer address requires num_blocks (checked above)
         num_blocks = 1 + (capacity - block_bytes) // stride if capacity >= block_bytes else 0
     num_blocks = int(num_blocks)
     if num_blocks < 0:
         raise ValueError(f"block_view: num_blocks must be >= 0, got {num_blocks}")
     span = (num_blocks - 1) * stride + block_bytes if num_blocks else 0
     if capacity is not None and span > capacity:
-        raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
-                         f"bytes need {span} bytes; the buffer has {capacity}")
+        raise ValueError(
+            f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
+            f"bytes need {span} bytes; the buffer has {capacity}"
+        )
     if ptr + span > _U64_LIMIT:
-        raise ValueError(f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
-                         f"bytes from {ptr:#x} run past the end of the 64-bit address space")
+        raise ValueError(
+            f"block_view: {num_blocks} blocks of {block_bytes} bytes every {stride} "
+            f"bytes from {ptr:#x} run past the end of the 64-bit address space"
+        )
     return BlockView(BlockLayout(ptr, num_blocks, stride, block_bytes, bool(readonly)), owner)
 
 
@@ -390,5 +427,10 @@ def strided_access(obj: Any, name: str) -> tuple[int, tuple, tuple, int, bool]:
     """strided's answer and whether the memory is read-only (a read-only NumPy array or
     memmap, a ``bytes`` object's buffer, a JAX array, a producer that says so)."""
     ptr, shape, strides, itemsize, readonly, _stream = _raw(obj, name, None)
-    return (int(ptr), tuple(int(e) for e in shape), tuple(int(s) for s in strides),
-            int(itemsize), bool(readonly))
+    return (
+        int(ptr),
+        tuple(int(e) for e in shape),
+        tuple(int(s) for s in strides),
+        int(itemsize),
+        bool(readonly),
+    )

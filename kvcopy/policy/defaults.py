@@ -1,6 +1,7 @@
 """Every default a path uses, with why it has its value (docs/design.md has the
 measurement behind each that one set). Pure constants; kvcopy.policy re-exports them,
 and kvcopy.config's settings override some of them per process."""
+
 from __future__ import annotations
 
 # Copy-kernel CTAs per host direction when none were calibrated: the fewest that keep

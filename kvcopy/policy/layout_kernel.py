@@ -1,6 +1,7 @@
 """The layout kernel's defaults (copy_rows, and swap_blocks of one stride per side):
 its CTAs between host and GPU, and how swap_blocks' ids go up. Pure functions,
 unit-tested on the CPU; each default's measurement is in docs/design.md."""
+
 from __future__ import annotations
 
 from kvcopy.policy.defaults import ID_CHUNK_GROWTH, ID_FIRST_CHUNK, ROWS_HOST_CTAS
@@ -18,8 +19,7 @@ def rows_host_ctas(direction: str, host_ctas: int | None = None) -> int:
     return ROWS_HOST_CTAS.get(direction, max(ROWS_HOST_CTAS.values()))
 
 
-def id_chunks(pairs: int, first: int = ID_FIRST_CHUNK, growth: int = ID_CHUNK_GROWTH
-              ) -> list[int]:
+def id_chunks(pairs: int, first: int = ID_FIRST_CHUNK, growth: int = ID_CHUNK_GROWTH) -> list[int]:
     """How many of a swap_blocks call's ``pairs`` each launch of the layout kernel takes,
     in order: ``first``, then each at most ``growth`` times the one before, the last
     taking the rest (one launch for ``first`` pairs or fewer)."""

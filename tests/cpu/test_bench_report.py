@@ -1,4 +1,5 @@
 """Benchmark output on the CPU: JSON, CSV and the plot from synthetic rows; no-GPU exit."""
+
 from __future__ import annotations
 
 import csv
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from kvcopy.testing import engine
+
 decide = engine.decide
 from kvcopy.bench import report
 
@@ -19,9 +21,16 @@ def rows():
         for block in (4096, 16384, 1 << 20):
             for method, gbps in (("contiguous", 55.0), ("auto", 50.0), ("batch", 20.0)):
                 scale = 40 if direction == "d2d" else 1
-                out.append({"direction": direction, "block_bytes": block, "memory": "torch",
-                            "method": method, "gbps": gbps * scale,
-                            "wall_gbps": gbps * scale * (0.2 if method == "batch" else 0.9)})
+                out.append(
+                    {
+                        "direction": direction,
+                        "block_bytes": block,
+                        "memory": "torch",
+                        "method": method,
+                        "gbps": gbps * scale,
+                        "wall_gbps": gbps * scale * (0.2 if method == "batch" else 0.9),
+                    }
+                )
     return out
 
 
@@ -98,7 +107,7 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
         def data_ptr(self) -> int:
             return self.address
 
-    pools = Pools.__new__(Pools)       # no GPU: only the two base addresses are used
+    pools = Pools.__new__(Pools)  # no GPU: only the two base addresses are used
     pools.src, pools.dst = Buffer(0x10000), Buffer(0x7F0000000000)
     block, count = 4096, 100
     src, dst, sizes = pools.scattered(block, count, 3)
@@ -112,9 +121,10 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
     assert all((a == b).all() for a, b in zip((src, dst, sizes), again))
 
 
-@pytest.mark.parametrize("decision, copier", [
-    (("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"),
-    (("batch", ""), ""), (None, "")])
+@pytest.mark.parametrize(
+    "decision, copier",
+    [(("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"), (("batch", ""), ""), (None, "")],
+)
 def test_rows_name_the_copier_only_where_the_kernel_ran(decision, copier):
     from kvcopy.bench.scenarios import last_copier, last_method
     from kvcopy.policy import Decision
@@ -128,26 +138,39 @@ def test_rows_name_the_copier_only_where_the_kernel_ran(decision, copier):
 def test_table_prints_the_copier_column(capsys):
     from kvcopy.bench.__main__ import print_table
 
-    row = {"direction": "d2h", "block_bytes": 16384, "memory": "torch", "method": "auto",
-           "chose": "kernel", "copier": "bulk", "gbps": 51.5, "fraction_of_ceiling": 0.94,
-           "wall_gbps": 50.0, "cpu_us": 30.0}
+    row = {
+        "direction": "d2h",
+        "block_bytes": 16384,
+        "memory": "torch",
+        "method": "auto",
+        "chose": "kernel",
+        "copier": "bulk",
+        "gbps": 51.5,
+        "fraction_of_ceiling": 0.94,
+        "wall_gbps": 50.0,
+        "cpu_us": 30.0,
+    }
     print_table([row, dict(row, method="batch", chose="batch", copier="")], {})
     header, bulk, batch = capsys.readouterr().out.splitlines()
     assert header.split()[5] == "copier"
     assert bulk.split()[5] == "bulk" and bulk.split()[6] == "51.5"
-    assert batch.split()[3:6] == ["batch", "batch", "51.5"]   # no copier: the column is blank
+    assert batch.split()[3:6] == ["batch", "batch", "51.5"]  # no copier: the column is blank
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--blocks", "0"], "block sizes must be from 1"),
-    (["--blocks", "-16"], "block sizes must be from 1"),
-    (["--blocks", "16,x"], "KiB integers"),
-    (["--blocks", "131072"], "block sizes must be from 1"),
-    (["--device", "-1"], "at least 0"),
-    (["--device", "gpu"], "GPU index"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--blocks", "0"], "block sizes must be from 1"),
+        (["--blocks", "-16"], "block sizes must be from 1"),
+        (["--blocks", "16,x"], "KiB integers"),
+        (["--blocks", "131072"], "block sizes must be from 1"),
+        (["--device", "-1"], "at least 0"),
+        (["--device", "gpu"], "GPU index"),
+    ],
+)
 def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, capsys, tmp_path):
     from kvcopy.bench.__main__ import parse_args
+
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv + ["--out", str(tmp_path / "out")])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -155,6 +178,7 @@ def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, cap
 
 def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring(tmp_path, capsys):
     from kvcopy.bench.__main__ import make_out, parse_args
+
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(SystemExit) as exit_:
@@ -167,8 +191,10 @@ def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring
 
 def test_without_a_gpu_the_benchmark_exits_2_and_makes_no_output_folder(tmp_path, capsys):
     from kvcopy.bench.__main__ import main
+
     try:
         import torch
+
         if torch.cuda.is_available():
             pytest.skip("a GPU is here: the benchmark would run")
     except ImportError:
@@ -182,12 +208,14 @@ def test_without_a_gpu_the_benchmark_exits_2_and_makes_no_output_folder(tmp_path
 def test_every_benchmark_flag_has_help():
     import argparse
     from kvcopy.bench import __main__ as cli
+
     parser_actions = []
     real = argparse.ArgumentParser.parse_args
 
     def capture(self, *a, **k):
         parser_actions.extend(self._actions)
         return real(self, *a, **k)
+
     argparse.ArgumentParser.parse_args = capture
     try:
         cli.parse_args(["--quick", "--out", "/tmp/kvcopy-bench-help-test"])
@@ -202,10 +230,17 @@ def test_results_record_where_and_with_what_they_were_measured():
 
     import kvcopy
     from kvcopy.bench.__main__ import SCHEMA_VERSION, run_metadata
+
     meta = run_metadata("Some GPU", 1)
     assert meta["schema_version"] == SCHEMA_VERSION and meta["device"] == "Some GPU"
     assert meta["device_index"] == 1 and meta["kvcopy"] == kvcopy.__version__
-    assert meta["torch"] and set(meta) >= {"driver_version", "driver", "cuda_runtime",
-                                           "kvcopy_commit", "python", "date"}
+    assert meta["torch"] and set(meta) >= {
+        "driver_version",
+        "driver",
+        "cuda_runtime",
+        "kvcopy_commit",
+        "python",
+        "date",
+    }
     assert datetime.datetime.fromisoformat(meta["date"]).tzinfo is not None
-    json.dumps(meta)   # it goes into results.json as it is
+    json.dumps(meta)  # it goes into results.json as it is

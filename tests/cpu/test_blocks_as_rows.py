@@ -2,6 +2,7 @@
 block ids go up as one array per side and the launch computes every address (a tensor
 a plane, a block a row, a split block a slot of a page); otherwise the block kernel's
 tensor table is needed. The driver is faked (kvcopy.testing's seams)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,9 +33,11 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
     src_side = (0x3000, 64, 4, 1024, 256, 256) if split else (0x3000, 64, 1, 512, 512, 512)
     block = 256 if split else 512
     dst_side = (0x3000 + 24, 80, 1, 256, 256, 256) if split else (0x3000 + 24, 40, 1, 512, 512, 512)
-    assert driver.calls == [("upload", 0x3000, 48, STREAM),
-                            ("launch", 42, src_side, dst_side, 3, 1, block, STREAM),
-                            ("fence", 0x77, STREAM)]
+    assert driver.calls == [
+        ("upload", 0x3000, 48, STREAM),
+        ("launch", 42, src_side, dst_side, 3, 1, block, STREAM),
+        ("fence", 0x77, STREAM),
+    ]
     np.testing.assert_array_equal(slot_memory[:48].view(np.int64), [5, 7, 63, 1, 0, 39])
     assert driver.ctas == [ROWS_HOST_CTAS["h2d"]]
 
@@ -42,8 +45,9 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
 def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
     """Each chunk's ids go up on a side stream and only its own launch waits for them:
     no upload sits on the caller's stream between two launches."""
-    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED,
-                                side_stream=lambda handle, index=0: SIDE + index)
+    driver = install_rows_fakes(
+        seams, slot_memory, DEVICE, PINNED, side_stream=lambda handle, index=0: SIDE + index
+    )
     src, dst = np.zeros((4096, 64), np.uint8), np.zeros((4096, 64), np.uint8)
     mapping = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
     assert policy.id_chunks(3000) == [1024, 1976]
@@ -52,16 +56,19 @@ def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
     first, second = 0x3000, 0x3000 + 16 * 1024
     uploads = SIDE + 3
     assert driver.calls == [
-        ("upload", first, 16 * 1024, uploads), ("wait", STREAM, uploads),
+        ("upload", first, 16 * 1024, uploads),
+        ("wait", STREAM, uploads),
         ("launch", 42, (first, *side), (first + 8 * 1024, *side), 1024, 1, 64, STREAM),
-        ("upload", second, 16 * 1976, uploads), ("wait", STREAM, uploads),
+        ("upload", second, 16 * 1976, uploads),
+        ("wait", STREAM, uploads),
         ("launch", 42, (second, *side), (second + 8 * 1976, *side), 1976, 1, 64, STREAM),
-        ("fence", 0x77, STREAM)]
-    ids = slot_memory[:16 * 3000].view(np.int64)
+        ("fence", 0x77, STREAM),
+    ]
+    ids = slot_memory[: 16 * 3000].view(np.int64)
     np.testing.assert_array_equal(ids[:1024], mapping[:1024, 0])
     np.testing.assert_array_equal(ids[1024:2048], mapping[:1024, 1])
-    np.testing.assert_array_equal(ids[2048:2048 + 1976], mapping[1024:, 0])
-    np.testing.assert_array_equal(ids[2048 + 1976:], mapping[1024:, 1])
+    np.testing.assert_array_equal(ids[2048 : 2048 + 1976], mapping[1024:, 0])
+    np.testing.assert_array_equal(ids[2048 + 1976 :], mapping[1024:, 1])
 
 
 def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():
@@ -71,7 +78,9 @@ def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():
     mapping = np.array([[1, 2]])
     assert plans.plan_blocks(src, dst, mapping).layout_sides() is None
     assert plans.plan_blocks(dst, dst[::-1], mapping).layout_sides() == (
-        (64, 1, 512, 512, 512), (64, 1, 512, 512, 512))
+        (64, 1, 512, 512, 512),
+        (64, 1, 512, 512, 512),
+    )
 
 
 def test_split_block_ids_writes_each_column_as_one_array():
@@ -96,7 +105,7 @@ def test_split_block_ids_writes_a_run_of_pairs_and_refuses_one_past_the_end():
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 64, 1001])
-@pytest.mark.parametrize("offset", [0, 8])   # ids at a 16-byte boundary, or 8 bytes past
+@pytest.mark.parametrize("offset", [0, 8])  # ids at a 16-byte boundary, or 8 bytes past
 def test_split_block_ids_writes_every_id_whatever_the_alignment(count, offset):
     """The streaming stores take aligned 16-byte pieces: the source array at either
     alignment, the destination array after it at the other one for odd counts."""
@@ -104,13 +113,13 @@ def test_split_block_ids_writes_every_id_whatever_the_alignment(count, offset):
     mapping = rng.integers(-5, 1 << 40, size=(count, 2), dtype=np.int64)
     memory = np.full(2 * count + 8, -7, np.int64)
     base = memory.ctypes.data
-    first = (-base % 16 + offset) // 8   # int64s to skip so that the ids start at `offset`
+    first = (-base % 16 + offset) // 8  # int64s to skip so that the ids start at `offset`
     assert (base + 8 * first) % 16 == offset
     written = cuda.plan_arrays.split_block_ids(mapping, base + 8 * first)
     assert written == 16 * count
-    np.testing.assert_array_equal(memory[first:first + count], mapping[:, 0])
-    np.testing.assert_array_equal(memory[first + count:first + 2 * count], mapping[:, 1])
-    assert (memory[:first] == -7).all() and (memory[first + 2 * count:] == -7).all()
+    np.testing.assert_array_equal(memory[first : first + count], mapping[:, 0])
+    np.testing.assert_array_equal(memory[first + count : first + 2 * count], mapping[:, 1])
+    assert (memory[:first] == -7).all() and (memory[first + 2 * count :] == -7).all()
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 8, 9, 63, 1000])
@@ -120,5 +129,5 @@ def test_write_indices_copies_every_byte_and_nothing_beside(n, offset):
     memory = np.full(n + 6, -7, np.int64)
     first = (-memory.ctypes.data % 16 + offset) // 8
     assert cuda.plan_arrays.write_indices(memory.ctypes.data + 8 * first, values) == 8 * n
-    np.testing.assert_array_equal(memory[first:first + n], values)
-    assert (memory[:first] == -7).all() and (memory[first + n:] == -7).all()
+    np.testing.assert_array_equal(memory[first : first + n], values)
+    assert (memory[:first] == -7).all() and (memory[first + n :] == -7).all()

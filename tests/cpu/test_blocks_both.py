@@ -7,6 +7,7 @@ tensor table, ids, block size and its direction's CTAs beside the other; everywh
 else nothing is issued and None sends the caller to the per-copy path.
 copy_both_ways' fused launch (both_ways._fused) makes the same joint choice: one
 launch of the descriptor pair, a Decision for the copy engines, or None (apart)."""
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -19,13 +20,16 @@ import pytest
 
 from kvcopy import policy, testing
 from kvcopy.testing import engine
+
 both_ways, dispatch, staged = engine.both_ways, engine.dispatch, engine.staged
 kernels, ring = engine.kernels, engine.ring
 from kvcopy.testing import cuda
+
 kv_classify = cuda.classify
 kv_describe = cuda.describe
 kv_launch = cuda.launch
 from kvcopy._plans.blocks import plan_blocks
+
 MemoryClasses = engine.decide.MemoryClasses
 from kvcopy.errors import NoDriverError
 from kvcopy.policy import Thresholds
@@ -64,13 +68,24 @@ class Fake(FakeCaptureDriver):
     def describe_copies(self, src, dst, sizes, out, merge):
         return described_like_the_pass(src, dst, sizes, next(self.classes), out)
 
-    def launch_both(self, function, descs, count_a, tiles_a, ctas_a, count_b, tiles_b, ctas_b,
-                    threads, stream, upload_from=0, descs_b=0) -> int:
-        assert descs_b in (0, descs + count_a * 32)   # described back to back
-        self.calls.append(("launch_both", function, descs, count_a, ctas_a, count_b, ctas_b,
-                           upload_from))
+    def launch_both(
+        self,
+        function,
+        descs,
+        count_a,
+        tiles_a,
+        ctas_a,
+        count_b,
+        tiles_b,
+        ctas_b,
+        threads,
+        stream,
+        upload_from=0,
+        descs_b=0,
+    ) -> int:
+        assert descs_b in (0, descs + count_a * 32)  # described back to back
+        self.calls.append(("launch_both", function, descs, count_a, ctas_a, count_b, ctas_b, upload_from))
         return 1
-
 
 
 @pytest.fixture
@@ -78,20 +93,27 @@ def fake(seams):
     """make(classes, capturing, staging): a Fake for the driver layer, its tensors
     classified as ``classes`` (the store's, then the load's, per classification), the
     copy kernel loaded, the ring reserving SLOT, ``staging`` as the staging buffers."""
-    def make(classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0,
-             staging: object = None) -> Fake:
+
+    def make(
+        classes: tuple[MemoryClasses, MemoryClasses], capturing: int = 0, staging: object = None
+    ) -> Fake:
         rec = Fake(capturing)
         seams.enter_context(testing.fake_cuda(rec, ("driver", "launch", "describe")))
-        kvcopy.config.launch_bytes = 0   # one launch
-        found = iter(classes * 4)   # the store's classes, then the load's, per classification
+        kvcopy.config.launch_bytes = 0  # one launch
+        found = iter(classes * 4)  # the store's classes, then the load's, per classification
         rec.classes = found
 
         seams.enter_context(testing.fake_cuda(FakeClassify(found), ("classify",)))
-        seams.enter_context(testing.fake_runtime(
-            copy_kernel=kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX,
-                                           None),
-            slot=SLOT, staging=staging, scope=FakeScope))
+        seams.enter_context(
+            testing.fake_runtime(
+                copy_kernel=kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, kv_launch.INLINE_MAX, None),
+                slot=SLOT,
+                staging=staging,
+                scope=FakeScope,
+            )
+        )
         return rec
+
     return make
 
 
@@ -111,12 +133,15 @@ def test_kernel_sides_are_one_launch_with_each_sides_table_ids_and_ctas(fake):
     store, load = plans(4096)
     assert both_ways.execute_blocks_both(store, load, HANDLE) == ("kernel", "kernel")
     (launch, *args), fence = rec.calls
-    function, host, dev, table_a, ids_a, bytes_a, ctas_a, table_b, ids_b, bytes_b, ctas_b, \
-        threads, stream = args
+    function, host, dev, table_a, ids_a, bytes_a, ctas_a, table_b, ids_b, bytes_b, ctas_b, threads, stream = (
+        args
+    )
     assert (launch, function, host, dev, stream) == ("launch", 9, SLOT.host, SLOT.device, HANDLE)
     thresholds = Thresholds()
-    assert (ctas_a, ctas_b) == (thresholds.ctas_for("d2h", both_ways=True),
-                                thresholds.ctas_for("h2d", both_ways=True))
+    assert (ctas_a, ctas_b) == (
+        thresholds.ctas_for("d2h", both_ways=True),
+        thresholds.ctas_for("h2d", both_ways=True),
+    )
     assert (bytes_a, bytes_b) == (4096, 4096)
     for table, ids, plan in ((table_a, ids_a, store), (table_b, ids_b, load)):
         g = plan.geometry
@@ -125,17 +150,22 @@ def test_kernel_sides_are_one_launch_with_each_sides_table_ids_and_ctas(fake):
     assert fence == ("fence", SLOT.event, HANDLE)
 
 
-@pytest.mark.parametrize("case", ["copy engines", "capture", "two devices", "peer",
-                                  "batch", "empty side", "no driver"])
+@pytest.mark.parametrize(
+    "case", ["copy engines", "capture", "two devices", "peer", "batch", "empty side", "no driver"]
+)
 def test_elsewhere_nothing_is_issued_and_the_per_copy_path_runs(fake, seams, case):
-    classes = {"two devices": (GPU1_TO_HOST, HOST_TO_GPU),
-               "peer": (GPU_TO_PEER, HOST_TO_GPU)}.get(case, (GPU_TO_HOST, HOST_TO_GPU))
+    classes = {"two devices": (GPU1_TO_HOST, HOST_TO_GPU), "peer": (GPU_TO_PEER, HOST_TO_GPU)}.get(
+        case, (GPU_TO_HOST, HOST_TO_GPU)
+    )
     rec = fake(classes, capturing=int(case == "capture"))
-    store, load = plans(256 << 10 if case == "copy engines" else 4096,
-                        pairs=(4, 0) if case == "empty side" else (4, 5))
+    store, load = plans(
+        256 << 10 if case == "copy engines" else 4096, pairs=(4, 0) if case == "empty side" else (4, 5)
+    )
     if case == "no driver":
+
         def no_driver(handle):
             raise NoDriverError("no CUDA driver")
+
         seams.enter_context(testing.fake_runtime(scope=no_driver))
     method = "batch" if case == "batch" else "auto"
     assert both_ways.execute_blocks_both(store, load, HANDLE, method) is None
@@ -148,18 +178,26 @@ def batch(count: int, block: int) -> tuple:
 
 
 def fused(store: tuple, load: tuple):
-    return both_ways._fused(FakeScope(HANDLE), HANDLE, store, load, "auto", ("store", "load"),
-                            None)
+    return both_ways._fused(FakeScope(HANDLE), HANDLE, store, load, "auto", ("store", "load"), None)
 
 
 def test_copy_both_ways_kernel_sides_are_one_launch_of_the_descriptor_pair(fake):
     rec = fake((GPU_TO_HOST, HOST_TO_GPU))
     assert fused(batch(6, 4096), batch(9, 4096)) == ("kernel", "kernel")
     thresholds = Thresholds()
-    assert rec.calls == [("launch_both", 4, SLOT.mapped, 6,
-                          thresholds.ctas_for("d2h", both_ways=True), 9,
-                          thresholds.ctas_for("h2d", both_ways=True), 0),
-                         ("fence", SLOT.event, HANDLE)]
+    assert rec.calls == [
+        (
+            "launch_both",
+            4,
+            SLOT.mapped,
+            6,
+            thresholds.ctas_for("d2h", both_ways=True),
+            9,
+            thresholds.ctas_for("h2d", both_ways=True),
+            0,
+        ),
+        ("fence", SLOT.event, HANDLE),
+    ]
 
 
 def test_copy_both_ways_large_blocks_are_the_copy_engines_decision(fake):
@@ -169,8 +207,9 @@ def test_copy_both_ways_large_blocks_are_the_copy_engines_decision(fake):
     assert rec.calls == []
 
 
-@pytest.mark.parametrize("classes, counts", [((GPU1_TO_HOST, HOST_TO_GPU), (6, 9)),
-                                             ((GPU_TO_HOST, HOST_TO_GPU), (6, 0))])
+@pytest.mark.parametrize(
+    "classes, counts", [((GPU1_TO_HOST, HOST_TO_GPU), (6, 9)), ((GPU_TO_HOST, HOST_TO_GPU), (6, 0))]
+)
 def test_copy_both_ways_of_two_devices_or_an_empty_side_runs_apart(fake, classes, counts):
     rec = fake(classes)
     assert fused(batch(counts[0], 4096), batch(counts[1], 4096)) is None
@@ -189,9 +228,11 @@ def long_span(count: int, block: int, host_side: str) -> tuple:
 def test_copy_both_ways_stages_both_sides_or_neither(fake, monkeypatch):
     """Both sides' host memory one long span: both staged, handed back to be issued once
     the slot is given back (nothing launched); one side scattered: the kernel pair."""
+
     class Buffers:
         def ensure(self, chunk_bytes: int) -> bool:
             return True
+
     block = 16 << 10
     count = policy.STAGING_MIN_BYTES // block
     rec = fake((GPU_TO_HOST, HOST_TO_GPU), staging=Buffers())

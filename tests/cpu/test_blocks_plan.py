@@ -1,4 +1,5 @@
 """swap_blocks planning on NumPy arrays: addresses, layouts and errors (CPU)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,8 +49,8 @@ def test_blocks_by_2_layout_views_have_a_stride_of_two_blocks():
 
 
 def test_split_blocks_addresses_sub_blocks_from_the_middle_of_a_host_block():
-    gpu = np.random.default_rng(3).integers(0, 255, (8, 16), dtype=np.uint8)     # 16-byte blocks
-    host = np.zeros((4, 64), dtype=np.uint8)                                       # 4 sub-blocks each
+    gpu = np.random.default_rng(3).integers(0, 255, (8, 16), dtype=np.uint8)  # 16-byte blocks
+    host = np.zeros((4, 64), dtype=np.uint8)  # 4 sub-blocks each
     plan, _ = plan_block_copies(gpu, host, [[0, 5], [1, 6], [2, 7], [3, 8]], split_blocks=True)
     apply(plan)
     assert plan.count == 1  # four sub-blocks in a row merge into one copy
@@ -64,15 +65,18 @@ def test_consecutive_blocks_merge_and_every_tensor_goes_in_one_plan():
     assert plan.count == 8 and plan.total_bytes == 4 * 4 * 32
 
 
-@pytest.mark.parametrize("mapping, kind, match", [
-    ([[0, 8]], ValueError, r"block_mapping\[0\]: destination block 8 is out of range for dst"),
-    ([[1, 1], [-1, 0]], ValueError, r"block_mapping\[1\]: source block -1 is out of range"),
-    (np.array([[0.0, 1.0]]), TypeError, "integer block ids"),
-    ([[0, 1, 2]], TypeError, r"block_mapping\[0\] must be a pair"),
-    ([[True, 1]], TypeError, r"block_mapping\[0\] must be a pair"),
-    (np.zeros((3,), np.int64), ValueError, r"shape \(n, 2\)"),
-    ("0,1", TypeError, "integer block ids, got dtype <U3"),
-])
+@pytest.mark.parametrize(
+    "mapping, kind, match",
+    [
+        ([[0, 8]], ValueError, r"block_mapping\[0\]: destination block 8 is out of range for dst"),
+        ([[1, 1], [-1, 0]], ValueError, r"block_mapping\[1\]: source block -1 is out of range"),
+        (np.array([[0.0, 1.0]]), TypeError, "integer block ids"),
+        ([[0, 1, 2]], TypeError, r"block_mapping\[0\] must be a pair"),
+        ([[True, 1]], TypeError, r"block_mapping\[0\] must be a pair"),
+        (np.zeros((3,), np.int64), ValueError, r"shape \(n, 2\)"),
+        ("0,1", TypeError, "integer block ids, got dtype <U3"),
+    ],
+)
 def test_bad_mappings(mapping, kind, match):
     with pytest.raises(kind, match=match):
         plan_block_copies(np.zeros((8, 4), np.uint8), np.zeros((8, 4), np.uint8), mapping)
@@ -132,20 +136,19 @@ def test_a_jax_array_is_read_by_dlpack_with_the_copy_stream_and_read_only():
 
     class JaxLike:
         __module__ = "jaxlib.xla_extension"
-        __cuda_array_interface__ = {"shape": (4, 16), "typestr": "<f4", "data": (0, True),
-                                    "version": 2}
+        __cuda_array_interface__ = {"shape": (4, 16), "typestr": "<f4", "data": (0, True), "version": 2}
 
         def __dlpack__(self, **kw):
             asked.append(kw.get("stream"))
             return arr.__dlpack__()
 
         def __dlpack_device__(self):
-            return (2, 0)   # kDLCUDA: the copy's stream is handed over
+            return (2, 0)  # kDLCUDA: the copy's stream is handed over
 
-    layout = block_layout(JaxLike(), "src", 0x7f0000001000)
+    layout = block_layout(JaxLike(), "src", 0x7F0000001000)
     assert (layout.ptr, layout.num_blocks, layout.block_bytes) == (arr.ctypes.data, 4, 64)
     assert layout.readonly
-    assert asked == [0x7f0000001000]
+    assert asked == [0x7F0000001000]
     with pytest.raises(ValueError, match=r"^dst is read-only"):
         plan_block_copies(np.zeros_like(arr), JaxLike(), [[0, 0]])
 
@@ -157,11 +160,12 @@ def test_swap_blocks_validates_method_before_anything():
 
 # ------------------------------------------------------------------ geometry paths
 
+
 def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
     torch = pytest.importorskip("torch")
     from kvcopy._plans.blocks import _pair_rows, _uniform_geometry, block_geometry
 
-    kv = torch.zeros((2, 12, 4, 8), dtype=torch.float16)       # [2, num_blocks, ...] cache
+    kv = torch.zeros((2, 12, 4, 8), dtype=torch.float16)  # [2, num_blocks, ...] cache
     host = [torch.zeros((20, 4, 8), dtype=torch.float16) for _ in range(2)]
     src, dst = [kv[0], kv[1]], host
     fast = _uniform_geometry(src, dst)
@@ -170,8 +174,20 @@ def test_uniform_torch_lists_take_the_vectorised_path_with_the_same_geometry():
     assert producers == ()
     slow = np.array(rows, dtype=np.uint64)
     assert fast.block_bytes == block == 4 * 8 * 2
-    for i, name in enumerate(["src_base", "dst_base", "src_extent", "dst_extent", "src_stride",
-                              "dst_stride", "src_factor", "dst_factor", "src_blocks", "dst_blocks"]):
+    for i, name in enumerate(
+        [
+            "src_base",
+            "dst_base",
+            "src_extent",
+            "dst_extent",
+            "src_stride",
+            "dst_stride",
+            "src_factor",
+            "dst_factor",
+            "src_blocks",
+            "dst_blocks",
+        ]
+    ):
         np.testing.assert_array_equal(getattr(fast, name), slow[:, i], err_msg=name)
     assert block_geometry(src, dst).src_base.tolist() == [kv[0].data_ptr(), kv[1].data_ptr()]
 
@@ -213,8 +229,11 @@ def test_uniform_path_still_rejects_bad_blocks_and_ids():
     b = [torch.zeros((8, 16), dtype=torch.uint8) for _ in range(3)]
     with pytest.raises(ValueError, match=r"destination block 8 is out of range for dst\[0\]"):
         plan_block_copies(b, b, [[0, 8]])
-    with pytest.raises(ValueError, match=r"block_mapping\[0\] and block_mapping\[2\] both write "
-                                         "destination block 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"block_mapping\[0\] and block_mapping\[2\] both write "
+        "destination block 3",
+    ):
         plan_block_copies(b, b, [[0, 3], [1, 4], [2, 3]])
 
 
@@ -232,12 +251,12 @@ def test_geometry_is_reused_with_new_mappings():
 
 # ------------------------------------------------------------------ block_view
 
+
 def test_block_view_of_a_raw_pointer_copies_like_the_array():
     src = np.random.default_rng(3).integers(0, 255, (6, 32), dtype=np.uint8)
     dst = np.zeros((4, 32), np.uint8)
     view = kvcopy.block_view(src.ctypes.data, 32, num_blocks=6)
-    plan, _ = plan_block_copies(view, kvcopy.block_view(dst.ctypes.data, 32, num_blocks=4),
-                                [[5, 0], [2, 3]])
+    plan, _ = plan_block_copies(view, kvcopy.block_view(dst.ctypes.data, 32, num_blocks=4), [[5, 0], [2, 3]])
     apply(plan)
     np.testing.assert_array_equal(dst[0], src[5])
     np.testing.assert_array_equal(dst[3], src[2])
@@ -254,16 +273,22 @@ def test_block_view_with_a_stride_and_read_only():
         plan_block_copies(dst, view, [[0, 0]])
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(memory=4096, block_bytes=16), ValueError, "num_blocks is required"),
-    (dict(memory=4096, block_bytes=0, num_blocks=1), ValueError, "block_bytes must be positive"),
-    (dict(memory=4096, block_bytes=16, num_blocks=2, block_stride=8), ValueError,
-     "block_stride 8 is smaller"),
-    (dict(memory=4096, block_bytes=16, num_blocks=-1), ValueError, "num_blocks must be >= 0"),
-    (dict(memory=0, block_bytes=16, num_blocks=1), ValueError, "address must be positive"),
-    (dict(memory="0x10", block_bytes=16, num_blocks=1), TypeError, "expected an int address"),
-    (dict(memory=4096, block_bytes=16.0, num_blocks=1), TypeError, "block_bytes must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(memory=4096, block_bytes=16), ValueError, "num_blocks is required"),
+        (dict(memory=4096, block_bytes=0, num_blocks=1), ValueError, "block_bytes must be positive"),
+        (
+            dict(memory=4096, block_bytes=16, num_blocks=2, block_stride=8),
+            ValueError,
+            "block_stride 8 is smaller",
+        ),
+        (dict(memory=4096, block_bytes=16, num_blocks=-1), ValueError, "num_blocks must be >= 0"),
+        (dict(memory=0, block_bytes=16, num_blocks=1), ValueError, "address must be positive"),
+        (dict(memory="0x10", block_bytes=16, num_blocks=1), TypeError, "expected an int address"),
+        (dict(memory=4096, block_bytes=16.0, num_blocks=1), TypeError, "block_bytes must be an int"),
+    ],
+)
 def test_block_view_rejects_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         kvcopy.block_view(**kwargs)

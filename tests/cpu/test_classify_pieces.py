@@ -12,11 +12,13 @@ twice per copy, and batches in a few allocations ask no more than before. And a 
 that cycles through more separate tensors than 64 (block by block over 80 layers' K and
 V) asks about each a few times, not once per copy: each range remembers the one used
 after it."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from kvcopy.testing import cuda
+
 kv_classify, kv_testing = cuda.classify, cuda.testing
 
 from helpers.described import described_fields
@@ -26,8 +28,7 @@ MAPPED, ON_GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def pieces(base: int, count: int, size: int, kind: int, ordinal: int = -1,
-           delta: int = 0) -> list[list[int]]:
+def pieces(base: int, count: int, size: int, kind: int, ordinal: int = -1, delta: int = 0) -> list[list[int]]:
     return [[base + i * size, base + (i + 1) * size, kind, ordinal, delta] for i in range(count)]
 
 
@@ -35,8 +36,9 @@ def describe(answers, src, dst, sizes, fast=True):
     src, dst, sizes = (np.asarray(a, dtype=np.uint64) for a in (src, dst, sizes))
     out = np.zeros((max(len(sizes), 1), 4), dtype=np.uint64)
     batch, _, queries = kv_testing.describe_copies_answered(
-        np.asarray(answers, dtype=np.int64), src, dst, sizes, out.ctypes.data, False, fast)
-    return described_fields(batch), queries, out[:batch.count]
+        np.asarray(answers, dtype=np.int64), src, dst, sizes, out.ctypes.data, False, fast
+    )
+    return described_fields(batch), queries, out[: batch.count]
 
 
 def scattered(n, block, src_base, src_bytes, dst_base, dst_bytes, seed=0):
@@ -66,8 +68,9 @@ def test_a_pool_registered_in_pieces_is_asked_for_about_once_per_piece():
 def test_each_piece_keeps_its_own_device_view():
     """Pieces the device sees at different offsets are never joined: each copy gets
     its own piece's view, and a copy across two of them is flagged."""
-    answers = [[HOST + i * MiB, HOST + (i + 1) * MiB, MAPPED, -1, 0x1000 * (i % 3)]
-               for i in range(200)] + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0)
+    answers = [
+        [HOST + i * MiB, HOST + (i + 1) * MiB, MAPPED, -1, 0x1000 * (i % 3)] for i in range(200)
+    ] + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0)
     src, dst, sizes = scattered(2000, 4 * KiB, HOST, 200 * MiB, DEVICE, 1 << 30, seed=1)
     result, queries, descs = describe(answers, src, dst, sizes)
     piece = (src - np.uint64(HOST)) // np.uint64(MiB)
@@ -92,28 +95,31 @@ def test_a_gap_between_pieces_is_never_joined():
 
 
 def test_device_memory_of_another_gpu_is_never_joined():
-    answers = (pieces(DEVICE, 100, 2 * MiB, ON_GPU, 0)
-               + pieces(DEVICE + 200 * MiB, 100, 2 * MiB, ON_GPU, 1))
+    answers = pieces(DEVICE, 100, 2 * MiB, ON_GPU, 0) + pieces(DEVICE + 200 * MiB, 100, 2 * MiB, ON_GPU, 1)
     src, dst, sizes = scattered(1000, 4 * KiB, DEVICE, 400 * MiB, HOST, 64 * MiB, seed=3)
     answers += pieces(HOST, 1, 64 * MiB, MAPPED)
     result = describe(answers, src, dst, sizes)[0]
-    assert result[3] == -2   # the source side holds memory of two devices
+    assert result[3] == -2  # the source side holds memory of two devices
 
 
 def test_batches_in_a_few_allocations_ask_no_more_than_before():
     """One allocation per side: one question per side. Four tensors with gaps between
     them: one question each, nothing joined past them."""
-    one = describe(pieces(HOST, 1, 1 << 30, MAPPED) + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0),
-                   *scattered(4096, 4 * KiB, HOST, 1 << 30, DEVICE, 1 << 30))
+    one = describe(
+        pieces(HOST, 1, 1 << 30, MAPPED) + pieces(DEVICE, 1, 1 << 30, ON_GPU, 0),
+        *scattered(4096, 4 * KiB, HOST, 1 << 30, DEVICE, 1 << 30),
+    )
     assert one[1] == (1, 1)
-    tensors = [[DEVICE + i * 256 * MiB, DEVICE + i * 256 * MiB + 64 * MiB, ON_GPU, 0, 0]
-               for i in range(4)]
+    tensors = [[DEVICE + i * 256 * MiB, DEVICE + i * 256 * MiB + 64 * MiB, ON_GPU, 0, 0] for i in range(4)]
     rng = np.random.default_rng(4)
-    src = np.array([DEVICE + rng.integers(4) * 256 * MiB + rng.integers(4096) * 16 * KiB
-                    for _ in range(1000)], dtype=np.uint64)
+    src = np.array(
+        [DEVICE + rng.integers(4) * 256 * MiB + rng.integers(4096) * 16 * KiB for _ in range(1000)],
+        dtype=np.uint64,
+    )
     dst = HOST + np.arange(1000, dtype=np.uint64) * np.uint64(16 * KiB)
-    result, queries, _ = describe(tensors + pieces(HOST, 1, 1 << 30, MAPPED), src, dst,
-                                  np.full(1000, 16 * KiB, dtype=np.uint64))
+    result, queries, _ = describe(
+        tensors + pieces(HOST, 1, 1 << 30, MAPPED), src, dst, np.full(1000, 16 * KiB, dtype=np.uint64)
+    )
     assert result[2] == ON_GPU and queries == (4, 1)
 
 
@@ -145,13 +151,18 @@ def test_tiny_pieces_stay_within_the_budget():
 def interleaved(tensors: int, blocks: int):
     """Copies block by block over every tensor (each 64 MiB, 2 MiB apart), host to GPU:
     a batch built per block over every layer's K and V."""
+
     def pool(base, kind, ordinal):
-        return [[base + i * 66 * MiB, base + i * 66 * MiB + 64 * MiB, kind, ordinal, 0]
-                for i in range(tensors)]
-    src = np.array([HOST + t * 66 * MiB + b * 16 * KiB
-                    for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
-    dst = np.array([DEVICE + t * 66 * MiB + b * 48 * KiB
-                    for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
+        return [
+            [base + i * 66 * MiB, base + i * 66 * MiB + 64 * MiB, kind, ordinal, 0] for i in range(tensors)
+        ]
+
+    src = np.array(
+        [HOST + t * 66 * MiB + b * 16 * KiB for b in range(blocks) for t in range(tensors)], dtype=np.uint64
+    )
+    dst = np.array(
+        [DEVICE + t * 66 * MiB + b * 48 * KiB for b in range(blocks) for t in range(tensors)], dtype=np.uint64
+    )
     answers = pool(HOST, MAPPED, -1) + pool(DEVICE, ON_GPU, 0)
     return answers, src, dst, np.full(len(src), 16 * KiB, dtype=np.uint64)
 

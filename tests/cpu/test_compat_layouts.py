@@ -1,6 +1,7 @@
 """The SGLang and LMCache drop-ins refuse bad arguments by name before any driver call;
 SGLang's page-head layout puts each head where SGLang's offsets do, run between host
 buffers (the drop-ins' bytes are checked on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def test_pointer_tables_are_checked_and_read_once_per_version():
         pointer_tables.addresses_of(torch.tensor([4096, 0]), "t")
     table = torch.tensor([4096, 8192])
     assert pointer_tables.addresses_of(table, "t") == [4096, 8192]
-    table[1] = 12288          # an in-place write bumps the version: read again
+    table[1] = 12288  # an in-place write bumps the version: read again
     assert pointer_tables.addresses_of(table, "t") == [4096, 12288]
 
 
@@ -43,41 +44,80 @@ def test_a_new_table_where_an_old_one_was_is_read_anew():
     first = torch.from_numpy(memory)
     assert pointer_tables.addresses_of(first, "t") == [4096, 8192]
     del first
-    memory[:] = [12288, 16384]   # another table at the same address, length and version
+    memory[:] = [12288, 16384]  # another table at the same address, length and version
     second = torch.from_numpy(memory)
     assert pointer_tables.addresses_of(second, "t") == [12288, 16384]
-    memory[0] = 20480            # written behind torch's back: the same table is kept
+    memory[0] = 20480  # written behind torch's back: the same table is kept
     assert pointer_tables.addresses_of(second, "t") == [12288, 16384]
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda b, i: sglang.transfer_kv_per_layer(b, b, b, b, i, i, 0), ValueError,
-     "item_size must be at least 1, got 0"),
-    (lambda b, i: sglang.transfer_kv_per_layer(None, b, b, b, i, i, 64), TypeError,
-     "src_k must be a torch.Tensor"),
-    (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, -1, 64, 128), ValueError,
-     "layer_id must be at least 0, got -1"),
-    (lambda b, i: sglang.transfer_kv_per_layer_mla(b, b, i, i, 1024), ValueError,
-     "src: 512 bytes hold no item of 1024 bytes"),
-    (lambda b, i: sglang.transfer_kv_all_layer_mla(b, b, i, i, 64, 0), ValueError,
-     "num_layers must be at least 1, got 0"),
-    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 48, 96, 4, 5),
-     ValueError, "item_size (48) and the layout_dim (96) must be multiples of head_num (5)"),
-    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 2, 64, 128, 1, 2),
-     ValueError, "src_k: layer 2 of 64 bytes does not fit a layout_dim of 128"),
-    (lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 64, 128, 8, 2),
-     ValueError, "src_k: holds no page of 8 tokens of 128 bytes"),
-    (lambda b, i: sglang.transfer_kv_all_layer_lf_ph(b, b, b, b, i, i, 64, 128, 2, 0, 2),
-     ValueError, "page_size must be at least 1, got 0"),
-    # a layer past a token's layout_dim, or a layout_dim below one item, would read
-    # another token's layers
-    (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 2, 16, 32), ValueError,
-     "layer_id 2: its item of 16 bytes ends at byte 48 of a token, past src_layout_dim (32)"),
-    (lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 0, 64, 32), ValueError,
-     "layer_id 0: its item of 64 bytes ends at byte 64 of a token, past src_layout_dim (32)"),
-    (lambda b, i: sglang.transfer_kv_per_layer_mla_pf_lf(b, b, i, i, 4, 8, 32), ValueError,
-     "layer_id 4: its item of 8 bytes ends at byte 40 of a token, past src_layout_dim (32)"),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (
+            lambda b, i: sglang.transfer_kv_per_layer(b, b, b, b, i, i, 0),
+            ValueError,
+            "item_size must be at least 1, got 0",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer(None, b, b, b, i, i, 64),
+            TypeError,
+            "src_k must be a torch.Tensor",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, -1, 64, 128),
+            ValueError,
+            "layer_id must be at least 0, got -1",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_mla(b, b, i, i, 1024),
+            ValueError,
+            "src: 512 bytes hold no item of 1024 bytes",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_all_layer_mla(b, b, i, i, 64, 0),
+            ValueError,
+            "num_layers must be at least 1, got 0",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 48, 96, 4, 5),
+            ValueError,
+            "item_size (48) and the layout_dim (96) must be multiples of head_num (5)",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 2, 64, 128, 1, 2),
+            ValueError,
+            "src_k: layer 2 of 64 bytes does not fit a layout_dim of 128",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_ph_lf(b, b, b, b, i, i, 0, 64, 128, 8, 2),
+            ValueError,
+            "src_k: holds no page of 8 tokens of 128 bytes",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_all_layer_lf_ph(b, b, b, b, i, i, 64, 128, 2, 0, 2),
+            ValueError,
+            "page_size must be at least 1, got 0",
+        ),
+        # a layer past a token's layout_dim, or a layout_dim below one item, would read
+        # another token's layers
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 2, 16, 32),
+            ValueError,
+            "layer_id 2: its item of 16 bytes ends at byte 48 of a token, past src_layout_dim (32)",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_pf_lf(b, b, b, b, i, i, 0, 64, 32),
+            ValueError,
+            "layer_id 0: its item of 64 bytes ends at byte 64 of a token, past src_layout_dim (32)",
+        ),
+        (
+            lambda b, i: sglang.transfer_kv_per_layer_mla_pf_lf(b, b, i, i, 4, 8, 32),
+            ValueError,
+            "layer_id 4: its item of 8 bytes ends at byte 40 of a token, past src_layout_dim (32)",
+        ),
+    ],
+)
 def test_sglang_bad_arguments_are_named(call, error, words):
     buf = torch.zeros((8, 64), dtype=torch.uint8)
     with pytest.raises(error) as info:
@@ -85,37 +125,46 @@ def test_sglang_bad_arguments_are_named(call, error, words):
     assert words in str(info.value)
 
 
-def _page_head_offset(token: int, layer: int, head: int, item: int, dim: int, page_size: int,
-                      heads: int) -> int:
+def _page_head_offset(
+    token: int, layer: int, head: int, item: int, dim: int, page_size: int, heads: int
+) -> int:
     """Where SGLang's kernel puts a head of a token's layer in a page-head buffer
     (get_global_offset_ph), byte for byte."""
-    return (token // page_size * page_size * dim + dim // heads * head * page_size
-            + token % page_size * dim // heads + layer * item // heads)
+    return (
+        token // page_size * page_size * dim
+        + dim // heads * head * page_size
+        + token % page_size * dim // heads
+        + layer * item // heads
+    )
 
 
-@pytest.mark.parametrize("page_size, heads, layers, layer", [
-    (4, 2, 3, 2), (1, 4, 2, 0), (16, 1, 1, 0), (3, 3, 2, 1)])
-def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, heads, layers,
-                                                                  layer):
+@pytest.mark.parametrize(
+    "page_size, heads, layers, layer", [(4, 2, 3, 2), (1, 4, 2, 0), (16, 1, 1, 0), (3, 3, 2, 1)]
+)
+def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, heads, layers, layer):
     head_dim, pages = 8, 3
     item, dim, tokens = heads * head_dim, layers * heads * head_dim, pages * page_size
-    ph = (torch.from_numpy(random_bytes((tokens * dim,), 1)),
-          torch.from_numpy(random_bytes((tokens * dim,), 2)))
+    ph = (
+        torch.from_numpy(random_bytes((tokens * dim,), 1)),
+        torch.from_numpy(random_bytes((tokens * dim,), 2)),
+    )
     lf = tuple(torch.zeros((tokens, item), dtype=torch.uint8) for _ in range(2))
     rng = np.random.default_rng(3)
-    s = rng.permutation(tokens)[:tokens // 2 + 1]
-    d = rng.permutation(tokens)[:len(s)]
+    s = rng.permutation(tokens)[: tokens // 2 + 1]
+    d = rng.permutation(tokens)[: len(s)]
     load = plans.plan_rows(
-        sglang._page_head(ph, ("src_k", "src_v"), item, dim, range(layer, layer + 1), page_size,
-                          heads),
-        sglang._buffers(lf, ("dst_k", "dst_v"), item, item), s, d)
+        sglang._page_head(ph, ("src_k", "src_v"), item, dim, range(layer, layer + 1), page_size, heads),
+        sglang._buffers(lf, ("dst_k", "dst_v"), item, item),
+        s,
+        d,
+    )
     run_on_host(*plans.expand(load))
     for page_head, layer_first in zip(ph, lf):
         want = np.zeros((tokens, item), np.uint8)
         for a, b in zip(s, d):
             for h in range(heads):
                 at = _page_head_offset(a, layer, h, item, dim, page_size, heads)
-                want[b, h * head_dim:(h + 1) * head_dim] = page_head.numpy()[at:at + head_dim]
+                want[b, h * head_dim : (h + 1) * head_dim] = page_head.numpy()[at : at + head_dim]
         np.testing.assert_array_equal(layer_first.numpy(), want)
 
     back = tuple(torch.zeros(tokens * dim, dtype=torch.uint8) for _ in range(2))
@@ -123,7 +172,9 @@ def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, hea
     store = plans.plan_rows(
         Layout.from_pointers([t.data_ptr() for t in per_layer], slots=tokens, row_bytes=item),
         sglang._page_head(back, ("dst_k", "dst_v"), item, dim, range(layers), page_size, heads),
-        d, s)
+        d,
+        s,
+    )
     run_on_host(*plans.expand(store))
     for side, page_head in enumerate(back):
         want = np.zeros(tokens * dim, np.uint8)
@@ -132,7 +183,7 @@ def test_sglang_page_head_rows_sit_where_sglangs_offsets_put_them(page_size, hea
                 row = per_layer[side * layers + lay].numpy()[b]
                 for h in range(heads):
                     at = _page_head_offset(a, lay, h, item, dim, page_size, heads)
-                    want[at:at + head_dim] = row[h * head_dim:(h + 1) * head_dim]
+                    want[at : at + head_dim] = row[h * head_dim : (h + 1) * head_dim]
         np.testing.assert_array_equal(page_head.numpy(), want)
 
 
@@ -146,10 +197,12 @@ def test_sglang_direct_transfers_move_pages_as_sglang_does(mla):
 
     layers, page, heads, head_dim = 3, 4, 2, 8
     buffers = 1 if mla else 2
-    device = [torch.from_numpy(random_bytes((10 * page, heads, head_dim), 20 + k))
-              for k in range(buffers * layers)]           # K's layers, then V's
-    host = [torch.zeros((6, layers, page, heads, head_dim), dtype=torch.uint8)
-            for _ in range(buffers)]                       # page-first direct
+    device = [
+        torch.from_numpy(random_bytes((10 * page, heads, head_dim), 20 + k)) for k in range(buffers * layers)
+    ]  # K's layers, then V's
+    host = [
+        torch.zeros((6, layers, page, heads, head_dim), dtype=torch.uint8) for _ in range(buffers)
+    ]  # page-first direct
     device_pages, host_pages = [2, 7, 4], [3, 0, 5]
     on_device, on_host = _tokens_of(device_pages, page), _tokens_of(host_pages, page)
     with rows_on_host():
@@ -163,7 +216,7 @@ def test_sglang_direct_transfers_move_pages_as_sglang_does(mla):
         want = torch.zeros_like(host[b])
         for d, h in zip(device_pages, host_pages):
             for layer in range(layers):
-                want[h, layer] = device[b * layers + layer][d * page:(d + 1) * page]
+                want[h, layer] = device[b * layers + layer][d * page : (d + 1) * page]
         assert torch.equal(host[b], want)
         want_back = torch.zeros_like(back[b])
         want_back[on_device] = device[b * layers + 1][on_device]
@@ -174,20 +227,41 @@ def test_sglang_direct_transfers_move_pages_as_sglang_does(mla):
         assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d, h, i, i, 8), ValueError,
-     "dst_ptrs: shape (6, 3, 4, 16) is not [pages, layers, page_size=8, ...]"),
-    (lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d[:5], h, i, i, 4), ValueError,
-     "src_ptrs: 5 tensors are not 2 equal lists of layers"),
-    (lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h, d[:2], i, i, 3, 4), ValueError,
-     "src_ptrs: layers 3 to 3 of 3"),
-    (lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h[0], d, i, i, 0, 4), TypeError,
-     "src_ptrs must be a list of one or two page-first tensors"),
-    (lambda d, h, i: sglang.transfer_kv_direct(d, d[:2], i, i, 4), ValueError,
-     "src_layers has 6 tensors and dst_layers 2"),
-    (lambda d, h, i: sglang.transfer_kv_direct(d[0], d, i, i, 4), TypeError,
-     "src_layers must be a list of tensors, got Tensor"),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (
+            lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d, h, i, i, 8),
+            ValueError,
+            "dst_ptrs: shape (6, 3, 4, 16) is not [pages, layers, page_size=8, ...]",
+        ),
+        (
+            lambda d, h, i: sglang.transfer_kv_all_layer_direct_lf_pf(d[:5], h, i, i, 4),
+            ValueError,
+            "src_ptrs: 5 tensors are not 2 equal lists of layers",
+        ),
+        (
+            lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h, d[:2], i, i, 3, 4),
+            ValueError,
+            "src_ptrs: layers 3 to 3 of 3",
+        ),
+        (
+            lambda d, h, i: sglang.transfer_kv_per_layer_direct_pf_lf(h[0], d, i, i, 0, 4),
+            TypeError,
+            "src_ptrs must be a list of one or two page-first tensors",
+        ),
+        (
+            lambda d, h, i: sglang.transfer_kv_direct(d, d[:2], i, i, 4),
+            ValueError,
+            "src_layers has 6 tensors and dst_layers 2",
+        ),
+        (
+            lambda d, h, i: sglang.transfer_kv_direct(d[0], d, i, i, 4),
+            TypeError,
+            "src_layers must be a list of tensors, got Tensor",
+        ),
+    ],
+)
 def test_sglang_direct_arguments_are_named(call, error, words):
     device = [torch.zeros((40, 16), dtype=torch.uint8) for _ in range(6)]
     host = [torch.zeros((6, 3, 4, 16), dtype=torch.uint8) for _ in range(2)]

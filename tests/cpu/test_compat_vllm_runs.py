@@ -2,6 +2,7 @@
 arrays against an oracle that copies each fragment of each run; vLLM's copy backend and
 adapter interfaces, their order of transfers and their refusals (their bytes are checked
 on a GPU: tests/gpu/test_gpu_compat_layouts.py)."""
+
 from __future__ import annotations
 
 import inspect
@@ -24,7 +25,7 @@ def _assert_fragments_moved(runs, src, dst):
         src_base, dst_base, size, count, src_stride, dst_stride = run
         for j in range(count):
             lo, to = src_base - s + j * src_stride, dst_base - d + j * dst_stride
-            want[to:to + size] = src[lo:lo + size]
+            want[to : to + size] = src[lo : lo + size]
     np.testing.assert_array_equal(dst, want)
 
 
@@ -32,9 +33,13 @@ def test_runs_of_several_shapes_move_every_fragment():
     src = random_bytes((1 << 16,), 1)
     dst = np.zeros(1 << 16, np.uint8)
     s, d = src.ctypes.data, dst.ctypes.data
-    runs = [Run(s, d, 512, 4, 512, 4096), Run(s + 2048, d + 512, 512, 4, 512, 4096),
-            (s + 8192, d + 20000, 128, 7, 1024, 136), Run(s + 30000, d + 40000, 64, 0, 64, 64),
-            Run(s + 40000, d + 50000, 512, 4, 512, 4096)]
+    runs = [
+        Run(s, d, 512, 4, 512, 4096),
+        Run(s + 2048, d + 512, 512, 4, 512, 4096),
+        (s + 8192, d + 20000, 128, 7, 1024, 136),
+        Run(s + 30000, d + 40000, 64, 0, 64, 64),
+        Run(s + 40000, d + 50000, 512, 4, 512, 4096),
+    ]
     groups = run_groups(runs)
     assert [(g[0].num_planes, g[2]) for g in groups] == [(3, 4), (1, 7)]
     for a, b, count in groups:
@@ -42,16 +47,19 @@ def test_runs_of_several_shapes_move_every_fragment():
     _assert_fragments_moved(runs, src, dst)
 
 
-@pytest.mark.parametrize("run, error, words", [
-    ((64, 64, 8), TypeError, "run_descs[0]: 3 fields"),
-    ("abcdef", TypeError, "run_descs[0]: not a CopyRunDescriptor"),
-    ((0, 64, 8, 1, 8, 8), ValueError, "run_descs[0]: {'src_base': 0"),
-    ((64, 64, 8, 1, -8, 8), ValueError, "is not a run"),
-    # never truncated or parsed into an address or a size
-    ((64, 64, 16.7, 1, 8, 8), TypeError, "fragment_size is a float (16.7)"),
-    (Run(64, 64, 16, "2", 8, 8), TypeError, "num_fragments is a str ('2')"),
-    ((64, 64, 16, 1, 8, np.float64(8)), TypeError, "dst_stride is a float64"),
-])
+@pytest.mark.parametrize(
+    "run, error, words",
+    [
+        ((64, 64, 8), TypeError, "run_descs[0]: 3 fields"),
+        ("abcdef", TypeError, "run_descs[0]: not a CopyRunDescriptor"),
+        ((0, 64, 8, 1, 8, 8), ValueError, "run_descs[0]: {'src_base': 0"),
+        ((64, 64, 8, 1, -8, 8), ValueError, "is not a run"),
+        # never truncated or parsed into an address or a size
+        ((64, 64, 16.7, 1, 8, 8), TypeError, "fragment_size is a float (16.7)"),
+        (Run(64, 64, 16, "2", 8, 8), TypeError, "num_fragments is a str ('2')"),
+        ((64, 64, 16, 1, 8, np.float64(8)), TypeError, "dst_stride is a float64"),
+    ],
+)
 def test_bad_runs_are_named(run, error, words):
     with pytest.raises(error) as info:
         run_groups([run])
@@ -64,29 +72,37 @@ def _parameters(function) -> list[tuple[str, str]]:
 
 def test_the_backend_and_the_adapter_take_vllms_arguments():
     assert _parameters(CopyBackend) == [("is_src_access_order_any", "KEYWORD_ONLY")]
-    assert _parameters(CopyBackend.submit) == [("self", "POSITIONAL_OR_KEYWORD"),
-                                               ("run_descs", "POSITIONAL_OR_KEYWORD")]
+    assert _parameters(CopyBackend.submit) == [
+        ("self", "POSITIONAL_OR_KEYWORD"),
+        ("run_descs", "POSITIONAL_OR_KEYWORD"),
+    ]
     assert _parameters(CopyBackend.finish_transfer) == [("self", "POSITIONAL_OR_KEYWORD")]
     assert [name for name, _ in _parameters(CopyBackendAdapter)] == [
-        "layer_refs_per_group", "gpu_to_cpu", "host_memory_is_pinned", "copy_runs"]
+        "layer_refs_per_group",
+        "gpu_to_cpu",
+        "host_memory_is_pinned",
+        "copy_runs",
+    ]
     assert _parameters(CopyBackendAdapter.submit)[1:] == [
-        ("job_id", "POSITIONAL_OR_KEYWORD"), ("run_descs", "POSITIONAL_OR_KEYWORD"),
-        ("is_src_access_order_any", "KEYWORD_ONLY")]
-    assert [name for name, _ in _parameters(CopyBackendAdapter.finish_transfer)] == [
-        "self", "job_id"]
+        ("job_id", "POSITIONAL_OR_KEYWORD"),
+        ("run_descs", "POSITIONAL_OR_KEYWORD"),
+        ("is_src_access_order_any", "KEYWORD_ONLY"),
+    ]
+    assert [name for name, _ in _parameters(CopyBackendAdapter.finish_transfer)] == ["self", "job_id"]
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 def test_the_adapter_orders_sources_as_vllm_does(gpu_to_cpu):
-    adapter = CopyBackendAdapter(layer_refs_per_group=[[object()]], gpu_to_cpu=gpu_to_cpu,
-                                 host_memory_is_pinned=True, copy_runs=None)
+    adapter = CopyBackendAdapter(
+        layer_refs_per_group=[[object()]], gpu_to_cpu=gpu_to_cpu, host_memory_is_pinned=True, copy_runs=None
+    )
     assert adapter.backend.is_src_access_order_any is (not gpu_to_cpu)
     assert CopyBackendAdapter.resolve([], gpu_to_cpu).is_src_access_order_any is (not gpu_to_cpu)
 
 
 def test_the_adapter_finishes_jobs_in_submission_order():
     adapter = CopyBackendAdapter(gpu_to_cpu=True)
-    adapter.submit(7, [])                                   # no fragment: nothing to enqueue
+    adapter.submit(7, [])  # no fragment: nothing to enqueue
     adapter.submit(8, [Run(4096, 8192, 512, 0, 512, 512)], is_src_access_order_any=False)
     assert adapter.backend.in_flight == 2
     with pytest.raises(RuntimeError, match=r"finish_transfer\(8\): .* job 7 is the oldest"):
@@ -128,24 +144,25 @@ def test_no_group_is_copied_where_a_later_group_is_refused():
     src, dst = random_bytes((4096,), 5), np.zeros(4096, np.uint8)
     s, d = src.ctypes.data, dst.ctypes.data
     good = Run(s, d, 128, 4, 256, 128)
-    crossing = Run(d + 2048, d + 2080, 64, 2, 64, 64)   # row 0 writes what row 1 reads
+    crossing = Run(d + 2048, d + 2080, 64, 2, 64, 64)  # row 0 writes what row 1 reads
     adapter = CopyBackendAdapter(gpu_to_cpu=True)
-    with rows_on_host(), pytest.raises(ValueError, match="a row reads bytes another row "
-                                                           "writes"):
+    with rows_on_host(), pytest.raises(ValueError, match="a row reads bytes another row writes"):
         adapter.submit(1, [good, crossing])
     np.testing.assert_array_equal(dst, 0)
     assert adapter.backend.in_flight == 0
     with rows_on_host():
         adapter.submit(2, [good])
-    np.testing.assert_array_equal(dst[:512], np.concatenate([src[j * 256:j * 256 + 128]
-                                                             for j in range(4)]))
+    np.testing.assert_array_equal(dst[:512], np.concatenate([src[j * 256 : j * 256 + 128] for j in range(4)]))
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda: CopyBackend(is_src_access_order_any=1), "is_src_access_order_any must be True"),
-    (lambda: CopyBackendAdapter(gpu_to_cpu="no"), "gpu_to_cpu must be True or False"),
-    (lambda: CopyBackendAdapter(host_memory_is_pinned=None), "host_memory_is_pinned must be"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: CopyBackend(is_src_access_order_any=1), "is_src_access_order_any must be True"),
+        (lambda: CopyBackendAdapter(gpu_to_cpu="no"), "gpu_to_cpu must be True or False"),
+        (lambda: CopyBackendAdapter(host_memory_is_pinned=None), "host_memory_is_pinned must be"),
+    ],
+)
 def test_bad_flags_are_named(make, words):
     with pytest.raises(TypeError, match=words):
         make()
@@ -173,8 +190,12 @@ def test_submit_plans_each_shape_of_run_once(monkeypatch):
     src = random_bytes((1 << 14,), 3)
     dst = np.zeros(1 << 14, np.uint8)
     s, d = src.ctypes.data, dst.ctypes.data
-    runs = [Run(s, d, 256, 4, 512, 256), Run(s + 4096, d + 2048, 96, 3, 200, 96),
-            Run(s + 8192, d + 4096, 256, 4, 512, 256), Run(s + 12000, d + 8000, 40, 5, 48, 40)]
+    runs = [
+        Run(s, d, 256, 4, 512, 256),
+        Run(s + 4096, d + 2048, 96, 3, 200, 96),
+        Run(s + 8192, d + 4096, 256, 4, 512, 256),
+        Run(s + 12000, d + 8000, 40, 5, 48, 40),
+    ]
     planned = []
     real = compat_vllm.plan_rows
 
@@ -190,17 +211,18 @@ def test_submit_plans_each_shape_of_run_once(monkeypatch):
 
 
 def _as_lists(groups):
-    return [(a.bases.tolist(), b.bases.tolist(), a.row_bytes, a.slot_stride, b.slot_stride, n)
-            for a, b, n in groups]
+    return [
+        (a.bases.tolist(), b.bases.tolist(), a.row_bytes, a.slot_stride, b.slot_stride, n)
+        for a, b, n in groups
+    ]
 
 
 def test_runs_read_in_one_pass_group_as_runs_read_one_by_one():
     rng = np.random.default_rng(9)
     shapes = [(512, 16, 512, 4096), (128, 4, 1024, 128), (512, 0, 512, 512)]
-    runs = [Run(4096 * (i + 1), 8192 * (i + 1), *shapes[int(rng.integers(3))])
-            for i in range(300)]
+    runs = [Run(4096 * (i + 1), 8192 * (i + 1), *shapes[int(rng.integers(3))]) for i in range(300)]
 
-    class Reordered:   # an object with the fields by name, in another order
+    class Reordered:  # an object with the fields by name, in another order
         def __init__(self, run):
             for name, value in zip(Run._fields, run):
                 setattr(self, name, value)
@@ -211,7 +233,7 @@ def test_runs_read_in_one_pass_group_as_runs_read_one_by_one():
     assert [g[5] for g in fast] == [16, 4] or [g[5] for g in fast] == [4, 16]
     assert sum(len(g[0]) for g in fast) == sum(1 for r in runs if r.num_fragments)
     first_shape = next(r for r in runs if r.num_fragments).num_fragments
-    assert fast[0][5] == first_shape   # groups in the order first met
+    assert fast[0][5] == first_shape  # groups in the order first met
 
 
 def test_a_run_of_seven_fields_among_tuples_is_named():
@@ -227,13 +249,15 @@ def test_a_run_reading_what_a_run_of_another_shape_writes_is_refused():
 
     src, dst = random_bytes((4096,), 6), np.zeros(4096, np.uint8)
     s, d = src.ctypes.data, dst.ctypes.data
-    writes = Run(s, d, 128, 2, 128, 128)                # writes dst[0:256]
-    reads = Run(d + 64, d + 1024, 64, 2, 64, 64)        # reads dst[64:192]
-    twice = Run(s + 512, d + 128, 32, 1, 32, 32)        # writes dst[128:160] again
+    writes = Run(s, d, 128, 2, 128, 128)  # writes dst[0:256]
+    reads = Run(d + 64, d + 1024, 64, 2, 64, 64)  # reads dst[64:192]
+    twice = Run(s + 512, d + 128, 32, 1, 32, 32)  # writes dst[128:160] again
     adapter = CopyBackendAdapter(gpu_to_cpu=True)
     for runs in ([writes, reads], [writes, twice]):
-        with rows_on_host(), pytest.raises(ValueError, match="run_descs: runs of shape 0 and "
-                                                               "of shape 1 .* touch the same"):
+        with (
+            rows_on_host(),
+            pytest.raises(ValueError, match="run_descs: runs of shape 0 and of shape 1 .* touch the same"),
+        ):
             adapter.submit(1, runs)
     np.testing.assert_array_equal(dst, 0)
     assert adapter.backend.in_flight == 0

@@ -5,6 +5,7 @@ KVCOPY_CUDA_CORE_MIN_PATH; a child interpreter puts it first on sys.path and
 reads a DLPack producer's layout through cuda.core's StridedMemoryView, the
 part of cuda.core that kvcopy's own code uses.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,12 +40,15 @@ def declared_minimum() -> str:
     return match.group(1)
 
 
-@pytest.mark.skipif(not os.environ.get("KVCOPY_CUDA_CORE_MIN_PATH"),
-                    reason="KVCOPY_CUDA_CORE_MIN_PATH not set (scripts/test.sh sets it)")
+@pytest.mark.skipif(
+    not os.environ.get("KVCOPY_CUDA_CORE_MIN_PATH"),
+    reason="KVCOPY_CUDA_CORE_MIN_PATH not set (scripts/test.sh sets it)",
+)
 def test_lowest_declared_cuda_core_reads_dlpack_producers():
     env = dict(os.environ, PYTHONPATH=os.environ["KVCOPY_CUDA_CORE_MIN_PATH"])
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__)
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["version"].startswith(declared_minimum()), res
@@ -52,8 +56,9 @@ def test_lowest_declared_cuda_core_reads_dlpack_producers():
 
 
 def test_current_cuda_core_reads_dlpack_producers():
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["ptr_ok"] and res["blocks"] == 4 and res["block_bytes"] == 64

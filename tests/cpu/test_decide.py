@@ -1,14 +1,17 @@
 """The engine remembers the policy's answers per question (CPU, faked driver): the
 same batch shape asks the policy once, and anything the answer depends on
 (sizes, capture, stream, memory, a calibration) asks again."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvcopy.testing import cuda
+
 kv_classify = cuda.classify
 from kvcopy import policy, testing
 from kvcopy.testing import engine
+
 decide = engine.decide
 device = engine.device
 from kvcopy.interop.streams import STREAM_LEGACY
@@ -38,7 +41,7 @@ def asked(monkeypatch, seams):
 
     fake = seams.enter_context(testing.fake_cuda(FakeCaptureDriver(), ("driver",)))
     monkeypatch.setattr(decide, "choose_method", counting)
-    monkeypatch.setattr(policy, "choose_method", counting)   # (depends_on_other_way's question)
+    monkeypatch.setattr(policy, "choose_method", counting)  # (depends_on_other_way's question)
     seams.enter_context(testing.fake_runtime())
     questions.driver = fake
     return questions
@@ -57,14 +60,20 @@ def test_the_same_question_asks_the_policy_once_and_still_reports_the_decision(a
 def test_a_different_question_asks_again(asked, change):
     decide.decide(7, "auto", 64, 64 * 2 * MiB, H2D)
     args = {"handle": 7, "method": "auto", "count": 64, "total_bytes": 64 * 2 * MiB, "found": H2D}
-    args.update({"sizes": {"total_bytes": 64 * 16384}, "count": {"count": 1},
-                 "stream": {"handle": STREAM_LEGACY}, "method": {"method": "loop"},
-                 "memory": {"found": PAGEABLE}}[change])
-    target = decide.decide(args["handle"], args["method"], args["count"], args["total_bytes"],
-                            args["found"])
+    args.update(
+        {
+            "sizes": {"total_bytes": 64 * 16384},
+            "count": {"count": 1},
+            "stream": {"handle": STREAM_LEGACY},
+            "method": {"method": "loop"},
+            "memory": {"found": PAGEABLE},
+        }[change]
+    )
+    target = decide.decide(args["handle"], args["method"], args["count"], args["total_bytes"], args["found"])
     assert len(asked) == 2
-    expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop",
-                "memory": "batch"}[change]
+    expected = {"sizes": "kernel", "count": "loop", "stream": "kernel", "method": "loop", "memory": "batch"}[
+        change
+    ]
     assert target.decision.method == expected
 
 
@@ -97,6 +106,7 @@ def test_memory_of_another_gpu_is_a_peer_copy(asked):
 
 def test_unreachable_peer_memory_goes_by_dma_and_says_why(asked, monkeypatch):
     from kvcopy.testing import engine
+
     peers = engine.peers
 
     monkeypatch.setattr(peers, "why_unreachable", lambda here, found: f"peers {found} from {here}")
@@ -127,19 +137,23 @@ def test_stores_by_dma_is_heeded_at_once(asked, monkeypatch):
     assert asked[-1].stores_by_dma and asked[-1].direction == "d2h"
     config.stores_by_dma = False
     assert decide.decide(7, "auto", 64, 64 * 16384, store).decision.method == "kernel"
-    assert len(asked) == 2   # the first answer was remembered
+    assert len(asked) == 2  # the first answer was remembered
 
 
-@pytest.mark.parametrize("block, method, free", [
-    (256 << 10, "auto", False),    # the copy engines while the other way copies, else the kernel
-    (16 << 10, "auto", True),      # the kernel either way
-    (256 << 10, "kernel", True),   # asked for: traffic is not part of the question
-])
+@pytest.mark.parametrize(
+    "block, method, free",
+    [
+        (256 << 10, "auto", False),  # the copy engines while the other way copies, else the kernel
+        (16 << 10, "auto", True),  # the kernel either way
+        (256 << 10, "kernel", True),  # asked for: traffic is not part of the question
+    ],
+)
 def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block, method, free):
     """kvcopy._engine.replay replays only launches whose decision the other direction's
     traffic cannot change (Target.traffic_free), asked once per question."""
     from kvcopy import config
     from kvcopy.testing import engine
+
     traffic_window = engine.traffic_window
 
     config.traffic_window_ms = 50
@@ -149,7 +163,7 @@ def test_a_target_says_whether_traffic_could_change_it(asked, monkeypatch, block
     traffic_window.forget()
     assert target.decision.method == "kernel" and again is target
     assert target.traffic_free is free
-    assert len(asked) == (1 if method != "auto" else 2)   # the other answer asked on a miss only
+    assert len(asked) == (1 if method != "auto" else 2)  # the other answer asked on a miss only
 
 
 def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
@@ -157,6 +171,7 @@ def test_a_batch_too_large_to_replay_asks_the_policy_once(asked, monkeypatch):
     larger than any record is asked once, and says it was not asked."""
     from kvcopy import config
     from kvcopy.testing import engine
+
     replay, traffic_window = engine.replay, engine.traffic_window
 
     config.traffic_window_ms = 50

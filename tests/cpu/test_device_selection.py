@@ -4,6 +4,7 @@ Two devices, each with a primary context; created streams belong to one of
 them. The real driver calls are replaced, so the logic of ContextScope and
 memory_owner is checked without GPUs (two real GPUs: tests marked gpu).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -11,12 +12,13 @@ import pytest
 from kvcopy import testing
 
 from kvcopy.testing import engine
+
 context = engine.context
 memory_owner = engine.decide.memory_owner
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 PRIMARY = {0: 0x1000, 1: 0x2000}
-DEVICE_OF = {0x1000: 0, 0x2000: 1, 0x3000: 1}   # 0x3000: a non-primary context on device 1
+DEVICE_OF = {0x1000: 0, 0x2000: 1, 0x3000: 1}  # 0x3000: a non-primary context on device 1
 STREAMS = {0xA0: 0x1000, 0xB1: 0x2000, 0xC1: 0x3000}
 
 
@@ -53,6 +55,7 @@ class FakeContextDriver:
 def fake(seams):
     def make(current: int = 0) -> FakeContextDriver:
         return seams.enter_context(testing.fake_cuda(FakeContextDriver(current), ("driver",)))
+
     return make
 
 
@@ -60,7 +63,7 @@ def test_created_stream_runs_in_its_own_context_and_restores_the_callers(fake):
     drv = fake(current=PRIMARY[0])
     with context.ContextScope(0xB1) as scope:
         assert drv.current_context() == PRIMARY[1]
-        assert not scope.follow_memory(0)      # a created stream is never moved
+        assert not scope.follow_memory(0)  # a created stream is never moved
     assert drv.stack == [PRIMARY[0]]
 
 
@@ -82,10 +85,10 @@ def test_non_primary_context_of_a_stream_is_used(fake):
 def test_default_stream_follows_memory_on_another_device(fake, handle):
     drv = fake(current=PRIMARY[0])
     with context.ContextScope(handle) as scope:
-        assert drv.log == []                   # the caller's context serves until memory is known
+        assert drv.log == []  # the caller's context serves until memory is known
         assert scope.follow_memory(1)
         assert drv.current_context() == PRIMARY[1]
-    assert drv.stack == [PRIMARY[0]]           # caller's context left as it was
+    assert drv.stack == [PRIMARY[0]]  # caller's context left as it was
 
 
 def test_default_stream_stays_when_memory_is_on_the_current_device(fake):
@@ -100,7 +103,7 @@ def test_thread_without_context_gets_device_0_then_the_memorys_device(fake):
     with context.ContextScope(STREAM_LEGACY) as scope:
         assert drv.current_context() == PRIMARY[0]
         assert scope.follow_memory(1)
-        assert drv.stack == [PRIMARY[1]]       # device 0's push was undone, not stacked
+        assert drv.stack == [PRIMARY[1]]  # device 0's push was undone, not stacked
     assert drv.stack == []
 
 
@@ -121,8 +124,17 @@ def test_context_is_restored_when_the_copy_raises(fake):
     assert drv.stack == [PRIMARY[0]]
 
 
-@pytest.mark.parametrize("src, dst, owner", [
-    (-1, -1, -1), (0, -1, 0), (-1, 1, 1), (1, 1, 1), (0, 1, -2), (-2, 0, -2), (-2, -1, -2),
-])
+@pytest.mark.parametrize(
+    "src, dst, owner",
+    [
+        (-1, -1, -1),
+        (0, -1, 0),
+        (-1, 1, 1),
+        (1, 1, 1),
+        (0, 1, -2),
+        (-2, 0, -2),
+        (-2, -1, -2),
+    ],
+)
 def test_memory_owner(src, dst, owner):
     assert memory_owner(src, dst) == owner

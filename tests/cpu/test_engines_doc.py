@@ -1,5 +1,6 @@
 """The blocks of docs/engines.md put kvcopy's ops in the engines' own modules where the
 engines are installed (stand-in modules here) and do nothing where they are not."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,12 +18,28 @@ import kvcopy.compat.vllm
 PAGE = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE, re.S)
 ENGINES = [  # (the module a block changes, and the modules above it; what it must hold)
-    (["vllm", "vllm.v1", "vllm.v1.kv_offload", "vllm.v1.kv_offload.cpu",
-      "vllm.v1.kv_offload.cpu.gpu_worker"], kvcopy.compat.vllm, ["CopyBackendAdapter"]),
+    (
+        [
+            "vllm",
+            "vllm.v1",
+            "vllm.v1.kv_offload",
+            "vllm.v1.kv_offload.cpu",
+            "vllm.v1.kv_offload.cpu.gpu_worker",
+        ],
+        kvcopy.compat.vllm,
+        ["CopyBackendAdapter"],
+    ),
     (["sgl_kernel", "sgl_kernel.kvcacheio"], kvcopy.compat.sglang, kvcopy.compat.sglang.__all__),
-    (["lmcache", "lmcache.c_ops"], kvcopy.compat.lmcache,
-     ["multi_layer_kv_transfer", "multi_layer_kv_transfer_unilateral",
-      "single_layer_kv_transfer", "single_layer_kv_transfer_sgl"]),
+    (
+        ["lmcache", "lmcache.c_ops"],
+        kvcopy.compat.lmcache,
+        [
+            "multi_layer_kv_transfer",
+            "multi_layer_kv_transfer_unilateral",
+            "single_layer_kv_transfer",
+            "single_layer_kv_transfer_sgl",
+        ],
+    ),
 ]
 
 

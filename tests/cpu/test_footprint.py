@@ -1,5 +1,6 @@
 """The copy kernel's footprint over PCIe (CPU): the fewest CTAs calibrate keeps, the
 CTAs each direction gets alone and beside the other, and calibration files."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,12 +10,21 @@ import numpy as np
 import pytest
 
 from kvcopy.testing import engine
+
 decide, dispatch = engine.decide, engine.dispatch
 device = engine.device
 from kvcopy.config import config
 from kvcopy.calibrate import _next_threshold
-from kvcopy.policy import (BOTH_WAYS_BATCH_MIN_BYTES, BOTH_WAYS_CTAS, HOST_CTAS, CopyRequest,
-                           Decision, DeviceCaps, Thresholds, fewest_ctas)
+from kvcopy.policy import (
+    BOTH_WAYS_BATCH_MIN_BYTES,
+    BOTH_WAYS_CTAS,
+    HOST_CTAS,
+    CopyRequest,
+    Decision,
+    DeviceCaps,
+    Thresholds,
+    fewest_ctas,
+)
 
 MiB = 1 << 20
 
@@ -46,9 +56,14 @@ def test_ctas_per_direction_alone_and_both_ways():
 def _target(direction: str, thresholds: Thresholds) -> decide.Target:
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
     request = CopyRequest(direction, 64, 64 * MiB, True, "created")
-    return decide.Target(7, info, request, Decision("kernel", "test"),
-                         thresholds.ctas_for(direction),
-                         thresholds.ctas_for(direction, both_ways=True))
+    return decide.Target(
+        7,
+        info,
+        request,
+        Decision("kernel", "test"),
+        thresholds.ctas_for(direction),
+        thresholds.ctas_for(direction, both_ways=True),
+    )
 
 
 def test_config_host_ctas_overrides_the_device_default(monkeypatch):
@@ -94,8 +109,7 @@ def test_old_calibration_file_keeps_the_default_footprint(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("both_ways", [64 << 10, float("inf")])
-def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, monkeypatch,
-                                                                    both_ways):
+def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, monkeypatch, both_ways):
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 13000, DeviceCaps())
     device.save_thresholds(info, {"both_ways_batch_min_bytes": both_ways}, {})
@@ -104,9 +118,11 @@ def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, mon
 
 def test_crossover_is_where_dma_keeps_up_from_then_on():
     found = float("inf")
-    steps = [(32 << 10, {"kernel": 70.0, "batch": 40.0}),   # engines CPU-bound: kernel
-             (64 << 10, {"kernel": 70.0, "batch": 69.0}),   # within 2%: from here
-             (128 << 10, {"kernel": 70.0, "batch": 90.0})]
+    steps = [
+        (32 << 10, {"kernel": 70.0, "batch": 40.0}),  # engines CPU-bound: kernel
+        (64 << 10, {"kernel": 70.0, "batch": 69.0}),  # within 2%: from here
+        (128 << 10, {"kernel": 70.0, "batch": 90.0}),
+    ]
     for block, gbps in steps:
         found = _next_threshold(found, block, gbps)
     assert found == 64 << 10
@@ -117,19 +133,20 @@ def test_crossover_is_where_dma_keeps_up_from_then_on():
     assert _next_threshold(float("inf"), 4096, {"kernel": 1.0}) == float("inf")
 
 
-def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None,
-                    engines_reached: bool = True):
+def _fake_both_ways(
+    monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at=None, engines_reached: bool = True
+):
     """calibrate's both-ways measurement against a faked engine: 'kernel' runs the
     pair, 'auto' runs the engines only where the thresholds passed set the crossover
     to 0 (never, without ``engines_reached``: the crossover ignored); times per block
     from ``batch_ms``. Returns the calls seen (method, the crossover passed, the
     device's crossover meanwhile)."""
-    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+    calibrate = importlib.import_module("kvcopy.calibrate")  # the package re-exports the function
 
     seen = []
 
     def execute_both(store, load, stream, method, thresholds=None):
-        current["block"] = int(store[2][0])   # (every copy of a scattered plan is one block)
+        current["block"] = int(store[2][0])  # (every copy of a scattered plan is one block)
         if not engines_reached:
             seen.append((method, None, None))
             return "kernel", "kernel"
@@ -154,16 +171,16 @@ def _fake_both_ways(monkeypatch, batch_ms: dict, kernel_ms: float = 1.0, fail_at
 
 
 def test_both_ways_crossover_from_faked_timings_and_thresholds_restored(monkeypatch):
-    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+    calibrate = importlib.import_module("kvcopy.calibrate")  # the package re-exports the function
 
     before = Thresholds(both_ways_batch_min_bytes=128 << 10)
     device.set_thresholds(0, before)
     # engines slower than the kernel pair at 32 KiB, as fast or faster from 64 KiB
-    seen = _fake_both_ways(monkeypatch, {32 << 10: 1.5, 64 << 10: 1.01, 128 << 10: 0.9,
-                                         256 << 10: 0.8})
+    seen = _fake_both_ways(monkeypatch, {32 << 10: 1.5, 64 << 10: 1.01, 128 << 10: 0.9, 256 << 10: 0.8})
     try:
-        found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
-                                                         (1, 2), 3, np.random.default_rng(0))
+        found, measured = calibrate._both_ways_threshold(
+            0, 1 << 30, 2 << 30, 8 * MiB, 7, (1, 2), 3, np.random.default_rng(0)
+        )
         assert found == 64 << 10
         assert set(measured) == {f"both_ways/{b}" for b in calibrate.BOTH_WAYS_BLOCKS}
         assert measured["both_ways/32768"]["batch"] < measured["both_ways/32768"]["kernel"]
@@ -176,29 +193,31 @@ def test_both_ways_crossover_from_faked_timings_and_thresholds_restored(monkeypa
 
 
 def test_both_ways_measurement_that_fails_leaves_the_thresholds_as_they_were(monkeypatch):
-    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+    calibrate = importlib.import_module("kvcopy.calibrate")  # the package re-exports the function
 
     before = Thresholds(both_ways_batch_min_bytes=128 << 10)
     device.set_thresholds(0, before)
     _fake_both_ways(monkeypatch, {b: 1.0 for b in calibrate.BOTH_WAYS_BLOCKS}, fail_at=64 << 10)
     try:
         with pytest.raises(RuntimeError, match="device lost"):
-            calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7, (1, 2), 3,
-                                           np.random.default_rng(0))
+            calibrate._both_ways_threshold(
+                0, 1 << 30, 2 << 30, 8 * MiB, 7, (1, 2), 3, np.random.default_rng(0)
+            )
         assert device.thresholds(0) == before
     finally:
         device.set_thresholds(0, Thresholds())
 
 
 def test_both_ways_engines_unavailable_keep_the_kernel_pair(monkeypatch):
-    calibrate = importlib.import_module("kvcopy.calibrate")   # the package re-exports the function
+    calibrate = importlib.import_module("kvcopy.calibrate")  # the package re-exports the function
 
     device.set_thresholds(0, Thresholds())
     # 'auto' that does not reach the engines (here: the crossover ignored) is not timed
     _fake_both_ways(monkeypatch, {}, engines_reached=False)
     try:
-        found, measured = calibrate._both_ways_threshold(0, 1 << 30, 2 << 30, 8 * MiB, 7,
-                                                         (1, 2), 3, np.random.default_rng(0))
+        found, measured = calibrate._both_ways_threshold(
+            0, 1 << 30, 2 << 30, 8 * MiB, 7, (1, 2), 3, np.random.default_rng(0)
+        )
         assert found == float("inf")
         assert all(set(gbps) == {"kernel"} for gbps in measured.values())
     finally:

@@ -1,5 +1,6 @@
 """Which framework an object comes from: by its type's module, answered from a
 bounded memo per type, the same answer the first time and every time after."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,14 +14,23 @@ def made_in(module: str, name: str = "Thing") -> type:
 
 
 def test_modules_name_their_framework_and_others_none():
-    cases = {"torch": "torch", "torch.nn.parameter": "torch", "cupy._core.core": "cupy",
-             "cupy_backends.cuda.api": "cupy", "jaxlib.xla_extension": "jax",
-             "cuda.core.experimental": "cuda.core", "cuda.bindings.driver": "cuda.bindings",
-             "torchvision": None, "cudatoolkit": None, "numpy": None, "__main__": None}
+    cases = {
+        "torch": "torch",
+        "torch.nn.parameter": "torch",
+        "cupy._core.core": "cupy",
+        "cupy_backends.cuda.api": "cupy",
+        "jaxlib.xla_extension": "jax",
+        "cuda.core.experimental": "cuda.core",
+        "cuda.bindings.driver": "cuda.bindings",
+        "torchvision": None,
+        "cudatoolkit": None,
+        "numpy": None,
+        "__main__": None,
+    }
     for module, want in cases.items():
         thing = made_in(module)()
         assert framework_of(thing) == want, module
-        assert framework_of(thing) == want, module   # the remembered answer too
+        assert framework_of(thing) == want, module  # the remembered answer too
     assert framework_of(np.zeros(3)) is None and framework_of([1, 2]) is None
 
 
@@ -33,7 +43,7 @@ def test_the_memo_stays_bounded_and_right():
 
 def test_a_class_whose_metaclass_makes_it_unhashable_is_answered():
     class Unhashable(type):
-        __hash__ = None   # type: ignore[assignment]
+        __hash__ = None  # type: ignore[assignment]
 
         def __eq__(cls, other):
             return cls is other

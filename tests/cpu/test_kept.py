@@ -1,5 +1,6 @@
 """Bounded stores of remembered answers drop their oldest entries first, also when
 threads fill one at once (kvcopy.kept)."""
+
 from __future__ import annotations
 
 import threading
@@ -9,14 +10,14 @@ from kvcopy.kept import make_room
 
 def test_make_room_drops_the_oldest_until_one_more_fits():
     store = {k: str(k) for k in range(5)}
-    store[2] = "two"                 # (a value replaced keeps its place)
+    store[2] = "two"  # (a value replaced keeps its place)
     make_room(store, 4)
     assert list(store) == [2, 3, 4]
     make_room(store, 10)
     assert list(store) == [2, 3, 4]
     make_room(store, 1)
     assert store == {}
-    make_room(store, 0)              # (nothing to drop: it returns)
+    make_room(store, 0)  # (nothing to drop: it returns)
     assert store == {}
 
 
@@ -40,7 +41,7 @@ def test_threads_filling_one_store_at_once_keep_it_bounded():
     for thread in threads:
         thread.join()
     assert failures == []
-    assert len(store) <= 64 + 8      # each thread may add one after making room
+    assert len(store) <= 64 + 8  # each thread may add one after making room
 
 
 def test_an_entry_goes_with_its_freed_object_but_not_a_live_one_at_its_key():
@@ -68,7 +69,7 @@ def test_an_entry_goes_with_its_freed_object_but_not_a_live_one_at_its_key():
     assert list(store) == ["j"]
     third = Thing()
     old = store["j"]
-    store["j"] = Entry(third, dropper(store, "j"))   # a live entry took the key
+    store["j"] = Entry(third, dropper(store, "j"))  # a live entry took the key
     del second, old
     gc.collect()
     assert list(store) == ["j"] and store["j"].alive()

@@ -1,6 +1,7 @@
 """The drop-ins' layouts are kept for the same tensor objects while those are unchanged,
 and never for another tensor, a changed one, or a table whose contents changed; a kept
 layout keeps no tensor alive (kvcopy.compat.kept_layouts)."""
+
 from __future__ import annotations
 
 import gc
@@ -33,29 +34,29 @@ def test_the_same_tensors_and_arguments_get_the_same_layout():
 def test_a_changed_or_new_tensor_is_described_anew():
     t = torch.zeros((8, 16), dtype=torch.uint8)
     first = kept_layout([t], ("rows",), lambda: _rows(t))
-    t.set_(torch.zeros((8, 16), dtype=torch.uint8).untyped_storage())   # new memory, same shape
+    t.set_(torch.zeros((8, 16), dtype=torch.uint8).untyped_storage())  # new memory, same shape
     moved = kept_layout([t], ("rows",), lambda: _rows(t))
     assert moved is not first and moved.bases.tolist() == [t.data_ptr()]
     memory = np.zeros((8, 16), np.uint8)
     a = torch.from_numpy(memory)
     kept = kept_layout([a], ("rows",), lambda: _rows(a))  # noqa: F821 - called before the del
     del a
-    b = torch.from_numpy(memory)   # another tensor at the same address, shape and strides
+    b = torch.from_numpy(memory)  # another tensor at the same address, shape and strides
     assert kept_layout([b], ("rows",), lambda: _rows(b)) is not kept
 
 
 def test_a_tables_contents_count_and_a_caches_do_not():
     table = torch.tensor([4096, 8192])
-    first = kept_layout([table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4,
-                                                                      row_bytes=8),
-                        contents=True)
+    first = kept_layout(
+        [table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4, row_bytes=8), contents=True
+    )
     cache = torch.zeros((8, 16))
     kept = kept_layout([cache], ("rows",), lambda: _rows(cache))
     table[1] = 12288
-    cache[3] = 1.0                  # an engine writing its cache: still the same layout
-    again = kept_layout([table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4,
-                                                                      row_bytes=8),
-                        contents=True)
+    cache[3] = 1.0  # an engine writing its cache: still the same layout
+    again = kept_layout(
+        [table], ("t",), lambda: Layout.from_pointers(table.tolist(), slots=4, row_bytes=8), contents=True
+    )
     assert again is not first and again.bases.tolist() == [4096, 12288]
     assert kept_layout([cache], ("rows",), lambda: _rows(cache)) is kept
 
@@ -92,7 +93,7 @@ def test_inference_tensors_have_no_version_and_their_contents_count_as_fixed():
     first = kept_layout([table, cache], ("t",), lambda: _rows(cache), contents=True)
     assert kept_layout([table, cache], ("t",), lambda: _rows(cache), contents=True) is first
     with torch.inference_mode():
-        table[1] = 12288     # no version to see it by: a table that changes is a new tensor
+        table[1] = 12288  # no version to see it by: a table that changes is a new tensor
     assert pointer_tables.addresses_of(table, "t") == [4096, 8192]
     with torch.inference_mode():
         new = table.clone()
@@ -109,7 +110,7 @@ def test_a_value_leaves_the_store_with_its_tensor():
     assert len(store) == 2
     del b
     gc.collect()
-    assert len(store) == 1                                 # without a scan or an insert
+    assert len(store) == 1  # without a scan or an insert
     assert store.get([a], (), lambda: "a again") == "a"
 
 
@@ -123,11 +124,11 @@ def test_a_full_store_drops_gone_tensors_first_then_the_oldest():
     del b
     gc.collect()
     d = torch.zeros(4)
-    assert store.get([d], (), lambda: "d") == "d"            # b's place, b being gone
+    assert store.get([d], (), lambda: "d") == "d"  # b's place, b being gone
     assert len(store) == 3
-    assert store.get([a], (), lambda: "a again") == "a"      # a, the oldest, still kept
+    assert store.get([a], (), lambda: "a again") == "a"  # a, the oldest, still kept
     e = torch.zeros(4)
-    assert store.get([e], (), lambda: "e") == "e"            # full and alive: a goes
+    assert store.get([e], (), lambda: "e") == "e"  # full and alive: a goes
     assert store.get([a], (), lambda: "a again") == "a again"
     assert store.get([d], (), lambda: "d again") == "d"
 
@@ -138,16 +139,19 @@ def test_a_128_layer_model_moved_layer_by_layer_stays_kept():
     second pass asks for is the one the first pass built."""
     layers, item = 128, 16
     host_k, host_v = (torch.zeros((8, layers * item), dtype=torch.uint8) for _ in range(2))
-    dev = [(torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
-           for _ in range(layers)]
-    back = [(torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
-            for _ in range(layers)]
+    dev = [
+        (torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
+        for _ in range(layers)
+    ]
+    back = [
+        (torch.zeros((8, item), dtype=torch.uint8), torch.zeros((8, item), dtype=torch.uint8))
+        for _ in range(layers)
+    ]
 
     def one_pass() -> list:
         found = []
         for layer in range(layers):
-            found.append(sglang._buffers((host_k, host_v), ("k", "v"), item, layers * item,
-                                         layer * item))
+            found.append(sglang._buffers((host_k, host_v), ("k", "v"), item, layers * item, layer * item))
             found.append(sglang._buffers(dev[layer], ("k", "v"), item, item))
             found.append(sglang._buffers(back[layer], ("k", "v"), item, item))
         return found

@@ -1,17 +1,25 @@
 """The copy kernel compiles with NVRTC and is cached (CPU: NVRTC needs no GPU)."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvcopy import testing
 from kvcopy.testing import engine
+
 kernels = engine.kernels
 from kvcopy.testing import cuda
+
 launch = cuda.launch
 from kvcopy.config import MAX_THREADS_PER_CTA
 
-BULK_ENTRIES = {"kvcopy_bulk_scatter", "kvcopy_bulk_pairs", "kvcopy_bulk_inline",
-                "kvcopy_bulk_inline_small", "kvcopy_bulk_inline_tiny"}
+BULK_ENTRIES = {
+    "kvcopy_bulk_scatter",
+    "kvcopy_bulk_pairs",
+    "kvcopy_bulk_inline",
+    "kvcopy_bulk_inline_small",
+    "kvcopy_bulk_inline_tiny",
+}
 
 
 def _nvrtc_or_skip():
@@ -32,9 +40,15 @@ def test_compiles_to_a_cubin_with_all_entry_points(arch):
     _nvrtc_or_skip()
     cubin = kernels.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
-    for name in (b"kvcopy_scatter", b"kvcopy_scatter_inline", b"kvcopy_scatter_inline_small",
-                 b"kvcopy_scatter_inline_tiny", b"kvcopy_scatter_pair", b"kvcopy_blocks",
-                 *(e.encode() for e in BULK_ENTRIES)):
+    for name in (
+        b"kvcopy_scatter",
+        b"kvcopy_scatter_inline",
+        b"kvcopy_scatter_inline_small",
+        b"kvcopy_scatter_inline_tiny",
+        b"kvcopy_scatter_pair",
+        b"kvcopy_blocks",
+        *(e.encode() for e in BULK_ENTRIES),
+    ):
         assert name in cubin
 
 
@@ -45,8 +59,9 @@ def test_a_failed_compile_says_why_in_plain_text():
     with pytest.raises(kernels.KernelUnavailable) as caught:
         kernels.compile_cubin(1)
     message = str(caught.value)
-    assert message.startswith("NVRTC could not compile the copy kernel for sm_1: "
-                              "NVRTC_ERROR_INVALID_OPTION\n")
+    assert message.startswith(
+        "NVRTC could not compile the copy kernel for sm_1: NVRTC_ERROR_INVALID_OPTION\n"
+    )
     assert "--gpu-architecture" in message
     assert "\x00" not in message and message == message.rstrip()
 
@@ -58,11 +73,16 @@ def test_every_kernel_fits_a_cta_of_the_most_threads(arch):
     The bulk copier's kernels are launched with launch.BULK_THREADS threads, always."""
     _nvrtc_or_skip()
     used = kernels.registers_per_thread(arch)
-    assert set(used) >= {"kvcopy_scatter", "kvcopy_scatter_inline", "kvcopy_scatter_inline_small",
-                         "kvcopy_scatter_inline_tiny", "kvcopy_scatter_pair", "kvcopy_blocks",
-                         *BULK_ENTRIES}
-    most = {name: launch.BULK_THREADS if name in BULK_ENTRIES else MAX_THREADS_PER_CTA
-            for name in used}
+    assert set(used) >= {
+        "kvcopy_scatter",
+        "kvcopy_scatter_inline",
+        "kvcopy_scatter_inline_small",
+        "kvcopy_scatter_inline_tiny",
+        "kvcopy_scatter_pair",
+        "kvcopy_blocks",
+        *BULK_ENTRIES,
+    }
+    most = {name: launch.BULK_THREADS if name in BULK_ENTRIES else MAX_THREADS_PER_CTA for name in used}
     too_many = {name: n for name, n in used.items() if n * most[name] > 65536}
     assert not too_many, f"registers per thread above {65536 // MAX_THREADS_PER_CTA}: {too_many}"
 
@@ -74,14 +94,17 @@ def test_disk_cache_is_reused(tmp_path, monkeypatch):
     files = list(tmp_path.glob("copy_kernel-sm90-*.cubin"))
     assert len(files) == 1 and files[0].read_bytes().endswith(first)
     compiled = []
-    with testing.fake_compiler(lambda arch: compiled.append(arch) or b"x",
-                               kernels.nvrtc_version()):
-        assert kernels.cached_cubin(90) == first   # read from disk: nothing compiled
+    with testing.fake_compiler(lambda arch: compiled.append(arch) or b"x", kernels.nvrtc_version()):
+        assert kernels.cached_cubin(90) == first  # read from disk: nothing compiled
     assert compiled == []
 
 
 def test_cache_key_depends_on_arch_source_and_version():
     src = {"a": "x"}
-    keys = {kernels.cache_key(src, 90, (13, 0)), kernels.cache_key(src, 80, (13, 0)),
-            kernels.cache_key(src, 90, (13, 1)), kernels.cache_key({"a": "y"}, 90, (13, 0))}
+    keys = {
+        kernels.cache_key(src, 90, (13, 0)),
+        kernels.cache_key(src, 80, (13, 0)),
+        kernels.cache_key(src, 90, (13, 1)),
+        kernels.cache_key({"a": "y"}, 90, (13, 0)),
+    }
     assert len(keys) == 4

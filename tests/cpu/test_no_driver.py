@@ -1,4 +1,5 @@
 """Without a GPU: import works and the first driver call says so plainly (CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,7 @@ def test_import_and_api_surface():
 def test_first_copy_raises_no_driver_error():
     try:
         from kvcopy.testing import cuda
+
         kv_driver = cuda.driver
 
         kv_driver.init()
@@ -63,8 +65,9 @@ def test_sglang_address_tables_without_a_driver_say_so():
     layers = [torch.zeros(16, 64, dtype=torch.uint8) for _ in range(4)]
     table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
     with pytest.raises(kvcopy.NoDriverError, match="no CUDA driver was found"):
-        sglang.transfer_kv_all_layer(table[:2], table[2:], table[:2], table[2:],
-                                     torch.arange(4), torch.arange(4), 64, 2)
+        sglang.transfer_kv_all_layer(
+            table[:2], table[2:], table[:2], table[2:], torch.arange(4), torch.arange(4), 64, 2
+        )
 
 
 def test_the_no_driver_error_is_short_and_keeps_its_cause():
@@ -81,8 +84,12 @@ def test_the_no_driver_error_is_short_and_keeps_its_cause():
         assert err.__context__ is not None and err.__cause__ is None
     else:
         pytest.skip("a CUDA driver is present")
-    run = subprocess.run([sys.executable, "-c", "import kvcopy; kvcopy.copy_batch([4096], "
-                          "[8192], [8])"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", "import kvcopy; kvcopy.copy_batch([4096], [8192], [8])"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1
     assert lines[-1].startswith("kvcopy.errors.NoDriverError: no CUDA driver was found")

@@ -1,5 +1,6 @@
 """Peer-access bookkeeping with a faked driver (CPU): which devices a batch's
 memory names, enabling once per context and peer, and the reasons given."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from kvcopy import testing
 
 from kvcopy.testing import engine
+
 peers = engine.peers
 from kvcopy.config import config
 from kvcopy.errors import CudaError
@@ -17,7 +19,7 @@ class FakePeerDriver:
         self.reachable, self.count, self.enabled = set(reachable), count, []
         self.noted: list[tuple[int, int]] = []
 
-    def note_peer_access(self, ctx, peer):   # (kvcopy._cuda.classify's)
+    def note_peer_access(self, ctx, peer):  # (kvcopy._cuda.classify's)
         self.noted.append((ctx, peer))
 
     def device_count(self):
@@ -48,18 +50,18 @@ def fake(seams):
 def test_peers_of_reads_classify_ordinals(fake):
     assert peers.peers_of((0, 1), 0) == [1]
     assert peers.peers_of((-1, 1), 1) == []
-    assert peers.peers_of((-2, -1), 0) == [1, 2]     # several devices: every other one
+    assert peers.peers_of((-2, -1), 0) == [1, 2]  # several devices: every other one
 
 
 def test_peer_access_is_enabled_once_per_context_and_peer(fake):
     assert peers.enable_for(0, [1]) is True
     assert peers.enable_for(0, [1]) is False
     assert fake.enabled == [1]
-    assert fake.noted == [(0xC0, 1)]    # the classifier now treats device 1's memory as reachable
+    assert fake.noted == [(0xC0, 1)]  # the classifier now treats device 1's memory as reachable
 
 
 def test_access_enabled_by_the_application_counts_too(fake):
-    fake.enable_peer_access = lambda peer: False    # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    fake.enable_peer_access = lambda peer: False  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
     assert peers.enable_for(0, [1]) is True and fake.noted == [(0xC0, 1)]
 
 

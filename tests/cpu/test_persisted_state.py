@@ -1,5 +1,6 @@
 """Files kvcopy keeps on disk survive crashes, concurrent writers and hostile content
 (CPU): calibration files and the kernel cache."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcopy import testing
 from kvcopy.testing import engine
-calibration_file, device, kernels, persist = (engine.calibration_file, engine.device,
-                                              engine.kernels, engine.persist)
+
+calibration_file, device, kernels, persist = (
+    engine.calibration_file,
+    engine.device,
+    engine.kernels,
+    engine.persist,
+)
 from kvcopy.policy import DeviceCaps, Thresholds
 
 MiB = 1 << 20
@@ -38,8 +44,11 @@ GOOD = {"batch_min_bytes": {"h2d": 2 * MiB, "d2h": None}, "host_ctas": {"h2d": 6
 
 
 def test_a_saved_file_loads_back_with_never_as_null(cache):
-    device.save_thresholds(INFO, {"batch_min_bytes": {"h2d": 2 * MiB, "d2h": float("inf")},
-                                  "host_ctas": {"h2d": 6}}, {"h2d/65536": {"kernel": 50.0}})
+    device.save_thresholds(
+        INFO,
+        {"batch_min_bytes": {"h2d": 2 * MiB, "d2h": float("inf")}, "host_ctas": {"h2d": 6}},
+        {"h2d/65536": {"kernel": 50.0}},
+    )
     text = device.thresholds_path(INFO).read_text()
     assert "Infinity" not in text and json.loads(text)["batch_min_bytes"]["d2h"] is None
     loaded = device.load_thresholds(INFO)
@@ -49,8 +58,11 @@ def test_a_saved_file_loads_back_with_never_as_null(cache):
 
 
 def test_a_file_written_by_an_older_kvcopy_still_loads(cache):
-    _write(device.thresholds_path(INFO), '{"batch_min_bytes": {"h2d": 1048576, "d2h": Infinity}, '
-           '"both_ways_batch_min_bytes": Infinity, "measurements": {}}')
+    _write(
+        device.thresholds_path(INFO),
+        '{"batch_min_bytes": {"h2d": 1048576, "d2h": Infinity}, '
+        '"both_ways_batch_min_bytes": Infinity, "measurements": {}}',
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = device.load_thresholds(INFO)
@@ -76,7 +88,7 @@ BAD_FILES = [
     ('{"batch_min_bytes": {}, "device": "Other GPU"}', "Other GPU"),
     ('{"batch_min_bytes": {}, "schema": 99}', "schema 99"),
     ('{"host_ctas": {"h2d": 4}}', "no batch_min_bytes"),
-    ('[1, 2]', "not an object"),
+    ("[1, 2]", "not an object"),
     ('{"batch_min_bytes": {}, "measurements": {"x": {"kernel": "fast"}}}', "finite numbers"),
 ]
 
@@ -88,7 +100,7 @@ def test_a_bad_file_warns_once_names_the_fault_and_the_defaults_serve(cache, tex
     with pytest.warns(RuntimeWarning, match="calibration file") as caught:
         assert device.load_thresholds(INFO) is None
     assert str(path) in str(caught[0].message) and fault in str(caught[0].message)
-    with warnings.catch_warnings():   # remembered as bad: no second warning, no re-read
+    with warnings.catch_warnings():  # remembered as bad: no second warning, no re-read
         warnings.simplefilter("error")
         assert device.load_thresholds(INFO) is None
     # the device's thresholds fall back to the defaults: a copy never fails over a file
@@ -128,7 +140,8 @@ def test_a_writer_killed_mid_write_leaves_the_old_file(cache, monkeypatch):
     before = path.read_bytes()
 
     def crash(*args):
-        raise KeyboardInterrupt   # as a kill between writing and renaming
+        raise KeyboardInterrupt  # as a kill between writing and renaming
+
     monkeypatch.setattr(persist.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         device.save_thresholds(INFO, {"host_ctas": {"h2d": 7}}, {})
@@ -149,12 +162,14 @@ def test_a_folder_that_cannot_be_written_raises_oserror_and_leaves_nothing(tmp_p
 def _saver(folder: str, worker: int, rounds: int) -> None:
     os.environ["KVCOPY_CACHE_DIR"] = folder
     for r in range(rounds):
-        device.save_thresholds(INFO, {"host_ctas": {"h2d": 1 + worker}},
-                               {f"worker{worker}/round{r}": {"kernel": float(r)}})
+        device.save_thresholds(
+            INFO, {"host_ctas": {"h2d": 1 + worker}}, {f"worker{worker}/round{r}": {"kernel": float(r)}}
+        )
 
 
 def _reader(folder: str, seconds: float, queue) -> None:
     import time
+
     os.environ["KVCOPY_CACHE_DIR"] = folder
     path = device.thresholds_path(INFO)
     reads = torn = 0
@@ -166,8 +181,9 @@ def _reader(folder: str, seconds: float, queue) -> None:
             continue
         reads += 1
         try:
-            calibration_file.validate(persist.parse_json(data, allow_infinity=True),
-                                      INFO.name, INFO.driver_version)
+            calibration_file.validate(
+                persist.parse_json(data, allow_infinity=True), INFO.name, INFO.driver_version
+            )
         except persist.BadFile:
             torn += 1
     queue.put((reads, torn))
@@ -189,21 +205,21 @@ def test_concurrent_saves_lose_no_measurement_and_no_reader_sees_a_torn_file(cac
     reads, torn = queue.get(timeout=10)
     assert reads > 0 and torn == 0
     data = json.loads(device.thresholds_path(INFO).read_text())
-    assert set(data["measurements"]) == {f"worker{w}/round{r}" for w in range(workers)
-                                         for r in range(rounds)}
+    assert set(data["measurements"]) == {f"worker{w}/round{r}" for w in range(workers) for r in range(rounds)}
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
 
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
-    max_leaves=20)
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.dictionaries(st.sampled_from(sorted(calibration_file._TOP_KEYS) + ["x"]),
-                            json_values, max_size=6))
+@given(
+    body=st.dictionaries(st.sampled_from(sorted(calibration_file._TOP_KEYS) + ["x"]), json_values, max_size=6)
+)
 def test_any_json_either_loads_as_valid_thresholds_or_is_refused(cache, body):
     calibration_file._bad.clear()
     path = device.thresholds_path(INFO)
@@ -231,6 +247,7 @@ def test_any_bytes_either_parse_or_raise_badfile(data):
 
 # --- the kernel cache --------------------------------------------------------------------
 
+
 @pytest.fixture
 def compiles(seams) -> list:
     """NVRTC replaced by a stand-in producing a distinct cubin per arch (the cache's
@@ -241,6 +258,7 @@ def compiles(seams) -> list:
     def compile_cubin(arch: int) -> bytes:
         made.append(arch)
         return b"\x7fELF" + f"cubin for sm_{arch}".encode() * 64
+
     seams.enter_context(testing.fake_compiler(compile_cubin, (13, 0)))
     return made
 
@@ -250,18 +268,23 @@ def test_a_damaged_cubin_is_rebuilt(cache, compiles, damage):
     good = kernels.cached_cubin(90)
     path = kernels.cubin_path(90)
     data = path.read_bytes()
-    damaged = {"empty": b"", "truncated": data[:len(data) // 2],
-               "flipped": data[:-1] + bytes([data[-1] ^ 1]), "foreign": b"\x7fELF" + b"\0" * 64,
-               "old-format": good}[damage]
+    damaged = {
+        "empty": b"",
+        "truncated": data[: len(data) // 2],
+        "flipped": data[:-1] + bytes([data[-1] ^ 1]),
+        "foreign": b"\x7fELF" + b"\0" * 64,
+        "old-format": good,
+    }[damage]
     path.write_bytes(damaged)
     assert kernels.cached_cubin(90) == good
-    assert compiles == [90, 90]        # found damaged, compiled again
-    assert path.read_bytes() == data   # the cache holds an intact copy again
+    assert compiles == [90, 90]  # found damaged, compiled again
+    assert path.read_bytes() == data  # the cache holds an intact copy again
     assert kernels.cached_cubin(90) == good and compiles == [90, 90]
 
 
 def test_a_cubin_the_driver_refuses_is_compiled_again(cache, compiles, seams):
     from kvcopy.errors import CudaError
+
     kernels.cached_cubin(90)
     loads = []
 
@@ -270,15 +293,16 @@ def test_a_cubin_the_driver_refuses_is_compiled_again(cache, compiles, seams):
         if len(loads) == 1:
             raise CudaError(200, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid")
         return 1234
-    seams.enter_context(testing.fake_cuda(types.SimpleNamespace(module_load=module_load),
-                                          ("launch",)))
+
+    seams.enter_context(testing.fake_cuda(types.SimpleNamespace(module_load=module_load), ("launch",)))
     assert kernels._load_module(90) == 1234
     assert compiles == [90, 90] and len(loads) == 2
 
 
 @pytest.mark.parametrize("where", ["file", "directory-at-cubin", "read-only"])
-def test_a_cache_that_cannot_be_written_compiles_in_memory_and_says_so_once(tmp_path, monkeypatch,
-                                                                            compiles, where):
+def test_a_cache_that_cannot_be_written_compiles_in_memory_and_says_so_once(
+    tmp_path, monkeypatch, compiles, where
+):
     if where == "file":
         folder = tmp_path / "cache"
         folder.write_text("a file, not a folder")
@@ -305,13 +329,13 @@ def test_a_cache_that_cannot_be_written_compiles_in_memory_and_says_so_once(tmp_
 
 def test_saves_past_the_loaders_cap_on_measurements_keep_the_thresholds(cache):
     cap = calibration_file.MAX_MEASUREMENTS
-    device.save_thresholds(INFO, {"batch_min_bytes": {"h2d": 2 * MiB}},
-                           {f"h2d/{k}": {"kernel": float(k)} for k in range(cap)})
-    device.save_thresholds(INFO, {"host_ctas": {"d2h": 5}},
-                           {f"d2h/{k}": {"kernel": 1.0} for k in range(10)})
+    device.save_thresholds(
+        INFO, {"batch_min_bytes": {"h2d": 2 * MiB}}, {f"h2d/{k}": {"kernel": float(k)} for k in range(cap)}
+    )
+    device.save_thresholds(INFO, {"host_ctas": {"d2h": 5}}, {f"d2h/{k}": {"kernel": 1.0} for k in range(10)})
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # (a refused file would warn)
+        warnings.simplefilter("error")  # (a refused file would warn)
         loaded = device.load_thresholds(INFO)
     assert loaded.batch_min_bytes["h2d"] == 2 * MiB and loaded.host_ctas["d2h"] == 5
     kept = json.loads(device.thresholds_path(INFO).read_text())["measurements"]
-    assert len(kept) == cap and "d2h/9" in kept and "h2d/0" not in kept   # the newest kept
+    assert len(kept) == cap and "d2h/9" in kept and "h2d/0" not in kept  # the newest kept

@@ -1,4 +1,5 @@
 """Argument conversion and planning (CPU)."""
+
 from __future__ import annotations
 
 import array
@@ -14,8 +15,16 @@ def u64(values):
     return np.asarray(values, dtype=np.uint64)
 
 
-@pytest.mark.parametrize("obj", [[1, 2, 3], (1, 2, 3), np.array([1, 2, 3], np.int32),
-                                 np.array([1, 2, 3], np.uint64), array.array("q", [1, 2, 3])])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        [1, 2, 3],
+        (1, 2, 3),
+        np.array([1, 2, 3], np.int32),
+        np.array([1, 2, 3], np.uint64),
+        array.array("q", [1, 2, 3]),
+    ],
+)
 def test_integer_inputs_convert(obj):
     out = as_u64_array(obj, "x")
     assert out.dtype == np.uint64 and out.flags.c_contiguous
@@ -31,21 +40,24 @@ def test_values_above_int63_keep_their_bits():
     assert as_u64_array([2**64 - 1], "x").tolist() == [2**64 - 1]
 
 
-@pytest.mark.parametrize("obj, kind, match", [
-    ([1.0, 2], TypeError, r"x\[0\] is float"),
-    ([1, "2"], TypeError, r"x\[1\] is str"),
-    ([1, None], TypeError, r"x\[1\] is NoneType"),
-    ([True, 1], TypeError, r"x\[0\] is bool"),
-    (np.array([1.0, 2.0]), TypeError, "integer dtype, got float64"),
-    (np.array([True, False]), TypeError, "integer dtype, got bool"),
-    (np.zeros((2, 2), np.int64), ValueError, "1-D"),
-    ([1, -5], ValueError, r"x\[1\] = -5 is negative"),
-    (np.array([3, -1], np.int64), ValueError, r"x\[1\] = -1 is negative"),
-    ([2**64], ValueError, "64 bits"),
-    ("123", TypeError, "got str"),
-    (None, TypeError, "got NoneType"),
-    (7, TypeError, "got int"),
-])
+@pytest.mark.parametrize(
+    "obj, kind, match",
+    [
+        ([1.0, 2], TypeError, r"x\[0\] is float"),
+        ([1, "2"], TypeError, r"x\[1\] is str"),
+        ([1, None], TypeError, r"x\[1\] is NoneType"),
+        ([True, 1], TypeError, r"x\[0\] is bool"),
+        (np.array([1.0, 2.0]), TypeError, "integer dtype, got float64"),
+        (np.array([True, False]), TypeError, "integer dtype, got bool"),
+        (np.zeros((2, 2), np.int64), ValueError, "1-D"),
+        ([1, -5], ValueError, r"x\[1\] = -5 is negative"),
+        (np.array([3, -1], np.int64), ValueError, r"x\[1\] = -1 is negative"),
+        ([2**64], ValueError, "64 bits"),
+        ("123", TypeError, "got str"),
+        (None, TypeError, "got NoneType"),
+        (7, TypeError, "got int"),
+    ],
+)
 def test_bad_inputs_name_the_argument(obj, kind, match):
     with pytest.raises(kind, match=match):
         as_u64_array(obj, "x")

@@ -1,5 +1,6 @@
 """Property-based tests of planning: for random block maps, layouts and sizes the
 planned copies move exactly the intended bytes (applied to NumPy buffers)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -43,11 +44,14 @@ def test_planned_copies_move_exactly_the_intended_bytes(case, merge):
     dst = np.zeros(4096 + 64 * 48, dtype=np.uint8)
     expected = dst.copy()
     for s, d, n in zip(src_off, dst_off, sizes):
-        expected[d:d + n] = src[s:s + n]
+        expected[d : d + n] = src[s : s + n]
     base_s, base_d = src.ctypes.data, dst.ctypes.data
-    plan = plan_copies(np.asarray([base_s + o for o in src_off], dtype=np.uint64),
-                       np.asarray([base_d + o for o in dst_off], dtype=np.uint64),
-                       np.asarray(sizes, dtype=np.uint64), merge=merge)
+    plan = plan_copies(
+        np.asarray([base_s + o for o in src_off], dtype=np.uint64),
+        np.asarray([base_d + o for o in dst_off], dtype=np.uint64),
+        np.asarray(sizes, dtype=np.uint64),
+        merge=merge,
+    )
     apply(plan)
     np.testing.assert_array_equal(dst, expected)
     assert plan.total_bytes == sum(sizes)
@@ -89,8 +93,12 @@ def test_block_plans_match_a_numpy_gather(case):
             d = np.zeros((num_dst, 2) + tail, dtype=np.uint8)  # each dst block holds 2 src blocks
             pairs = [(s, d)]
         else:
-            pairs = [(rng.integers(0, 255, (num_src,) + tail, dtype=np.uint8),
-                      np.zeros((num_dst,) + tail, dtype=np.uint8))]
+            pairs = [
+                (
+                    rng.integers(0, 255, (num_src,) + tail, dtype=np.uint8),
+                    np.zeros((num_dst,) + tail, dtype=np.uint8),
+                )
+            ]
         for s, d in pairs:
             want = d.copy()
             flat = want.reshape(-1, *tail) if layout == "split" else want
@@ -99,18 +107,21 @@ def test_block_plans_match_a_numpy_gather(case):
             srcs.append(s)
             dsts.append(d)
             expect.append(want)
-    plan = plan_blocks(srcs, dsts, np.asarray(mapping, dtype=np.int64).reshape(-1, 2),
-                       split_blocks=layout == "split").copy_plan()
+    plan = plan_blocks(
+        srcs, dsts, np.asarray(mapping, dtype=np.int64).reshape(-1, 2), split_blocks=layout == "split"
+    ).copy_plan()
     apply(plan)
     for got, want in zip(dsts, expect):
         np.testing.assert_array_equal(got, want)
 
 
 @settings(max_examples=300, deadline=None)
-@given(src_blocks=st.integers(1, 300), dst_blocks=st.integers(1, 3000),
-       ids=st.lists(st.tuples(st.integers(-2, 310), st.integers(-2, 3010)), max_size=60))
-def test_block_ids_are_refused_exactly_when_out_of_range_or_written_twice(src_blocks, dst_blocks,
-                                                                           ids):
+@given(
+    src_blocks=st.integers(1, 300),
+    dst_blocks=st.integers(1, 3000),
+    ids=st.lists(st.tuples(st.integers(-2, 310), st.integers(-2, 3010)), max_size=60),
+)
+def test_block_ids_are_refused_exactly_when_out_of_range_or_written_twice(src_blocks, dst_blocks, ids):
     """The one-pass C check (dense destinations: a bitmap; sparse: bounds, then a sort)
     refuses exactly what the NumPy oracle does, with the same messages."""
     src = np.zeros((src_blocks, 8), np.uint8)
@@ -136,34 +147,45 @@ def _numpy_addresses(mapping, column, base, stride, factor, block_bytes):
     """Block addresses by NumPy, tensor-major (the oracle of block_addresses)."""
     ids = mapping[:, column].astype(np.uint64)[None, :]
     factor = factor[:, None]
-    return (base[:, None] + (ids // factor) * stride[:, None]
-            + (ids % factor) * np.uint64(block_bytes)).ravel()
+    return (
+        base[:, None] + (ids // factor) * stride[:, None] + (ids % factor) * np.uint64(block_bytes)
+    ).ravel()
 
 
 @settings(max_examples=200, deadline=None)
-@given(tensors=st.integers(1, 5), pairs=st.integers(0, 60), column=st.sampled_from([0, 1]),
-       block_bytes=st.sampled_from([1, 64, 2048, 1 << 20]), data=st.data())
+@given(
+    tensors=st.integers(1, 5),
+    pairs=st.integers(0, 60),
+    column=st.sampled_from([0, 1]),
+    block_bytes=st.sampled_from([1, 64, 2048, 1 << 20]),
+    data=st.data(),
+)
 def test_block_addresses_match_numpy(tensors, pairs, column, block_bytes, data):
     u64 = st.integers(0, 2**64 - 1)
     base = np.array(data.draw(st.lists(u64, min_size=tensors, max_size=tensors)), np.uint64)
-    stride = np.array(data.draw(st.lists(st.integers(0, 2**40), min_size=tensors,
-                                         max_size=tensors)), np.uint64)
-    factor = np.array(data.draw(st.lists(st.sampled_from([1, 1, 2, 3, 8]), min_size=tensors,
-                                         max_size=tensors)), np.uint64)
-    mapping = np.array(data.draw(st.lists(st.integers(0, 2**31), min_size=2 * pairs,
-                                          max_size=2 * pairs)), np.int64).reshape(pairs, 2)
+    stride = np.array(
+        data.draw(st.lists(st.integers(0, 2**40), min_size=tensors, max_size=tensors)), np.uint64
+    )
+    factor = np.array(
+        data.draw(st.lists(st.sampled_from([1, 1, 2, 3, 8]), min_size=tensors, max_size=tensors)), np.uint64
+    )
+    mapping = np.array(
+        data.draw(st.lists(st.integers(0, 2**31), min_size=2 * pairs, max_size=2 * pairs)), np.int64
+    ).reshape(pairs, 2)
     with np.errstate(over="ignore"):
         expected = _numpy_addresses(mapping, column, base, stride, factor, block_bytes)
-    found = cuda.plan_arrays.block_addresses(mapping[:, column], base, stride, factor,
-                                             block_bytes)
+    found = cuda.plan_arrays.block_addresses(mapping[:, column], base, stride, factor, block_bytes)
     assert found.dtype == np.uint64
     np.testing.assert_array_equal(found, expected)
 
 
-@pytest.mark.parametrize("ids, lengths, match", [
-    (np.zeros((3, 2), np.int64), (1, 1, 1), "wrong number of dimensions"),
-    (np.zeros(3, np.int64), (2, 1, 2), "differ in length"),
-])
+@pytest.mark.parametrize(
+    "ids, lengths, match",
+    [
+        (np.zeros((3, 2), np.int64), (1, 1, 1), "wrong number of dimensions"),
+        (np.zeros(3, np.int64), (2, 1, 2), "differ in length"),
+    ],
+)
 def test_block_addresses_refuses_bad_arguments(ids, lengths, match):
     base, stride, factor = (np.ones(k, np.uint64) for k in lengths)
     with pytest.raises(ValueError, match=match):

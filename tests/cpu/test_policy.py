@@ -1,4 +1,5 @@
 """The method policy, with faked device capabilities (CPU)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,16 +8,23 @@ import pytest
 
 from kvcopy import policy
 from kvcopy.errors import CaptureError, KVCopyError
-from kvcopy.policy import (BULK_MAX_BYTES, BULK_MIN_BYTES, CopyRequest, DeviceCaps, Thresholds,
-                           choose_method, depends_on_other_way, kernel_variant)
+from kvcopy.policy import (
+    BULK_MAX_BYTES,
+    BULK_MIN_BYTES,
+    CopyRequest,
+    DeviceCaps,
+    Thresholds,
+    choose_method,
+    depends_on_other_way,
+    kernel_variant,
+)
 
 H200 = DeviceCaps(bulk_copy=True)
 A100 = DeviceCaps(sm_count=108, bulk_copy=False)
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def req(direction="h2d", count=8192, block=16 * KiB, accessible=True, stream="created",
-        capturing=False):
+def req(direction="h2d", count=8192, block=16 * KiB, accessible=True, stream="created", capturing=False):
     return CopyRequest(direction, count, count * block, accessible, stream, capturing)
 
 
@@ -41,8 +49,7 @@ def test_calibrated_thresholds_move_the_crossover():
     assert choose_method(req("d2h", block=64 * MiB), H200, low).method == "kernel"
 
 
-@pytest.mark.parametrize("caps", [DeviceCaps(unified_addressing=False),
-                                  DeviceCaps(kernel_available=False)])
+@pytest.mark.parametrize("caps", [DeviceCaps(unified_addressing=False), DeviceCaps(kernel_available=False)])
 def test_no_unified_addressing_or_kernel_means_dma(caps):
     assert choose_method(req(), caps).method == "batch"
 
@@ -63,8 +70,9 @@ def test_capturing_stream_never_uses_batch(caps, block):
 @pytest.mark.parametrize("block", [4 * KiB, 4 * MiB])
 def test_legacy_stream_never_uses_batch(block):
     assert choose_method(req(block=block, stream="legacy"), H200).method == "kernel"
-    assert choose_method(req(block=block, stream="legacy"),
-                         DeviceCaps(kernel_available=False)).method == "loop"
+    assert (
+        choose_method(req(block=block, stream="legacy"), DeviceCaps(kernel_available=False)).method == "loop"
+    )
 
 
 def test_per_thread_stream_takes_batch():
@@ -116,9 +124,11 @@ def test_decisions_say_why():
 
 # ------------------------------------------------------------ copies between two GPUs
 
+
 def p2p(block=16 * KiB, accessible=True, devices=(0, 1), unreachable=""):
-    return CopyRequest("p2p", 8192, 8192 * block, accessible, "created", devices=devices,
-                       unreachable=unreachable)
+    return CopyRequest(
+        "p2p", 8192, 8192 * block, accessible, "created", devices=devices, unreachable=unreachable
+    )
 
 
 @pytest.mark.parametrize("block", [2 * KiB, 16 * KiB, 256 * KiB])
@@ -158,33 +168,41 @@ def test_kernel_refusal_names_what_the_device_cannot_reach():
 
 # ------------------------------------------------------------ both ways at once
 
+
 def test_both_ways_goes_to_the_copy_engines_from_128_kib_blocks():
     from kvcopy.policy import choose_both_ways
+
     store, load = req("d2h", block=128 * KiB), req("h2d", block=256 * KiB)
     decision = choose_both_ways(store, load, H200)
     assert decision is not None and decision.method == "batch"
-    assert "128 KiB" in decision.reason        # the smaller side's blocks
+    assert "128 KiB" in decision.reason  # the smaller side's blocks
     assert choose_both_ways(req("d2h", block=64 * KiB), load, H200) is None
     # the per-thread default stream takes cuMemcpyBatchAsync; only the legacy one does not
-    per_thread = choose_both_ways(req("d2h", block=1 * MiB, stream="per_thread"),
-                                  req("h2d", block=1 * MiB, stream="per_thread"), H200)
+    per_thread = choose_both_ways(
+        req("d2h", block=1 * MiB, stream="per_thread"), req("h2d", block=1 * MiB, stream="per_thread"), H200
+    )
     assert per_thread is not None and per_thread.method == "batch"
 
 
-@pytest.mark.parametrize("store,load", [
-    (req("d2h", block=16 * KiB), req("h2d", block=1 * MiB)),       # one side's blocks small
-    (req("d2h", block=1 * MiB, stream="legacy"), req("h2d", block=1 * MiB, stream="legacy")),
-    (req("d2h", block=1 * MiB, capturing=True), req("h2d", block=1 * MiB, capturing=True)),
-    (req("d2d", block=1 * MiB), req("h2d", block=1 * MiB)),        # inside the GPU: kernel
-    (req("d2h", count=1, block=1 * MiB), req("h2d", block=1 * MiB)),   # one copy: its own path
-])
+@pytest.mark.parametrize(
+    "store,load",
+    [
+        (req("d2h", block=16 * KiB), req("h2d", block=1 * MiB)),  # one side's blocks small
+        (req("d2h", block=1 * MiB, stream="legacy"), req("h2d", block=1 * MiB, stream="legacy")),
+        (req("d2h", block=1 * MiB, capturing=True), req("h2d", block=1 * MiB, capturing=True)),
+        (req("d2d", block=1 * MiB), req("h2d", block=1 * MiB)),  # inside the GPU: kernel
+        (req("d2h", count=1, block=1 * MiB), req("h2d", block=1 * MiB)),  # one copy: its own path
+    ],
+)
 def test_both_ways_leaves_each_side_to_its_own_policy_otherwise(store, load):
     from kvcopy.policy import choose_both_ways
+
     assert choose_both_ways(store, load, H200) is None
 
 
 def test_both_ways_respects_the_driver_the_caller_and_the_calibration():
     from kvcopy.policy import choose_both_ways
+
     store, load = req("d2h", block=1 * MiB), req("h2d", block=1 * MiB)
     assert choose_both_ways(store, load, DeviceCaps(batch_available=False)) is None
     forbidden = CopyRequest("h2d", 64, 64 * MiB, True, "created", batch_allowed=False)
@@ -192,8 +210,9 @@ def test_both_ways_respects_the_driver_the_caller_and_the_calibration():
     assert choose_both_ways(store, load, H200, requested="kernel") is None
     higher = Thresholds(both_ways_batch_min_bytes=4 * MiB)
     assert choose_both_ways(store, load, H200, higher) is None
-    assert choose_both_ways(req("d2h", block=4 * MiB), req("h2d", block=4 * MiB), H200,
-                            higher).method == "batch"
+    assert (
+        choose_both_ways(req("d2h", block=4 * MiB), req("h2d", block=4 * MiB), H200, higher).method == "batch"
+    )
 
 
 def stores(block=16 * KiB, **kw) -> CopyRequest:
@@ -210,13 +229,15 @@ def test_stores_by_dma_sends_every_gpu_to_host_block_to_the_copy_engines(block):
         assert choose_method(other, H200).method == "kernel"
 
 
-@pytest.mark.parametrize("why, request_changes, caps", [
-    ("capturing stream", {"capturing": True}, H200),
-    ("legacy default stream", {"stream": "legacy"}, H200),
-    ("no cuMemcpyBatchAsync", {}, DeviceCaps(batch_available=False)),
-])
-def test_stores_by_dma_falls_back_to_the_kernel_where_batch_cannot_run(why, request_changes,
-                                                                        caps):
+@pytest.mark.parametrize(
+    "why, request_changes, caps",
+    [
+        ("capturing stream", {"capturing": True}, H200),
+        ("legacy default stream", {"stream": "legacy"}, H200),
+        ("no cuMemcpyBatchAsync", {}, DeviceCaps(batch_available=False)),
+    ],
+)
+def test_stores_by_dma_falls_back_to_the_kernel_where_batch_cannot_run(why, request_changes, caps):
     decision = choose_method(stores(**request_changes), caps)
     assert decision.method == "kernel"
     assert why in decision.reason and "stores_by_dma" in decision.reason
@@ -232,13 +253,11 @@ def test_stores_by_dma_leaves_single_copies_and_unreadable_memory_alone():
 
 @pytest.mark.parametrize("block", [16 * KiB, 32 * KiB, 64 * KiB])
 @pytest.mark.parametrize("requested", ["auto", "kernel"])
-def test_gpu_to_host_kernel_copies_go_through_the_bulk_copy_unit_where_there_is_one(block,
-                                                                                    requested):
+def test_gpu_to_host_kernel_copies_go_through_the_bulk_copy_unit_where_there_is_one(block, requested):
     decision = choose_method(req("d2h", block=block), H200, requested=requested)
     assert (decision.method, decision.variant) == ("kernel", "bulk")
     assert "bulk copy unit" in decision.reason
-    under_capture = choose_method(req("d2h", block=block, capturing=True), H200,
-                                  requested=requested)
+    under_capture = choose_method(req("d2h", block=block, capturing=True), H200, requested=requested)
     assert under_capture.variant == "bulk"
     older = choose_method(req("d2h", block=block), A100, requested=requested)
     assert (older.method, older.variant) == ("kernel", "registers")
@@ -259,8 +278,7 @@ def test_bulk_stores_off_keeps_registers_and_dma_decisions_name_no_variant():
     assert choose_method(req("d2h", count=1), H200).variant == ""
 
 
-@pytest.mark.parametrize("block", [2 * KiB, 4 * KiB, BULK_MIN_BYTES - 16, BULK_MAX_BYTES + 16,
-                                   256 * KiB])
+@pytest.mark.parametrize("block", [2 * KiB, 4 * KiB, BULK_MIN_BYTES - 16, BULK_MAX_BYTES + 16, 256 * KiB])
 def test_blocks_outside_the_bulk_window_keep_the_register_copier(block):
     """Below 16 KiB and above 64 KiB, four bulk CTAs stay under 0.90 of the link alone
     on the H200 where registers reach 0.94."""
@@ -270,33 +288,38 @@ def test_blocks_outside_the_bulk_window_keep_the_register_copier(block):
     assert kernel_variant(req("d2h", block=BULK_MAX_BYTES), H200) == "bulk"
 
 
-@pytest.mark.parametrize("direction, count, total, limit, expected", [
-    ("d2h", 4096, 64 << 20, 16 << 20, 1024),     # 64 MiB of 16 KiB: four launches
-    ("h2d", 32768, 64 << 20, 16 << 20, 8192),    # of 2 KiB
-    ("h2d", 3000, 3000 * 5000, 1 << 20, 209),    # odd sizes: by the mean block
-    ("d2h", 1024, 16 << 20, 16 << 20, 1024),     # at the limit: one launch
-    ("d2h", 4096, 64 << 20, 0, 4096),            # 0: no limit
-    ("d2h", 1024, 64 << 20, 16 << 20, 256),      # 64 KiB copies (4 tiles each) too
-    ("d2d", 4096, 64 << 20, 16 << 20, 4096),     # inside the GPU: short anyway
-    ("p2p", 4096, 64 << 20, 16 << 20, 4096),
-    ("h2d", 10, 10 << 20, 1 << 10, 1),           # a block larger than the limit: one each
-])
+@pytest.mark.parametrize(
+    "direction, count, total, limit, expected",
+    [
+        ("d2h", 4096, 64 << 20, 16 << 20, 1024),  # 64 MiB of 16 KiB: four launches
+        ("h2d", 32768, 64 << 20, 16 << 20, 8192),  # of 2 KiB
+        ("h2d", 3000, 3000 * 5000, 1 << 20, 209),  # odd sizes: by the mean block
+        ("d2h", 1024, 16 << 20, 16 << 20, 1024),  # at the limit: one launch
+        ("d2h", 4096, 64 << 20, 0, 4096),  # 0: no limit
+        ("d2h", 1024, 64 << 20, 16 << 20, 256),  # 64 KiB copies (4 tiles each) too
+        ("d2d", 4096, 64 << 20, 16 << 20, 4096),  # inside the GPU: short anyway
+        ("p2p", 4096, 64 << 20, 16 << 20, 4096),
+        ("h2d", 10, 10 << 20, 1 << 10, 1),  # a block larger than the limit: one each
+    ],
+)
 def test_copies_per_launch(direction, count, total, limit, expected):
     from kvcopy.policy import copies_per_launch
 
     assert copies_per_launch(direction, count, total, limit) == expected
 
 
-@pytest.mark.parametrize("block, direction, depends", [
-    (256 * KiB, "h2d", True),     # the copy engines beside the other way, the kernel alone
-    (256 * KiB, "d2h", True),
-    (16 * KiB, "h2d", False),     # below the both-ways crossover: the kernel either way
-    (4 * MiB, "h2d", False),      # past the batch threshold: the copy engines either way
-    (256 * KiB, "d2d", False),    # inside one GPU: no other direction
-])
+@pytest.mark.parametrize(
+    "block, direction, depends",
+    [
+        (256 * KiB, "h2d", True),  # the copy engines beside the other way, the kernel alone
+        (256 * KiB, "d2h", True),
+        (16 * KiB, "h2d", False),  # below the both-ways crossover: the kernel either way
+        (4 * MiB, "h2d", False),  # past the batch threshold: the copy engines either way
+        (256 * KiB, "d2d", False),  # inside one GPU: no other direction
+    ],
+)
 @pytest.mark.parametrize("recent", [False, True])
-def test_a_decision_depends_on_the_other_way_only_where_the_answer_flips(block, direction,
-                                                                        depends, recent):
+def test_a_decision_depends_on_the_other_way_only_where_the_answer_flips(block, direction, depends, recent):
     asked = dataclasses.replace(req(direction, count=64, block=block), other_way_recent=recent)
     decision = choose_method(asked, H200)
     assert depends_on_other_way(asked, decision, H200) is depends
@@ -304,37 +327,43 @@ def test_a_decision_depends_on_the_other_way_only_where_the_answer_flips(block, 
     assert (choose_method(flipped, H200) != decision) is depends
 
 
-@pytest.mark.parametrize("requested, caller_ctas, batch_allowed, capturing, allowed", [
-    ("auto", None, True, False, True),
-    ("kernel", None, True, False, True),
-    ("batch", None, True, False, False),     # the copy engines: no launch to replay
-    ("loop", None, True, False, False),
-    ("auto", 4, True, False, False),         # a caller's CTA limit is not in a record's key
-    ("auto", None, False, False, False),     # nor is cuMemcpyBatchAsync ruled out
-    ("auto", None, True, True, False),       # a graph keeps its own launches
-])
-def test_may_replay_only_the_kernel_asked_plainly_outside_capture(requested, caller_ctas,
-                                                                  batch_allowed, capturing,
-                                                                  allowed):
+@pytest.mark.parametrize(
+    "requested, caller_ctas, batch_allowed, capturing, allowed",
+    [
+        ("auto", None, True, False, True),
+        ("kernel", None, True, False, True),
+        ("batch", None, True, False, False),  # the copy engines: no launch to replay
+        ("loop", None, True, False, False),
+        ("auto", 4, True, False, False),  # a caller's CTA limit is not in a record's key
+        ("auto", None, False, False, False),  # nor is cuMemcpyBatchAsync ruled out
+        ("auto", None, True, True, False),  # a graph keeps its own launches
+    ],
+)
+def test_may_replay_only_the_kernel_asked_plainly_outside_capture(
+    requested, caller_ctas, batch_allowed, capturing, allowed
+):
     assert policy.may_replay(requested, caller_ctas, batch_allowed, capturing) is allowed
 
 
 def test_layout_kernel_host_ctas_per_direction():
     assert policy.rows_host_ctas("h2d") == policy.ROWS_HOST_CTAS["h2d"] == 16
     assert policy.rows_host_ctas("d2h") == policy.ROWS_HOST_CTAS["d2h"] == 2
-    assert policy.rows_host_ctas("mixed") == 16   # the larger of the two
-    assert policy.rows_host_ctas("h2d", host_ctas=5) == 5   # config.host_ctas wins
+    assert policy.rows_host_ctas("mixed") == 16  # the larger of the two
+    assert policy.rows_host_ctas("h2d", host_ctas=5) == 5  # config.host_ctas wins
     # the block kernel's calibrated counts are its own: the layout kernel's differ
     assert policy.rows_host_ctas("h2d") != policy.HOST_CTAS["h2d"]
 
 
-@pytest.mark.parametrize("pairs, first, growth, chunks", [
-    (0, 1024, 8, []),
-    (3, 1024, 8, [3]),
-    (1024, 1024, 8, [1024]),
-    (32768, 1024, 8, [1024, 8192, 23552]),
-    (100, 10, 2, [10, 20, 40, 30]),
-])
+@pytest.mark.parametrize(
+    "pairs, first, growth, chunks",
+    [
+        (0, 1024, 8, []),
+        (3, 1024, 8, [3]),
+        (1024, 1024, 8, [1024]),
+        (32768, 1024, 8, [1024, 8192, 23552]),
+        (100, 10, 2, [10, 20, 40, 30]),
+    ],
+)
 def test_swap_blocks_ids_go_up_in_growing_chunks(pairs, first, growth, chunks):
     assert policy.id_chunks(pairs, first, growth) == chunks
     assert sum(chunks) == pairs

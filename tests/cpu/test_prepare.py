@@ -1,5 +1,6 @@
 """kvcopy.prepare with the driver, the device facts and the ring faked (CPU): which
 context it prepares, and that a context it pushed is popped whatever happens."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ from kvcopy import testing
 
 import kvcopy
 from kvcopy.testing import engine
+
 prepare = engine.prepare
 
 
@@ -64,21 +66,19 @@ def test_prepare_is_public():
 
 def test_a_device_is_prepared_in_its_primary_context_which_is_then_popped(fakes):
     kvcopy.prepare(2)
-    assert fakes.log == ["init", "push 0x102", "device_info 2 in 0x102", "ring in 0x102",
-                         "pop 0x102"]
+    assert fakes.log == ["init", "push 0x102", "device_info 2 in 0x102", "ring in 0x102", "pop 0x102"]
     assert fakes.stack == []
 
 
 def test_no_device_means_the_current_context_pushing_nothing(fakes):
-    fakes.current = 0x777    # a context the caller made current (device 5 in the fake)
+    fakes.current = 0x777  # a context the caller made current (device 5 in the fake)
     kvcopy.prepare()
     assert fakes.log == ["init", "device_info 5 in 0x777", "ring in 0x777"]
 
 
 def test_no_device_and_no_current_context_means_device_0(fakes):
     kvcopy.prepare()
-    assert fakes.log == ["init", "push 0x100", "device_info 0 in 0x100", "ring in 0x100",
-                         "pop 0x100"]
+    assert fakes.log == ["init", "push 0x100", "device_info 0 in 0x100", "ring in 0x100", "pop 0x100"]
 
 
 def test_a_failure_still_pops_the_context_it_pushed(fakes):

@@ -3,6 +3,7 @@ their pending writes before it, and while that stream captures a graph a side st
 of kvcopy's instead: a graph waits for nothing outside it. Host producers are asked
 for no ordering, and the copy's stream is not even looked up for them. The driver is
 faked."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,9 @@ def producer(device_type: int, asked: list):
     return Producer()
 
 
-@pytest.mark.parametrize("stream, handed", [(HANDLE, HANDLE), (lambda: HANDLE, HANDLE),
-                                            (lambda: None, -1), (None, -1)])
+@pytest.mark.parametrize(
+    "stream, handed", [(HANDLE, HANDLE), (lambda: HANDLE, HANDLE), (lambda: None, -1), (None, -1)]
+)
 def test_a_gpu_producer_is_handed_the_copys_stream_or_none(stream, handed):
     asked: list = []
     layout = block_layout(producer(2, asked), "src", stream)
@@ -47,7 +49,7 @@ def test_the_copys_stream_is_not_looked_up_for_a_host_producer():
         raise AssertionError("looked up for host memory")
 
     block_layout(producer(1, asked), "src", stream)
-    assert asked in ([-1], [None])   # (no ordering, as cuda.core hands it to a host producer)
+    assert asked in ([-1], [None])  # (no ordering, as cuda.core hands it to a host producer)
 
 
 def test_a_failure_to_find_the_stream_is_not_taken_for_a_bad_array():
@@ -90,13 +92,13 @@ def test_producers_are_handed_the_stream_or_under_capture_a_side_stream(driver, 
     seams.enter_context(testing.fake_runtime(scope=FakeScope, side_stream=side_stream))
     producer_stream = engine.dispatch.producer_stream
     assert producer_stream(HANDLE) == HANDLE
-    driver.capturing = 1                            # (JAX refuses -1: a stream that does not)
+    driver.capturing = 1  # (JAX refuses -1: a stream that does not)
     assert producer_stream(HANDLE) == SIDE + engine.dispatch._PRODUCERS
-    assert producer_stream(2) == SIDE + engine.dispatch._PRODUCERS   # per-thread captures too
-    assert producer_stream(1) == 1                  # the legacy stream never does
+    assert producer_stream(2) == SIDE + engine.dispatch._PRODUCERS  # per-thread captures too
+    assert producer_stream(1) == 1  # the legacy stream never does
     assert driver.asked == [HANDLE, HANDLE, 2]
     assert sides == [(HANDLE, engine.dispatch._PRODUCERS), (2, engine.dispatch._PRODUCERS)]
-    driver.capturing = -1                           # the copy will name the stream's fault
+    driver.capturing = -1  # the copy will name the stream's fault
     assert producer_stream(HANDLE) == HANDLE
 
 
@@ -110,8 +112,7 @@ def test_a_calls_producers_share_one_answer(driver, seams):
         block_layout(producer(2, handed), "src", stream)
     assert handed == [HANDLE] * 8
     assert driver.asked == [HANDLE]
-    seams.enter_context(testing.fake_runtime(scope=FakeScope,
-                                             side_stream=lambda handle, index=0: SIDE))
-    driver.capturing = 1                            # (a new call asks again)
+    seams.enter_context(testing.fake_runtime(scope=FakeScope, side_stream=lambda handle, index=0: SIDE))
+    driver.capturing = 1  # (a new call asks again)
     assert engine.dispatch.producer_stream_once(HANDLE)() == SIDE
     assert driver.asked == [HANDLE, HANDLE]

@@ -2,6 +2,7 @@
 thread waiting for the GPU holds no lock that submit needs, a wait can be bounded, and
 close refuses what comes after it while reporting every job submitted before it, each
 job's events released once."""
+
 from __future__ import annotations
 
 import threading
@@ -68,13 +69,15 @@ def queue_without_gpu() -> kvcopy.TransferQueue:
     queue = object.__new__(kvcopy.TransferQueue)
     src, dst = np.zeros((8, 16), np.uint8), np.zeros((8, 16), np.uint8)
     from kvcopy._plans.blocks import block_geometry
+
     queue.src, queue.dst, queue.split_blocks, queue.method = [src], [dst], False, "auto"
     queue._geometry = block_geometry(queue.src, queue.dst)
     queue._back_geometry = None
     queue._ctx, queue._stream, queue._touches_gpu = 1, 2, False
     from collections import deque
+
     queue._pending, queue._lock, queue._closed = deque(), threading.Lock(), False
-    queue._execute = lambda plan, back: ("kernel", "")   # type: ignore[method-assign]
+    queue._execute = lambda plan, back: ("kernel", "")  # type: ignore[method-assign]
     return queue
 
 
@@ -100,7 +103,7 @@ def test_submit_does_not_wait_behind_another_threads_wait(events):
     waiting.join(timeout=10)
     assert not waiting.is_alive()
     reported += queue.wait()
-    assert [r.job_id for r in reported] == ["first", "second"]   # each once, in order
+    assert [r.job_id for r in reported] == ["first", "second"]  # each once, in order
 
 
 def test_wait_is_bounded_by_its_timeout_and_the_job_stays_pending(events):
@@ -112,11 +115,12 @@ def test_wait_is_bounded_by_its_timeout_and_the_job_stays_pending(events):
     events.complete_all()
     results = queue.wait(timeout=5)
     assert [(r.job_id, r.ok) for r in results] == [("slow", True)]
-    assert sorted(events.destroyed) == sorted(events.done)   # each event released once
+    assert sorted(events.destroyed) == sorted(events.done)  # each event released once
 
 
-@pytest.mark.parametrize("timeout, error", [("1", TypeError), (True, TypeError),
-                                            (-1, ValueError), (float("nan"), ValueError)])
+@pytest.mark.parametrize(
+    "timeout, error", [("1", TypeError), (True, TypeError), (-1, ValueError), (float("nan"), ValueError)]
+)
 def test_a_bad_timeout_is_named(events, timeout, error):
     queue = queue_without_gpu()
     with pytest.raises(error, match="timeout must be"):
@@ -140,10 +144,10 @@ def test_a_job_reported_by_poll_while_another_thread_waits_on_it_is_released_onc
     queue.submit("job", [[0, 1]])
     waiting = threading.Thread(target=queue.wait)
     waiting.start()
-    while not queue._pending[0].waiters:   # (the waiter holds the job's end event)
+    while not queue._pending[0].waiters:  # (the waiter holds the job's end event)
         threading.Event().wait(0.001)
     events.complete_all()
-    assert [r.job_id for r in queue.poll()] == ["job"]   # reported here, events kept
+    assert [r.job_id for r in queue.poll()] == ["job"]  # reported here, events kept
     waiting.join(timeout=10)
     assert not waiting.is_alive()
     assert sorted(events.destroyed) == sorted(events.done)

@@ -1,6 +1,7 @@
 """Every code block of README.md and docs/ runs as written (CPU for the shell
 commands' no-GPU behaviour; the Python blocks on a GPU, each in a fresh namespace),
 and the performance tables are what the reference results give."""
+
 from __future__ import annotations
 
 import re
@@ -18,13 +19,18 @@ README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 SHELL_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
-DOC_BLOCKS = [(page.name, i, code) for page in DOC_PAGES
-              for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
+DOC_BLOCKS = [
+    (page.name, i, code)
+    for page in DOC_PAGES
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+]
 
 
 def test_readme_has_the_blocks_it_promises():
-    assert len(PYTHON_BLOCKS) >= 2 and SHELL_BLOCKS[:2] == ["bash scripts/bench.sh\n",
-                                                          "bash scripts/test.sh\n"]
+    assert len(PYTHON_BLOCKS) >= 2 and SHELL_BLOCKS[:2] == [
+        "bash scripts/bench.sh\n",
+        "bash scripts/test.sh\n",
+    ]
 
 
 def test_shell_blocks_name_scripts_that_exist():
@@ -37,8 +43,7 @@ def test_shell_blocks_name_scripts_that_exist():
 def test_benchmark_command_says_plainly_that_there_is_no_gpu():
     if shutil.which("nvidia-smi"):
         pytest.skip("nvidia-smi exists here")
-    out = subprocess.run(["bash", "scripts/bench.sh"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(["bash", "scripts/bench.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "no NVIDIA GPU found" in out.stderr
 
@@ -58,20 +63,22 @@ def test_python_block_runs(torch_cuda, capsys, index):
 
 
 def test_the_docs_have_python_blocks_to_run():
-    assert {name for name, _, _ in DOC_BLOCKS} >= {"getting-started.md", "usage.md",
-                                                    "configuration.md"}
+    assert {name for name, _, _ in DOC_BLOCKS} >= {"getting-started.md", "usage.md", "configuration.md"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page, index, code", DOC_BLOCKS,
-                         ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
+@pytest.mark.parametrize("page, index, code", DOC_BLOCKS, ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
 def test_doc_python_block_runs(torch_cuda, page, index, code):
     exec(compile(code, f"docs/{page} (python block {index})", "exec"), {})
 
 
 def test_the_performance_tables_are_what_the_reference_results_give():
-    out = subprocess.run([sys.executable, str(ROOT / "docs" / "make_tables.py"), "--check"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "make_tables.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
 
 

@@ -1,6 +1,7 @@
 """The replay (kvcopy._engine.replay and its records, kvcopy._cuda.replay_records) without a
 GPU: what makes a record stale, what is refused, and how many are kept. (The replays
 themselves: test_gpu_replay.py.)"""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,15 +10,25 @@ import pytest
 import kvcopy
 from kvcopy import testing
 from kvcopy.testing import engine
+
 replay = engine.replay
 from kvcopy.testing import cuda
+
 replay_records = cuda.replay_records
 DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.policy import Decision
 
 KEY = dict(stream=1, epoch=5, method=1)
-BATCH = dict(count=16, total_bytes=16 * 16384, tiles=16, src_kinds=2, src_device=-1,
-             dst_kinds=1, dst_device=0, compact_size=0)
+BATCH = dict(
+    count=16,
+    total_bytes=16 * 16384,
+    tiles=16,
+    src_kinds=2,
+    src_device=-1,
+    dst_kinds=1,
+    dst_device=0,
+    compact_size=0,
+)
 LAUNCH = dict(function=0x1234, per_launch=31, ctas=4, threads=512)
 
 
@@ -26,8 +37,14 @@ def record(ctx: int, decision=None, **change) -> None:
     ``change``."""
     batch = {**BATCH, **{k: v for k, v in change.items() if k in BATCH}}
     launched = {**LAUNCH, **{k: v for k, v in change.items() if k in LAUNCH}}
-    replay_records.record(ctx, **KEY, batch=DescribedBatch(**batch),
-                          launched=tuple(launched.values()), decision=decision, note=None)
+    replay_records.record(
+        ctx,
+        **KEY,
+        batch=DescribedBatch(**batch),
+        launched=tuple(launched.values()),
+        decision=decision,
+        note=None,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +59,7 @@ def test_the_epoch_moves_with_every_setting_assigned(monkeypatch):
     kvcopy.config.host_ctas = 3
     after = replay.epoch()
     assert after != before
-    kvcopy.config.host_ctas = 3              # the same value again still counts
+    kvcopy.config.host_ctas = 3  # the same value again still counts
     assert replay.epoch() != after
 
 
@@ -65,14 +82,17 @@ def test_records_are_kept_up_to_kept_and_the_oldest_gives_way():
     assert replay_records.records() == 0
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(ctx=0), "not a launch by value"),
-    (dict(count=0), "not a launch by value"),
-    (dict(count=replay_records.MAX_COPIES + 1), "not a launch by value"),
-    (dict(threads=100), "not a launch by value"),
-    (dict(ctas=0), "not a launch by value"),
-    (dict(compact_size=4096), "not a launch by value"),   # pairs are never passed by value
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(ctx=0), "not a launch by value"),
+        (dict(count=0), "not a launch by value"),
+        (dict(count=replay_records.MAX_COPIES + 1), "not a launch by value"),
+        (dict(threads=100), "not a launch by value"),
+        (dict(ctas=0), "not a launch by value"),
+        (dict(compact_size=4096), "not a launch by value"),  # pairs are never passed by value
+    ],
+)
 def test_remember_refuses_what_is_not_a_small_launch_by_value(change, match):
     change = dict(change)
     ctx = change.pop("ctx", 0x1000)
@@ -84,6 +104,7 @@ def test_remember_refuses_what_is_not_a_small_launch_by_value(change, match):
 def test_a_function_kvcopy_did_not_load_is_never_recorded():
     """The full path records only entry points of the kernel loaded in the current
     context: a launch by a fake or foreign function (a test's, or none loaded) is not."""
+
     class Target:
         handle = 1
 
@@ -103,9 +124,8 @@ def test_a_function_kvcopy_did_not_load_is_never_recorded():
 def test_without_records_nothing_is_launched():
     src = np.arange(1, 17, dtype=np.uint64) * np.uint64(4096)
     sizes = np.full(16, 4096, np.uint64)
-    before = replay.replays()          # (counted for the whole process)
+    before = replay.replays()  # (counted for the whole process)
     scratch = np.empty(16 * 4, np.uint64)
-    assert replay.replay(src, src + np.uint64(1 << 30), sizes, 1, "auto",
-                               scratch.ctypes.data) is None
+    assert replay.replay(src, src + np.uint64(1 << 30), sizes, 1, "auto", scratch.ctypes.data) is None
     assert replay.replay(src, src, sizes, 1, "batch", scratch.ctypes.data) is None
     assert replay.replays() == before

@@ -6,6 +6,7 @@ An unfenced slot, or one whose event has completed, is handed out again at
 once; slots grow by powers of two, keeping the buffers they outgrow, and the lock
 is released even when staging fails.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,6 +18,7 @@ from kvcopy import testing
 
 from kvcopy import policy
 from kvcopy.testing import engine
+
 ring = engine.ring
 
 
@@ -26,7 +28,7 @@ class FakeRingDriver:
         self.next_address = 0x10000
         self.fail_alloc = False
         self.fail_mem_alloc = False
-        self.completed: set[int] = set()   # events the GPU has passed
+        self.completed: set[int] = set()  # events the GPU has passed
 
     def event_query(self, event: int) -> bool:
         self.log.append(f"query {event:#x}")
@@ -92,7 +94,7 @@ def test_slots_in_flight_rotate_and_are_waited_for_before_reuse(driver):
             ring.DescriptorRing.fence(slot, stream)
     assert seen[0] is not seen[1] and seen[2] is seen[0]
     waits = [line for line in driver.log if line.startswith("wait")]
-    assert waits == [f"wait {seen[0].event:#x}"]   # only the reuse of a slot in flight waits
+    assert waits == [f"wait {seen[0].event:#x}"]  # only the reuse of a slot in flight waits
     assert f"record {seen[0].event:#x} on 9" in driver.log
 
 
@@ -105,7 +107,7 @@ def test_a_slot_the_gpu_is_done_with_is_reused_at_once(driver):
         ring.DescriptorRing.fence(second, 7)
     assert second is first
     assert not any(line.startswith("wait") for line in driver.log)
-    with r.reserve(1000) as third:   # still in flight now: the ring moves on
+    with r.reserve(1000) as third:  # still in flight now: the ring moves on
         pass
     assert third is not first
 
@@ -117,11 +119,11 @@ def test_slots_grow_by_powers_of_two_and_keep_the_old_buffers(driver):
         old = (slot.host, slot.device)
     with r.reserve(policy.RING_MIN_CAPACITY_BYTES + 1) as slot:
         assert slot.capacity == 2 * policy.RING_MIN_CAPACITY_BYTES
-        assert slot.mapped == slot.host + 0x1   # the device's view of the new pinned buffer
+        assert slot.mapped == slot.host + 0x1  # the device's view of the new pinned buffer
         assert (slot.host, slot.device) != old and slot.outgrown == [old]
     # (freeing them would wait for all work on the device)
     assert "host_free" not in driver.log and "mem_free" not in driver.log
-    with r.reserve(10) as slot:   # never shrinks
+    with r.reserve(10) as slot:  # never shrinks
         assert slot.capacity == 2 * policy.RING_MIN_CAPACITY_BYTES
 
 
@@ -133,11 +135,11 @@ def test_a_failed_growth_keeps_the_slot_as_it_was(driver):
     with pytest.raises(MemoryError):
         with r.reserve(policy.RING_MIN_CAPACITY_BYTES + 1):
             pass
-    assert driver.log.count("host_free") == 1      # the new pinned buffer, not the old
+    assert driver.log.count("host_free") == 1  # the new pinned buffer, not the old
     assert (slot.host, slot.mapped, slot.device, slot.capacity) == before
     assert slot.outgrown == []
     driver.fail_mem_alloc = False
-    with r.reserve(1000) as again:                 # the lock was released
+    with r.reserve(1000) as again:  # the lock was released
         assert again is slot
 
 
@@ -156,6 +158,7 @@ def test_a_failure_inside_or_while_staging_releases_the_lock(driver):
     def other_thread() -> None:
         with r.reserve(1000):
             done.set()
+
     t = threading.Thread(target=other_thread)
     t.start()
     t.join(timeout=5)
@@ -166,11 +169,15 @@ def test_threads_racing_on_first_use_share_one_per_context(seams):
     """PerContext (rings, the side stream): one creation per context even when many
     threads ask first at once; another context gets its own."""
     from kvcopy.testing import engine
+
     context = engine.context
 
     current = threading.local()
-    seams.enter_context(testing.fake_cuda(types.SimpleNamespace(
-        current_context_key=lambda: getattr(current, "ctx", 7)), ("driver",)))
+    seams.enter_context(
+        testing.fake_cuda(
+            types.SimpleNamespace(current_context_key=lambda: getattr(current, "ctx", 7)), ("driver",)
+        )
+    )
     made: list[int] = []
     gate = threading.Barrier(8)
 
@@ -208,5 +215,5 @@ def test_a_slot_owner_frees_the_buffers_the_slot_has_and_has_outgrown(driver):
     slot.free()
     assert driver.log.count("host_free") == 3 and driver.log.count("mem_free") == 3
     assert (slot.host, slot.mapped, slot.device, slot.capacity, slot.outgrown) == (0, 0, 0, 0, [])
-    slot.free()                                    # nothing left: nothing freed twice
+    slot.free()  # nothing left: nothing freed twice
     assert driver.log.count("host_free") == 3

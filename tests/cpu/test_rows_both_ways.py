@@ -3,6 +3,7 @@ launch (the store on the caller's stream, the load on a side stream forked from 
 joined back; one stream under capture); arguments are checked and named by side, and
 with host indices a store and a load that touch the same bytes are refused, all before
 anything is issued."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,26 +28,27 @@ def launched(call):
 
 
 def test_gpu_indices_run_each_side_on_its_stream_forked_and_joined(seams, slot_memory):
-    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED,
-                                side_stream=lambda handle, index=0: SIDE)
+    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED, side_stream=lambda handle, index=0: SIDE)
     paged, chunk = caches()
-    ran = kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(40)),
-                                     (chunk, paged, None, GpuIndices(24, 0x7100_0000)),
-                                     stream=STREAM)
+    ran = kvcopy.copy_rows_both_ways(
+        (paged, chunk, GpuIndices(40)), (chunk, paged, None, GpuIndices(24, 0x7100_0000)), stream=STREAM
+    )
     assert ran == ("kernel", "kernel")
-    assert driver.calls[0] == ("wait", SIDE, STREAM)      # the side starts after the caller's work
-    assert launched(driver.calls[1]) == (40, STREAM)       # the store on the caller's stream
-    assert launched(driver.calls[2]) == (24, SIDE)         # the load beside it
-    assert driver.calls[3] == ("wait", STREAM, SIDE)      # and the caller's next work waits
+    assert driver.calls[0] == ("wait", SIDE, STREAM)  # the side starts after the caller's work
+    assert launched(driver.calls[1]) == (40, STREAM)  # the store on the caller's stream
+    assert launched(driver.calls[2]) == (24, SIDE)  # the load beside it
+    assert driver.calls[3] == ("wait", STREAM, SIDE)  # and the caller's next work waits
     assert len(driver.calls) == 4
 
 
 def test_under_capture_both_sides_go_on_the_callers_stream_in_order(seams, slot_memory):
-    driver = install_rows_fakes(seams, slot_memory, DEVICE, PINNED, capturing=1,
-                                side_stream=lambda handle, index=0: SIDE)
+    driver = install_rows_fakes(
+        seams, slot_memory, DEVICE, PINNED, capturing=1, side_stream=lambda handle, index=0: SIDE
+    )
     paged, chunk = caches()
-    kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(40)),
-                               (chunk, paged, None, GpuIndices(24)), stream=STREAM)
+    kvcopy.copy_rows_both_ways(
+        (paged, chunk, GpuIndices(40)), (chunk, paged, None, GpuIndices(24)), stream=STREAM
+    )
     assert [launched(c) for c in driver.calls] == [(40, STREAM), (24, STREAM)]
 
 
@@ -56,11 +58,11 @@ def test_bad_sides_are_named_before_anything_is_issued(seams, slot_memory):
     with pytest.raises(TypeError, match=r"store must be a \(src, dst"):
         kvcopy.copy_rows_both_ways(paged, (chunk, paged, None, GpuIndices(2)), stream=STREAM)
     with pytest.raises(ValueError, match=r"load: dst_indices\[1\] = 500 is out of range"):
-        kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(2)), (chunk, paged, None, [1, 500]),
-                                   stream=STREAM)
+        kvcopy.copy_rows_both_ways(
+            (paged, chunk, GpuIndices(2)), (chunk, paged, None, [1, 500]), stream=STREAM
+        )
     with pytest.raises(TypeError, match="load: src must be a kvcopy.Layout"):
-        kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(2)), ("chunk", paged, None, [1]),
-                                   stream=STREAM)
+        kvcopy.copy_rows_both_ways((paged, chunk, GpuIndices(2)), ("chunk", paged, None, [1]), stream=STREAM)
     assert driver.calls == []
 
 
@@ -69,36 +71,40 @@ def test_host_indices_touching_the_same_bytes_are_refused_naming_both():
     host = np.zeros((64, 128), np.uint8)
     a, b = Layout.of(cache, slot=0), Layout.of(host, slot=0)
     # the load writes cache slot 5, which the store reads
-    with pytest.raises(ValueError, match=r"load: row 1 writes slot 5 of its dst, which "
-                                         r"store: row 0 reads \(its src\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"load: row 1 writes slot 5 of its dst, which "
+        r"store: row 0 reads \(its src\)",
+    ):
         kvcopy.copy_rows_both_ways((a, b, [5, 6], [0, 1]), (b, a, [9, 10], [4, 5]))
     # both write host slot 3
-    with pytest.raises(ValueError, match=r"store: row 0 writes slot 3 of its dst, which "
-                                         r"load: row 0 writes \(its dst\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"store: row 0 writes slot 3 of its dst, which "
+        r"load: row 0 writes \(its dst\)",
+    ):
         kvcopy.copy_rows_both_ways((a, b, [1], [3]), (b, b, [7], [3]))
 
 
-@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a hash table
+@pytest.mark.parametrize("slots", [64, 100_000])  # a bitmap of slots, or a hash table
 def test_a_shared_layout_races_only_on_common_slots(slots):
     cache = np.zeros((slots, 16), np.uint8)
     c = Layout.of(cache, slot=0)
     out, into = (Layout.of(np.zeros((8, 16), np.uint8), slot=0) for _ in range(2))
-    store = (c, out, [5, 6, 11, 9], [0, 1, -1, 3])   # row 2 skipped: slot 11 is not read
-    with pytest.raises(ValueError, match="load: row 2 writes slot 5 of its dst, which "
-                                         "store: row 0 reads"):
+    store = (c, out, [5, 6, 11, 9], [0, 1, -1, 3])  # row 2 skipped: slot 11 is not read
+    with pytest.raises(ValueError, match="load: row 2 writes slot 5 of its dst, which store: row 0 reads"):
         move_both(store, (into, c, None, [7, 8, 5, -1]))
     move_both(store, (into, c, None, [7, 8, 11, 4]))
 
 
-@pytest.mark.parametrize("slots", [64, 100_000])   # a bitmap of slots, or a hash table
+@pytest.mark.parametrize("slots", [64, 100_000])  # a bitmap of slots, or a hash table
 def test_sides_with_indices_on_the_shared_layout_only_race_on_common_slots(slots):
     """A serving step's pair: only the shared layout's side of each has indices."""
     c = Layout.of(np.zeros((slots, 16), np.uint8), slot=0)
     out, into = (Layout.of(np.zeros((8, 16), np.uint8), slot=0) for _ in range(2))
-    with pytest.raises(ValueError, match="load: row 2 writes slot 5 of its dst, which "
-                                         "store: row 0 reads"):
+    with pytest.raises(ValueError, match="load: row 2 writes slot 5 of its dst, which store: row 0 reads"):
         move_both((c, out, [5, -1, 11, 5]), (into, c, None, [-1, 8, 5, 4]))
-    move_both((c, out, [5, -1, 11, 9]), (into, c, None, [-1, 8, 6, 4]))   # -1 twice: no race
+    move_both((c, out, [5, -1, 11, 9]), (into, c, None, [-1, 8, 6, 4]))  # -1 twice: no race
 
 
 def test_indices_on_one_side_race_as_the_same_rows_named_on_both_sides():
@@ -122,19 +128,22 @@ def test_indices_on_one_side_race_as_the_same_rows_named_on_both_sides():
                 outcomes.append(str(exc))
         assert outcomes[0] == outcomes[1], seed
         refused += outcomes[0] is not None
-    assert 0 < refused < 60      # both outcomes were compared
+    assert 0 < refused < 60  # both outcomes were compared
 
 
 def test_layouts_that_meet_otherwise_are_compared_byte_by_byte():
     cache = np.zeros((64, 32), np.uint8)
     whole = Layout.of(cache, slot=0)
-    halves = Layout.of(cache.reshape(128, 16), slot=0)   # the same bytes, other rows
+    halves = Layout.of(cache.reshape(128, 16), slot=0)  # the same bytes, other rows
     host = Layout.of(np.zeros((8, 32), np.uint8), slot=0)
     half_host = Layout.of(np.zeros((8, 16), np.uint8), slot=0)
-    with pytest.raises(ValueError, match=r"load: dst_ptrs\[0\] writes bytes that store: "
-                                         r"src_ptrs\[0\] reads"):
-        move_both((whole, host, [3], [0]), (half_host, halves, None, [7]))   # 7: slot 3's half
-    move_both((whole, host, [3], [0]), (half_host, halves, None, [8]))       # slot 4's half
+    with pytest.raises(
+        ValueError,
+        match=r"load: dst_ptrs\[0\] writes bytes that store: "
+        r"src_ptrs\[0\] reads",
+    ):
+        move_both((whole, host, [3], [0]), (half_host, halves, None, [7]))  # 7: slot 3's half
+    move_both((whole, host, [3], [0]), (half_host, halves, None, [8]))  # slot 4's half
 
 
 def move_both(store, load):

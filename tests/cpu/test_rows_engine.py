@@ -1,25 +1,25 @@
 """copy_rows' engine with the driver faked (kvcopy.testing's seams): which path a plan
 takes, what the layout kernel is launched with, and what is refused before any launch."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kvcopy.testing import engine, plans
-from helpers.rows_fakes import (DEVICE, PAGEABLE, PINNED, STREAM, GpuIndices, caches,
-                                install_rows_fakes)
-
+from helpers.rows_fakes import DEVICE, PAGEABLE, PINNED, STREAM, GpuIndices, caches, install_rows_fakes
 
 
 @pytest.fixture
 def slot_memory():
-    return np.zeros(1 << 16, np.uint8)   # the ring slot's host side: indices are written there
+    return np.zeros(1 << 16, np.uint8)  # the ring slot's host side: indices are written there
 
 
 @pytest.fixture
 def fake(seams, slot_memory):
     def make(src, dst, capturing=0):
         return install_rows_fakes(seams, slot_memory, src, dst, capturing)
+
     return make
 
 
@@ -28,8 +28,18 @@ def test_gpu_indices_are_read_in_place_by_one_launch(fake):
     paged, chunk = caches()
     plan = plans.plan_rows(paged, chunk, GpuIndices(40))
     assert engine.rows.execute_rows(plan, STREAM) == "kernel"
-    assert driver.calls == [("launch", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
-                             (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)]
+    assert driver.calls == [
+        (
+            "launch",
+            42,
+            (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+            (0, 40, 1, 256, 256, 256),
+            40,
+            1,
+            256,
+            STREAM,
+        )
+    ]
 
 
 def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_memory):
@@ -38,10 +48,20 @@ def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_me
     slots = np.arange(100, 120)
     plan = plans.plan_rows(paged, chunk, slots, np.arange(20) * 2)
     assert engine.rows.execute_rows(plan, STREAM) == "kernel"
-    assert driver.calls == [("upload", 0x3000, 320, STREAM),
-                            ("launch", 42, (0x3000, 128, 16, 4096, 256, 256),
-                             (0x3000 + 160, 40, 1, 256, 256, 256), 20, 1, 256, STREAM),
-                            ("fence", 0x77, STREAM)]
+    assert driver.calls == [
+        ("upload", 0x3000, 320, STREAM),
+        (
+            "launch",
+            42,
+            (0x3000, 128, 16, 4096, 256, 256),
+            (0x3000 + 160, 40, 1, 256, 256, 256),
+            20,
+            1,
+            256,
+            STREAM,
+        ),
+        ("fence", 0x77, STREAM),
+    ]
     written = slot_memory[:320].view(np.int64)
     np.testing.assert_array_equal(written, np.concatenate([slots, np.arange(20) * 2]))
 
@@ -85,12 +105,20 @@ def test_a_prepared_transfer_is_built_once_and_launched_by_each_call(fake):
     driver = fake(DEVICE, PINNED)
     paged, chunk = caches()
     prepared = kvcopy.prepare_rows(paged, chunk, GpuIndices(40), stream=STREAM)
-    assert driver.calls == []   # nothing enqueued by preparing
+    assert driver.calls == []  # nothing enqueued by preparing
     assert [prepared() for _ in range(3)] == ["kernel"] * 3
-    launch = ("launch", 42, (0x7000_0000, 128, 16, 16 * 256, 256, 256),
-              (0, 40, 1, 256, 256, 256), 40, 1, 256, STREAM)
+    launch = (
+        "launch",
+        42,
+        (0x7000_0000, 128, 16, 16 * 256, 256, 256),
+        (0, 40, 1, 256, 256, 256),
+        40,
+        1,
+        256,
+        STREAM,
+    )
     assert driver.calls == [launch] * 3
-    assert driver.contexts == [0xC0] * 3   # made current for each launch
+    assert driver.contexts == [0xC0] * 3  # made current for each launch
     assert (prepared.rows, prepared.stream) == (40, STREAM)
     assert kvcopy.last_decision().method == "kernel"
 

@@ -2,6 +2,7 @@
 tensors at the same addresses, stream, method and settings) repeats its launches
 without planning or classifying again; anything else in the key plans afresh, and
 the memo keeps no layout alive. The driver is faked (kvcopy.testing's seams)."""
+
 from __future__ import annotations
 
 import gc
@@ -21,7 +22,7 @@ OTHER_STREAM = 0x4321
 
 @pytest.fixture
 def slot_memory():
-    return np.zeros(1 << 16, np.uint8)   # the ring slot's host side: host indices go there
+    return np.zeros(1 << 16, np.uint8)  # the ring slot's host side: host indices go there
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_the_same_call_again_repeats_its_launch_without_planning(driver):
     slots = GpuIndices(40)
     for _ in range(3):
         assert kvcopy.copy_rows(paged, chunk, slots, stream=STREAM) == "kernel"
-    assert driver.classified == 2            # both sides once, by the first call only
+    assert driver.classified == 2  # both sides once, by the first call only
     assert len(driver.calls) == 3 and len(set(driver.calls)) == 1
     assert indices_of(driver.calls[0]) == (0x7000_0000, STREAM)
     assert kvcopy.last_decision().method == "kernel"
@@ -61,7 +62,7 @@ def test_a_call_that_differs_in_its_key_is_planned_again(driver, change):
     with testing.settings(host_ctas=5 if change == "ctas" else None):
         kvcopy.copy_rows(paged, chunk, slots, stream=stream, method=method)
         kvcopy.copy_rows(paged, chunk, slots, stream=stream, method=method)
-    assert driver.classified == 4            # planned twice, the second repeated
+    assert driver.classified == 4  # planned twice, the second repeated
     first, second, third = driver.calls
     assert second == third
     if change == "address":
@@ -102,8 +103,9 @@ def test_bad_indices_between_known_layouts_are_refused_as_at_first(driver):
         kvcopy.copy_rows(paged, chunk, bad, stream=STREAM)
     with pytest.raises(ValueError, match="rows .41. differs from the indices' length .40."):
         kvcopy.copy_rows(paged, chunk, GpuIndices(40), rows=41, stream=STREAM)
-    with pytest.raises(ValueError, match="must both be on the GPU or both on the host; got "
-                                         "src_indices on the GPU"):
+    with pytest.raises(
+        ValueError, match="must both be on the GPU or both on the host; got src_indices on the GPU"
+    ):
         kvcopy.copy_rows(paged, chunk, GpuIndices(4), np.arange(4), stream=STREAM)
     assert len(driver.calls) == calls
 
@@ -127,8 +129,8 @@ def test_the_memo_keeps_no_layout_alive(driver):
     del paged
     gc.collect()
     assert gone() is None
-    assert len(engine.rows_memo._memo) == 0     # its call went with it
-    paged, _ = caches()   # a new layout is planned, whatever id it got
+    assert len(engine.rows_memo._memo) == 0  # its call went with it
+    paged, _ = caches()  # a new layout is planned, whatever id it got
     kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
     assert driver.classified == 4
 
@@ -160,7 +162,7 @@ def test_threads_remembering_past_the_limit_at_once_keep_the_memo_whole(driver):
     for thread in threads:
         thread.join()
     assert failures == []
-    assert len(memo._memo) == memo._KEPT          # every layout is alive: only the limit evicts
+    assert len(memo._memo) == memo._KEPT  # every layout is alive: only the limit evicts
     for found in list(memo._memo.values()):
         assert memo.entry(*(ref() for ref in found.layouts)) is found
 
@@ -172,5 +174,5 @@ def test_a_call_per_layer_of_a_128_layer_model_is_remembered_for_each_layer(driv
     for _ in range(2):
         for paged, chunk in pairs:
             kvcopy.copy_rows(paged, chunk, GpuIndices(40), stream=STREAM)
-    assert driver.classified == 2 * len(pairs)   # both sides of each pair, once
+    assert driver.classified == 2 * len(pairs)  # both sides of each pair, once
     assert len(driver.calls) == 2 * len(pairs)

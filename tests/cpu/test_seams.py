@@ -1,4 +1,5 @@
 """kvcopy.testing's seams put back what they changed, on leaving and on an error."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,7 @@ def test_settings_hold_for_the_block_and_are_put_back_after_an_error():
 
 def test_fake_cuda_reaches_every_user_of_a_layer_and_leaves_none_behind():
     real = testing.cuda.driver
-    users = [testing.engine.dispatch, testing.engine.decide, testing.engine.ring,
-             testing.engine.context]
+    users = [testing.engine.dispatch, testing.engine.decide, testing.engine.ring, testing.engine.context]
     fake = object()
     with testing.fake_cuda(fake, ("driver",)):
         assert all(module.driver is fake for module in users)
@@ -43,7 +43,7 @@ def test_rows_on_host_runs_copy_rows_between_host_arrays_and_puts_it_back():
     real = kvcopy.copy_rows
     with testing.rows_on_host():
         assert kvcopy.copy_rows(a, b, [3, 0, -1], [1, 6, 2]) == "host"
-        wild = kvcopy.Layout.from_pointers([8], slots=8, row_bytes=8)   # no host mapping
+        wild = kvcopy.Layout.from_pointers([8], slots=8, row_bytes=8)  # no host mapping
         with pytest.raises(ValueError, match="are not host memory this process reads"):
             kvcopy.copy_rows(a, wild, [3, 2], [0, 1])
     assert kvcopy.copy_rows is real

@@ -2,6 +2,7 @@
 streams are "current" for tensors on two devices, the order in which swap_blocks
 joins them, peer copies as a direction, saved thresholds that predate 'p2p', and
 the peer-access settings read from the environment."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,11 @@ from kvcopy import testing
 
 from kvcopy import api
 from kvcopy.testing import engine
+
 decide, dispatch = engine.decide, engine.dispatch
 device = engine.device
 from kvcopy.testing import cuda
+
 kv_classify = cuda.classify
 from kvcopy.interop import streams
 from kvcopy.config import Config
@@ -39,8 +42,10 @@ FakeTensor.__module__ = "torch.fake"
 @pytest.fixture
 def fake_torch(monkeypatch):
     cuda = types.SimpleNamespace(
-        is_available=lambda: True, current_device=lambda: 5,
-        current_stream=lambda d: types.SimpleNamespace(cuda_stream=0 if d == 1 else 0x100 + d))
+        is_available=lambda: True,
+        current_device=lambda: 5,
+        current_stream=lambda d: types.SimpleNamespace(cuda_stream=0 if d == 1 else 0x100 + d),
+    )
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
 
 
@@ -65,28 +70,38 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch, sea
     calls = []
     fake_driver = types.SimpleNamespace(
         init=lambda: None,
-        stream_wait_stream=lambda consumer, producer, producer_device, consumer_device:
-            calls.append(("wait", consumer, consumer_device, producer, producer_device)))
+        stream_wait_stream=lambda consumer, producer, producer_device, consumer_device: calls.append(
+            ("wait", consumer, consumer_device, producer, producer_device)
+        ),
+    )
     seams.enter_context(testing.fake_cuda(fake_driver, ("driver",)))
-    monkeypatch.setattr(api.dispatch, "execute_blocks",
-                        lambda plan, handle, method: calls.append(("copy", handle)) or "kernel")
+    monkeypatch.setattr(
+        api.dispatch,
+        "execute_blocks",
+        lambda plan, handle, method: calls.append(("copy", handle)) or "kernel",
+    )
     ran = api._between_devices("plan", [(0x100, 0), (0, 1)], "auto")
     legacy = streams.effective_handle(0)
     assert ran == "kernel"
-    assert calls == [("wait", 0x100, 0, legacy, 1),     # the copy waits for GPU1's current stream
-                     ("copy", 0x100),
-                     ("wait", legacy, 1, 0x100, 0)]     # which then waits for the copy
+    assert calls == [
+        ("wait", 0x100, 0, legacy, 1),  # the copy waits for GPU1's current stream
+        ("copy", 0x100),
+        ("wait", legacy, 1, 0x100, 0),
+    ]  # which then waits for the copy
 
 
-@pytest.mark.parametrize("src, dst, expected", [
-    (kv_classify.KIND_DEVICE, kv_classify.KIND_PEER, "p2p"),
-    (kv_classify.KIND_PEER_UNMAPPED, kv_classify.KIND_DEVICE, "p2p"),
-    (kv_classify.KIND_PEER, kv_classify.KIND_PEER, "p2p"),     # both on other GPUs
-    (kv_classify.KIND_DEVICE, kv_classify.KIND_DEVICE, "d2d"),
-    (kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_PEER, "h2d"),
-    (kv_classify.KIND_PEER, kv_classify.KIND_HOST_MAPPED, "d2h"),
-    (kv_classify.KIND_HOST_MAPPED | kv_classify.KIND_PEER, kv_classify.KIND_DEVICE, "mixed"),
-])
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        (kv_classify.KIND_DEVICE, kv_classify.KIND_PEER, "p2p"),
+        (kv_classify.KIND_PEER_UNMAPPED, kv_classify.KIND_DEVICE, "p2p"),
+        (kv_classify.KIND_PEER, kv_classify.KIND_PEER, "p2p"),  # both on other GPUs
+        (kv_classify.KIND_DEVICE, kv_classify.KIND_DEVICE, "d2d"),
+        (kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_PEER, "h2d"),
+        (kv_classify.KIND_PEER, kv_classify.KIND_HOST_MAPPED, "d2h"),
+        (kv_classify.KIND_HOST_MAPPED | kv_classify.KIND_PEER, kv_classify.KIND_DEVICE, "mixed"),
+    ],
+)
 def test_directions_with_peer_memory(src, dst, expected):
     assert decide._direction(src, dst) == expected
 
@@ -94,11 +109,13 @@ def test_directions_with_peer_memory(src, dst, expected):
 def test_saved_thresholds_without_p2p_keep_its_default(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
     info = device.DeviceInfo(0, "Fake GPU", (9, 0), 12080, DeviceCaps())
-    device.thresholds_path(info).write_text(json.dumps({"batch_min_bytes": {"h2d": 2 * MiB,
-                                                                            "d2h": "inf"}}))
+    device.thresholds_path(info).write_text(json.dumps({"batch_min_bytes": {"h2d": 2 * MiB, "d2h": "inf"}}))
     loaded = device.load_thresholds(info)
-    assert loaded.batch_min_bytes == {"h2d": 2 * MiB, "d2h": float("inf"),
-                                      "p2p": Thresholds().batch_min_bytes["p2p"]}
+    assert loaded.batch_min_bytes == {
+        "h2d": 2 * MiB,
+        "d2h": float("inf"),
+        "p2p": Thresholds().batch_min_bytes["p2p"],
+    }
 
 
 @pytest.mark.parametrize("text, expected", [("0", False), ("1", True), ("", True)])
@@ -158,13 +175,23 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch,
     calls: list[str] = []
 
     class FakeDriver:
-        def push_context(self, ctx): calls.append("push")
-        def pop_context(self): calls.append("pop")
-        def event_create(self, timing): return 0xE0 + len(calls)
-        def event_record(self, event, stream): calls.append(f"record on {stream:#x}")
+        def push_context(self, ctx):
+            calls.append("push")
+
+        def pop_context(self):
+            calls.append("pop")
+
+        def event_create(self, timing):
+            return 0xE0 + len(calls)
+
+        def event_record(self, event, stream):
+            calls.append(f"record on {stream:#x}")
+
         def stream_wait_stream(self, consumer, producer, device=-1):
             calls.append(f"{consumer:#x} waits for {producer:#x}")
-        def stream_wait_event(self, consumer, event): calls.append(f"{consumer:#x} waits event")
+
+        def stream_wait_event(self, consumer, event):
+            calls.append(f"{consumer:#x} waits event")
 
     def execute_blocks(plan, handle, method, wait_for_producers=True):
         calls.append(f"copy on {handle:#x}, waits for producers: {wait_for_producers}")
@@ -176,10 +203,17 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch,
     queue._lock, queue._closed, queue._pending = threading.Lock(), False, deque()
     queue._ctx, queue._stream, queue.method = 0xC0, 0x5, "auto"
     queue._geometry = types.SimpleNamespace(
-        producer_streams=[0x77],
-        with_mapping=lambda mapping: types.SimpleNamespace(total_bytes=4096))
+        producer_streams=[0x77], with_mapping=lambda mapping: types.SimpleNamespace(total_bytes=4096)
+    )
     for after, own in (([0x5500], ["0x5 waits for 0x5500"]), ([], [])):
         calls.clear()
         queue.submit("job", [[0, 0]], after=after)
-        assert calls == ["push", *own, "0x5 waits for 0x77", "record on 0x5",
-                         "copy on 0x5, waits for producers: False", "record on 0x5", "pop"]
+        assert calls == [
+            "push",
+            *own,
+            "0x5 waits for 0x77",
+            "record on 0x5",
+            "copy on 0x5, waits for producers: False",
+            "record on 0x5",
+            "pop",
+        ]

@@ -1,4 +1,5 @@
 """resolve_stream and default-stream handling (CPU)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,9 +30,11 @@ def test_ints_are_handles(value):
 def test_small_ints_past_the_default_streams_are_refused(value):
     """A torch stream's stream_id (small: 3, 35, ...) or a device index passed as a
     handle would crash the driver: a ValueError that says what a handle is instead."""
-    message = (rf"^stream: handle {value} is not a valid CUstream value: handles are 0 "
-               r"\(default\), 1 \(legacy\), 2 \(per-thread\) or the address of a CUstream, "
-               r"never below 4096 \(a torch stream's stream_id")
+    message = (
+        rf"^stream: handle {value} is not a valid CUstream value: handles are 0 "
+        r"\(default\), 1 \(legacy\), 2 \(per-thread\) or the address of a CUstream, "
+        r"never below 4096 \(a torch stream's stream_id"
+    )
     for given in (value, np.int64(value), ProtocolStream(value)):
         with pytest.raises(ValueError, match=message):
             kvcopy.resolve_stream(given)

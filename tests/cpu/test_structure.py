@@ -3,6 +3,7 @@ cycles, no kvcopy module imported inside a function, small modules, the probes a
 the benchmark use no private names of other modules, nothing outside the package
 reaches its private layers but through kvcopy.testing, and every default of a path
 lives in the policy."""
+
 from __future__ import annotations
 
 import ast
@@ -19,31 +20,60 @@ MAX_LINES = 400
 # Layers, lowest first: a module may import its own layer's and lower layers'
 # modules, never a higher layer's. The pure modules (no driver calls) may be
 # used by every layer but import only each other.
-PURE = {"kvcopy.arguments", "kvcopy.config", "kvcopy.errors", "kvcopy.kept", "kvcopy.policy",
-        "kvcopy.policy.layout_kernel",
-        "kvcopy.policy.defaults", "kvcopy.interop",
-        "kvcopy._plans", "kvcopy._plans.copies", "kvcopy._plans.blocks", "kvcopy._plans.races",
-        "kvcopy._plans.overlaps", "kvcopy._plans.row_overlaps", "kvcopy._plans.rows",
-        "kvcopy._plans.rows_races",
-        "kvcopy._plans.rows_staging", "kvcopy.layouts",
-        "kvcopy._cuda.plan_arrays", "kvcopy._cuda.copy_loop",
-        "kvcopy._engine.traffic_window", "kvcopy._runtime.persist",
-        "kvcopy._runtime.calibration_file",
-        "kvcopy._engine", "kvcopy._runtime"}          # (the packages' docstring-only __init__)
+PURE = {
+    "kvcopy.arguments",
+    "kvcopy.config",
+    "kvcopy.errors",
+    "kvcopy.kept",
+    "kvcopy.policy",
+    "kvcopy.policy.layout_kernel",
+    "kvcopy.policy.defaults",
+    "kvcopy.interop",
+    "kvcopy._plans",
+    "kvcopy._plans.copies",
+    "kvcopy._plans.blocks",
+    "kvcopy._plans.races",
+    "kvcopy._plans.overlaps",
+    "kvcopy._plans.row_overlaps",
+    "kvcopy._plans.rows",
+    "kvcopy._plans.rows_races",
+    "kvcopy._plans.rows_staging",
+    "kvcopy.layouts",
+    "kvcopy._cuda.plan_arrays",
+    "kvcopy._cuda.copy_loop",
+    "kvcopy._engine.traffic_window",
+    "kvcopy._runtime.persist",
+    "kvcopy._runtime.calibration_file",
+    "kvcopy._engine",
+    "kvcopy._runtime",
+}  # (the packages' docstring-only __init__)
 LAYERS = [
-    {"kvcopy._cuda"},                                                  # the driver layer
-    {"kvcopy._runtime.device", "kvcopy._runtime.kernels", "kvcopy._runtime.ring",
-     "kvcopy._runtime.context", "kvcopy._runtime.peers", "kvcopy._runtime.side_streams",
-     "kvcopy._runtime.prepare", "kvcopy.host"},                        # per context
-    {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},   # parts of paths
-    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged",
-     "kvcopy._engine.rows"},
+    {"kvcopy._cuda"},  # the driver layer
+    {
+        "kvcopy._runtime.device",
+        "kvcopy._runtime.kernels",
+        "kvcopy._runtime.ring",
+        "kvcopy._runtime.context",
+        "kvcopy._runtime.peers",
+        "kvcopy._runtime.side_streams",
+        "kvcopy._runtime.prepare",
+        "kvcopy.host",
+    },  # per context
+    {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},  # parts of paths
+    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged", "kvcopy._engine.rows"},
     {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
-    {"kvcopy.api", "kvcopy.prepared_rows", "kvcopy.rows_both_ways", "kvcopy.queue", "kvcopy.calibrate",
-     "kvcopy.compat", "kvcopy.testing"},
-    {"kvcopy"},                                                        # __init__: re-exports
-    {"kvcopy.bench"},                                                  # uses the public API
+    {
+        "kvcopy.api",
+        "kvcopy.prepared_rows",
+        "kvcopy.rows_both_ways",
+        "kvcopy.queue",
+        "kvcopy.calibrate",
+        "kvcopy.compat",
+        "kvcopy.testing",
+    },
+    {"kvcopy"},  # __init__: re-exports
+    {"kvcopy.bench"},  # uses the public API
 ]
 # Modules that import an optional framework (Triton) and are themselves imported
 # only where it may be missing, inside a try.
@@ -67,9 +97,13 @@ def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
     text = path.read_text()
     found: set[str] = set()
     nested: list[str] = []
-    if path.suffix != ".py":   # Cython: module-level (c)import lines
-        for match in re.finditer(r"^(?:from\s+(kvcopy[\w.]*)\s+c?import\s+([\w, ()\n]+)"
-                                 r"|import\s+(kvcopy[\w.]*))", text, re.M):
+    if path.suffix != ".py":  # Cython: module-level (c)import lines
+        for match in re.finditer(
+            r"^(?:from\s+(kvcopy[\w.]*)\s+c?import\s+([\w, ()\n]+)"
+            r"|import\s+(kvcopy[\w.]*))",
+            text,
+            re.M,
+        ):
             found.add(match.group(1) or match.group(3))
         for match in re.finditer(r"^[ \t]+(?:from|import)[ \t]+kvcopy\b", text, re.M):
             nested.append(f"{path.name}: {match.group(0).strip()}")
@@ -77,8 +111,11 @@ def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
     tree = ast.parse(text)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [_imported_module(node.module or "", a.name) for a in node.names])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [_imported_module(node.module or "", a.name) for a in node.names]
+            )
             names = [n for n in names if (n == "kvcopy" or n.startswith("kvcopy."))]
             if isinstance(node, ast.ImportFrom) and node.module and node.module != "kvcopy":
                 names = [n for n in names if n not in OPTIONAL]
@@ -123,7 +160,7 @@ def graph() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for path in sources():
         if path.name == "__init__.py" and path.parent == PACKAGE:
-            continue   # kvcopy/__init__ re-exports: it sits above everything
+            continue  # kvcopy/__init__ re-exports: it sits above everything
         src = owner(module_name(path))
         imported, _ = kvcopy_imports(path)
         edges.setdefault(src, set()).update(owner(i) for i in imported if owner(i) != src)
@@ -147,7 +184,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -187,8 +224,7 @@ def test_modules_stay_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= 2 * MAX_LINES, f"{path.name} has {lines} lines (at most {2 * MAX_LINES})"
     if lines > MAX_LINES:
-        warnings.warn(f"{path.name} has {lines} lines: does it still hold one concept?",
-                      stacklevel=1)
+        warnings.warn(f"{path.name} has {lines} lines: does it still hold one concept?", stacklevel=1)
 
 
 def _private_uses(path: Path) -> list[str]:
@@ -203,12 +239,17 @@ def _private_uses(path: Path) -> list[str]:
                     found.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
                 modules.add(alias.asname or alias.name)
         elif isinstance(node, ast.Import):
-            modules.update(a.asname or a.name.split(".")[0] for a in node.names
-                           if a.name.startswith("kvcopy"))
+            modules.update(
+                a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("kvcopy")
+            )
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
-                and node.value.id in modules):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
             found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
     return found
 
@@ -221,8 +262,7 @@ def test_probes_and_benchmark_use_no_private_names():
 
 # Constants of the paths' modules that are no default: how many sides and buffers the
 # staged path's structure has, and the codes by which replay's records name methods.
-STRUCTURAL = {"kvcopy._engine.staged": {"BUFFERS_PER_SIDE", "SIDES"},
-              "kvcopy._engine.replay": {"METHODS"}}
+STRUCTURAL = {"kvcopy._engine.staged": {"BUFFERS_PER_SIDE", "SIDES"}, "kvcopy._engine.replay": {"METHODS"}}
 # Limits of a file format, not of a path.
 FILE_FORMATS = {"kvcopy._runtime.persist", "kvcopy._runtime.calibration_file"}
 
@@ -249,12 +289,21 @@ def test_no_default_of_a_path_is_defined_outside_the_policy_and_config():
         if name in FILE_FORMATS:
             continue
         for node in ast.parse(path.read_text()).body:
-            targets = (node.targets if isinstance(node, ast.Assign)
-                       else [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign) and node.value
+                else []
+            )
             for target in targets:
-                if (isinstance(target, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]*", target.id)
-                        and node.value is not None and _numeric(node.value)
-                        and target.id not in STRUCTURAL.get(name, ())):
+                if (
+                    isinstance(target, ast.Name)
+                    and re.fullmatch(r"[A-Z][A-Z0-9_]*", target.id)
+                    and node.value is not None
+                    and _numeric(node.value)
+                    and target.id not in STRUCTURAL.get(name, ())
+                ):
                     found.append(f"{name}.{target.id} (line {node.lineno})")
     assert not found, "defaults outside kvcopy.policy: " + ", ".join(found)
 
@@ -298,17 +347,20 @@ def private_reaches(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def outside_files() -> list[Path]:
-    return sorted(p for p in ROOT.rglob("*.py")
-                  if p.relative_to(ROOT).parts[0] not in NOT_SCANNED
-                  and not p.relative_to(ROOT).parts[0].startswith(".")
-                  and p not in (ROOT / "setup.py", Path(__file__).resolve()))
+    return sorted(
+        p
+        for p in ROOT.rglob("*.py")
+        if p.relative_to(ROOT).parts[0] not in NOT_SCANNED
+        and not p.relative_to(ROOT).parts[0].startswith(".")
+        and p not in (ROOT / "setup.py", Path(__file__).resolve())
+    )
 
 
 def test_nothing_outside_the_package_reaches_its_private_layers_but_through_the_seam():
     """Tests, the benchmark's scripts and the probes take kvcopy's private modules from
     kvcopy.testing (its engine and cuda namespaces, and its seams to change them)."""
     files = outside_files()
-    assert ROOT / "tests" / "cpu" / "test_describe.py" in files   # (the scan sees the tests)
+    assert ROOT / "tests" / "cpu" / "test_describe.py" in files  # (the scan sees the tests)
     found = [reach for path in files for reach in private_reaches(path)]
     assert not found, "\n".join(found)
 
@@ -316,13 +368,15 @@ def test_nothing_outside_the_package_reaches_its_private_layers_but_through_the_
 def test_the_scan_finds_every_way_of_reaching_in(tmp_path):
     probe = tmp_path / "probe.py"
     quotes = '"' * 3
-    probe.write_text("import kvcopy._cuda.driver\n"
-                     "from kvcopy._engine import dispatch\n"
-                     "x = kvcopy._runtime.ring.Slot\n"
-                     "pytest.importorskip('kvcopy._cuda.driver')\n"
-                     f"CHILD = {quotes}\nfrom kvcopy._runtime import device\n{quotes}\n"
-                     "from kvcopy.testing import engine\n"
-                     "y = engine.ring.Slot  # kvcopy._runtime.ring, named in prose\n")
+    probe.write_text(
+        "import kvcopy._cuda.driver\n"
+        "from kvcopy._engine import dispatch\n"
+        "x = kvcopy._runtime.ring.Slot\n"
+        "pytest.importorskip('kvcopy._cuda.driver')\n"
+        f"CHILD = {quotes}\nfrom kvcopy._runtime import device\n{quotes}\n"
+        "from kvcopy.testing import engine\n"
+        "y = engine.ring.Slot  # kvcopy._runtime.ring, named in prose\n"
+    )
     found = private_reaches(probe, tmp_path)
     assert [line.split(":")[1] for line in found] == ["1", "2", "3", "4", "5"], found
 
@@ -330,14 +384,23 @@ def test_the_scan_finds_every_way_of_reaching_in(tmp_path):
 def test_the_package_cites_no_results_file_and_the_reference_runs_stay_few():
     # figures live in the docs; bench/results holds only the runs the docs are built from
     repo = PACKAGE.parent
-    cited = [f"{path.relative_to(repo)}:{n}" for root in (PACKAGE, repo / "include")
-             for path in root.rglob("*") if path.suffix in (".py", ".pyx", ".pxd", ".h", ".cuh")
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             if re.search(r"\bresults/[\w.-]+\.(txt|json|log|png|csv)", line)]
+    cited = [
+        f"{path.relative_to(repo)}:{n}"
+        for root in (PACKAGE, repo / "include")
+        for path in root.rglob("*")
+        if path.suffix in (".py", ".pyx", ".pxd", ".h", ".cuh")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bresults/[\w.-]+\.(txt|json|log|png|csv)", line)
+    ]
     assert not cited, cited
     runs = sorted(p.name for p in (repo / "bench" / "results").iterdir())
     assert len(runs) <= 15, runs
-    docs = " ".join(p.read_text() for p in [*(repo / "docs").rglob("*.md"),
-                                            *(repo / "docs").rglob("*.py"),
-                                            repo / "bench" / "README.md"])
+    docs = " ".join(
+        p.read_text()
+        for p in [
+            *(repo / "docs").rglob("*.md"),
+            *(repo / "docs").rglob("*.py"),
+            repo / "bench" / "README.md",
+        ]
+    )
     assert [name for name in runs if name not in docs] == []

@@ -1,6 +1,7 @@
 """Every name a Cython module's .pyi stub declares exists in the built module, with
 the same kind (function or constant): the stubs are what users and type checkers
 read, and a name lost from a .pyx would otherwise surface only on a GPU."""
+
 from __future__ import annotations
 
 import ast

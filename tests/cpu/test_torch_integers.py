@@ -2,6 +2,7 @@
 mappings, row indices) and the empty block mapping: anything whose elements are not
 plain integers is a TypeError naming the argument, never torch's own error and
 never read with its mask or sign bit ignored (CPU)."""
+
 from __future__ import annotations
 
 import warnings
@@ -22,18 +23,21 @@ PAIRS = [[1, 2], [3, 0]]
 
 
 def _masked() -> "torch.Tensor":
-    with warnings.catch_warnings():   # torch calls masked tensors a prototype
+    with warnings.catch_warnings():  # torch calls masked tensors a prototype
         warnings.simplefilter("ignore", UserWarning)
         from torch.masked import masked_tensor
+
         return masked_tensor(torch.tensor(PAIRS), torch.tensor([[True, False], [True, True]]))
 
 
 def _quiet(make):
     """``make`` without torch's warnings that the kind is a prototype, beta or deprecated."""
+
     def made() -> "torch.Tensor":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return make()
+
     return made
 
 
@@ -51,17 +55,26 @@ NOT_PLAIN_INTEGERS = {
     "bfloat16": (lambda: torch.tensor(PAIRS, dtype=torch.bfloat16), "dtype torch.bfloat16"),
     "float32": (lambda: torch.tensor(PAIRS, dtype=torch.float32), "dtype torch.float32"),
     "bool": (lambda: torch.tensor(PAIRS).bool(), "dtype torch.bool"),
-    "quantized": (_quiet(lambda: torch.quantize_per_tensor(
-        torch.tensor(PAIRS, dtype=torch.float32), 1.0, 0, torch.qint8)), "quantized tensor"),
+    "quantized": (
+        _quiet(
+            lambda: torch.quantize_per_tensor(torch.tensor(PAIRS, dtype=torch.float32), 1.0, 0, torch.qint8)
+        ),
+        "quantized tensor",
+    ),
 }
 KINDS = pytest.mark.parametrize("kind", sorted(NOT_PLAIN_INTEGERS))
 
 
 def _flat(t: "torch.Tensor") -> "torch.Tensor":
     """One dimension of the same kind (pointers and indices are 1-D)."""
-    if t.is_nested or t.is_meta or t.layout is not torch.strided or t.is_quantized \
-            or type(t) is not torch.Tensor:
-        return t   # the kind is refused before its shape is looked at
+    if (
+        t.is_nested
+        or t.is_meta
+        or t.layout is not torch.strided
+        or t.is_quantized
+        or type(t) is not torch.Tensor
+    ):
+        return t  # the kind is refused before its shape is looked at
     return t.flatten() if not t.is_neg() else t.resolve_neg().flatten()._neg_view()
 
 
@@ -99,20 +112,22 @@ def test_a_masked_tensor_is_refused_as_blocks():
         block_layout(_masked(), "src")
 
 
-@pytest.mark.parametrize("mapping, kind, match", [
-    (np.empty((0, 3), np.int64), ValueError, r"expected shape \(n, 2\), got \(0, 3\)"),
-    (np.empty((2, 0), np.int64), ValueError, r"expected shape \(n, 2\), got \(2, 0\)"),
-    (np.empty((0,), np.int64), ValueError, r"expected shape \(n, 2\), got \(0,\)"),
-    (np.empty((0, 2), np.float64), TypeError, "expected integer block ids, got dtype float64"),
-    (torch.empty(0, 2), TypeError, "expected integers, got dtype torch.float32"),
-])
+@pytest.mark.parametrize(
+    "mapping, kind, match",
+    [
+        (np.empty((0, 3), np.int64), ValueError, r"expected shape \(n, 2\), got \(0, 3\)"),
+        (np.empty((2, 0), np.int64), ValueError, r"expected shape \(n, 2\), got \(2, 0\)"),
+        (np.empty((0,), np.int64), ValueError, r"expected shape \(n, 2\), got \(0,\)"),
+        (np.empty((0, 2), np.float64), TypeError, "expected integer block ids, got dtype float64"),
+        (torch.empty(0, 2), TypeError, "expected integers, got dtype torch.float32"),
+    ],
+)
 def test_an_empty_block_mapping_of_the_wrong_shape_or_dtype_is_refused(mapping, kind, match):
     with pytest.raises(kind, match=rf"^block_mapping: {match}"):
         plan_blocks(np.zeros((4, 8), np.uint8), np.zeros((4, 8), np.uint8), mapping)
 
 
-@pytest.mark.parametrize("empty", [[], (), np.empty((0, 2), np.int64),
-                                   torch.empty(0, 2, dtype=torch.int64)])
+@pytest.mark.parametrize("empty", [[], (), np.empty((0, 2), np.int64), torch.empty(0, 2, dtype=torch.int64)])
 def test_an_empty_block_mapping_names_no_pairs(empty):
     assert as_block_mapping(empty).shape == (0, 2)
 
@@ -134,11 +149,14 @@ class _HostMemory:
         pass
 
 
-@pytest.mark.parametrize("shape, dtype", [
-    (4, np.dtype((np.float32, (3,)))),
-    ((2, 5), np.dtype((np.int16, (2, 3)))),
-    (0, np.dtype((np.uint8, (7,)))),
-])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        (4, np.dtype((np.float32, (3,)))),
+        ((2, 5), np.dtype((np.int16, (2, 3)))),
+        (0, np.dtype((np.uint8, (7,)))),
+    ],
+)
 def test_pinned_empty_with_a_sub_array_dtype_is_what_numpy_empty_gives(monkeypatch, shape, dtype):
     monkeypatch.setattr(host, "memory", _HostMemory())
     monkeypatch.setattr(host, "ContextScope", FakeScope)
@@ -146,5 +164,5 @@ def test_pinned_empty_with_a_sub_array_dtype_is_what_numpy_empty_gives(monkeypat
     expected = np.empty(shape, dtype)
     assert (made.shape, made.dtype) == (expected.shape, expected.dtype)
     assert made.nbytes == expected.nbytes
-    made[...] = 7   # every element is writable memory of its own
+    made[...] = 7  # every element is writable memory of its own
     assert np.all(made == 7)

@@ -1,6 +1,7 @@
 """copy_batch calls one way beside calls the other way (config.traffic_window_ms): the
 record of when each device last copied each way (kvcopy._engine.traffic_window), the policy's rule
 for such a batch, and the engine's use of both (CPU, faked driver and clock)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,10 @@ import pytest
 import kvcopy
 from kvcopy import testing
 from kvcopy.testing import engine
+
 decide, dispatch, traffic_window = engine.decide, engine.dispatch, engine.traffic_window
 from kvcopy.testing import cuda
+
 kv_classify = cuda.classify
 DescribedBatch = cuda.describe.DescribedBatch
 from kvcopy.policy import CopyRequest, DeviceCaps, Thresholds, choose_method
@@ -22,9 +25,11 @@ from helpers.cpu_fakes import FakeCaptureDriver, FakeClassify, FakeScope
 KiB, MiB = 1 << 10, 1 << 20
 H200 = DeviceCaps(bulk_copy=True)
 HOST, GPU = kv_classify.KIND_HOST_MAPPED, kv_classify.KIND_DEVICE
-FOUND = {"h2d": decide.MemoryClasses(HOST, -1, GPU, 0),
-         "d2h": decide.MemoryClasses(GPU, 0, HOST, -1),
-         "d2d": decide.MemoryClasses(GPU, 0, GPU, 0)}
+FOUND = {
+    "h2d": decide.MemoryClasses(HOST, -1, GPU, 0),
+    "d2h": decide.MemoryClasses(GPU, 0, HOST, -1),
+    "d2d": decide.MemoryClasses(GPU, 0, GPU, 0),
+}
 
 
 class Clock:
@@ -42,19 +47,22 @@ def clock(seams):
     return seams.enter_context(testing.fake_clock(Clock()))
 
 
-def req(direction="h2d", block=256 * KiB, recent=True, stream="created", capturing=False,
-        batch_allowed=True) -> CopyRequest:
+def req(
+    direction="h2d", block=256 * KiB, recent=True, stream="created", capturing=False, batch_allowed=True
+) -> CopyRequest:
     count = 256
-    return CopyRequest(direction, count, count * block, True, stream, capturing, batch_allowed,
-                       other_way_recent=recent)
+    return CopyRequest(
+        direction, count, count * block, True, stream, capturing, batch_allowed, other_way_recent=recent
+    )
 
 
 # ------------------------------------------------------------------ kvcopy._engine.traffic_window
 
+
 def test_a_copy_one_way_is_recent_to_the_other_way_for_the_window_only(clock):
     traffic_window.note(0, "d2h")
     assert traffic_window.other_way_recent(0, "h2d", 0.05)
-    assert not traffic_window.other_way_recent(0, "d2h", 0.05)    # its own direction is not "other"
+    assert not traffic_window.other_way_recent(0, "d2h", 0.05)  # its own direction is not "other"
     clock.now += 0.049
     assert traffic_window.other_way_recent(0, "h2d", 0.05)
     clock.now += 0.002
@@ -73,14 +81,14 @@ def test_the_same_stream_is_not_the_other_way_but_shared_handles_are(clock):
 
 def test_a_batch_the_other_way_counts_from_a_quarter_of_this_ones_bytes(clock):
     traffic_window.note(0, "d2h", 9, 16 * MiB)
-    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB)       # a quarter
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB)  # a quarter
     assert not traffic_window.other_way_recent(0, "h2d", 0.05, 10, 64 * MiB + 4)
-    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 1 * MiB)        # larger than this one
+    assert traffic_window.other_way_recent(0, "h2d", 0.05, 10, 1 * MiB)  # larger than this one
 
 
 def test_devices_and_directions_other_than_host_and_gpu_are_kept_apart(clock):
     traffic_window.note(1, "d2h")
-    assert not traffic_window.other_way_recent(0, "h2d", 1.0)      # another GPU, another link
+    assert not traffic_window.other_way_recent(0, "h2d", 1.0)  # another GPU, another link
     assert traffic_window.other_way_recent(1, "h2d", 1.0)
     for direction in ("d2d", "p2p", "h2h", "mixed"):
         traffic_window.note(0, direction)
@@ -97,10 +105,10 @@ def test_no_window_means_never_recent_and_forget_drops_everything(clock):
 
 # ------------------------------------------------------------------ the policy's rule
 
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("block", [128 * KiB, 256 * KiB, 512 * KiB])
-def test_blocks_from_the_both_ways_threshold_go_to_the_copy_engines_beside_the_other_way(
-        direction, block):
+def test_blocks_from_the_both_ways_threshold_go_to_the_copy_engines_beside_the_other_way(direction, block):
     decision = choose_method(req(direction, block), H200)
     assert decision.method == "batch"
     assert "other way" in decision.reason and "traffic_window_ms" in decision.reason
@@ -121,8 +129,7 @@ def test_the_calibrated_both_ways_threshold_moves_the_rule():
     assert choose_method(req("d2h", 256 * KiB), H200, high).method == "kernel"
 
 
-@pytest.mark.parametrize("change", [{"stream": "legacy"}, {"capturing": True},
-                                    {"batch_allowed": False}])
+@pytest.mark.parametrize("change", [{"stream": "legacy"}, {"capturing": True}, {"batch_allowed": False}])
 def test_where_batched_dma_cannot_run_the_kernel_stays(change):
     assert choose_method(req("h2d", **change), H200).method == "kernel"
 
@@ -142,6 +149,7 @@ def test_a_request_is_alone_unless_said_otherwise():
 
 # ------------------------------------------------------------------ the engine
 
+
 @pytest.fixture
 def engine_state(seams, clock):
     """Fresh engine and device state, a faked driver and clock, a 50 ms window."""
@@ -151,24 +159,23 @@ def engine_state(seams, clock):
     return fake
 
 
-STREAMS = {"h2d": 8, "d2h": 7}   # loads and stores each on a stream of their own, as engines issue them
+STREAMS = {"h2d": 8, "d2h": 7}  # loads and stores each on a stream of their own, as engines issue them
 
 
-def decide_for(direction: str, block: int = 256 * KiB, stream: int | None = None, count: int = 256,
-           **kwargs) -> str:
+def decide_for(
+    direction: str, block: int = 256 * KiB, stream: int | None = None, count: int = 256, **kwargs
+) -> str:
     kwargs.setdefault("note_traffic", True)
     handle = STREAMS[direction] if stream is None else stream
-    return decide.decide(handle, "auto", count, count * block, FOUND[direction],
-                         **kwargs).decision.method
+    return decide.decide(handle, "auto", count, count * block, FOUND[direction], **kwargs).decision.method
 
 
-def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_next_store(
-        engine_state, clock):
-    assert decide_for("d2h") == "kernel"          # nothing the other way yet
-    assert decide_for("h2d") == "batch"           # the store just now
-    assert decide_for("d2h") == "batch"           # the load just now
-    assert decide_for("h2d", 16 * KiB) == "kernel"   # small blocks keep the kernel
-    clock.now += 0.051                        # past the window: each alone again
+def test_a_load_right_after_a_store_goes_to_the_copy_engines_and_so_does_the_next_store(engine_state, clock):
+    assert decide_for("d2h") == "kernel"  # nothing the other way yet
+    assert decide_for("h2d") == "batch"  # the store just now
+    assert decide_for("d2h") == "batch"  # the load just now
+    assert decide_for("h2d", 16 * KiB) == "kernel"  # small blocks keep the kernel
+    clock.now += 0.051  # past the window: each alone again
     assert decide_for("h2d") == "kernel"
     assert decide.last_decision().method == "kernel"
 
@@ -177,21 +184,21 @@ def test_the_remembered_answer_follows_the_other_way(engine_state, clock):
     assert decide_for("h2d") == "kernel"
     assert decide_for("d2h") == "batch"
     clock.now += 1.0
-    assert decide_for("d2h") == "kernel"          # the same question, alone: asked again
-    assert decide_for("h2d") == "batch"           # beside the store just now
+    assert decide_for("d2h") == "kernel"  # the same question, alone: asked again
+    assert decide_for("h2d") == "batch"  # beside the store just now
 
 
 def test_the_other_way_on_the_same_stream_does_not_count(engine_state, clock):
     assert decide_for("d2h", stream=9) == "kernel"
-    assert decide_for("h2d", stream=9) == "kernel"     # queued behind the store: never both at once
+    assert decide_for("h2d", stream=9) == "kernel"  # queued behind the store: never both at once
     assert decide_for("d2h", stream=9) == "kernel"
-    assert decide_for("h2d") == "batch"                # another stream: both at once
+    assert decide_for("h2d") == "batch"  # another stream: both at once
 
 
 def test_a_small_batch_the_other_way_leaves_a_large_one_on_the_kernel(engine_state, clock):
-    assert decide_for("d2h", count=16) == "kernel"      # 4 MiB of 256 KiB blocks
-    assert decide_for("h2d") == "kernel"                # 64 MiB: the store is long over
-    assert decide_for("d2h", count=64) == "batch"       # 16 MiB beside the 64 MiB load just now
+    assert decide_for("d2h", count=16) == "kernel"  # 4 MiB of 256 KiB blocks
+    assert decide_for("h2d") == "kernel"  # 64 MiB: the store is long over
+    assert decide_for("d2h", count=64) == "batch"  # 16 MiB beside the 64 MiB load just now
 
 
 def test_the_per_thread_default_stream_is_another_stream_in_each_thread(engine_state, clock):
@@ -202,6 +209,7 @@ def test_the_per_thread_default_stream_is_another_stream_in_each_thread(engine_s
 
 def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
     from kvcopy.config import Config
+
     monkeypatch.delenv("KVCOPY_TRAFFIC_WINDOW_MS", raising=False)
     assert Config().traffic_window_ms == 50
     monkeypatch.setenv("KVCOPY_TRAFFIC_WINDOW_MS", "0")
@@ -210,10 +218,9 @@ def test_the_window_is_on_by_default_and_the_environment_sets_it(monkeypatch):
 
 def test_explicit_methods_note_their_traffic_but_do_not_look(engine_state, clock):
     traffic_window.note(0, "d2h")
-    target = decide.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"],
-                           note_traffic=True)
+    target = decide.decide(STREAMS["h2d"], "kernel", 256, 256 * 256 * KiB, FOUND["h2d"], note_traffic=True)
     assert target.decision.method == "kernel" and not target.request.other_way_recent
-    assert decide_for("d2h") == "batch"           # the explicit load was noted
+    assert decide_for("d2h") == "batch"  # the explicit load was noted
 
 
 def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, clock):
@@ -228,7 +235,7 @@ def test_copy_both_ways_and_a_window_of_0_neither_note_nor_look(engine_state, cl
 def test_capture_neither_notes_nor_looks(engine_state, clock):
     traffic_window.note(0, "d2h")
     engine_state.capturing = 1
-    assert decide_for("h2d") == "kernel"          # (batched DMA would be left out of the graph)
+    assert decide_for("h2d") == "kernel"  # (batched DMA would be left out of the graph)
     assert traffic_window._last.keys() == {(0, "d2h")}
 
 
@@ -272,10 +279,12 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, se
         dispatch.execute_arrays(one, one, one * 4096, 7)
     seams.enter_context(testing.fake_cuda(FakeClassify([FOUND["d2h"]]), ("classify",)))
     zeros = np.zeros(1, dtype=np.uint64)
-    blocks = types.SimpleNamespace(num_pairs=1, num_copies=1, total_bytes=4096,
-                                   geometry=types.SimpleNamespace(
-                                       src_base=zeros, dst_base=zeros, src_extent=zeros,
-                                       dst_extent=zeros))
+    blocks = types.SimpleNamespace(
+        num_pairs=1,
+        num_copies=1,
+        total_bytes=4096,
+        geometry=types.SimpleNamespace(src_base=zeros, dst_base=zeros, src_extent=zeros, dst_extent=zeros),
+    )
     with pytest.raises(Asked):
         dispatch.execute_blocks(blocks, 7)
     assert asked == [True, True]

@@ -3,6 +3,7 @@ loaded as vLLM loads plugins (the ``vllm.general_plugins`` entry points read thr
 importlib.metadata and each called, in a fresh process beside stand-in engines), and
 SGLang's workers reached through a ``sitecustomize.py`` in a spawned child; kvcopy's
 ops are in place only where asked."""
+
 from __future__ import annotations
 
 import os
@@ -69,13 +70,13 @@ def stand_ins(tmp_path):
 
 
 def _run(code: str, path: list, cwd, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith("KVCOPY_") and k != "VLLM_PLUGINS"}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCOPY_") and k != "VLLM_PLUGINS"}
     environ.update(env, PYTHONPATH=os.pathsep.join([*map(str, path), *sys.path]))
     script = cwd / "main.py"
     script.write_text(code)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=environ, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=environ, timeout=120, cwd=cwd
+    )
 
 
 def test_kvcopy_is_a_vllm_general_plugin():
@@ -83,15 +84,18 @@ def test_kvcopy_is_a_vllm_general_plugin():
     assert [ep.value for ep in found] == ["kvcopy.compat.vllm_plugin:register"]
 
 
-@pytest.mark.parametrize("env, vllm, lmcache", [
-    ({"KVCOPY_VLLM": "1"}, True, False),
-    ({"VLLM_PLUGINS": "other,kvcopy"}, True, False),
-    ({"KVCOPY_LMCACHE": "1"}, False, True),
-    ({"KVCOPY_VLLM": "yes", "KVCOPY_LMCACHE": "on"}, True, True),
-    ({}, False, False),
-    ({"KVCOPY_VLLM": "0"}, False, False),
-    ({"VLLM_PLUGINS": "other"}, False, False),
-])
+@pytest.mark.parametrize(
+    "env, vllm, lmcache",
+    [
+        ({"KVCOPY_VLLM": "1"}, True, False),
+        ({"VLLM_PLUGINS": "other,kvcopy"}, True, False),
+        ({"KVCOPY_LMCACHE": "1"}, False, True),
+        ({"KVCOPY_VLLM": "yes", "KVCOPY_LMCACHE": "on"}, True, True),
+        ({}, False, False),
+        ({"KVCOPY_VLLM": "0"}, False, False),
+        ({"VLLM_PLUGINS": "other"}, False, False),
+    ],
+)
 def test_the_plugin_patches_what_is_asked_for_and_nothing_else(stand_ins, env, vllm, lmcache):
     run = _run(LOADER, [stand_ins], stand_ins, **env)
     assert run.returncode == 0, run.stderr
@@ -103,14 +107,15 @@ def test_the_plugin_patches_what_is_asked_for_and_nothing_else(stand_ins, env, v
 def test_sitecustomize_reaches_sglangs_spawned_workers(stand_ins, tmp_path_factory, asked):
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(
-        "import kvcopy.compat.engines\nkvcopy.compat.engines.patch_from_environment()\n")
+        "import kvcopy.compat.engines\nkvcopy.compat.engines.patch_from_environment()\n"
+    )
     run = _run(SPAWNED, [site, stand_ins], stand_ins, **({"KVCOPY_SGLANG": "1"} if asked else {}))
     assert run.returncode == 0, run.stderr
     assert f"sglang worker: {asked}" in run.stdout
 
 
 def test_an_engine_not_installed_is_named_and_left_alone(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sgl_kernel", None)   # (import sgl_kernel fails)
+    monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # (import sgl_kernel fails)
     assert engines.patch("sglang") == {"sglang": False}
     with pytest.raises(ValueError, match="unknown engine 'trtllm'"):
         engines.patch("trtllm")

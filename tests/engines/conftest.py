@@ -7,6 +7,7 @@ memory and pinned host memory, marked ``gpu`` and skipped without one) and on th
 CPU (``host``: every tensor in host memory, kvcopy's copy_rows run row by row
 through ``kvcopy.testing.rows_on_host()``, so that CI checks the drop-ins' bytes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,7 @@ import pytest
 class Place:
     """Where a ported test's memory lives, and how its copies run there."""
 
-    name: str          # "cuda" or "host"
+    name: str  # "cuda" or "host"
     torch: Any
 
     @property
@@ -47,6 +48,7 @@ class Place:
             yield
             return
         from kvcopy.testing import rows_on_host
+
         with rows_on_host():
             yield
 

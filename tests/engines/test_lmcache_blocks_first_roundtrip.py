@@ -10,6 +10,7 @@ with a torch gather and the scatter into zeroed blocks compared with the pool.
 Left out: the check of LMCache's own format detection (``detect_format``, not an op
 kvcopy replaces); the format it must detect is passed directly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from kvcopy.compat.lmcache import EngineKVFormat, TransferDirection, multi_layer
 torch = pytest.importorskip("torch")
 
 NB, NL, NH, BS, CS = 8, 3, 2, 4, 16
-SPT = NH * CS   # scalars per token
+SPT = NH * CS  # scalars per token
 FORMATS = {"BLHNC": EngineKVFormat.NL_X_NB_NH_BS_CS, "BLNHC": EngineKVFormat.NL_X_NB_BS_NH_CS}
 
 
@@ -28,8 +29,9 @@ def _pool(place, order: str, pad_layers: int) -> tuple:
     with other groups has) and its layers' views."""
     inner = (NH, BS, CS) if order == "BLHNC" else (BS, NH, CS)
     total = NL + pad_layers
-    pool = torch.arange(NB * total * NH * BS * CS, dtype=torch.float32,
-                        device=place.device).reshape(NB, total, *inner)
+    pool = torch.arange(NB * total * NH * BS * CS, dtype=torch.float32, device=place.device).reshape(
+        NB, total, *inner
+    )
     return pool, [pool[:, layer] for layer in range(NL)]
 
 
@@ -37,8 +39,10 @@ def _gathered(pool, order: str, slots) -> "torch.Tensor":
     """[1, NL, tokens, SPT]: each token's layers, heads flattened, by torch indexing."""
     blocks, offsets = (slots // BS).tolist(), (slots % BS).tolist()
     layers = pool[:, :NL]
-    rows = [(layers[b, :, :, o] if order == "BLHNC" else layers[b, :, o]).reshape(NL, SPT)
-            for b, o in zip(blocks, offsets)]
+    rows = [
+        (layers[b, :, :, o] if order == "BLHNC" else layers[b, :, o]).reshape(NL, SPT)
+        for b, o in zip(blocks, offsets)
+    ]
     return torch.stack(rows, dim=1).unsqueeze(0)
 
 
@@ -53,8 +57,19 @@ def test_kernel_roundtrip_matches_torch(place, order, pad_layers):
     slots = torch.tensor([5, 6, 7, 12, 13, 14, 15, 28], device=place.device)
     staging = torch.zeros(1, NL, len(slots), SPT, dtype=torch.float32, device=place.device)
 
-    multi_layer_kv_transfer(staging, ptrs, slots, torch.device(place.device), NB * BS,
-                            int(TransferDirection.D2H), int(fmt), BS, CS // 2, 0, block_stride)
+    multi_layer_kv_transfer(
+        staging,
+        ptrs,
+        slots,
+        torch.device(place.device),
+        NB * BS,
+        int(TransferDirection.D2H),
+        int(fmt),
+        BS,
+        CS // 2,
+        0,
+        block_stride,
+    )
     place.sync()
     assert torch.equal(staging.cpu(), _gathered(pool.cpu(), order, slots.cpu()))
 
@@ -62,8 +77,19 @@ def test_kernel_roundtrip_matches_torch(place, order, pad_layers):
     touched = sorted({int(s) // BS for s in slots.cpu()})
     for b in touched:
         pool[b, :NL].zero_()
-    multi_layer_kv_transfer(staging, ptrs, slots, torch.device(place.device), NB * BS,
-                            int(TransferDirection.H2D), int(fmt), BS, CS // 2, 0, block_stride)
+    multi_layer_kv_transfer(
+        staging,
+        ptrs,
+        slots,
+        torch.device(place.device),
+        NB * BS,
+        int(TransferDirection.H2D),
+        int(fmt),
+        BS,
+        CS // 2,
+        0,
+        block_stride,
+    )
     place.sync()
     for b in touched:
         used = [int(s) % BS for s in slots.cpu() if int(s) // BS == b]

@@ -17,6 +17,7 @@ the CPU (host memory for 32 such layers is 4 GiB). Left out:
 ``load_and_reshape_flash`` and ``reshape_and_cache_back_flash`` (ops kvcopy does
 not replace), LMCache's NPU branches and its timing prints.
 """
+
 from __future__ import annotations
 
 import random
@@ -38,8 +39,10 @@ def _layers(place) -> int:
 
 
 def _flash_caches(place, block_size: int = 16) -> list:
-    return [torch.rand(2, NUM_BLOCKS, block_size, HEADS, HEAD, dtype=DTYPE, device=place.device)
-            for _ in range(_layers(place))]
+    return [
+        torch.rand(2, NUM_BLOCKS, block_size, HEADS, HEAD, dtype=DTYPE, device=place.device)
+        for _ in range(_layers(place))
+    ]
 
 
 def _slots(place, block_size: int, count: int) -> "torch.Tensor":
@@ -53,8 +56,7 @@ def _ptrs(place, caches) -> "torch.Tensor":
 
 def _equal_at(old, new, slots, mla: bool) -> None:
     for a, b in zip(old, new):
-        rows = (lambda c: c.reshape(-1, c.shape[-1])) if mla else \
-            (lambda c: c.reshape(2, -1, HEADS, HEAD))
+        rows = (lambda c: c.reshape(-1, c.shape[-1])) if mla else (lambda c: c.reshape(2, -1, HEADS, HEAD))
         if mla:
             assert torch.equal(rows(a)[slots], rows(b)[slots])
         else:
@@ -70,8 +72,7 @@ def test_multi_layer_kernel(place, num_tokens):
     chunks = []
     for part in torch.split(slots, CHUNK):
         chunk = place.pinned(torch.empty(2, layers, len(part), HEADS * HEAD, dtype=DTYPE))
-        multi_layer_kv_transfer(chunk, _ptrs(place, caches), part, caches[0].device, pages,
-                                True, False)
+        multi_layer_kv_transfer(chunk, _ptrs(place, caches), part, caches[0].device, pages, True, False)
         chunks.append(chunk)
     place.sync()
     for part, chunk in zip(torch.split(slots, CHUNK), chunks):
@@ -81,8 +82,7 @@ def test_multi_layer_kernel(place, num_tokens):
 
     back = _flash_caches(place)
     for part, chunk in zip(torch.split(slots, CHUNK), chunks):
-        multi_layer_kv_transfer(chunk, _ptrs(place, back), part, back[0].device, pages, False,
-                                False)
+        multi_layer_kv_transfer(chunk, _ptrs(place, back), part, back[0].device, pages, False, False)
     place.sync()
     _equal_at(caches, back, slots, mla=False)
 
@@ -92,15 +92,17 @@ def test_multi_layer_kernel_use_mla(place, num_tokens):
     layers, block_size, head_size = _layers(place), 64, 576
 
     def mla_caches():
-        return [torch.rand(NUM_BLOCKS, block_size, head_size, dtype=DTYPE, device=place.device)
-                for _ in range(layers)]
+        return [
+            torch.rand(NUM_BLOCKS, block_size, head_size, dtype=DTYPE, device=place.device)
+            for _ in range(layers)
+        ]
+
     caches = mla_caches()
     slots = _slots(place, block_size, num_tokens)
     chunks = []
     for part in torch.split(slots, CHUNK):
         chunk = place.pinned(torch.empty(1, layers, len(part), head_size, dtype=DTYPE))
-        multi_layer_kv_transfer(chunk, _ptrs(place, caches), part, caches[0].device, 0, True,
-                                True)
+        multi_layer_kv_transfer(chunk, _ptrs(place, caches), part, caches[0].device, 0, True, True)
         chunks.append(chunk)
     place.sync()
     for part, chunk in zip(torch.split(slots, CHUNK), chunks):

@@ -16,6 +16,7 @@ Left out: the tests of vLLM's planning helpers (``_build_copy_plan``,
 ``_canonical_page_ids``, ``_canonical_block_sizes``), which test vLLM code, not a
 copy.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -52,11 +53,16 @@ def _runs(mapping: tuple, local, canonical, blocks: int, store: bool) -> list:
         for run in mapping:
             here = local_page + run.local_offset
             there = canonical_page + run.canonical_offset
-            found.append(CopyRunDescriptor(
-                here if store else there, there if store else here, run.fragment_size,
-                run.num_fragments,
-                run.local_stride if store else run.canonical_stride,
-                run.canonical_stride if store else run.local_stride))
+            found.append(
+                CopyRunDescriptor(
+                    here if store else there,
+                    there if store else here,
+                    run.fragment_size,
+                    run.num_fragments,
+                    run.local_stride if store else run.canonical_stride,
+                    run.canonical_stride if store else run.local_stride,
+                )
+            )
     return found
 
 
@@ -74,27 +80,27 @@ def _canonical(place, blocks: int, page: int):
 
 def _tp2_rank_mapping(rank: int) -> tuple:
     # 4-token NHD page, 4 heads of 64 bytes, TP=2: K and V each 4 fragments of 128 bytes
-    return (CopyRun(0, rank * 128, 128, 4, 128, 256),
-            CopyRun(512, 1024 + rank * 128, 128, 4, 128, 256))
+    return (CopyRun(0, rank * 128, 128, 4, 128, 256), CopyRun(512, 1024 + rank * 128, 128, 4, 128, 256))
 
 
 def test_gpu_roundtrip_assembles_canonical_page_across_ranks(place):
     torch.manual_seed(0)
     blocks = 4
-    ranks = [torch.randint(-128, 128, (blocks, 1024), dtype=torch.int8, device=place.device)
-             for _ in range(2)]
+    ranks = [
+        torch.randint(-128, 128, (blocks, 1024), dtype=torch.int8, device=place.device) for _ in range(2)
+    ]
     canonical = _canonical(place, blocks, 2048)
     for rank in (0, 1):
         _transfer(place, _tp2_rank_mapping(rank), ranks[rank], canonical, blocks, store=True)
 
-    expected = np.zeros((blocks, 2048), dtype=np.int8)   # each rank's runs replayed in NumPy
+    expected = np.zeros((blocks, 2048), dtype=np.int8)  # each rank's runs replayed in NumPy
     for rank in (0, 1):
         local = ranks[rank].cpu().numpy()
         for run in _tp2_rank_mapping(rank):
             for i in range(run.num_fragments):
                 lo = run.local_offset + i * run.local_stride
                 co = run.canonical_offset + i * run.canonical_stride
-                expected[:, co:co + run.fragment_size] = local[:, lo:lo + run.fragment_size]
+                expected[:, co : co + run.fragment_size] = local[:, lo : lo + run.fragment_size]
     assert np.array_equal(canonical.numpy(), expected)
 
     back = torch.zeros(blocks, 1024, dtype=torch.int8, device=place.device)
@@ -102,8 +108,7 @@ def test_gpu_roundtrip_assembles_canonical_page_across_ranks(place):
     assert torch.equal(back, ranks[0])
 
     whole = torch.zeros(blocks, 2048, dtype=torch.int8, device=place.device)
-    _transfer(place, (CopyRun(0, 0, 2048, 1, 2048, 2048),), whole, canonical, blocks,
-              store=False)
+    _transfer(place, (CopyRun(0, 0, 2048, 1, 2048, 2048),), whole, canonical, blocks, store=False)
     assert torch.equal(whole.cpu(), canonical)
 
 
@@ -115,14 +120,22 @@ def _nhd_shard_mapping(tp: int, rank: int) -> tuple:
     """A rank's head shard of the canonical NHD page at tensor parallelism ``tp``."""
     fragment = TOTAL_HEADS // tp * HEAD_BYTES
     row = TOTAL_HEADS * HEAD_BYTES
-    return (CopyRun(0, rank * fragment, fragment, BLOCK_TOKENS, fragment, row),
-            CopyRun(BLOCK_TOKENS * fragment, BLOCK_TOKENS * row + rank * fragment, fragment,
-                    BLOCK_TOKENS, fragment, row))
+    return (
+        CopyRun(0, rank * fragment, fragment, BLOCK_TOKENS, fragment, row),
+        CopyRun(
+            BLOCK_TOKENS * fragment,
+            BLOCK_TOKENS * row + rank * fragment,
+            fragment,
+            BLOCK_TOKENS,
+            fragment,
+            row,
+        ),
+    )
 
 
 def _head_shard(full, tp: int, rank: int):
     heads = TOTAL_HEADS // tp
-    shard = full[:, :, :, rank * heads:(rank + 1) * heads, :]
+    shard = full[:, :, :, rank * heads : (rank + 1) * heads, :]
     return shard.reshape(full.shape[0], -1).contiguous()
 
 
@@ -130,17 +143,15 @@ def _head_shard(full, tp: int, rank: int):
 def test_cross_topology_roundtrip(place, writer_tp, reader_tp):
     torch.manual_seed(0)
     blocks = 3
-    full = torch.randint(-128, 128, (blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES),
-                         dtype=torch.int8)
+    full = torch.randint(-128, 128, (blocks, 2, BLOCK_TOKENS, TOTAL_HEADS, HEAD_BYTES), dtype=torch.int8)
     canonical = _canonical(place, blocks, CANONICAL_PAGE)
     for rank in range(writer_tp):
         shard = _head_shard(full, writer_tp, rank).to(place.device)
-        _transfer(place, _nhd_shard_mapping(writer_tp, rank), shard, canonical, blocks,
-                  store=True)
+        _transfer(place, _nhd_shard_mapping(writer_tp, rank), shard, canonical, blocks, store=True)
     for rank in range(reader_tp):
         expected = _head_shard(full, reader_tp, rank)
         out = torch.zeros_like(expected, device=place.device)
-        _transfer(place, _nhd_shard_mapping(reader_tp, rank), out, canonical, blocks,
-                  store=False)
-        assert torch.equal(out.cpu(), expected), \
+        _transfer(place, _nhd_shard_mapping(reader_tp, rank), out, canonical, blocks, store=False)
+        assert torch.equal(out.cpu(), expected), (
             f"reader tp={reader_tp} rank={rank} differs from the tp={writer_tp} writers' bytes"
+        )

@@ -15,6 +15,7 @@ own, ordered after the current stream for a store, as vLLM's handler does. Left
 out: the handler's job bookkeeping (its events and results, vLLM's own code).
 The op copies through the driver, so these run on a GPU only.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -38,7 +39,7 @@ def _addresses(tensor, blocks: list[int], factor: int, skip: int, count: int) ->
     stride) from page ``skip`` of block ``blocks[0]`` on, block after block."""
     page = tensor.shape[1] // factor
     rows = tensor.data_ptr() + np.asarray(blocks, dtype=np.int64)[:, None] * tensor.stride(0)
-    return (rows + np.arange(factor, dtype=np.int64) * page).ravel()[skip:skip + count]
+    return (rows + np.arange(factor, dtype=np.int64) * page).ravel()[skip : skip + count]
 
 
 def _issue(src, dst, groups: list, gpu_to_cpu: bool, factor: int) -> None:
@@ -55,14 +56,16 @@ def _issue(src, dst, groups: list, gpu_to_cpu: bool, factor: int) -> None:
             cpu_side = _addresses(cpu[t], cpu_blocks, factor, skip, count)
             src_all.append(gpu_side if gpu_to_cpu else cpu_side)
             dst_all.append(cpu_side if gpu_to_cpu else gpu_side)
-            sizes.append(np.full(count, gpu[t].shape[1], dtype=np.int64))   # a GPU page
+            sizes.append(np.full(count, gpu[t].shape[1], dtype=np.int64))  # a GPU page
     stream = torch.cuda.Stream()
     if gpu_to_cpu:
         stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        vllm.swap_blocks_batch(torch.from_numpy(np.concatenate(src_all)),
-                               torch.from_numpy(np.concatenate(dst_all)),
-                               torch.from_numpy(np.concatenate(sizes)))
+        vllm.swap_blocks_batch(
+            torch.from_numpy(np.concatenate(src_all)),
+            torch.from_numpy(np.concatenate(dst_all)),
+            torch.from_numpy(np.concatenate(sizes)),
+        )
     stream.synchronize()
 
 
@@ -86,12 +89,16 @@ class _SharedRegion:
 
 
 def _tensors(count: int, page: int, factor: int, shared: bool) -> tuple:
-    gpu = [torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device="cuda:0")
-           for _ in range(count)]
+    gpu = [torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device="cuda:0") for _ in range(count)]
     region = _SharedRegion(NUM_CPU_BLOCKS, [page * factor] * count) if shared else None
-    cpu = region.views if region else [
-        torch.zeros((NUM_CPU_BLOCKS, page * factor), dtype=torch.int8, pin_memory=True)
-        for _ in range(count)]
+    cpu = (
+        region.views
+        if region
+        else [
+            torch.zeros((NUM_CPU_BLOCKS, page * factor), dtype=torch.int8, pin_memory=True)
+            for _ in range(count)
+        ]
+    )
     return gpu, cpu, region
 
 
@@ -99,8 +106,10 @@ def _check(src, dst, before_src, before_dst, dst_to_src: dict, page: int, pages:
     for s, before in zip(src, before_src):
         assert torch.equal(s, before)
     for s, d, before in zip(src, dst, before_dst):
-        s_pages, d_pages, old = (x.reshape(-1, page) if x.is_contiguous() else
-                                 x.contiguous().reshape(-1, page) for x in (s, d, before))
+        s_pages, d_pages, old = (
+            x.reshape(-1, page) if x.is_contiguous() else x.contiguous().reshape(-1, page)
+            for x in (s, d, before)
+        )
         for at in range(pages):
             source = dst_to_src.get(at)
             expected = s_pages[source] if source is not None else old[at]
@@ -115,8 +124,9 @@ def _check(src, dst, before_src, before_dst, dst_to_src: dict, page: int, pages:
 @pytest.mark.parametrize("seed", [0])
 @pytest.mark.parametrize("use_shared_memory", [False, True])
 @torch.inference_mode()
-def test_transfer(gpu_to_cpu, num_mappings, gpu_page_size_bytes, block_size_factor,
-                  num_tensors, seed, use_shared_memory):
+def test_transfer(
+    gpu_to_cpu, num_mappings, gpu_page_size_bytes, block_size_factor, num_tensors, seed, use_shared_memory
+):
     random.seed(seed)
     torch.manual_seed(seed)
     page, factor = gpu_page_size_bytes, block_size_factor
@@ -124,11 +134,10 @@ def test_transfer(gpu_to_cpu, num_mappings, gpu_page_size_bytes, block_size_fact
     gpu_blocks = random.sample(range(NUM_GPU_BLOCKS), num_mappings * factor)
     cpu_blocks = random.sample(range(NUM_CPU_BLOCKS), num_mappings)
     cpu_pages = [b * factor + j for b in cpu_blocks for j in range(factor)]
-    skip = factor - 1   # start in the middle of the first CPU block
+    skip = factor - 1  # start in the middle of the first CPU block
     gpu_blocks, cpu_pages = gpu_blocks[skip:], cpu_pages[skip:]
     src, dst = (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
-    dst_to_src = dict(zip(cpu_pages, gpu_blocks)) if gpu_to_cpu else \
-        dict(zip(gpu_blocks, cpu_pages))
+    dst_to_src = dict(zip(cpu_pages, gpu_blocks)) if gpu_to_cpu else dict(zip(gpu_blocks, cpu_pages))
     for t in src + dst:
         t.random_()
     before_src, before_dst = [t.clone() for t in src], [t.clone() for t in dst]
@@ -146,24 +155,25 @@ def test_transfer(gpu_to_cpu, num_mappings, gpu_page_size_bytes, block_size_fact
 @pytest.mark.parametrize("block_size_factor", BLOCK_SIZE_FACTORS)
 @pytest.mark.parametrize("seed", [0])
 @torch.inference_mode()
-def test_transfer_multi_group(gpu_to_cpu, num_mappings_per_group, gpu_page_size_bytes,
-                              block_size_factor, seed):
+def test_transfer_multi_group(
+    gpu_to_cpu, num_mappings_per_group, gpu_page_size_bytes, block_size_factor, seed
+):
     random.seed(seed)
     torch.manual_seed(seed)
     page, factor = gpu_page_size_bytes, block_size_factor
     groups, per_group = 3, 2
     gpu, cpu, _ = _tensors(groups * per_group, page, factor, False)
-    sizes = [num_mappings_per_group, 0, num_mappings_per_group]   # aligned, empty, unaligned
+    sizes = [num_mappings_per_group, 0, num_mappings_per_group]  # aligned, empty, unaligned
     gpu_all = random.sample(range(NUM_GPU_BLOCKS), sum(sizes) * factor)
     cpu_all = random.sample(range(NUM_CPU_BLOCKS), sum(sizes))
     gpu_of, cpu_of, pages_of = [], [], []
     g = c = 0
     for size in sizes:
-        gpu_of.append(gpu_all[g:g + size * factor])
-        cpu_of.append(cpu_all[c:c + size])
+        gpu_of.append(gpu_all[g : g + size * factor])
+        cpu_of.append(cpu_all[c : c + size])
         pages_of.append([b * factor + j for b in cpu_of[-1] for j in range(factor)])
         g, c = g + size * factor, c + size
-    skip = factor - 1   # group 2 starts and ends inside a CPU block
+    skip = factor - 1  # group 2 starts and ends inside a CPU block
     if skip:
         gpu_of[2], pages_of[2] = gpu_of[2][skip:-skip], pages_of[2][skip:-skip]
     skips = [0, 0, skip]
@@ -172,12 +182,15 @@ def test_transfer_multi_group(gpu_to_cpu, num_mappings_per_group, gpu_page_size_
         t.random_()
     before_src, before_dst = [t.clone() for t in src], [t.clone() for t in dst]
 
-    _issue(src, dst, [(gpu_of[k], cpu_of[k], skips[k], range(k * per_group, (k + 1) * per_group))
-                      for k in range(groups)], gpu_to_cpu, factor)
+    _issue(
+        src,
+        dst,
+        [(gpu_of[k], cpu_of[k], skips[k], range(k * per_group, (k + 1) * per_group)) for k in range(groups)],
+        gpu_to_cpu,
+        factor,
+    )
     pages = NUM_CPU_BLOCKS * factor if gpu_to_cpu else NUM_GPU_BLOCKS
     for k in range(groups):
-        dst_to_src = dict(zip(pages_of[k], gpu_of[k])) if gpu_to_cpu else \
-            dict(zip(gpu_of[k], pages_of[k]))
+        dst_to_src = dict(zip(pages_of[k], gpu_of[k])) if gpu_to_cpu else dict(zip(gpu_of[k], pages_of[k]))
         members = slice(k * per_group, (k + 1) * per_group)
-        _check(src[members], dst[members], before_src[members], before_dst[members],
-               dst_to_src, page, pages)
+        _check(src[members], dst[members], before_src[members], before_dst[members], dst_to_src, page, pages)

@@ -7,6 +7,7 @@ copies of 128 bytes without it), the same buffers and sizes, bytes compared
 exactly. Left out: nothing; the op copies device memory through the driver, so
 these run on a GPU only.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,9 @@ def _addresses(buffers: list) -> "torch.Tensor":
 def _run_batch(sizes: list[int], use_batch_api: bool = True) -> None:
     src = [torch.randint(256, (s,), dtype=torch.uint8, device="cuda") for s in sizes]
     dst = [torch.zeros_like(s) for s in src]
-    vllm.swap_blocks_batch(_addresses(src), _addresses(dst),
-                           torch.tensor(sizes, dtype=torch.int64), use_batch_api=use_batch_api)
+    vllm.swap_blocks_batch(
+        _addresses(src), _addresses(dst), torch.tensor(sizes, dtype=torch.int64), use_batch_api=use_batch_api
+    )
     torch.cuda.synchronize()
     for s, d in zip(src, dst):
         assert torch.equal(d, s)

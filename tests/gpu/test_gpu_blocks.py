@@ -1,5 +1,6 @@
 """swap_blocks, host memory, TransferQueue and the vLLM shim on a real GPU.
 Every check compares with a reference gather done by torch or NumPy."""
+
 from __future__ import annotations
 
 import mmap
@@ -11,11 +12,11 @@ import kvcopy
 from helpers.gpu import jax_gpu
 
 
-
 def mapping_for(n_src, n_dst, count, seed=0):
     rng = np.random.default_rng(seed)
-    return np.stack([rng.choice(n_src, count, replace=False),
-                     rng.choice(n_dst, count, replace=False)], axis=1)
+    return np.stack(
+        [rng.choice(n_src, count, replace=False), rng.choice(n_dst, count, replace=False)], axis=1
+    )
 
 
 def rand_cuda(torch, shape, dtype, seed):
@@ -72,7 +73,7 @@ def test_tensor_table_and_split_blocks(torch_cuda, direction, case):
     """Tensors of one side with different strides go by the block kernel's tensor table;
     split blocks (ids counting sub-blocks) by the layout kernel's pages."""
     torch = torch_cuda
-    on_host = lambda t: t.cpu().pin_memory()   # noqa: E731
+    on_host = lambda t: t.cpu().pin_memory()  # noqa: E731
     if case == "strides_differ":
         wide = on_host(rand_cuda(torch, (32, 2, 512), torch.int16, 1))
         host = [on_host(rand_cuda(torch, (32, 512), torch.int16, 2)), wide[:, 0]]
@@ -123,7 +124,7 @@ def test_jax_array_as_source(torch_cuda):
     ref = np.asarray(src)
     np.testing.assert_array_equal(dst[0].cpu().numpy(), ref[3])
     np.testing.assert_array_equal(dst[1].cpu().numpy(), ref[15])
-    with pytest.raises(ValueError, match=r"^dst is read-only"):   # JAX arrays are immutable
+    with pytest.raises(ValueError, match=r"^dst is read-only"):  # JAX arrays are immutable
         kvcopy.swap_blocks(dst, src, [[0, 3]], stream=1)
 
 
@@ -145,7 +146,7 @@ def test_cuda_core_buffer_takes_the_block_size_of_the_other_side(torch_cuda, dir
     dev.set_current()
     block, n = 4096, 24
     buf = dev.allocate(n * block, stream=dev.default_stream)
-    dev.sync()   # stream-ordered allocation: ready before kvcopy's own stream uses it
+    dev.sync()  # stream-ordered allocation: ready before kvcopy's own stream uses it
     host = torch.randint(0, 255, (n, block), dtype=torch.uint8).pin_memory()
     mapping = mapping_for(n, n, 10, 7)
     # fill the buffer through kvcopy first (whole-buffer copy), checked by the driver itself
@@ -173,8 +174,8 @@ def test_cuda_core_buffer_takes_the_block_size_of_the_other_side(torch_cuda, dir
     kvcopy.swap_blocks(view, out, [[0, 1], [5, 0]], stream=1)
     torch.cuda.synchronize()
     whole = _device_bytes(int(buf.handle), n * block)
-    np.testing.assert_array_equal(out[1].cpu().numpy(), whole[:2 * block])
-    np.testing.assert_array_equal(out[0].cpu().numpy(), whole[10 * block:12 * block])
+    np.testing.assert_array_equal(out[1].cpu().numpy(), whole[: 2 * block])
+    np.testing.assert_array_equal(out[0].cpu().numpy(), whole[10 * block : 12 * block])
     buf.close()
 
 
@@ -239,8 +240,7 @@ def test_errors_before_any_copy(torch_cuda):
     host = torch.zeros((8, 64)).pin_memory()
     with pytest.raises(ValueError, match="out of range"):
         kvcopy.swap_blocks(gpu, host, [[0, 8]])
-    with pytest.raises(TypeError, match="^block_mapping: expected integers, got dtype "
-                                        "torch.float32"):
+    with pytest.raises(TypeError, match="^block_mapping: expected integers, got dtype torch.float32"):
         kvcopy.swap_blocks(gpu, host, torch.tensor([[0.0, 1.0]]))
     with pytest.raises(ValueError, match="contiguous"):
         kvcopy.swap_blocks(gpu[:, ::2], host[:, :32], [[0, 0]])
@@ -269,8 +269,7 @@ def test_many_pairs_go_up_in_chunks_and_every_block_lands(torch_cuda, direction)
     """More pairs than policy.ID_FIRST_CHUNK: the ids go up and launch in chunks."""
     torch = torch_cuda
     gpu = [rand_cuda(torch, (12000, 256), torch.int16, 20 + i) for i in range(2)]
-    host = [rand_cuda(torch, (12000, 256), torch.int16, 30 + i).cpu().pin_memory()
-            for i in range(2)]
+    host = [rand_cuda(torch, (12000, 256), torch.int16, 30 + i).cpu().pin_memory() for i in range(2)]
     src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
     mapping = mapping_for(12000, 12000, 10_000, 7)
     expected = [d.cpu().clone() for d in dst]
@@ -284,6 +283,7 @@ def test_many_pairs_go_up_in_chunks_and_every_block_lands(torch_cuda, direction)
 
 # ------------------------------------------------------------------ TransferQueue
 
+
 def test_transfer_queue_offload_and_reload(torch_cuda):
     torch = torch_cuda
     gpu = [rand_cuda(torch, (128, 16, 4, 64), torch.float16, i) for i in range(4)]
@@ -293,8 +293,8 @@ def test_transfer_queue_offload_and_reload(torch_cuda):
     load = kvcopy.TransferQueue(host, gpu)
     for job in range(4):
         # compute writes the blocks right before the store: the queue must wait for it
-        gpu[0][job * 8:(job + 1) * 8].add_(1)
-        original[0][job * 8:(job + 1) * 8].add_(1)
+        gpu[0][job * 8 : (job + 1) * 8].add_(1)
+        original[0][job * 8 : (job + 1) * 8].add_(1)
         store.submit(job, [[job * 8 + k, 100 + job * 8 + k] for k in range(8)])
     results = store.wait()
     assert [r.job_id for r in results] == [0, 1, 2, 3]
@@ -313,13 +313,12 @@ def test_transfer_queue_offload_and_reload(torch_cuda):
         store.submit(9, [[0, 0]])
 
 
-@pytest.mark.parametrize("tokens, expected", [(16, ("kernel", "kernel")),
-                                              (512, ("batch", "batch"))])
+@pytest.mark.parametrize("tokens, expected", [(16, ("kernel", "kernel")), (512, ("batch", "batch"))])
 def test_transfer_queue_job_stores_and_loads_at_once(torch_cuda, tokens, expected):
     """A step's stores and loads as one job (submit(..., back=)): 8 KiB blocks go out
     as one block-kernel launch, 256 KiB blocks to the copy engines both at once."""
     torch = torch_cuda
-    shape = (48, tokens, 4, 64)                       # 8 KiB or 256 KiB blocks of float16
+    shape = (48, tokens, 4, 64)  # 8 KiB or 256 KiB blocks of float16
     gpu = [rand_cuda(torch, shape, torch.float16, 20 + i) for i in range(3)]
     original = [g.clone() for g in gpu]
     host = [torch.zeros((64,) + shape[1:], dtype=torch.float16).pin_memory() for _ in range(3)]
@@ -328,23 +327,22 @@ def test_transfer_queue_job_stores_and_loads_at_once(torch_cuda, tokens, expecte
         queue.submit("evict", [[k, 40 + k] for k in range(8)])
         # the next step evicts 8 more and brings the first 8 back into other GPU blocks;
         # its load reads host blocks the job before wrote (jobs run in order)
-        queue.submit("step", [[8 + k, 48 + k] for k in range(8)],
-                     back=[[40 + k, 16 + k] for k in range(8)])
+        queue.submit("step", [[8 + k, 48 + k] for k in range(8)], back=[[40 + k, 16 + k] for k in range(8)])
         with pytest.raises(ValueError, match=r"back\[0\] writes"):
-            queue.submit("racy", [[24, 60]], back=[[41, 24]])   # GPU block 24 both ways
+            queue.submit("racy", [[24, 60]], back=[[41, 24]])  # GPU block 24 both ways
         results = queue.wait()
-        assert [r.job_id for r in results] == ["evict", "step"]   # nothing of "racy" ran
+        assert [r.job_id for r in results] == ["evict", "step"]  # nothing of "racy" ran
         assert all(r.ok for r in results)
         assert results[0].bytes == 3 * 8 * block_bytes and results[0].back_method == ""
         assert results[1].bytes == 2 * 3 * 8 * block_bytes
         assert (results[1].method, results[1].back_method) == expected
-        queue.submit("after", [[30, 63]])   # the queue still works
+        queue.submit("after", [[30, 63]])  # the queue still works
         assert queue.wait(["after"])[0].ok
     for g, h, o in zip(gpu, host, original):
-        assert torch.equal(h[40:56].cuda(), o[0:16])      # both stores
-        assert torch.equal(g[16:24], o[0:8])              # the load
+        assert torch.equal(h[40:56].cuda(), o[0:16])  # both stores
+        assert torch.equal(g[16:24], o[0:8])  # the load
         assert torch.equal(h[63].cuda(), o[30])
-        assert torch.equal(g[24:], o[24:]) and torch.equal(g[:16], o[:16])   # nothing else
+        assert torch.equal(g[24:], o[24:]) and torch.equal(g[:16], o[:16])  # nothing else
 
 
 def test_a_load_queue_job_stores_back_at_once(torch_cuda):
@@ -354,8 +352,11 @@ def test_a_load_queue_job_stores_back_at_once(torch_cuda):
     host = [torch.randn((64, 16, 4, 64)).to(torch.float16).pin_memory() for _ in range(2)]
     gpu_before, host_before = [g.clone() for g in gpu], [h.clone() for h in host]
     with kvcopy.TransferQueue(host, gpu) as queue:
-        queue.submit("step", [[50 + k, 20 + k] for k in range(4)],      # load host 50-53
-                     back=[[k, 10 + k] for k in range(4)])              # store GPU 0-3
+        queue.submit(
+            "step",
+            [[50 + k, 20 + k] for k in range(4)],  # load host 50-53
+            back=[[k, 10 + k] for k in range(4)],
+        )  # store GPU 0-3
         (result,) = queue.wait()
         assert result.ok and (result.method, result.back_method) == ("kernel", "kernel")
     for g, h, gb, hb in zip(gpu, host, gpu_before, host_before):
@@ -378,10 +379,11 @@ def test_transfer_queue_poll_and_context_manager(torch_cuda):
         with pytest.raises(KeyError):
             q.wait([123])
     assert q.closed
-    assert torch.equal(dst[63 - 9:].flip(0).cpu(), src[:10])
+    assert torch.equal(dst[63 - 9 :].flip(0).cpu(), src[:10])
 
 
 # ------------------------------------------------------------------ vLLM shim
+
 
 def _shim_case(torch, sizes, count):
     from kvcopy.compat.vllm import swap_blocks_batch
@@ -391,12 +393,13 @@ def _shim_case(torch, sizes, count):
     dst = torch.zeros(total, dtype=torch.uint8, device="cuda")
     sz = np.resize(np.asarray(sizes, np.int64), count)
     off = np.concatenate([[0], np.cumsum(sz)[:-1]]) * 2
-    swap_blocks_batch(torch.from_numpy(src.data_ptr() + off), torch.from_numpy(dst.data_ptr() + off),
-                      torch.from_numpy(sz))
+    swap_blocks_batch(
+        torch.from_numpy(src.data_ptr() + off), torch.from_numpy(dst.data_ptr() + off), torch.from_numpy(sz)
+    )
     torch.cuda.synchronize()
     got, want = dst.cpu().numpy(), src.numpy()
     for o, n in zip(off.tolist(), sz.tolist()):
-        assert np.array_equal(got[o:o + n], want[o:o + n])
+        assert np.array_equal(got[o : o + n], want[o : o + n])
 
 
 def test_vllm_shim_legacy_stream(torch_cuda):

@@ -4,6 +4,7 @@ addresses, which go through registers inside the same launch), one CTA reusing
 its ring many times, graph replay, and stream order with the work after it.
 Where the GPU has no bulk copy unit the same copies run on the register copier
 and must be as exact. Skipped without a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,6 @@ import pytest
 import kvcopy
 from helpers.gpu import address, expected_after, host_bytes, make_pool
 from kvcopy.policy import BULK_MAX_BYTES, BULK_MIN_BYTES
-
 
 
 def has_bulk_unit(torch) -> bool:
@@ -43,17 +43,17 @@ def copy_to_host(torch, count, sizes, *, odd=False, seed=0, **options):
     src_before, dst_before = host_bytes(src), host_bytes(dst)
     src_off, dst_off = slots(count, slot, rng, odd), slots(count, slot, rng, odd)
     stream = torch.cuda.Stream()
-    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
-                             stream=stream, **options)
+    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes, stream=stream, **options)
     decision = kvcopy.last_decision()
     torch.cuda.synchronize()
     assert used == "kernel"
-    np.testing.assert_array_equal(host_bytes(dst),
-                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+    np.testing.assert_array_equal(
+        host_bytes(dst), expected_after(src_before, dst_before, src_off, dst_off, sizes)
+    )
     return decision
 
 
-CASES = {   # count, sizes, addresses moved off 16 bytes
+CASES = {  # count, sizes, addresses moved off 16 bytes
     "3 tiles split over warps": (3, 16384, False),
     "16 by value (tiny)": (16, 16384, False),
     "200 mixed by value": (200, "mixed16", False),
@@ -80,8 +80,7 @@ def _sizes(kind, count, seed):
 
 @pytest.mark.parametrize("bulk_stores", [True, False])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_to_host_batches_are_exact_on_either_copier(torch_cuda, monkeypatch, case,
-                                                        bulk_stores):
+def test_gpu_to_host_batches_are_exact_on_either_copier(torch_cuda, monkeypatch, case, bulk_stores):
     kvcopy.config.bulk_stores = bulk_stores
     count, kind, odd = CASES[case]
     sizes = np.broadcast_to(_sizes(kind, count, count), (count,))
@@ -120,10 +119,12 @@ def test_work_after_the_copy_on_its_stream_sees_every_byte(torch_cuda):
         with torch.cuda.stream(stream):
             gpu_a.random_(0, 256)
             gpu_b.zero_()
-        kvcopy.copy_batch(gpu_a.data_ptr() + order, host.data_ptr() + order[::-1].copy(),
-                          sizes, stream=stream)
-        kvcopy.copy_batch(host.data_ptr() + order[::-1].copy(), gpu_b.data_ptr() + order,
-                          sizes, stream=stream)
+        kvcopy.copy_batch(
+            gpu_a.data_ptr() + order, host.data_ptr() + order[::-1].copy(), sizes, stream=stream
+        )
+        kvcopy.copy_batch(
+            host.data_ptr() + order[::-1].copy(), gpu_b.data_ptr() + order, sizes, stream=stream
+        )
         stream.synchronize()
         assert torch.equal(gpu_a, gpu_b), f"round {round_}"
 
@@ -139,8 +140,7 @@ def test_a_captured_bulk_copy_replays_with_new_bytes(torch_cuda):
     sizes = np.full(n, block)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=stream):
-        kvcopy.copy_batch(src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes,
-                          stream=stream)
+        kvcopy.copy_batch(src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes, stream=stream)
     assert kvcopy.last_decision().variant == expected_variant(torch, [block])
     for seed in (31, 32):
         src.random_(0, 256, generator=torch.Generator("cuda").manual_seed(seed))
@@ -148,5 +148,6 @@ def test_a_captured_bulk_copy_replays_with_new_bytes(torch_cuda):
         src_now, dst_before = host_bytes(src), host_bytes(dst)
         graph.replay()
         torch.cuda.synchronize()
-        np.testing.assert_array_equal(host_bytes(dst), expected_after(
-            src_now, dst_before, src_off, dst_off, sizes))
+        np.testing.assert_array_equal(
+            host_bytes(dst), expected_after(src_now, dst_before, src_off, dst_off, sizes)
+        )

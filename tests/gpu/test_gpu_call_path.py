@@ -7,6 +7,7 @@ batch are counted where kvcopy._cuda makes them:
 the describe pass (alone, or inside the replay's attempt), and the issuing path's own
 plan: the copy engines' (merged inside allocations, pageable pointers checked) or the
 staged path's (its chunks, planned one after another as they are issued)."""
+
 from __future__ import annotations
 
 import sys
@@ -21,15 +22,18 @@ from helpers.spies import LayerSpy
 
 KiB = 1 << 10
 # the kvcopy._cuda functions that read a batch copy by copy on the CPU
-PASSES = {"describe": ("describe_copies", "describe_compact"),
-          "replay_records": ("replay",),
-          "dma": ("plan_dma", "memcpy_loop"),
-          "stage": ("plan_next_chunk",),
-          "plan_arrays": ("plan_arrays",)}
+PASSES = {
+    "describe": ("describe_copies", "describe_compact"),
+    "replay_records": ("replay",),
+    "dma": ("plan_dma", "memcpy_loop"),
+    "stage": ("plan_next_chunk",),
+    "plan_arrays": ("plan_arrays",),
+}
 # the kvcopy._cuda functions that issue a copy (and replay_records.replay, where it launches)
-ISSUES = {"launch": ("launch_descs_inline", "launch_descs", "launch_compact",
-                     "issue_staged_chunk"),
-          "dma": ("memcpy_batch", "memcpy_loop")}
+ISSUES = {
+    "launch": ("launch_descs_inline", "launch_descs", "launch_compact", "issue_staged_chunk"),
+    "dma": ("memcpy_batch", "memcpy_loop"),
+}
 
 
 class PathRecorder:
@@ -45,7 +49,7 @@ class PathRecorder:
         self.frames: dict[int, str] = {}
         self.passes: list[str] = []
         self.chunk_end = 0
-        self.issued = False   # the driver call that issues the copy was made
+        self.issued = False  # the driver call that issues the copy was made
 
     def holds_batch(self, frame) -> bool:
         for value in frame.f_locals.values():
@@ -81,7 +85,7 @@ class PathRecorder:
         if name != "replay" or result is not None:
             self.passes.append(name)
         if name == "replay" and isinstance(result, Decision):
-            self.issued = True   # (launched from a record)
+            self.issued = True  # (launched from a record)
 
 
 def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
@@ -89,6 +93,7 @@ def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
     for layer in PASSES.keys() | ISSUES.keys():
         real = getattr(testing.cuda, layer)
         passes, issues = PASSES.get(layer, ()), ISSUES.get(layer, ())
+
         def issue(name, args, issues=issues):
             if name in issues:
                 recorder.note_issue(name, args)
@@ -96,6 +101,7 @@ def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
         def done(name, args, result, passes=passes):
             if name in passes:
                 recorder.note_pass(name, args, result)
+
         spy = LayerSpy(real, passes + issues, issue, done)
         seams.enter_context(testing.fake_cuda(spy, (layer,)))
     sys.setprofile(recorder.profile)
@@ -106,10 +112,10 @@ def follow(seams, src, dst, sizes, **kwargs) -> PathRecorder:
     return recorder
 
 
-@pytest.mark.parametrize("case", ["small, new", "small, repeated", "small, no record matches",
-                                  "large", "by the engines", "staged"])
-def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(torch_cuda,
-                                                                           seams, case):
+@pytest.mark.parametrize(
+    "case", ["small, new", "small, repeated", "small, no record matches", "large", "by the engines", "staged"]
+)
+def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(torch_cuda, seams, case):
     torch = torch_cuda
     count = {"large": 4096, "staged": 16384}.get(case, 24)
     block = 4 * KiB
@@ -117,9 +123,9 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
     gpu = torch.zeros(2 * count * block, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     order = np.random.default_rng(count).permutation(count).astype(np.uint64)
-    if case == "staged":   # 64 MiB whose host side is one span: staged through GPU memory
+    if case == "staged":  # 64 MiB whose host side is one span: staged through GPU memory
         order = np.arange(count, dtype=np.uint64)
-        host = host[:count * block]
+        host = host[: count * block]
     step = block if case == "staged" else 2 * block
     src = np.uint64(host.data_ptr()) + order * np.uint64(step)
     dst = np.uint64(gpu.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(2 * block)
@@ -127,23 +133,25 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
     method = "batch" if case == "by the engines" else "auto"
     testing.engine.replay.forget()
     if case == "small, repeated":
-        kvcopy.copy_batch(src, dst, sizes, stream=stream)   # recorded
+        kvcopy.copy_batch(src, dst, sizes, stream=stream)  # recorded
     elif case == "small, no record matches":
         # a record of fewer copies on this stream: the batch is described, matches none
-        kvcopy.copy_batch(src[:count - 4], dst[:count - 4], sizes[:count - 4], stream=stream)
+        kvcopy.copy_batch(src[: count - 4], dst[: count - 4], sizes[: count - 4], stream=stream)
     recorder = follow(seams, src, dst, sizes, stream=stream, method=method)
     stream.synchronize()
-    for k in (0, count - 1):   # the bytes arrived
+    for k in (0, count - 1):  # the bytes arrived
         s = int(order[k]) * step
-        assert torch.equal(gpu[k * 2 * block:k * 2 * block + block].cpu(), host[s:s + block])
+        assert torch.equal(gpu[k * 2 * block : k * 2 * block + block].cpu(), host[s : s + block])
     # (the batch reached the engine as the caller's array: the count below is of it)
     assert recorder.issued and recorder.order[0] == "kvcopy.api"
     assert testing.engine.dispatch.__name__ in recorder.order
     assert all(n == 1 for n in recorder.visits.values()), (recorder.visits, recorder.order)
-    expected = {"small, new": ["describe_copies"],
-                "small, repeated": ["replay"],
-                "small, no record matches": ["replay"],   # its description issued
-                "large": ["describe_compact"],
-                "by the engines": ["describe_copies", "plan_dma"],
-                "staged": ["describe_compact", "plan_next_chunk"]}[case]
+    expected = {
+        "small, new": ["describe_copies"],
+        "small, repeated": ["replay"],
+        "small, no record matches": ["replay"],  # its description issued
+        "large": ["describe_compact"],
+        "by the engines": ["describe_copies", "plan_dma"],
+        "staged": ["describe_compact", "plan_next_chunk"],
+    }[case]
     assert recorder.passes == expected, recorder.passes

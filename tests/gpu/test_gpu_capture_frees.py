@@ -1,6 +1,7 @@
 """Memory kvcopy frees while a CUDA graph is being captured (a pinned array's last
 reference dropped, or the collector running, on the capturing thread or beside it)
 leaves that capture valid: the graph ends, replays and moves every byte."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,10 +36,10 @@ def _capture_a_copy_while(torch, free) -> None:
     with torch.cuda.graph(graph, stream=stream):
         kvcopy.copy_batch(src.data_ptr() + ptrs, dst.data_ptr() + ptrs, sizes, stream=stream)
         free()
-    assert dst.sum().item() == 0    # nothing ran during capture
+    assert dst.sum().item() == 0  # nothing ran during capture
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(dst.view(16, -1)[:, :1 << 15], src.view(16, -1)[:, :1 << 15])
+    assert torch.equal(dst.view(16, -1)[:, : 1 << 15], src.view(16, -1)[:, : 1 << 15])
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 cuda.close(), cudaDeviceReset in an extension): what kvcopy kept for the old one
 (the loaded kernel, descriptor rings, side streams, recorded launches) must not
 be used in the new one, even where the driver hands back the same handle."""
+
 from __future__ import annotations
 
 
@@ -80,4 +81,4 @@ def test_copies_stay_right_after_the_primary_context_is_reset():
         copies = {k: v for k, v in result.items() if k not in ("ctx", "id")}
         assert copies and all(copies.values()), (number, result)
     if all(r["id"] is not None for r in rounds):
-        assert len({r["id"] for r in rounds}) == 3   # each a new context, whatever its handle
+        assert len({r["id"] for r in rounds}) == 3  # each a new context, whatever its handle

@@ -1,5 +1,6 @@
 """copy_batch on a real GPU: destination bytes equal source bytes, for every
 direction, method, size, count and kind of stream. Skipped without a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,15 +8,13 @@ import pytest
 
 import kvcopy
 from kvcopy import testing
-from helpers.gpu import (POOL_DEVICES, address, expected_after, host_bytes, make_pool,
-                         scattered)
+from helpers.gpu import POOL_DEVICES, address, expected_after, host_bytes, make_pool, scattered
 from helpers.spies import LayerSpy
 
 METHODS = ["auto", "batch", "loop", "kernel"]
 
 
-def run_copy(direction, count, sizes, *, method="auto", stream=None, align=1, seed=0,
-             pool_bytes=None):
+def run_copy(direction, count, sizes, *, method="auto", stream=None, align=1, seed=0, pool_bytes=None):
     """Copy scattered ranges and check every destination byte; returns the method used."""
     import torch
 
@@ -28,11 +27,13 @@ def run_copy(direction, count, sizes, *, method="auto", stream=None, align=1, se
     src_off, sizes = scattered(count, sizes, pool_bytes, rng, align)
     dst_off, _ = scattered(count, sizes, pool_bytes, rng, align)
     torch.cuda.synchronize()
-    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
-                             stream=stream, method=method)
+    used = kvcopy.copy_batch(
+        address(src) + src_off, address(dst) + dst_off, sizes, stream=stream, method=method
+    )
     torch.cuda.synchronize()
-    np.testing.assert_array_equal(host_bytes(dst),
-                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+    np.testing.assert_array_equal(
+        host_bytes(dst), expected_after(src_before, dst_before, src_off, dst_off, sizes)
+    )
     return used
 
 
@@ -62,13 +63,13 @@ def test_counts(torch_cuda, direction, count):
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("count, max_size", [(1001, 16384), (5000, 16384), (3000, 40_000)])
-def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direction, count,
-                                                               max_size):
+def test_large_kernel_batches_of_mixed_sizes_and_odd_addresses(torch_cuda, direction, count, max_size):
     """Past one launch's inline descriptors: one-tile copies across PCIe are read by
     the kernel from pinned memory in place, others are uploaded first."""
     sizes = np.random.default_rng(count).integers(1, max_size + 1, count)
-    used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
-                    align=61, seed=count)
+    used = run_copy(
+        direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(), align=61, seed=count
+    )
     assert used == "kernel"
 
 
@@ -85,35 +86,43 @@ def test_large_batches_of_blocks_in_runs_merge_and_copy_right(torch_cuda, direct
     src_kind, dst_kind = POOL_DEVICES[direction]
     src, dst = make_pool(src_kind, pool_bytes, run), make_pool(dst_kind, pool_bytes, run + 1)
     src_before, dst_before = host_bytes(src), host_bytes(dst)
-    starts = rng.permutation(2 * count // run)[:count // run].astype(np.int64) * run
+    starts = rng.permutation(2 * count // run)[: count // run].astype(np.int64) * run
     slots = (starts[:, None] + np.arange(run)).reshape(-1)
     in_order = np.arange(count, dtype=np.int64) * block
-    src_off, dst_off = (in_order, slots * block) if direction != "d2h" else (slots * block,
-                                                                             in_order)
+    src_off, dst_off = (in_order, slots * block) if direction != "d2h" else (slots * block, in_order)
     sizes = np.full(count, block, dtype=np.int64)
     torch_cuda.cuda.synchronize()
-    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
-                             stream=torch_cuda.cuda.Stream(), method="kernel")
+    used = kvcopy.copy_batch(
+        address(src) + src_off,
+        address(dst) + dst_off,
+        sizes,
+        stream=torch_cuda.cuda.Stream(),
+        method="kernel",
+    )
     torch_cuda.cuda.synchronize()
     assert used == "kernel"
-    np.testing.assert_array_equal(host_bytes(dst),
-                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+    np.testing.assert_array_equal(
+        host_bytes(dst), expected_after(src_before, dst_before, src_off, dst_off, sizes)
+    )
 
 
 def _spy_launches(seams):
     """Record the (count, size or tiles) of every pairs and descriptor-table launch."""
     calls = []
-    spy = LayerSpy(testing.cuda.launch, ("launch_compact", "launch_descs"),
-                   lambda name, args: calls.append((name, args[2], args[3])))
+    spy = LayerSpy(
+        testing.cuda.launch,
+        ("launch_compact", "launch_descs"),
+        lambda name, args: calls.append((name, args[2], args[3])),
+    )
     seams.enter_context(testing.fake_cuda(spy, ("launch",)))
     return calls
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
-@pytest.mark.parametrize("count, size, align", [(1001, 2048, 1), (4097, 16384, 16),
-                                                (3333, 1000, 61), (2000, "mixed", 1)])
-def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, seams, direction, count,
-                                                     size, align):
+@pytest.mark.parametrize(
+    "count, size, align", [(1001, 2048, 1), (4097, 16384, 16), (3333, 1000, 61), (2000, "mixed", 1)]
+)
+def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, seams, direction, count, size, align):
     """Past one launch's inline descriptors, copies of one size (at most a tile) are
     described in 16-byte pairs and copied by the pairs kernel, at odd sizes and
     addresses too; a batch of several sizes keeps its 32-byte descriptors. Past
@@ -121,18 +130,19 @@ def test_large_batches_of_one_block_size_go_as_pairs(torch_cuda, seams, directio
     kvcopy.config.launch_bytes = 16 << 20
     calls = _spy_launches(seams)
     sizes = np.random.default_rng(count).integers(1, 16385, count) if size == "mixed" else size
-    used = run_copy(direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(),
-                    align=align, seed=count)
+    used = run_copy(
+        direction, count, sizes, method="kernel", stream=torch_cuda.cuda.Stream(), align=align, seed=count
+    )
     assert used == "kernel"
-    sliced = direction != "d2d" and size == 16384 and count == 4097   # 64 MiB + 16 KiB
+    sliced = direction != "d2d" and size == 16384 and count == 4097  # 64 MiB + 16 KiB
     slices = [1024, 1024, 1024, 1024, 1] if sliced else [count]
     assert [c for c in calls if c[0] == "launch_compact"] == (
-        [] if size == "mixed" else [("launch_compact", n, size) for n in slices])
+        [] if size == "mixed" else [("launch_compact", n, size) for n in slices]
+    )
 
 
 @pytest.mark.parametrize("bad", ["null", "unmapped"])
-def test_a_bad_copy_at_the_end_of_a_large_batch_is_reported_before_any_launch(torch_cuda,
-                                                                              seams, bad):
+def test_a_bad_copy_at_the_end_of_a_large_batch_is_reported_before_any_launch(torch_cuda, seams, bad):
     import torch
 
     calls = _spy_launches(seams)
@@ -146,8 +156,8 @@ def test_a_bad_copy_at_the_end_of_a_large_batch_is_reported_before_any_launch(to
         kvcopy.copy_batch(src, dst, np.full(count, size, np.uint64), method="auto")
     torch.cuda.synchronize()
     assert calls == []
-    assert bool((gpu == 7).all())                     # nothing was written
-    src[-1] = host.data_ptr()                         # and the library goes on working
+    assert bool((gpu == 7).all())  # nothing was written
+    src[-1] = host.data_ptr()  # and the library goes on working
     assert kvcopy.copy_batch(src, dst, np.full(count, size, np.uint64)) == "kernel"
     torch.cuda.synchronize()
     assert bool((gpu.view(-1, 2 * size)[:, :size] == 0).all())
@@ -172,12 +182,15 @@ def test_batch_from_python_ints_and_torch_pointer_tensors(torch_cuda):
 def test_pointers_in_gpu_memory_are_refused(torch_cuda):
     """Reading them would wait for the GPU: pointers and sizes come from the host."""
     on_gpu = torch_cuda.tensor([0x1000, 0x2000], dtype=torch_cuda.int64, device="cuda")
-    with pytest.raises(TypeError, match="^src_ptrs: a torch tensor of pointers or sizes must be "
-                                        "on the CPU, got one on cuda:0"):
+    with pytest.raises(
+        TypeError,
+        match="^src_ptrs: a torch tensor of pointers or sizes must be on the CPU, got one on cuda:0",
+    ):
         kvcopy.copy_batch(on_gpu, [0x3000, 0x4000], [8, 8])
 
 
 # ------------------------------------------------------------------ streams
+
 
 @pytest.mark.parametrize("handle", [0, 1, 2])
 @pytest.mark.parametrize("method", METHODS)
@@ -201,8 +214,11 @@ def test_torch_side_stream_as_current(torch_cuda):
         src = make_pool("cuda", 1 << 20, 3)
         dst = torch_cuda.empty_like(src)
         # tensors passed as pointers come from torch: None means torch's current stream
-        kvcopy.copy_batch(torch_cuda.tensor([src.data_ptr()]), torch_cuda.tensor([dst.data_ptr()]),
-                          torch_cuda.tensor([1 << 20]))
+        kvcopy.copy_batch(
+            torch_cuda.tensor([src.data_ptr()]),
+            torch_cuda.tensor([dst.data_ptr()]),
+            torch_cuda.tensor([1 << 20]),
+        )
         side.synchronize()
     assert torch_cuda.equal(src, dst)
 
@@ -261,6 +277,7 @@ def test_cuda_bindings_custream_object(torch_cuda):
 
 # ------------------------------------------------------------------ pageable memory
 
+
 @pytest.mark.parametrize("direction", ["pageable_h2d", "pageable_d2h"])
 def test_pageable_memory_goes_by_dma(torch_cuda, direction):
     assert run_copy(direction, 32, 16384, stream=torch_cuda.cuda.Stream()) == "batch"
@@ -270,6 +287,7 @@ def test_pageable_memory_goes_by_dma(torch_cuda, direction):
 
 
 # ------------------------------------------------------------------ graph capture
+
 
 @pytest.mark.parametrize("method", ["auto", "loop", "kernel"])
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
@@ -286,8 +304,9 @@ def test_graph_capture_replays_the_copy(torch_cuda, method, direction):
     graph = torch.cuda.CUDAGraph()
     capture_stream = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=capture_stream):
-        used = kvcopy.copy_batch(src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes,
-                                 stream=capture_stream, method=method)
+        used = kvcopy.copy_batch(
+            src.data_ptr() + src_off, dst.data_ptr() + dst_off, sizes, stream=capture_stream, method=method
+        )
     assert used != "batch"
     # Nothing ran during capture; new source bytes must arrive on replay.
     fresh = torch.from_numpy(np.random.default_rng(99).integers(0, 256, src.numel(), dtype=np.uint8))
@@ -296,8 +315,9 @@ def test_graph_capture_replays_the_copy(torch_cuda, method, direction):
     dst_before = host_bytes(dst)
     graph.replay()
     torch.cuda.synchronize()
-    np.testing.assert_array_equal(host_bytes(dst), expected_after(
-        fresh.numpy(), dst_before, src_off, dst_off, sizes))
+    np.testing.assert_array_equal(
+        host_bytes(dst), expected_after(fresh.numpy(), dst_before, src_off, dst_off, sizes)
+    )
 
 
 def test_batch_under_capture_raises_and_capture_stays_usable(torch_cuda):
@@ -308,18 +328,27 @@ def test_batch_under_capture_raises_and_capture_stays_usable(torch_cuda):
     s = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=s):
         with pytest.raises(kvcopy.CaptureError, match="capturing"):
-            kvcopy.copy_batch([src.data_ptr(), src.data_ptr() + 8192],
-                              [dst.data_ptr(), dst.data_ptr() + 65536], [4096, 4096],
-                              stream=s, method="batch")
-        kvcopy.copy_batch([src.data_ptr(), src.data_ptr() + 8192],
-                          [dst.data_ptr(), dst.data_ptr() + 65536], [4096, 4096], stream=s)
+            kvcopy.copy_batch(
+                [src.data_ptr(), src.data_ptr() + 8192],
+                [dst.data_ptr(), dst.data_ptr() + 65536],
+                [4096, 4096],
+                stream=s,
+                method="batch",
+            )
+        kvcopy.copy_batch(
+            [src.data_ptr(), src.data_ptr() + 8192],
+            [dst.data_ptr(), dst.data_ptr() + 65536],
+            [4096, 4096],
+            stream=s,
+        )
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dst[:4096].cpu(), src[:4096])
-    assert torch.equal(dst[65536:65536 + 4096].cpu(), src[8192:8192 + 4096])
+    assert torch.equal(dst[65536 : 65536 + 4096].cpu(), src[8192 : 8192 + 4096])
 
 
 # ------------------------------------------------------------------ bookkeeping
+
 
 def test_last_decision_and_empty_batch(torch_cuda):
     assert kvcopy.copy_batch([], [], []) == "none"
@@ -331,7 +360,7 @@ def test_last_decision_and_empty_batch(torch_cuda):
 def test_batch_disabled_driver_falls_back(torch_cuda):
     from kvcopy import testing
 
-    with testing.capabilities(batch_available=False):   # a driver older than 12.8
+    with testing.capabilities(batch_available=False):  # a driver older than 12.8
         s = torch_cuda.cuda.Stream()
         assert run_copy("pageable_h2d", 16, 4096, stream=s) == "loop"
         # 16 scattered blocks of 4 MiB: long host spans, staged (no batch API needed)
@@ -368,6 +397,7 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     """The kernel path's fused pass (plan + classify + descriptors) and the
     planner used by the DMA paths agree copy for copy, and reject the same input."""
     from kvcopy.testing import cuda
+
     kv_classify, kv_describe, kv_launch = cuda.classify, cuda.describe, cuda.launch
     from kvcopy._plans.copies import plan_copies
 
@@ -378,7 +408,7 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     sizes = rng.choice([0, 1, 8, 100, 4096, 40000], 3000).astype(np.uint64)
     src_off = rng.integers(0, (1 << 20) - 80000, 3000).astype(np.uint64)  # merged pairs fit
     dst_off = rng.integers(0, (1 << 20) - 80000, 3000).astype(np.uint64)
-    for i in range(0, 2990, 7):          # runs that continue each other on both sides: merged
+    for i in range(0, 2990, 7):  # runs that continue each other on both sides: merged
         src_off[i + 1], dst_off[i + 1] = src_off[i] + sizes[i], dst_off[i] + sizes[i]
     src = np.uint64(host.data_ptr()) + src_off
     dst = np.uint64(dev.data_ptr()) + dst_off
@@ -386,8 +416,12 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
     descs = np.zeros((len(sizes), 4), dtype=np.uint64)
     batch = kv_describe.describe_copies(src, dst, sizes, descs.ctypes.data)
     count, total, tiles = batch.count, batch.total_bytes, batch.tiles
-    src_kinds, src_dev, dst_kinds, dst_dev = (batch.src_kinds, batch.src_device,
-                                              batch.dst_kinds, batch.dst_device)
+    src_kinds, src_dev, dst_kinds, dst_dev = (
+        batch.src_kinds,
+        batch.src_device,
+        batch.dst_kinds,
+        batch.dst_device,
+    )
     assert batch.table == descs.ctypes.data and batch.src is src
     assert count == plan.count < int(np.count_nonzero(sizes))
     assert total == int(plan.sizes.sum())
@@ -408,13 +442,13 @@ def test_describe_copies_plans_exactly_like_the_planner(torch_cuda):
         plan_copies(src, dst, bad_sizes)
     with pytest.raises(ValueError) as described:
         kv_describe.describe_copies(src, dst, bad_sizes, descs.ctypes.data)
-    assert str(planned.value) == str(described.value) == \
-        f"sizes[1234] = {2**63} is larger than 2**63 - 1 bytes"
+    assert (
+        str(planned.value) == str(described.value) == f"sizes[1234] = {2**63} is larger than 2**63 - 1 bytes"
+    )
 
 
 @pytest.mark.parametrize("stream_kind, expected", [("created", "batch"), ("legacy", "kernel")])
-def test_stores_by_dma_sends_stores_to_the_copy_engines(torch_cuda, monkeypatch, stream_kind,
-                                                         expected):
+def test_stores_by_dma_sends_stores_to_the_copy_engines(torch_cuda, monkeypatch, stream_kind, expected):
     """config.stores_by_dma: 16 KiB stores go by batched DMA where the stream allows it
     and by the kernel on the legacy default stream, the bytes right either way;
     loads keep the kernel."""

@@ -8,6 +8,7 @@ of some GPU pages at once, and loads a prefix back layer by layer on a load
 stream, recording an event per layer that the forward pass waits for before it
 reads that layer (sglang/srt/mem_cache/pool_host, managers/cache_controller).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -20,8 +21,8 @@ import kvcopy.testing
 
 
 LAYERS, PAGES_HOST, PAGES_GPU = 4, 48, 32
-PAGE = (16, 8, 128)                      # tokens, heads, head dim: 32 KiB of bf16
-SLEEP_CYCLES = 100_000_000               # ~50 ms of torch.cuda._sleep
+PAGE = (16, 8, 128)  # tokens, heads, head dim: 32 KiB of bf16
+SLEEP_CYCLES = 100_000_000  # ~50 ms of torch.cuda._sleep
 
 
 @pytest.fixture
@@ -34,8 +35,10 @@ def host_pool(torch_cuda):
     area = mmap.mmap(-1, PAGES_HOST * page_bytes)
     pool = torch.frombuffer(area, dtype=torch.bfloat16).view(shape)
     cudart, base = torch.cuda.cudart(), pool.data_ptr()
-    chunks = [(base + offset, min(8 * page_bytes, PAGES_HOST * page_bytes - offset))
-              for offset in range(0, PAGES_HOST * page_bytes, 8 * page_bytes)]
+    chunks = [
+        (base + offset, min(8 * page_bytes, PAGES_HOST * page_bytes - offset))
+        for offset in range(0, PAGES_HOST * page_bytes, 8 * page_bytes)
+    ]
     for ptr, size in chunks:
         assert int(cudart.cudaHostRegister(ptr, size, 0)) == 0
     yield pool
@@ -53,12 +56,16 @@ def layer_views(host, layer):
 def test_back_up_every_layer_then_load_layer_by_layer_behind_events(torch_cuda, host_pool):
     torch = torch_cuda
     gen = torch.Generator(device="cuda").manual_seed(7)
-    gpu_k = [torch.randn((PAGES_GPU,) + PAGE, device="cuda", generator=gen).to(torch.bfloat16)
-             for _ in range(LAYERS)]
-    gpu_v = [torch.randn((PAGES_GPU,) + PAGE, device="cuda", generator=gen).to(torch.bfloat16)
-             for _ in range(LAYERS)]
+    gpu_k = [
+        torch.randn((PAGES_GPU,) + PAGE, device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    gpu_v = [
+        torch.randn((PAGES_GPU,) + PAGE, device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
     original = [t.clone() for t in gpu_k + gpu_v]
-    backup = np.stack([np.arange(12), 30 + np.arange(12)], axis=1)       # GPU pages -> host pages
+    backup = np.stack([np.arange(12), 30 + np.arange(12)], axis=1)  # GPU pages -> host pages
     io = torch.cuda.Stream()
 
     # backup: every layer's K and V of 12 pages in one call
@@ -81,10 +88,12 @@ def test_back_up_every_layer_then_load_layer_by_layer_behind_events(torch_cuda, 
     compute = torch.cuda.current_stream()
     io.wait_stream(compute)
     with torch.cuda.stream(io):
-        torch.cuda._sleep(SLEEP_CYCLES)   # the loads land well after the reads are queued
+        torch.cuda._sleep(SLEEP_CYCLES)  # the loads land well after the reads are queued
     for layer in range(LAYERS):
-        assert kvcopy.swap_blocks(layer_views(host_pool, layer), [gpu_k[layer], gpu_v[layer]],
-                                  load, stream=io) == "kernel"
+        assert (
+            kvcopy.swap_blocks(layer_views(host_pool, layer), [gpu_k[layer], gpu_v[layer]], load, stream=io)
+            == "kernel"
+        )
         events[layer].record(io)
     seen = []
     for layer in range(LAYERS):
@@ -94,7 +103,7 @@ def test_back_up_every_layer_then_load_layer_by_layer_behind_events(torch_cuda, 
     for layer, (k, v) in enumerate(seen):
         assert torch.equal(k, original[layer][:12])
         assert torch.equal(v, original[LAYERS + layer][:12])
-        assert not gpu_k[layer][:16].any() and not gpu_k[layer][28:].any()   # nothing else
+        assert not gpu_k[layer][:16].any() and not gpu_k[layer][28:].any()  # nothing else
 
 
 def test_a_store_and_a_load_of_the_page_first_pool_at_once(torch_cuda, host_pool):
@@ -105,9 +114,11 @@ def test_a_store_and_a_load_of_the_page_first_pool_at_once(torch_cuda, host_pool
     before_gpu, before_host = [g.clone() for g in gpu], host_pool[:, 2].clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    ran = kvcopy.swap_blocks_both_ways((gpu, layer_views(host_pool, 2), [[0, 40], [1, 41]]),
-                                       (layer_views(host_pool, 2), gpu, [[5, 20], [6, 21]]),
-                                       stream=s)
+    ran = kvcopy.swap_blocks_both_ways(
+        (gpu, layer_views(host_pool, 2), [[0, 40], [1, 41]]),
+        (layer_views(host_pool, 2), gpu, [[5, 20], [6, 21]]),
+        stream=s,
+    )
     assert ran == ("kernel", "kernel")
     s.synchronize()
     for half in range(2):
@@ -149,12 +160,12 @@ def test_a_pool_registered_in_many_pieces(torch_cuda):
         gpu.view(-1, block)[gpu_index] = gpu.view(-1, block)[gpu_index].flip(1)
         assert kvcopy.copy_batch(gpu_ptrs, host_ptrs, sizes, stream=s) == "kernel"
         s.synchronize()
-        assert torch.equal(pool.view(-1, block)[torch.from_numpy(host_slots)],
-                           host_blocks.flip(1))
+        assert torch.equal(pool.view(-1, block)[torch.from_numpy(host_slots)], host_blocks.flip(1))
         out = np.zeros((count, 4), dtype=np.uint64)
         for src, dst, host_side in ((host_ptrs, gpu_ptrs, 0), (gpu_ptrs, host_ptrs, 1)):
             result, _, questions = kvcopy.testing.describe_copies_answered(
-                np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data)
+                np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data
+            )
             assert result.count == count
             assert questions[host_side] <= pieces + 16 and questions[1 - host_side] == 1, questions
     finally:

@@ -5,6 +5,7 @@ and for full descriptors (mixed and odd sizes, odd addresses, copies of
 several tiles, whose tiles each slice numbers from 0), with a last slice small
 enough to be split over warps; and work queued behind the batch must see all
 of it. Skipped without a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from helpers.gpu import address, expected_after, host_bytes, make_pool
 
 
 KINDS = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned")}
-CASES = {   # count, sizes, addresses moved off 16 bytes, launch_bytes
+CASES = {  # count, sizes, addresses moved off 16 bytes, launch_bytes
     "pairs of 16 KiB, last slice of 3": (1003, 16384, False, 100 * 16384),
     "pairs of 2 KiB": (9000, 2048, False, 1 << 20),
     "16 and 4 KiB, last slice split over warps": (1003, "two", False, 1024000),
@@ -27,13 +28,13 @@ CASES = {   # count, sizes, addresses moved off 16 bytes, launch_bytes
 
 
 def _sizes(kind, count: int, rng) -> np.ndarray:
-    if kind == "two":   # two block sizes: described as full descriptors, not pairs
+    if kind == "two":  # two block sizes: described as full descriptors, not pairs
         return np.where(np.arange(count) % 2 == 0, 16384, 4096).astype(np.int64)
     if kind == "mixed":
         return rng.integers(1, 1025, count) * 16
     if kind == "odd":
         return rng.integers(1, 16385, count)
-    if kind == "multi":   # 1 to 5 tiles each: tile numbering restarts in every slice
+    if kind == "multi":  # 1 to 5 tiles each: tile numbering restarts in every slice
         return rng.integers(1, 5 * 16384, count)
     return np.full(count, kind, dtype=np.int64)
 
@@ -61,17 +62,16 @@ def test_every_slice_of_a_batch_lands(torch_cuda, launch_bytes, direction, case)
     sizes = _sizes(kind, count, rng)
     slot = (int(sizes.max()) + 31) // 16 * 16
     pool_bytes = 2 * count * slot
-    src, dst = make_pool(KINDS[direction][0], pool_bytes, 1), make_pool(KINDS[direction][1],
-                                                                       pool_bytes, 2)
+    src, dst = make_pool(KINDS[direction][0], pool_bytes, 1), make_pool(KINDS[direction][1], pool_bytes, 2)
     src_before, dst_before = host_bytes(src), host_bytes(dst)
     src_off, dst_off = _slots(count, slot, rng, odd), _slots(count, slot, rng, odd)
     stream = torch_cuda.cuda.Stream()
-    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes,
-                             stream=stream)
+    used = kvcopy.copy_batch(address(src) + src_off, address(dst) + dst_off, sizes, stream=stream)
     assert used == "kernel", kvcopy.last_decision()
     stream.synchronize()
-    np.testing.assert_array_equal(host_bytes(dst),
-                                  expected_after(src_before, dst_before, src_off, dst_off, sizes))
+    np.testing.assert_array_equal(
+        host_bytes(dst), expected_after(src_before, dst_before, src_off, dst_off, sizes)
+    )
 
 
 def test_work_behind_a_sliced_load_sees_every_block(torch_cuda, launch_bytes):
@@ -87,8 +87,7 @@ def test_work_behind_a_sliced_load_sees_every_block(torch_cuda, launch_bytes):
     for round_ in range(5):
         host.copy_(torch.randint(0, 255, host.shape, dtype=torch.uint8))
         src = np.uint64(host.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(block)
-        dst = (np.uint64(gpu.data_ptr())
-               + slots.numpy().astype(np.uint64) * np.uint64(block))
+        dst = np.uint64(gpu.data_ptr()) + slots.numpy().astype(np.uint64) * np.uint64(block)
         kvcopy.copy_batch(src, dst, np.full(count, block, np.uint64), stream=stream)
         with torch.cuda.stream(stream):
             sums = gpu[slots.cuda(non_blocking=True)].sum(dim=1, dtype=torch.int64)

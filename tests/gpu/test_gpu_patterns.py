@@ -13,6 +13,7 @@
   with work still pending;
 - vLLM's current swap_blocks_batch signature.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,10 +29,11 @@ from helpers.child import run_child
 KiB = 1 << 10
 DIRECTIONS = ("h2d", "d2h", "d2d")
 METHODS = ("auto", "batch", "loop", "kernel")
-SLEEP_CYCLES = 200_000_000   # ~0.1 s of torch.cuda._sleep: far longer than any launch here
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of torch.cuda._sleep: far longer than any launch here
 
 
 # ------------------------------------------------------------------ adjacent allocations
+
 
 def _core():
     core = pytest.importorskip("cuda.core")
@@ -71,9 +73,14 @@ def adjacent_buffers(torch_cuda_module):
     device = _back_to_back(lambda s: dev.allocate(s, stream=stream), n, size)
     device2 = _back_to_back(lambda s: dev.allocate(s, stream=stream), n, size)
     stream.sync()
-    yield dict(stream=stream, host=[int(b.handle) for b in host],
-               device=[int(b.handle) for b in device], device2=[int(b.handle) for b in device2],
-               size=size, keep=(host, device, device2))
+    yield dict(
+        stream=stream,
+        host=[int(b.handle) for b in host],
+        device=[int(b.handle) for b in device],
+        device2=[int(b.handle) for b in device2],
+        size=size,
+        keep=(host, device, device2),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,22 +112,25 @@ def _write_device(ptr: int, data: np.ndarray) -> None:
 def test_copies_are_not_merged_across_back_to_back_allocations(adjacent_buffers, direction, method):
     b = adjacent_buffers
     size, n = b["size"], len(b["host"])
-    src_ptrs, dst_ptrs = {"h2d": (b["host"], b["device"]), "d2h": (b["device"], b["host"]),
-                          "d2d": (b["device"], b["device2"])}[direction]
-    data = np.random.default_rng(hash((direction, method)) % 2**32).integers(
-        0, 256, n * size, dtype=np.uint8)
+    src_ptrs, dst_ptrs = {
+        "h2d": (b["host"], b["device"]),
+        "d2h": (b["device"], b["host"]),
+        "d2d": (b["device"], b["device2"]),
+    }[direction]
+    data = np.random.default_rng(hash((direction, method)) % 2**32).integers(0, 256, n * size, dtype=np.uint8)
     zeros = np.zeros(n * size, np.uint8)
     for write, ptrs in ((data, src_ptrs), (zeros, dst_ptrs)):
-        for i, ptr in enumerate(ptrs):   # one allocation at a time: no copy may span two
-            part = write[i * size:(i + 1) * size]
+        for i, ptr in enumerate(ptrs):  # one allocation at a time: no copy may span two
+            part = write[i * size : (i + 1) * size]
             if ptrs is b["host"]:
                 _host_view(ptr, size)[:] = part
             else:
                 _write_device(ptr, np.ascontiguousarray(part))
     used = kvcopy.copy_batch(src_ptrs, dst_ptrs, [size] * n, stream=b["stream"], method=method)
     b["stream"].sync()
-    got = np.concatenate([_host_view(p, size).copy() if dst_ptrs is b["host"]
-                          else _read_device(p, size) for p in dst_ptrs])
+    got = np.concatenate(
+        [_host_view(p, size).copy() if dst_ptrs is b["host"] else _read_device(p, size) for p in dst_ptrs]
+    )
     assert used in ("kernel", "batch", "loop")
     np.testing.assert_array_equal(got, data)
 
@@ -130,15 +140,20 @@ def test_separate_registrations_back_to_back(torch_cuda, method):
     """Two halves of one host array registered separately, then copied as adjacent blocks."""
     torch = torch_cuda
     block, n = 64 * KiB, 8
-    host = np.zeros(2 * n * block, np.uint8)   # page-aligned halves: 8 blocks of 64 KiB each
+    host = np.zeros(2 * n * block, np.uint8)  # page-aligned halves: 8 blocks of 64 KiB each
     base = host.ctypes.data + (-host.ctypes.data) % 4096
     span = n * block
     region = _host_view(base, span)
-    with kvcopy.register(region[: span // 2]), kvcopy.register(region[span // 2:]):
+    with kvcopy.register(region[: span // 2]), kvcopy.register(region[span // 2 :]):
         gpu = torch.randint(0, 256, (span,), dtype=torch.uint8, device="cuda")
         s = torch.cuda.Stream()
-        kvcopy.copy_batch(gpu.data_ptr() + np.arange(n) * block, base + np.arange(n) * block,
-                          np.full(n, block), stream=s, method=method)
+        kvcopy.copy_batch(
+            gpu.data_ptr() + np.arange(n) * block,
+            base + np.arange(n) * block,
+            np.full(n, block),
+            stream=s,
+            method=method,
+        )
         s.synchronize()
         np.testing.assert_array_equal(region, gpu.cpu().numpy())
 
@@ -151,9 +166,13 @@ def test_separate_torch_pinned_tensors_every_method(torch_cuda):
     for method in METHODS:
         gpu.zero_()
         torch.cuda.synchronize()
-        kvcopy.copy_batch([p.data_ptr() for p in parts],
-                          gpu.data_ptr() + np.arange(4) * 16 * KiB, [16 * KiB] * 4,
-                          stream=s, method=method)
+        kvcopy.copy_batch(
+            [p.data_ptr() for p in parts],
+            gpu.data_ptr() + np.arange(4) * 16 * KiB,
+            [16 * KiB] * 4,
+            stream=s,
+            method=method,
+        )
         s.synchronize()
         assert torch.equal(gpu.cpu(), torch.cat(parts)), method
 
@@ -166,25 +185,29 @@ def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
     before)."""
     torch = torch_cuda
     tensors, blocks, block = 160, 8, 16 * KiB
-    host = [torch.randint(0, 256, (2 * blocks * block,), dtype=torch.uint8).pin_memory()
-            for _ in range(tensors)]
-    gpu = [torch.zeros(2 * blocks * block, dtype=torch.uint8, device="cuda")
-           for _ in range(tensors)]
+    host = [
+        torch.randint(0, 256, (2 * blocks * block,), dtype=torch.uint8).pin_memory() for _ in range(tensors)
+    ]
+    gpu = [torch.zeros(2 * blocks * block, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
     rng = np.random.default_rng(5)
-    slots = [(rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks])
-             for _ in range(tensors)]
-    host_ptrs = np.array([host[t].data_ptr() + int(slots[t][0][b]) * block
-                          for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
-    gpu_ptrs = np.array([gpu[t].data_ptr() + int(slots[t][1][b]) * block
-                         for b in range(blocks) for t in range(tensors)], dtype=np.uint64)
+    slots = [
+        (rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]) for _ in range(tensors)
+    ]
+    host_ptrs = np.array(
+        [host[t].data_ptr() + int(slots[t][0][b]) * block for b in range(blocks) for t in range(tensors)],
+        dtype=np.uint64,
+    )
+    gpu_ptrs = np.array(
+        [gpu[t].data_ptr() + int(slots[t][1][b]) * block for b in range(blocks) for t in range(tensors)],
+        dtype=np.uint64,
+    )
     sizes = np.full(len(host_ptrs), block, dtype=np.uint64)
     s = torch.cuda.Stream()
     assert kvcopy.copy_batch(host_ptrs, gpu_ptrs, sizes, stream=s) == "kernel"
     s.synchronize()
     for t in range(tensors):
         h_idx, g_idx = (torch.from_numpy(x.astype(np.int64)) for x in slots[t])
-        assert torch.equal(gpu[t].view(-1, block)[g_idx.cuda()].cpu(),
-                           host[t].view(-1, block)[h_idx]), t
+        assert torch.equal(gpu[t].view(-1, block)[g_idx.cuda()].cpu(), host[t].view(-1, block)[h_idx]), t
     for t in range(tensors):
         gpu[t].view(-1, block)[torch.from_numpy(slots[t][1].astype(np.int64)).cuda()] += 1
     before = [h.clone() for h in host]
@@ -192,17 +215,18 @@ def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
     s.synchronize()
     for t in range(tensors):
         h_idx = torch.from_numpy(slots[t][0].astype(np.int64))
-        assert torch.equal(host[t].view(-1, block)[h_idx],
-                           (before[t].view(-1, block)[h_idx] + 1)), t
+        assert torch.equal(host[t].view(-1, block)[h_idx], (before[t].view(-1, block)[h_idx] + 1)), t
     out = np.zeros((len(sizes), 4), dtype=np.uint64)
     for src, dst in ((host_ptrs, gpu_ptrs), (gpu_ptrs, host_ptrs)):
         result, _, questions = kvcopy.testing.describe_copies_answered(
-            np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data)
+            np.zeros((0, 5), dtype=np.int64), src, dst, sizes, out.ctypes.data
+        )
         assert result.count == len(sizes)
         assert max(questions) <= 3 * tensors, questions
 
 
 # ------------------------------------------------------------------ capture after warm-up
+
 
 def _batch(torch, direction: str, count: int, block: int, seed: int):
     src_kind = {"h2d": "pinned", "d2h": "cuda", "d2d": "cuda"}[direction]
@@ -212,8 +236,13 @@ def _batch(torch, direction: str, count: int, block: int, seed: int):
     rng = np.random.default_rng(seed)
     s_off = rng.permutation(2 * count)[:count].astype(np.uint64) * np.uint64(block)
     d_off = rng.permutation(2 * count)[:count].astype(np.uint64) * np.uint64(block)
-    return (src, dst, np.uint64(src.data_ptr()) + s_off, np.uint64(dst.data_ptr()) + d_off,
-            np.full(count, block, dtype=np.uint64))
+    return (
+        src,
+        dst,
+        np.uint64(src.data_ptr()) + s_off,
+        np.uint64(dst.data_ptr()) + d_off,
+        np.full(count, block, dtype=np.uint64),
+    )
 
 
 def _check_copied(src, dst, s_ptrs, d_ptrs, block):
@@ -249,10 +278,10 @@ def test_warm_up_then_torch_graph_capture(torch_cuda, direction, count):
     src, dst, s, d, sizes = _batch(torch, direction, count, block, 100 + count)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        warm = kvcopy.copy_batch(s, d, sizes, stream=stream)   # the warm-up call
+        warm = kvcopy.copy_batch(s, d, sizes, stream=stream)  # the warm-up call
     _check_copied(src, dst, s, d, block)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):   # torch's default: global capture mode
+    with torch.cuda.graph(graph, stream=stream):  # torch's default: global capture mode
         captured = kvcopy.copy_batch(s, d, sizes, stream=stream)
     assert captured in ("kernel", "loop") and warm in ("kernel", "batch", "loop")
     for replay in range(3):
@@ -345,7 +374,7 @@ def test_bogus_host_addresses_raise_value_error_naming_the_copy(torch_cuda):
         assert res[case].startswith("src_ptrs[1] = 0x2a") and "not readable" in res[case], res
     assert res["dst"].startswith("dst_ptrs[1] = 0x10") and "not writable" in res["dst"], res
     assert res["readonly_dst"].startswith("dst_ptrs[0]") and "not writable" in res["readonly_dst"]
-    assert res["unmapped_tail"].startswith("src_ptrs[1]"), res   # its second page has no access
+    assert res["unmapped_tail"].startswith("src_ptrs[1]"), res  # its second page has no access
     assert res["after"] is True
 
 
@@ -357,15 +386,20 @@ def test_pageable_memory_still_copies_and_merges(torch_cuda):
     for method in ("auto", "batch", "loop"):
         gpu.zero_()
         torch.cuda.synchronize()
-        used = kvcopy.copy_batch(host.ctypes.data + np.arange(16) * 4 * KiB,
-                                 gpu.data_ptr() + np.arange(16) * 4 * KiB, [4 * KiB] * 16,
-                                 stream=s, method=method)
+        used = kvcopy.copy_batch(
+            host.ctypes.data + np.arange(16) * 4 * KiB,
+            gpu.data_ptr() + np.arange(16) * 4 * KiB,
+            [4 * KiB] * 16,
+            stream=s,
+            method=method,
+        )
         s.synchronize()
         assert used in ("batch", "loop")
         np.testing.assert_array_equal(gpu.cpu().numpy(), host)
 
 
 # ------------------------------------------------------------------ TransferQueue ordering
+
 
 def _device_cache(torch, blocks: int, block: int, how: str):
     """A device cache the queue sees as ``how``: a torch tensor, a BlockView of raw
@@ -385,11 +419,11 @@ def test_store_waits_for_the_callers_writes(torch_cuda, how):
     torch = torch_cuda
     blocks, block = 16, 16 * KiB
     cache, backing = _device_cache(torch, blocks, block, how)
-    host = kvcopy.pinned_empty((blocks, block), np.uint8)   # no framework on either side
+    host = kvcopy.pinned_empty((blocks, block), np.uint8)  # no framework on either side
     host[:] = 0
     with kvcopy.TransferQueue(cache, host) as store:
-        torch.cuda._sleep(SLEEP_CYCLES)     # the caller's compute, still running ...
-        backing.fill_(7)                    # ... then writes the blocks
+        torch.cuda._sleep(SLEEP_CYCLES)  # the caller's compute, still running ...
+        backing.fill_(7)  # ... then writes the blocks
         store.submit("store", [[b, b] for b in range(blocks)])
         store.wait()
     assert (host == 7).all()
@@ -404,7 +438,7 @@ def test_load_waits_for_queued_readers_of_the_blocks(torch_cuda, how):
     host = kvcopy.pinned_empty((blocks, block), np.uint8)
     host[:] = 9
     with kvcopy.TransferQueue(host, cache) as load:
-        torch.cuda._sleep(SLEEP_CYCLES)     # queued work that still reads the blocks
+        torch.cuda._sleep(SLEEP_CYCLES)  # queued work that still reads the blocks
         seen = backing.clone()
         load.submit("load", [[b, b] for b in range(blocks)])
         load.wait()
@@ -456,12 +490,13 @@ def test_submit_after_rejects_what_is_neither_stream_nor_event(torch_cuda):
 
 # ------------------------------------------------------------------ producers with pending work
 
+
 def test_cuda_array_interface_producer_stream_is_waited_for(torch_cuda):
     cupy = pytest.importorskip("cupy")
     torch = torch_cuda
     producer = cupy.cuda.Stream(non_blocking=True)
     gpu = cupy.zeros((16, 16 * KiB), dtype=cupy.uint8)
-    with producer:   # pending work on CuPy's current stream, exported in __cuda_array_interface__
+    with producer:  # pending work on CuPy's current stream, exported in __cuda_array_interface__
         with torch.cuda.stream(torch.cuda.ExternalStream(producer.ptr)):
             torch.cuda._sleep(SLEEP_CYCLES)
         gpu.fill(11)
@@ -497,7 +532,7 @@ def test_dlpack_producer_with_pending_work_jax(torch_cuda):
     jax, gpu = jax_gpu()
     jnp = jax.numpy
     a = jax.device_put(jnp.ones((4096, 4096), jnp.float32), gpu)
-    for _ in range(30):                      # slow work, not waited for (no block_until_ready)
+    for _ in range(30):  # slow work, not waited for (no block_until_ready)
         a = (a @ a) / 4096.0
     src = (a * 0 + 6.0).reshape(64, -1)
     dst = torch_cuda.zeros((64, src.shape[1]), dtype=torch_cuda.float32, device="cuda")
@@ -520,7 +555,7 @@ def test_dlpack_producer_under_capture_jax(torch_cuda):
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=stream):
         kvcopy.swap_blocks(src, dst, [[b, 63 - b] for b in range(64)], stream=stream)
-    assert not dst.any()                     # (nothing ran during capture)
+    assert not dst.any()  # (nothing ran during capture)
     graph.replay()
     torch.cuda.synchronize()
     want = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024).flip(0)
@@ -529,11 +564,12 @@ def test_dlpack_producer_under_capture_jax(torch_cuda):
 
 # ------------------------------------------------------------------ vLLM's signature
 
+
 def test_vllm_shim_use_batch_api(torch_cuda):
     torch = torch_cuda
     from kvcopy.compat.vllm import swap_blocks_batch
 
-    block, n = 1 << 20, 8   # large blocks: auto would take batched DMA
+    block, n = 1 << 20, 8  # large blocks: auto would take batched DMA
     src = torch.randint(0, 256, (n * block,), dtype=torch.uint8).pin_memory()
     dst = torch.zeros(n * block, dtype=torch.uint8, device="cuda")
     ptrs_s = torch.tensor([src.data_ptr() + i * block for i in range(n)][::-1], dtype=torch.int64)

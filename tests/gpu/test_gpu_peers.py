@@ -3,6 +3,7 @@ from either side's stream, peer access enabled on first need or left alone
 (config.enable_peer_access), memory the other GPU may not access (virtual-memory
 allocations), swap_blocks and TransferQueue between two caches with torch's
 ordering, mixed-device batches, capture, and calibrate_peers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def _scattered(count: int, block: int, pool: int, rng, odd: bool = False):
     slots = pool // (block + 64)
     chosen = rng.choice(slots, size=2 * count, replace=False).astype(np.int64) * (block + 64)
     sizes = np.full(count, block, dtype=np.int64)
-    if odd:   # unaligned starts and sizes: every word width of the kernel
+    if odd:  # unaligned starts and sizes: every word width of the kernel
         chosen[:count] += rng.integers(0, 7, count)
         sizes -= rng.integers(0, 13, count)
     return chosen[:count], chosen[count:], sizes
@@ -54,12 +55,17 @@ def test_peer_copy_bytes(two_gpus, method, pair, launch, block):
     src_off, dst_off, sizes = _scattered(count, block, pool, rng, odd=block == 2 * KiB)
     before = dst.cpu().numpy()
     stream = torch.cuda.Stream(device=a if launch == "src" else b)
-    chose = kvcopy.copy_batch((src.data_ptr() + src_off).astype(np.uint64),
-                              (dst.data_ptr() + dst_off).astype(np.uint64), sizes,
-                              stream=stream, method=method)
+    chose = kvcopy.copy_batch(
+        (src.data_ptr() + src_off).astype(np.uint64),
+        (dst.data_ptr() + dst_off).astype(np.uint64),
+        sizes,
+        stream=stream,
+        method=method,
+    )
     stream.synchronize()
-    assert np.array_equal(dst.cpu().numpy(),
-                          expected_after(src.cpu().numpy(), before, src_off, dst_off, sizes))
+    assert np.array_equal(
+        dst.cpu().numpy(), expected_after(src.cpu().numpy(), before, src_off, dst_off, sizes)
+    )
     if method == "auto" and kvcopy.testing.cuda.driver.can_access_peer(a, b):
         assert chose == "kernel", kvcopy.last_decision()
         assert kvcopy.last_decision().method == "kernel"
@@ -109,8 +115,7 @@ def test_peer_access_left_alone_when_disabled(two_gpus):
     out = run_child(ENABLE_CHILD.replace("ENABLE", "False"))
     assert (out["auto"], out["auto_ok"]) == ("batch", True)
     assert "method='kernel'" in out["kernel"] and "memory of device 1" in out["kernel"]
-    assert ("enable_peer_access is False" in out["kernel"]
-            or "cuDeviceCanAccessPeer is 0" in out["kernel"])
+    assert "enable_peer_access is False" in out["kernel"] or "cuDeviceCanAccessPeer is 0" in out["kernel"]
 
 
 VMM_CHILD = r"""
@@ -152,15 +157,19 @@ def test_virtual_memory_without_peer_mapping_is_never_touched_by_the_kernel(two_
         assert "cuMemSetAccess" in refusal or "cuDeviceCanAccessPeer is 0" in refusal
         for method in ("auto", "batch", "loop"):
             result = out[f"{method}@{side}"]
-            assert result.endswith(":ok") or (result.startswith("CudaError")
-                                              and "not mapped for device" in result), result
+            assert result.endswith(":ok") or (
+                result.startswith("CudaError") and "not mapped for device" in result
+            ), result
             assert not result.startswith("kernel")
 
 
 def _layered(torch, device: str, blocks: int, layers: int, fill: bool):
     shape = (blocks, 16, 8, 64)
-    make = (lambda: torch.randn(shape, dtype=torch.float16, device=device)) if fill else \
-        (lambda: torch.zeros(shape, dtype=torch.float16, device=device))
+    make = (
+        (lambda: torch.randn(shape, dtype=torch.float16, device=device))
+        if fill
+        else (lambda: torch.zeros(shape, dtype=torch.float16, device=device))
+    )
     return [make() for _ in range(layers)]
 
 
@@ -179,7 +188,7 @@ def test_swap_blocks_between_gpus_orders_like_torch(two_gpus):
         for t in dst:
             t.fill_(1.0)
     with torch.cuda.device(0):
-        torch.cuda._sleep(100_000_000)   # the source side is late too: the clone must wait
+        torch.cuda._sleep(100_000_000)  # the source side is late too: the clone must wait
     chose = kvcopy.swap_blocks(src, dst, mapping)
     with torch.cuda.device(1):
         seen = [t[mapping[:, 1]].clone() for t in dst]
@@ -201,12 +210,12 @@ def test_transfer_queue_between_gpus(two_gpus, method):
     with kvcopy.TransferQueue(src, dst, method=method) as queue:
         with torch.cuda.device(0):
             torch.cuda._sleep(100_000_000)
-            for t, e in zip(src, expected):   # the final bytes, written late on GPU0
+            for t, e in zip(src, expected):  # the final bytes, written late on GPU0
                 t.copy_(e * 2)
         with torch.cuda.device(1):
             torch.cuda._sleep(50_000_000)
             for t in dst:
-                t.fill_(3.0)                   # queued on GPU1 before the job: must come first
+                t.fill_(3.0)  # queued on GPU1 before the job: must come first
         queue.submit("seq", np.array([[1, 2], [30, 31], [4, 4]]))
         (result,) = queue.wait(["seq"])
     assert result.ok
@@ -231,27 +240,36 @@ def test_mixed_device_batch(two_gpus, method):
     o0 = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
     o1 = torch.zeros(n, dtype=torch.uint8, device="cuda:1")
     k = 16 * KiB
-    copies = [(host, 0, o0, 0), (host, k, o1, 0), (g0, 0, o1, k), (g1, 0, o0, k), (g0, k, o0, 2 * k),
-              (g1, k, host_out, 0)]
+    copies = [
+        (host, 0, o0, 0),
+        (host, k, o1, 0),
+        (g0, 0, o1, k),
+        (g1, 0, o0, k),
+        (g0, k, o0, 2 * k),
+        (g1, k, host_out, 0),
+    ]
     src = np.array([s.data_ptr() + so for s, so, _, _ in copies], dtype=np.uint64)
     dst = np.array([d.data_ptr() + do for _, _, d, do in copies], dtype=np.uint64)
     stream = torch.cuda.Stream(device=0)
-    kvcopy.copy_batch(src, dst, np.full(len(copies), k, dtype=np.uint64), stream=stream,
-                      method=method)
+    kvcopy.copy_batch(src, dst, np.full(len(copies), k, dtype=np.uint64), stream=stream, method=method)
     stream.synchronize()
     for s, so, d, do in copies:
-        assert torch.equal(d[do:do + k].cpu(), s[so:so + k].cpu())
+        assert torch.equal(d[do : do + k].cpu(), s[so : so + k].cpu())
 
 
 def test_default_stream_between_gpus(two_gpus):
     torch = two_gpus
     src, dst = _pools(torch, 1, 0, 1 * MiB, seed=5)
     kvcopy.copy_batch([src.data_ptr()], [dst.data_ptr() + 4096], [65536], stream=0)
-    kvcopy.copy_batch([src.data_ptr(), src.data_ptr() + 8192], [dst.data_ptr(), dst.data_ptr() + 100000],
-                      [4096, 4096], stream=0)
+    kvcopy.copy_batch(
+        [src.data_ptr(), src.data_ptr() + 8192],
+        [dst.data_ptr(), dst.data_ptr() + 100000],
+        [4096, 4096],
+        stream=0,
+    )
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
-    assert torch.equal(dst[4096:4096 + 65536].cpu(), src[:65536].cpu())
+    assert torch.equal(dst[4096 : 4096 + 65536].cpu(), src[:65536].cpu())
     assert torch.equal(dst[100000:104096].cpu(), src[8192:12288].cpu())
 
 
@@ -264,7 +282,7 @@ def test_capture_between_gpus(two_gpus):
     sizes = np.full(64, 16 * KiB, dtype=np.uint64)
     with torch.cuda.device(0):
         stream = torch.cuda.Stream()
-        kvcopy.copy_batch(s_ptr, d_ptr, sizes, stream=stream)   # warm-up
+        kvcopy.copy_batch(s_ptr, d_ptr, sizes, stream=stream)  # warm-up
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
@@ -277,7 +295,7 @@ def test_capture_between_gpus(two_gpus):
         torch.cuda.synchronize(0)
     for i in range(64):
         s_at, d_at = int(offs[i]), int(offs[63 - i])
-        assert torch.equal(dst[d_at:d_at + 16 * KiB].cpu(), src[s_at:s_at + 16 * KiB].cpu())
+        assert torch.equal(dst[d_at : d_at + 16 * KiB].cpu(), src[s_at : s_at + 16 * KiB].cpu())
 
 
 def test_calibrate_peers(two_gpus, tmp_path, monkeypatch):
@@ -287,5 +305,6 @@ def test_calibrate_peers(two_gpus, tmp_path, monkeypatch):
         pytest.skip("no peer-to-peer path: nothing to calibrate")
     assert "p2p 0>1" in found.batch_min_bytes
     from kvcopy.testing import engine
+
     device = engine.device
     assert "p2p 1>0" in device.thresholds(1).batch_min_bytes

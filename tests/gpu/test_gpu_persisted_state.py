@@ -1,5 +1,6 @@
 """Files kvcopy keeps, on a GPU: a cubin damaged on disk is rebuilt and the kernel runs;
 processes calibrating at once leave one valid file holding every process's results."""
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,12 @@ def test_a_cubin_damaged_on_disk_is_rebuilt_and_the_kernel_runs(tmp_path, damage
     assert first["used"] == "kernel" and first["ok"] and len(first["cubins"]) == 1
     path = first["cubins"][0]
     data = open(path, "rb").read()
-    damaged = {"truncated": data[:len(data) // 3], "empty": b"",
-               "garbage": os.urandom(len(data))}[damage]
+    damaged = {"truncated": data[: len(data) // 3], "empty": b"", "garbage": os.urandom(len(data))}[damage]
     with open(path, "wb") as out:
         out.write(damaged)
     second = run_child(COPY_CHILD, env=env)
     assert second["used"] == "kernel" and second["ok"]
-    assert open(path, "rb").read() == data   # rebuilt whole: the next process reads it
+    assert open(path, "rb").read() == data  # rebuilt whole: the next process reads it
 
 
 CALIBRATE_CHILD = r"""
@@ -62,9 +62,17 @@ print(json.dumps({"device": device, "pid": os.getpid()}))
 
 def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(tmp_path):
     env = dict(os.environ, KVCOPY_CACHE_DIR=str(tmp_path))
-    children = [subprocess.Popen([sys.executable, "-c", CALIBRATE_CHILD, str(k)], cwd=CHILD_CWD,
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for k in range(2)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CALIBRATE_CHILD, str(k)],
+            cwd=CHILD_CWD,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(2)
+    ]
     results = []
     for child in children:
         out, err = child.communicate(timeout=300)
@@ -74,7 +82,7 @@ def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(
     assert files and not list(tmp_path.glob("*.tmp"))
     saved_by = set()
     for path in files:
-        data = json.loads(path.read_text())   # whole, strict JSON
+        data = json.loads(path.read_text())  # whole, strict JSON
         assert data["schema"] == 2 and "Infinity" not in path.read_text()
         saved_by |= {(s["pid"], s["ordinal"]) for s in data["saves"]}
         assert any(key.startswith("h2d/") for key in data["measurements"])

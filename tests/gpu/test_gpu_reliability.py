@@ -1,4 +1,5 @@
 """Faults, threads, huge batches, leaks, graph capture and environment, on a real GPU."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import kvcopy
 from helpers.child import run_child
 from helpers.gpu import make_pool
 from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
-
 
 
 FAULT_CHILD = r"""
@@ -68,8 +68,12 @@ def test_explicit_kernel_refuses_memory_it_cannot_map(torch_cuda):
     a = torch_cuda.empty(1 << 20, dtype=torch_cuda.uint8, device="cuda")
     b = torch_cuda.empty(1 << 20, dtype=torch_cuda.uint8).pin_memory()
     with pytest.raises(ValueError, match="method='kernel' needs"):
-        kvcopy.copy_batch([a.data_ptr(), a.data_ptr() + 8192], [b.data_ptr(), b.data_ptr() + 8192],
-                          [4096, 8 << 20], method="kernel")
+        kvcopy.copy_batch(
+            [a.data_ptr(), a.data_ptr() + 8192],
+            [b.data_ptr(), b.data_ptr() + 8192],
+            [4096, 8 << 20],
+            method="kernel",
+        )
 
 
 KERNEL_FAULT_CHILD = r"""
@@ -113,6 +117,7 @@ def test_illegal_address_in_the_kernel_poisons_the_context(torch_cuda):
 
 # ------------------------------------------------------------------ load
 
+
 def test_eight_threads_thousand_calls_each(torch_cuda):
     torch = torch_cuda
     calls, per_call, block = 1000, 16, 256
@@ -128,9 +133,12 @@ def test_eight_threads_thousand_calls_each(torch_cuda):
             for i in range(calls):
                 pick = rng.integers(0, per_call * 8, per_call)
                 picks.append(pick)
-                kvcopy.copy_batch(src.data_ptr() + pick * block,
-                                  dst.data_ptr() + (i * per_call + np.arange(per_call)) * block,
-                                  np.full(per_call, block), stream=stream)
+                kvcopy.copy_batch(
+                    src.data_ptr() + pick * block,
+                    dst.data_ptr() + (i * per_call + np.arange(per_call)) * block,
+                    np.full(per_call, block),
+                    stream=stream,
+                )
             stream.synchronize()
             got = dst.cpu().numpy().reshape(calls * per_call, block)
             want = src.numpy().reshape(-1, block)[np.concatenate(picks)]
@@ -157,8 +165,9 @@ def test_200000_descriptors(torch_cuda, method):
     s_off = rng.permutation(2 * n)[:n] * block
     d_off = rng.permutation(2 * n)[:n] * block
     stream = torch.cuda.Stream()
-    kvcopy.copy_batch(src.data_ptr() + s_off, dst.data_ptr() + d_off, np.full(n, block),
-                      stream=stream, method=method)
+    kvcopy.copy_batch(
+        src.data_ptr() + s_off, dst.data_ptr() + d_off, np.full(n, block), stream=stream, method=method
+    )
     stream.synchronize()
     got = dst.cpu().numpy().reshape(-1, block)[d_off // block]
     want = src.numpy().reshape(-1, block)[s_off // block]
@@ -216,8 +225,7 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
     # both ways at once: kernel pair and engines measured at each size, and the
     # crossover is the first size from which the engines keep up to the end
     both = {block: saved["measurements"][f"both_ways/{block}"] for block in BOTH_WAYS_BLOCKS}
-    assert all(set(gbps) == {"kernel", "batch"} and min(gbps.values()) > 0
-               for gbps in both.values())
+    assert all(set(gbps) == {"kernel", "batch"} and min(gbps.values()) > 0 for gbps in both.values())
     keeps_up = [gbps["batch"] >= 0.98 * gbps["kernel"] for gbps in both.values()]
     expected = float("inf")
     for block, ok in zip(reversed(BOTH_WAYS_BLOCKS), reversed(keeps_up)):
@@ -240,12 +248,14 @@ def test_calibrate_and_queue_close_repeated(torch_cuda, tmp_path, monkeypatch):
             q.submit(i, [[i % 8, (i + 1) % 8]])
     assert free - torch.cuda.mem_get_info()[0] < 16 << 20
     from kvcopy.testing import engine
+
     device = engine.device
 
     device.set_thresholds(0, kvcopy.policy.Thresholds())  # leave the defaults for other tests
 
 
 # ------------------------------------------------------------------ capture with cuda.core
+
 
 @pytest.mark.parametrize("method", ["auto", "loop", "kernel"])
 def test_capture_on_a_cuda_core_stream(torch_cuda, method):
@@ -264,8 +274,9 @@ def test_capture_on_a_cuda_core_stream(torch_cuda, method):
     mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
     (err,) = driver.cuStreamBeginCapture(handle, mode)
     assert err == driver.CUresult.CUDA_SUCCESS
-    used = kvcopy.copy_batch(src.data_ptr() + s_off, dst.data_ptr() + d_off, sizes, stream=stream,
-                             method=method)
+    used = kvcopy.copy_batch(
+        src.data_ptr() + s_off, dst.data_ptr() + d_off, sizes, stream=stream, method=method
+    )
     err, graph = driver.cuStreamEndCapture(handle)
     assert err == driver.CUresult.CUDA_SUCCESS and used != "batch"
     err, exe = driver.cuGraphInstantiate(graph, 0)
@@ -307,6 +318,7 @@ def test_primary_context_is_retained_once_and_is_the_one_torch_uses(torch_cuda):
     retain per call would grow the driver's count without bound), and the context
     torch's CUDA work runs in."""
     from kvcopy.testing import cuda
+
     kv_driver = cuda.driver
 
     torch_cuda.zeros(1, device="cuda:0")
@@ -345,8 +357,7 @@ print(json.dumps({"before": seen["before"], "after": seen["after"], "loaded": lo
 """
 
 
-def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_as_it_was(
-        torch_cuda):
+def test_prepare_loads_the_kernel_in_the_primary_context_and_leaves_the_thread_as_it_was(torch_cuda):
     """kvcopy.prepare(0) from a thread with no context: the kernel is loaded in device
     0's primary context, the thread has no current context after, and copies run."""
     res = run_child(PREPARE_CHILD)

@@ -6,6 +6,7 @@ full path would have launched the same thing: not on a capturing stream, not
 after a setting changed, not where the memory's kinds differ, not where the other
 direction's traffic would change the decision.
 """
+
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 import kvcopy
 from kvcopy.testing import engine
+
 replay, traffic_window = engine.replay, engine.traffic_window
 
 KiB = 1 << 10
@@ -47,14 +49,12 @@ class Pools:
     def __init__(self, torch, direction: str, seed: int, block: int = BLOCK) -> None:
         self.torch, self.block = torch, block
         nbytes = POOL_BLOCKS * block
-        data = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes,
-                                                                     dtype=np.uint8))
+        data = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8))
         host = data.pin_memory()
         gpu = data.cuda()
         gpu2 = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
         spare = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
-        self.src, self.dst = {"h2d": (host, gpu2), "d2h": (gpu, spare),
-                              "d2d": (gpu, gpu2)}[direction]
+        self.src, self.dst = {"h2d": (host, gpu2), "d2h": (gpu, spare), "d2d": (gpu, gpu2)}[direction]
 
     def batch(self, rng, count: int):
         """``count`` random distinct blocks to random distinct blocks, no copy
@@ -63,13 +63,16 @@ class Pools:
         while True:
             s_ids = rng.choice(POOL_BLOCKS, count, replace=False).astype(np.uint64)
             d_ids = rng.choice(POOL_BLOCKS, count, replace=False).astype(np.uint64)
-            if not np.any((np.diff(s_ids.astype(np.int64)) == 1)
-                          & (np.diff(d_ids.astype(np.int64)) == 1)):
+            if not np.any((np.diff(s_ids.astype(np.int64)) == 1) & (np.diff(d_ids.astype(np.int64)) == 1)):
                 break
         block = np.uint64(self.block)
-        return (np.uint64(self.src.data_ptr()) + s_ids * block,
-                np.uint64(self.dst.data_ptr()) + d_ids * block,
-                np.full(count, self.block, np.uint64), s_ids, d_ids)
+        return (
+            np.uint64(self.src.data_ptr()) + s_ids * block,
+            np.uint64(self.dst.data_ptr()) + d_ids * block,
+            np.full(count, self.block, np.uint64),
+            s_ids,
+            d_ids,
+        )
 
     def check(self, s_ids, d_ids) -> None:
         self.torch.cuda.synchronize()
@@ -93,8 +96,7 @@ def recorded(torch, direction: str, seed: int, count: int = 16):
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("count", [2, 16, 31, 32, 64, 127])
 @pytest.mark.parametrize("method", ["auto", "kernel"])
-def test_repeated_small_batches_replay_and_copy_their_own_blocks(torch_cuda, direction, count,
-                                                                 method):
+def test_repeated_small_batches_replay_and_copy_their_own_blocks(torch_cuda, direction, count, method):
     torch = torch_cuda
     pools = Pools(torch, direction, seed=count)
     stream = torch.cuda.Stream()
@@ -104,7 +106,7 @@ def test_repeated_small_batches_replay_and_copy_their_own_blocks(torch_cuda, dir
     decided = kvcopy.last_decision()
     pools.check(s_ids, d_ids)
     assert first == "kernel" and replays() == 0
-    for step in range(1, 6):      # new blocks every step, the same shape
+    for step in range(1, 6):  # new blocks every step, the same shape
         s, d, sizes, s_ids, d_ids = pools.batch(rng, count)
         assert kvcopy.copy_batch(s, d, sizes, stream=stream, method=method) == "kernel"
         assert kvcopy.last_decision() == decided
@@ -122,10 +124,10 @@ def test_a_replay_checks_every_copy_first(torch_cuda):
         with pytest.raises(ValueError, match=rf"src_ptrs\[{bad}\]"):
             kvcopy.copy_batch(s, d, sizes, stream=stream)
     torch.cuda.synchronize()
-    assert bool((pools.dst == 7).all())            # nothing was written
+    assert bool((pools.dst == 7).all())  # nothing was written
     assert replays() == 0
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
-    kvcopy.copy_batch(s, d, sizes, stream=stream)   # and the record still serves
+    kvcopy.copy_batch(s, d, sizes, stream=stream)  # and the record still serves
     assert replays() == 1
     pools.check(s_ids, d_ids)
 
@@ -146,7 +148,7 @@ def test_a_capturing_stream_is_not_replayed(torch_cuda):
     pools, stream, rng = recorded(torch, "h2d", seed=7)
     s, d, sizes, *_ = pools.batch(rng, 16)
     with torch.cuda.stream(stream):
-        kvcopy.copy_batch(s, d, sizes, stream=stream)    # a warm-up replayed
+        kvcopy.copy_batch(s, d, sizes, stream=stream)  # a warm-up replayed
     assert replays() == 1
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     graph = torch.cuda.CUDAGraph()
@@ -166,7 +168,7 @@ def test_a_setting_changed_is_not_replayed(torch_cuda, monkeypatch):
     kvcopy.config.host_ctas = 1
     s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
-    assert replays() == 1                # decided again under the new setting
+    assert replays() == 1  # decided again under the new setting
     pools.check(s_ids, d_ids)
     s, d, sizes, *_ = pools.batch(rng, 16)
     kvcopy.copy_batch(s, d, sizes, stream=stream)
@@ -210,10 +212,10 @@ def test_a_replayed_load_still_counts_as_traffic(torch_cuda):
         s, d, sizes, *_ = load.batch(rng, 127)
         kvcopy.copy_batch(s, d, sizes, stream=load_stream)
     assert replays() == 1
-    ss, sd, ssizes, *_ = store.batch(rng, 4)      # 1 MiB against the load's ~2 MiB
+    ss, sd, ssizes, *_ = store.batch(rng, 4)  # 1 MiB against the load's ~2 MiB
     traffic_window.forget()
     s, d, sizes, *_ = load.batch(rng, 127)
-    kvcopy.copy_batch(s, d, sizes, stream=load_stream)   # replayed: the only note
+    kvcopy.copy_batch(s, d, sizes, stream=load_stream)  # replayed: the only note
     assert replays() == 2
     assert kvcopy.copy_batch(ss, sd, ssizes, stream=store_stream) == "batch"
     torch.cuda.synchronize()
@@ -222,8 +224,7 @@ def test_a_replayed_load_still_counts_as_traffic(torch_cuda):
 def test_threads_replaying_on_their_own_streams(torch_cuda):
     torch = torch_cuda
     failures: list[BaseException] = []
-    pools = [Pools(torch, direction, seed=20 + k)
-             for k, direction in enumerate(("h2d", "d2h", "h2d", "d2d"))]
+    pools = [Pools(torch, direction, seed=20 + k) for k, direction in enumerate(("h2d", "d2h", "h2d", "d2d"))]
 
     def worker(k: int) -> None:
         try:
@@ -234,7 +235,7 @@ def test_threads_replaying_on_their_own_streams(torch_cuda):
                 kvcopy.copy_batch(s, d, sizes, stream=stream)
                 stream.synchronize()
                 pools[k].check(s_ids, d_ids)
-        except BaseException as exc:   # noqa: BLE001 - reported below
+        except BaseException as exc:  # noqa: BLE001 - reported below
             failures.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(pools))]
@@ -243,7 +244,7 @@ def test_threads_replaying_on_their_own_streams(torch_cuda):
     for t in threads:
         t.join()
     assert not failures, failures
-    assert replays() == 4 * 39   # all but each thread's first
+    assert replays() == 4 * 39  # all but each thread's first
 
 
 @pytest.mark.parametrize("stream", [None, 0, 1, 2])
@@ -272,10 +273,14 @@ def test_other_shapes_and_merged_copies_are_told_apart(torch_cuda):
 
     def merged_batch():
         s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
-        while s_ids[3] + 1 >= POOL_BLOCKS or d_ids[3] + 1 >= POOL_BLOCKS \
-                or s_ids[3] + 1 in s_ids or d_ids[3] + 1 in d_ids:
+        while (
+            s_ids[3] + 1 >= POOL_BLOCKS
+            or d_ids[3] + 1 >= POOL_BLOCKS
+            or s_ids[3] + 1 in s_ids
+            or d_ids[3] + 1 in d_ids
+        ):
             s, d, sizes, s_ids, d_ids = pools.batch(rng, 16)
-        s_ids[4], d_ids[4] = s_ids[3] + 1, d_ids[3] + 1      # copy 4 continues copy 3
+        s_ids[4], d_ids[4] = s_ids[3] + 1, d_ids[3] + 1  # copy 4 continues copy 3
         s[4], d[4] = s[3] + np.uint64(BLOCK), d[3] + np.uint64(BLOCK)
         return s, d, sizes, s_ids, d_ids
 

@@ -1,6 +1,7 @@
 """copy_rows_both_ways on a real GPU: a store of token rows from paged caches into a
 pinned chunk and a load of other rows back, at once, with indices on the GPU and on
 the host, on a created stream and under capture; every byte against torch oracles."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,13 +35,13 @@ def test_a_store_and_a_load_at_once_move_every_byte(torch_cuda, row, indices_on)
     caches, out, back, store_slots, load_slots = step(torch, row, row // 512)
     before = [c.clone() for c in caches]
     paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
-    as_given = ((lambda a: torch.from_numpy(a).cuda()) if indices_on == "gpu"
-                else (lambda a: a))
+    as_given = (lambda a: torch.from_numpy(a).cuda()) if indices_on == "gpu" else (lambda a: a)
     stream = torch.cuda.Stream()
     ran = kvcopy.copy_rows_both_ways(
         (paged_layout, Layout.of(out, planes=(1, 0), slot=2), as_given(store_slots)),
         (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, as_given(load_slots)),
-        stream=stream)
+        stream=stream,
+    )
     stream.synchronize()
     # sides of 8 MiB or more go through the staging buffers, indices wherever they are
     side_bytes = out.numel()
@@ -49,8 +50,7 @@ def test_a_store_and_a_load_at_once_move_every_byte(torch_cuda, row, indices_on)
     else:
         assert set(ran) <= {"kernel", "batch"}, ran
     assert torch.equal(out, gathered(torch, before, store_slots))
-    for layer, (cache, want) in enumerate(zip(caches, expected_cache(torch, before, back,
-                                                                     load_slots))):
+    for layer, (cache, want) in enumerate(zip(caches, expected_cache(torch, before, back, load_slots))):
         assert torch.equal(cache.reshape(2, 256, -1), want), layer
 
 
@@ -66,7 +66,8 @@ def test_a_captured_step_replays_with_new_indices(torch_cuda):
     with torch.cuda.graph(graph, stream=stream):
         kvcopy.copy_rows_both_ways(
             (paged_layout, Layout.of(out, planes=(1, 0), slot=2), store_index),
-            (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, load_index))
+            (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, load_index),
+        )
     rng = np.random.default_rng(3)
     for _ in range(5):
         order = rng.permutation(256)

@@ -3,6 +3,7 @@ spans, as LMCache keeps its chunks, go through GPU staging buffers. Every block 
 checked against torch's gather; ordering against work queued before and after on the
 caller's stream, graph capture, the legacy default stream, threads sharing the
 buffers, and the cases that stay with the kernel. Skipped without a GPU."""
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,7 @@ import kvcopy
 from kvcopy.policy import STAGING_MIN_BYTES
 
 KiB, MiB = 1 << 10, 1 << 20
-BLOCKS = STAGING_MIN_BYTES // (16 * KiB)   # the smallest batch of 16 KiB blocks staged
+BLOCKS = STAGING_MIN_BYTES // (16 * KiB)  # the smallest batch of 16 KiB blocks staged
 
 
 class Spans:
@@ -30,10 +31,10 @@ class Spans:
         rng = np.random.default_rng(seed)
         self.gpu_ids = rng.permutation(2 * count)[:count]
         gen = torch.Generator().manual_seed(seed)
-        self.host = torch.randint(0, 256, (host_blocks * block,), dtype=torch.uint8,
-                                  generator=gen).pin_memory()
-        self.gpu = torch.randint(0, 256, (2 * count * block,), dtype=torch.uint8,
-                                 generator=gen).cuda()
+        self.host = torch.randint(
+            0, 256, (host_blocks * block,), dtype=torch.uint8, generator=gen
+        ).pin_memory()
+        self.gpu = torch.randint(0, 256, (2 * count * block,), dtype=torch.uint8, generator=gen).cuda()
         self.host_before = self.host.clone()
 
     def pointers(self, tensor, ids: np.ndarray) -> np.ndarray:
@@ -43,12 +44,10 @@ class Spans:
         return np.full(self.count, self.block, dtype=np.uint64)
 
     def load(self) -> tuple:
-        return self.pointers(self.host, self.host_ids), self.pointers(self.gpu, self.gpu_ids), \
-            self.sizes()
+        return self.pointers(self.host, self.host_ids), self.pointers(self.gpu, self.gpu_ids), self.sizes()
 
     def store(self) -> tuple:
-        return self.pointers(self.gpu, self.gpu_ids), self.pointers(self.host, self.host_ids), \
-            self.sizes()
+        return self.pointers(self.gpu, self.gpu_ids), self.pointers(self.host, self.host_ids), self.sizes()
 
     def host_blocks(self):
         self.torch.cuda.synchronize()
@@ -64,8 +63,9 @@ class Spans:
         gaps = np.setdiff1d(np.arange(self.host.numel() // self.block), self.host_ids)
         if len(gaps):
             index = self.torch.from_numpy(gaps)
-            assert self.torch.equal(self.host.view(-1, self.block)[index],
-                                    self.host_before.view(-1, self.block)[index])
+            assert self.torch.equal(
+                self.host.view(-1, self.block)[index], self.host_before.view(-1, self.block)[index]
+            )
 
 
 @pytest.fixture
@@ -76,9 +76,17 @@ def staging_bytes():
     kvcopy.config.staging_bytes = saved
 
 
-@pytest.mark.parametrize("direction, block, spans", [
-    ("h2d", 4 * KiB, 1), ("h2d", 64 * KiB, 8), ("h2d", 16 * KiB, 4),
-    ("d2h", 16 * KiB, 1), ("d2h", 64 * KiB, 8), ("d2h", 4 * KiB, 4)])
+@pytest.mark.parametrize(
+    "direction, block, spans",
+    [
+        ("h2d", 4 * KiB, 1),
+        ("h2d", 64 * KiB, 8),
+        ("h2d", 16 * KiB, 4),
+        ("d2h", 16 * KiB, 1),
+        ("d2h", 64 * KiB, 8),
+        ("d2h", 4 * KiB, 4),
+    ],
+)
 def test_one_way_batches_of_long_host_spans_are_staged(torch_cuda, direction, block, spans):
     torch = torch_cuda
     s = Spans(torch, block, STAGING_MIN_BYTES // block, spans, seed=block + spans)
@@ -92,8 +100,7 @@ def test_one_way_batches_of_long_host_spans_are_staged(torch_cuda, direction, bl
     s.check()
 
 
-def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(torch_cuda,
-                                                                                staging_bytes):
+def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(torch_cuda, staging_bytes):
     """16 KiB blocks in chunks of 4 (64 KiB + 4 KiB of buffer), the smallest batch
     staged: a store out to the host
     and, queued right behind it on the same stream, a load of those host blocks into
@@ -114,8 +121,7 @@ def test_small_chunks_reuse_each_buffer_many_times_in_one_call_and_across_calls(
     stream.synchronize()
     for out, back, perm in rounds:
         out.check()
-        assert torch.equal(back.view(-1, 16 * KiB)[torch.from_numpy(perm).cuda()].cpu(),
-                           out.gpu_blocks())
+        assert torch.equal(back.view(-1, 16 * KiB)[torch.from_numpy(perm).cuda()].cpu(), out.gpu_blocks())
 
 
 def test_both_ways_are_staged_and_ordered_between_the_work_before_and_after(torch_cuda):
@@ -124,10 +130,10 @@ def test_both_ways_are_staged_and_ordered_between_the_work_before_and_after(torc
     want_loaded = into.host_blocks().clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        out.gpu.add_(1)                                     # queued before: the store sees it
+        out.gpu.add_(1)  # queued before: the store sees it
         ran = kvcopy.copy_both_ways(out.store(), into.load(), stream=stream)
         ids = torch.from_numpy(into.gpu_ids).cuda()
-        after = into.gpu.view(-1, 16 * KiB)[ids].clone()    # queued after: sees the load
+        after = into.gpu.view(-1, 16 * KiB)[ids].clone()  # queued after: sees the load
     assert ran == ("staged", "staged")
     stream.synchronize()
     out.check()
@@ -182,9 +188,9 @@ def test_captured_after_a_staged_warm_up_call_the_graph_copies_by_the_kernel(tor
 def test_the_legacy_default_stream_is_ordered_with_torchs_default_stream(torch_cuda):
     torch = torch_cuda
     s = Spans(torch, 16 * KiB, BLOCKS, seed=7)
-    s.gpu.add_(3)                       # torch's default stream: the legacy one
+    s.gpu.add_(3)  # torch's default stream: the legacy one
     assert kvcopy.copy_batch(*s.store(), stream=0) == "staged"
-    s.check()                           # (synchronizes the device)
+    s.check()  # (synchronizes the device)
 
 
 def test_threads_on_streams_of_their_own_share_the_buffers_safely(torch_cuda):
@@ -199,7 +205,7 @@ def test_threads_on_streams_of_their_own_share_the_buffers_safely(torch_cuda):
                 assert kvcopy.copy_batch(*s.load(), stream=stream) == "staged"
                 assert kvcopy.copy_batch(*s.store(), stream=stream) == "staged"
             stream.synchronize()
-        except BaseException as exc:   # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(s,)) for s in sides]

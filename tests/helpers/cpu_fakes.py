@@ -1,5 +1,6 @@
 """Fakes shared by the CPU tests that run kvcopy's issue paths with the driver faked
 (through kvcopy.testing's seams: fake_cuda, fake_runtime)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator

@@ -1,11 +1,17 @@
 """Buffers and reference checks shared by the GPU tests."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-POOL_DEVICES = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned"), "d2d": ("cuda", "cuda"),
-                "pageable_h2d": ("pageable", "cuda"), "pageable_d2h": ("cuda", "pageable")}
+POOL_DEVICES = {
+    "h2d": ("pinned", "cuda"),
+    "d2h": ("cuda", "pinned"),
+    "d2d": ("cuda", "cuda"),
+    "pageable_h2d": ("pageable", "cuda"),
+    "pageable_d2h": ("cuda", "pageable"),
+}
 
 
 def make_pool(kind: str, nbytes: int, seed: int):
@@ -48,7 +54,7 @@ def scattered(count: int, sizes, pool_bytes: int, rng, align: int = 1):
 def expected_after(src_before: np.ndarray, dst_before: np.ndarray, src_off, dst_off, sizes):
     out = dst_before.copy()
     for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
-        out[d:d + n] = src_before[s:s + n]
+        out[d : d + n] = src_before[s : s + n]
     return out
 
 

@@ -1,5 +1,6 @@
 """Runs pointer copies between host arrays with memmove: what a planned batch writes,
 checked on the CPU against an oracle in NumPy."""
+
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,5 @@
 """Paged caches of random bytes and their gathered oracle, for the layout tests."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,9 @@ def gathered(torch, caches, slots):
     return out
 
 
-def replay_with_new_indices(torch, graph, src, dst, src_index, dst_index, steps: int,
-                            seed: int, out_of_range_at: int | None = None) -> None:
+def replay_with_new_indices(
+    torch, graph, src, dst, src_index, dst_index, steps: int, seed: int, out_of_range_at: int | None = None
+) -> None:
     """Replay ``graph`` (a captured copy of rows src[src_index] into every plane of
     ``dst`` [planes, slots, row] at dst_index) ``steps`` times, refilling the indices in
     place each time, and check every byte; at step ``out_of_range_at`` one destination
@@ -58,5 +60,5 @@ def replay_with_new_indices(torch, graph, src, dst, src_index, dst_index, steps:
             with pytest.raises(kvcopy.IndexOutOfRange) as info:
                 kvcopy.check_indices()
             assert info.value.first_row == 7
-            del info   # (its traceback holds this frame, and so the graph, in a cycle)
+            del info  # (its traceback holds this frame, and so the graph, in a cycle)
     kvcopy.check_indices()

@@ -1,5 +1,6 @@
 """copy_rows' engine layers faked (through kvcopy.testing's seams): memory classified
 as the test says, layout-kernel launches, uploads, fences and stream joins recorded."""
+
 from __future__ import annotations
 
 import ctypes
@@ -21,8 +22,12 @@ class GpuIndices:
     """Int64 indices that say they live on the GPU (at a made-up address)."""
 
     def __init__(self, count: int, address: int = 0x7000_0000) -> None:
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i8",
-                                         "data": (address, False), "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (count,),
+            "typestr": "<i8",
+            "data": (address, False),
+            "version": 3,
+        }
 
 
 class FakeRowsCuda(FakeCaptureDriver):
@@ -35,13 +40,13 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.calls: list[tuple] = []
         self.ctas: list[int] = []
         self.contexts: list[int] = []
-        self.context_alive = True   # whether built launches' context still stands
-        self.context_key = 1        # the current context's key (a reset makes another)
-        self.classified = 0         # sides classified
+        self.context_alive = True  # whether built launches' context still stands
+        self.context_key = 1  # the current context's key (a reset makes another)
+        self.classified = 0  # sides classified
         self.PLANES_PER_LAUNCH = cuda.rows.PLANES_PER_LAUNCH
 
     def __getattr__(self, name: str):
-        if name.startswith("KIND_"):   # the classify layer's constants are the real ones
+        if name.startswith("KIND_"):  # the classify layer's constants are the real ones
             return getattr(cuda.classify, name)
         raise AttributeError(name)
 
@@ -52,8 +57,21 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.sides.append(self.sides.pop(0))
         return side
 
-    def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
-                     piece_bytes, ctas, threads, stream, context=0):
+    def RowsLaunches(
+        self,
+        function,
+        src_side,
+        dst_side,
+        src_bases,
+        dst_bases,
+        rows,
+        pieces,
+        piece_bytes,
+        ctas,
+        threads,
+        stream,
+        context=0,
+    ):
         """Built launches: each launch() is recorded as a call."""
         call = ("launch", function, src_side, dst_side, rows, pieces, piece_bytes, stream)
         driver = self
@@ -69,6 +87,7 @@ class FakeRowsCuda(FakeCaptureDriver):
                 driver.calls.append(call)
                 driver.ctas.append(ctas)
                 return 1
+
         return Launches()
 
     def current_context(self):
@@ -87,20 +106,21 @@ class FakeRowsCuda(FakeCaptureDriver):
         self.calls.append(("wait", waiter, waited))
 
 
-
-
 def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=None):
     """FakeRowsCuda in place of the driver layers, a loaded kernel, a descriptor-ring slot
     over ``slot_memory``, and ``side_stream`` for kvcopy's side streams."""
     found = FakeRowsCuda(src, dst, capturing)
-    found.slot_memory = slot_memory   # the slot holds only its address: keep it alive
+    found.slot_memory = slot_memory  # the slot holds only its address: keep it alive
     seams.enter_context(testing.fake_cuda(found, ("driver", "launch", "classify", "rows")))
-    kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None,
-                                       function_rows=42, rows_report=0x99)
-    slot = engine.ring.Slot(capacity=slot_memory.nbytes, host=slot_memory.ctypes.data, mapped=0x2000,
-                            device=0x3000, event=0x77)
-    seams.enter_context(testing.fake_runtime(copy_kernel=kernel, slot=slot, scope=FakeScope,
-                                             side_stream=side_stream))
+    kernel = engine.kernels.CopyKernel(
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
+    )
+    slot = engine.ring.Slot(
+        capacity=slot_memory.nbytes, host=slot_memory.ctypes.data, mapped=0x2000, device=0x3000, event=0x77
+    )
+    seams.enter_context(
+        testing.fake_runtime(copy_kernel=kernel, slot=slot, scope=FakeScope, side_stream=side_stream)
+    )
     return found
 
 
@@ -145,12 +165,33 @@ class RowsOnHostMemory(FakeRowsCuda):
     def memcpy_loop(self, dst, src, sizes, stream):
         for d, s, n in zip(dst, src, sizes):
             ctypes.memmove(int(d), int(s), int(n))
-        self.calls.append(("memcpy", stream, tuple(int(d) for d in dst),
-                           tuple(int(s) for s in src), tuple(int(n) for n in sizes)))
+        self.calls.append(
+            (
+                "memcpy",
+                stream,
+                tuple(int(d) for d in dst),
+                tuple(int(s) for s in src),
+                tuple(int(n) for n in sizes),
+            )
+        )
 
-    def RowsLaunches(self, function, src_side, dst_side, src_bases, dst_bases, rows, pieces,
-                     piece_bytes, ctas, threads, stream, context=0, only_skipped_by=(0, 0),
-                     first_row=0):
+    def RowsLaunches(
+        self,
+        function,
+        src_side,
+        dst_side,
+        src_bases,
+        dst_bases,
+        rows,
+        pieces,
+        piece_bytes,
+        ctas,
+        threads,
+        stream,
+        context=0,
+        only_skipped_by=(0, 0),
+        first_row=0,
+    ):
         driver = self
         src_bases, dst_bases = [int(b) for b in src_bases], [int(b) for b in dst_bases]
 
@@ -165,16 +206,16 @@ class RowsOnHostMemory(FakeRowsCuda):
 
         def address(side, base, s, piece):
             page_size, page_stride, slot_stride, piece_stride = side[2:]
-            return (base + (s // page_size) * page_stride + (s % page_size) * slot_stride
-                    + piece * piece_stride) & ((1 << 64) - 1)
+            return (
+                base + (s // page_size) * page_stride + (s % page_size) * slot_stride + piece * piece_stride
+            ) & ((1 << 64) - 1)
 
         class Launches:
             def usable(self):
                 return True
 
             def launch(self):
-                driver.calls.append(("launch", stream, first_row, rows,
-                                     only_skipped_by[0] != 0))
+                driver.calls.append(("launch", stream, first_row, rows, only_skipped_by[0] != 0))
                 for row in range(first_row, first_row + rows):
                     if only_skipped_by[0]:
                         index = _u64_at(only_skipped_by[0] + 8 * row)
@@ -189,24 +230,59 @@ class RowsOnHostMemory(FakeRowsCuda):
                         continue
                     for p in range(len(src_bases)):
                         for j in range(pieces):
-                            ctypes.memmove(address(dst_side, dst_bases[p], d, j),
-                                           address(src_side, src_bases[p], s, j), piece_bytes)
+                            ctypes.memmove(
+                                address(dst_side, dst_bases[p], d, j),
+                                address(src_side, src_bases[p], s, j),
+                                piece_bytes,
+                            )
                 return 1
+
         return Launches()
 
-    def StagedRowsSide(self, function, load, staging_side, gpu_side, host_side, gpu_bases,
-                       host_bases, only_skipped_by, pieces, piece_bytes, ctas, threads,
-                       copy_stream, kernel_stream, first_rows, row_counts, host, staged, nbytes,
-                       staging_bases):
+    def StagedRowsSide(
+        self,
+        function,
+        load,
+        staging_side,
+        gpu_side,
+        host_side,
+        gpu_bases,
+        host_bases,
+        only_skipped_by,
+        pieces,
+        piece_bytes,
+        ctas,
+        threads,
+        copy_stream,
+        kernel_stream,
+        first_rows,
+        row_counts,
+        host,
+        staged,
+        nbytes,
+        staging_bases,
+    ):
         """kvcopy._cuda.rows.StagedRowsSide on this memory: each issue() makes the calls the
         C side makes, in its order, through the fakes above (so they are recorded and
         move the bytes)."""
         driver = self
 
         def launch(k, src_side, dst_side, src_bases, dst_bases, **only):
-            driver.RowsLaunches(function, src_side, dst_side, src_bases, dst_bases,
-                                int(row_counts[k]), pieces, piece_bytes, ctas, threads,
-                                kernel_stream, first_row=int(first_rows[k]), **only).launch()
+            driver.RowsLaunches(
+                function,
+                src_side,
+                dst_side,
+                src_bases,
+                dst_bases,
+                int(row_counts[k]),
+                pieces,
+                piece_bytes,
+                ctas,
+                threads,
+                kernel_stream,
+                first_row=int(first_rows[k]),
+                **only,
+            ).launch()
 
         indices = {"gpu": gpu_side, "only": only_skipped_by}
 
@@ -232,11 +308,13 @@ class RowsOnHostMemory(FakeRowsCuda):
                     driver.event_record(free, kernel_stream)
                     return
                 driver.stream_wait_event(kernel_stream, free)
-                launch(k, host_side, staging_side, host_bases, staging_bases[k],
-                       only_skipped_by=indices["only"])
+                launch(
+                    k, host_side, staging_side, host_bases, staging_bases[k], only_skipped_by=indices["only"]
+                )
                 launch(k, indices["gpu"], staging_side, gpu_bases, staging_bases[k])
                 driver.event_record(filled, kernel_stream)
                 driver.stream_wait_event(copy_stream, filled)
                 driver.memcpy_loop(host[k], staged[k], nbytes[k], copy_stream)
                 driver.event_record(free, copy_stream)
+
         return Side()

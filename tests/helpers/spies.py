@@ -1,4 +1,5 @@
 """A layer of the driver that records the calls a test names and runs them for real."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -10,9 +11,13 @@ class LayerSpy:
     ``real`` (``done(name, args, result)`` after it, where given); everything else is
     ``real``'s."""
 
-    def __init__(self, real: Any, names: tuple[str, ...],
-                 note: Callable[[str, tuple], None],
-                 done: Callable[[str, tuple, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        real: Any,
+        names: tuple[str, ...],
+        note: Callable[[str, tuple], None],
+        done: Callable[[str, tuple, Any], None] | None = None,
+    ) -> None:
         self._real, self._names, self._note, self._done = real, set(names), note, done
 
     def __getattr__(self, name: str) -> Any:
@@ -26,4 +31,5 @@ class LayerSpy:
             if self._done is not None:
                 self._done(name, args, result)
             return result
+
         return spied
