@@ -1,4 +1,4 @@
-"""Compare two sets of `python -m kvcopy.bench` results row by row: two builds (a
+"""Compare two sets of `python bench/run.py` results row by row: two builds (a
 change against the code before it) measured alternately on one machine, several runs
 each. For every row of the chosen method, GPU-time and wall GB/s of each run, the
 ratio of the means (after/before), and the run-to-run noise within each set (the

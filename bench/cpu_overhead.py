@@ -23,7 +23,7 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
+from kvcopy_bench.workloads import block_pairs, layered_caches, scattered_batch
 
 KiB = 1 << 10
 BUSY_CYCLES = 4_000_000  # ~2 ms of sleep kernel ahead of each timed call

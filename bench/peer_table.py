@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvcopy.bench.gpu_pairs import gpu_pair_available, peer_rows
+from kvcopy_bench.gpu_pairs import gpu_pair_available, peer_rows
 
 KiB = 1 << 10
 

@@ -5,7 +5,7 @@
 
 The reference results are bench/results/h200-quick.json (one H200) and
 bench/results/h200x2-quick.json (two H200s joined by NVLink), written by
-``python -m kvcopy.bench --quick --out DIR`` on those machines.
+``python bench/run.py --quick --out DIR`` on those machines.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ import kvcopy
 from kvcopy.testing import cuda
 
 kv_driver, kv_memory = cuda.driver, cuda.memory
-from kvcopy.bench.workloads import scattered_batch
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.workloads import scattered_batch
 
 SLEEP_MS = 50
 NBYTES = 256 << 10

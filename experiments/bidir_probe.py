@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import span_ms as _span
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import span_ms as _span
 from kvcopy.config import config
 
 KiB, MiB = 1 << 10, 1 << 20

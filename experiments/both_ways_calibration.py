@@ -16,7 +16,8 @@ import kvcopy
 from kvcopy.testing import engine
 
 device = engine.device
-from kvcopy.bench.extra import bidirectional
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.extra import bidirectional
 from kvcopy.policy import BOTH_WAYS_BATCH_MIN_BYTES
 
 KiB = 1 << 10

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.beside import Copier, Matmuls, paired
-from kvcopy.bench.scenarios import Pools, scattered_offsets
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.beside import Copier, Matmuls, paired
+from kvcopy_bench.scenarios import Pools, scattered_offsets
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 64 * MiB

@@ -20,9 +20,10 @@ from typing import Iterator
 import torch
 
 import kvcopy
-from kvcopy.bench.beside import Copier, Matmuls, paired, settings
-from kvcopy.bench.scenarios import Pools
-from kvcopy.bench.timing import call_to_completion_us, measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.beside import Copier, Matmuls, paired, settings
+from kvcopy_bench.scenarios import Pools
+from kvcopy_bench.timing import call_to_completion_us, measure
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 64 * MiB

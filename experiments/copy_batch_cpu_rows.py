@@ -15,7 +15,8 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.bench.workloads import scattered_batch
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.workloads import scattered_batch
 
 CALLS = 150
 ROWS = ((2048, 32768), (4096, 16384), (16384, 4096))

@@ -14,7 +14,8 @@ import torch
 
 import kvcopy
 from kvcopy import Layout
-from kvcopy.bench.timing import call_cpu_us
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import call_cpu_us
 
 caches = [torch.empty((2, 64, 16, 2048), dtype=torch.uint8, device="cuda") for _ in range(32)]
 chunk = torch.empty((2, 32, 256, 2048), dtype=torch.uint8, pin_memory=True)

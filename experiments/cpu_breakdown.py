@@ -32,7 +32,8 @@ from kvcopy.testing import engine
 decide = engine.decide
 from kvcopy.interop.arrays import as_u64_array
 from kvcopy._plans.copies import plan_copies
-from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.workloads import block_pairs, layered_caches, scattered_batch
 
 
 def timed(label: str, fn, calls: int = 300, sync=None) -> None:

@@ -34,7 +34,8 @@ from kvcopy.testing import cuda
 
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 kv_memory = cuda.memory
-from kvcopy.bench.workloads import scattered_batch
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.workloads import scattered_batch
 from kvcopy.interop.streams import resolve_stream
 
 

@@ -16,8 +16,9 @@ import torch
 import kvcopy
 
 try:
-    from kvcopy.bench.workloads import scattered_batch
-except ImportError:  # a build from before kvcopy.bench.workloads, timed for comparison
+    import bench_package  # noqa: F401 - kvcopy_bench's place
+    from kvcopy_bench.workloads import scattered_batch
+except ImportError:  # a build from before kvcopy_bench.workloads, timed for comparison
 
     def scattered_batch(count: int, block: int):
         src = torch.empty(2 * count * block, dtype=torch.uint8, pin_memory=True)

@@ -26,7 +26,8 @@ CASES = [
 def child(ctas: int) -> None:
     import torch
 
-    from kvcopy.bench.scenarios import block_copy_rows
+    import bench_package  # noqa: F401 - kvcopy_bench's place
+    from kvcopy_bench.scenarios import block_copy_rows
 
     for direction, block in CASES:
         total = 256 * MiB if direction == "d2d" else 64 * MiB

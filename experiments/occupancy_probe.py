@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.beside import Copier, Matmuls, paired
-from kvcopy.bench.scenarios import Pools
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.beside import Copier, Matmuls, paired
+from kvcopy_bench.scenarios import Pools
 
 import bulk_probe  # scripts/: the ring kernel, and cuda.core's device, compiler and launch
 from bulk_probe import CC, DEVICE, LaunchConfig, Program, ProgramOptions, launch

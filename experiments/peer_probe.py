@@ -14,14 +14,15 @@ import kvcopy
 from kvcopy.testing import cuda
 
 driver = cuda.driver
-from kvcopy.bench.timing import measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 128 * MiB
 
 
 def gpu_ms(fn, stream, reps=7) -> float:
-    """Median GPU time of fn's work, enqueued with ``stream`` current (kvcopy.bench.timing)."""
+    """Median GPU time of fn's work, enqueued with ``stream`` current (kvcopy_bench.timing)."""
 
     def on_stream() -> None:
         with torch.cuda.stream(stream):

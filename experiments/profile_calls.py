@@ -8,7 +8,8 @@ import pstats
 import torch
 
 import kvcopy
-from kvcopy.bench.workloads import block_pairs, layered_caches, scattered_batch
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.workloads import block_pairs, layered_caches, scattered_batch
 
 
 def profile(label: str, fn, calls: int = 200) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvcopy import policy
-from kvcopy.bench.layouts import KiB, both_ways_rows
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.layouts import KiB, both_ways_rows
 from kvcopy.testing import engine
 
 SPLITS = [(16, 2), (8, 2), (4, 2), (8, 4), (16, 4), (32, 4), (16, 8), (32, 16), (64, 8)]

@@ -27,7 +27,8 @@ import torch
 
 import kvcopy
 from kvcopy import Layout, policy
-from kvcopy.bench.extra import timed_pair
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.extra import timed_pair
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL, CHUNK = 32 * MiB, 4 * MiB

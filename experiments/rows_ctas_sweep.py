@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 import kvcopy
-from kvcopy.bench.layouts import fragment_runs, token_rows
-from kvcopy.bench.timing import measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.layouts import fragment_runs, token_rows
+from kvcopy_bench.timing import measure
 
 CTAS = (2, 4, 8, 16, 32, 64, 132)
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import call_to_completion_us, measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import call_to_completion_us, measure
 from kvcopy.config import config
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -416,8 +417,8 @@ def profile_small():
 
 
 def beside_parts():
-    """Matmul slowdown beside copies, per direction and footprint (kvcopy.bench.beside)."""
-    from kvcopy.bench import beside
+    """Matmul slowdown beside copies, per direction and footprint (kvcopy_bench.beside)."""
+    from kvcopy_bench import beside
 
     variants = [
         ("kernel 4", {"method": "kernel", "max_ctas": 4}),
@@ -438,8 +439,8 @@ def beside_parts():
 
 def serving_blocks(blocks=(16 * KiB, 256 * KiB, 1 * MiB), pairs=8):
     """The benchmark's serving step (a matmul beside a store and a load on two streams)
-    for each block size, every method (kvcopy.bench.beside.SERVING_METHODS)."""
-    from kvcopy.bench import beside
+    for each block size, every method (kvcopy_bench.beside.SERVING_METHODS)."""
+    from kvcopy_bench import beside
 
     for block in blocks:
         for row in beside.serving_step(pairs=pairs, block=block):
@@ -510,7 +511,7 @@ def both_ways_beside(splits=((16, 8), (16, 2), (8, 2), (32, 4), (16, 1), (8, 1))
     from kvcopy.testing import engine
 
     device = engine.device
-    from kvcopy.bench import beside
+    from kvcopy_bench import beside
 
     both = BothWays()
     base = device.thresholds(0)
@@ -635,7 +636,7 @@ def beside_dma_threads(threads_list=(1, 2, 4), chunk=256):
     threads (one stream each): can copy engines carry stores at the link's rate
     without the SM stores' cost to compute?"""
     from concurrent.futures import ThreadPoolExecutor
-    from kvcopy.bench import beside
+    from kvcopy_bench import beside
 
     matmuls = beside.Matmuls()
     total, block = 64 * MiB, 16 * KiB

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 import kvcopy
-from kvcopy.bench.beside import compute_beside
-from kvcopy.bench.scenarios import block_copy_rows
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.beside import compute_beside
+from kvcopy_bench.scenarios import block_copy_rows
 
 KiB, MiB = 1 << 10, 1 << 20
 TOTAL = 64 * MiB

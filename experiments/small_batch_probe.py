@@ -26,9 +26,10 @@ import time
 import torch
 
 import kvcopy
-from kvcopy.bench.extra import small_batch_cases
-from kvcopy.bench.timing import call_to_completion_us
-from kvcopy.bench.scenarios import last_copier, last_method
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.extra import small_batch_cases
+from kvcopy_bench.timing import call_to_completion_us
+from kvcopy_bench.scenarios import last_copier, last_method
 
 KiB = 1 << 10
 BLOCK = 16 * KiB

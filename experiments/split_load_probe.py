@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import call_to_completion_us
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import call_to_completion_us
 
 from serving_probe import KiB, BothWays, sliced, stream_times_ms  # scripts/
 

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import call_to_completion_us
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import call_to_completion_us
 
 from serving_probe import TOTAL, KiB, MiB, per_stream_ms  # scripts/
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.bench.timing import measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.timing import measure
 from kvcopy.config import config
 
 KiB, MiB = 1 << 10, 1 << 20

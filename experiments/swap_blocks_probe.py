@@ -29,8 +29,9 @@ import torch
 
 import kvcopy
 from kvcopy import Layout
-from kvcopy.bench.layouts import swap_pools
-from kvcopy.bench.timing import call_cpu_us, measure
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.layouts import swap_pools
+from kvcopy_bench.timing import call_cpu_us, measure
 from kvcopy._plans.blocks import BlockPlan
 from kvcopy.testing import engine, plans
 

@@ -41,7 +41,8 @@ from kvcopy.testing import cuda
 
 kv_describe, kv_driver, kv_launch = cuda.describe, cuda.driver, cuda.launch
 kv_memory = cuda.memory
-from kvcopy.bench.scenarios import Pools, scattered_offsets
+import bench_package  # noqa: F401 - kvcopy_bench's place
+from kvcopy_bench.scenarios import Pools, scattered_offsets
 
 TOTAL = 64 << 20
 DIRECTIONS = ("h2d", "d2h", "d2d")

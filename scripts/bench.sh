@@ -10,4 +10,6 @@ VENV=${KVCOPY_BENCH_VENV:-.venv-bench}
 python3 -m venv --system-site-packages "$VENV"   # reuse an installed CUDA torch if there is one
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q torch
 "$VENV/bin/python" -m pip install -q ".[bench,cu13]"
-cd /tmp && "$OLDPWD/$VENV/bin/python" -m kvcopy.bench --quick --out "$OLDPWD/bench-out" "$@"
+# (bench/run.py imports kvcopy as installed: its directory, not the checkout, is first on
+# the import path)
+"$VENV/bin/python" bench/run.py --quick --out bench-out "$@"

@@ -45,7 +45,7 @@ done
 for mode in $(echo "${BENCH:-quick}" | tr '+' ' '); do
   [ "$mode" = none ] && continue
   flag=$([ "$mode" = quick ] && echo --quick)
-  python3 -m kvcopy.bench $flag ${BENCH_FLAGS:-} --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
+  python3 bench/run.py $flag ${BENCH_FLAGS:-} --out "$OUT/bench-$mode" 2>/dev/null | tail -${BENCH_TAIL:-40}
 done
 if [ -n "${PROBES:-}" ]; then
   python3 experiments/serving_probe.py $PROBES 2>&1 | grep -v Warning | tee "$OUT/serving-probe.txt"

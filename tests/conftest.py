@@ -9,8 +9,12 @@ import functools
 import gc
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+# The benchmark's package lives beside kvcopy (bench/kvcopy_bench), not in its wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 # JAX, where a GPU test imports it, must not take 75% of the GPU's memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

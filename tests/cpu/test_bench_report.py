@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from kvcopy.testing import engine
 
 decide = engine.decide
-from kvcopy.bench import report
+from kvcopy_bench import report
 
 
 def rows():
@@ -50,7 +51,7 @@ def test_plot_has_a_panel_per_direction(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("bench", [["kvcopy.bench", "--quick"], ["kvcopy.bench.layouts"]])
+@pytest.mark.parametrize("bench", [["run.py", "--quick"], ["layouts.py"]])
 def test_bench_without_gpu_says_so_and_fails(bench):
     try:
         import torch
@@ -58,13 +59,14 @@ def test_bench_without_gpu_says_so_and_fails(bench):
         torch = None
     if torch is not None and torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    out = subprocess.run([sys.executable, "-m", *bench], capture_output=True, text=True)
+    script = Path(__file__).resolve().parents[2] / "bench" / bench[0]
+    out = subprocess.run([sys.executable, str(script), *bench[1:]], capture_output=True, text=True)
     assert out.returncode == 2
     assert "no CUDA GPU found" in out.stderr or "torch is needed" in out.stderr
 
 
 def test_block_pairs_are_distinct_ids_in_range():
-    from kvcopy.bench.workloads import block_pairs
+    from kvcopy_bench.workloads import block_pairs
 
     pairs = block_pairs(2048, 1024, seed=3)
     assert pairs.shape == (1024, 2)
@@ -74,7 +76,7 @@ def test_block_pairs_are_distinct_ids_in_range():
 
 def test_bench_variants_set_config_settings_only_meanwhile():
     import kvcopy
-    from kvcopy.bench import beside
+    from kvcopy_bench import beside
 
     before = kvcopy.config.stores_by_dma
     with beside.settings({"stores_by_dma": not before, "method": "auto"}) as options:
@@ -98,7 +100,7 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
     same batch."""
     import numpy as np
 
-    from kvcopy.bench.scenarios import Pools
+    from kvcopy_bench.scenarios import Pools
 
     class Buffer:
         def __init__(self, address: int) -> None:
@@ -126,7 +128,7 @@ def test_pools_scatter_copies_between_distinct_slots_of_both_pools():
     [(("kernel", "bulk"), "bulk"), (("kernel", "registers"), "registers"), (("batch", ""), ""), (None, "")],
 )
 def test_rows_name_the_copier_only_where_the_kernel_ran(decision, copier):
-    from kvcopy.bench.scenarios import last_copier, last_method
+    from kvcopy_bench.scenarios import last_copier, last_method
     from kvcopy.policy import Decision
 
     made = Decision(decision[0], "faked", decision[1]) if decision else None
@@ -136,7 +138,7 @@ def test_rows_name_the_copier_only_where_the_kernel_ran(decision, copier):
 
 
 def test_table_prints_the_copier_column(capsys):
-    from kvcopy.bench.__main__ import print_table
+    from kvcopy_bench.cli import print_table
 
     row = {
         "direction": "d2h",
@@ -169,7 +171,7 @@ def test_table_prints_the_copier_column(capsys):
     ],
 )
 def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, capsys, tmp_path):
-    from kvcopy.bench.__main__ import parse_args
+    from kvcopy_bench.cli import parse_args
 
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv + ["--out", str(tmp_path / "out")])
@@ -177,7 +179,7 @@ def test_the_benchmark_refuses_bad_arguments_before_measuring(argv, message, cap
 
 
 def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring(tmp_path, capsys):
-    from kvcopy.bench.__main__ import make_out, parse_args
+    from kvcopy_bench.cli import make_out, parse_args
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -190,7 +192,7 @@ def test_the_benchmark_refuses_an_output_folder_it_cannot_write_before_measuring
 
 
 def test_without_a_gpu_the_benchmark_exits_2_and_makes_no_output_folder(tmp_path, capsys):
-    from kvcopy.bench.__main__ import main
+    from kvcopy_bench.cli import main
 
     try:
         import torch
@@ -207,7 +209,7 @@ def test_without_a_gpu_the_benchmark_exits_2_and_makes_no_output_folder(tmp_path
 
 def test_every_benchmark_flag_has_help():
     import argparse
-    from kvcopy.bench import __main__ as cli
+    from kvcopy_bench import cli
 
     parser_actions = []
     real = argparse.ArgumentParser.parse_args
@@ -229,7 +231,7 @@ def test_results_record_where_and_with_what_they_were_measured():
     import datetime
 
     import kvcopy
-    from kvcopy.bench.__main__ import SCHEMA_VERSION, run_metadata
+    from kvcopy_bench.cli import SCHEMA_VERSION, run_metadata
 
     meta = run_metadata("Some GPU", 1)
     assert meta["schema_version"] == SCHEMA_VERSION and meta["device"] == "Some GPU"

@@ -73,11 +73,7 @@ LAYERS = [
         "kvcopy.testing",
     },
     {"kvcopy"},  # __init__: re-exports
-    {"kvcopy.bench"},  # uses the public API
 ]
-# Modules that import an optional framework (Triton) and are themselves imported
-# only where it may be missing, inside a try.
-OPTIONAL = {"kvcopy.bench.triton_alt"}
 
 
 def module_name(path: Path) -> str:
@@ -117,8 +113,6 @@ def kvcopy_imports(path: Path) -> tuple[set[str], list[str]]:
                 else [_imported_module(node.module or "", a.name) for a in node.names]
             )
             names = [n for n in names if (n == "kvcopy" or n.startswith("kvcopy."))]
-            if isinstance(node, ast.ImportFrom) and node.module and node.module != "kvcopy":
-                names = [n for n in names if n not in OPTIONAL]
             if not names:
                 continue
             if node.col_offset > 0 and not _in_type_checking(tree, node):
@@ -150,7 +144,7 @@ def owner(name: str) -> str:
     pure modules: the planning loop in kvcopy._cuda calls no driver)."""
     if name in PURE:
         return name
-    for prefix in ("kvcopy._cuda", "kvcopy.interop", "kvcopy.compat", "kvcopy.bench"):
+    for prefix in ("kvcopy._cuda", "kvcopy.interop", "kvcopy.compat"):
         if name == prefix or name.startswith(prefix + "."):
             return prefix
     return name
@@ -255,7 +249,7 @@ def _private_uses(path: Path) -> list[str]:
 
 
 def test_probes_and_benchmark_use_no_private_names():
-    files = sorted((ROOT / "bench").glob("*.py")) + sorted((PACKAGE / "bench").glob("*.py"))
+    files = sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench" / "kvcopy_bench").glob("*.py"))
     found = [use for path in files for use in _private_uses(path)]
     assert not found, "\n".join(found)
 

@@ -10,14 +10,14 @@ def gpu_or_exit(device: int = 0) -> str:
     try:
         import torch
     except ImportError:
-        print("kvcopy.bench: torch is needed to run the benchmark (pip install torch)", file=sys.stderr)
+        print("kvcopy bench: torch is needed to run the benchmark (pip install torch)", file=sys.stderr)
         sys.exit(2)
     if not torch.cuda.is_available():
-        print("kvcopy.bench: no CUDA GPU found on this machine; the benchmark needs one.", file=sys.stderr)
+        print("kvcopy bench: no CUDA GPU found on this machine; the benchmark needs one.", file=sys.stderr)
         sys.exit(2)
     if device >= torch.cuda.device_count():
         print(
-            f"kvcopy.bench: --device {device}, but this machine has {torch.cuda.device_count()} GPU(s)",
+            f"kvcopy bench: --device {device}, but this machine has {torch.cuda.device_count()} GPU(s)",
             file=sys.stderr,
         )
         sys.exit(2)

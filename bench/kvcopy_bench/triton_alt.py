@@ -54,6 +54,6 @@ def block_copier(
     except Exception as exc:  # noqa: BLE001 - an alternative that cannot run is left out
         import sys
 
-        print(f"\nkvcopy.bench: Triton alternative left out: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"\nkvcopy bench: Triton alternative left out: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     return run

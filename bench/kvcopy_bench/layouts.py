@@ -1,6 +1,6 @@
 """Layout transfers against the contiguous copy of the same bytes, in one run.
 
-    python -m kvcopy.bench.layouts [--out FILE.json]
+    python bench/layouts.py [--out FILE.json]
 
 Scenarios: token-slot gathers and scatters between vLLM-style paged GPU caches and a
 pinned LMCache-style chunk (32 layers x K and V x 256 tokens of 2 KiB rows, 32 MiB;
@@ -8,11 +8,11 @@ MLA rows of 1152 B), and strided runs of 512 B and 128 B fragments (TP-rank head
 fragments into a canonical host page). Each row: kvcopy.copy_rows with GPU-resident
 indices, the same transfer as pointer copies (kvcopy.copy_batch, one copy per row or
 fragment), vLLM's own way with the same fragments (loads: a Triton kernel of its kind,
-its 12-program grid, kvcopy.bench.triton_alt, where Triton runs; stores: batched DMA,
+its 12-program grid, kvcopy_bench.triton_alt, where Triton runs; stores: batched DMA,
 one cuMemcpyBatchAsync entry per fragment), and a contiguous copy
 of as many bytes; GPU time (events, CPU time hidden behind a sleep kernel), CPU time
 per call (copy_rows, and the same transfer prepared once by kvcopy.prepare_rows) and
-wall time (call to completion), medians. `python -m kvcopy.bench` runs it as its
+wall time (call to completion), medians. `python bench/run.py` runs it as its
 layouts stage.
 """
 
@@ -21,17 +21,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 import kvcopy
 from kvcopy import Layout
-from kvcopy.bench.extra import timed_pair
-from kvcopy.bench.gpu import gpu_or_exit
-from kvcopy.bench.scenarios import triton_block_copier
-from kvcopy.bench.timing import measure
+from kvcopy_bench.extra import timed_pair
+from kvcopy_bench.gpu import gpu_or_exit
+from kvcopy_bench.scenarios import triton_block_copier
+from kvcopy_bench.timing import measure
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -294,7 +293,7 @@ def both_ways_rows(
 
 def run_here() -> list[dict]:
     """run(), swap_blocks_rows() and both_ways_rows() (32 MiB each way, and 64 MiB) on
-    torch's current GPU (python -m kvcopy.bench's layouts stage)."""
+    torch's current GPU (python bench/run.py's layouts stage)."""
     import torch
 
     # (64 MiB each way: where the policy stages a batch whose host side is one span)
@@ -343,7 +342,7 @@ def print_rows(name: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcopy.bench.layouts")
+    parser = argparse.ArgumentParser(prog="python bench/layouts.py")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     name = gpu_or_exit()
@@ -352,7 +351,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"device": name, "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

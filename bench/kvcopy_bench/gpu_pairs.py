@@ -9,8 +9,8 @@ from typing import Iterator
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.scenarios import scattered_offsets
-from kvcopy.bench.timing import measure, span_ms
+from kvcopy_bench.scenarios import scattered_offsets
+from kvcopy_bench.timing import measure, span_ms
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20

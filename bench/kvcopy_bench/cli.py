@@ -1,4 +1,4 @@
-"""Command line: python -m kvcopy.bench [--quick] [--device N] [--calibrate] [--out DIR]."""
+"""Command line: python bench/run.py [--quick] [--device N] [--calibrate] [--out DIR]."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy.bench import beside, extra, gpu_pairs, layouts, report
-from kvcopy.bench.gpu import gpu_or_exit
-from kvcopy.bench.scenarios import block_copy_rows
+from kvcopy_bench import beside, extra, gpu_pairs, layouts, report
+from kvcopy_bench.gpu import gpu_or_exit
+from kvcopy_bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Every argument checked before anything is measured (the output folder made and
     written to once), so that a run never ends in an error after its stages."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvcopy.bench", description="kvcopy against the ceiling and the alternatives"
+        prog="python bench/run.py", description="kvcopy against the ceiling and the alternatives"
     )
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     parser.add_argument(
@@ -131,7 +131,7 @@ def make_out(out: Path) -> None:
         probe.unlink()
     except OSError as exc:
         print(
-            f"python -m kvcopy.bench: error: --out {out}: cannot write there ({exc.strerror or exc})",
+            f"python bench/run.py: error: --out {out}: cannot write there ({exc.strerror or exc})",
             file=sys.stderr,
         )
         raise SystemExit(2) from None
@@ -313,7 +313,3 @@ def print_table(rows: list[dict], scenarios: dict) -> None:
                     if k != "scenario"
                 )
             )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator, cast
 import numpy as np
 
 import kvcopy
-from kvcopy._engine import replay
-from kvcopy.bench.beside import EACH_CALL_ALONE, settings
-from kvcopy.bench.scenarios import Pools, last_copier, last_method
-from kvcopy.bench.timing import call_to_completion_us, measure, span_ms
-from kvcopy.bench.workloads import layered_caches
+from kvcopy.testing import engine
+from kvcopy_bench.beside import EACH_CALL_ALONE, settings
+from kvcopy_bench.scenarios import Pools, last_copier, last_method
+from kvcopy_bench.timing import call_to_completion_us, measure, span_ms
+from kvcopy_bench.workloads import layered_caches
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -356,7 +356,7 @@ def small_batch_cases(counts: tuple[int, ...], block: int) -> Iterator[SmallBatc
 
 def _afresh(call: Callable[[], object]) -> object:
     """``call`` with kvcopy's recorded small-batch launches forgotten first."""
-    replay.forget()
+    engine.replay.forget()
     return call()
 
 

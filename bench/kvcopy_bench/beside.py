@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, cast
 
 import kvcopy
 from kvcopy import testing
-from kvcopy.bench.scenarios import Pools
+from kvcopy_bench.scenarios import Pools
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20

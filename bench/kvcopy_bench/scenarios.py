@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 import kvcopy
-from kvcopy.bench.timing import measure
+from kvcopy_bench.timing import measure
 from kvcopy.policy import RequestedMethod
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -214,13 +214,13 @@ def alternative_rows(
 
 
 def triton_block_copier(src_addrs, dst_addrs, block: int, stream, programs: int | None = None):
-    """kvcopy.bench.triton_alt's block copier over these addresses, on ``programs``
+    """kvcopy_bench.triton_alt's block copier over these addresses, on ``programs``
     programs (None: vLLM's grid); None where the blocks are not whole 8-byte words or
     Triton cannot run here."""
     if block % 8:
         return None
     try:
-        from kvcopy.bench import triton_alt
+        from kvcopy_bench import triton_alt
     except Exception:  # noqa: BLE001 - no (working) Triton here: the row is left out
         return None
     return triton_alt.block_copier(src_addrs, dst_addrs, block, stream, programs or triton_alt.VLLM_PROGRAMS)
@@ -256,7 +256,7 @@ def cuda_core_copy_batch(pools, src_off, dst_off, block, stream):
         import sys
 
         print(
-            f"\nkvcopy.bench: cuda.core.utils.copy_batch left out: {type(exc).__name__}: {exc}",
+            f"\nkvcopy bench: cuda.core.utils.copy_batch left out: {type(exc).__name__}: {exc}",
             file=sys.stderr,
         )
         return None

@@ -1,1 +1,0 @@
-"""python -m kvcopy.bench: kvcopy against the ceiling and the alternatives."""
