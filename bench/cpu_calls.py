@@ -1,0 +1,272 @@
+"""Steady-state calls on a CPU, kvcopy's driver layer faked through kvcopy.testing:
+each call's median CPU time, and what it asks of the driver layer.
+
+Needs no GPU. Every module of kvcopy's driver layer (kvcopy.testing.fake_cuda's
+layers, the planning loop aside) is replaced by a recorder that answers as the
+driver would for one GPU and one pinned host pool and counts each function a call
+reaches; the copy kernel, the descriptor ring and device 0's facts come from
+kvcopy.testing.fake_runtime. Everything above the driver layer (argument checks,
+planning, the policy, the issue paths) runs as it does on a GPU host, so this
+measures kvcopy's own CPU work; a GPU host adds the driver calls' cost
+(bench/steady_calls.py times the same calls there).
+
+    python bench/cpu_calls.py [--calls N]
+
+For each row: the median µs of N calls after warm-up, then the driver layer's
+functions one steady call reached, with counts. The GPU side of every row is
+``__cuda_array_interface__`` producers (as CuPy's arrays; torch's CUDA tensors need a
+GPU), the host side NumPy arrays taken as pinned. ``pointer queries`` counts the
+memory ranges the describe pass asked the driver about; ``classify_pointers`` and
+``plan_dma`` ask the driver about every pointer they are given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+import kvcopy
+from kvcopy import testing
+from kvcopy.testing import cuda, engine
+
+LAYERS = ("driver", "memory", "describe", "launch", "dma", "stage", "classify", "replay_records", "rows")
+DEVICE_BASE = 0x7F0000000000  # where the faked GPU's memory starts
+DEVICE_SPAN = 1 << 40
+
+
+class GpuArray:
+    """GPU memory as a CUDA array-interface producer describes it (no memory behind it:
+    the driver layer that would touch it is faked)."""
+
+    def __init__(self, shape: tuple[int, ...], ptr: int, typestr: str = "|u1") -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+class FakeLaunches:
+    """kvcopy._cuda.rows.RowsLaunches: built and launched, nothing run."""
+
+    def __init__(self, counts: collections.Counter, *args: Any) -> None:
+        self.counts = counts
+
+    def usable(self) -> bool:
+        return True
+
+    def launch(self) -> int:
+        self.counts["rows.RowsLaunches.launch"] += 1
+        return 1
+
+
+class Recorder:
+    """One driver-layer module: its constants as they are, its functions counted and
+    answered by ``answers`` (a function without an answer fails the row, by name)."""
+
+    def __init__(self, layer: str, real: Any, counts: collections.Counter, answers: dict) -> None:
+        self.layer, self.real, self.counts, self.answers = layer, real, counts, answers
+
+    def __getattr__(self, name: str) -> Any:
+        key = f"{self.layer}.{name}"
+        value = getattr(self.real, name)
+        if key not in self.answers and (not callable(value) or name.isupper()):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.counts[key] += 1
+            if key not in self.answers:
+                raise NotImplementedError(f"the faked driver layer has no answer for {key}")
+            return self.answers[key](*args, **kwargs)
+
+        return call
+
+
+class FakeHost:
+    """One GPU (device 0) at DEVICE_BASE and pinned host memory in ``pools``, as the
+    driver layer would answer for them."""
+
+    def __init__(self, pools: list[np.ndarray]) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        rows = [[DEVICE_BASE, DEVICE_BASE + DEVICE_SPAN, cuda.classify.KIND_DEVICE, 0, 0]]
+        rows += [
+            [p.ctypes.data, p.ctypes.data + p.nbytes, cuda.classify.KIND_HOST_MAPPED, -1, 0] for p in pools
+        ]
+        self.ranges = np.array(rows, dtype=np.int64)
+        counts = self.counts
+        self.answers: dict[str, Callable[..., Any]] = {
+            "driver.init": lambda: None,
+            "driver.stream_context": lambda handle: 1,
+            "driver.current_context": lambda: 1,
+            "driver.current_context_key": lambda: 1,
+            "driver.context_device": lambda: 0,
+            "driver.stream_capture_status": lambda handle: 0,
+            "driver.event_record": lambda event, stream: None,
+            "driver.stream_wait_stream": lambda *args: None,
+            "driver.stream_create": lambda *args, **kwargs: 0x7F00_5678,
+            "driver.event_create": lambda *args, **kwargs: 0x7F00_9ABC,
+            "classify.classify_pointers": self.classify_pointers,
+            "describe.describe_copies": self.describe,
+            "describe.describe_compact": lambda s, d, z, out, merge: self.describe(s, d, z, out, merge),
+            "dma.plan_dma": lambda s, d, z, merge: cuda.plan_arrays.plan_arrays(s, d, z, merge),
+            "dma.memcpy_loop": lambda *args: None,
+            "dma.memcpy_batch": lambda *args: None,
+            "replay_records.replay": lambda *args: None,
+            "replay_records.current_context_key": lambda: 0,
+            "launch.upload": lambda *args: None,
+            "launch.launch_descs_inline": lambda *args: 1,
+            "launch.launch_descs": lambda *args, **kwargs: 1,
+            "launch.launch_pairs": lambda *args, **kwargs: 1,
+            "launch.launch_blocks_uploaded": lambda *args: 1,
+            "rows.RowsLaunches": lambda *args: FakeLaunches(counts, *args),
+        }
+
+    def classify_pointers(self, ptrs: np.ndarray, sizes: np.ndarray, view: np.ndarray) -> tuple[int, int]:
+        view[:] = ptrs
+        device = int(ptrs.min()) >= DEVICE_BASE
+        kind = cuda.classify.KIND_DEVICE if device else cuda.classify.KIND_HOST_MAPPED
+        return kind, 0 if device else -1
+
+    def describe(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, out: int, merge: bool) -> Any:
+        batch, _, asked = cuda.testing.describe_copies_answered(self.ranges, src, dst, sizes, out, merge)
+        self.counts["pointer queries"] += sum(asked)
+        return batch
+
+    @contextlib.contextmanager
+    def standing_in(self) -> Iterator[None]:
+        scratch = np.zeros(1 << 26, dtype=np.uint8)  # the ring slot's host side: ids are written
+        slot = engine.ring.Slot(
+            capacity=scratch.nbytes,
+            host=scratch.ctypes.data,
+            mapped=scratch.ctypes.data,
+            device=0x3000,
+            event=7,
+        )
+        kernel = engine.kernels.CopyKernel(1, 2, 3, 4, 5, 6, 7, 8, 9, cuda.launch.INLINE_MAX, None)
+        with contextlib.ExitStack() as stack:
+            for layer in LAYERS:
+                recorder = Recorder(layer, getattr(cuda, layer), self.counts, self.answers)
+                stack.enter_context(testing.fake_cuda(recorder, (layer,)))
+            stack.enter_context(testing.fake_runtime(copy_kernel=kernel, slot=slot))
+            yield
+
+
+def rows(host: FakeHost, pools: list[np.ndarray]) -> list[tuple[str, Callable[[], object]]]:
+    """(label, call) of every row; ``pools`` are the pinned host side's arrays."""
+    rng = np.random.default_rng(0)
+    stream = 0x7F00_1234
+
+    def gpu(blocks: int, layers: int, block: int = 2048) -> list[GpuArray]:
+        return [GpuArray((blocks, block), DEVICE_BASE + k * blocks * block) for k in range(layers)]
+
+    def pairs(blocks: int, n: int) -> np.ndarray:
+        return np.stack([rng.choice(blocks, n, replace=False), rng.choice(blocks, n, replace=False)], axis=1)
+
+    one_tensor, layered, many = pools[0], pools[1:33], pools[33:97]
+    one = pairs(64, 1)
+    first_gpu, gpu_layers, gpu_many = gpu(64, 1), gpu(64, 32), gpu(8192, 64)
+    out: list[tuple[str, Callable[[], object]]] = []
+    out.append(
+        (
+            "swap_blocks 1 pair, 1 tensor a side",
+            lambda: kvcopy.swap_blocks(first_gpu, one_tensor, one, stream=stream),
+        )
+    )
+    out.append(
+        (
+            "swap_blocks 1 pair, 32 tensors a side",
+            lambda: kvcopy.swap_blocks(gpu_layers, layered, one, stream=stream),
+        )
+    )
+    big = pairs(8192, 4096)
+    out.append(
+        (
+            "swap_blocks 4096 pairs, 64 tensors a side",
+            lambda: kvcopy.swap_blocks(gpu_many, many, big, stream=stream),
+        )
+    )
+
+    pool = pools[97]
+    slots = rng.permutation(pool.shape[0])[:8192].astype(np.uint64) * np.uint64(2048)
+    src = np.uint64(pool.ctypes.data) + slots
+    dst = np.uint64(DEVICE_BASE) + rng.permutation(16384)[:8192].astype(np.uint64) * np.uint64(2048)
+    sizes = np.full(8192, 2048, dtype=np.uint64)
+    s1, d1, z1 = src[:1].copy(), dst[:1].copy(), sizes[:1].copy()
+    out.append(("copy_batch 1 copy", lambda: kvcopy.copy_batch(s1, d1, z1, stream=stream)))
+    out.append(("copy_batch 8192 copies", lambda: kvcopy.copy_batch(src, dst, sizes, stream=stream)))
+
+    tokens_g = kvcopy.Layout.of(GpuArray((8192, 2048), DEVICE_BASE), slot=0)
+    tokens_h = kvcopy.Layout.of(pools[98], slot=0)
+    index_h = rng.choice(8192, 256, replace=False).astype(np.int64)
+    index_g = GpuArray((256,), DEVICE_BASE + (1 << 39), "<i8")
+    out.append(
+        (
+            "copy_rows 256 rows, GPU indices",
+            lambda: kvcopy.copy_rows(tokens_g, tokens_h, index_g, index_g, stream=stream),
+        )
+    )
+    out.append(
+        (
+            "copy_rows 256 rows, host indices",
+            lambda: kvcopy.copy_rows(tokens_g, tokens_h, index_h, index_h, stream=stream),
+        )
+    )
+    return out
+
+
+def host_pools() -> list[np.ndarray]:
+    """The host side's arrays: 1 + 32 + 64 caches, a pointer pool, a token pool."""
+    small = [np.zeros((64, 2048), np.uint8) for _ in range(33)]
+    large = [np.zeros((8192, 2048), np.uint8) for _ in range(64)]
+    return small + large + [np.zeros((16384, 2048), np.uint8), np.zeros((8192, 2048), np.uint8)]
+
+
+def median_us(call: Callable[[], object], calls: int) -> float:
+    for _ in range(20):
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000, help="timed calls a row")
+    args = parser.parse_args(argv)
+    pools = host_pools()
+    host = FakeHost(pools)
+    with host.standing_in():
+        print(f"median of {args.calls} calls, µs; the driver layer's functions one steady call reaches")
+        for label, call in rows(host, pools):
+            calls = (
+                args.calls
+                if "4096" not in label and "8192 copies" not in label
+                else max(args.calls // 10, 20)
+            )
+            try:
+                median = median_us(call, calls)
+                host.counts.clear()
+                call()
+            except Exception as exc:  # (a row the fake cannot answer says so; the others run)
+                print(f"{label:45s} failed: {type(exc).__name__}: {exc}")
+                continue
+            reached = ", ".join(f"{name} {n}" for name, n in sorted(host.counts.items()))
+            print(f"{label:45s} {median:8.1f}  {reached}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""bench/cpu_calls.py, the steady-state calls with the driver layer faked: every row
+runs on the CPU, and what a steady call asks of the driver layer is what the
+benchmark reports."""
+
+from __future__ import annotations
+
+import cpu_calls  # bench/cpu_calls.py (tests/conftest.py puts bench/ on the path)
+import pytest
+
+
+@pytest.fixture(scope="module")
+def faked():
+    pools = cpu_calls.host_pools()
+    host = cpu_calls.FakeHost(pools)
+    with host.standing_in():
+        yield host, dict(cpu_calls.rows(host, pools))
+
+
+def steady(host, call):
+    """What the second of two calls asked of the driver layer."""
+    call()
+    host.counts.clear()
+    call()
+    return dict(host.counts)
+
+
+def test_every_row_runs_with_the_driver_layer_faked(faked):
+    host, calls = faked
+    assert len(calls) == 7
+    for label, call in calls.items():
+        assert steady(host, call), label  # (each reaches the driver layer: a copy is issued)
+
+
+def test_copy_rows_repeated_with_gpu_indices_asks_for_its_launch_only(faked):
+    host, calls = faked
+    assert steady(host, calls["copy_rows 256 rows, GPU indices"]) == {"rows.RowsLaunches.launch": 1}
+
+
+def test_swap_blocks_of_one_pair_is_one_dma_call(faked):
+    """One pair goes to the copy engines as one cuMemcpyAsync: no describe pass, no
+    launch, nothing uploaded."""
+    host, calls = faked
+    asked = steady(host, calls["swap_blocks 1 pair, 1 tensor a side"])
+    assert asked["dma.memcpy_loop"] == 1
+    assert not {"describe.describe_copies", "launch.upload", "rows.RowsLaunches"} & set(asked)
+
+
+def test_the_benchmark_prints_a_row_for_every_call(capsys):
+    assert cpu_calls.main(["--calls", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 7 and not any("failed" in line for line in lines)
