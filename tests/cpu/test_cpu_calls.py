@@ -32,8 +32,12 @@ def test_every_row_runs_with_the_driver_layer_faked(faked):
 
 
 def test_copy_rows_repeated_with_gpu_indices_asks_for_its_launch_only(faked):
+    """Its launch, and (where the traffic window notes a copy between the GPU and the
+    host) whether the stream captures: nothing else of the driver layer."""
     host, calls = faked
-    assert steady(host, calls["copy_rows 256 rows, GPU indices"]) == {"rows.RowsLaunches.launch": 1}
+    asked = steady(host, calls["copy_rows 256 rows, GPU indices"])
+    assert asked.pop("rows.RowsLaunches.launch") == 1
+    assert asked in ({}, {"driver.stream_capture_status": 1})
 
 
 def test_swap_blocks_of_one_pair_is_one_dma_call(faked):
