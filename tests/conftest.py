@@ -5,7 +5,6 @@ tests/helpers/ holds what they share."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -30,25 +29,7 @@ except ImportError as exc:
         returncode=4,
     )
 
-
-@functools.lru_cache(maxsize=None)
-def gpu_reason() -> str | None:
-    """None when a CUDA GPU and torch with CUDA are usable, else why not."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch"
-    try:
-        from kvcopy.testing import cuda
-
-        kv_driver = cuda.driver
-
-        kv_driver.init()
-    except Exception as exc:  # noqa: BLE001 - any failure means no GPU here
-        return f"CUDA driver unusable: {exc}"
-    return None
+from helpers.gpu import gpu_reason  # noqa: E402 - after the check that kvcopy imports
 
 
 def pytest_collection_modifyitems(config, items):

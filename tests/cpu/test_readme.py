@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import gpu_reason
+from helpers.gpu import gpu_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

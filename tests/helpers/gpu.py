@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,23 @@ def jax_gpu():
     if not gpus:
         pytest.skip("jax sees no GPU")
     return jax, gpus[0]
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_reason() -> str | None:
+    """None when a CUDA GPU and torch with CUDA are usable, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    try:
+        from kvcopy.testing import cuda
+
+        kv_driver = cuda.driver
+
+        kv_driver.init()
+    except Exception as exc:  # noqa: BLE001 - any failure means no GPU here
+        return f"CUDA driver unusable: {exc}"
+    return None
