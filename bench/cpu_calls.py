@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import statistics
 import sys
-import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -35,6 +33,7 @@ import numpy as np
 import kvcopy
 from kvcopy import testing
 from kvcopy.testing import cuda, engine
+from steady_calls import median_quartile  # (bench/steady_calls.py: the same timer)
 
 LAYERS = ("driver", "memory", "describe", "launch", "dma", "stage", "classify", "replay_records", "rows")
 DEVICE_BASE = 0x7F0000000000  # where the faked GPU's memory starts
@@ -231,17 +230,6 @@ def host_pools() -> list[np.ndarray]:
     return small + large + [np.zeros((16384, 2048), np.uint8), np.zeros((8192, 2048), np.uint8)]
 
 
-def median_us(call: Callable[[], object], calls: int) -> float:
-    for _ in range(20):
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="timed calls a row")
@@ -257,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 else max(args.calls // 10, 20)
             )
             try:
-                median = median_us(call, calls)
+                median, _ = median_quartile(call, lambda: None, calls)
                 host.counts.clear()
                 call()
             except Exception as exc:  # (a row the fake cannot answer says so; the others run)
