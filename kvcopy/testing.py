@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import types
 from typing import Any, Callable, Iterator, Sequence
@@ -336,15 +337,26 @@ def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
 
 
 def _host_reach(address: int, name: str) -> int:
-    """The bytes from ``address`` to the end of the host mapping holding it (what the
-    driver's range answers for memory it allocated): tables of layer addresses on the
-    host, sized without a driver."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            start, end = (int(part, 16) for part in line.split(None, 1)[0].split("-"))
-            if start <= address < end:
-                return end - address
-    raise ValueError(f"{name}: address {address:#x} is not memory this process maps")
+    """The bytes from ``address`` to the end of the run of adjacent host mappings
+    holding it (what the driver's range answers for memory it allocated): tables of
+    layer addresses on the host, sized without a driver. Adjacent mappings count as
+    one: the kernel may list one allocation as several (split, or caught mid-change
+    by another thread), and the listing is read in one call for the same reason."""
+    fd = os.open("/proc/self/maps", os.O_RDONLY)
+    try:
+        listing = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
+    finally:
+        os.close(fd)
+    end = None
+    for line in listing.splitlines():
+        start, stop = (int(part, 16) for part in line.split(None, 1)[0].split(b"-"))
+        if end is not None and start != end:
+            break
+        if end is not None or start <= address < stop:
+            end = stop
+    if end is None:
+        raise ValueError(f"{name}: address {address:#x} is not memory this process maps")
+    return end - address
 
 
 @contextlib.contextmanager

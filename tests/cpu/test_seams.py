@@ -50,3 +50,24 @@ def test_rows_on_host_runs_copy_rows_between_host_arrays_and_puts_it_back():
     want = np.zeros(64, np.uint8)
     want[8:16], want[48:56] = src[24:32], src[0:8]
     np.testing.assert_array_equal(dst, want)
+
+
+def test_host_reach_runs_over_an_allocation_the_kernel_lists_as_several_mappings():
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 3 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    # a read-only middle page: the kernel lists the one mapping as three
+    assert libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ) == 0
+    try:
+        assert testing._host_reach(base, "table") >= 3 * page
+        assert testing._host_reach(base + 2 * page + 8, "table") >= page - 8
+        with pytest.raises(ValueError, match=r"table: address 0x8 is not memory this process maps"):
+            testing._host_reach(8, "table")
+    finally:
+        libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
+        del base
+        region.close()
