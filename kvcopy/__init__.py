@@ -17,6 +17,7 @@ from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
 from kvcopy.errors import CaptureError, CudaError, IndexOutOfRange, KVCopyError, NoDriverError
 from kvcopy.host import device_pointer, pinned_empty, register
+from kvcopy.host_pool import HostPool, PoolReport, pinned_pool
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.interop.tensors import BlockView, block_view
 from kvcopy.layouts import Layout
@@ -31,10 +32,12 @@ __all__ = [
     "BlockView",
     "CaptureError",
     "CudaError",
+    "HostPool",
     "IndexOutOfRange",
     "KVCopyError",
     "Layout",
     "NoDriverError",
+    "PoolReport",
     "PreparedRows",
     "TransferQueue",
     "TransferResult",
@@ -50,6 +53,7 @@ __all__ = [
     "device_pointer",
     "last_decision",
     "pinned_empty",
+    "pinned_pool",
     "prepare",
     "prepare_rows",
     "register",

@@ -31,6 +31,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   drop-ins that copy on torch's current stream ask for none, and tables of layer
   addresses are sized from the host's mappings. An engine's test can
   run its transfers through kvcopy on CPU tensors and compare the bytes.
+- ``host``: the host's NUMA facts (``numa``: read from a sysfs root a test names) and
+  a pinned pool's memory (``pages``: mapping, binding, first touch, where pages are).
 - ``plans``: copy_rows' planning without a GPU: ``plan_rows`` (every check) and
   ``expand`` (the plan as the pointer copies the kernel computes), so that a test
   can run a plan between host arrays and compare the bytes with an oracle;
@@ -65,7 +67,9 @@ from kvcopy._runtime import (
     calibration_file,
     context,
     device,
+    host_pages,
     kernels,
+    numa,
     peers,
     persist,
     prepare,
@@ -126,6 +130,8 @@ engine = types.SimpleNamespace(
     rows=rows_engine,
     rows_memo=rows_memo,
 )
+# What a pinned pool reads of the host (NUMA facts) and does to its memory.
+host = types.SimpleNamespace(numa=numa, pages=host_pages)
 plans = types.SimpleNamespace(
     plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks, refuse_rows_crossing=refuse_rows_crossing
 )

@@ -112,6 +112,10 @@ def device_attributes(int ordinal) -> dict:
         "host_pointer_for_registered_mem":
             cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
         "host_register_supported": cydriver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+        # where the GPU sits on PCI: its NUMA node, for host memory that serves it
+        "pci_domain": cydriver.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
+        "pci_bus": cydriver.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+        "pci_device": cydriver.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
     }
     out = {"ordinal": ordinal, "name": name.decode(errors="replace"),
            "driver_version": _driver_version}

@@ -79,3 +79,18 @@ RING_MIN_CAPACITY_BYTES = 128 << 10
 # kvcopy's own side streams per context (kvcopy._runtime.side_streams), beyond which
 # callers' streams share them.
 MAX_SIDE_STREAMS = 16
+# A pinned host pool (kvcopy.host_pool) is registered with the driver in chunks of
+# about this size: page-locking holds driver-wide locks for the whole of one call,
+# stalling every other CUDA call on the host, and one call of hundreds of GiB fails.
+POOL_CHUNK_BYTES = 256 << 20
+# No registration is larger than this: Linux 6.11-6.13 pin at most 2 GB in one call.
+POOL_MAX_CHUNK_BYTES = 1 << 31
+# The pause between two registrations, so that processes waiting on the driver's locks
+# take them before the next chunk does.
+POOL_CHUNK_PAUSE_S = 0.001
+# Threads that touch a pool's pages first (each bound to the pool's node): past a few
+# dozen, more threads add nothing (8 GiB: 4/8/16/32 threads 1.55/1.09/1.03/0.92 s).
+POOL_TOUCH_THREADS = 32
+# Explicit huge pages back a pool only where rounding up to whole pages adds at most
+# this share of the pool (a 1 GiB page for a 100 MiB pool would waste ten times it).
+POOL_EXPLICIT_MAX_WASTE = 0.125

@@ -44,6 +44,9 @@ PURE = {
     "kvcopy._engine.traffic_window",
     "kvcopy._runtime.persist",
     "kvcopy._runtime.calibration_file",
+    "kvcopy._runtime.numa",
+    "kvcopy._runtime.host_pages",
+    "kvcopy.policy.host_pool",
     "kvcopy._engine",
     "kvcopy._runtime",
 }  # (the packages' docstring-only __init__)
@@ -58,6 +61,7 @@ LAYERS = [
         "kvcopy._runtime.side_streams",
         "kvcopy._runtime.prepare",
         "kvcopy.host",
+        "kvcopy.host_pool",
     },  # per context
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},  # parts of paths
     {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged", "kvcopy._engine.rows"},
@@ -256,7 +260,23 @@ def test_probes_and_benchmark_use_no_private_names():
 
 # Constants of the paths' modules that are no default: how many sides and buffers the
 # staged path's structure has, and the codes by which replay's records name methods.
-STRUCTURAL = {"kvcopy._engine.staged": {"BUFFERS_PER_SIDE", "SIDES"}, "kvcopy._engine.replay": {"METHODS"}}
+STRUCTURAL = {
+    "kvcopy._engine.staged": {"BUFFERS_PER_SIDE", "SIDES"},
+    "kvcopy._engine.replay": {"METHODS"},
+    # the kernel's interface numbers (mmap, madvise and mbind flags, syscall numbers)
+    "kvcopy._runtime.host_pages": {
+        "PROT_READ",
+        "PROT_WRITE",
+        "MAP_PRIVATE",
+        "MAP_ANONYMOUS",
+        "MAP_HUGETLB",
+        "MAP_HUGE_SHIFT",
+        "MADV_HUGEPAGE",
+        "MADV_POPULATE_WRITE",
+        "MPOL_PREFERRED",
+        "SYS_MBIND",
+    },
+}
 # Limits of a file format, not of a path.
 FILE_FORMATS = {"kvcopy._runtime.persist", "kvcopy._runtime.calibration_file"}
 
