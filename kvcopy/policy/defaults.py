@@ -83,13 +83,15 @@ MAX_SIDE_STREAMS = 16
 # about this size: page-locking holds driver-wide locks for the whole of one call,
 # stalling every other CUDA call on the host, and one call of hundreds of GiB fails.
 POOL_CHUNK_BYTES = 256 << 20
-# No registration is larger than this: Linux 6.11-6.13 pin at most 2 GB in one call.
-POOL_MAX_CHUNK_BYTES = 1 << 31
+# No registration is larger than this: below the 2 GB that Linux 6.11-6.13 pin at
+# most in one call.
+POOL_MAX_CHUNK_BYTES = 1 << 30
 # The pause between two registrations, so that processes waiting on the driver's locks
 # take them before the next chunk does.
 POOL_CHUNK_PAUSE_S = 0.001
 # Threads that touch a pool's pages first (each bound to the pool's node): past a few
-# dozen, more threads add nothing (8 GiB: 4/8/16/32 threads 1.55/1.09/1.03/0.92 s).
+# dozen, more add little (8 GiB mapped, touched and registered: 4/8/16/32 threads
+# 1.55/1.09/1.03/0.92 s).
 POOL_TOUCH_THREADS = 32
 # Explicit huge pages back a pool only where rounding up to whole pages adds at most
 # this share of the pool (a 1 GiB page for a 100 MiB pool would waste ten times it).
