@@ -40,6 +40,9 @@ print(f"wheel: {sys.argv[1].rsplit('/', 1)[-1]}, {len(names)} files, no generate
 PYCHECK
 "$VPY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
 "$VPY" -m pip install -q "$WHEEL[test,cu13,typecheck,lint]"
+# NIXL (kvcopy.nixl's two-process tests): its wheel alone, torch and numpy being here
+"$VPY" -m pip install -q --no-deps "nixl-cu13==1.5.1" 2>/dev/null \
+  || echo "scripts/test.sh: no NIXL wheel for this Python here; its two-process tests will skip"
 
 # Type-check the package (its source; the .pyi stubs describe the Cython modules), and
 # lint: ruff (lint and format) for the Python, cython-lint for the Cython, clang-format

@@ -73,6 +73,7 @@ LAYERS = [
         "kvcopy.rows_both_ways",
         "kvcopy.queue",
         "kvcopy.calibrate",
+        "kvcopy.nixl",
         "kvcopy.compat",
         "kvcopy.testing",
     },

@@ -1,0 +1,205 @@
+"""kvcopy.nixl: descriptors from layouts checked against a NumPy oracle (each
+descriptor run on the host as NIXL would run it), the memory to register, and a real
+transfer between two processes over NIXL's UCX backend on the loopback device."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcopy import Layout, nixl
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _layout(cache: np.ndarray, **shape) -> Layout:
+    return Layout.from_pointers([cache[p].ctypes.data for p in range(cache.shape[0])], **shape)
+
+
+def _run(descs: nixl.Descriptors) -> None:
+    """Each local descriptor into the remote one at its place (a WRITE), on the host."""
+    assert descs.local.shape == descs.remote.shape
+    columns = 5 if descs.strided else 3
+    assert descs.local.shape[1] == columns and descs.local.dtype == np.uint64
+    for ours, theirs in zip(descs.local.tolist(), descs.remote.tolist()):
+        assert ours[1] == theirs[1]  # the same bytes at both ends
+        count = ours[4] if descs.strided else 1
+        assert count == (theirs[4] if descs.strided else 1)
+        for k in range(count):
+            step_ours = ours[3] if descs.strided else 0
+            step_theirs = theirs[3] if descs.strided else 0
+            ctypes.memmove(theirs[0] + k * step_theirs, ours[0] + k * step_ours, ours[1])
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_descriptors_move_exactly_the_rows_copy_rows_would(strided, seed):
+    rng = np.random.default_rng(seed)
+    planes, slots, row = int(rng.integers(1, 6)), 40, int(rng.choice([64, 96, 512]))
+    src = rng.integers(0, 256, (planes, slots, row), dtype=np.uint8)
+    dst = np.zeros((planes, slots, row), np.uint8)
+    count = int(rng.integers(1, 30))
+    ours = (
+        rng.choice(slots, count, replace=False)
+        if seed % 2
+        else np.sort(rng.choice(slots, count, replace=False))
+    )
+    theirs = np.sort(rng.choice(slots, count, replace=False))
+    ours[rng.random(count) < 0.1] = -1  # a negative index skips its row
+    descs = nixl.descriptors(
+        "WRITE",
+        _layout(src, slots=slots, row_bytes=row),
+        _layout(dst, slots=slots, row_bytes=row),
+        ours,
+        theirs,
+        strided=strided,
+    )
+    _run(descs)
+    expected = np.zeros_like(dst)
+    live = ours >= 0
+    expected[:, theirs[live]] = src[:, ours[live]]
+    assert np.array_equal(dst, expected)
+    assert descs.nbytes == int(live.sum()) * planes * row and descs.copies == int(live.sum()) * planes
+    assert descs.expanded <= descs.copies
+
+
+def test_a_read_pairs_the_remote_rows_into_the_local_ones():
+    remote = np.random.default_rng(1).integers(0, 256, (3, 16, 128), dtype=np.uint8)
+    local = np.zeros((3, 4, 128), np.uint8)
+    descs = nixl.descriptors(
+        "READ",
+        _layout(local, slots=4, row_bytes=128),
+        _layout(remote, slots=16, row_bytes=128),
+        [0, 1, 2, 3],
+        [9, 10, 11, 2],
+    )
+    # a READ's local column is where bytes land: run it from the remote side
+    _run(nixl.Descriptors(descs.remote, descs.local, descs.copies, descs.nbytes, descs.strided))
+    assert np.array_equal(local, remote[:, [9, 10, 11, 2]])
+    assert descs.posted == 2 * 3  # rows 9-11 into 0-2 merge in each plane
+
+
+def test_a_request_of_an_engines_size_posts_a_hundredth_of_its_blocks():
+    # 80 layers x K/V of one cache tensor, 118 blocks of 2 KiB back to back at both ends
+    planes, blocks, block = 160, 512, 2048
+    src = np.zeros((planes, blocks, block), np.uint8)
+    dst = np.zeros((planes, blocks, block), np.uint8)
+    ours, theirs = np.arange(100, 218), np.arange(300, 418)
+    a, b = _layout(src, slots=blocks, row_bytes=block), _layout(dst, slots=blocks, row_bytes=block)
+    merged = nixl.descriptors("WRITE", a, b, ours, theirs)
+    assert merged.copies == 18_880 and merged.posted == planes  # one run a plane
+    strided = nixl.descriptors("WRITE", a, b, ours, theirs, strided=True)
+    assert strided.posted == 1 and strided.expanded == planes  # one run, every plane
+    # blocks scattered at random: one entry per block, across the planes
+    rng = np.random.default_rng(0)
+    scattered = nixl.descriptors(
+        "WRITE", a, b, rng.permutation(blocks)[:118], rng.permutation(blocks)[:118], strided=True
+    )
+    assert scattered.copies == 18_880 and scattered.posted == 118 and scattered.expanded == 18_880
+
+
+def test_regions_cover_every_plane_and_join_those_that_touch():
+    cache = np.zeros((4, 8, 64), np.uint8)
+    joined = nixl.regions(_layout(cache, slots=8, row_bytes=64), device=3)
+    assert joined.tolist() == [[cache.ctypes.data, cache.nbytes, 3]]
+    apart = [cache[0].ctypes.data, cache[2].ctypes.data]
+    found = nixl.regions(Layout.from_pointers(apart, slots=4, row_bytes=64))
+    assert found.tolist() == [[apart[0], 256, 0], [apart[1], 256, 0]]
+    with pytest.raises(TypeError, match="regions: layout must be a kvcopy.Layout"):
+        nixl.regions(cache)
+    with pytest.raises(ValueError, match="regions: device must be at least 0"):
+        nixl.regions(_layout(cache, slots=8, row_bytes=64), device=-1)
+
+
+def test_bad_arguments_are_refused_as_copy_rows_refuses_them():
+    cache = np.zeros((2, 8, 64), np.uint8)
+    a = _layout(cache, slots=8, row_bytes=64)
+    with pytest.raises(ValueError, match="operation must be 'WRITE' or 'READ', got 'PUT'"):
+        nixl.descriptors("PUT", a, a, [0], [1])
+    with pytest.raises(ValueError, match=r"dst_indices\[0\] = 8 is out of range"):
+        nixl.descriptors("WRITE", a, a, [0], [8])
+    with pytest.raises(ValueError, match="local_device must be at least 0"):
+        nixl.descriptors("WRITE", a, a, [0], [1], local_device=-2)
+    with pytest.raises(ValueError, match="src_indices has 2 rows and dst_indices 1"):
+        nixl.descriptors("WRITE", a, a, [0, 1], [1])
+    with pytest.raises(TypeError, match="descs must be kvcopy.nixl.Descriptors"):
+        nixl.transfer(object(), "WRITE", [], "peer")
+
+
+def test_importing_kvcopy_nixl_imports_neither_nixl_nor_torch():
+    code = (
+        "import sys, kvcopy, kvcopy.nixl; "
+        "names = ('nixl', 'nixl_cu13', 'nixl_cu12', 'torch'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in names))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _nixl_installed() -> bool:
+    for name in ("nixl_cu13", "nixl_cu12", "nixl"):
+        try:
+            __import__(name)
+            return True
+        except ImportError:
+            continue
+    return False
+
+
+@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+def test_two_processes_move_rows_over_nixl_with_kvcopys_descriptors(tmp_path):
+    _two_processes(tmp_path, "target", "initiator")
+    from helpers.nixl_peer import READ, WRITES, source_cache
+
+    source = source_cache()
+    expected = np.zeros_like(source)
+    for ours, theirs in WRITES.values():
+        expected[:, theirs] = source[:, ours]
+    assert np.array_equal(np.load(tmp_path / "written.npy"), expected)
+    read = np.zeros((source.shape[0], 4, source.shape[2]), np.uint8)
+    live = READ[0] >= 0
+    read[:, READ[1][live]] = expected[:, READ[0][live]]
+    assert np.array_equal(np.load(tmp_path / "read.npy"), read)
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    assert counts["merged"]["posted"] < counts["merged"]["copies"]
+    assert counts["strided"]["posted"] < counts["strided"]["expanded"] <= counts["strided"]["copies"]
+
+
+@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+def test_a_peer_that_went_away_fails_clearly_and_the_agent_works_after(tmp_path):
+    _two_processes(tmp_path, "leaving", "after_leaving")
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert outcome["transfer"].startswith(
+        "TransferFailed: transfer: NIXL refused WRITE of 8192 bytes (8 descriptors) with 'target': "
+    )
+    assert "DISCONNECT" in outcome["transfer"]
+    assert outcome["notification"] == "TimeoutError: wait_notification: no b'never' from 'target' after 0.3 s"
+    assert outcome["loopback equal"] is True
+
+
+def _two_processes(folder: Path, *roles: str) -> None:
+    """Run helpers.nixl_peer's ``roles``, each in its own process, over UCX on the
+    loopback device; each must exit 0."""
+    env = dict(os.environ, UCX_TLS="tcp,self", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    peers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "helpers.nixl_peer", role, str(folder)],
+            cwd=TESTS,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in roles
+    ]
+    for peer in peers:
+        out, _ = peer.communicate(timeout=120)
+        assert peer.returncode == 0, out

@@ -1,0 +1,155 @@
+"""One end of a two-process NIXL transfer over kvcopy's descriptors, run as its own
+process by tests/cpu/test_nixl.py: ``python -m helpers.nixl_peer ROLE FOLDER``.
+
+The target holds a paged cache of zeros, registers it (kvcopy.nixl.regions), writes
+its agent's metadata and its planes' addresses to FOLDER/target.pkl, waits for the
+initiator's notification and saves its cache to FOLDER/written.npy. The initiator
+holds a cache of known bytes, WRITEs rows into the target's (one transfer merged,
+one in NIXL's strided form), READs rows back from it, saves what it read to
+FOLDER/read.npy and the descriptor counts to FOLDER/counts.json. Both deregister
+their memory and forget the peer before they exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvcopy import Layout, nixl
+
+PLANES, SLOTS, ROW = 8, 64, 512
+WRITES = {
+    "merged": (np.array([0, 1, 2, 3, 10, 11, 40]), np.array([5, 6, 7, 8, 30, 31, 63])),
+    "strided": (np.array([20, 21, 22, 50]), np.array([40, 41, 42, 0])),
+}
+READ = (np.array([30, 31, 7, -1]), np.array([0, 1, 2, 3]))  # (remote rows, local rows)
+
+
+def source_cache() -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, (PLANES, SLOTS, ROW), dtype=np.uint8)
+
+
+def layout_of(cache: np.ndarray) -> Layout:
+    return Layout.from_pointers([cache[p].ctypes.data for p in range(PLANES)], slots=SLOTS, row_bytes=ROW)
+
+
+def _agent(name: str):
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def _published_target(folder: Path) -> tuple:
+    """A target agent with a registered cache of zeros, its metadata and the cache's
+    plane addresses written to FOLDER/target.pkl: (agent, cache, registration)."""
+    agent = _agent("target")
+    cache = np.zeros((PLANES, SLOTS, ROW), np.uint8)
+    registered = agent.register_memory(nixl.regions(layout_of(cache)), "DRAM")
+    facts = (agent.get_agent_metadata(), [int(cache[p].ctypes.data) for p in range(PLANES)])
+    (folder / "target.tmp").write_bytes(pickle.dumps(facts))
+    os.replace(folder / "target.tmp", folder / "target.pkl")
+    return agent, cache, registered
+
+
+def target(folder: Path) -> None:
+    agent, cache, registered = _published_target(folder)
+    nixl.wait_notification(agent, "initiator", b"kvcopy-strided", timeout=60)
+    np.save(folder / "written.npy", cache)
+    _wait_for(folder / "read.npy")  # (the initiator reads from the cache after)
+    agent.deregister_memory(registered)
+
+
+def initiator(folder: Path) -> None:
+    agent = _agent("initiator")
+    cache = source_cache()
+    back = np.zeros((PLANES, 4, ROW), np.uint8)
+    registered = [agent.register_memory(nixl.regions(layout_of(c)), "DRAM") for c in (cache, back)]
+    _wait_for(folder / "target.pkl")
+    metadata, bases = pickle.loads((folder / "target.pkl").read_bytes())
+    peer = agent.add_remote_agent(metadata)
+    theirs = Layout.from_pointers(bases, slots=SLOTS, row_bytes=ROW)
+    counts = {}
+    for form, (ours_rows, their_rows) in WRITES.items():
+        descs = nixl.descriptors(
+            "WRITE", layout_of(cache), theirs, ours_rows, their_rows, strided=form == "strided"
+        )
+        nixl.transfer(agent, "WRITE", descs, peer, notification=b"kvcopy-" + form.encode(), timeout=60)
+        counts[form] = {"posted": descs.posted, "copies": descs.copies, "expanded": descs.expanded}
+    got = Layout.from_pointers([back[p].ctypes.data for p in range(PLANES)], slots=4, row_bytes=ROW)
+    descs = nixl.descriptors("READ", got, theirs, READ[1], READ[0])
+    nixl.transfer(agent, "READ", descs, peer, timeout=60)
+    counts["read"] = {"posted": descs.posted, "copies": descs.copies, "expanded": descs.expanded}
+    np.save(folder / "read.tmp.npy", back)
+    os.replace(folder / "read.tmp.npy", folder / "read.npy")
+    (folder / "counts.json").write_text(json.dumps(counts))
+    agent.remove_remote_agent(peer)
+    for handle in registered:
+        agent.deregister_memory(handle)
+
+
+def leaving(folder: Path) -> None:
+    """A target that goes away once the initiator knows it."""
+    agent, _cache, registered = _published_target(folder)  # (the cache lives till the end)
+    _wait_for(folder / "added")
+    agent.deregister_memory(registered)
+
+
+def after_leaving(folder: Path) -> None:
+    """Transfers to a peer that went away fail clearly, and the agent works after."""
+    agent = _agent("initiator")
+    cache = source_cache()
+    registered = agent.register_memory(nixl.regions(layout_of(cache)), "DRAM")
+    _wait_for(folder / "target.pkl")
+    metadata, bases = pickle.loads((folder / "target.pkl").read_bytes())
+    peer = agent.add_remote_agent(metadata)
+    (folder / "added").touch()
+    _wait_for(folder / "left")
+    time.sleep(1.0)  # (for UCX to see the connection closed)
+    outcome = {}
+    descs = nixl.descriptors(
+        "WRITE", layout_of(cache), Layout.from_pointers(bases, slots=SLOTS, row_bytes=ROW), [0, 1], [2, 3]
+    )
+    for name, step in (
+        ("transfer", lambda: nixl.transfer(agent, "WRITE", descs, peer, timeout=10)),
+        ("notification", lambda: nixl.wait_notification(agent, peer, b"never", timeout=0.3)),
+    ):
+        try:
+            step()
+            outcome[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - what it raised is the outcome
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+    # the agent still moves bytes: a loopback transfer into memory of its own
+    copy = np.zeros_like(cache)
+    mine = agent.register_memory(nixl.regions(layout_of(copy)), "DRAM")
+    loop = nixl.descriptors("WRITE", layout_of(cache), layout_of(copy), [5, 6], [5, 6])
+    nixl.transfer(agent, "WRITE", loop, agent.name, timeout=10)
+    outcome["loopback equal"] = bool(np.array_equal(copy[:, 5:7], cache[:, 5:7]))
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+    agent.deregister_memory(mine)
+    agent.remove_remote_agent(peer)
+    agent.deregister_memory(registered)
+
+
+if __name__ == "__main__":
+    role, folder = sys.argv[1], Path(sys.argv[2])
+    {"target": target, "initiator": initiator, "leaving": leaving, "after_leaving": after_leaving}[role](
+        folder
+    )
+    if role == "leaving":
+        (folder / "left").touch()
