@@ -184,6 +184,24 @@ def test_a_peer_that_went_away_fails_clearly_and_the_agent_works_after(tmp_path)
     assert outcome["loopback equal"] is True
 
 
+@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+def test_packed_rows_cross_in_whole_chunks_sliced_between_tensor_parallel_degrees(tmp_path):
+    _two_processes(tmp_path, "packed_receiver", "packed_sender")
+    from helpers.nixl_peer import CHUNK, HEAD_BYTES, HEADS, PACKED, source_cache
+
+    source = source_cache()
+    planes, heads = source.shape[0], HEADS.stop - HEADS.start
+    sliced = source.reshape(planes, source.shape[1], -1, HEAD_BYTES)[:, :, HEADS].reshape(
+        planes, source.shape[1], -1
+    )
+    expected = np.zeros((planes, 40, heads * HEAD_BYTES), np.uint8)
+    live = PACKED[1] >= 0
+    expected[:, PACKED[1][live]] = sliced[:, PACKED[0][live]]
+    assert np.array_equal(np.load(tmp_path / "packed.npy"), expected)
+    chunks = json.loads((tmp_path / "packed.json").read_text())["chunks"]
+    assert chunks == -(-len(PACKED[0]) // CHUNK) > 2  # more chunks than slots: slots were freed and reused
+
+
 def _two_processes(folder: Path, *roles: str) -> None:
     """Run helpers.nixl_peer's ``roles``, each in its own process, over UCX on the
     loopback device; each must exit 0."""

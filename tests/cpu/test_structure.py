@@ -149,7 +149,7 @@ def owner(name: str) -> str:
     pure modules: the planning loop in kvcopy._cuda calls no driver)."""
     if name in PURE:
         return name
-    for prefix in ("kvcopy._cuda", "kvcopy.interop", "kvcopy.compat"):
+    for prefix in ("kvcopy._cuda", "kvcopy.interop", "kvcopy.compat", "kvcopy.nixl"):
         if name == prefix or name.startswith(prefix + "."):
             return prefix
     return name

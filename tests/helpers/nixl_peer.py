@@ -12,6 +12,7 @@ their memory and forget the peer before they exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcopy import Layout, nixl
+from kvcopy import Layout, nixl, testing
 
 PLANES, SLOTS, ROW = 8, 64, 512
 WRITES = {
@@ -146,10 +147,94 @@ def after_leaving(folder: Path) -> None:
     agent.deregister_memory(registered)
 
 
+# A packed send: rows of the sender's cache, heads HEADS of each (HEAD_BYTES a head),
+# into the receiver's cache, which holds only those heads (as between tensor-parallel
+# degrees), in chunks of CHUNK rows through two slots a side.
+HEAD_BYTES, HEADS, CHUNK = 64, slice(2, 4), 5
+PACKED = (np.arange(37) * 7 % SLOTS, np.r_[np.random.default_rng(3).permutation(36), -1])
+
+
+def _publish(folder: Path, name: str, facts: tuple) -> None:
+    (folder / f"{name}.tmp").write_bytes(pickle.dumps(facts))
+    os.replace(folder / f"{name}.tmp", folder / f"{name}.pkl")
+
+
+def _read(folder: Path, name: str) -> tuple:
+    _wait_for(folder / f"{name}.pkl")
+    return pickle.loads((folder / f"{name}.pkl").read_bytes())
+
+
+def _on_host() -> contextlib.ExitStack:
+    """copy_rows on the CPU between host memory, and a stream that waits for nothing:
+    the gathers and scatters of a packed transfer without a GPU."""
+
+    class Streams:
+        def stream_synchronize(self, handle: int) -> None:
+            pass
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(testing.rows_on_host())
+    stack.enter_context(testing.fake_cuda(Streams(), ("driver",)))
+    return stack
+
+
+def _staging() -> tuple[np.ndarray, nixl.Staging]:
+    heads = HEADS.stop - HEADS.start
+    buffer = np.zeros(2 * CHUNK * PLANES * heads * HEAD_BYTES, np.uint8)
+    return buffer, nixl.Staging(buffer.ctypes.data, buffer.nbytes // 2, slots=2)
+
+
+def packed_receiver(folder: Path) -> None:
+    agent = _agent("receiver")
+    row = (HEADS.stop - HEADS.start) * HEAD_BYTES
+    cache = np.zeros((PLANES, 40, row), np.uint8)
+    buffer, staging = _staging()
+    registered = agent.register_memory(staging.regions(), "DRAM")
+    _publish(folder, "receiver", (agent.get_agent_metadata(), staging))
+    peer = agent.add_remote_agent(_read(folder, "sender")[0])
+    layout = Layout.from_pointers([cache[p].ctypes.data for p in range(PLANES)], slots=40, row_bytes=row)
+    with _on_host():
+        chunks = nixl.receive_packed(agent, layout, PACKED[1], peer, staging, tag="t1", chunk_rows=CHUNK)
+    np.save(folder / "packed.npy", cache)
+    (folder / "packed.json").write_text(json.dumps({"chunks": chunks}))
+    _wait_for(folder / "sent")
+    agent.remove_remote_agent(peer)
+    agent.deregister_memory(registered)
+
+
+def packed_sender(folder: Path) -> None:
+    agent = _agent("sender")
+    cache = source_cache()
+    buffer, staging = _staging()
+    registered = agent.register_memory(staging.regions(), "DRAM")
+    _publish(folder, "sender", (agent.get_agent_metadata(),))
+    metadata, peer_staging = _read(folder, "receiver")
+    peer = agent.add_remote_agent(metadata)
+    sliced = Layout.from_pointers(
+        [cache[p].ctypes.data + HEADS.start * HEAD_BYTES for p in range(PLANES)],
+        slots=SLOTS,
+        row_bytes=(HEADS.stop - HEADS.start) * HEAD_BYTES,
+        slot_stride=ROW,
+    )
+    with _on_host():
+        nixl.send_packed(agent, sliced, PACKED[0], peer, staging, peer_staging, tag="t1", chunk_rows=CHUNK)
+    _wait_for(folder / "packed.json")  # (the receiver has scattered every chunk)
+    (folder / "sent").touch()
+    agent.remove_remote_agent(peer)
+    agent.deregister_memory(registered)
+
+
+ROLES = {
+    "target": target,
+    "initiator": initiator,
+    "leaving": leaving,
+    "after_leaving": after_leaving,
+    "packed_receiver": packed_receiver,
+    "packed_sender": packed_sender,
+}
+
 if __name__ == "__main__":
     role, folder = sys.argv[1], Path(sys.argv[2])
-    {"target": target, "initiator": initiator, "leaving": leaving, "after_leaving": after_leaving}[role](
-        folder
-    )
+    ROLES[role](folder)
     if role == "leaving":
         (folder / "left").touch()

@@ -1,26 +1,16 @@
-"""kvcopy as the KV leg of NIXL transfers: NIXL's descriptor lists built from kvcopy
-layouts and indices, the memory a layout needs registered, and a transfer posted and
-waited for within a deadline.
+"""NIXL's descriptor lists built from kvcopy layouts and indices, and the memory a
+layout needs registered (see kvcopy.nixl).
 
-Engines post one NIXL descriptor per layer, K or V and block (Llama-70B at TP 8:
-18,880 for one request). The same rows as kvcopy pairs them (``copy_rows``'
-planning, every check included) become few descriptors: rows that are back to back
-at both ends merge into one, and rows evenly spaced at both ends (a block's planes
-of one cache tensor, runs of blocks) become one entry of NIXL's strided form
-(address, length, device, stride, count). Both orders are tried, plane by plane and
-row by row, and the one with fewer descriptors kept; a local descriptor and the
-remote one at its position always hold the same bytes.
-
-kvcopy makes no transport and keeps no network state: the functions take the
-caller's ``nixl_agent`` (NIXL's Python package, installed on its own, e.g. ``pip
-install nixl-cu13``), and importing kvcopy.nixl imports neither NIXL nor torch. A
-remote layout is built with ``Layout.from_pointers`` from the addresses the peer
-sent with its metadata.
+Rows that are back to back at both ends merge into one descriptor, and rows evenly
+spaced at both ends (a block's planes of one cache tensor, runs of blocks) become one
+entry of NIXL's strided form (address, length, device, stride, count). Several
+orders are tried (plane by plane, row by row, runs across planes) and the one with
+fewer descriptors kept; a local descriptor and the remote one at its position always
+hold the same bytes.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +18,9 @@ import numpy as np
 
 from kvcopy._plans.rows import expand, plan_rows
 from kvcopy.arguments import require_int
-from kvcopy.errors import KVCopyError
 from kvcopy.layouts import Layout
 
 OPERATIONS = ("WRITE", "READ")
-
-
-class TransferFailed(KVCopyError):
-    """NIXL reported a transfer in its error state (a peer gone, a refused memory
-    region). The handle was released and the agent stays usable."""
 
 
 @dataclass(frozen=True)
@@ -203,90 +187,3 @@ def descriptors(
             best = found
     assert best is not None
     return Descriptors(best[0], best[1], copies, nbytes, strided)
-
-
-def transfer(
-    agent: Any,
-    operation: str,
-    descs: Descriptors,
-    remote_agent: str,
-    *,
-    local_memory: str = "DRAM",
-    remote_memory: str = "DRAM",
-    notification: bytes = b"",
-    timeout: float = 60.0,
-    poll_s: float = 0.0002,
-) -> None:
-    """Post ``descs`` through ``agent`` (a ``nixl_agent`` whose memory at both ends is
-    registered and that knows ``remote_agent``) and wait for the transfer to end;
-    the remote agent gets ``notification`` once every byte has landed.
-
-    Raises TransferFailed where NIXL refuses the request or reports an error (a peer
-    that went away, memory it does not know), TimeoutError where it has not ended
-    after ``timeout`` seconds; the request is released either way and the agent stays
-    usable."""
-    if operation not in OPERATIONS:
-        raise ValueError(f"transfer: operation must be 'WRITE' or 'READ', got {operation!r}")
-    if not isinstance(descs, Descriptors):
-        raise TypeError(f"transfer: descs must be kvcopy.nixl.Descriptors, got {type(descs).__name__}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"transfer: timeout must be a positive number of seconds, got {timeout!r}")
-    name = remote_agent.decode() if isinstance(remote_agent, bytes) else str(remote_agent)
-    what = f"{operation} of {descs.nbytes} bytes ({descs.posted} descriptors) with {name!r}"
-    lists: list = []
-    handle = None
-    deadline = time.monotonic() + timeout
-    try:
-        try:
-            if descs.strided:
-                lists = [
-                    agent.prep_xfer_dlist("", descs.local, local_memory),
-                    agent.prep_xfer_dlist(remote_agent, descs.remote, remote_memory),
-                ]
-                every = np.arange(descs.expanded, dtype=np.int32)
-                handle = agent.make_prepped_xfer(operation, lists[0], every, lists[1], every, notification)
-            else:
-                handle = agent.initialize_xfer(
-                    operation,
-                    agent.get_xfer_descs(descs.local, local_memory),
-                    agent.get_xfer_descs(descs.remote, remote_memory),
-                    remote_agent,
-                    notification,
-                )
-            state = agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"transfer: {what} has not ended after {timeout} s")
-                time.sleep(poll_s)
-                state = agent.check_xfer_state(handle)
-        except (TimeoutError, KVCopyError):
-            raise
-        except Exception as exc:  # NIXL's own errors (a peer gone, memory it does not know)
-            raise TransferFailed(f"transfer: NIXL refused {what}: {type(exc).__name__}: {exc}") from exc
-        if state != "DONE":
-            raise TransferFailed(f"transfer: NIXL reports {what} in state {state}")
-    finally:
-        _release(agent, handle, lists)
-
-
-def _release(agent: Any, handle: Any, lists: list) -> None:
-    """Give the request (and prepared lists) back; one still in flight is left to
-    NIXL, which releases it when it ends."""
-    for release, item in [(agent.release_xfer_handle, handle)] + [
-        (agent.release_dlist_handle, h) for h in lists
-    ]:
-        try:
-            release(item)
-        except Exception:  # noqa: BLE001 - NIXL refuses to release a request in flight
-            pass
-
-
-def wait_notification(agent: Any, remote_agent: str, message: bytes, timeout: float = 60.0) -> None:
-    """Wait until ``remote_agent``'s notification starting with ``message`` arrives
-    (it is consumed); TimeoutError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not agent.check_remote_xfer_done(remote_agent, message):
-        if time.monotonic() > deadline:
-            name = remote_agent.decode() if isinstance(remote_agent, bytes) else remote_agent
-            raise TimeoutError(f"wait_notification: no {message!r} from {name!r} after {timeout} s")
-        time.sleep(0.0002)
