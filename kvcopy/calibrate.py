@@ -179,8 +179,9 @@ def calibrate(
 
     Uses only scratch memory it allocates (2 x total_bytes on the device and in
     pinned host memory) and a stream of its own; takes a few seconds. The result
-    is used by method='auto' from then on and, with save_result, persisted per
-    device model and driver version.
+    is used by method='auto' from then on and, with save_result, persisted for this
+    GPU, its PCIe link, this host and this driver (a host where any of them differs
+    measures again).
     """
     _check_args(total_bytes, repeats, save_result, CALIBRATION_MIN_BYTES)
     _check_ordinal(device, "device")

@@ -96,11 +96,13 @@ def device_count() -> int:
 
 
 def device_attributes(int ordinal) -> dict:
-    """The device facts kvcopy's policy needs, as a plain dict."""
+    """The device facts kvcopy's policy needs, and what tells this GPU from another
+    (its UUID, its PCI address), as a plain dict."""
     init()
     cdef CUdevice dev
     cdef char name[256]
     cdef int value = 0
+    cdef cydriver.CUuuid uuid
     check(cydriver.cuDeviceGet(&dev, ordinal))
     check(cydriver.cuDeviceGetName(name, 256, dev))
     wanted = {
@@ -112,13 +114,14 @@ def device_attributes(int ordinal) -> dict:
         "host_pointer_for_registered_mem":
             cydriver.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
         "host_register_supported": cydriver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
-        # where the GPU sits on PCI: its NUMA node, for host memory that serves it
+        # where the GPU sits on PCI: its NUMA node (host pools), its link (calibration)
         "pci_domain": cydriver.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
         "pci_bus": cydriver.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
         "pci_device": cydriver.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
     }
+    check(cydriver.cuDeviceGetUuid(&uuid, dev))
     out = {"ordinal": ordinal, "name": name.decode(errors="replace"),
-           "driver_version": _driver_version}
+           "driver_version": _driver_version, "uuid": uuid.bytes[:16].hex()}
     for key, attr in wanted.items():
         check(cydriver.cuDeviceGetAttribute(&value, <CUdevice_attribute>attr, dev))
         out[key] = int(value)

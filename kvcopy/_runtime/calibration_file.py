@@ -1,7 +1,9 @@
-"""The calibration file: kvcopy.calibrate's thresholds for one device model and driver.
+"""The calibration file: kvcopy.calibrate's thresholds for one GPU of one host under
+one driver (kvcopy._runtime.host_key says what tells them apart).
 
-One file per (device name, driver version) under kvcopy.config.cache_dir(), shared
-by every process on the host (one per GPU of a node, typically). Guarantees:
+One file per key under kvcopy.config.cache_dir(), shared by every process using that
+GPU; the file holds its key, and a file whose key is not the one asked for is not
+used. Guarantees:
 
 - Saves are read-merge-write cycles under the file's lock and replace the file
   atomically (kvcopy._runtime.persist): concurrent saves lose no update and a reader never
@@ -25,9 +27,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvcopy._runtime import persist
+from kvcopy._runtime.host_key import HostKey
 from kvcopy.policy import Thresholds
 
-SCHEMA = 2
+SCHEMA = 3
 MAX_SAVES_KEPT = 64  # the newest save records kept in the file
 MAX_MEASUREMENTS = 4096
 MAX_THRESHOLD_BYTES = 1 << 40
@@ -37,6 +40,7 @@ _THRESHOLD_KEY = re.compile(r"^(h2d|d2h|d2d|p2p|p2p \d{1,4}>\d{1,4})$")
 _CTA_KEYS = ("h2d", "d2h")
 _TOP_KEYS = {
     "schema",
+    "host",
     "device",
     "driver_version",
     "batch_min_bytes",
@@ -51,9 +55,8 @@ _lock = threading.Lock()
 _bad: dict[Path, tuple[int, int, int]] = {}  # path -> (mtime_ns, size, inode) when found bad
 
 
-def path_for(cache: Path, device_name: str, driver_version: int) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
-    return cache / f"calibration-{slug}-driver{driver_version}.json"
+def path_for(cache: Path, key: HostKey) -> Path:
+    return cache / key.file_name()
 
 
 def _threshold(value: Any, where: str) -> float:
@@ -101,7 +104,7 @@ def _measurements(data: Mapping) -> dict:
     return found
 
 
-def validate(data: Any, device_name: str, driver_version: int) -> dict:
+def validate(data: Any, key: HostKey) -> dict:
     """The file's content, every field checked; raises persist.BadFile naming the fault.
     Returns the parsed tables: batch_min_bytes, host_ctas, both_ways_ctas,
     both_ways_batch_min_bytes (where present), measurements, saves."""
@@ -111,11 +114,13 @@ def validate(data: Any, device_name: str, driver_version: int) -> dict:
     if unknown:
         raise persist.BadFile(f"has unknown entries {sorted(unknown)}")
     schema = data.get("schema", 1)
-    if schema not in (1, SCHEMA):
-        raise persist.BadFile(f"has schema {schema!r}; this kvcopy reads 1 and {SCHEMA}")
-    for key, want in (("device", device_name), ("driver_version", driver_version)):
-        if key in data and data[key] != want:
-            raise persist.BadFile(f"is for {key} {data[key]!r}, not {want!r}")
+    if schema not in (1, 2, SCHEMA):
+        raise persist.BadFile(f"has schema {schema!r}; this kvcopy reads 1 to {SCHEMA}")
+    for name, want in (("device", key.device), ("driver_version", key.driver_version)):
+        if name in data and data[name] != want:
+            raise persist.BadFile(f"is for {name} {data[name]!r}, not {want!r}")
+    if "host" in data and data["host"] != key.as_dict():
+        raise persist.BadFile(f"was measured on another GPU or host ({data['host']!r})")
     if "batch_min_bytes" not in data:
         raise persist.BadFile("has no batch_min_bytes")
     out: dict[str, Any] = {
@@ -152,7 +157,7 @@ def _warn_bad(path: Path, fault: str) -> None:
     )
 
 
-def load(path: Path, device_name: str, driver_version: int) -> Thresholds | None:
+def load(path: Path, key: HostKey) -> Thresholds | None:
     """The thresholds in ``path`` over the defaults, or None where there is no usable
     file (missing; or bad, with one warning per version of the file)."""
     signature = _signature(path)
@@ -162,7 +167,7 @@ def load(path: Path, device_name: str, driver_version: int) -> Thresholds | None
         if _bad.get(path) == signature:
             return None
         try:
-            tables = validate(persist.read_json(path, allow_infinity=True), device_name, driver_version)
+            tables = validate(persist.read_json(path, allow_infinity=True), key)
         except persist.BadFile as exc:
             _bad[path] = signature
             _warn_bad(path, str(exc))
@@ -190,8 +195,7 @@ def _encode_threshold(value: float) -> float | None:
 
 def save(
     path: Path,
-    device_name: str,
-    driver_version: int,
+    key: HostKey,
     updates: Mapping[str, Any],
     measurements: Mapping[str, Mapping[str, float]],
     ordinal: int = -1,
@@ -205,14 +209,10 @@ def save(
     """
     with persist.locked(path):
         try:
-            current = validate(
-                persist.read_json(path, allow_infinity=True) or {"batch_min_bytes": {}},
-                device_name,
-                driver_version,
-            )
+            current = validate(persist.read_json(path, allow_infinity=True) or {"batch_min_bytes": {}}, key)
         except persist.BadFile as exc:
             _warn_bad(path, f"{exc} (it is being replaced)")
-            current = validate({"batch_min_bytes": {}}, device_name, driver_version)
+            current = validate({"batch_min_bytes": {}}, key)
         for name, value in updates.items():
             if name == "both_ways_batch_min_bytes":
                 current[name] = float(value)
@@ -237,8 +237,9 @@ def save(
         )[-MAX_SAVES_KEPT:]
         document = {
             "schema": SCHEMA,
-            "device": device_name,
-            "driver_version": driver_version,
+            "host": key.as_dict(),
+            "device": key.device,
+            "driver_version": key.driver_version,
             "batch_min_bytes": {k: _encode_threshold(v) for k, v in current["batch_min_bytes"].items()},
             "host_ctas": current["host_ctas"],
             "both_ways_ctas": current["both_ways_ctas"],

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcopy._runtime import calibration_file, kernels
+from kvcopy._runtime.host_key import HostKey, read_host_key
 from kvcopy._cuda import dma, driver
 from kvcopy.config import cache_dir
 from kvcopy.policy import DeviceCaps, Thresholds
@@ -22,6 +23,11 @@ class DeviceInfo:
     cc: tuple[int, int]
     driver_version: int
     caps: DeviceCaps
+    key: HostKey | None = None  # (None: the model and driver alone, as a fake device has)
+
+    def host_key(self) -> HostKey:
+        """What its calibration is kept under."""
+        return self.key if self.key is not None else HostKey(self.name, self.driver_version)
 
 
 _lock = threading.Lock()
@@ -63,7 +69,7 @@ def device_info(ordinal: int) -> DeviceInfo:
             bulk_copy=kernel_ok and cc >= (9, 0),
         )
         caps = dataclasses.replace(caps, **_caps_overrides)  # type: ignore[arg-type]
-        info = DeviceInfo(ordinal, str(attrs["name"]), cc, driver_version, caps)
+        info = DeviceInfo(ordinal, str(attrs["name"]), cc, driver_version, caps, read_host_key(attrs))
         _infos[ordinal] = info
         return info
 
@@ -98,14 +104,14 @@ def set_thresholds(ordinal: int, value: Thresholds) -> None:
 
 
 def thresholds_path(info: DeviceInfo) -> Path:
-    """The file calibrate() writes for this device model and driver."""
-    return calibration_file.path_for(cache_dir(), info.name, info.driver_version)
+    """The file calibrate() writes for this GPU, host and driver."""
+    return calibration_file.path_for(cache_dir(), info.host_key())
 
 
 def load_thresholds(info: DeviceInfo) -> Thresholds | None:
-    """Thresholds saved by calibrate() for this device model and driver, over the
+    """Thresholds saved by calibrate() for this GPU, host and driver, over the
     defaults; None where there is no usable file (a bad one is warned about once)."""
-    return calibration_file.load(thresholds_path(info), info.name, info.driver_version)
+    return calibration_file.load(thresholds_path(info), info.host_key())
 
 
 def save_thresholds(info: DeviceInfo, updates: dict, measurements: dict) -> Thresholds:
@@ -116,6 +122,4 @@ def save_thresholds(info: DeviceInfo, updates: dict, measurements: dict) -> Thre
     Raises:
         OSError: the cache folder cannot be written.
     """
-    return calibration_file.save(
-        thresholds_path(info), info.name, info.driver_version, updates, measurements, info.ordinal
-    )
+    return calibration_file.save(thresholds_path(info), info.host_key(), updates, measurements, info.ordinal)

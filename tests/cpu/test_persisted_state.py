@@ -181,9 +181,7 @@ def _reader(folder: str, seconds: float, queue) -> None:
             continue
         reads += 1
         try:
-            calibration_file.validate(
-                persist.parse_json(data, allow_infinity=True), INFO.name, INFO.driver_version
-            )
+            calibration_file.validate(persist.parse_json(data, allow_infinity=True), INFO.host_key())
         except persist.BadFile:
             torn += 1
     queue.put((reads, torn))

@@ -45,6 +45,7 @@ PURE = {
     "kvcopy._runtime.persist",
     "kvcopy._runtime.calibration_file",
     "kvcopy._runtime.numa",
+    "kvcopy._runtime.host_key",
     "kvcopy._runtime.host_pages",
     "kvcopy.policy.host_pool",
     "kvcopy._engine",
