@@ -19,7 +19,7 @@
  * Returns 1 where the batch is shown apart, 0 where two copies meet or the pass is
  * undecided (the caller compares exactly, which names the copies), -1 where memory
  * for the table could not be had. Zero-size copies are skipped; the caller has refused
- * copies that wrap the address space.
+ * copies that wrap the address space (so no range here wraps).
  */
 #ifndef KVCOPY_COPIES_APART_H
 #define KVCOPY_COPIES_APART_H
@@ -96,6 +96,16 @@ static inline int kvcopy_bucket_clear(const kvcopy_bucket_table* t, uint64_t buc
         }
     }
     return 1;
+}
+
+/* 1: [lo, hi) meets no destination entered under the one or two buckets it touches
+ * (as kvcopy_bucket_clear, with ``src``); 0: it meets one, or a bucket is too full. */
+static inline int kvcopy_range_clear(const kvcopy_bucket_table* t, int shift, uint64_t lo,
+                                     uint64_t hi, const uint64_t* src, const uint64_t* dst,
+                                     const uint64_t* sizes) {
+    uint64_t first = lo >> shift, last = (hi - 1) >> shift;
+    return kvcopy_bucket_clear(t, first, lo, hi, src, dst, sizes) &&
+           (last == first || kvcopy_bucket_clear(t, last, lo, hi, src, dst, sizes));
 }
 
 static inline void kvcopy_bucket_enter(kvcopy_bucket_table* t, uint64_t bucket, int32_t copy) {
@@ -185,12 +195,11 @@ static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
             continue;
         }
         uint64_t lo = dst[i], hi = dst[i] + sizes[i];
-        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
-        if (hi < lo || !kvcopy_bucket_clear(&t, first, lo, hi, NULL, dst, sizes) ||
-            (last != first && !kvcopy_bucket_clear(&t, last, lo, hi, NULL, dst, sizes))) {
+        if (!kvcopy_range_clear(&t, shift, lo, hi, NULL, dst, sizes)) {
             apart = 0;
             break;
         }
+        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
         kvcopy_bucket_enter(&t, first, (int32_t)i);
         if (last != first) {
             kvcopy_bucket_enter(&t, last, (int32_t)i);
@@ -202,10 +211,7 @@ static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
         if (sizes[i] == 0 || src[i] == dst[i]) {
             continue;
         }
-        uint64_t lo = src[i], hi = src[i] + sizes[i];
-        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
-        if (hi < lo || !kvcopy_bucket_clear(&t, first, lo, hi, src, dst, sizes) ||
-            (last != first && !kvcopy_bucket_clear(&t, last, lo, hi, src, dst, sizes))) {
+        if (!kvcopy_range_clear(&t, shift, src[i], src[i] + sizes[i], src, dst, sizes)) {
             apart = 0;
         }
     }

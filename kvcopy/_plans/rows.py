@@ -77,10 +77,11 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
         raise ValueError(
             f"{name}: GPU indices must be one contiguous dimension, got shape {shape} strides {strides}"
         )
+    count, at = shape[0], ptr if shape[0] else 0
     if key is not None:
         make_room(_index_faces, _INDEX_FACES_KEPT)
-        _index_faces[key] = (shape[0], ptr if shape[0] else 0)
-    return Indices(shape[0], ptr if shape[0] else 0, keep=obj)
+        _index_faces[key] = (count, at)
+    return Indices(count, at, keep=obj)
 
 
 def _plain_index_face(face: dict) -> tuple | None:
