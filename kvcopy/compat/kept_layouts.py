@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from kvcopy.api import copy_rows
 from kvcopy.compat.per_tensors import PerTensors
+from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
 from kvcopy.interop.streams import current_framework_stream
 from kvcopy.layouts import Layout
 
@@ -41,6 +42,34 @@ def kept_layout(
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         return build()
     return _layouts.get(tensors, args, lambda: dataclasses.replace(build(), keep=()), contents=contents)
+
+
+def layer_tables(
+    tables: tuple, names: tuple, item: int, stride: int | None = None, num_layers: int | None = None
+) -> Layout:
+    """Tables of per-layer addresses (SGLang's) as one layout's planes, the first
+    table's layers then the next's, items of ``item`` bytes every ``stride`` (default
+    ``item``), kept for the tables. Each table must hold ``num_layers`` addresses
+    (SGLang's own check: the table is the layers) or, where None, as many as the
+    first; a layer holds as many items as reach its allocation's end or the next
+    layer, whichever comes first."""
+
+    def build() -> Layout:
+        bases, reaches = [], []
+        want = num_layers if num_layers is not None else len(addresses_of(tables[0], names[0]))
+        for table, name in zip(tables, names):
+            found = addresses_of(table, name)
+            if len(found) != want:
+                against = f"num_layers is {num_layers}" if num_layers is not None else f"{names[0]} {want}"
+                raise ValueError(f"{name} has {len(found)} layers, {against}")
+            bases += found
+            reaches += reaches_of(table, name, want)
+        slots = slots_apart(bases, reaches, item, stride)
+        if slots == 0:
+            raise ValueError(f"{names[0]}: a layer holds no item of {item} bytes")
+        return Layout.from_pointers(bases, slots=slots, row_bytes=item, slot_stride=stride)
+
+    return kept_layout(tables, ("layer tables", item, stride, num_layers), build, contents=True)
 
 
 def copy_kept(

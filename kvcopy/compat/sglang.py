@@ -28,8 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.arguments import require_int
-from kvcopy.compat.kept_layouts import copy_kept, kept_layout
-from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
+from kvcopy.compat.kept_layouts import copy_kept, kept_layout, layer_tables
 from kvcopy.layouts import Layout
 
 
@@ -62,25 +61,6 @@ def _buffers(tensors: tuple, names: tuple, item_size: int, stride: int, offset: 
         )
 
     return kept_layout(tensors, ("buffers", item_size, stride, offset), build)
-
-
-def _tables(tables: tuple, names: tuple, item_size: int, num_layers: int) -> Layout:
-    """Per-layer address tables as planes (K's layers, then V's)."""
-
-    def build() -> Layout:
-        bases, reaches = [], []
-        for table, name in zip(tables, names):
-            found = addresses_of(table, name)
-            if len(found) != num_layers:  # (SGLang's own check: the table is the layers)
-                raise ValueError(f"{name} has {len(found)} layers, num_layers is {num_layers}")
-            bases += found[:num_layers]
-            reaches += reaches_of(table, name, num_layers)
-        slots = slots_apart(bases, reaches, item_size)
-        if slots == 0:
-            raise ValueError(f"{names[0]}: a layer holds no item of {item_size} bytes")
-        return Layout.from_pointers(bases, slots=slots, row_bytes=item_size)
-
-    return kept_layout(tables, ("tables", item_size, num_layers), build, contents=True)
 
 
 def transfer_kv_per_layer(
@@ -151,8 +131,8 @@ def transfer_kv_all_layer(
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
     copy_kept(
-        _tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
-        _tables((dst_k_layers, dst_v_layers), ("dst_k_layers", "dst_v_layers"), item, layers),
+        layer_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, num_layers=layers),
+        layer_tables((dst_k_layers, dst_v_layers), ("dst_k_layers", "dst_v_layers"), item, num_layers=layers),
         src_indices,
         dst_indices,
         engine=(src_k_layers, dst_k_layers),
@@ -258,7 +238,7 @@ def transfer_kv_all_layer_lf_ph(
     tokens = require_int(page_size, "page_size", minimum=1)
     heads = require_int(head_num, "head_num", minimum=1)
     copy_kept(
-        _tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+        layer_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, num_layers=layers),
         _page_head((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, range(layers), tokens, heads),
         src_indices,
         dst_indices,
@@ -284,7 +264,7 @@ def transfer_kv_all_layer_lf_pf(
     layers = require_int(num_layers, "num_layers", minimum=1)
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     copy_kept(
-        _tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, layers),
+        layer_tables((src_k_layers, src_v_layers), ("src_k_layers", "src_v_layers"), item, num_layers=layers),
         _page_first((dst_k, dst_v), ("dst_k", "dst_v"), item, dim, layers),
         src_indices,
         dst_indices,
@@ -340,8 +320,8 @@ def transfer_kv_all_layer_mla(
     item = require_int(item_size, "item_size", minimum=1)
     layers = require_int(num_layers, "num_layers", minimum=1)
     copy_kept(
-        _tables((src_layers,), ("src_layers",), item, layers),
-        _tables((dst_layers,), ("dst_layers",), item, layers),
+        layer_tables((src_layers,), ("src_layers",), item, num_layers=layers),
+        layer_tables((dst_layers,), ("dst_layers",), item, num_layers=layers),
         src_indices,
         dst_indices,
         engine=(src_layers, dst_layers),
@@ -363,7 +343,7 @@ def transfer_kv_all_layer_mla_lf_pf(
     layers = require_int(num_layers, "num_layers", minimum=1)
     dim = require_int(dst_layout_dim, "dst_layout_dim", minimum=1)
     copy_kept(
-        _tables((src_layers,), ("src_layers",), item, layers),
+        layer_tables((src_layers,), ("src_layers",), item, num_layers=layers),
         _page_first((dst,), ("dst",), item, dim, layers),
         src_indices,
         dst_indices,

@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy.arguments import require_int
-from kvcopy.compat.kept_layouts import copy_kept, kept_layout
-from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
+from kvcopy.compat.kept_layouts import copy_kept, kept_layout, layer_tables
 from kvcopy.layouts import Layout
 
 
@@ -68,27 +67,6 @@ def _element_size(element_size: Any, src_stride: int, dst_stride: int) -> int:
             )
         return src_stride
     return require_int(element_size, "element_size", minimum=1)
-
-
-def _layer_tables(tables: tuple, names: tuple, item: int, stride: int) -> Layout:
-    """Tables of per-layer addresses as planes (K's layers, then V's), items ``item``
-    bytes every ``stride``."""
-
-    def build() -> Layout:
-        bases, reaches = [], []
-        layers = len(addresses_of(tables[0], names[0]))
-        for table, name in zip(tables, names):
-            found = addresses_of(table, name)
-            if len(found) != layers:
-                raise ValueError(f"{name} has {len(found)} layers, {names[0]} {layers}")
-            bases += found
-            reaches += reaches_of(table, name, len(found))
-        slots = slots_apart(bases, reaches, item, stride)
-        if slots == 0:
-            raise ValueError(f"{names[0]}: a layer holds no item of {item} bytes")
-        return Layout.from_pointers(bases, slots=slots, row_bytes=item, slot_stride=stride)
-
-    return kept_layout(tables, ("jit tables", item, stride), build, contents=True)
 
 
 def _stride(value: Any, name: str, item: int) -> int:
@@ -156,8 +134,8 @@ def transfer_hicache_all_layer(
     _stride(src_stride, "kv_cache_src_stride_bytes", item)
     _stride(dst_stride, "kv_cache_dst_stride_bytes", item)
     copy_kept(
-        _layer_tables((k_ptr_src, v_ptr_src), ("k_ptr_src", "v_ptr_src"), item, src_stride),
-        _layer_tables((k_ptr_dst, v_ptr_dst), ("k_ptr_dst", "v_ptr_dst"), item, dst_stride),
+        layer_tables((k_ptr_src, v_ptr_src), ("k_ptr_src", "v_ptr_src"), item, src_stride),
+        layer_tables((k_ptr_dst, v_ptr_dst), ("k_ptr_dst", "v_ptr_dst"), item, dst_stride),
         _widened(indices_src),
         _widened(indices_dst),
         engine=(k_ptr_src, k_ptr_dst),
@@ -183,8 +161,8 @@ def transfer_hicache_all_layer_mla(
     _stride(src_stride, "cache_src_stride_bytes", item)
     _stride(dst_stride, "cache_dst_stride_bytes", item)
     copy_kept(
-        _layer_tables((ptr_src,), ("ptr_src",), item, src_stride),
-        _layer_tables((ptr_dst,), ("ptr_dst",), item, dst_stride),
+        layer_tables((ptr_src,), ("ptr_src",), item, src_stride),
+        layer_tables((ptr_dst,), ("ptr_dst",), item, dst_stride),
         _widened(indices_src),
         _widened(indices_dst),
         engine=(ptr_src, ptr_dst),
