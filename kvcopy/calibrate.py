@@ -8,13 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._runtime import device as devices, peers
+from kvcopy._runtime import device as devices, first_use, peers
 from kvcopy._cuda import driver, memory
 from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
 from kvcopy._plans.copies import plan_copies
 from kvcopy.policy import Thresholds, fewest_ctas
+from kvcopy.policy.defaults import AUTO_CALIBRATION_BYTES, AUTO_CALIBRATION_REPEATS
 
 CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Outside policy.BULK_MIN_BYTES..BULK_MAX_BYTES: the footprint is the register copier's
@@ -322,3 +323,20 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         driver.push_context(driver.primary_context(b))
         memory.mem_free(dst)
         driver.pop_context()
+
+
+_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+def _measure_at_first_use(ordinal: int) -> None:
+    """calibrate() as kvcopy._runtime.first_use runs it, on its own thread: in relaxed
+    capture mode (a graph another thread captures forbids none of its calls, and its
+    stream and memory are its own, so it joins none), with a small scratch."""
+    previous = driver.exchange_capture_mode(_RELAXED)
+    try:
+        calibrate(ordinal, total_bytes=AUTO_CALIBRATION_BYTES, repeats=AUTO_CALIBRATION_REPEATS)
+    finally:
+        driver.exchange_capture_mode(previous)
+
+
+first_use.measure = _measure_at_first_use

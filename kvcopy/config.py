@@ -38,6 +38,7 @@ _SETTINGS = {
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
     "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
     "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 50, 0, 60_000),
+    "auto_calibrate": _Setting("KVCOPY_AUTO_CALIBRATE", 0, 0, 1, boolean=True),
 }
 
 
@@ -193,6 +194,12 @@ class Config:
         direction. A copy that only alternates direction within the window pays
         batched DMA's CPU cost instead. 0: each batch is decided alone; up to
         60000 (env KVCOPY_TRAFFIC_WINDOW_MS, default 50).
+    auto_calibrate: at first use of a GPU whose host has no calibration for it
+        (kvcopy._runtime.host_key: the GPU, its PCIe link, the host, the driver),
+        measure it in the background, once per host, while the defaults serve
+        (kvcopy._runtime.first_use says how it keeps out of the caller's way);
+        env KVCOPY_AUTO_CALIBRATE=0/1, default 0: kvcopy.calibrate() measures on
+        demand.
     """
 
     host_ctas: int | None
@@ -207,6 +214,7 @@ class Config:
     launch_bytes: int
     staging_bytes: int
     traffic_window_ms: int
+    auto_calibrate: bool
 
     def __init__(self) -> None:
         for name in _SETTINGS:

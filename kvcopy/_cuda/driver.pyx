@@ -257,6 +257,16 @@ def stream_capture_status(uintptr_t stream) -> int:
     return 0
 
 
+def exchange_capture_mode(int mode) -> int:
+    """Set the calling thread's stream-capture mode (a CUstreamCaptureMode: 2 is
+    relaxed, whose own calls another thread's capture does not forbid) and return
+    the mode it had."""
+    init()
+    cdef cydriver.CUstreamCaptureMode value = <cydriver.CUstreamCaptureMode>mode
+    check(cydriver.cuThreadExchangeStreamCaptureMode(&value))
+    return <int>value
+
+
 def stream_create(bint non_blocking=True) -> int:
     cdef CUstream stream = NULL
     check(cydriver.cuStreamCreate(&stream, cydriver.CU_STREAM_NON_BLOCKING if non_blocking else 0))

@@ -55,6 +55,13 @@ def other_way_recent(device: int, direction: str, window_s: float, stream: int =
     return _clock() - when < window_s
 
 
+def idle_s(device: int) -> float:
+    """Seconds since ``device`` last issued a batch between host and GPU (either
+    way); infinity where it has issued none."""
+    times = [noted[0] for (on, _), noted in list(_last.items()) if on == device]
+    return _clock() - max(times) if times else float("inf")
+
+
 def forget() -> None:
     """Drop every record (tests; a process that changes its pattern of work)."""
     _last.clear()

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcopy._runtime import calibration_file, kernels
+from kvcopy._runtime import calibration_file, first_use, kernels
 from kvcopy._runtime.host_key import HostKey, read_host_key
 from kvcopy._cuda import dma, driver
 from kvcopy.config import cache_dir
@@ -89,12 +89,26 @@ def override_capabilities(**caps: bool | int) -> None:
 
 
 def thresholds(ordinal: int) -> Thresholds:
-    """Calibrated thresholds of a device, else the built-in defaults."""
+    """Calibrated thresholds of a device, else the built-in defaults (and, where
+    config.auto_calibrate is set, its calibration starts in the background:
+    kvcopy._runtime.first_use)."""
     found = _thresholds.get(ordinal)
     if found is None:
-        found = load_thresholds(device_info(ordinal)) or Thresholds()
+        info = device_info(ordinal)
+        loaded = load_thresholds(info)
+        if loaded is None:
+            first_use.noticed(ordinal, info.host_key(), thresholds_path(info), lambda: _settle(info))
+        found = loaded or Thresholds()
         _thresholds[ordinal] = found
     return found
+
+
+def _settle(info: DeviceInfo) -> bool:
+    """Load the device's file into its thresholds; whether there was a usable one."""
+    loaded = load_thresholds(info)
+    if loaded is not None:
+        set_thresholds(info.ordinal, loaded)
+    return loaded is not None
 
 
 def set_thresholds(ordinal: int, value: Thresholds) -> None:

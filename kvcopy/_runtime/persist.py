@@ -69,6 +69,26 @@ def locked(path: Path) -> Iterator[None]:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def try_locked(path: Path) -> Iterator[bool]:
+    """Hold ``path``'s exclusive lock (on ``<path>.lock``) where no one else does, without
+    waiting: yields whether it is held. The lock goes with its holder's process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+b") as lock:
+        if fcntl is None:
+            yield True
+            return
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def _constant(allow_infinity: bool) -> Any:
     def parse(name: str) -> Any:
         if name == "Infinity" and allow_infinity:

@@ -96,3 +96,15 @@ POOL_TOUCH_THREADS = 32
 # Explicit huge pages back a pool only where rounding up to whole pages adds at most
 # this share of the pool (a 1 GiB page for a 100 MiB pool would waste ten times it).
 POOL_EXPLICIT_MAX_WASTE = 0.125
+# Calibration at first use (kvcopy._runtime.first_use, config.auto_calibrate): it starts
+# once the device has issued no copy between host and GPU for this long, so that it
+# measures in a gap of the caller's traffic rather than beside it;
+AUTO_CALIBRATION_QUIET_S = 1.0
+# with this much scratch a side and these repeats: a few seconds of the GPU, once;
+AUTO_CALIBRATION_BYTES = 16 << 20
+AUTO_CALIBRATION_REPEATS = 3
+# and a process that finds another one of the host measuring the same GPU waits this
+# long for its file, asking every AUTO_CALIBRATION_POLL_S, before it gives up (the
+# defaults serve on); one whose measuring peer died takes its place.
+AUTO_CALIBRATION_WAIT_S = 600.0
+AUTO_CALIBRATION_POLL_S = 0.5

@@ -46,6 +46,7 @@ PURE = {
     "kvcopy._runtime.calibration_file",
     "kvcopy._runtime.numa",
     "kvcopy._runtime.host_key",
+    "kvcopy._runtime.first_use",
     "kvcopy._runtime.host_pages",
     "kvcopy.policy.host_pool",
     "kvcopy._engine",
