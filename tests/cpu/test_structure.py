@@ -421,3 +421,14 @@ def test_the_package_cites_no_results_file_and_the_reference_runs_stay_few():
         ]
     )
     assert [name for name in runs if name not in docs] == []
+
+
+def test_every_package_of_kvcopy_is_in_the_distribution():
+    """pyproject.toml lists the packages the wheel ships: a package left out installs
+    from a checkout and is missing from the wheel."""
+    text = (ROOT / "pyproject.toml").read_text()  # (tomllib is 3.11+: read the one list)
+    found_list = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]", text, re.S | re.M)
+    assert found_list, "pyproject.toml: no [tool.setuptools] packages list"
+    listed = set(re.findall(r'"([\w.]+)"', found_list.group(1)))
+    found = {module_name(init) for init in PACKAGE.rglob("__init__.py")}
+    assert found == listed
