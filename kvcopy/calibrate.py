@@ -14,10 +14,14 @@ from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
 from kvcopy._plans.copies import plan_copies
-from kvcopy.policy import Thresholds, fewest_ctas
+from kvcopy.policy import Thresholds, dma_crossover, fewest_ctas
 from kvcopy.policy.defaults import AUTO_CALIBRATION_BYTES, AUTO_CALIBRATION_REPEATS
 
-CALIBRATION_BLOCKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# From 4 KiB: on a host whose SMs read host memory slowly, the copy engines win from
+# 16 KiB, where the kernel keeps 0.6 of the link (policy.dma_crossover).
+CALIBRATION_BLOCKS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# Between two GPUs the kernel keeps NVLink's rate at small blocks: from 64 KiB.
+PEER_CALIBRATION_BLOCKS = CALIBRATION_BLOCKS[2:]
 # Outside policy.BULK_MIN_BYTES..BULK_MAX_BYTES: the footprint is the register copier's
 # (host_ctas), and max_ctas would set the bulk copier's CTAs inside that window.
 FOOTPRINT_BLOCKS = (4 << 10, 256 << 10)
@@ -70,15 +74,6 @@ def _release(stream: int, start: int, end: int, device_memory: int) -> None:
         memory.mem_free(device_memory)
 
 
-def _next_threshold(found: float, block: int, gbps: dict) -> float:
-    """The smallest block size from which batched DMA keeps up with the kernel (within
-    2%) at every larger size measured so far (sizes come in increasing order)."""
-    batch_wins = "batch" in gbps and gbps["batch"] >= 0.98 * gbps.get("kernel", 0.0)
-    if not batch_wins:
-        return float("inf")
-    return float(block) if found == float("inf") else found
-
-
 def _footprint(src: int, dst: int, total_bytes: int, time_ms, rng) -> tuple[int, dict]:
     """The fewest copy-kernel CTAs that keep one direction at FOOTPRINT_FLOOR of the
     contiguous copy (one cuMemcpyAsync of the same bytes) at every FOOTPRINT_BLOCKS
@@ -114,7 +109,7 @@ def _both_ways_threshold(
     # 'auto' with a crossover of 0 sends both sides to the engines, 'kernel' fuses them;
     # the crossover is this measurement's own: other threads' copies decide as before
     engines = dataclasses.replace(devices.thresholds(device), both_ways_batch_min_bytes=0)
-    found, measured = float("inf"), {}
+    by_block, measured = {}, {}
     for block in BOTH_WAYS_BLOCKS:
         load = _scattered_plan(host, dev, block, total_bytes // 2, rng)
         store = _scattered_plan(dev + total_bytes, host + total_bytes, block, total_bytes // 2, rng)
@@ -129,9 +124,8 @@ def _both_ways_threshold(
                 continue  # that path is not available here
             ms = _median_ms(run, stream, *events, repeats)
             gbps[label] = (store.total_bytes + load.total_bytes) / ms / 1e6
-        measured[f"both_ways/{block}"] = gbps
-        found = _next_threshold(found, block, gbps)
-    return found, measured
+        measured[f"both_ways/{block}"] = by_block[block] = gbps
+    return dma_crossover(by_block), measured
 
 
 def _save(info: devices.DeviceInfo, updates: dict, measured: dict) -> None:
@@ -216,15 +210,15 @@ def calibrate(
             if info.caps.kernel_available:
                 ctas[direction], fractions = _footprint(src, dst, total_bytes, time_ms, rng)
                 measured[f"{direction}/ctas"] = fractions
-            found[direction] = float("inf")
+            by_block: dict = {}
             for block in CALIBRATION_BLOCKS:
                 plan = _scattered_plan(src, dst, block, total_bytes, rng)
                 gbps = {}
                 for method in methods:
                     ms = _median_ms(lambda: execute(plan, stream, method), stream, start, end, repeats)
                     gbps[method] = plan.total_bytes / ms / 1e6
-                measured[f"{direction}/{block}"] = gbps
-                found[direction] = _next_threshold(found[direction], block, gbps)
+                measured[f"{direction}/{block}"] = by_block[block] = gbps
+            found[direction] = dma_crossover(by_block)
         before = devices.thresholds(device)
         updates: dict = {"batch_min_bytes": found, "host_ctas": ctas}
         if info.caps.kernel_available and info.caps.batch_available:
@@ -298,8 +292,8 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         start, end = driver.event_create(timing=True), driver.event_create(timing=True)
         rng = np.random.default_rng(0)
         key = f"p2p {a}>{b}"
-        found, measured = float("inf"), {}
-        for block in CALIBRATION_BLOCKS:
+        by_block, measured = {}, {}
+        for block in PEER_CALIBRATION_BLOCKS:
             plan = _scattered_plan(src, dst, block, total_bytes, rng)
             gbps = {}
             for method in ("kernel", "batch"):
@@ -310,8 +304,8 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
                 except ValueError:  # the kernel cannot reach device b: nothing to calibrate
                     return
                 gbps[method] = plan.total_bytes / ms / 1e6
-            measured[f"{key}/{block}"] = gbps
-            found = _next_threshold(found, block, gbps)
+            measured[f"{key}/{block}"] = by_block[block] = gbps
+        found = dma_crossover(by_block)
         before = devices.thresholds(a)
         result = dataclasses.replace(before, batch_min_bytes={**before.batch_min_bytes, key: found})
         devices.set_thresholds(a, result)

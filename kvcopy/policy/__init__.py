@@ -7,7 +7,7 @@ docs/design.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Mapping
 
 from kvcopy.errors import CaptureError, KVCopyError
 from kvcopy.policy.defaults import (
@@ -120,6 +120,23 @@ def fewest_ctas(fractions: dict, floor: float = 0.90) -> int:
     if enough:
         return min(enough)
     return max(fractions, key=lambda ctas: (fractions[ctas], -ctas))
+
+
+def dma_crossover(measured: Mapping[int, Mapping[str, float]]) -> float:
+    """The smallest block size from which batched DMA keeps up with the copy kernel
+    (within 2%) at every larger size measured (``measured``: block bytes -> GB/s by
+    'kernel' and 'batch'); infinity where it does not at the largest. A host whose SMs
+    read host memory slowly gets the copy engines from the first size where they win;
+    one whose SMs read fast keeps the kernel up to large blocks. Where only the
+    engines were measured (no kernel on the device), from the smallest size."""
+    found = float("inf")
+    for block in sorted(measured):
+        gbps = measured[block]
+        if "batch" in gbps and gbps["batch"] >= 0.98 * gbps.get("kernel", 0.0):
+            found = min(found, float(block))
+        else:
+            found = float("inf")
+    return found
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from kvcopy.testing import engine
 decide, dispatch = engine.decide, engine.dispatch
 device = engine.device
 from kvcopy.config import config
-from kvcopy.calibrate import _next_threshold
 from kvcopy.policy import (
     BOTH_WAYS_BATCH_MIN_BYTES,
     BOTH_WAYS_CTAS,
@@ -23,6 +22,8 @@ from kvcopy.policy import (
     Decision,
     DeviceCaps,
     Thresholds,
+    choose_method,
+    dma_crossover,
     fewest_ctas,
 )
 
@@ -117,20 +118,56 @@ def test_calibration_file_round_trip_keeps_the_both_ways_crossover(tmp_path, mon
 
 
 def test_crossover_is_where_dma_keeps_up_from_then_on():
-    found = float("inf")
-    steps = [
-        (32 << 10, {"kernel": 70.0, "batch": 40.0}),  # engines CPU-bound: kernel
-        (64 << 10, {"kernel": 70.0, "batch": 69.0}),  # within 2%: from here
-        (128 << 10, {"kernel": 70.0, "batch": 90.0}),
-    ]
-    for block, gbps in steps:
-        found = _next_threshold(found, block, gbps)
-    assert found == 64 << 10
+    steps = {
+        32 << 10: {"kernel": 70.0, "batch": 40.0},  # engines CPU-bound: kernel
+        64 << 10: {"kernel": 70.0, "batch": 69.0},  # within 2%: from here
+        128 << 10: {"kernel": 70.0, "batch": 90.0},
+    }
+    assert dma_crossover(steps) == 64 << 10
     # a larger size where the engines fall behind again starts over
-    assert _next_threshold(found, 256 << 10, {"kernel": 70.0, "batch": 60.0}) == float("inf")
+    assert dma_crossover({**steps, 256 << 10: {"kernel": 70.0, "batch": 60.0}}) == float("inf")
     # only one path measured: the engines where no kernel could run, never otherwise
-    assert _next_threshold(float("inf"), 4096, {"batch": 1.0}) == 4096
-    assert _next_threshold(float("inf"), 4096, {"kernel": 1.0}) == float("inf")
+    assert dma_crossover({4096: {"batch": 1.0}}) == 4096
+    assert dma_crossover({4096: {"kernel": 1.0}}) == float("inf")
+    assert dma_crossover({}) == float("inf")
+
+
+# GB/s host to GPU by block size, as two H100 hosts of one model measured them: one whose
+# SMs read pinned host memory at about 33 GB/s, one whose SMs keep the link's rate.
+SLOW_SM_READS = {
+    4 << 10: {"kernel": 33.0, "batch": 21.0},
+    16 << 10: {"kernel": 33.0, "batch": 49.0},
+    64 << 10: {"kernel": 33.5, "batch": 54.0},
+    256 << 10: {"kernel": 33.5, "batch": 55.0},
+    1 << 20: {"kernel": 33.5, "batch": 55.0},
+    4 << 20: {"kernel": 33.5, "batch": 55.0},
+}
+FAST_SM_READS = {
+    4 << 10: {"kernel": 49.5, "batch": 21.0},
+    16 << 10: {"kernel": 50.0, "batch": 45.0},
+    64 << 10: {"kernel": 50.0, "batch": 47.0},
+    256 << 10: {"kernel": 50.5, "batch": 48.5},
+    1 << 20: {"kernel": 50.5, "batch": 52.0},
+    4 << 20: {"kernel": 50.5, "batch": 54.0},
+}
+
+
+@pytest.mark.parametrize(
+    "measured, crossover, kernel_blocks, engine_blocks",
+    [
+        (SLOW_SM_READS, 16 << 10, [4 << 10], [16 << 10, 64 << 10, 256 << 10]),
+        (FAST_SM_READS, 1 << 20, [4 << 10, 16 << 10, 64 << 10, 256 << 10], [1 << 20]),
+    ],
+)
+def test_a_host_whose_sms_read_slowly_gets_the_copy_engines_where_they_win(
+    measured, crossover, kernel_blocks, engine_blocks
+):
+    found = dma_crossover(measured)
+    assert found == crossover
+    thresholds = Thresholds(batch_min_bytes={"h2d": found, "d2h": 1 << 20})
+    for block, method in [(b, "kernel") for b in kernel_blocks] + [(b, "batch") for b in engine_blocks]:
+        req = CopyRequest("h2d", 4096, 4096 * block, True, "created")
+        assert choose_method(req, DeviceCaps(), thresholds).method == method, block
 
 
 def _fake_both_ways(
