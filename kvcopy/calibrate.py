@@ -319,14 +319,11 @@ def _calibrate_pair(a: int, b: int, total_bytes: int, repeats: int, save_result:
         driver.pop_context()
 
 
-_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
-
-
 def _measure_at_first_use(ordinal: int) -> None:
     """calibrate() as kvcopy._runtime.first_use runs it, on its own thread: in relaxed
     capture mode (a graph another thread captures forbids none of its calls, and its
     stream and memory are its own, so it joins none), with a small scratch."""
-    previous = driver.exchange_capture_mode(_RELAXED)
+    previous = driver.exchange_capture_mode(driver.CAPTURE_MODE_RELAXED)
     try:
         calibrate(ordinal, total_bytes=AUTO_CALIBRATION_BYTES, repeats=AUTO_CALIBRATION_REPEATS)
     finally:

@@ -257,10 +257,13 @@ def stream_capture_status(uintptr_t stream) -> int:
     return 0
 
 
+CAPTURE_MODE_RELAXED = cydriver.CU_STREAM_CAPTURE_MODE_RELAXED
+
+
 def exchange_capture_mode(int mode) -> int:
-    """Set the calling thread's stream-capture mode (a CUstreamCaptureMode: 2 is
-    relaxed, whose own calls another thread's capture does not forbid) and return
-    the mode it had."""
+    """Set the calling thread's stream-capture mode (a CUstreamCaptureMode, such as
+    CAPTURE_MODE_RELAXED: another thread's capture forbids none of its calls) and
+    return the mode it had."""
     init()
     cdef cydriver.CUstreamCaptureMode value = <cydriver.CUstreamCaptureMode>mode
     check(cydriver.cuThreadExchangeStreamCaptureMode(&value))

@@ -43,8 +43,16 @@ class FakeDriver:
     def device_attributes(self, ordinal: int) -> dict:
         return {"pci_domain": 0, "pci_bus": 0x1B, "pci_device": 0}
 
+    CAPTURE_MODE_RELAXED = 2
+    mode = 0  # the thread's capture mode, as the driver keeps it
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        previous, self.mode = self.mode, mode
+        return previous
+
     # kvcopy._cuda.memory
     def host_register(self, ptr: int, nbytes: int, read_only: bool = False) -> None:
+        assert self.mode == self.CAPTURE_MODE_RELAXED  # (a capture elsewhere forbids none)
         if self.gate is not None:
             self.gate.wait()
         if self.fail_at is not None and len(self.registered) == self.fail_at:
@@ -89,6 +97,7 @@ def test_a_pool_is_exactly_the_size_asked_registered_whole_and_holds_bytes(fake)
         assert spans[0][0] == pool.ptr and sum(size for _, size in spans) == nbytes
         assert all(a + s == b for (a, s), (b, _) in zip(spans, spans[1:]))  # back to back, in order
         assert report.registrations == len(spans) == 4 and report.registered_bytes == nbytes
+        assert fake.mode == 0  # the thread's own capture mode back after registering
         pattern = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
         array[:] = pattern
         assert np.array_equal(pool.view(MiB, 100), pattern[MiB : MiB + 100])
