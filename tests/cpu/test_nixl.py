@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers.nixl_peer import nixl_installed, run_peers
 from kvcopy import Layout, nixl
-
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def _layout(cache: np.ndarray, **shape) -> Layout:
@@ -143,38 +140,21 @@ def test_importing_kvcopy_nixl_imports_neither_nixl_nor_torch():
     assert out.strip() == "[]"
 
 
-def _nixl_installed() -> bool:
-    for name in ("nixl_cu13", "nixl_cu12", "nixl"):
-        try:
-            __import__(name)
-            return True
-        except ImportError:
-            continue
-    return False
-
-
-@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
 def test_two_processes_move_rows_over_nixl_with_kvcopys_descriptors(tmp_path):
-    _two_processes(tmp_path, "target", "initiator")
-    from helpers.nixl_peer import READ, WRITES, source_cache
+    run_peers(tmp_path, "helpers.nixl_peer", "target", "initiator")
+    from helpers.nixl_peer import expected_read, expected_written
 
-    source = source_cache()
-    expected = np.zeros_like(source)
-    for ours, theirs in WRITES.values():
-        expected[:, theirs] = source[:, ours]
-    assert np.array_equal(np.load(tmp_path / "written.npy"), expected)
-    read = np.zeros((source.shape[0], 4, source.shape[2]), np.uint8)
-    live = READ[0] >= 0
-    read[:, READ[1][live]] = expected[:, READ[0][live]]
-    assert np.array_equal(np.load(tmp_path / "read.npy"), read)
+    assert np.array_equal(np.load(tmp_path / "written.npy"), expected_written())
+    assert np.array_equal(np.load(tmp_path / "read.npy"), expected_read())
     counts = json.loads((tmp_path / "counts.json").read_text())
     assert counts["merged"]["posted"] < counts["merged"]["copies"]
     assert counts["strided"]["posted"] < counts["strided"]["expanded"] <= counts["strided"]["copies"]
 
 
-@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
 def test_a_peer_that_went_away_fails_clearly_and_the_agent_works_after(tmp_path):
-    _two_processes(tmp_path, "leaving", "after_leaving")
+    run_peers(tmp_path, "helpers.nixl_peer", "leaving", "after_leaving")
     outcome = json.loads((tmp_path / "outcome.json").read_text())
     assert outcome["transfer"].startswith(
         "TransferFailed: transfer: NIXL refused WRITE of 8192 bytes (8 descriptors) with 'target': "
@@ -184,40 +164,11 @@ def test_a_peer_that_went_away_fails_clearly_and_the_agent_works_after(tmp_path)
     assert outcome["loopback equal"] is True
 
 
-@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
 def test_packed_rows_cross_in_whole_chunks_sliced_between_tensor_parallel_degrees(tmp_path):
-    _two_processes(tmp_path, "packed_receiver", "packed_sender")
-    from helpers.nixl_peer import CHUNK, HEAD_BYTES, HEADS, PACKED, source_cache
+    run_peers(tmp_path, "helpers.nixl_peer", "packed_receiver", "packed_sender")
+    from helpers.nixl_peer import CHUNK, PACKED, expected_packed
 
-    source = source_cache()
-    planes, heads = source.shape[0], HEADS.stop - HEADS.start
-    sliced = source.reshape(planes, source.shape[1], -1, HEAD_BYTES)[:, :, HEADS].reshape(
-        planes, source.shape[1], -1
-    )
-    expected = np.zeros((planes, 40, heads * HEAD_BYTES), np.uint8)
-    live = PACKED[1] >= 0
-    expected[:, PACKED[1][live]] = sliced[:, PACKED[0][live]]
-    assert np.array_equal(np.load(tmp_path / "packed.npy"), expected)
+    assert np.array_equal(np.load(tmp_path / "packed.npy"), expected_packed())
     chunks = json.loads((tmp_path / "packed.json").read_text())["chunks"]
     assert chunks == -(-len(PACKED[0]) // CHUNK) > 2  # more chunks than slots: slots were freed and reused
-
-
-def _two_processes(folder: Path, *roles: str) -> None:
-    """Run helpers.nixl_peer's ``roles``, each in its own process, over UCX on the
-    loopback device; each must exit 0."""
-    env = dict(os.environ, UCX_TLS="tcp,self", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    peers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "helpers.nixl_peer", role, str(folder)],
-            cwd=TESTS,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for role in roles
-    ]
-    for peer in peers:
-        out, _ = peer.communicate(timeout=120)
-        assert peer.returncode == 0, out

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import pickle
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from kvcopy import Layout, nixl, testing
 
+TESTS = Path(__file__).resolve().parents[1]
 PLANES, SLOTS, ROW = 8, 64, 512
 WRITES = {
     "merged": (np.array([0, 1, 2, 3, 10, 11, 40]), np.array([5, 6, 7, 8, 30, 31, 63])),
@@ -36,8 +38,70 @@ def source_cache() -> np.ndarray:
     return np.random.default_rng(7).integers(0, 256, (PLANES, SLOTS, ROW), dtype=np.uint8)
 
 
+def expected_written() -> np.ndarray:
+    """The target's cache after the initiator's WRITEs (a NumPy oracle)."""
+    source = source_cache()
+    expected = np.zeros_like(source)
+    for ours, theirs in WRITES.values():
+        expected[:, theirs] = source[:, ours]
+    return expected
+
+
+def expected_read() -> np.ndarray:
+    """What the initiator READs back from the written cache."""
+    written = expected_written()
+    read = np.zeros((PLANES, 4, ROW), np.uint8)
+    live = READ[0] >= 0
+    read[:, READ[1][live]] = written[:, READ[0][live]]
+    return read
+
+
+def expected_packed() -> np.ndarray:
+    """The receiver's cache after the packed send of heads HEADS of each row."""
+    source = source_cache()
+    sliced = source.reshape(PLANES, SLOTS, -1, HEAD_BYTES)[:, :, HEADS].reshape(PLANES, SLOTS, -1)
+    expected = np.zeros((PLANES, 40, sliced.shape[2]), np.uint8)
+    live = PACKED[1] >= 0
+    expected[:, PACKED[1][live]] = sliced[:, PACKED[0][live]]
+    return expected
+
+
 def layout_of(cache: np.ndarray) -> Layout:
     return Layout.from_pointers([cache[p].ctypes.data for p in range(PLANES)], slots=SLOTS, row_bytes=ROW)
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL's Python package can be imported here."""
+    for name in ("nixl_cu13", "nixl_cu12", "nixl"):
+        try:
+            __import__(name)
+            return True
+        except ImportError:
+            continue
+    return False
+
+
+def run_peers(folder: Path, module: str, *roles: str, loopback: bool = True) -> None:
+    """Run ``module``'s ``roles``, each in its own process (``loopback``: UCX over TCP on
+    the loopback device, as without a GPU); each must exit 0."""
+    env = dict(os.environ, NIXL_LOG_LEVEL="ERROR")
+    if loopback:
+        env.update(UCX_TLS="tcp,self", UCX_NET_DEVICES="lo")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    peers = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, role, str(folder)],
+            cwd=TESTS,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in roles
+    ]
+    for peer in peers:
+        out, _ = peer.communicate(timeout=300)
+        assert peer.returncode == 0, out
 
 
 def _agent(name: str):

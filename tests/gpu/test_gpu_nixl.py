@@ -1,0 +1,25 @@
+"""kvcopy.nixl between two processes on one GPU (NIXL installed; UCX's CUDA lanes):
+rows of one process's GPU cache into another's by kvcopy's descriptors and back, and a
+packed send of a slice of each row's heads from GPU memory into the other process's
+pinned host memory, gathered and scattered by kvcopy; bytes against NumPy oracles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.nixl_peer import expected_packed, expected_read, expected_written, nixl_installed, run_peers
+
+pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
+
+
+def test_gpu_rows_move_between_two_processes_with_kvcopys_descriptors(tmp_path):
+    run_peers(tmp_path, "helpers.nixl_gpu_peer", "vram_target", "vram_initiator", loopback=False)
+    assert np.array_equal(np.load(tmp_path / "written.npy"), expected_written())
+    assert np.array_equal(np.load(tmp_path / "read.npy"), expected_read())
+
+
+def test_a_packed_send_from_gpu_memory_lands_in_another_process_host_layout(tmp_path):
+    run_peers(tmp_path, "helpers.nixl_gpu_peer", "host_receiver", "vram_sender", loopback=False)
+    assert np.array_equal(np.load(tmp_path / "packed.npy"), expected_packed())
+    assert int((tmp_path / "chunks").read_text()) == 8
