@@ -18,11 +18,18 @@
 #                 "both_ways_beside d2d_descriptors latency" (serving-probe.txt)
 #   SCRIPTS="..." experiments/ to run before the benchmark, each into <name>.txt,
 #                 e.g. "bulk_sweep.py"
+# Wheels in .whl/ (ignored by git; the device tool's carry) are installed first, for
+# what the GPU machine lacks: NIXL's (nixl-cu13 for its Python) runs
+# tests/gpu/test_gpu_nixl.py, which skips without it.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export KVCOPY_CACHE_DIR=${KVCOPY_CACHE_DIR:-/tmp/kvcopy-cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if ! python3 -m pip install --no-build-isolation --no-deps -e . >/tmp/kvcopy-build.log 2>&1; then
   cp /tmp/kvcopy-build.log "$OUT/build.log"; tail -40 "$OUT/build.log"; exit 1
 fi
