@@ -19,7 +19,8 @@ def test_gpu_rows_move_between_two_processes_with_kvcopys_descriptors(tmp_path):
     assert np.array_equal(np.load(tmp_path / "read.npy"), expected_read())
 
 
-def test_a_packed_send_from_gpu_memory_lands_in_another_process_host_layout(tmp_path):
-    run_peers(tmp_path, "helpers.nixl_gpu_peer", "host_receiver", "vram_sender", loopback=False)
+@pytest.mark.parametrize("receiver", ["host_receiver", "host_receiver_via_gpu"])
+def test_a_packed_send_from_gpu_memory_lands_in_another_process_host_layout(tmp_path, receiver):
+    run_peers(tmp_path, "helpers.nixl_gpu_peer", receiver, "vram_sender", loopback=False)
     assert np.array_equal(np.load(tmp_path / "packed.npy"), expected_packed())
     assert int((tmp_path / "chunks").read_text()) == 8

@@ -3,10 +3,12 @@
 
 - ``vram_target`` / ``vram_initiator``: rows of one process's GPU cache WRITTEN into
   another's GPU cache with kvcopy's descriptors (merged and strided), then READ back;
-- ``host_receiver`` / ``vram_sender``: a packed send of a slice of each row's heads
-  (between tensor-parallel degrees) from one process's GPU cache, gathered by kvcopy
-  into GPU staging, into the other process's pinned host cache through pinned
-  staging, scattered there by kvcopy.
+- ``host_receiver`` (or ``host_receiver_via_gpu``) / ``vram_sender``: a packed send
+  of a slice of each row's heads (between tensor-parallel degrees) from one process's
+  GPU cache, gathered by kvcopy into GPU staging, into the other process's pinned
+  host cache through pinned staging (or GPU staging: the same-host leg, which UCX
+  has no lane for between one process's GPU and another's host memory), scattered
+  there by kvcopy.
 
 What each end holds at the end is saved to FOLDER as NumPy files for the test.
 """
@@ -87,13 +89,20 @@ def _slot_bytes() -> int:
     return CHUNK * PLANES * (HEADS.stop - HEADS.start) * HEAD_BYTES
 
 
-def host_receiver(folder: Path) -> None:
+def host_receiver(folder: Path, staging_on_gpu: bool = False) -> None:
+    """The receiving end, its cache in pinned host memory; its staging too, or
+    (``staging_on_gpu``: the same-host leg) on the GPU, which the sender's GPU reaches
+    by CUDA IPC, kvcopy moving each chunk from there into the host layout."""
     agent = _agent("receiver")
     row = (HEADS.stop - HEADS.start) * HEAD_BYTES
     cache = torch.zeros(PLANES, 40, row, dtype=torch.uint8).pin_memory()
-    buffer = torch.zeros(2 * _slot_bytes(), dtype=torch.uint8).pin_memory()
-    staging = nixl.Staging(buffer.data_ptr(), _slot_bytes(), slots=2)
-    registered = agent.register_memory(staging.regions(), "DRAM")
+    if staging_on_gpu:
+        buffer = torch.zeros(2 * _slot_bytes(), dtype=torch.uint8, device="cuda")
+    else:
+        buffer = torch.zeros(2 * _slot_bytes(), dtype=torch.uint8).pin_memory()
+    memory = "VRAM" if staging_on_gpu else "DRAM"
+    staging = nixl.Staging(buffer.data_ptr(), _slot_bytes(), slots=2, memory=memory)
+    registered = agent.register_memory(staging.regions(), memory)
     _publish(folder, "receiver", (agent.get_agent_metadata(), staging))
     peer = agent.add_remote_agent(_read(folder, "sender")[0])
     chunks = nixl.receive_packed(
@@ -132,6 +141,7 @@ ROLES = {
     "vram_target": vram_target,
     "vram_initiator": vram_initiator,
     "host_receiver": host_receiver,
+    "host_receiver_via_gpu": lambda folder: host_receiver(folder, staging_on_gpu=True),
     "vram_sender": vram_sender,
 }
 
