@@ -172,3 +172,74 @@ def test_packed_rows_cross_in_whole_chunks_sliced_between_tensor_parallel_degree
     assert np.array_equal(np.load(tmp_path / "packed.npy"), expected_packed())
     chunks = json.loads((tmp_path / "packed.json").read_text())["chunks"]
     assert chunks == -(-len(PACKED[0]) // CHUNK) > 2  # more chunks than slots: slots were freed and reused
+
+
+def test_staging_and_packed_sends_refuse_careless_arguments():
+    cache = np.zeros((2, 8, 64), np.uint8)
+    layout = Layout.from_pointers([cache[p].ctypes.data for p in range(2)], slots=8, row_bytes=64)
+    buffer = np.zeros(4096, np.uint8)
+    with pytest.raises(ValueError, match="staging: memory must be 'DRAM' or 'VRAM', got 'GPU'"):
+        nixl.Staging(buffer.ctypes.data, 2048, memory="GPU")
+    with pytest.raises(ValueError, match="staging: slots must be at least 1"):
+        nixl.Staging(buffer.ctypes.data, 2048, slots=0)
+    with pytest.raises(ValueError, match="staging: address must be at least 1"):
+        nixl.Staging(0, 2048)
+    small = nixl.Staging(buffer.ctypes.data, 256, slots=2)
+    # (no agent is asked anything: each refusal comes before the first call on it)
+    with pytest.raises(ValueError, match=r"this end's staging: slots of 256 bytes hold no chunk of 4 rows"):
+        nixl.send_packed(object(), layout, [0, 1, 2, 3], "peer", small, small, tag="t", chunk_rows=4)
+    with pytest.raises(ValueError, match="src_indices: a packed send moves every row it names"):
+        nixl.send_packed(object(), layout, [0, -1], "peer", small, small, tag="t", chunk_rows=1)
+    with pytest.raises(TypeError, match="dst_indices must be a 1-D sequence of integer row indices"):
+        nixl.receive_packed(object(), layout, [[0, 1]], "peer", small, tag="t", chunk_rows=1)
+    with pytest.raises(ValueError, match="chunk_rows must be at least 1"):
+        nixl.receive_packed(object(), layout, [0], "peer", small, tag="t", chunk_rows=0)
+    assert small.slot(3) == buffer.ctypes.data + 256 and small.regions().tolist() == [
+        [buffer.ctypes.data, 512, 0]
+    ]
+
+
+def test_transfer_refuses_a_bad_timeout_before_asking_nixl():
+    cache = np.zeros((1, 4, 64), np.uint8)
+    layout = Layout.from_pointers([cache.ctypes.data], slots=4, row_bytes=64)
+    descs = nixl.descriptors("WRITE", layout, layout, [0], [1])
+    for timeout in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            nixl.transfer(object(), "WRITE", descs, "peer", timeout=timeout)
+    with pytest.raises(ValueError, match="operation must be 'WRITE' or 'READ'"):
+        nixl.post(object(), "write", descs, "peer")
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_descriptors_of_paged_layouts_in_pieces_move_what_copy_rows_moves(strided, seed):
+    """Pages of slots, rows in pieces, another order of planes at the destination: the
+    descriptors run on the host must leave what copy_rows leaves (run on the host too)."""
+    import kvcopy
+    from kvcopy import testing
+
+    rng = np.random.default_rng(seed)
+    planes, pages, page, pieces, piece = 3, 6, 4, 2, 32
+    src = rng.integers(0, 256, (planes, pages, pieces, page, piece), dtype=np.uint8)  # (HND-like)
+    a = Layout.from_pointers(
+        [src[p].ctypes.data for p in range(planes)],
+        slots=pages * page,
+        row_bytes=pieces * piece,
+        page_size=page,
+        page_stride=pieces * page * piece,
+        slot_stride=piece,
+        pieces=pieces,
+        piece_stride=page * piece,
+    )
+    ours = rng.choice(pages * page, 10, replace=False)
+    theirs = rng.choice(pages * page, 10, replace=False)
+    dst, oracle = (np.zeros((planes, pages * page, pieces * piece), np.uint8) for _ in range(2))
+    order = rng.permutation(planes)  # (the destination's planes in another order)
+    b, oracle_layout = (
+        Layout.from_pointers([d[p].ctypes.data for p in order], slots=pages * page, row_bytes=pieces * piece)
+        for d in (dst, oracle)
+    )
+    _run(nixl.descriptors("WRITE", a, b, ours, theirs, strided=strided))
+    with testing.rows_on_host():
+        kvcopy.copy_rows(a, oracle_layout, ours, theirs)
+    assert np.array_equal(dst, oracle) and oracle.any()
