@@ -348,3 +348,24 @@ def test_a_device_on_no_numa_node_is_noted_not_refused(fake, monkeypatch):
     report = pool.wait()
     assert pool.node is None and any("is on no NUMA node" in note for note in report.notes)
     pool.close()
+
+
+def test_a_progress_callback_that_raises_fails_the_pool_and_frees_it(fake):
+    def progress(registered: int, total: int) -> None:
+        raise KeyError("the caller's bug")
+
+    with pytest.raises(KeyError, match="the caller's bug"):
+        kvcopy.pinned_pool(2 * MiB, huge_pages="none", chunk_bytes=MiB, on_progress=progress)
+    assert fake.registered == {} and len(_registrations(fake)) == 1
+    assert not _mapped(_registrations(fake)[0][0])
+
+
+def test_odd_sizes_make_sound_pools(fake):
+    # a block larger than the pool, chunks smaller than a page, a pool of one byte
+    for nbytes, block, chunk in ((PAGE * 3, PAGE * 8, None), (PAGE * 5, None, 1), (1, None, None)):
+        pool = kvcopy.pinned_pool(nbytes, huge_pages="none", block_bytes=block, chunk_bytes=chunk)
+        spans = _registrations(fake)[-pool.wait().registrations :]
+        assert sum(size for _, size in spans) == nbytes
+        assert all(size % PAGE == 0 for _, size in spans[:-1])
+        assert pool.view().nbytes == nbytes and pool.view(nbytes).nbytes == 0
+        pool.close()
