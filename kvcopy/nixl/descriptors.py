@@ -122,6 +122,10 @@ def _strided_groups(local: np.ndarray, remote: np.ndarray, sizes: np.ndarray) ->
 
 
 def _strided(local: np.ndarray, remote: np.ndarray, sizes: np.ndarray, local_device: int, remote_device: int):
+    """Each side as NIXL's strided entries (address, bytes, device, stride, count)."""
+    if len(sizes) == 0:  # (every row skipped)
+        empty = np.zeros((0, 5), np.uint64)
+        return empty, empty.copy()
     group = _strided_groups(local, remote, sizes)
     firsts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     counts = np.diff(np.r_[firsts, len(sizes)]).astype(np.uint64)

@@ -76,6 +76,11 @@ def post(
         raise ValueError(f"transfer: timeout must be a positive number of seconds, got {timeout!r}")
     what = f"{operation} of {descs.nbytes} bytes ({descs.posted} descriptors) with {_name(remote_agent)!r}"
     posted = Posted(agent, None, what, timeout, time.monotonic() + timeout)
+    if descs.posted == 0:  # (every row skipped: nothing to move, the notification alone)
+        if notification:
+            with _nixl_errors(what):
+                agent.send_notif(_name(remote_agent), notification)
+        return posted
     try:
         with _nixl_errors(what):
             if descs.strided:
@@ -106,6 +111,8 @@ def post(
 def finish(posted: Posted) -> None:
     """Wait for a posted transfer to end, then release it. Raises TransferFailed where
     NIXL reports an error, TimeoutError past the transfer's deadline."""
+    if posted.handle is None:  # (nothing was posted)
+        return
     try:
         with _nixl_errors(posted.what):
             state = posted.agent.check_xfer_state(posted.handle)

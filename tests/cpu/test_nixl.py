@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.nixl_peer import nixl_installed, run_peers
 from kvcopy import Layout, nixl
@@ -243,3 +245,49 @@ def test_descriptors_of_paged_layouts_in_pieces_move_what_copy_rows_moves(stride
     with testing.rows_on_host():
         kvcopy.copy_rows(a, oracle_layout, ours, theirs)
     assert np.array_equal(dst, oracle) and oracle.any()
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    planes=st.integers(1, 4),
+    rows=st.lists(
+        st.tuples(st.integers(-1, 23), st.integers(0, 23)), min_size=1, max_size=24, unique_by=lambda r: r[1]
+    ),
+    strided=st.booleans(),
+    spaced=st.booleans(),
+)
+def test_any_rows_any_form_move_exactly_the_paired_bytes(planes, rows, strided, spaced):
+    row, slots = 32, 24
+    gap = 64 if spaced else row  # (rows spaced apart, or back to back)
+    src = np.random.default_rng(len(rows)).integers(0, 256, (planes, slots, gap), dtype=np.uint8)
+    dst = np.zeros((planes, slots, gap), np.uint8)
+    a = Layout.from_pointers(
+        [src[p].ctypes.data for p in range(planes)], slots=slots, row_bytes=row, slot_stride=gap
+    )
+    b = Layout.from_pointers(
+        [dst[p].ctypes.data for p in range(planes)], slots=slots, row_bytes=row, slot_stride=gap
+    )
+    ours, theirs = (np.array(side) for side in zip(*rows))
+    _run(nixl.descriptors("WRITE", a, b, ours, theirs, strided=strided))
+    expected = np.zeros_like(dst)
+    live = ours >= 0
+    expected[:, theirs[live], :row] = src[:, ours[live], :row]
+    assert np.array_equal(dst, expected)
+
+
+def test_a_transfer_whose_rows_are_all_skipped_sends_only_its_notification():
+    class Agent:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send_notif(self, peer: str, message: bytes) -> None:
+            self.sent.append((peer, message))
+
+    cache = np.zeros((2, 4, 64), np.uint8)
+    layout = Layout.from_pointers([cache[p].ctypes.data for p in range(2)], slots=4, row_bytes=64)
+    agent = Agent()
+    for strided in (False, True):
+        descs = nixl.descriptors("WRITE", layout, layout, [-1, -1], [0, 1], strided=strided)
+        assert descs.posted == 0 and descs.nbytes == 0
+        nixl.transfer(agent, "WRITE", descs, b"peer", notification=b"done")
+    assert agent.sent == [("peer", b"done"), ("peer", b"done")]
