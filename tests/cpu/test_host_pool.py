@@ -9,6 +9,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcopy
 from kvcopy import testing
@@ -369,3 +371,25 @@ def test_odd_sizes_make_sound_pools(fake):
         assert all(size % PAGE == 0 for _, size in spans[:-1])
         assert pool.view().nbytes == nbytes and pool.view(nbytes).nbytes == 0
         pool.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nbytes=st.integers(1, 1 << 32),
+    page=st.sampled_from([4096, 2 << 20, 1 << 30]),
+    block=st.one_of(st.none(), st.integers(1, 1 << 22)),
+    chunk=st.one_of(st.none(), st.integers(1 << 16, 1 << 33)),  # (at most 65,536 chunks)
+)
+def test_registration_chunks_always_tile_the_pool_on_page_and_block_ends(nbytes, page, block, chunk):
+    import math
+
+    try:
+        chunks = registration_chunks(nbytes, page, block, chunk)
+    except ValueError as exc:  # (refused only where blocks and pages meet too far apart)
+        assert math.lcm(page, block or 1) > POOL_MAX_CHUNK_BYTES and "end together only" in str(exc)
+        return
+    assert chunks[0][0] == 0 and sum(size for _, size in chunks) == nbytes
+    assert all(a + s == b for (a, s), (b, _) in zip(chunks, chunks[1:]))
+    step = math.lcm(page, block or 1)
+    assert all(offset % step == 0 for offset, _ in chunks)
+    assert all(size <= max(POOL_MAX_CHUNK_BYTES, step) for _, size in chunks)
