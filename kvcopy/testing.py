@@ -369,18 +369,24 @@ def _host_reach(address: int, name: str) -> int:
     return end - address
 
 
+def _no_wait(handle: int) -> None:
+    """A stream sync where the copies ran on the CPU: nothing to wait for."""
+
+
 @contextlib.contextmanager
 def rows_on_host() -> Iterator[None]:
     """copy_rows, wherever kvcopy calls it, run on the CPU between host memory (see the
     module's docstring); raises ValueError for memory the process cannot read or write
     on the host, and for indices on the GPU. Tables of layer addresses reach to the end
-    of the host mapping that holds each address."""
+    of the host mapping that holds each address; the waits of kvcopy.nixl's packed
+    sends for their stream wait for nothing."""
     with _standing_in(
         [
             (copy_rows, _copy_rows_on_host),
             (copy_planned_rows, _run_plan_on_host),
             (compat_vllm._torch_stream, lambda caller: None),
             (pointer_tables._reach_of, _host_reach),
+            (driver.stream_synchronize, _no_wait),
         ]
     ):
         yield

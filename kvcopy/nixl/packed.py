@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda import driver
+from kvcopy._cuda.driver import stream_synchronize
 from kvcopy.api import copy_rows
 from kvcopy.arguments import require_int
 from kvcopy.interop.streams import resolve_stream
@@ -139,7 +139,7 @@ def send_packed(
             if k >= peer_staging.slots:
                 wait_notification(agent, peer, free_message(tag, k - peer_staging.slots), timeout)
             copy_rows(src, staging.rows(k, len(part), planes, row), part, None, rows=len(part), stream=handle)
-            driver.stream_synchronize(handle)
+            stream_synchronize(handle)
             size = len(part) * planes * row
             one = Descriptors(
                 np.array([[staging.slot(k), size, staging.device]], dtype=np.uint64),
@@ -197,6 +197,6 @@ def receive_packed(
         part = rows[k * chunk_rows : (k + 1) * chunk_rows]
         wait_notification(agent, peer, chunk_message(tag, k), timeout)
         copy_rows(staging.rows(k, len(part), planes, row), dst, None, part, rows=len(part), stream=handle)
-        driver.stream_synchronize(handle)
+        stream_synchronize(handle)
         agent.send_notif(peer, free_message(tag, k))
     return chunks

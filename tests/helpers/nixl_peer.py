@@ -12,7 +12,6 @@ their memory and forget the peer before they exit.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -228,20 +227,6 @@ def _read(folder: Path, name: str) -> tuple:
     return pickle.loads((folder / f"{name}.pkl").read_bytes())
 
 
-def _on_host() -> contextlib.ExitStack:
-    """copy_rows on the CPU between host memory, and a stream that waits for nothing:
-    the gathers and scatters of a packed transfer without a GPU."""
-
-    class Streams:
-        def stream_synchronize(self, handle: int) -> None:
-            pass
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(testing.rows_on_host())
-    stack.enter_context(testing.fake_cuda(Streams(), ("driver",)))
-    return stack
-
-
 def _staging() -> tuple[np.ndarray, nixl.Staging]:
     heads = HEADS.stop - HEADS.start
     buffer = np.zeros(2 * CHUNK * PLANES * heads * HEAD_BYTES, np.uint8)
@@ -257,7 +242,7 @@ def packed_receiver(folder: Path) -> None:
     _publish(folder, "receiver", (agent.get_agent_metadata(), staging))
     peer = agent.add_remote_agent(_read(folder, "sender")[0])
     layout = Layout.from_pointers([cache[p].ctypes.data for p in range(PLANES)], slots=40, row_bytes=row)
-    with _on_host():
+    with testing.rows_on_host():
         chunks = nixl.receive_packed(agent, layout, PACKED[1], peer, staging, tag="t1", chunk_rows=CHUNK)
     np.save(folder / "packed.npy", cache)
     (folder / "packed.json").write_text(json.dumps({"chunks": chunks}))
@@ -280,7 +265,7 @@ def packed_sender(folder: Path) -> None:
         row_bytes=(HEADS.stop - HEADS.start) * HEAD_BYTES,
         slot_stride=ROW,
     )
-    with _on_host():
+    with testing.rows_on_host():
         nixl.send_packed(agent, sliced, PACKED[0], peer, staging, peer_staging, tag="t1", chunk_rows=CHUNK)
     _wait_for(folder / "packed.json")  # (the receiver has scattered every chunk)
     (folder / "sent").touch()

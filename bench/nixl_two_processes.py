@@ -1,0 +1,269 @@
+"""One engine request between two processes through NIXL, in one run: 80 layers x K/V
+x 118 blocks at random slots of one cache tensor a side (18,880 rows), moved
+
+- as engines post it (a descriptor per row), with kvcopy's strided descriptors, and
+  as one contiguous descriptor of the same bytes (NIXL's best case, the reference);
+- packed: gathered by kvcopy into staging, sent a chunk a descriptor, scattered on
+  the other side (send_packed / receive_packed), end to end;
+
+with descriptors posted, CPU to prepare and to post, wall and GB/s, and the bytes
+checked at the destination after every way. ``--to host`` puts the destination
+cache in the other process's pinned host memory (the same-host leg): the packed way
+then stages through the receiver's GPU memory, and a local contiguous GPU-to-host
+copy of the same bytes is the reference.
+
+    python3 bench/nixl_two_processes.py [--block-kib 2 32] [--to gpu|host] [--repeats 5]
+
+Without a GPU (``--cpu``) both caches are in host memory and the packed way gathers
+and scatters on the CPU (kvcopy.testing.rows_on_host): a check of the script, not a
+measurement of kvcopy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PLANES, BLOCKS, USED, CHUNK_ROWS, SLOTS = 160, 128, 118, 16, 4
+
+
+def _agent(name: str):
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _buffer(nbytes: int, where: str):
+    """(keep-alive object, address, NIXL memory name) of zeroed memory ``where`` is
+    'gpu', 'pinned' or 'host'."""
+    if where == "host":
+        array = np.zeros(nbytes, np.uint8)
+        return array, array.ctypes.data, "DRAM"
+    import torch
+
+    if where == "gpu":
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        return tensor, tensor.data_ptr(), "VRAM"
+    tensor = torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+    return tensor, tensor.data_ptr(), "DRAM"
+
+
+def _rows_of(keep, block: int) -> np.ndarray:
+    """The cache's bytes as [PLANES, BLOCKS, block] on the host."""
+    data = keep if isinstance(keep, np.ndarray) else keep.cpu().numpy()
+    return data.reshape(PLANES, BLOCKS, block)
+
+
+def _side(agent, block: int, where: str, staging_where: str) -> tuple:
+    """One end's cache and staging, registered with ``agent``: (the cache's
+    keep-alive, its address, its NIXL memory name, the Staging, the registrations,
+    the staging's keep-alive)."""
+    from kvcopy import nixl
+
+    keep, base, memory = _buffer(PLANES * BLOCKS * block, where)
+    slot = CHUNK_ROWS * PLANES * block
+    stage_keep, stage_at, stage_memory = _buffer(SLOTS * slot, staging_where)
+    held = [
+        agent.register_memory(np.array([[at, size, 0]], np.uint64), kind)
+        for at, size, kind in (
+            (base, PLANES * BLOCKS * block, memory),
+            (stage_at, SLOTS * slot, stage_memory),
+        )
+    ]
+    staging = nixl.Staging(stage_at, slot, SLOTS, memory=stage_memory)
+    return keep, base, memory, staging, held, stage_keep
+
+
+def target(conn, block: int, where: str, staging_where: str, cpu: bool) -> None:
+    """The receiving process: its cache, its staging, and what the sender asks."""
+    from kvcopy import Layout, nixl, testing
+
+    agent = _agent("target")
+    keep, base, memory, staging, held, _staging_kept = _side(agent, block, where, staging_where)
+    layout = Layout.from_pointers(
+        [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
+    )
+    conn.send((agent.get_agent_metadata(), base, memory, staging))
+    peer = agent.add_remote_agent(conn.recv())
+    while True:
+        command, argument = conn.recv()
+        if command == "clear":
+            if isinstance(keep, np.ndarray):
+                keep.fill(0)
+            else:
+                keep.zero_()
+            conn.send(None)
+        elif command == "rows":
+            conn.send(_rows_of(keep, block)[:, argument].copy())
+        elif command == "receive":
+            with testing.rows_on_host() if cpu else contextlib.nullcontext():
+                nixl.receive_packed(
+                    agent, layout, argument, peer, staging, tag="bench", chunk_rows=CHUNK_ROWS
+                )
+            conn.send(time.monotonic())  # (one clock for both processes)
+        else:
+            break
+    agent.remove_remote_agent(peer)
+    for handle in held:
+        agent.deregister_memory(handle)
+    del keep
+
+
+def one_block_size(block: int, to: str, repeats: int, cpu: bool) -> list[tuple]:
+    from kvcopy import Layout, nixl, testing
+
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs_end = ctx.Pipe()
+    where = "host" if cpu else ("gpu" if to == "gpu" else "pinned")
+    peer_process = ctx.Process(target=target, args=(theirs_end, block, where, "host" if cpu else "gpu", cpu))
+    peer_process.start()
+    agent = _agent("initiator")
+    source_where = "host" if cpu else "gpu"
+    keep, base, memory, staging, held, _staging_kept = _side(agent, block, source_where, source_where)
+    rng = np.random.default_rng(0)
+    source = rng.integers(0, 256, PLANES * BLOCKS * block, dtype=np.uint8)
+    if isinstance(keep, np.ndarray):
+        keep[:] = source
+    else:
+        import torch
+
+        keep.copy_(torch.from_numpy(source))
+    metadata, their_base, their_memory, their_staging = mine.recv()
+    peer = agent.add_remote_agent(metadata)
+    mine.send(agent.get_agent_metadata())
+    ours, theirs = rng.permutation(BLOCKS)[:USED], rng.permutation(BLOCKS)[:USED]
+    a = Layout.from_pointers(
+        [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
+    )
+    b = Layout.from_pointers(
+        [their_base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
+    )
+    planes = np.arange(PLANES, dtype=np.uint64)[:, None] * np.uint64(BLOCKS * block)
+    moved = USED * PLANES * block
+
+    def per_row() -> nixl.Descriptors:  # as engines build them
+        local = (base + planes + ours.astype(np.uint64) * np.uint64(block)).ravel()
+        remote = (their_base + planes + theirs.astype(np.uint64) * np.uint64(block)).ravel()
+        size, zero = np.full(local.size, block, np.uint64), np.zeros(local.size, np.uint64)
+        return nixl.Descriptors(
+            np.stack([local, size, zero], 1), np.stack([remote, size, zero], 1), local.size, moved, False
+        )
+
+    def contiguous() -> nixl.Descriptors:  # the same bytes in one piece (no check)
+        one = np.array([[base, moved, 0]], np.uint64)
+        return nixl.Descriptors(one, np.array([[their_base, moved, 0]], np.uint64), 1, moved, False)
+
+    ways = {
+        "a descriptor per row (engines)": per_row,
+        "kvcopy strided descriptors": lambda: nixl.descriptors("WRITE", a, b, ours, theirs, strided=True),
+        "one contiguous descriptor": contiguous,
+    }
+    rows = []
+    expected = source.reshape(PLANES, BLOCKS, block)[:, ours]
+    for name, make in ways.items():
+        mine.send(("clear", None))
+        mine.recv()
+        start = time.perf_counter()
+        descs = make()
+        prepare = time.perf_counter() - start
+        posts, walls = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            posted = nixl.post(agent, "WRITE", descs, peer, local_memory=memory, remote_memory=their_memory)
+            posts.append(time.perf_counter() - start)
+            nixl.finish(posted)
+            walls.append(time.perf_counter() - start)
+        if name != "one contiguous descriptor":
+            mine.send(("rows", theirs))
+            assert np.array_equal(mine.recv(), expected), name
+        wall = statistics.median(walls[1:])
+        rows.append(
+            (block, name, descs.posted, prepare, statistics.median(posts[1:]), wall, moved / wall / 1e9)
+        )
+    walls = []
+    for _ in range(repeats + 1):
+        mine.send(("clear", None))
+        mine.recv()
+        mine.send(("receive", theirs))
+        start = time.monotonic()
+        with testing.rows_on_host() if cpu else contextlib.nullcontext():
+            nixl.send_packed(agent, a, ours, peer, staging, their_staging, tag="bench", chunk_rows=CHUNK_ROWS)
+        walls.append(mine.recv() - start)
+    mine.send(("rows", theirs))
+    assert np.array_equal(mine.recv(), expected), "packed"
+    chunks = -(-USED // CHUNK_ROWS)
+    wall = statistics.median(walls[1:])
+    rows.append((block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, 0.0, wall, moved / wall / 1e9))
+    if not cpu and to == "host":
+        rows.append(_local_copy(block, moved, repeats))
+    mine.send(("quit", None))
+    peer_process.join(60)
+    agent.remove_remote_agent(peer)
+    for handle in held:
+        agent.deregister_memory(handle)
+    del keep
+    return rows
+
+
+def _local_copy(block: int, moved: int, repeats: int) -> tuple:
+    """The same bytes GPU to host within one process, one contiguous copy."""
+    import torch
+
+    gpu = torch.empty(moved, dtype=torch.uint8, device="cuda")
+    host = torch.empty(moved, dtype=torch.uint8).pin_memory()
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host.copy_(gpu, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    wall = statistics.median(times[1:])
+    return (block, "local contiguous GPU->host copy", 1, 0.0, 0.0, wall, moved / wall / 1e9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[2, 32])
+    parser.add_argument("--to", choices=("gpu", "host"), default="gpu", help="where the destination cache is")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu", action="store_true", help="host memory both sides, no GPU (a check)")
+    args = parser.parse_args(argv)
+    try:
+        _agent("probe")
+    except ImportError:
+        print("nixl_two_processes: NIXL is not installed here (pip install nixl-cu13)", file=sys.stderr)
+        return 2
+    if not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "nixl_two_processes: no CUDA GPU here (--cpu checks the script on host memory)",
+                file=sys.stderr,
+            )
+            return 2
+    header = ("block", "way", "descriptors", "prepare ms", "post ms", "wall ms", "GB/s")
+    print("{:>6s}  {:40s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
+    for kib in args.block_kib:
+        for block, name, posted, prepare, post, wall, rate in one_block_size(
+            kib << 10, args.to, args.repeats, args.cpu
+        ):
+            print(
+                f"{block >> 10:4d} KiB  {name:40s} {posted:11d} {prepare * 1e3:10.3f} {post * 1e3:8.3f} "
+                f"{wall * 1e3:8.2f} {rate:7.2f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
