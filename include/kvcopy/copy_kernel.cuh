@@ -390,34 +390,34 @@ __device__ __forceinline__ void kvcopy_bulk_body(const kvcopy_desc* descs, unsig
     });
 }
 
-/* kvcopy_pair entries seen as descriptors: copy i is tile i, of the batch's one size. */
-struct kvcopy_pairs_source {
-    const kvcopy_pair* pairs;
+/* kvcopy_compact_desc entries seen as descriptors: copy i is tile i, of the batch's one size. */
+struct kvcopy_compact_source {
+    const kvcopy_compact_desc* entries;
     unsigned long long size;
     __device__ __forceinline__ kvcopy_desc operator[](unsigned long long i) const {
         // one 16-byte load (entries are 16-byte aligned)
-        const ulonglong2 p = reinterpret_cast<const ulonglong2*>(pairs)[i];
+        const ulonglong2 p = reinterpret_cast<const ulonglong2*>(entries)[i];
         const kvcopy_desc d = {p.x, p.y, size, i};
         return d;
     }
 };
 
 /* A batch of ``count`` copies of ``size`` bytes each (at most one tile), as
- * kvcopy_pair entries in device memory or in pinned host memory mapped for the
+ * kvcopy_compact_desc entries in device memory or in pinned host memory mapped for the
  * device. Launched with at most one warp per copy. */
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
-    kvcopy_scatter_pairs(const kvcopy_pair* __restrict__ pairs, unsigned long long count,
-                         unsigned long long size) {
-    const kvcopy_pairs_source source = {pairs, size};
+    kvcopy_scatter_compact(const kvcopy_compact_desc* __restrict__ entries,
+                           unsigned long long count, unsigned long long size) {
+    const kvcopy_compact_source source = {entries, size};
     kvcopy_register_copier copier;
     kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(), kvcopy_warp_count(),
                                 threadIdx.x & 31u);
 }
 
 extern "C" __global__ void __launch_bounds__(KVCOPY_BULK_THREADS)
-    kvcopy_bulk_pairs(const kvcopy_pair* __restrict__ pairs, unsigned long long count,
-                      unsigned long long size) {
-    const kvcopy_pairs_source source = {pairs, size};
+    kvcopy_bulk_compact(const kvcopy_compact_desc* __restrict__ entries, unsigned long long count,
+                        unsigned long long size) {
+    const kvcopy_compact_source source = {entries, size};
     kvcopy_with_bulk_copier([&](kvcopy_bulk_copier& copier) {
         kvcopy_scatter_single_tiles(copier, source, count, kvcopy_warp_index(), kvcopy_warp_count(),
                                     threadIdx.x & 31u);
@@ -465,7 +465,7 @@ KVCOPY_INLINE_ENTRIES(kvcopy_bulk, KVCOPY_BULK_THREADS, kvcopy_bulk_body)
  * reordering). Used for a store and a load over PCIe at the same time, whose
  * shares of the link depend on how many SMs issue each. */
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
-    kvcopy_scatter_pair(const kvcopy_desc* __restrict__ descs, unsigned long long count_a,
+    kvcopy_scatter_both(const kvcopy_desc* __restrict__ descs, unsigned long long count_a,
                         unsigned long long tiles_a, unsigned long long ctas_a,
                         unsigned long long count_b, unsigned long long tiles_b,
                         const kvcopy_desc* __restrict__ descs_b) {
@@ -532,10 +532,10 @@ extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
 }
 
 /* swap_blocks_both_ways: two swap_blocks in one launch, each with its own CTAs (as
- * kvcopy_scatter_pair): CTAs [0, ctas_a) copy side a, the others side b. Side b's
+ * kvcopy_scatter_both): CTAs [0, ctas_a) copy side a, the others side b. Side b's
  * tensor rows follow side a's num_tensors_a rows, its id pairs side a's num_pairs_a. */
 extern "C" __global__ void __launch_bounds__(KVCOPY_MAX_THREADS)
-    kvcopy_blocks_pair(const kvcopy_block_tensor* __restrict__ tensors,
+    kvcopy_blocks_both(const kvcopy_block_tensor* __restrict__ tensors,
                        const long long* __restrict__ mapping, unsigned long long num_tensors_a,
                        unsigned long long num_pairs_a, unsigned long long block_bytes_a,
                        unsigned long long ctas_a, unsigned long long num_tensors_b,

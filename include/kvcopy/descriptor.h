@@ -38,10 +38,10 @@ typedef struct kvcopy_desc {
  * KV-cache batch. Written by the host and read by the kernel in place, so half
  * the bytes cost half the time on both sides (and half the descriptor reads
  * over the link). */
-typedef struct kvcopy_pair {
+typedef struct kvcopy_compact_desc {
     unsigned long long src;
     unsigned long long dst;
-} kvcopy_pair;
+} kvcopy_compact_desc;
 
 /* Descriptors passed by value as a kernel parameter. Kernel parameters are
  * copied into the launch (and into a captured graph node), so no host or device

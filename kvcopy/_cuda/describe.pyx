@@ -8,7 +8,7 @@ from libc.stdlib cimport malloc, free
 
 from kvcopy._cuda.classify cimport (_Range, _Classifier, _KIND_STRADDLE, classifier_init,
                                     classify)
-from kvcopy._cuda.descriptor cimport kvcopy_desc, kvcopy_pair, KVCOPY_TILE_BYTES
+from kvcopy._cuda.descriptor cimport kvcopy_desc, kvcopy_compact_desc, KVCOPY_TILE_BYTES
 from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem, COPY_OK)
 
 from kvcopy._cuda.plan_arrays import bad_copy_error, length_error
@@ -23,7 +23,7 @@ cdef extern from "describe_fast.h":
     unsigned KVCOPY_FAST_MERGES
     unsigned KVCOPY_FAST_SIZES
     unsigned kvcopy_describe_in_ranges(const uint64_t* src, const uint64_t* dst,
-                                       const uint64_t* sizes, void* descs_out, int pairs,
+                                       const uint64_t* sizes, void* descs_out, int compact,
                                        uint64_t tiles_per_copy, int64_t n,
                                        uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                        uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
@@ -35,7 +35,7 @@ cdef extern from "describe_fast.h":
 
 
 DESCRIPTOR_BYTES = sizeof(kvcopy_desc)
-COMPACT_BYTES = sizeof(kvcopy_pair)
+COMPACT_BYTES = sizeof(kvcopy_compact_desc)
 
 
 cdef inline void _describe_one(kvcopy_desc* d, _Classifier* sides, uint64_t a, uint64_t b,
@@ -62,7 +62,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     have written (*count entries). Copies of one size longer than a tile take it too
     (each then counts that many tiles); copies that continue the one before, or
     multi-tile copies of several sizes, are then written again by one scalar pass
-    that needs no classifying. *compact_size in: may pairs be written (kvcopy_pair);
+    that needs no classifying. *compact_size in: may compact entries be written (kvcopy_compact_desc);
     out: their copies' size, else 0. *spans: each side's continuing copies and the
     largest copy, or its bound (describe_fast.h; every copy here is non-empty)."""
     cdef _Range* rs
@@ -70,7 +70,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     cdef uint64_t nbytes = 0, settled_tiles = 0
     cdef unsigned misfit
     cdef uint64_t per_copy
-    cdef bint pairs
+    cdef bint compact
     cdef uint64_t compact_size_in = compact_size[0]
     compact_size[0] = 0
     if not _fast_describe or sizes[0] == 0:
@@ -78,7 +78,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
     if copy_problem(src[0], dst[0], sizes[0]) != COPY_OK:
         return False
     per_copy = (sizes[0] + KVCOPY_TILE_BYTES - 1) // KVCOPY_TILE_BYTES
-    pairs = compact_size_in != 0 and per_copy == 1 and sizes[n - 1] == sizes[0]
+    compact = compact_size_in != 0 and per_copy == 1 and sizes[n - 1] == sizes[0]
     # the first copy picks the range each side is checked against
     classify(&sides[0], src[0], sizes[0])
     classify(&sides[1], dst[0], sizes[0])
@@ -86,7 +86,7 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
         return False
     rs = &sides[0].cache[sides[0].last]
     rd = &sides[1].cache[sides[1].last]
-    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, pairs, per_copy, n, rs.start,
+    misfit = kvcopy_describe_in_ranges(src, dst, sizes, descs, compact, per_copy, n, rs.start,
                                        rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
                                        rd.delta, &nbytes, spans)
     if misfit & KVCOPY_FAST_MISFIT:
@@ -98,12 +98,12 @@ cdef bint _describe_fast(const uint64_t* src, const uint64_t* dst, const uint64_
                                            rs.delta, rd.delta, &settled_tiles)
         tiles[0] = settled_tiles
         return True
-    if pairs and misfit & KVCOPY_FAST_SIZES:
-        # sizes differ: pairs cannot say so, descriptors can
+    if compact and misfit & KVCOPY_FAST_SIZES:
+        # sizes differ: compact entries cannot say so, descriptors can
         kvcopy_describe_in_ranges(src, dst, sizes, descs, False, 1, n, rs.start,
                                   rs.end - rs.start, rs.delta, rd.start, rd.end - rd.start,
                                   rd.delta, &nbytes, spans)
-    elif pairs:
+    elif compact:
         compact_size[0] = sizes[0]
     count[0] = n
     tiles[0] = n * per_copy
@@ -178,7 +178,7 @@ cdef class DescribedBatch:
     ``count`` planned copies (merged, empty ones dropped) of ``total_bytes`` in all,
     ``tiles`` tiles of the kernel; each side's memory kinds and device ordinal (as
     classify_pointers reports them); ``table``: where their entries were written,
-    ``compact_size``: the copy size of kvcopy_pair entries (16 bytes), 0 where
+    ``compact_size``: the copy size of kvcopy_compact_desc entries (16 bytes), 0 where
     kvcopy_desc entries (32 bytes) were written; ``src_spans`` and ``dst_spans``: each
     side's runs of copies that start where the one before ends (empty copies
     skipped; the staged path asks the host side's); ``largest_copy``: the caller's
@@ -231,7 +231,7 @@ cdef DescribedBatch describe_with(object src_arr, object dst_arr, object sizes_a
                                   uintptr_t descs_out, bint merge, _Classifier* sides,
                                   bint* fast, bint compact):
     """describe_copies over the given classifiers; *fast in: may the vectorised pass
-    run, out: did it apply; ``compact``: may kvcopy_pair entries be written."""
+    run, out: did it apply; ``compact``: may kvcopy_compact_desc entries be written."""
     cdef const uint64_t[::1] src = src_arr
     cdef const uint64_t[::1] dst = dst_arr
     cdef const uint64_t[::1] sizes = sizes_arr
@@ -272,9 +272,9 @@ def describe_copies(object src, object dst, object sizes, uintptr_t descs_out, b
 
 def describe_compact(object src, object dst, object sizes, uintptr_t descs_out,
                      bint merge=True):
-    """describe_copies, writing a kvcopy_pair per copy (half the bytes) where the
+    """describe_copies, writing a kvcopy_compact_desc per copy (half the bytes) where the
     vectorised pass applies and every copy has the same size; else what
-    describe_copies writes. The DescribedBatch's compact_size says which: the pairs'
+    describe_copies writes. The DescribedBatch's compact_size says which: the compact entries'
     copy size, or 0 where kvcopy_desc entries were written."""
     return _describe(src, dst, sizes, descs_out, merge, True)
 

@@ -98,13 +98,13 @@ KVCOPY_FAST_TARGET static inline void kvcopy_put(__m256i* at, __m256i v, int str
 }
 
 /* Copies [first, n) four at a time; returns the first copy not done. Writes
- * kvcopy_desc entries to out, or kvcopy_pair entries with ``pairs``. They go
+ * kvcopy_desc entries to out, or kvcopy_compact_desc entries with ``compact``. They go
  * out with streaming stores when the first one written is 32-byte aligned:
  * they are for the GPU, and writing them around the cache spares the CPU the
  * reads for ownership of lines the device has just snooped. */
 KVCOPY_FAST_TARGET
 static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64_t* __restrict dst,
-                                    const uint64_t* __restrict sizes, void* entries, int pairs,
+                                    const uint64_t* __restrict sizes, void* entries, int compact,
                                     uint64_t tiles_per_copy, int64_t first, int64_t n,
                                     uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                     uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
@@ -121,8 +121,8 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
     const __m256i four = _mm256_set1_epi64x((long long)(4 * tiles_per_copy));
     const __m256i size0 = _mm256_set1_epi64x((long long)sizes[0]);
     kvcopy_desc* d = (kvcopy_desc*)entries; /* one of the two is written */
-    kvcopy_pair* p = (kvcopy_pair*)entries;
-    const int stream = ((uintptr_t)(pairs ? (void*)(p + first) : (void*)(d + first)) & 31u) == 0;
+    kvcopy_compact_desc* p = (kvcopy_compact_desc*)entries;
+    const int stream = ((uintptr_t)(compact ? (void*)(p + first) : (void*)(d + first)) & 31u) == 0;
     const uint64_t k = tiles_per_copy; /* copy i's first tile is i * k */
     __m256i index = _mm256_setr_epi64x((long long)(first * k), (long long)((first + 1) * k),
                                        (long long)((first + 2) * k), (long long)((first + 3) * k));
@@ -150,7 +150,7 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
         differ = _mm256_or_si256(differ, _mm256_xor_si256(f.z, size0));
         const __m256i a = _mm256_add_epi64(s, s_delta), b = _mm256_add_epi64(t, t_delta);
         const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
-        if (pairs) {
+        if (compact) {
             /* four pairs {src, dst}: [a0 b0 a1 b1], [a2 b2 a3 b3] */
             const __m256i p0 = _mm256_permute2x128_si256(ab_lo, ab_hi, 0x20);
             const __m256i p1 = _mm256_permute2x128_si256(ab_lo, ab_hi, 0x31);
@@ -197,9 +197,9 @@ static int64_t kvcopy_describe_avx2(const uint64_t* __restrict src, const uint64
  * answers hold only where *sizes_io stays 0: a copy of another size may run past its
  * range's end unseen, so the caller then describes the copies again. */
 KVCOPY_FAST_TARGET
-static int64_t kvcopy_pairs_one_size_avx2(
+static int64_t kvcopy_compact_one_size_avx2(
     const uint64_t* __restrict src, const uint64_t* __restrict dst,
-    const uint64_t* __restrict sizes, kvcopy_pair* __restrict p, int64_t first, int64_t n,
+    const uint64_t* __restrict sizes, kvcopy_compact_desc* __restrict p, int64_t first, int64_t n,
     uint64_t z0, uint64_t src_start, uint64_t src_limit, int64_t src_delta, uint64_t dst_start,
     uint64_t dst_limit, int64_t dst_delta, uint64_t* misfit_io, uint64_t* merges_io,
     uint64_t* sizes_io, kvcopy_sides* sides_io) {
@@ -252,10 +252,10 @@ static int64_t kvcopy_pairs_one_size_avx2(
 #endif
 
 /* One copy's entry, by the scalar loops. */
-static inline void kvcopy_write_entry(void* out, int pairs, int64_t i, uint64_t s, uint64_t t,
+static inline void kvcopy_write_entry(void* out, int compact, int64_t i, uint64_t s, uint64_t t,
                                       uint64_t z, uint64_t tiles_per_copy) {
-    if (pairs) {
-        kvcopy_pair* p = (kvcopy_pair*)out + i;
+    if (compact) {
+        kvcopy_compact_desc* p = (kvcopy_compact_desc*)out + i;
         p->src = s;
         p->dst = t;
     } else {
@@ -277,7 +277,7 @@ typedef struct {
  * *f (the head and the tail of the vector loops, and every copy where there is none);
  * returns end. */
 static inline int64_t kvcopy_describe_scalar(const uint64_t* src, const uint64_t* dst,
-                                             const uint64_t* sizes, void* descs_out, int pairs,
+                                             const uint64_t* sizes, void* descs_out, int compact,
                                              uint64_t tiles_per_copy, int64_t first, int64_t end,
                                              uint64_t src_start, uint64_t src_span,
                                              int64_t src_delta, uint64_t dst_start,
@@ -295,48 +295,49 @@ static inline int64_t kvcopy_describe_scalar(const uint64_t* src, const uint64_t
         }
         f->differ |= sizes[i] ^ sizes[0];
         f->total += sizes[i];
-        kvcopy_write_entry(descs_out, pairs, i, src[i] + (uint64_t)src_delta,
+        kvcopy_write_entry(descs_out, compact, i, src[i] + (uint64_t)src_delta,
                            dst[i] + (uint64_t)dst_delta, sizes[i], tiles_per_copy);
     }
     return end;
 }
 
 /* Writes entry i for copy i (device views: pointer + delta) for all n copies,
- * as kvcopy_desc (tile_start = i * tiles_per_copy) or, with ``pairs``, as
- * kvcopy_pair, and *total_out = their bytes; says whether the batch qualified:
+ * as kvcopy_desc (tile_start = i * tiles_per_copy) or, with ``compact``, as
+ * kvcopy_compact_desc, and *total_out = their bytes; says whether the batch qualified:
  * 0, or KVCOPY_FAST_* bits (the entries are then to be rewritten: by the
  * general loop for MISFIT; by kvcopy_describe_merging for MERGES, and for SIZES
  * where tiles_per_copy > 1, since tile_start then counts every copy as that many
- * tiles; as kvcopy_desc for SIZES alone with one tile per copy, which pairs
+ * tiles; as kvcopy_desc for SIZES alone with one tile per copy, which compact entries
  * cannot describe). A copy longer than tiles_per_copy tiles is a MISFIT. A
  * side's range is [start, start + span]. */
 KVCOPY_FAST_TARGET
 static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
                                           const uint64_t* __restrict dst,
                                           const uint64_t* __restrict sizes, void* descs_out,
-                                          int pairs, uint64_t tiles_per_copy, int64_t n,
+                                          int compact, uint64_t tiles_per_copy, int64_t n,
                                           uint64_t src_start, uint64_t src_span, int64_t src_delta,
                                           uint64_t dst_start, uint64_t dst_span, int64_t dst_delta,
                                           uint64_t* total_out, kvcopy_sides* sides_out) {
     const uint64_t max_size = tiles_per_copy * KVCOPY_TILE_BYTES;
     kvcopy_found f = {0, 0, 0, 0, {0, 0, 0}};
     int64_t i = 0;
-    /* copy 0 (and 1, for pairs: the vector loop's first store is then 32-byte aligned)
+    /* copy 0 (and 1, for compact entries: the vector loop's first store is then 32-byte aligned)
      * here, so that the vector loop may always look one copy back */
-    const int64_t head = pairs ? 2 : 1;
-    i = kvcopy_describe_scalar(src, dst, sizes, descs_out, pairs, tiles_per_copy, 0,
+    const int64_t head = compact ? 2 : 1;
+    i = kvcopy_describe_scalar(src, dst, sizes, descs_out, compact, tiles_per_copy, 0,
                                n < head ? n : head, src_start, src_span, src_delta, dst_start,
                                dst_span, dst_delta, max_size, &f);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     const uint64_t z0 = n ? sizes[0] : 0;
     /* (its continuations assume the copy before has size z0: the head's copies too) */
-    if (pairs && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span &&
+    if (compact && tiles_per_copy == 1 && z0 != 0 && z0 <= max_size && z0 <= src_span &&
         z0 <= dst_span && !f.differ) {
         uint64_t one_misfit = 0, one_merges = 0, one_differ = 0;
         kvcopy_sides one_sides = f.sides;
-        const int64_t end = kvcopy_pairs_one_size_avx2(
-            src, dst, sizes, (kvcopy_pair*)descs_out, i, n, z0, src_start, src_span - z0, src_delta,
-            dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges, &one_differ, &one_sides);
+        const int64_t end = kvcopy_compact_one_size_avx2(
+            src, dst, sizes, (kvcopy_compact_desc*)descs_out, i, n, z0, src_start, src_span - z0,
+            src_delta, dst_start, dst_span - z0, dst_delta, &one_misfit, &one_merges, &one_differ,
+            &one_sides);
         if (!one_differ) { /* else the pass below describes these copies again */
             f.misfit |= one_misfit;
             f.merges |= one_merges;
@@ -345,11 +346,11 @@ static unsigned kvcopy_describe_in_ranges(const uint64_t* __restrict src,
             i = end;
         }
     }
-    i = kvcopy_describe_avx2(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
+    i = kvcopy_describe_avx2(src, dst, sizes, descs_out, compact, tiles_per_copy, i, n, src_start,
                              src_span, src_delta, dst_start, dst_span, dst_delta, &f.misfit,
                              &f.merges, &f.differ, &f.total, &f.sides);
 #endif
-    kvcopy_describe_scalar(src, dst, sizes, descs_out, pairs, tiles_per_copy, i, n, src_start,
+    kvcopy_describe_scalar(src, dst, sizes, descs_out, compact, tiles_per_copy, i, n, src_start,
                            src_span, src_delta, dst_start, dst_span, dst_delta, max_size, &f);
     *total_out = f.total;
     f.sides.largest = f.differ ? max_size : (n ? sizes[0] : 0);

@@ -12,7 +12,7 @@ cdef extern from "kvcopy/descriptor.h":
         unsigned long long dst
         unsigned long long size
         unsigned long long tile_start
-    ctypedef struct kvcopy_pair:
+    ctypedef struct kvcopy_compact_desc:
         unsigned long long src
         unsigned long long dst
     ctypedef struct kvcopy_block_tensor:

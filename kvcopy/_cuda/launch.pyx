@@ -12,8 +12,8 @@ from cuda.bindings.cydriver cimport CUdeviceptr, CUstream, CUfunction, CUmodule,
 
 from kvcopy._cuda.driver cimport check
 from kvcopy._cuda.dma cimport memcpy_each
-from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_pair, kvcopy_block_tensor, kvcopy_inline_batch,
-                                      KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
+from kvcopy._cuda.descriptor cimport (kvcopy_desc, kvcopy_compact_desc, kvcopy_block_tensor,
+                                      kvcopy_inline_batch, KVCOPY_TILE_BYTES, KVCOPY_INLINE_MAX,
                                       KVCOPY_INLINE_MAX_SMALL, KVCOPY_INLINE_MAX_TINY,
                                       KVCOPY_MAX_SPLIT, KVCOPY_BULK_THREADS)
 
@@ -227,10 +227,10 @@ def issue_staged_chunk(bint load, uintptr_t copy_stream, uintptr_t kernel_stream
         check(cydriver.cuEventRecord(<CUevent>free_event, second))
 
 
-def launch_compact(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned long long size,
+def launch_compact(uintptr_t function, uintptr_t entries, Py_ssize_t n, unsigned long long size,
                  unsigned int max_ctas, unsigned int threads, uintptr_t stream,
                  uintptr_t upload_from=0) -> int:
-    """Launch ``kvcopy_scatter_pairs`` once over ``n`` kvcopy_pair entries at ``pairs``
+    """Launch ``kvcopy_scatter_compact`` once over ``n`` kvcopy_compact_desc entries at ``entries``
     (from describe_compact: every copy ``size`` bytes, at most one tile), a
     device-visible address as for launch_descs, which the kernel reads in place;
     with ``upload_from``, the entries are first copied from there. Buffers as
@@ -240,7 +240,7 @@ def launch_compact(uintptr_t function, uintptr_t pairs, Py_ssize_t n, unsigned l
         raise ValueError(f"launch_compact: size must be 1..{KVCOPY_TILE_BYTES} bytes, got {size}")
     if n <= 0:
         return 0
-    return _launch_table(function, pairs, n, size, sizeof(kvcopy_pair), n, max_ctas, threads,
+    return _launch_table(function, entries, n, size, sizeof(kvcopy_compact_desc), n, max_ctas, threads,
                          stream, upload_from)
 
 
@@ -248,7 +248,7 @@ def launch_both(uintptr_t function, uintptr_t descs, Py_ssize_t count_a,
                 unsigned long long tiles_a, unsigned int ctas_a, Py_ssize_t count_b,
                 unsigned long long tiles_b, unsigned int ctas_b, unsigned int threads,
                 uintptr_t stream, uintptr_t upload_from=0, uintptr_t descs_b=0) -> int:
-    """Launch ``kvcopy_scatter_pair``: two described batches (each with tile_start
+    """Launch ``kvcopy_scatter_both``: two described batches (each with tile_start
     counted from 0), the first at ``descs`` and the second at ``descs_b`` (0: right
     after the first), copied by ctas_a and ctas_b CTAs of one launch. With
     ``upload_from``, both are uploaded back to back first. Buffers as for
@@ -336,7 +336,7 @@ def launch_blocks_both_uploaded(uintptr_t function, uintptr_t host_buf, uintptr_
                               const uint64_t[:, ::1] tensors_b, const int64_t[:, ::1] mapping_b,
                               unsigned long long block_bytes_b, unsigned int ctas_b,
                               unsigned int threads, uintptr_t stream) -> int:
-    """Launch ``kvcopy_blocks_pair``: two swap_blocks (tensor table and id mapping
+    """Launch ``kvcopy_blocks_both``: two swap_blocks (tensor table and id mapping
     each, as launch_blocks_uploaded takes them) copied by up to ctas_a and ctas_b CTAs
     of one launch. Staged as launch_blocks_uploaded stages one, into room for
     blocks_both_upload_bytes(Ta, na, Tb, nb). Each side needs tensors, pairs and

@@ -17,7 +17,7 @@ def describe_copies_in(const int64_t[:, ::1] known_ranges, const uint64_t[::1] s
     """describe_copies with memory ranges known in advance, for tests and for timing
     the pass itself: rows of (start, end, kind, ordinal, delta), as the driver's
     answers would be; pointers outside them are still asked of the driver.
-    ``fast=False`` keeps to the general loop; ``compact`` allows kvcopy_pair
+    ``fast=False`` keeps to the general loop; ``compact`` allows kvcopy_compact_desc
     entries, as describe_compact. Returns the DescribedBatch and whether the
     vectorised pass applied."""
     cdef _Classifier* sides = <_Classifier*>malloc(2 * sizeof(_Classifier))

@@ -21,7 +21,7 @@ def launch_kernel(
     batch: DescribedBatch, target: Target, slot: "ring.Slot | HostScratch", max_ctas: int | None
 ) -> tuple[int, int, int, int] | None:
     """Launch the copy kernel over ``batch``, described into ``slot`` (its entries
-    kvcopy_pair where batch.compact_size says so).
+    kvcopy_compact_desc where batch.compact_size says so).
 
     Large batches: one launch. Where every copy is one tile, the kernel reads
     the descriptors where they were written (pinned, mapped): each warp
@@ -36,7 +36,7 @@ def launch_kernel(
     kernel = kernels.kernel_for_current_context(*info.cc, info.driver_version)
     functions = kernel.scatter(target.decision.variant)
     ctas, threads = target.launch_shape(max_ctas)
-    # pairs come only from batches past one launch's inline descriptors (describe_compact)
+    # compact entries come only from batches past one launch's inline descriptors (describe_compact)
     if compact_size or (count > kernel.per_launch and not target.request.capturing):
         assert isinstance(slot, ring.Slot)  # only capture and small batches use scratch memory
         in_place = policy.descriptors_in_place(tiles, count, (target.request.direction,))
@@ -47,7 +47,7 @@ def launch_kernel(
         )
         if step >= count:
             slice_tiles = [tiles]
-        elif compact_size:  # pairs have no tile_start: any slice is a batch
+        elif compact_size:  # compact entries have no tile_start: any slice is a batch
             slice_tiles = [min(step, count - start) for start in range(0, count, step)]
         else:
             slice_tiles = number_tiles_per_slice(slot.host, count, tiles, np.arange(0, count, step))

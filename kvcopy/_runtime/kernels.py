@@ -226,7 +226,7 @@ class ScatterFunctions:
     """One copier's entry points, one per way a batch's descriptors reach the kernel."""
 
     uploaded: int  # descriptors in device (or mapped pinned) memory
-    compact: int  # kvcopy_pair entries (copies of one size)
+    compact: int  # kvcopy_compact_desc entries (copies of one size)
     inline: int  # descriptors by value, KVCOPY_INLINE_MAX per launch
     small: int  # by value within the 4 KiB parameter limit
     tiny: int  # up to INLINE_MAX_TINY by value (1 KiB)
@@ -243,7 +243,7 @@ class CopyKernel:
     function: int  # descriptors by value, KVCOPY_INLINE_MAX per launch
     function_small: int  # descriptors by value within the 4 KiB parameter limit
     function_tiny: int  # up to INLINE_MAX_TINY descriptors by value (1 KiB)
-    function_compact: int  # kvcopy_pair entries (copies of one size), one launch per batch
+    function_compact: int  # kvcopy_compact_desc entries (copies of one size), one launch per batch
     function_blocks_both: int  # two swap_blocks in one launch, each with its own CTAs
     per_launch: int
     bulk: ScatterFunctions  # the same through the bulk copy unit (CTAs of launch.BULK_THREADS)
@@ -334,16 +334,16 @@ def kernel_for_current_context(cc_major: int, cc_minor: int, driver_version: int
             module=module,
             function_uploaded=function("kvcopy_scatter"),
             function_blocks=function("kvcopy_blocks"),
-            function_blocks_both=function("kvcopy_blocks_pair"),
-            function_both=function("kvcopy_scatter_pair"),
+            function_blocks_both=function("kvcopy_blocks_both"),
+            function_both=function("kvcopy_scatter_both"),
             function=function("kvcopy_scatter_inline"),
             function_small=function("kvcopy_scatter_inline_small"),
             function_tiny=function("kvcopy_scatter_inline_tiny"),
-            function_compact=function("kvcopy_scatter_pairs"),
+            function_compact=function("kvcopy_scatter_compact"),
             per_launch=launch.INLINE_MAX if large else launch.INLINE_MAX_SMALL,
             bulk=ScatterFunctions(
                 function("kvcopy_bulk_scatter"),
-                function("kvcopy_bulk_pairs"),
+                function("kvcopy_bulk_compact"),
                 function("kvcopy_bulk_inline"),
                 function("kvcopy_bulk_inline_small"),
                 function("kvcopy_bulk_inline_tiny"),
