@@ -10,7 +10,7 @@ planning, the policy, the issue paths) runs as it does on a GPU host, so this
 measures kvcopy's own CPU work; a GPU host adds the driver calls' cost
 (bench/steady_calls.py times the same calls there).
 
-    python bench/cpu_calls.py [--calls N]
+    python bench/cpu_calls.py [--calls N] [--path]
 
 For each row: the median µs of N calls after warm-up, then the driver layer's
 functions one steady call reached, with counts. The GPU side of every row is
@@ -18,6 +18,12 @@ functions one steady call reached, with counts. The GPU side of every row is
 GPU), the host side NumPy arrays taken as pinned. ``pointer queries`` counts the
 memory ranges the describe pass asked the driver about; ``classify_pointers`` and
 ``plan_dma`` ask the driver about every pointer they are given.
+
+``--path`` follows one steady call of each row through kvcopy's modules (every
+Python and Cython function kvcopy's own code enters, in order): ``stops`` counts the
+modules passed through, one stop per stretch of calls inside one module; ``modules``
+the distinct ones; ``again`` the stops at a module visited before (control climbing
+back up and down), and it prints the path.
 """
 
 from __future__ import annotations
@@ -230,9 +236,35 @@ def host_pools() -> list[np.ndarray]:
     return small + large + [np.zeros((16384, 2048), np.uint8), np.zeros((8192, 2048), np.uint8)]
 
 
+def module_path(call: Callable[[], object]) -> list[str]:
+    """The kvcopy modules one call of ``call`` passes through, in order, one entry per
+    stretch of calls inside one module (Python frames by their module, Cython
+    functions by theirs)."""
+    path: list[str] = []
+
+    def seen(name: str) -> None:
+        if (name == "kvcopy" or name.startswith("kvcopy.")) and name != "kvcopy.testing":
+            if not path or path[-1] != name:
+                path.append(name)
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            seen(frame.f_globals.get("__name__", ""))
+        elif event == "c_call":
+            seen(getattr(arg, "__module__", None) or "")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="timed calls a row")
+    parser.add_argument("--path", action="store_true", help="the modules one call passes through")
     args = parser.parse_args(argv)
     pools = host_pools()
     host = FakeHost(pools)
@@ -253,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             reached = ", ".join(f"{name} {n}" for name, n in sorted(host.counts.items()))
             print(f"{label:45s} {median:8.1f}  {reached}")
+            if args.path:
+                path = module_path(call)
+                again = len(path) - len(set(path))
+                print(f"{'':45s} stops {len(path)}, modules {len(set(path))}, again {again}")
+                print(f"{'':45s} {' > '.join(name.removeprefix('kvcopy.') for name in path)}")
     return 0
 
 
