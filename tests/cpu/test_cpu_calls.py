@@ -53,3 +53,20 @@ def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert len(lines) == 7 and not any("failed" in line for line in lines)
+
+
+def test_the_path_of_a_call_lists_each_stretch_in_one_module_once():
+    from kvcopy import Layout
+
+    path = cpu_calls.module_path(lambda: Layout.from_pointers([4096, 8192], slots=4, row_bytes=64))
+    assert path[0] == "kvcopy.layouts" and "kvcopy.arguments" in path
+    assert all(a != b for a, b in zip(path, path[1:]))  # (one stop per stretch)
+    assert cpu_calls.module_path(lambda: None) == []
+
+
+def test_a_repeated_copy_rows_with_gpu_indices_takes_a_short_path(faked):
+    host, calls = faked
+    call = calls["copy_rows 256 rows, GPU indices"]
+    call()
+    path = cpu_calls.module_path(call)
+    assert path[0] == "kvcopy.api" and len(path) < 30  # (the figure docs/performance.md quotes: 19)
