@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy._runtime import device as devices, first_use, peers
+from kvcopy._runtime.context import relaxed_capture
 from kvcopy._cuda import driver, memory
 from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
@@ -323,11 +324,8 @@ def _measure_at_first_use(ordinal: int) -> None:
     """calibrate() as kvcopy._runtime.first_use runs it, on its own thread: in relaxed
     capture mode (a graph another thread captures forbids none of its calls, and its
     stream and memory are its own, so it joins none), with a small scratch."""
-    previous = driver.exchange_capture_mode(driver.CAPTURE_MODE_RELAXED)
-    try:
+    with relaxed_capture():
         calibrate(ordinal, total_bytes=AUTO_CALIBRATION_BYTES, repeats=AUTO_CALIBRATION_REPEATS)
-    finally:
-        driver.exchange_capture_mode(previous)
 
 
 first_use.measure = _measure_at_first_use

@@ -19,18 +19,17 @@ the start of the pool.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from kvcopy._cuda import driver, memory
 from kvcopy._runtime import host_pages, numa
-from kvcopy._runtime.context import ContextScope
+from kvcopy._runtime.context import ContextScope, relaxed_capture
 from kvcopy.arguments import require_int
 from kvcopy.policy.defaults import POOL_CHUNK_PAUSE_S
 from kvcopy.policy.host_pool import HUGE_PAGES, choose_pages, registration_chunks, touch_threads
@@ -56,19 +55,6 @@ class PoolReport:
     notes: tuple[str, ...]
 
 
-@contextlib.contextmanager
-def _relaxed_capture() -> Iterator[None]:
-    """The calling thread's capture mode relaxed: a pool registers (and unregisters)
-    beside the caller's work, often on a thread of its own, and in the default mode a
-    CUDA graph another thread captures would forbid, and be invalidated by, its
-    calls (as with kvcopy's frees: kvcopy._cuda.memory)."""
-    previous = driver.exchange_capture_mode(driver.CAPTURE_MODE_RELAXED)
-    try:
-        yield
-    finally:
-        driver.exchange_capture_mode(previous)
-
-
 class _Memory:
     """The mapping and its registrations. ``release()`` (at most once) stops the
     thread that builds, unregisters and unmaps; it runs by itself once the pool and
@@ -91,7 +77,7 @@ def _give_back(address: int, mapped: int, registered: list, stop: threading.Even
         if worker is not threading.current_thread():
             worker.join()
     try:
-        with ContextScope(), _relaxed_capture():
+        with ContextScope(), relaxed_capture():
             while registered:
                 memory.host_unregister(registered.pop())
     except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
@@ -220,7 +206,7 @@ class HostPool:
         try:
             touch_s, notes = touch()
             registered, started = memory_.registered, time.perf_counter()
-            with ContextScope(), _relaxed_capture():
+            with ContextScope(), relaxed_capture():
                 for offset, size in self._chunks:
                     if memory_.stop.is_set():
                         raise RuntimeError("pinned pool: closed before it was registered")

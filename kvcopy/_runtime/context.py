@@ -3,13 +3,28 @@ of per context."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from kvcopy._cuda import driver
 from kvcopy.interop.streams import STREAM_LEGACY, STREAM_PER_THREAD
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """The calling thread's stream-capture mode relaxed for the block, then its own
+    again: for work kvcopy does beside the caller's (a pool's registrations, a
+    calibration on a thread of its own), whose calls a CUDA graph another thread
+    captures in the default (global) mode would forbid, and be invalidated by (as
+    with kvcopy's frees: kvcopy._cuda.memory)."""
+    previous = driver.exchange_capture_mode(driver.CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        driver.exchange_capture_mode(previous)
 
 
 class ContextScope:
