@@ -119,7 +119,6 @@ class HostPool:
         self._error: BaseException | None = None
         self._changed = threading.Condition()
         self._report: PoolReport | None = None
-        self._closed = False
 
     @property
     def registered_bytes(self) -> int:
@@ -151,7 +150,7 @@ class HostPool:
         any such array does."""
         offset = require_int(offset, "view: offset", minimum=0)
         nbytes = self.nbytes - offset if nbytes is None else require_int(nbytes, "view: nbytes", minimum=0)
-        if self._closed:
+        if self._memory is None:
             raise ValueError("view: the pool is closed")
         if offset + nbytes > self.nbytes:
             raise ValueError(f"view: {nbytes} bytes from offset {offset} run past the pool's {self.nbytes}")
@@ -168,7 +167,7 @@ class HostPool:
                 f"({self._registered} of {self.nbytes} are)"
             )
         memory_ = self._memory
-        if memory_ is None:
+        if memory_ is None:  # (closed while it waited)
             raise ValueError("view: the pool is closed")
         return np.asarray(_ArrayOver(memory_, self.ptr + offset, nbytes))
 
@@ -180,7 +179,6 @@ class HostPool:
     def close(self) -> None:
         """Stop building; the memory goes back now where no array over it is left,
         else with the last of them."""
-        self._closed = True
         memory_, self._memory = self._memory, None
         if memory_ is None:
             return
