@@ -97,7 +97,7 @@ def thresholds(ordinal: int) -> Thresholds:
         info = device_info(ordinal)
         loaded = load_thresholds(info)
         if loaded is None:
-            first_use.noticed(ordinal, info.host_key(), thresholds_path(info), lambda: _settle(info))
+            first_use.noticed(ordinal, thresholds_path(info), lambda: _settle(info))
         found = loaded or Thresholds()
         _thresholds[ordinal] = found
     return found

@@ -28,7 +28,6 @@ from typing import Callable
 
 from kvcopy._engine import traffic_window
 from kvcopy._runtime import persist
-from kvcopy._runtime.host_key import HostKey
 from kvcopy.config import config
 from kvcopy.policy.defaults import (
     AUTO_CALIBRATION_POLL_S,
@@ -40,23 +39,23 @@ from kvcopy.policy.defaults import (
 # module is imported: this layer schedules, the API layer measures.
 measure: Callable[[int], None] | None = None
 
-_started: set[HostKey] = set()
+_started: set[Path] = set()  # the files of the keys calibrated from this process
 _started_lock = threading.Lock()
 _clock: Callable[[], float] = time.monotonic
 _sleep: Callable[[float], None] = time.sleep
 
 
-def noticed(ordinal: int, key: HostKey, path: Path, settle: Callable[[], bool]) -> threading.Thread | None:
-    """Device ``ordinal``'s thresholds were asked for and ``path`` (its file under
-    ``key``) held none: start its calibration, once per key and process, where
+def noticed(ordinal: int, path: Path, settle: Callable[[], bool]) -> threading.Thread | None:
+    """Device ``ordinal``'s thresholds were asked for and ``path`` (its file, named
+    for its key) held none: start its calibration, once per key and process, where
     config.auto_calibrate is set. ``settle()`` loads the file into the device's
     thresholds and says whether it could. Returns the thread started, if any."""
     if not config.auto_calibrate or measure is None:
         return None
     with _started_lock:
-        if key in _started:
+        if path in _started:
             return None
-        _started.add(key)
+        _started.add(path)
     worker = threading.Thread(
         target=_calibrate, args=(ordinal, path, settle), name=f"kvcopy-calibration-{ordinal}", daemon=True
     )

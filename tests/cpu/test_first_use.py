@@ -56,10 +56,10 @@ def _settler(path: Path, into: list):
 
 def test_nothing_runs_unless_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(first_use, "measure", _measure_writing(tmp_path / "c.json", 4096))
-    assert first_use.noticed(0, KEY, tmp_path / "c.json", lambda: False) is None  # (default: off)
+    assert first_use.noticed(0, tmp_path / "c.json", lambda: False) is None  # (default: off)
     with testing.settings(auto_calibrate=True):
         monkeypatch.setattr(first_use, "measure", None)  # (kvcopy.calibrate not imported)
-        assert first_use.noticed(0, KEY, tmp_path / "c.json", lambda: False) is None
+        assert first_use.noticed(0, tmp_path / "c.json", lambda: False) is None
 
 
 def test_a_first_use_measures_once_in_the_background_and_loads_the_result(tmp_path, monkeypatch):
@@ -68,9 +68,9 @@ def test_a_first_use_measures_once_in_the_background_and_loads_the_result(tmp_pa
     measure = _measure_writing(path, 16 << 10)
     monkeypatch.setattr(first_use, "measure", lambda ordinal: (calls.append(ordinal), measure(ordinal)))
     with testing.settings(auto_calibrate=True):
-        worker = first_use.noticed(3, KEY, path, _settler(path, loaded))
+        worker = first_use.noticed(3, path, _settler(path, loaded))
         assert worker is not None and worker.daemon
-        assert first_use.noticed(3, KEY, path, _settler(path, loaded)) is None  # once per key
+        assert first_use.noticed(3, path, _settler(path, loaded)) is None  # once per key
         worker.join(10)
     assert calls == [3] and loaded[-1].batch_min_bytes["h2d"] == 16 << 10
 
@@ -171,8 +171,8 @@ def test_a_device_without_a_file_serves_the_defaults_and_starts_its_calibration(
     monkeypatch.setattr(device, "device_info", lambda ordinal: info)
     device._thresholds.pop(5, None)
     assert device.thresholds(5) == Thresholds()
-    (ordinal, key, path, settle) = started[0]
-    assert (ordinal, key, path) == (5, KEY, tmp_path / KEY.file_name())
+    (ordinal, path, settle) = started[0]
+    assert (ordinal, path) == (5, tmp_path / KEY.file_name())
     assert settle() is False  # no file yet
     device.save_thresholds(info, {"batch_min_bytes": {"h2d": 4096}}, {})
     assert settle() is True and device.thresholds(5).batch_min_bytes["h2d"] == 4096
