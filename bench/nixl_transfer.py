@@ -17,19 +17,21 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
 
 import numpy as np
+
+from steady_calls import median_quartile  # (bench/steady_calls.py: the same timer)
 
 PLANES, BLOCKS, USED = 160, 128, 118
 
 
-def _agent():
+def make_agent(name: str = "bench"):
+    """A NIXL agent with the UCX backend (nixl-cu13's package, else nixl's)."""
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config
     except ImportError:
         from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent("bench", nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
 def _caches(block: int, vram: bool) -> tuple[object, object, int, int, str]:
@@ -46,20 +48,10 @@ def _caches(block: int, vram: bool) -> tuple[object, object, int, int, str]:
     return src, dst, src.ctypes.data, dst.ctypes.data, "DRAM"
 
 
-def _median_s(run: Callable[[], None], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def one_block_size(block: int, repeats: int, vram: bool) -> list[tuple]:
     from kvcopy import Layout, nixl
 
-    agent = _agent()
+    agent = make_agent()
     src, dst, src_at, dst_at, memory = _caches(block, vram)
     device = 0
     total = PLANES * BLOCKS * block
@@ -89,7 +81,7 @@ def one_block_size(block: int, repeats: int, vram: bool) -> list[tuple]:
     }
     rows = []
     for name, make in ways.items():
-        prepare_s = _median_s(make, repeats)
+        prepare_s = median_quartile(make, lambda: None, max(repeats, 2))[0] / 1e6
         descs = make()
         post_s: list[float] = []
         wall_s: list[float] = []
@@ -125,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vram", action="store_true", help="both caches on GPU 0")
     args = parser.parse_args(argv)
     try:
-        _agent()
+        make_agent()
     except ImportError:
         print("nixl_transfer: NIXL is not installed here (pip install nixl-cu13)", file=sys.stderr)
         return 2

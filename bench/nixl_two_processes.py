@@ -30,15 +30,9 @@ import time
 
 import numpy as np
 
-PLANES, BLOCKS, USED, CHUNK_ROWS, SLOTS = 160, 128, 118, 16, 4
+from nixl_transfer import BLOCKS, PLANES, USED, make_agent  # (bench/nixl_transfer.py: the same request)
 
-
-def _agent(name: str):
-    try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+CHUNK_ROWS, SLOTS = 16, 4
 
 
 def _buffer(nbytes: int, where: str):
@@ -86,7 +80,7 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool) -> None:
     """The receiving process: its cache, its staging, and what the sender asks."""
     from kvcopy import Layout, nixl, testing
 
-    agent = _agent("target")
+    agent = make_agent("target")
     keep, base, memory, staging, held, _staging_kept = _side(agent, block, where, staging_where)
     layout = Layout.from_pointers(
         [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
@@ -125,7 +119,7 @@ def one_block_size(block: int, to: str, repeats: int, cpu: bool) -> list[tuple]:
     where = "host" if cpu else ("gpu" if to == "gpu" else "pinned")
     peer_process = ctx.Process(target=target, args=(theirs_end, block, where, "host" if cpu else "gpu", cpu))
     peer_process.start()
-    agent = _agent("initiator")
+    agent = make_agent("initiator")
     source_where = "host" if cpu else "gpu"
     keep, base, memory, staging, held, _staging_kept = _side(agent, block, source_where, source_where)
     rng = np.random.default_rng(0)
@@ -238,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="host memory both sides, no GPU (a check)")
     args = parser.parse_args(argv)
     try:
-        _agent("probe")
+        make_agent("probe")
     except ImportError:
         print("nixl_two_processes: NIXL is not installed here (pip install nixl-cu13)", file=sys.stderr)
         return 2
