@@ -36,6 +36,7 @@ from helpers.nixl_peer import (
     _publish,
     _read,
     _wait_for,
+    heads_of,
     source_cache,
 )
 from kvcopy import Layout, nixl
@@ -124,12 +125,7 @@ def vram_sender(folder: Path) -> None:
     _publish(folder, "sender", (agent.get_agent_metadata(),))
     metadata, peer_staging = _read(folder, "receiver")
     peer = agent.add_remote_agent(metadata)
-    sliced = Layout.from_pointers(
-        [cache[p].data_ptr() + HEADS.start * HEAD_BYTES for p in range(PLANES)],
-        slots=SLOTS,
-        row_bytes=(HEADS.stop - HEADS.start) * HEAD_BYTES,
-        slot_stride=ROW,
-    )
+    sliced = heads_of([cache[p].data_ptr() for p in range(PLANES)])
     nixl.send_packed(agent, sliced, PACKED[0], peer, staging, peer_staging, tag="g1", chunk_rows=CHUNK)
     _wait_for(folder / "chunks")
     (folder / "sent").touch()

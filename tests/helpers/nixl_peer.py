@@ -217,6 +217,16 @@ HEAD_BYTES, HEADS, CHUNK = 64, slice(2, 4), 5
 PACKED = (np.arange(37) * 7 % SLOTS, np.r_[np.random.default_rng(3).permutation(36), -1])
 
 
+def heads_of(planes: list[int]) -> Layout:
+    """Heads HEADS of each row of a cache whose planes start at ``planes``."""
+    return Layout.from_pointers(
+        [base + HEADS.start * HEAD_BYTES for base in planes],
+        slots=SLOTS,
+        row_bytes=(HEADS.stop - HEADS.start) * HEAD_BYTES,
+        slot_stride=ROW,
+    )
+
+
 def _publish(folder: Path, name: str, facts: tuple) -> None:
     (folder / f"{name}.tmp").write_bytes(pickle.dumps(facts))
     os.replace(folder / f"{name}.tmp", folder / f"{name}.pkl")
@@ -259,12 +269,7 @@ def packed_sender(folder: Path) -> None:
     _publish(folder, "sender", (agent.get_agent_metadata(),))
     metadata, peer_staging = _read(folder, "receiver")
     peer = agent.add_remote_agent(metadata)
-    sliced = Layout.from_pointers(
-        [cache[p].ctypes.data + HEADS.start * HEAD_BYTES for p in range(PLANES)],
-        slots=SLOTS,
-        row_bytes=(HEADS.stop - HEADS.start) * HEAD_BYTES,
-        slot_stride=ROW,
-    )
+    sliced = heads_of([cache[p].ctypes.data for p in range(PLANES)])
     with testing.rows_on_host():
         nixl.send_packed(agent, sliced, PACKED[0], peer, staging, peer_staging, tag="t1", chunk_rows=CHUNK)
     _wait_for(folder / "packed.json")  # (the receiver has scattered every chunk)
