@@ -48,26 +48,19 @@ class HostKey:
         return f"calibration-{slug}-driver{self.driver_version}-{digest}.json"
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
 def pci_link(pci: str, sys_root: Path = SYS) -> str:
     """The PCIe link of device ``pci`` as Linux reports it now ("32.0 GT/s PCIe x16"),
     '' where it does not."""
     if not pci:
         return ""
     folder = sys_root / "bus" / "pci" / "devices" / pci
-    speed, width = _read(folder / "current_link_speed"), _read(folder / "current_link_width")
+    speed, width = (numa.read_fact(folder / name) for name in ("current_link_speed", "current_link_width"))
     return f"{speed} x{width}" if speed and width else ""
 
 
 def machine_id(path: Path = MACHINE_ID) -> str:
     """The host's machine id, else its host name."""
-    return _read(path) or socket.gethostname()
+    return numa.read_fact(path) or socket.gethostname()
 
 
 def read_host_key(attrs: Mapping[str, Any], sys_root: Path = SYS, machine: Path = MACHINE_ID) -> HostKey:

@@ -42,10 +42,11 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     return tuple(cpus)
 
 
-def _read(path: Path) -> str | None:
+def read_fact(path: Path) -> str | None:
+    """A sysfs (or /etc) file's text, stripped; None where it cannot be read."""
     try:
-        return path.read_text()
-    except OSError:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -54,7 +55,7 @@ def _huge_pages(folder: Path, name: str) -> dict[int, int]:
     found: dict[int, int] = {}
     for entry in sorted(folder.glob("hugepages-*kB")) if folder.is_dir() else ():
         size = _HUGE_DIR.fullmatch(entry.name)
-        count = _read(entry / name)
+        count = read_fact(entry / name)
         if size and count is not None and count.strip().isdigit():
             found[int(size.group(1)) << 10] = int(count)
     return found
@@ -65,7 +66,7 @@ def nodes(sys_root: Path = SYS) -> dict[int, Node]:
     system = sys_root / "devices" / "system" / "node"
     listed = {}
     for entry in sorted(system.glob("node[0-9]*")) if system.is_dir() else ():
-        cpus = _read(entry / "cpulist")
+        cpus = read_fact(entry / "cpulist")
         listed[int(entry.name[4:])] = Node(
             int(entry.name[4:]),
             parse_cpulist(cpus) if cpus is not None else (),
@@ -85,7 +86,7 @@ def pci_address(domain: int, bus: int, device: int) -> str:
 def node_of_pci(address: str, sys_root: Path = SYS) -> int | None:
     """The NUMA node the PCI device ``address`` is attached to, or None where Linux
     names none (-1, no such entry, a host without NUMA)."""
-    text = _read(sys_root / "bus" / "pci" / "devices" / address / "numa_node")
+    text = read_fact(sys_root / "bus" / "pci" / "devices" / address / "numa_node")
     if text is None or not text.strip().lstrip("-").isdigit():
         return None
     node = int(text)
@@ -95,7 +96,7 @@ def node_of_pci(address: str, sys_root: Path = SYS) -> int | None:
 def transparent_huge_pages(sys_root: Path = SYS) -> str:
     """The transparent huge page mode ('always', 'madvise' or 'never'); 'never' where
     the kernel has none."""
-    text = _read(sys_root / "kernel" / "mm" / "transparent_hugepage" / "enabled") or ""
+    text = read_fact(sys_root / "kernel" / "mm" / "transparent_hugepage" / "enabled") or ""
     chosen = re.search(r"\[(\w+)\]", text)
     return chosen.group(1) if chosen else "never"
 
@@ -103,5 +104,5 @@ def transparent_huge_pages(sys_root: Path = SYS) -> str:
 def transparent_page_bytes(sys_root: Path = SYS) -> int:
     """The size of a transparent huge page (PMD size), 2 MiB where the kernel does
     not say."""
-    text = _read(sys_root / "kernel" / "mm" / "transparent_hugepage" / "hpage_pmd_size")
+    text = read_fact(sys_root / "kernel" / "mm" / "transparent_hugepage" / "hpage_pmd_size")
     return int(text) if text is not None and text.strip().isdigit() else 2 << 20
