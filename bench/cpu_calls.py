@@ -99,11 +99,15 @@ class Recorder:
 
 class FakeHost:
     """One GPU (device 0) at DEVICE_BASE and pinned host memory in ``pools``, as the
-    driver layer would answer for them."""
+    driver layer would answer for them; the memory of ``stand_ins`` (torch CPU tensors
+    standing in for CUDA ones) is the GPU's too."""
 
-    def __init__(self, pools: list[np.ndarray]) -> None:
+    def __init__(self, pools: list[np.ndarray], stand_ins: list | None = None) -> None:
         self.counts: collections.Counter = collections.Counter()
-        rows = [[DEVICE_BASE, DEVICE_BASE + DEVICE_SPAN, cuda.classify.KIND_DEVICE, 0, 0]]
+        self.device_spans = [(DEVICE_BASE, DEVICE_BASE + DEVICE_SPAN)] + [
+            (t.data_ptr(), t.data_ptr() + t.nbytes) for t in stand_ins or []
+        ]
+        rows = [[lo, hi, cuda.classify.KIND_DEVICE, 0, 0] for lo, hi in self.device_spans]
         rows += [
             [p.ctypes.data, p.ctypes.data + p.nbytes, cuda.classify.KIND_HOST_MAPPED, -1, 0] for p in pools
         ]
@@ -138,7 +142,7 @@ class FakeHost:
 
     def classify_pointers(self, ptrs: np.ndarray, sizes: np.ndarray, view: np.ndarray) -> tuple[int, int]:
         view[:] = ptrs
-        device = int(ptrs.min()) >= DEVICE_BASE
+        device = all(any(lo <= p < hi for lo, hi in self.device_spans) for p in ptrs.tolist())
         kind = cuda.classify.KIND_DEVICE if device else cuda.classify.KIND_HOST_MAPPED
         return kind, 0 if device else -1
 
@@ -166,8 +170,12 @@ class FakeHost:
             yield
 
 
-def rows(host: FakeHost, pools: list[np.ndarray]) -> list[tuple[str, Callable[[], object]]]:
-    """(label, call) of every row; ``pools`` are the pinned host side's arrays."""
+def rows(
+    host: FakeHost, pools: list[np.ndarray], stand_ins: list | None = None
+) -> list[tuple[str, Callable[[], object]]]:
+    """(label, call) of every row; ``pools`` are the pinned host side's arrays,
+    ``stand_ins`` (where torch is present) 32 torch tensors for a GPU's per-layer caches
+    and 32 for the host's."""
     rng = np.random.default_rng(0)
     stream = 0x7F00_1234
 
@@ -187,6 +195,14 @@ def rows(host: FakeHost, pools: list[np.ndarray]) -> list[tuple[str, Callable[[]
             lambda: kvcopy.swap_blocks(first_gpu, one_tensor, one, stream=stream),
         )
     )
+    if stand_ins:
+        torch_gpu, torch_host = stand_ins[:32], stand_ins[32:]
+        out.append(
+            (
+                "swap_blocks 1 pair, 32 torch tensors a side",
+                lambda: kvcopy.swap_blocks(torch_gpu, torch_host, one, stream=stream),
+            )
+        )
     out.append(
         (
             "swap_blocks 1 pair, 32 tensors a side",
@@ -229,6 +245,16 @@ def rows(host: FakeHost, pools: list[np.ndarray]) -> list[tuple[str, Callable[[]
     return out
 
 
+def torch_stand_ins() -> list:
+    """64 torch CPU tensors of 64 blocks of 2 KiB, the first 32 standing in for a GPU's
+    per-layer caches (FakeHost's device memory), or none where torch is missing."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [torch.zeros(64, 1024, dtype=torch.bfloat16) for _ in range(64)]
+
+
 def host_pools() -> list[np.ndarray]:
     """The host side's arrays: 1 + 32 + 64 caches, a pointer pool, a token pool."""
     small = [np.zeros((64, 2048), np.uint8) for _ in range(33)]
@@ -266,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="timed calls a row")
     parser.add_argument("--path", action="store_true", help="the modules one call passes through")
     args = parser.parse_args(argv)
-    pools = host_pools()
-    host = FakeHost(pools)
+    pools, stand_ins = host_pools(), torch_stand_ins()
+    host = FakeHost(pools, stand_ins[:32])
     with host.standing_in():
         print(f"median of {args.calls} calls, µs; the driver layer's functions one steady call reaches")
-        for label, call in rows(host, pools):
+        for label, call in rows(host, pools, stand_ins):
             calls = (
                 args.calls
                 if "4096" not in label and "8192 copies" not in label

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvcopy._cuda import memory
 from kvcopy.arguments import require_int
+from kvcopy._runtime import kept_memory
 from kvcopy._runtime.context import ContextScope
 from kvcopy.errors import KVCopyError
 
@@ -170,6 +171,7 @@ class register:
         with ContextScope():
             while self._chunks:
                 memory.host_unregister(self._chunks.pop())
+        kept_memory.forget()  # (a tensor over this memory is pageable again)
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -70,6 +70,7 @@ from kvcopy._runtime import (
     first_use,
     host_key,
     host_pages,
+    kept_memory,
     kernels,
     numa,
     peers,
@@ -123,6 +124,7 @@ engine = types.SimpleNamespace(
     context=context,
     device=device,
     kernels=kernels,
+    kept_memory=kept_memory,
     peers=peers,
     prepare=prepare,
     ring=ring,
@@ -198,13 +200,14 @@ def settings(**values: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[object]:
     """The driver layer's ``layers`` replaced by ``fake`` wherever kvcopy uses them, and
-    no policy answer or copy_rows call remembered from before (they were made with the
-    real device)."""
+    no policy answer, copy_rows call or classified memory remembered from before (they
+    were made with the real device)."""
     unknown = set(layers) - set(_LAYERS)
     if unknown:
         raise ValueError(f"fake_cuda: no layer {sorted(unknown)}; layers: {sorted(_LAYERS)}")
     with _standing_in(
-        [(_LAYERS[layer], fake) for layer in layers] + [(decide._targets, {}), (rows_memo._memo, {})]
+        [(_LAYERS[layer], fake) for layer in layers]
+        + [(decide._targets, {}), (rows_memo._memo, {}), (kept_memory._kept, {})]
     ):
         yield fake
 
@@ -243,15 +246,19 @@ def fake_runtime(
     scope: type | None = None,
 ) -> Iterator[None]:
     """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
-    by default) and ``thresholds`` (the defaults), no policy answer or copy_rows call
-    remembered; where given, ``copy_kernel`` as the kernel loaded in every context,
+    by default) and ``thresholds`` (the defaults), no policy answer, copy_rows call or
+    classified memory remembered; where given, ``copy_kernel`` as the kernel loaded in every context,
     every descriptor-ring reservation ``slot`` (a sequence of slots: each in turn; or
     ``descriptor_ring`` as every context's ring: its reserve(nbytes) a context manager
     of a ring.Slot), ``staging`` as every context's staging buffers,
     ``side_stream(handle, index=0)`` for kvcopy's side streams, and ``scope`` for
     the context a call enters (kvcopy._runtime.context.ContextScope's interface)."""
     info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or policy.DeviceCaps())
-    replacements: list[tuple[object, object]] = [(decide._targets, {}), (rows_memo._memo, {})]
+    replacements: list[tuple[object, object]] = [
+        (decide._targets, {}),
+        (rows_memo._memo, {}),
+        (kept_memory._kept, {}),
+    ]
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))
     if slot is not None:

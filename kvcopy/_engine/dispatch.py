@@ -22,7 +22,7 @@ from kvcopy._engine.decide import (
     settled_classes,
 )
 from kvcopy._engine.kernel import HostScratch, launch_kernel
-from kvcopy._runtime import device, kernels, ring, side_streams
+from kvcopy._runtime import device, kept_memory, kernels, ring, side_streams
 from kvcopy._runtime.context import ContextScope
 from kvcopy.arguments import require_same_length
 from kvcopy._plans.blocks import BlockPlan
@@ -306,6 +306,27 @@ def _launch_as_rows(
         ring.DescriptorRing.fence(slot, handle)
 
 
+def _memory_of(
+    blocks: BlockPlan, scope: ContextScope, method: str
+) -> tuple[MemoryClasses, np.ndarray, np.ndarray]:
+    """A plan's memory classes and each side's bases as the device sees them: as kept
+    for the same live tensors in the context the call entered (kvcopy._runtime.
+    kept_memory), else classified now and kept. A default stream's call moves to the
+    memory's device either way, as classification moves it."""
+    geometry, owners = blocks.geometry, blocks.owners
+    context = driver.current_context_key() if owners else 0
+    kept = kept_memory.find(geometry.key, context, owners) if owners else None
+    if kept is not None:
+        scope.follow_memory(kept.found.owner)
+        return kept.found, kept.src_view, kept.dst_view
+    src_view = np.empty_like(geometry.src_base)
+    dst_view = np.empty_like(geometry.dst_base)
+    found = settled_classes(scope, method, lambda: classify_tensors(blocks, src_view, dst_view))
+    if owners:
+        kept_memory.keep(geometry.key, context, owners, found, src_view, dst_view)
+    return found, src_view, dst_view
+
+
 def execute_blocks(
     blocks: BlockPlan, stream_handle: int, method: str = "auto", wait_for_producers: bool = True
 ) -> str:
@@ -320,9 +341,7 @@ def execute_blocks(
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        src_view = np.empty_like(blocks.geometry.src_base)
-        dst_view = np.empty_like(blocks.geometry.dst_base)
-        found = settled_classes(scope, method, lambda: classify_tensors(blocks, src_view, dst_view))
+        found, src_view, dst_view = _memory_of(blocks, scope, method)
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found, note_traffic=True)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:

@@ -3,7 +3,7 @@ checked block-id mapping. No driver calls; the engine issues the plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -153,8 +153,9 @@ class BlockGeometry:
         dst = side(self.dst_stride, self.dst_factor, self.id_limits[1])
         return None if src is None or dst is None else (src, dst)
 
-    def with_mapping(self, block_mapping: Any) -> "BlockPlan":
-        """Validate ``block_mapping`` against this geometry. Raises TypeError/ValueError."""
+    def with_mapping(self, block_mapping: Any, owners: tuple = ()) -> "BlockPlan":
+        """Validate ``block_mapping`` against this geometry (read from ``owners``, the
+        src tensors then the dst tensors, where known). Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
         if not (self.num_tensors and block_ids_ok(mapping, *self.id_limits)):
             # (the checks below say what failed)
@@ -162,7 +163,7 @@ class BlockGeometry:
             _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
             _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
             _check_unique_destinations(mapping[:, 1])
-        plan = BlockPlan(self, mapping)
+        plan = BlockPlan(self, mapping, owners)
         race = race_in_plan(plan)
         if race:
             raise ValueError(f"{race}: the copies of one call run in no defined order")
@@ -175,6 +176,9 @@ class BlockPlan:
 
     geometry: BlockGeometry
     mapping: np.ndarray  # (n, 2) int64, C-contiguous
+    # the objects the geometry was read from, src then dst (empty where not known): the
+    # engine keeps their memory's classification while they live (kvcopy._runtime.kept_memory)
+    owners: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def num_pairs(self) -> int:
@@ -426,7 +430,8 @@ def plan_blocks(
     src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
 ) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
-    return block_geometry(src, dst, split_blocks=split_blocks, stream=stream).with_mapping(block_mapping)
+    geometry = block_geometry(src, dst, split_blocks=split_blocks, stream=stream)
+    return geometry.with_mapping(block_mapping, (*as_list(src), *as_list(dst)))
 
 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):

@@ -49,6 +49,7 @@ PURE = {
     "kvcopy._runtime.first_use",
     "kvcopy._runtime.host_pages",
     "kvcopy.policy.host_pool",
+    "kvcopy._runtime.kept_memory",
     "kvcopy._engine",
     "kvcopy._runtime",
 }  # (the packages' docstring-only __init__)

@@ -1,0 +1,115 @@
+"""Memory classified once per allocation: what the driver said of a swap_blocks plan's
+memory (each side's kinds and device, and each tensor's base as the device sees it),
+kept while the torch tensors that hold that memory live.
+
+Classifying asks the driver about every tensor's memory (cuPointerGetAttributes), at
+every call until now; an engine passes the same caches every step. An entry is kept
+under the plan's geometry (every tensor's address, extent and stride), the context
+and the tensors' identities, and answers only while each of those tensors is alive
+and is the one the call names. A live torch tensor holds its storage, so the memory
+at those addresses is the allocation that was classified: its kind cannot have
+changed. A tensor moved (``set_``, a ``resize_`` that reallocates) has new addresses,
+so a new geometry; a new tensor at a freed tensor's address is another object.
+
+Only torch tensors are kept: other objects (an array-interface producer over a custom
+allocator's memory, say) need not hold the memory they describe. Memory page-locked
+by hand (``cudaHostRegister``) must stay registered while kvcopy copies the tensor
+over it; ``kvcopy.register`` forgets every entry when it unregisters.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvcopy.interop.frameworks import framework_of
+from kvcopy.kept import make_room
+
+# Enough for both directions of every layer of a 128-layer model called layer by layer.
+_KEPT = 512
+
+
+@dataclass(frozen=True)
+class KeptMemory:
+    """One plan's memory as classified: ``found`` (the engine's MemoryClasses) and each
+    side's bases as the device sees them (read-only)."""
+
+    found: Any
+    src_view: np.ndarray
+    dst_view: np.ndarray
+    owners: tuple  # weak references to the tensors, in the plan's order
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.owners)
+
+    def held_by(self, owners: tuple) -> bool:
+        """Whether ``owners`` are, one by one, the live tensors this was classified for."""
+        return len(owners) == len(self.owners) and all(
+            ref() is tensor for ref, tensor in zip(self.owners, owners)
+        )
+
+
+_kept: dict[tuple, KeptMemory] = {}
+_lock = threading.Lock()
+_generation = 0  # bumped where memory may have changed kind under a live tensor
+
+
+def _key(geometry_key: Any, context: int, owners: tuple) -> tuple:
+    return (_generation, context, geometry_key, tuple(map(id, owners)))
+
+
+def find(geometry_key: Any, context: int, owners: tuple) -> KeptMemory | None:
+    """The memory kept for a plan of ``geometry_key`` over ``owners`` in ``context``,
+    or None."""
+    if geometry_key is None or not owners:
+        return None
+    entry = _kept.get(_key(geometry_key, context, owners))
+    if entry is None or not entry.held_by(owners):
+        return None  # (an id reused by another object)
+    return entry
+
+
+def keep(
+    geometry_key: Any, context: int, owners: tuple, found: Any, src_view: np.ndarray, dst_view: np.ndarray
+) -> None:
+    """Keep what classification found for a plan over ``owners`` (all torch tensors,
+    else nothing is kept); an entry leaves with the first of its tensors."""
+    if geometry_key is None or not owners or not all(framework_of(t) == "torch" for t in owners):
+        return
+    key = _key(geometry_key, context, owners)
+    try:
+        refs = tuple(weakref.ref(t, _dropper(key)) for t in owners)
+    except TypeError:  # (an object that takes no weak reference)
+        return
+    for view in (src_view, dst_view):
+        view.flags.writeable = False
+    with _lock:
+        make_room(_kept, _KEPT)
+        _kept[key] = KeptMemory(found, src_view, dst_view, refs)
+
+
+def _dropper(key: tuple) -> Any:
+    def gone(_ref: object) -> None:
+        entry = _kept.get(key)
+        if entry is not None and not entry.alive():
+            _kept.pop(key, None)
+
+    return gone
+
+
+def forget() -> None:
+    """Drop every entry: memory may have changed kind under a live tensor (host memory
+    unregistered, a context reset)."""
+    global _generation
+    with _lock:
+        _generation += 1
+        _kept.clear()
+
+
+def kept() -> int:
+    """How many plans' memory is kept (for tests)."""
+    return len(_kept)

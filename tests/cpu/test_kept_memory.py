@@ -1,0 +1,119 @@
+"""Memory classified once per allocation (kvcopy._runtime.kept_memory), on the CPU with
+the driver layer faked (bench/cpu_calls.py's fake): a swap_blocks call repeated over the
+same live torch tensors asks the driver about their memory once; another tensor, a
+moved one, a freed one, memory unregistered, or objects other than torch tensors are
+classified again."""
+
+from __future__ import annotations
+
+import gc
+
+import cpu_calls  # bench/cpu_calls.py (tests/conftest.py puts bench/ on the path)
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy.testing import engine
+
+torch = pytest.importorskip("torch")
+kept_memory = engine.kept_memory
+ONE = np.array([[1, 2]])
+
+
+@pytest.fixture
+def host():
+    fake = cpu_calls.FakeHost([])
+    with fake.standing_in():
+        yield fake
+
+
+def classifications(host, src, dst, calls: int = 1) -> int:
+    """How often ``calls`` swap_blocks calls from src to dst asked the driver to
+    classify memory (one question per side)."""
+    host.counts.clear()
+    for _ in range(calls):
+        kvcopy.swap_blocks(src, dst, ONE, stream=0x7F00_1234)
+    return host.counts["classify.classify_pointers"] // 2
+
+
+def caches(layers: int = 4) -> list:
+    return [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(layers)]
+
+
+def test_the_same_live_tensors_are_classified_once(host):
+    src, dst = caches(), caches()
+    assert classifications(host, src, dst, calls=5) == 1
+    assert classifications(host, dst, src) == 1  # (the other way is another plan)
+    assert classifications(host, dst, src, calls=3) == 0
+
+
+def test_another_tensor_at_the_same_place_is_classified_again(host):
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    same_memory = [t.view(8, 256) for t in src]  # other objects over the same memory
+    assert classifications(host, same_memory, dst) == 1
+
+
+def test_a_moved_tensor_is_classified_again(host):
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    src[2].set_(torch.zeros(8, 256, dtype=torch.uint8).untyped_storage(), 0, (8, 256))
+    assert classifications(host, src, dst) == 1
+    assert classifications(host, src, dst) == 0
+
+
+def test_an_entry_leaves_with_its_first_freed_tensor(host):
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    assert kept_memory.kept() == 1
+    src.pop()
+    dst.pop()
+    gc.collect()
+    assert kept_memory.kept() == 0
+
+
+def test_forgetting_classifies_every_tensor_again(host):
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    kept_memory.forget()
+    assert classifications(host, src, dst) == 1
+
+
+def test_unregistering_host_memory_forgets_what_was_kept(host):
+    """kvcopy.register's unregistration makes a registered tensor's memory pageable:
+    nothing classified before it is trusted after it."""
+    host.answers.update(
+        {
+            "memory.host_register": lambda ptr, size, readonly: None,
+            "memory.host_unregister": lambda ptr: None,
+            "memory.host_device_pointer": lambda ptr: ptr,
+        }
+    )
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    with kvcopy.register(dst[0].numpy()):
+        assert kept_memory.kept() == 1
+    assert kept_memory.kept() == 0
+    assert classifications(host, src, dst) == 1
+
+
+def test_objects_other_than_torch_tensors_are_classified_at_every_call(host):
+    src = [np.zeros((8, 256), np.uint8) for _ in range(4)]
+    dst = [np.zeros((8, 256), np.uint8) for _ in range(4)]
+    assert classifications(host, src, dst, calls=3) == 3
+
+
+def test_the_benchmarks_torch_row_classifies_once():
+    """bench/cpu_calls.py's row of 32 torch tensors a side: steady calls classify
+    nothing, and issue as before (one launch of the layout kernel)."""
+    stand_ins = cpu_calls.torch_stand_ins()
+    fake = cpu_calls.FakeHost(cpu_calls.host_pools()[:1], stand_ins[:32])
+    with fake.standing_in():
+        call = dict(cpu_calls.rows(fake, cpu_calls.host_pools(), stand_ins))[
+            "swap_blocks 1 pair, 32 torch tensors a side"
+        ]
+        call()
+        fake.counts.clear()
+        call()
+        assert "classify.classify_pointers" not in fake.counts
+        assert fake.counts["rows.RowsLaunches.launch"] == 1
