@@ -236,6 +236,15 @@ def rows(
             lambda: kvcopy.copy_rows(tokens_g, tokens_h, index_g, index_g, stream=stream),
         )
     )
+    if stand_ins:
+        rows_g, rows_h = kvcopy.Layout.of(stand_ins[0], slot=0), kvcopy.Layout.of(stand_ins[32], slot=0)
+        few = rng.choice(64, 32, replace=False).astype(np.int64)
+        out.append(
+            (
+                "copy_rows 32 rows, host indices, torch layouts",
+                lambda: kvcopy.copy_rows(rows_g, rows_h, few, few, stream=stream),
+            )
+        )
     out.append(
         (
             "copy_rows 256 rows, host indices",

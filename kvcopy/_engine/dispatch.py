@@ -306,24 +306,31 @@ def _launch_as_rows(
         ring.DescriptorRing.fence(slot, handle)
 
 
-def _memory_of(
-    blocks: BlockPlan, scope: ContextScope, method: str
+def kept_or_classified(
+    scope: ContextScope,
+    key: object,
+    owners: tuple,
+    bases: tuple[np.ndarray, np.ndarray],
+    classify_again: Callable[[np.ndarray, np.ndarray], MemoryClasses],
+    method: str,
+    hold_it_all: Callable[[], bool] = lambda: True,
 ) -> tuple[MemoryClasses, np.ndarray, np.ndarray]:
-    """A plan's memory classes and each side's bases as the device sees them: as kept
-    for the same live tensors in the context the call entered (kvcopy._runtime.
-    kept_memory), else classified now and kept. A default stream's call moves to the
-    memory's device either way, as classification moves it."""
-    geometry, owners = blocks.geometry, blocks.owners
+    """Memory classes and each side's ``bases`` as the device sees them: as kept for
+    the same live ``owners`` under ``key`` in the context the call entered
+    (kvcopy._runtime.kept_memory), else classified now by ``classify_again(src_view,
+    dst_view)`` and kept where ``hold_it_all()`` says the owners hold all of that
+    memory. A default stream's call moves to the memory's device either way, as
+    classification moves it."""
+    owners = owners if kept_memory.keepable(owners) else ()
     context = driver.current_context_key() if owners else 0
-    kept = kept_memory.find(geometry.key, context, owners) if owners else None
+    kept = kept_memory.find(key, context, owners) if owners else None
     if kept is not None:
         scope.follow_memory(kept.found.owner)
         return kept.found, kept.src_view, kept.dst_view
-    src_view = np.empty_like(geometry.src_base)
-    dst_view = np.empty_like(geometry.dst_base)
-    found = settled_classes(scope, method, lambda: classify_tensors(blocks, src_view, dst_view))
-    if owners:
-        kept_memory.keep(geometry.key, context, owners, found, src_view, dst_view)
+    src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
+    found = settled_classes(scope, method, lambda: classify_again(src_view, dst_view))
+    if owners and hold_it_all():
+        kept_memory.keep(key, context, owners, found, src_view, dst_view)
     return found, src_view, dst_view
 
 
@@ -341,7 +348,15 @@ def execute_blocks(
         return "none"
     handle = effective_handle(stream_handle)
     with ContextScope(handle) as scope:
-        found, src_view, dst_view = _memory_of(blocks, scope, method)
+        geometry = blocks.geometry
+        found, src_view, dst_view = kept_or_classified(
+            scope,
+            geometry.key,
+            blocks.owners,
+            (geometry.src_base, geometry.dst_base),
+            lambda src_view, dst_view: classify_tensors(blocks, src_view, dst_view),
+            method,
+        )
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found, note_traffic=True)
         # (a graph cannot wait for work outside it)
         if wait_for_producers and not target.request.capturing:

@@ -25,11 +25,10 @@ from kvcopy._engine.decide import (
     classify_sides,
     decide,
     note_decision,
-    settled_classes,
 )
-from kvcopy._engine.dispatch import execute_copies, issue_dma
+from kvcopy._engine.dispatch import execute_copies, issue_dma, kept_or_classified
 from kvcopy._plans.rows import Indices, RowsPlan, expand
-from kvcopy._runtime import kernels, ring
+from kvcopy._runtime import kept_memory, kernels, ring
 from kvcopy._runtime.kernels import KernelUnavailable
 from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
@@ -142,11 +141,18 @@ def settle(
     enabled where the layout kernel will run), the policy's answer, and the planes'
     bases as the device sees them. ``prepared``: built for kvcopy.PreparedRows, whose
     calls are not noted as traffic."""
-    src_view = np.empty_like(plan.src.bases)
-    dst_view = np.empty_like(plan.dst.bases)
     kernel_only = prepared or plan.device_indices
-    found = settled_classes(
-        scope, "kernel" if kernel_only else method, lambda: _classify(plan, src_view, dst_view)
+    asked = "kernel" if kernel_only else method
+    src, dst = plan.src, plan.dst
+    key = ("rows", src.bases.tobytes(), src.extent, dst.bases.tobytes(), dst.extent, asked)
+    found, src_view, dst_view = kept_or_classified(
+        scope,
+        key,
+        (*src.keep, *dst.keep),
+        (src.bases, dst.bases),
+        lambda src_view, dst_view: _classify(plan, src_view, dst_view),
+        asked,
+        lambda: kept_memory.holds_planes(src) and kept_memory.holds_planes(dst),
     )
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:

@@ -1,6 +1,7 @@
 """Memory classified once per allocation: what the driver said of a swap_blocks plan's
-memory (each side's kinds and device, and each tensor's base as the device sees it),
-kept while the torch tensors that hold that memory live.
+or a copy_rows plan's memory (each side's kinds and device, and each tensor's or
+plane's base as the device sees it), kept while the torch tensors that hold that
+memory live.
 
 Classifying asks the driver about every tensor's memory (cuPointerGetAttributes), at
 every call until now; an engine passes the same caches every step. An entry is kept
@@ -62,6 +63,12 @@ def _key(geometry_key: Any, context: int, owners: tuple) -> tuple:
     return (_generation, context, geometry_key, tuple(map(id, owners)))
 
 
+def keepable(owners: tuple) -> bool:
+    """Whether memory read from ``owners`` may be kept: torch tensors, each holding its
+    storage, and nothing else."""
+    return bool(owners) and all(framework_of(t) == "torch" for t in owners)
+
+
 def find(geometry_key: Any, context: int, owners: tuple) -> KeptMemory | None:
     """The memory kept for a plan of ``geometry_key`` over ``owners`` in ``context``,
     or None."""
@@ -78,7 +85,7 @@ def keep(
 ) -> None:
     """Keep what classification found for a plan over ``owners`` (all torch tensors,
     else nothing is kept); an entry leaves with the first of its tensors."""
-    if geometry_key is None or not owners or not all(framework_of(t) == "torch" for t in owners):
+    if geometry_key is None or not keepable(owners):
         return
     key = _key(geometry_key, context, owners)
     try:
@@ -90,6 +97,22 @@ def keep(
     with _lock:
         make_room(_kept, _KEPT)
         _kept[key] = KeptMemory(found, src_view, dst_view, refs)
+
+
+def holds_planes(layout: Any) -> bool:
+    """Whether a layout's torch tensors (its ``keep``) hold every byte of its planes:
+    each plane, base to extent, inside one tensor's storage. A layout built from
+    pointers may keep a tensor for its lifetime only, over other memory: such a
+    layout's memory is classified at every call."""
+    owners = layout.keep
+    if not keepable(owners):
+        return False
+    spans = []
+    for tensor in owners:
+        storage = tensor.untyped_storage()
+        spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    extent = layout.extent
+    return all(any(lo <= base and base + extent <= hi for lo, hi in spans) for base in layout.bases.tolist())
 
 
 def _dropper(key: tuple) -> Any:

@@ -117,3 +117,29 @@ def test_the_benchmarks_torch_row_classifies_once():
         call()
         assert "classify.classify_pointers" not in fake.counts
         assert fake.counts["rows.RowsLaunches.launch"] == 1
+
+
+def row_classifications(host, src, dst, calls: int = 1) -> int:
+    """How often ``calls`` copy_rows calls (host indices) classified memory."""
+    host.counts.clear()
+    rows = np.array([3, 1, 4], dtype=np.int64)
+    for _ in range(calls):
+        kvcopy.copy_rows(src, dst, rows, rows, stream=0x7F00_1234)
+    return host.counts["classify.classify_pointers"] // 2
+
+
+def test_layouts_of_the_same_live_tensors_are_classified_once(host):
+    src, dst = caches(2), caches(2)
+    a, b = kvcopy.Layout.of(src, slot=0), kvcopy.Layout.of(dst, slot=0)
+    assert row_classifications(host, a, b, calls=4) == 1
+    again = kvcopy.Layout.of(src, slot=0)  # (another layout of the same tensors)
+    assert row_classifications(host, again, b) == 0
+
+
+def test_a_layout_over_memory_its_tensors_do_not_hold_is_classified_at_every_call(host):
+    """A layout from pointers may keep a tensor for its lifetime only, its planes
+    elsewhere: what those planes are on is asked at every call."""
+    held, elsewhere = caches(1)[0], np.zeros((8, 256), np.uint8)
+    a = kvcopy.Layout.from_pointers([elsewhere.ctypes.data], slots=8, row_bytes=256, keep=(held,))
+    b = kvcopy.Layout.of(caches(1), slot=0)
+    assert row_classifications(host, a, b, calls=3) == 3

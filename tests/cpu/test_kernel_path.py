@@ -492,7 +492,7 @@ class PlannedBlocks:
         self.owners = ()  # (read from no tensors: classified at every call)
         base = np.zeros(1, dtype=np.uint64)
         self.geometry = types.SimpleNamespace(
-            src_base=base, dst_base=base, src_extent=base, dst_extent=base, producer_streams=()
+            src_base=base, dst_base=base, src_extent=base, dst_extent=base, producer_streams=(), key=None
         )
         self.src = np.arange(count, dtype=np.uint64) * np.uint64(8192) + np.uint64(0x10000)
         self.arrays_made = 0

@@ -283,7 +283,9 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, se
         num_pairs=1,
         num_copies=1,
         total_bytes=4096,
-        geometry=types.SimpleNamespace(src_base=zeros, dst_base=zeros, src_extent=zeros, dst_extent=zeros),
+        geometry=types.SimpleNamespace(
+            src_base=zeros, dst_base=zeros, src_extent=zeros, dst_extent=zeros, key=None
+        ),
         owners=(),
     )
     with pytest.raises(Asked):
