@@ -321,15 +321,16 @@ def kept_or_classified(
     dst_view)`` and kept where ``hold_it_all()`` says the owners hold all of that
     memory. A default stream's call moves to the memory's device either way, as
     classification moves it."""
-    owners = owners if kept_memory.keepable(owners) else ()
-    context = driver.current_context_key() if owners else 0
-    kept = kept_memory.find(key, context, owners) if owners else None
+    # (only torch tensors are kept: the first owner says whether to look; a hit is the
+    # same objects, and keep() checks every owner)
+    context = driver.current_context_key() if kept_memory.may_be_kept(owners) else 0
+    kept = kept_memory.find(key, context, owners) if context else None
     if kept is not None:
         scope.follow_memory(kept.found.owner)
         return kept.found, kept.src_view, kept.dst_view
     src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
     found = settled_classes(scope, method, lambda: classify_again(src_view, dst_view))
-    if owners and hold_it_all():
+    if context and hold_it_all():
         kept_memory.keep(key, context, owners, found, src_view, dst_view)
     return found, src_view, dst_view
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy.interop.frameworks import framework_of
-from kvcopy.kept import make_room
+from kvcopy.kept import dropper, make_room
 
 # Enough for both directions of every layer of a 128-layer model called layer by layer.
 _KEPT = 512
@@ -63,6 +63,12 @@ def _key(geometry_key: Any, context: int, owners: tuple) -> tuple:
     return (_generation, context, geometry_key, tuple(map(id, owners)))
 
 
+def may_be_kept(owners: tuple) -> bool:
+    """Whether memory read from ``owners`` may be kept, by the first one alone (a call's
+    cheap look before find(); keep() checks every owner)."""
+    return bool(owners) and framework_of(owners[0]) == "torch"
+
+
 def keepable(owners: tuple) -> bool:
     """Whether memory read from ``owners`` may be kept: torch tensors, each holding its
     storage, and nothing else."""
@@ -89,7 +95,7 @@ def keep(
         return
     key = _key(geometry_key, context, owners)
     try:
-        refs = tuple(weakref.ref(t, _dropper(key)) for t in owners)
+        refs = tuple(weakref.ref(t, dropper(_kept, key)) for t in owners)
     except TypeError:  # (an object that takes no weak reference)
         return
     for view in (src_view, dst_view):
@@ -113,15 +119,6 @@ def holds_planes(layout: Any) -> bool:
         spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     extent = layout.extent
     return all(any(lo <= base and base + extent <= hi for lo, hi in spans) for base in layout.bases.tolist())
-
-
-def _dropper(key: tuple) -> Any:
-    def gone(_ref: object) -> None:
-        entry = _kept.get(key)
-        if entry is not None and not entry.alive():
-            _kept.pop(key, None)
-
-    return gone
 
 
 def forget() -> None:
