@@ -83,7 +83,7 @@ def test_two_processes_calibrating_at_once_leave_a_valid_file_with_both_results(
     saved_by = set()
     for path in files:
         data = json.loads(path.read_text())  # whole, strict JSON
-        assert data["schema"] == 2 and "Infinity" not in path.read_text()
+        assert data["schema"] == 3 and "Infinity" not in path.read_text()
         saved_by |= {(s["pid"], s["ordinal"]) for s in data["saves"]}
         assert any(key.startswith("h2d/") for key in data["measurements"])
         assert any(key.startswith("d2h/") for key in data["measurements"])
