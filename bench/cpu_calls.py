@@ -10,7 +10,7 @@ planning, the policy, the issue paths) runs as it does on a GPU host, so this
 measures kvcopy's own CPU work; a GPU host adds the driver calls' cost
 (bench/steady_calls.py times the same calls there).
 
-    python bench/cpu_calls.py [--calls N] [--path]
+    python bench/cpu_calls.py [--calls N] [--path] [--reads]
 
 For each row: the median µs of N calls after warm-up, then the driver layer's
 functions one steady call reached, with counts. The GPU side of every row is
@@ -24,6 +24,10 @@ Python and Cython function kvcopy's own code enters, in order): ``stops`` counts
 modules passed through, one stop per stretch of calls inside one module; ``modules``
 the distinct ones; ``again`` the stops at a module visited before (control climbing
 back up and down), and it prints the path.
+
+``--reads`` times, instead, each read of a torch tensor that a call checking it makes
+(its address, shape, stride, dtype and version counter): the floor of a call that
+checks every tensor it is given, per tensor.
 """
 
 from __future__ import annotations
@@ -296,11 +300,38 @@ def module_path(call: Callable[[], object]) -> list[str]:
     return path
 
 
+def tensor_reads(calls: int = 100_000) -> list[tuple[str, float]]:
+    """(what, median ns) of each read a call that checks a torch tensor makes of it:
+    its address, shape, stride, dtype and version counter; [] where torch is missing."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    import timeit
+
+    t = torch.zeros(64, 1024, dtype=torch.bfloat16)
+    reads = {
+        "data_ptr()": t.data_ptr,
+        "shape": lambda: t.shape,
+        "stride()": t.stride,
+        "dtype": lambda: t.dtype,
+        "_version": lambda: t._version,
+    }
+    return [
+        (name, min(timeit.repeat(read, number=calls, repeat=5)) / calls * 1e9) for name, read in reads.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="timed calls a row")
     parser.add_argument("--path", action="store_true", help="the modules one call passes through")
+    parser.add_argument("--reads", action="store_true", help="what reading a torch tensor's facts costs")
     args = parser.parse_args(argv)
+    if args.reads:
+        for name, ns in tensor_reads(max(args.calls, 1000)):
+            print(f"torch tensor {name:12s} {ns:7.0f} ns")
+        return 0
     pools, stand_ins = host_pools(), torch_stand_ins()
     host = FakeHost(pools, stand_ins[:32])
     with host.standing_in():

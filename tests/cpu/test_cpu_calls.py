@@ -71,3 +71,11 @@ def test_a_repeated_copy_rows_with_gpu_indices_takes_a_short_path(faked):
     call()
     path = cpu_calls.module_path(call)
     assert path[0] == "kvcopy.api" and len(path) < 30  # (the figure docs/performance.md quotes: 19)
+
+
+def test_the_benchmark_times_each_read_of_a_torch_tensor(capsys):
+    pytest.importorskip("torch")
+    assert cpu_calls.main(["--reads", "--calls", "1000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines] == ["data_ptr()", "shape", "stride()", "dtype", "_version"]
+    assert all(float(line.split()[3]) > 0 for line in lines)
