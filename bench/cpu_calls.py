@@ -301,8 +301,9 @@ def module_path(call: Callable[[], object]) -> list[str]:
 
 
 def tensor_reads(calls: int = 100_000) -> list[tuple[str, float]]:
-    """(what, median ns) of each read a call that checks a torch tensor makes of it:
-    its address, shape, stride, dtype and version counter; [] where torch is missing."""
+    """(what, ns) of each read a call that checks a torch tensor makes of it: its
+    address, shape, stride, dtype and version counter, the best of five rounds of
+    ``calls`` reads; [] where torch is missing."""
     try:
         import torch
     except ImportError:
