@@ -4,9 +4,11 @@ them, are exactly the size asked and do not stall other processes' CUDA calls.
 
 A pool is built in four steps: map anonymous memory (kvcopy.policy.host_pool chooses
 the pages), bind it to the node (a preference: a full node lends pages from
-another), fault every page in from threads running on that node, then register it
+another), fault every page in from threads running on that node, and register it
 with the driver in chunks of a few hundred MiB with a pause between them (one
-registration holds driver-wide locks for its whole length). Chunks end on a block
+registration holds driver-wide locks for its whole length). Touching and registering
+overlap: pages are touched in waves (the first chunk alone, then about 1 GiB each),
+and each chunk is registered once its wave is touched, while the next wave is. Chunks end on a block
 when ``block_bytes`` is given, so that no block lies across two registrations (the
 copy engines refuse such a copy).
 
@@ -32,9 +34,10 @@ from kvcopy._runtime import host_pages, numa
 from kvcopy._runtime.context import ContextScope, relaxed_capture
 from kvcopy.arguments import require_int
 from kvcopy.policy.defaults import POOL_CHUNK_PAUSE_S
-from kvcopy.policy.host_pool import HUGE_PAGES, choose_pages, registration_chunks, touch_threads
+from kvcopy.policy.host_pool import HUGE_PAGES, choose_pages, registration_chunks, touch_threads, touch_waves
 
 Progress = Callable[[int, int], None]
+Touch = Callable[[int, int], None]  # touch(offset, size): fault a range of the pool in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,20 +199,27 @@ class HostPool:
         self.close()
 
     def _build(
-        self, touch: Callable[[], tuple[float, list[str]]], facts: dict, progress: Progress | None
+        self, prepare: Callable[[], list[str]], touch: Touch, facts: dict, progress: Progress | None
     ) -> None:
-        """Touch, then register chunk by chunk; on an error, give back everything."""
+        """Touch in waves on a thread of its own and register each chunk once its wave is
+        touched (the next wave is touched meanwhile); on an error, give back everything."""
         memory_ = self._memory
         assert memory_ is not None  # (close() waits for this to end before dropping it)
+        toucher: _Toucher | None = None
         try:
-            touch_s, notes = touch()
-            registered, started = memory_.registered, time.perf_counter()
+            notes = prepare()
+            toucher = _Toucher(touch, touch_waves(self._chunks, memory_.mapped), memory_.stop)
+            toucher.start()
+            registered, register_s = memory_.registered, 0.0
             with ContextScope(), relaxed_capture():
                 for offset, size in self._chunks:
                     if memory_.stop.is_set():
                         raise RuntimeError("pinned pool: closed before it was registered")
+                    toucher.wait_for(offset + size)
+                    started = time.perf_counter()
                     memory.host_register(self.ptr + offset, size)
                     registered.append(self.ptr + offset)
+                    register_s += time.perf_counter() - started
                     with self._changed:
                         self._registered = offset + size
                         self._changed.notify_all()
@@ -217,12 +227,13 @@ class HostPool:
                         progress(self._registered, self.nbytes)
                     if offset + size < self.nbytes:
                         time.sleep(POOL_CHUNK_PAUSE_S)
+            toucher.join()
             report = PoolReport(
                 registered_bytes=self._registered,
                 registrations=len(registered),
                 bytes_by_node=host_pages.bytes_by_node(self.ptr, memory_.mapped),
-                touch_s=touch_s,
-                register_s=time.perf_counter() - started,
+                touch_s=toucher.seconds,
+                register_s=register_s,
                 notes=tuple(notes),
                 node=self.node,
                 nbytes=self.nbytes,
@@ -230,6 +241,9 @@ class HostPool:
                 **facts,
             )
         except BaseException as exc:
+            if toucher is not None:  # (no thread may touch memory that is given back)
+                toucher.halt.set()
+                toucher.join()
             released = not memory_.arrays  # (arrays handed out keep what they cover)
             if released:
                 memory_.release()
@@ -241,6 +255,50 @@ class HostPool:
         with self._changed:
             self._report = report
             self._changed.notify_all()
+
+
+class _Toucher(threading.Thread):
+    """Touches a pool's waves in order, saying how far it has come; stops between two
+    waves where the pool is closed (``stop``) or its build failed (``halt``)."""
+
+    def __init__(self, touch: Touch, waves: list[tuple[int, int]], stop: threading.Event) -> None:
+        super().__init__(name="kvcopy-pool-touch", daemon=True)
+        self.touch, self.waves, self.stop = touch, waves, stop
+        self.halt = threading.Event()
+        self.touched = 0  # bytes from the start of the pool touched so far
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.ended = False
+        self.changed = threading.Condition()
+
+    def run(self) -> None:
+        try:
+            for offset, size in self.waves:
+                if self.stop.is_set() or self.halt.is_set():
+                    break
+                started = time.perf_counter()
+                self.touch(offset, size)
+                self.seconds += time.perf_counter() - started
+                with self.changed:
+                    self.touched = offset + size
+                    self.changed.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - raised by wait_for in the builder
+            self.error = exc
+        finally:
+            with self.changed:
+                self.ended = True
+                self.changed.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        """Return once the first ``end`` bytes are touched; raise the touch's error, or
+        RuntimeError where it stopped first (the pool closed)."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.touched >= end or self.ended)
+        if self.touched >= end:
+            return
+        if self.error is not None:
+            raise self.error
+        raise RuntimeError("pinned pool: closed before it was registered")
 
 
 def _node_for(device: int | None, node: int | None, known: dict[int, numa.Node]) -> tuple[int | None, str]:
@@ -330,22 +388,26 @@ def pinned_pool(
         else ()
     )
 
-    def touch() -> tuple[float, list[str]]:
+    def prepare() -> list[str]:
         notes = [n for n in (note, pages.note) if n]
-        started = time.perf_counter()
         if where is not None:
             refused = host_pages.bind(address, mapped, where)
             if refused:
                 notes.append(f"{refused}: pages land where they are touched")
-        threads = touch_threads(len(cpus) or len(host_pages.usable_cpus()), mapped, pages.page_bytes)
-        host_pages.touch(address, mapped, pages.page_bytes, cpus, threads)
-        return time.perf_counter() - started, notes
+        return notes
+
+    threads = touch_threads(len(cpus) or len(host_pages.usable_cpus()), mapped, pages.page_bytes)
+
+    def touch(offset: int, size: int) -> None:
+        host_pages.touch(address + offset, size, pages.page_bytes, cpus, threads)
 
     facts = {"pages": pages.kind, "page_bytes": pages.page_bytes}
     if not background:
-        pool._build(touch, facts, on_progress)
+        pool._build(prepare, touch, facts, on_progress)
         return pool
-    worker = threading.Thread(target=_quiet, args=(pool._build, touch, facts, on_progress), daemon=True)
+    worker = threading.Thread(
+        target=_quiet, args=(pool._build, prepare, touch, facts, on_progress), daemon=True
+    )
     held.workers.append(worker)
     worker.start()
     return pool

@@ -93,6 +93,11 @@ POOL_CHUNK_PAUSE_S = 0.001
 # dozen, more add little (8 GiB mapped, touched and registered: 4/8/16/32 threads
 # 1.55/1.09/1.03/0.92 s).
 POOL_TOUCH_THREADS = 32
+# A pool's pages are touched in waves, each registered as soon as it is touched while
+# the next is touched: the first wave is the first registration alone (the pool's first
+# bytes usable soon), the others whole registrations of at least this much (a wave
+# starts its threads once).
+POOL_TOUCH_WAVE_BYTES = 1 << 30
 # Explicit huge pages back a pool only where rounding up to whole pages adds at most
 # this share of the pool (a 1 GiB page for a 100 MiB pool would waste ten times it).
 POOL_EXPLICIT_MAX_WASTE = 0.125

@@ -12,6 +12,7 @@ from kvcopy.policy.defaults import (
     POOL_EXPLICIT_MAX_WASTE,
     POOL_MAX_CHUNK_BYTES,
     POOL_TOUCH_THREADS,
+    POOL_TOUCH_WAVE_BYTES,
 )
 
 HUGE_PAGES = ("auto", "explicit", "transparent", "none")
@@ -94,3 +95,24 @@ def touch_threads(cpus: int, nbytes: int, page_bytes: int) -> int:
     """Threads that touch a pool first: one per CPU of its node, at most
     POOL_TOUCH_THREADS, and no more than it has pages."""
     return max(1, min(cpus, POOL_TOUCH_THREADS, -(-nbytes // page_bytes)))
+
+
+def touch_waves(chunks: list[tuple[int, int]], mapped: int) -> list[tuple[int, int]]:
+    """(offset, size) of each wave of a pool's first touch, in order, over its
+    registration ``chunks`` (registration_chunks) and ``mapped`` bytes: the first chunk
+    alone, then runs of whole chunks of at least POOL_TOUCH_WAVE_BYTES; the last runs
+    to the end of the mapping. Waves end where chunks end, so a registration waits
+    for the wave that holds it, and no later one."""
+    waves: list[tuple[int, int]] = []
+    start = 0
+    for k, (offset, size) in enumerate(chunks):
+        end = offset + size
+        if k == 0 or end - start >= POOL_TOUCH_WAVE_BYTES:
+            waves.append((start, end - start))
+            start = end
+    chunks_end = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    if start < chunks_end:
+        waves.append((start, chunks_end - start))
+    if waves:  # (the last wave also touches the mapping's rounding past the pool)
+        waves[-1] = (waves[-1][0], mapped - waves[-1][0])
+    return waves

@@ -4,6 +4,7 @@ driver's registration faked through kvcopy.testing.fake_cuda; and the pure parts
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -15,8 +16,8 @@ from hypothesis import strategies as st
 import kvcopy
 from kvcopy import testing
 from kvcopy.errors import CudaError
-from kvcopy.policy.defaults import POOL_MAX_CHUNK_BYTES
-from kvcopy.policy.host_pool import choose_pages, registration_chunks, touch_threads
+from kvcopy.policy.defaults import POOL_MAX_CHUNK_BYTES, POOL_TOUCH_WAVE_BYTES
+from kvcopy.policy.host_pool import choose_pages, registration_chunks, touch_threads, touch_waves
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 1 << 20
@@ -28,6 +29,7 @@ class FakeDriver:
 
     def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
         self.registered: dict[int, int] = {}
+        self.untouched: list[int] = []  # registrations that found a page not yet touched
         self.calls: list[tuple[str, int, int]] = []
         self.fail_at, self.gate = fail_at, gate
         self.inits = 0
@@ -59,6 +61,8 @@ class FakeDriver:
             self.gate.wait()
         if self.fail_at is not None and len(self.registered) == self.fail_at:
             raise CudaError(2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
+        if not _resident(ptr, nbytes):
+            self.untouched.append(ptr)
         self.registered[ptr] = nbytes
         self.calls.append(("register", ptr, nbytes))
 
@@ -83,6 +87,17 @@ def _mapped(address: int) -> bool:
     return False
 
 
+def _resident(ptr: int, nbytes: int) -> bool:
+    """Whether every page of the range is in memory (mincore): touched."""
+    start = ptr // PAGE * PAGE
+    pages = -(-(ptr + nbytes - start) // PAGE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, pages * PAGE, vector) == 0, os.strerror(ctypes.get_errno())
+    return all(v & 1 for v in vector)
+
+
 def _registrations(fake: FakeDriver) -> list[tuple[int, int]]:
     return [(ptr, size) for what, ptr, size in fake.calls if what == "register"]
 
@@ -100,6 +115,7 @@ def test_a_pool_is_exactly_the_size_asked_registered_whole_and_holds_bytes(fake)
         assert all(a + s == b for (a, s), (b, _) in zip(spans, spans[1:]))  # back to back, in order
         assert report.registrations == len(spans) == 4 and report.registered_bytes == nbytes
         assert fake.mode == 0  # the thread's own capture mode back after registering
+        assert fake.untouched == []  # every chunk touched before it was registered
         pattern = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
         array[:] = pattern
         assert np.array_equal(pool.view(MiB, 100), pattern[MiB : MiB + 100])
@@ -393,3 +409,45 @@ def test_registration_chunks_always_tile_the_pool_on_page_and_block_ends(nbytes,
     step = math.lcm(page, block or 1)
     assert all(offset % step == 0 for offset, _ in chunks)
     assert all(size <= max(POOL_MAX_CHUNK_BYTES, step) for _, size in chunks)
+
+
+def test_touch_waves_put_the_first_chunk_alone_then_whole_chunks_of_a_wave_each():
+    wave = POOL_TOUCH_WAVE_BYTES
+    chunk = wave // 4
+    chunks = [(k * chunk, chunk) for k in range(10)]
+    # the first chunk alone (usable soon), then four chunks a wave, the rest and the
+    # mapping's rounding past the pool in the last
+    assert touch_waves(chunks, 10 * chunk + 100) == [
+        (0, chunk),
+        (chunk, wave),
+        (5 * chunk, wave),
+        (9 * chunk, chunk + 100),
+    ]
+    assert touch_waves([(0, 5)], PAGE) == [(0, PAGE)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(nbytes=st.integers(1, 1 << 36), chunk=st.one_of(st.none(), st.integers(1 << 20, 1 << 31)))
+def test_touch_waves_tile_the_mapping_and_end_where_chunks_end(nbytes, chunk):
+    chunks = registration_chunks(nbytes, PAGE, None, chunk)
+    mapped = -(-nbytes // PAGE) * PAGE
+    waves = touch_waves(chunks, mapped)
+    assert waves[0] == (0, chunks[0][1]) or len(chunks) == 1
+    assert all(a + s == b for (a, s), (b, _) in zip(waves, waves[1:])) and sum(s for _, s in waves) == mapped
+    ends = {offset + size for offset, size in chunks}
+    assert all(offset + size in ends for offset, size in waves[:-1])
+    # each wave but the first and last holds at least a wave's bytes; none holds a
+    # wave's bytes and a whole chunk more
+    biggest = max(size for _, size in chunks)
+    assert all(POOL_TOUCH_WAVE_BYTES <= size < POOL_TOUCH_WAVE_BYTES + biggest for _, size in waves[1:-1])
+
+
+def test_a_pool_of_many_waves_registers_every_chunk_touched(fake, monkeypatch):
+    import kvcopy.policy.host_pool as pool_policy
+
+    monkeypatch.setattr(pool_policy, "POOL_TOUCH_WAVE_BYTES", 2 * MiB)  # waves of two chunks
+    with kvcopy.pinned_pool(9 * MiB + 5, huge_pages="none", chunk_bytes=MiB) as pool:
+        report = pool.wait()
+        assert report.registrations == 10 and fake.untouched == []
+        assert report.touch_s > 0 and report.register_s >= 0
+        pool.view()[:] = 3
