@@ -5,8 +5,9 @@ and cuMemHostAlloc of the same size, in one run.
 For each size (GiB):
 
 - until usable (wall, s): ``kvcopy.pinned_pool`` (huge pages as the host grants
-  them, then plain pages), its first 64 MiB in the background, torch's
-  ``empty(pin_memory=True)``, and ``cuMemHostAlloc``;
+  them, then plain pages, then huge pages touched whole before the first
+  registration instead of wave by wave beside the registrations), its first 64 MiB
+  in the background, torch's ``empty(pin_memory=True)``, and ``cuMemHostAlloc``;
 - stall (ms): the longest ``cuMemGetInfo`` of a second process, called in a loop
   while the pool is built, against while one ``cuMemHostRegister`` of the same
   (already touched) memory runs;
@@ -32,9 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 GiB = 1 << 30
+Made = TypeVar("Made")
 
 # A second process timing cuMemGetInfo until the file named by argv[1] exists.
 STALL_PROBE = r"""
@@ -56,7 +58,7 @@ print(f"{worst * 1e3:.3f} {calls}", flush=True)
 """
 
 
-def _timed(build: Callable[[], object]) -> tuple[float, object]:
+def _timed(build: Callable[[], Made]) -> tuple[float, Made]:
     start = time.perf_counter()
     made = build()
     return time.perf_counter() - start, made
@@ -74,6 +76,7 @@ def _host_alloc(nbytes: int) -> Callable[[], None]:
 
 def until_usable(torch, nbytes: int) -> dict:
     import kvcopy
+    import kvcopy.policy.host_pool as pool_policy
 
     found: dict = {}
     for pages in ("auto", "none"):
@@ -83,6 +86,17 @@ def until_usable(torch, nbytes: int) -> dict:
         found.setdefault("pool report", []).append(dataclasses.asdict(report))
         pool.close()
         del pool
+    # the same pool with its pages touched whole before the first registration (one
+    # wave past the first chunk): what overlapping the two saves (POOL_TOUCH_WAVE_BYTES)
+    wave = pool_policy.POOL_TOUCH_WAVE_BYTES
+    pool_policy.POOL_TOUCH_WAVE_BYTES = 1 << 62
+    try:
+        seconds, pool = _timed(lambda: kvcopy.pinned_pool(nbytes))
+    finally:
+        pool_policy.POOL_TOUCH_WAVE_BYTES = wave
+    found[f"pool ({pool.wait().pages} pages), touched before registered"] = seconds
+    pool.close()
+    del pool
     start = time.perf_counter()
     pool = kvcopy.pinned_pool(nbytes, background=True)
     first = pool.view(0, 64 << 20)
@@ -97,7 +111,7 @@ def until_usable(torch, nbytes: int) -> dict:
     getattr(torch._C, "_host_emptyCache", lambda: None)()  # (torch keeps freed pinned memory)
     seconds, free = _timed(lambda: _host_alloc(nbytes))
     found["cuMemHostAlloc"] = seconds
-    free()  # type: ignore[operator]
+    free()
     return found
 
 
