@@ -5,9 +5,9 @@ and cuMemHostAlloc of the same size, in one run.
 For each size (GiB):
 
 - until usable (wall, s): ``kvcopy.pinned_pool`` (huge pages as the host grants
-  them, then plain pages, then huge pages touched whole before the first
-  registration instead of wave by wave beside the registrations), its first 64 MiB
-  in the background, torch's ``empty(pin_memory=True)``, and ``cuMemHostAlloc``;
+  them, then plain pages, then huge pages touched in waves of 1 GiB each registered
+  while the next is touched), its first 64 MiB in the background, torch's
+  ``empty(pin_memory=True)``, and ``cuMemHostAlloc``;
 - stall (ms): the longest ``cuMemGetInfo`` of a second process, called in a loop
   while the pool is built, against while one ``cuMemHostRegister`` of the same
   (already touched) memory runs;
@@ -86,15 +86,15 @@ def until_usable(torch, nbytes: int) -> dict:
         found.setdefault("pool report", []).append(dataclasses.asdict(report))
         pool.close()
         del pool
-    # the same pool with its pages touched whole before the first registration (one
-    # wave past the first chunk): what overlapping the two saves (POOL_TOUCH_WAVE_BYTES)
+    # the same pool touched in waves of 1 GiB, each registered while the next is
+    # touched, against the default (POOL_TOUCH_WAVE_BYTES)
     wave = pool_policy.POOL_TOUCH_WAVE_BYTES
-    pool_policy.POOL_TOUCH_WAVE_BYTES = 1 << 62
+    pool_policy.POOL_TOUCH_WAVE_BYTES = GiB
     try:
         seconds, pool = _timed(lambda: kvcopy.pinned_pool(nbytes))
     finally:
         pool_policy.POOL_TOUCH_WAVE_BYTES = wave
-    found[f"pool ({pool.wait().pages} pages), touched before registered"] = seconds
+    found[f"pool ({pool.wait().pages} pages), waves of 1 GiB"] = seconds
     pool.close()
     del pool
     start = time.perf_counter()

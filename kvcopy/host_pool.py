@@ -6,9 +6,10 @@ A pool is built in four steps: map anonymous memory (kvcopy.policy.host_pool cho
 the pages), bind it to the node (a preference: a full node lends pages from
 another), fault every page in from threads running on that node, and register it
 with the driver in chunks of a few hundred MiB with a pause between them (one
-registration holds driver-wide locks for its whole length). Touching and registering
-overlap: pages are touched in waves (the first chunk alone, then about 1 GiB each),
-and each chunk is registered once its wave is touched, while the next wave is. Chunks end on a block
+registration holds driver-wide locks for its whole length). The first chunk is
+touched and registered alone, so that the pool's first bytes are usable at once; the
+rest is registered once touched (policy.POOL_TOUCH_WAVE_BYTES: registering beside the
+touch slows both). Chunks end on a block
 when ``block_bytes`` is given, so that no block lies across two registrations (the
 copy engines refuse such a copy).
 
@@ -201,8 +202,8 @@ class HostPool:
     def _build(
         self, prepare: Callable[[], list[str]], touch: Touch, facts: dict, progress: Progress | None
     ) -> None:
-        """Touch in waves on a thread of its own and register each chunk once its wave is
-        touched (the next wave is touched meanwhile); on an error, give back everything."""
+        """Touch in waves (policy.touch_waves) on a thread of its own and register each
+        chunk once its wave is touched; on an error, give back everything."""
         memory_ = self._memory
         assert memory_ is not None  # (close() waits for this to end before dropping it)
         toucher: _Toucher | None = None

@@ -93,11 +93,15 @@ POOL_CHUNK_PAUSE_S = 0.001
 # dozen, more add little (8 GiB mapped, touched and registered: 4/8/16/32 threads
 # 1.55/1.09/1.03/0.92 s).
 POOL_TOUCH_THREADS = 32
-# A pool's pages are touched in waves, each registered as soon as it is touched while
-# the next is touched: the first wave is the first registration alone (the pool's first
-# bytes usable soon), the others whole registrations of at least this much (a wave
-# starts its threads once).
-POOL_TOUCH_WAVE_BYTES = 1 << 30
+# A pool's pages are touched in waves, each chunk registered once its wave is touched:
+# the first wave is the first chunk alone (the pool's first bytes usable at once), the
+# others whole chunks of at least this many bytes, touched while the wave before is
+# registered; 0: the rest of the pool in one wave, registered once touched whole.
+# Registering beside the touch slows both: 64 GiB of transparent huge pages on an H100
+# host (16 CPUs) in waves of 1 GiB took 10.4 s (touch 10.3 s, the registrations 5.6 s
+# beside it); touched whole, then registered, 8.2 s on a host of the same kind, where
+# one registration of all of it takes 0.8 s (bench/host_pool.py compares both).
+POOL_TOUCH_WAVE_BYTES = 0
 # Explicit huge pages back a pool only where rounding up to whole pages adds at most
 # this share of the pool (a 1 GiB page for a 100 MiB pool would waste ten times it).
 POOL_EXPLICIT_MAX_WASTE = 0.125

@@ -100,14 +100,14 @@ def touch_threads(cpus: int, nbytes: int, page_bytes: int) -> int:
 def touch_waves(chunks: list[tuple[int, int]], mapped: int) -> list[tuple[int, int]]:
     """(offset, size) of each wave of a pool's first touch, in order, over its
     registration ``chunks`` (registration_chunks) and ``mapped`` bytes: the first chunk
-    alone, then runs of whole chunks of at least POOL_TOUCH_WAVE_BYTES; the last runs
-    to the end of the mapping. Waves end where chunks end, so a registration waits
+    alone, then runs of whole chunks of at least POOL_TOUCH_WAVE_BYTES (0: the rest in
+    one); the last runs to the end of the mapping. Waves end where chunks end, so a registration waits
     for the wave that holds it, and no later one."""
     waves: list[tuple[int, int]] = []
     start = 0
     for k, (offset, size) in enumerate(chunks):
         end = offset + size
-        if k == 0 or end - start >= POOL_TOUCH_WAVE_BYTES:
+        if k == 0 or 0 < POOL_TOUCH_WAVE_BYTES <= end - start:
             waves.append((start, end - start))
             start = end
     chunks_end = chunks[-1][0] + chunks[-1][1] if chunks else 0

@@ -411,35 +411,45 @@ def test_registration_chunks_always_tile_the_pool_on_page_and_block_ends(nbytes,
     assert all(size <= max(POOL_MAX_CHUNK_BYTES, step) for _, size in chunks)
 
 
-def test_touch_waves_put_the_first_chunk_alone_then_whole_chunks_of_a_wave_each():
-    wave = POOL_TOUCH_WAVE_BYTES
-    chunk = wave // 4
+def test_touch_waves_put_the_first_chunk_alone_then_the_rest_or_whole_chunks_of_a_wave_each():
+    import kvcopy.policy.host_pool as pool_policy
+
+    chunk = 256 * MiB
     chunks = [(k * chunk, chunk) for k in range(10)]
-    # the first chunk alone (usable soon), then four chunks a wave, the rest and the
-    # mapping's rounding past the pool in the last
-    assert touch_waves(chunks, 10 * chunk + 100) == [
-        (0, chunk),
-        (chunk, wave),
-        (5 * chunk, wave),
-        (9 * chunk, chunk + 100),
-    ]
+    # by default the first chunk alone (usable at once), then the rest and the mapping's
+    # rounding past the pool
+    assert POOL_TOUCH_WAVE_BYTES == 0
+    assert touch_waves(chunks, 10 * chunk + 100) == [(0, chunk), (chunk, 9 * chunk + 100)]
     assert touch_waves([(0, 5)], PAGE) == [(0, PAGE)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool_policy, "POOL_TOUCH_WAVE_BYTES", 4 * chunk)  # waves of four chunks
+        waves = touch_waves(chunks, 10 * chunk + 100)
+    assert waves == [(0, chunk), (chunk, 4 * chunk), (5 * chunk, 4 * chunk), (9 * chunk, chunk + 100)]
 
 
 @settings(max_examples=200, deadline=None)
-@given(nbytes=st.integers(1, 1 << 36), chunk=st.one_of(st.none(), st.integers(1 << 20, 1 << 31)))
-def test_touch_waves_tile_the_mapping_and_end_where_chunks_end(nbytes, chunk):
+@given(
+    nbytes=st.integers(1, 1 << 36),
+    chunk=st.one_of(st.none(), st.integers(1 << 20, 1 << 31)),
+    wave=st.sampled_from([0, 1 << 20, 1 << 30, 1 << 33]),
+)
+def test_touch_waves_tile_the_mapping_and_end_where_chunks_end(nbytes, chunk, wave):
+    import kvcopy.policy.host_pool as pool_policy
+
     chunks = registration_chunks(nbytes, PAGE, None, chunk)
     mapped = -(-nbytes // PAGE) * PAGE
-    waves = touch_waves(chunks, mapped)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool_policy, "POOL_TOUCH_WAVE_BYTES", wave)
+        waves = touch_waves(chunks, mapped)
     assert waves[0] == (0, chunks[0][1]) or len(chunks) == 1
     assert all(a + s == b for (a, s), (b, _) in zip(waves, waves[1:])) and sum(s for _, s in waves) == mapped
     ends = {offset + size for offset, size in chunks}
     assert all(offset + size in ends for offset, size in waves[:-1])
-    # each wave but the first and last holds at least a wave's bytes; none holds a
-    # wave's bytes and a whole chunk more
-    biggest = max(size for _, size in chunks)
-    assert all(POOL_TOUCH_WAVE_BYTES <= size < POOL_TOUCH_WAVE_BYTES + biggest for _, size in waves[1:-1])
+    if wave == 0:
+        assert len(waves) == min(len(chunks), 2)
+    else:  # each wave but the first and last: at least a wave's bytes, less than one more chunk
+        biggest = max(size for _, size in chunks)
+        assert all(wave <= size < wave + biggest for _, size in waves[1:-1])
 
 
 def test_a_pool_of_many_waves_registers_every_chunk_touched(fake, monkeypatch):
