@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy._runtime import device as devices, first_use, peers
+from kvcopy._runtime.calibration_file import rates_of
 from kvcopy._runtime.context import relaxed_capture
 from kvcopy._cuda import driver, memory
 from kvcopy._engine.both_ways import execute_both
@@ -234,6 +235,7 @@ def calibrate(
             both_ways_batch_min_bytes=updates.get(
                 "both_ways_batch_min_bytes", before.both_ways_batch_min_bytes
             ),
+            rates={**before.rates, **rates_of(measured)},
         )
         devices.set_thresholds(device, result)
         if save_result:

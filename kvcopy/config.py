@@ -39,6 +39,7 @@ _SETTINGS = {
     "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
     "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 50, 0, 60_000),
     "auto_calibrate": _Setting("KVCOPY_AUTO_CALIBRATE", 0, 0, 1, boolean=True),
+    "guard": _Setting("KVCOPY_GUARD", 0, 0, 1, boolean=True),
 }
 
 
@@ -200,6 +201,12 @@ class Config:
         (kvcopy._runtime.first_use says how it keeps out of the caller's way);
         env KVCOPY_AUTO_CALIBRATE=0/1, default 0: kvcopy.calibrate() measures on
         demand.
+    guard: 'auto' times a sampled batch between host and GPU now and then (two
+        events beside it, one batch a device at a time) and, where a path runs far
+        below what calibration measured for it several times in a row, moves to the
+        other method for a while, saying so in last_decision()
+        (kvcopy.policy.guard); only where the device is calibrated. Env
+        KVCOPY_GUARD=0/1, default 0.
     """
 
     host_ctas: int | None
@@ -215,6 +222,7 @@ class Config:
     staging_bytes: int
     traffic_window_ms: int
     auto_calibrate: bool
+    guard: bool
 
     def __init__(self) -> None:
         for name in _SETTINGS:

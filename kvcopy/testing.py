@@ -57,7 +57,7 @@ from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
-from kvcopy._engine import both_ways, decide, dispatch, kernel, replay, staged, traffic_window
+from kvcopy._engine import both_ways, decide, dispatch, guard, kernel, replay, staged, traffic_window
 from kvcopy._engine import rows as rows_engine
 from kvcopy._engine import rows_memo
 from kvcopy._plans.blocks import plan_blocks
@@ -117,6 +117,7 @@ engine = types.SimpleNamespace(
     both_ways=both_ways,
     decide=decide,
     dispatch=dispatch,
+    guard=guard,
     kernel=kernel,
     replay=replay,
     staged=staged,
@@ -246,8 +247,9 @@ def fake_runtime(
     scope: type | None = None,
 ) -> Iterator[None]:
     """What kvcopy keeps per context, for the block: device 0 with ``caps`` (an H200's
-    by default) and ``thresholds`` (the defaults), no policy answer, copy_rows call or
-    classified memory remembered; where given, ``copy_kernel`` as the kernel loaded in every context,
+    by default) and ``thresholds`` (the defaults), no policy answer, copy_rows call,
+    classified memory or guard sample remembered; where given, ``copy_kernel`` as the
+    kernel loaded in every context,
     every descriptor-ring reservation ``slot`` (a sequence of slots: each in turn; or
     ``descriptor_ring`` as every context's ring: its reserve(nbytes) a context manager
     of a ring.Slot), ``staging`` as every context's staging buffers,
@@ -258,6 +260,9 @@ def fake_runtime(
         (decide._targets, {}),
         (rows_memo._memo, {}),
         (kept_memory._kept, {}),
+        (guard._watches, {}),
+        (guard._pending, {}),
+        (guard._last_sample, {}),
     ]
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from kvcopy import policy
-from kvcopy._engine import replay, traffic_window
+from kvcopy._engine import guard, replay, traffic_window
 from kvcopy._runtime import device, peers
 from kvcopy._cuda import classify, describe, driver, launch
 from kvcopy.config import config
@@ -146,6 +146,9 @@ class Target:
     # (kvcopy._engine.replay replays only such batches' launches); None: not asked,
     # as for batches too large ever to be recorded
     traffic_free: bool | None = True
+    # the GB/s calibration expects of this batch where the guard times it
+    # (kvcopy._engine.guard.timed), else None
+    sample: float | None = None
 
     def launch_shape(self, max_ctas: int | None) -> tuple[int, int]:
         """CTAs and threads per CTA of a scatter launch by the decided copier."""
@@ -238,6 +241,7 @@ def decide(
                 target = dataclasses.replace(target, traffic_free=False)
         make_room(_targets, _TARGETS_KEPT)
         _targets[key] = target
+    target = guard.heard(target, method)  # (after the cache: it hears samples as they come)
     _last.decision = target.decision
     log.debug(
         "kvcopy: %d copies, %d bytes, %s -> %s (%s)",

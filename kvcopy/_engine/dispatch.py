@@ -11,7 +11,7 @@ import numpy as np
 from kvcopy import policy
 from kvcopy._cuda import describe, dma, driver, launch, plan_arrays, rows
 from kvcopy._cuda.describe import DescribedBatch
-from kvcopy._engine import replay, staged
+from kvcopy._engine import guard, replay, staged
 from kvcopy._engine.decide import (
     MemoryClasses,
     Target,
@@ -138,14 +138,16 @@ def execute_copies(
                 )
             )
             if staging is None:
-                launched = launch_kernel(batch, target, slot, max_ctas)
+                with guard.timed(target):
+                    launched = launch_kernel(batch, target, slot, max_ctas)
                 if launched and merge and policy.may_replay(method, max_ctas, allow_batch, capturing):
                     # (copy_batch's next call like this one is replayed)
                     replay.record(target, batch, method, launched)
                 return "kernel"
         # staged batches' descriptors go to a slot of their own, once this one is free
         return run_staged(handle, [staging], target.info)
-    issue_dma(src, dst, sizes, merge, target, access_any)
+    with guard.timed(target):
+        issue_dma(src, dst, sizes, merge, target, access_any)
     return target.decision.method
 
 
@@ -364,7 +366,9 @@ def execute_blocks(
             wait_for_streams(handle, blocks.geometry.producer_streams)
         if target.decision.method != "kernel":
             # the copy engines take pointers: the plan's copies, one each
-            issue_dma(*blocks.copy_arrays(), True, target, False)
+            arrays = blocks.copy_arrays()
+            with guard.timed(target):
+                issue_dma(*arrays, True, target, False)
             return target.decision.method
         if target.request.capturing:
             # a graph keeps descriptors passed by value, not a ring slot: the plan's
@@ -377,11 +381,12 @@ def execute_blocks(
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         sides = blocks.layout_sides()
         if sides is not None:
-            _launch_as_rows(blocks, sides, kernel, target, src_view, dst_view)
+            with guard.timed(target):
+                _launch_as_rows(blocks, sides, kernel, target, src_view, dst_view)
             return "kernel"
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)
-        with ring.ring_for_current_context().reserve(nbytes) as slot:
+        with ring.ring_for_current_context().reserve(nbytes) as slot, guard.timed(target):
             launch.launch_blocks_uploaded(
                 kernel.function_blocks,
                 slot.host,

@@ -186,7 +186,21 @@ def _over_defaults(tables: Mapping) -> Thresholds:
         host_ctas={**defaults.host_ctas, **tables["host_ctas"]},
         both_ways_ctas={**defaults.both_ways_ctas, **tables["both_ways_ctas"]},
         both_ways_batch_min_bytes=tables.get("both_ways_batch_min_bytes", defaults.both_ways_batch_min_bytes),
+        rates=rates_of(tables["measurements"]),
     )
+
+
+def rates_of(measurements: Mapping) -> dict:
+    """The block rates among a calibration's measurements ('h2d/4096': {'kernel': GB/s,
+    'batch': GB/s}) as Thresholds.rates: direction -> block bytes -> method -> GB/s."""
+    rates: dict = {}
+    for key, gbps in measurements.items():
+        direction, _, block = key.partition("/")
+        if direction in ("h2d", "d2h") and block.isdigit():
+            methods = {m: float(v) for m, v in gbps.items() if m in ("kernel", "batch") and v > 0}
+            if methods:
+                rates.setdefault(direction, {})[int(block)] = methods
+    return rates
 
 
 def _encode_threshold(value: float) -> float | None:

@@ -89,6 +89,9 @@ class Thresholds:
     both_ways_batch_min_bytes: float = BOTH_WAYS_BATCH_MIN_BYTES
     staging_min_bytes: int = STAGING_MIN_BYTES
     staging_min_span_bytes: int = STAGING_MIN_SPAN_BYTES
+    # GB/s calibration measured by direction, block bytes and method ('kernel', 'batch'):
+    # what the guard holds sampled batches to (kvcopy.policy.guard)
+    rates: dict = field(default_factory=dict)
 
     def for_direction(self, direction: str) -> float:
         return self.batch_min_bytes.get(direction, float("inf"))

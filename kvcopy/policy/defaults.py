@@ -117,3 +117,18 @@ AUTO_CALIBRATION_REPEATS = 3
 # defaults serve on); one whose measuring peer died takes its place.
 AUTO_CALIBRATION_WAIT_S = 600.0
 AUTO_CALIBRATION_POLL_S = 0.5
+# The guard (kvcopy.policy.guard): a sampled batch of at least GUARD_MIN_BYTES whose
+# rate is below GUARD_SLOW_SHARE of what calibration measured for its method, direction
+# and block size is slow; GUARD_SLOW_SAMPLES slow ones in a row move 'auto' to the other
+# method where calibration measured that one above GUARD_GAIN times the slow rate, for
+# GUARD_HOLD_S, doubled at each move of the same path, at most GUARD_MAX_HOLD_S. One
+# batch a device is sampled at a time, at most every GUARD_SAMPLE_EVERY_S (two events
+# recorded beside it). A host whose SMs read host memory at 33 GB/s on a link whose
+# copy engines reach 54 (one H100 host) runs its kernel at 0.6 of another host's.
+GUARD_MIN_BYTES = 4 << 20
+GUARD_SLOW_SHARE = 0.7
+GUARD_SLOW_SAMPLES = 3
+GUARD_GAIN = 1.1
+GUARD_HOLD_S = 10.0
+GUARD_MAX_HOLD_S = 300.0
+GUARD_SAMPLE_EVERY_S = 0.05

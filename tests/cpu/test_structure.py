@@ -28,6 +28,7 @@ PURE = {
     "kvcopy.policy",
     "kvcopy.policy.layout_kernel",
     "kvcopy.policy.defaults",
+    "kvcopy.policy.guard",
     "kvcopy.interop",
     "kvcopy._plans",
     "kvcopy._plans.copies",
@@ -66,7 +67,8 @@ LAYERS = [
         "kvcopy.host",
         "kvcopy.host_pool",
     },  # per context
-    {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel"},  # parts of paths
+    # parts of paths
+    {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel", "kvcopy._engine.guard"},
     {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged", "kvcopy._engine.rows"},
     {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
