@@ -263,6 +263,7 @@ def fake_runtime(
         (guard._watches, {}),
         (guard._pending, {}),
         (guard._last_sample, {}),
+        (guard._heard_under, {}),
     ]
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))

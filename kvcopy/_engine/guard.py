@@ -56,6 +56,7 @@ class Sample:
 _watches: dict[int, dict[Path, Watch]] = {}  # device -> path -> what its samples showed
 _pending: dict[int, Sample] = {}  # device -> its sample outstanding
 _last_sample: dict[int, float] = {}
+_heard_under: dict[int, int] = {}  # device -> device.generation its watches were kept under
 _lock = threading.Lock()
 
 
@@ -75,6 +76,11 @@ def heard(target: Target, requested: str) -> Target:
     collect(ordinal)
     thresholds = device.thresholds(ordinal)
     with _lock:
+        if _heard_under.get(ordinal) != device.generation:
+            # (calibrated again, or capabilities changed: what was held to the old
+            # rates says nothing of the new ones)
+            _watches.pop(ordinal, None)
+            _heard_under[ordinal] = device.generation
         paths = _watches.setdefault(ordinal, {})
         decision, moved = policy_guard.steer(
             target.request, target.decision, target.info.caps, thresholds, paths, now
@@ -184,3 +190,4 @@ def forget() -> None:
         _watches.clear()
         _pending.clear()
         _last_sample.clear()
+        _heard_under.clear()

@@ -322,3 +322,18 @@ def test_copy_batch_sized_batches_are_timed_and_move_off_a_slow_kernel(seams, mo
     assert kvcopy.last_decision().reason.startswith("guard: kernel moved 20.0 GB/s here, 40% of the 50.0")
     # the moved batch was timed too, against the engines' 40 GB/s; its events are the only ones left
     assert len(fake.live) == 2
+
+
+def test_watches_kept_under_an_older_calibration_are_dropped(engine_guard, monkeypatch):
+    events, clock = engine_guard
+    req = request()
+    decision = choose_method(req, CAPS, MEASURED)
+    events.ms = req.total_bytes / 33.0 / 1e6
+    for _ in range(GUARD_SLOW_SAMPLES):
+        _batch(events, clock, req, decision)
+    assert engine.guard.watches(0)[guard.path_of(req, "kernel")].slow == GUARD_SLOW_SAMPLES - 1
+    monkeypatch.setattr(engine.guard.device, "generation", engine.guard.device.generation + 1)
+    assert _batch(events, clock, req, decision).decision is decision  # (no move: counted anew)
+    assert engine.guard.watches(0) == {}
+    _batch(events, clock, req, decision)
+    assert engine.guard.watches(0)[guard.path_of(req, "kernel")].slow == 1
