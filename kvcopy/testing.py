@@ -386,13 +386,27 @@ def _no_wait(handle: int) -> None:
     """A stream sync where the copies ran on the CPU: nothing to wait for."""
 
 
+def _host_event(timing: bool = False) -> int:
+    """An event where the copies run on the CPU: a number, never 0."""
+    return 1
+
+
+def _host_event_record(event: int, stream: int = 0) -> None:
+    """Recording (or destroying) an event where the copies ran on the CPU: nothing."""
+
+
+def _host_event_ended(event: int) -> bool:
+    """Where the copies ran on the CPU, every event has completed."""
+    return True
+
+
 @contextlib.contextmanager
 def rows_on_host() -> Iterator[None]:
     """copy_rows, wherever kvcopy calls it, run on the CPU between host memory (see the
     module's docstring); raises ValueError for memory the process cannot read or write
     on the host, and for indices on the GPU. Tables of layer addresses reach to the end
     of the host mapping that holds each address; the waits of kvcopy.nixl's packed
-    sends for their stream wait for nothing."""
+    sends for their stream wait for nothing, and their events have always ended."""
     with _standing_in(
         [
             (copy_rows, _copy_rows_on_host),
@@ -400,6 +414,10 @@ def rows_on_host() -> Iterator[None]:
             (compat_vllm._torch_stream, lambda caller: None),
             (pointer_tables._reach_of, _host_reach),
             (driver.stream_synchronize, _no_wait),
+            (driver.event_create, _host_event),
+            (driver.event_record, _host_event_record),
+            (driver.event_query, _host_event_ended),
+            (driver.event_destroy, _host_event_record),
         ]
     ):
         yield

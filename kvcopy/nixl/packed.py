@@ -6,10 +6,12 @@ The sender gathers chunk k (``chunk_rows`` rows of every plane, plane after plan
 into its staging slot k mod its slots with ``copy_rows``, waits for the stream, and
 WRITEs the slot into the receiver's slot k mod the receiver's slots; NIXL tells the
 receiver once the chunk has landed whole. While chunk k is in flight, chunk k+1 is
-gathered into the next slot. The receiver scatters each chunk from its slot into the
-destination's rows with ``copy_rows`` and tells the sender the slot is free again;
-the sender writes no slot the receiver has not freed. A destination row is written
-only from a chunk that arrived whole.
+gathered into the next slot. The receiver queues each chunk's scatter from its slot
+into the destination's rows with ``copy_rows`` and an event after it, and tells the
+sender the slot is free once that event has completed, looking between two looks for
+the next chunk: the scatters run back to back on its stream while it takes the next
+chunks. The sender writes no slot the receiver has not freed. A destination row is
+written only from a chunk that arrived whole.
 
 Each end may describe its rows however its cache holds them: a slice of each row's
 heads (between tensor-parallel degrees), another block size, another plane order.
@@ -19,12 +21,13 @@ the layouts the two ends pass; only the row bytes and the number of planes must 
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvcopy._cuda.driver import stream_synchronize
+from kvcopy._cuda.driver import event_create, event_destroy, event_query, event_record, stream_synchronize
 from kvcopy.api import copy_rows
 from kvcopy.arguments import require_int
 from kvcopy.interop.streams import resolve_stream
@@ -184,19 +187,40 @@ def receive_packed(
 ) -> int:
     """Receive what ``peer`` sends with :func:`send_packed` (same ``tag`` and
     ``chunk_rows``) into ``dst``'s rows ``dst_indices`` (host indices; a negative
-    index skips its row), through ``staging``; returns the chunks received. Each
-    chunk is scattered once it arrived whole. TimeoutError where a chunk does not
-    come within ``timeout`` seconds: the rows of the chunks before are written, no
-    other."""
+    index skips its row), through ``staging``; returns the chunks received, their rows
+    written when it returns. Each chunk is scattered once it arrived whole, its slot
+    given back once the scatter has ended on the GPU (seen between two looks for the
+    next chunk: nothing waits for it), and only where the sender will write the slot
+    again. TimeoutError where a chunk does not come within ``timeout`` seconds: the
+    rows of the chunks before are written, no other."""
     rows = _rows(dst_indices, "dst_indices", sender=False)
     chunk_rows = _chunks(len(rows), chunk_rows, dst, staging, "this end's")
     handle = resolve_stream(stream)
     planes, row = dst.num_planes, dst.row_bytes
     chunks = -(-len(rows) // chunk_rows)
-    for k in range(chunks):
-        part = rows[k * chunk_rows : (k + 1) * chunk_rows]
-        wait_notification(agent, peer, chunk_message(tag, k), timeout)
-        copy_rows(staging.rows(k, len(part), planes, row), dst, None, part, rows=len(part), stream=handle)
+    # the sender writes slot k again, for chunk k + slots, after free k: later frees
+    # would wait, unread, for a later transfer's sender to take them for its own
+    awaited = chunks - staging.slots
+    scattering: collections.deque[tuple[int, int]] = collections.deque()  # (chunk, its event)
+    events = [event_create() for _ in range(min(staging.slots, chunks))]
+
+    def give_back_ended() -> None:
+        while scattering and event_query(scattering[0][1]):
+            k = scattering.popleft()[0]
+            if k < awaited:
+                agent.send_notif(peer, free_message(tag, k))
+
+    try:
+        for k in range(chunks):
+            part = rows[k * chunk_rows : (k + 1) * chunk_rows]
+            wait_notification(agent, peer, chunk_message(tag, k), timeout, give_back_ended)
+            copy_rows(staging.rows(k, len(part), planes, row), dst, None, part, rows=len(part), stream=handle)
+            event_record(events[k % len(events)], handle)
+            scattering.append((k, events[k % len(events)]))
+            give_back_ended()
         stream_synchronize(handle)
-        agent.send_notif(peer, free_message(tag, k))
+        give_back_ended()
+    finally:
+        for event in events:
+            event_destroy(event)
     return chunks

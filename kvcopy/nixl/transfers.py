@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -146,12 +146,21 @@ def _release(posted: Posted) -> None:
     posted.handle, posted.lists = None, []
 
 
-def wait_notification(agent: Any, remote_agent: str, message: bytes, timeout: float = 60.0) -> None:
+def wait_notification(
+    agent: Any,
+    remote_agent: str,
+    message: bytes,
+    timeout: float = 60.0,
+    meanwhile: Callable[[], object] | None = None,
+) -> None:
     """Wait until ``remote_agent``'s notification starting with ``message`` arrives
-    (it is consumed); TimeoutError after ``timeout`` seconds."""
+    (it is consumed), calling ``meanwhile()`` between two looks where given;
+    TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     name = _name(remote_agent)  # (NIXL keys notifications by str; add_remote_agent gives bytes)
     while not agent.check_remote_xfer_done(name, message):
         if time.monotonic() > deadline:
             raise TimeoutError(f"wait_notification: no {message!r} from {name!r} after {timeout} s")
+        if meanwhile is not None:
+            meanwhile()
         time.sleep(POLL_S)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.nixl_peer import nixl_installed, run_peers
-from kvcopy import Layout, nixl
+from kvcopy import Layout, nixl, testing
 
 
 def _layout(cache: np.ndarray, **shape) -> Layout:
@@ -291,3 +291,46 @@ def test_a_transfer_whose_rows_are_all_skipped_sends_only_its_notification():
         assert descs.posted == 0 and descs.nbytes == 0
         nixl.transfer(agent, "WRITE", descs, b"peer", notification=b"done")
     assert agent.sent == [("peer", b"done"), ("peer", b"done")]
+
+
+@pytest.mark.parametrize("slots, chunks", [(2, 5), (4, 3), (1, 1)])
+def test_the_receiver_frees_only_the_slots_the_sender_writes_again(slots, chunks):
+    """Free k is sent once chunk k's scatter has ended, and only for chunks the sender
+    waits on (k < chunks - slots): a free it never takes would wait, unread, for the
+    next transfer under the same tag."""
+    planes, row, per_chunk = 2, 16, 3
+    count = chunks * per_chunk - 1  # (the last chunk one row short)
+    staging_memory = np.random.default_rng(0).integers(
+        0, 256, slots * per_chunk * planes * row, dtype=np.uint8
+    )
+    cache = np.zeros((planes, 32, row), np.uint8)
+    dst = Layout.from_pointers([cache[p].ctypes.data for p in range(planes)], slots=32, row_bytes=row)
+    staging = nixl.Staging(staging_memory.ctypes.data, per_chunk * planes * row, slots)
+    indices = np.arange(count)[::-1].copy()
+
+    class Agent:
+        """Every chunk has landed; the slot's bytes stay what the test put there."""
+
+        def __init__(self) -> None:
+            self.asked: list[bytes] = []
+            self.sent: list[bytes] = []
+
+        def check_remote_xfer_done(self, peer: str, message: bytes) -> bool:
+            self.asked.append(message)
+            return True
+
+        def send_notif(self, peer: str, message: bytes) -> None:
+            self.sent.append(message)
+
+    agent = Agent()
+    with testing.rows_on_host():
+        got = nixl.receive_packed(agent, dst, indices, b"peer", staging, tag="t", chunk_rows=per_chunk)
+    assert got == chunks
+    assert agent.asked == [f"kvcopy/t/chunk/{k};".encode() for k in range(chunks)]
+    assert agent.sent == [f"kvcopy/t/free/{k};".encode() for k in range(max(chunks - slots, 0))]
+    # every row came from its chunk's slot, plane after plane
+    for r, slot_row in enumerate(indices):
+        k, i = divmod(r, per_chunk)
+        rows_in_chunk = min(per_chunk, count - k * per_chunk)
+        chunk = staging_memory[(k % slots) * per_chunk * planes * row :][: rows_in_chunk * planes * row]
+        assert np.array_equal(cache[:, slot_row], chunk.reshape(planes, rows_in_chunk, row)[:, i])
