@@ -22,6 +22,7 @@ the layouts the two ends pass; only the row bytes and the number of planes must 
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +72,17 @@ class Staging:
         return self.address + (chunk % self.slots) * self.slot_bytes
 
     def rows(self, chunk: int, count: int, planes: int, row_bytes: int) -> Layout:
-        """Chunk ``chunk``'s slot as a layout of ``count`` rows a plane, plane after plane."""
-        first = self.slot(chunk)
-        return Layout.from_pointers(
-            [first + p * count * row_bytes for p in range(planes)], slots=count, row_bytes=row_bytes
-        )
+        """Chunk ``chunk``'s slot as a layout of ``count`` rows a plane, plane after plane
+        (one Layout per slot and shape, made once: a send makes one a chunk)."""
+        return _slot_rows(self, chunk % self.slots, count, planes, row_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_rows(staging: Staging, slot: int, count: int, planes: int, row_bytes: int) -> Layout:
+    first = staging.slot(slot)
+    return Layout.from_pointers(
+        [first + p * count * row_bytes for p in range(planes)], slots=count, row_bytes=row_bytes
+    )
 
 
 def chunk_message(tag: str, chunk: int) -> bytes:

@@ -334,3 +334,11 @@ def test_the_receiver_frees_only_the_slots_the_sender_writes_again(slots, chunks
         rows_in_chunk = min(per_chunk, count - k * per_chunk)
         chunk = staging_memory[(k % slots) * per_chunk * planes * row :][: rows_in_chunk * planes * row]
         assert np.array_equal(cache[:, slot_row], chunk.reshape(planes, rows_in_chunk, row)[:, i])
+
+
+def test_a_slot_is_one_layout_per_shape_made_once():
+    staging = nixl.Staging(1 << 20, 4 * 3 * 64, slots=2)
+    first = staging.rows(0, 4, 3, 64)
+    assert staging.rows(2, 4, 3, 64) is first  # (chunk 2 goes through slot 0 again)
+    assert staging.rows(1, 4, 3, 64).bases.tolist() == [staging.slot(1) + p * 4 * 64 for p in range(3)]
+    assert staging.rows(0, 3, 3, 64) is not first and staging.rows(0, 3, 3, 64).slots == 3
