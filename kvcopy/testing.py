@@ -201,16 +201,28 @@ def settings(**values: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def fake_cuda(fake: object, layers: tuple[str, ...] = CUDA_LAYERS) -> Iterator[object]:
     """The driver layer's ``layers`` replaced by ``fake`` wherever kvcopy uses them, and
-    no policy answer, copy_rows call or classified memory remembered from before (they
-    were made with the real device)."""
+    no policy answer, copy_rows call, classified memory or guard sample remembered from
+    before (they were made with the real device)."""
     unknown = set(layers) - set(_LAYERS)
     if unknown:
         raise ValueError(f"fake_cuda: no layer {sorted(unknown)}; layers: {sorted(_LAYERS)}")
-    with _standing_in(
-        [(_LAYERS[layer], fake) for layer in layers]
-        + [(decide._targets, {}), (rows_memo._memo, {}), (kept_memory._kept, {})]
-    ):
+    with _standing_in([(_LAYERS[layer], fake) for layer in layers] + _nothing_remembered()):
         yield fake
+
+
+def _nothing_remembered() -> list[tuple[object, object]]:
+    """What kvcopy remembers of the device it ran on (policy answers, copy_rows calls,
+    classified memory, the guard's samples), each stood in for by an empty one."""
+    remembered = (
+        decide._targets,
+        rows_memo._memo,
+        kept_memory._kept,
+        guard._watches,
+        guard._pending,
+        guard._last_sample,
+        guard._heard_under,
+    )
+    return [(kept, {}) for kept in remembered]
 
 
 class _Ring:
@@ -256,15 +268,7 @@ def fake_runtime(
     ``side_stream(handle, index=0)`` for kvcopy's side streams, and ``scope`` for
     the context a call enters (kvcopy._runtime.context.ContextScope's interface)."""
     info = device.DeviceInfo(0, "fake", (9, 0), 13000, caps or policy.DeviceCaps())
-    replacements: list[tuple[object, object]] = [
-        (decide._targets, {}),
-        (rows_memo._memo, {}),
-        (kept_memory._kept, {}),
-        (guard._watches, {}),
-        (guard._pending, {}),
-        (guard._last_sample, {}),
-        (guard._heard_under, {}),
-    ]
+    replacements = _nothing_remembered()
     if copy_kernel is not None:
         replacements.append((kernels.kernel_for_current_context, lambda *args: copy_kernel))
     if slot is not None:
