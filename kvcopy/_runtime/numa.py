@@ -56,7 +56,7 @@ def _huge_pages(folder: Path, name: str) -> dict[int, int]:
     for entry in sorted(folder.glob("hugepages-*kB")) if folder.is_dir() else ():
         size = _HUGE_DIR.fullmatch(entry.name)
         count = read_fact(entry / name)
-        if size and count is not None and count.strip().isdigit():
+        if size and count is not None and count.isdigit():
             found[int(size.group(1)) << 10] = int(count)
     return found
 
@@ -87,7 +87,7 @@ def node_of_pci(address: str, sys_root: Path = SYS) -> int | None:
     """The NUMA node the PCI device ``address`` is attached to, or None where Linux
     names none (-1, no such entry, a host without NUMA)."""
     text = read_fact(sys_root / "bus" / "pci" / "devices" / address / "numa_node")
-    if text is None or not text.strip().lstrip("-").isdigit():
+    if text is None or not text.lstrip("-").isdigit():
         return None
     node = int(text)
     return node if node >= 0 else None
@@ -105,4 +105,4 @@ def transparent_page_bytes(sys_root: Path = SYS) -> int:
     """The size of a transparent huge page (PMD size), 2 MiB where the kernel does
     not say."""
     text = read_fact(sys_root / "kernel" / "mm" / "transparent_hugepage" / "hpage_pmd_size")
-    return int(text) if text is not None and text.strip().isdigit() else 2 << 20
+    return int(text) if text is not None and text.isdigit() else 2 << 20
