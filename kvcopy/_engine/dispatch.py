@@ -310,7 +310,7 @@ def _launch_as_rows(
 
 def kept_or_classified(
     scope: ContextScope,
-    key: object,
+    key_of: Callable[[], object],
     owners: tuple,
     bases: tuple[np.ndarray, np.ndarray],
     classify_again: Callable[[np.ndarray, np.ndarray], MemoryClasses],
@@ -318,7 +318,8 @@ def kept_or_classified(
     hold_it_all: Callable[[], bool] = lambda: True,
 ) -> tuple[MemoryClasses, np.ndarray, np.ndarray]:
     """Memory classes and each side's ``bases`` as the device sees them: as kept for
-    the same live ``owners`` under ``key`` in the context the call entered
+    the same live ``owners`` under ``key_of()`` (worked out only where owners may be
+    kept) in the context the call entered
     (kvcopy._runtime.kept_memory), else classified now by ``classify_again(src_view,
     dst_view)`` and kept where ``hold_it_all()`` says the owners hold all of that
     memory. A default stream's call moves to the memory's device either way, as
@@ -326,6 +327,7 @@ def kept_or_classified(
     # (only torch tensors are kept: the first owner says whether to look; a hit is the
     # same objects, and keep() checks every owner)
     context = driver.current_context_key() if kept_memory.may_be_kept(owners) else 0
+    key = key_of() if context else None
     kept = kept_memory.find(key, context, owners) if context else None
     if kept is not None:
         scope.follow_memory(kept.found.owner)
@@ -354,7 +356,7 @@ def execute_blocks(
         geometry = blocks.geometry
         found, src_view, dst_view = kept_or_classified(
             scope,
-            geometry.key,
+            lambda: geometry.key,
             blocks.owners,
             (geometry.src_base, geometry.dst_base),
             lambda src_view, dst_view: classify_tensors(blocks, src_view, dst_view),

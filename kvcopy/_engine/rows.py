@@ -144,10 +144,9 @@ def settle(
     kernel_only = prepared or plan.device_indices
     asked = "kernel" if kernel_only else method
     src, dst = plan.src, plan.dst
-    key = ("rows", src.bases.tobytes(), src.extent, dst.bases.tobytes(), dst.extent, asked)
     found, src_view, dst_view = kept_or_classified(
         scope,
-        key,
+        lambda: ("rows", src.bases.tobytes(), src.extent, dst.bases.tobytes(), dst.extent, asked),
         (*src.keep, *dst.keep),
         (src.bases, dst.bases),
         lambda src_view, dst_view: _classify(plan, src_view, dst_view),
