@@ -38,7 +38,7 @@ _SETTINGS = {
     "launch_bytes": _Setting("KVCOPY_LAUNCH_BYTES", 16 << 20, 0, 1 << 40),
     "staging_bytes": _Setting("KVCOPY_STAGING_BYTES", 4 << 20, 0, 1 << 30, multiple_of=4096),
     "traffic_window_ms": _Setting("KVCOPY_TRAFFIC_WINDOW_MS", 50, 0, 60_000),
-    "auto_calibrate": _Setting("KVCOPY_AUTO_CALIBRATE", 0, 0, 1, boolean=True),
+    "auto_calibrate": _Setting("KVCOPY_AUTO_CALIBRATE", 1, 0, 1, boolean=True),
     "guard": _Setting("KVCOPY_GUARD", 0, 0, 1, boolean=True),
 }
 
@@ -199,8 +199,8 @@ class Config:
         (kvcopy._runtime.host_key: the GPU, its PCIe link, the host, the driver),
         measure it in the background, once per host, while the defaults serve
         (kvcopy._runtime.first_use says how it keeps out of the caller's way);
-        env KVCOPY_AUTO_CALIBRATE=0/1, default 0: kvcopy.calibrate() measures on
-        demand.
+        env KVCOPY_AUTO_CALIBRATE=0/1, default 1 (0: the defaults serve until
+        kvcopy.calibrate() measures on demand).
     guard: 'auto' times a sampled batch between host and GPU now and then (two
         events beside it, one batch a device at a time) and, where a path runs far
         below what calibration measured for it several times in a row, moves to the

@@ -17,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 # JAX, where a GPU test imports it, must not take 75% of the GPU's memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# No calibration at first use behind the tests' backs: it would run on a thread of its
+# own beside later tests and change what 'auto' decides midway through the suite.
+# tests/*/test_first_use.py and tests/gpu/test_gpu_first_use.py turn it on.
+os.environ.setdefault("KVCOPY_AUTO_CALIBRATE", "0")
 
 try:
     import kvcopy.testing  # noqa: F401 - the built Cython layer, through the test seam

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,6 +182,21 @@ def run_metadata(name: str, device: int) -> dict:
     }
 
 
+def first_use_calibration(device: int) -> float | None:
+    """Ask for the device's thresholds as a first copy does; where that started kvcopy's
+    calibration at first use (no file for this host; config.auto_calibrate), wait for it
+    rather than time 'auto' beside it. Seconds from the ask to the file loaded, None
+    where none started (a file was found, or calibration at first use is off)."""
+    from kvcopy.testing import engine
+
+    started = time.perf_counter()
+    engine.device.thresholds(device)
+    if not any(t.name.startswith("kvcopy-calibration-") for t in threading.enumerate()):
+        return None
+    engine.first_use.wait()
+    return round(time.perf_counter() - started, 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = gpu_or_exit(args.device)
@@ -188,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     calibrated = None
     if args.calibrate:
         calibrated = dataclasses.asdict(kvcopy.calibrate(save_result=False))
+    first_use_s = first_use_calibration(args.device)
+    if first_use_s is not None:
+        print(f"calibration at first use: {first_use_s} s (this host had none)", file=sys.stderr)
     blocks = args.blocks or (QUICK_BLOCKS if args.quick else FULL_BLOCKS)
     total = BATCH_BYTES
     repeats = 5 if args.quick else 9
@@ -268,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_seconds": stage_seconds,
         "gpus": torch_device_count(),
         "calibrated": calibrated,
+        "first_use_calibration_s": first_use_s,
         "timing": "gbps: bytes / GPU time of the enqueued work (CUDA events, the call's CPU "
         "time hidden behind a sleep kernel); wall_gbps: bytes / (call + completion) "
         "from an idle stream; medians",

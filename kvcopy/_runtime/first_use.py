@@ -39,6 +39,7 @@ from kvcopy.policy.defaults import (
 # module is imported: this layer schedules, the API layer measures.
 measure: Callable[[int], None] | None = None
 
+_THREAD_NAME = "kvcopy-calibration-"  # and the device's ordinal
 _started: set[Path] = set()  # the files of the keys calibrated from this process
 _started_lock = threading.Lock()
 _clock: Callable[[], float] = time.monotonic
@@ -57,7 +58,7 @@ def noticed(ordinal: int, path: Path, settle: Callable[[], bool]) -> threading.T
             return None
         _started.add(path)
     worker = threading.Thread(
-        target=_calibrate, args=(ordinal, path, settle), name=f"kvcopy-calibration-{ordinal}", daemon=True
+        target=_calibrate, args=(ordinal, path, settle), name=f"{_THREAD_NAME}{ordinal}", daemon=True
     )
     worker.start()
     return worker
@@ -100,6 +101,19 @@ def _calibrate(ordinal: int, path: Path, settle: Callable[[], bool]) -> None:
             RuntimeWarning,
             stacklevel=1,
         )
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait for the calibrations this process started (at most ``timeout`` seconds in
+    all, None: without limit); whether none is still running. A benchmark that times
+    'auto' at a first use waits so, rather than measuring beside the calibration."""
+    deadline = None if timeout is None else _clock() + timeout
+    for worker in threading.enumerate():
+        if worker.name.startswith(_THREAD_NAME):
+            worker.join(None if deadline is None else max(0.0, deadline - _clock()))
+            if worker.is_alive():
+                return False
+    return True
 
 
 def forget() -> None:

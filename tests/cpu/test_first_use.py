@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -54,9 +57,17 @@ def _settler(path: Path, into: list):
     return settle
 
 
-def test_nothing_runs_unless_asked(tmp_path, monkeypatch):
+def test_it_is_on_unless_turned_off():
+    env = {k: v for k, v in os.environ.items() if k != "KVCOPY_AUTO_CALIBRATE"}
+    code = "from kvcopy.config import config; print(config.auto_calibrate)"
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "True"  # (tests/conftest.py turns it off for the suite)
+
+
+def test_nothing_runs_where_turned_off(tmp_path, monkeypatch):
     monkeypatch.setattr(first_use, "measure", _measure_writing(tmp_path / "c.json", 4096))
-    assert first_use.noticed(0, tmp_path / "c.json", lambda: False) is None  # (default: off)
+    with testing.settings(auto_calibrate=False):
+        assert first_use.noticed(0, tmp_path / "c.json", lambda: False) is None
     with testing.settings(auto_calibrate=True):
         monkeypatch.setattr(first_use, "measure", None)  # (kvcopy.calibrate not imported)
         assert first_use.noticed(0, tmp_path / "c.json", lambda: False) is None
@@ -71,8 +82,21 @@ def test_a_first_use_measures_once_in_the_background_and_loads_the_result(tmp_pa
         worker = first_use.noticed(3, path, _settler(path, loaded))
         assert worker is not None and worker.daemon
         assert first_use.noticed(3, path, _settler(path, loaded)) is None  # once per key
-        worker.join(10)
+        assert first_use.wait(10)
+        assert not worker.is_alive()
     assert calls == [3] and loaded[-1].batch_min_bytes["h2d"] == 16 << 10
+
+
+def test_wait_says_where_a_calibration_is_still_running(tmp_path, monkeypatch):
+    path, release = tmp_path / KEY.file_name(), threading.Event()
+    measure = _measure_writing(path, 8 << 10)
+    monkeypatch.setattr(first_use, "measure", lambda ordinal: (release.wait(10), measure(ordinal)))
+    with testing.settings(auto_calibrate=True):
+        worker = first_use.noticed(2, path, _settler(path, []))
+        assert worker is not None
+        assert first_use.wait(0.05) is False  # still measuring
+        release.set()
+        assert first_use.wait(10) is True and not worker.is_alive()
 
 
 def test_it_waits_until_the_device_has_been_quiet(monkeypatch):
