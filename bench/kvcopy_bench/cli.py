@@ -187,8 +187,11 @@ def first_use_calibration(device: int) -> float | None:
     calibration at first use (no file for this host; config.auto_calibrate), wait for it
     rather than time 'auto' beside it. Seconds from the ask to the file loaded, None
     where none started (a file was found, or calibration at first use is off)."""
+    import torch
+
     from kvcopy.testing import engine
 
+    torch.empty(1, device=f"cuda:{device}")  # (the device's context current, as a copy has it)
     started = time.perf_counter()
     engine.device.thresholds(device)
     if not any(t.name.startswith("kvcopy-calibration-") for t in threading.enumerate()):

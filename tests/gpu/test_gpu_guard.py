@@ -23,6 +23,11 @@ BLOCK, COUNT = 64 << 10, 256  # 16 MiB a batch: sampled, and too many copies to 
 def calibrated():
     """Device 0 calibrated as a host whose kernel reads host memory at 50 GB/s and
     whose copy engines reach 54 at 64 KiB blocks; put back after the test."""
+    import torch
+
+    # the device's facts are first read under its context, as a copy reads them: a
+    # test run alone would otherwise load the copy kernel with no context current
+    torch.zeros(1, device="cuda")
     before = engine.device.thresholds(0)
     rates = {"h2d": {BLOCK: {"kernel": 50.0, "batch": 54.0}}}
     engine.device.set_thresholds(0, dataclasses.replace(before, rates=rates))
