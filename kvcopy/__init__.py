@@ -4,15 +4,10 @@ Framework-agnostic: accepts raw pointers, torch/CuPy/NumPy/JAX arrays and any
 stream object, and calls the CUDA driver directly through cuda-python.
 """
 
-from kvcopy.api import (
-    check_indices,
-    copy_batch,
-    copy_both_ways,
-    copy_rows,
-    last_decision,
-    swap_blocks,
-    swap_blocks_both_ways,
-)
+from kvcopy.blocks import swap_blocks, swap_blocks_both_ways
+from kvcopy.pointers import copy_batch, copy_both_ways
+from kvcopy.rows import check_indices, copy_rows
+from kvcopy._engine.decide import last_decision
 from kvcopy.calibrate import calibrate, calibrate_peers
 from kvcopy.config import config
 from kvcopy.errors import CaptureError, CudaError, IndexOutOfRange, KVCopyError, NoDriverError

@@ -35,3 +35,14 @@ def require_same_length(src: Any, dst: Any, sizes: Any, prefix: str = "") -> Non
         raise ValueError(
             f"{prefix}src_ptrs, dst_ptrs and sizes differ in length: {len(src)}, {len(dst)} and {len(sizes)}"
         )
+
+
+def require_triple(batch: Any, name: str, parts: str) -> None:
+    """Raise TypeError unless ``batch`` is a tuple or list of three."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+        what = (
+            f"a {type(batch).__name__} of {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else type(batch).__name__
+        )
+        raise TypeError(f"{name} must be a ({parts}) triple; got {what}")

@@ -79,7 +79,7 @@ from kvcopy._runtime import (
     ring,
     side_streams,
 )
-from kvcopy.api import copy_planned_rows, copy_rows
+from kvcopy.rows import copy_planned_rows, copy_rows
 from kvcopy.compat import pointer_tables
 from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from kvcopy.api import copy_rows
+from kvcopy.rows import copy_rows
 from kvcopy.compat.per_tensors import PerTensors
 from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
 from kvcopy.interop.streams import current_framework_stream

@@ -26,7 +26,8 @@ import numpy as np
 from kvcopy.arguments import require_bool, require_int, require_same_length
 from kvcopy._plans.rows import plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
-from kvcopy.api import copy_batch, copy_planned_rows
+from kvcopy.pointers import copy_batch
+from kvcopy.rows import copy_planned_rows
 from kvcopy.errors import NoDriverError
 from kvcopy.layouts import Layout
 

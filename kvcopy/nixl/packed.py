@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvcopy._cuda.driver import event_create, event_destroy, event_query, event_record, stream_synchronize
-from kvcopy.api import copy_rows
+from kvcopy.rows import copy_rows
 from kvcopy.arguments import require_int
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.layouts import Layout

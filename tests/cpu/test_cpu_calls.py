@@ -70,7 +70,7 @@ def test_a_repeated_copy_rows_with_gpu_indices_takes_a_short_path(faked):
     call = calls["copy_rows 256 rows, GPU indices"]
     call()
     path = cpu_calls.module_path(call)
-    assert path[0] == "kvcopy.api" and len(path) < 30  # (the figure docs/performance.md quotes: 19)
+    assert path[0] == "kvcopy.rows" and len(path) < 30  # (the figure docs/performance.md quotes: 19)
 
 
 def test_the_benchmark_times_each_read_of_a_torch_tensor(capsys):

@@ -13,7 +13,7 @@ import pytest
 
 from kvcopy import testing
 
-from kvcopy import api
+from kvcopy import blocks
 from kvcopy.testing import engine
 
 decide, dispatch = engine.decide, engine.dispatch
@@ -76,11 +76,11 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch, sea
     )
     seams.enter_context(testing.fake_cuda(fake_driver, ("driver",)))
     monkeypatch.setattr(
-        api.dispatch,
+        testing.engine.dispatch,
         "execute_blocks",
         lambda plan, handle, method: calls.append(("copy", handle)) or "kernel",
     )
-    ran = api._between_devices("plan", [(0x100, 0), (0, 1)], "auto")
+    ran = blocks._between_devices("plan", [(0x100, 0), (0, 1)], "auto")
     legacy = streams.effective_handle(0)
     assert ran == "kernel"
     assert calls == [

@@ -73,7 +73,9 @@ LAYERS = [
     {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
     {
-        "kvcopy.api",
+        "kvcopy.pointers",
+        "kvcopy.blocks",
+        "kvcopy.rows",
         "kvcopy.prepared_rows",
         "kvcopy.rows_both_ways",
         "kvcopy.queue",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import api
+from kvcopy import testing
 
 BLOCK = 4096
 
@@ -39,8 +39,8 @@ def issued(monkeypatch):
         calls.offered.append((first, second, handle, method))
         return None
 
-    monkeypatch.setattr(api.both_ways, "execute_both", execute_both)
-    monkeypatch.setattr(api.both_ways, "execute_blocks_both", execute_blocks_both)
+    monkeypatch.setattr(testing.engine.both_ways, "execute_both", execute_both)
+    monkeypatch.setattr(testing.engine.both_ways, "execute_blocks_both", execute_blocks_both)
     return calls
 
 

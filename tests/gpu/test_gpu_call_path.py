@@ -143,7 +143,7 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
         s = int(order[k]) * step
         assert torch.equal(gpu[k * 2 * block : k * 2 * block + block].cpu(), host[s : s + block])
     # (the batch reached the engine as the caller's array: the count below is of it)
-    assert recorder.issued and recorder.order[0] == "kvcopy.api"
+    assert recorder.issued and recorder.order[0] == "kvcopy.pointers"
     assert testing.engine.dispatch.__name__ in recorder.order
     assert all(n == 1 for n in recorder.visits.values()), (recorder.visits, recorder.order)
     expected = {
