@@ -13,6 +13,10 @@ then stages through the receiver's GPU memory, and a local contiguous GPU-to-hos
 copy of the same bytes is the reference.
 
     python3 bench/nixl_two_processes.py [--block-kib 2 32] [--to gpu|host] [--repeats 5]
+        [--chunk-rows 16] [--slots 4]
+
+The packed way sends chunks of ``--chunk-rows`` blocks (every plane's rows of them)
+through ``--slots`` staging slots a side.
 
 Without a GPU (``--cpu``) both caches are in host memory and the packed way gathers
 and scatters on the CPU (kvcopy.testing.rows_on_host): a check of the script, not a
@@ -32,7 +36,7 @@ import numpy as np
 
 from nixl_transfer import BLOCKS, PLANES, USED, make_agent  # (bench/nixl_transfer.py: the same request)
 
-CHUNK_ROWS, SLOTS = 16, 4
+CHUNK_ROWS, SLOTS = 16, 4  # the defaults of --chunk-rows and --slots
 
 
 def _buffer(nbytes: int, where: str):
@@ -56,32 +60,34 @@ def _rows_of(keep, block: int) -> np.ndarray:
     return data.reshape(PLANES, BLOCKS, block)
 
 
-def _side(agent, block: int, where: str, staging_where: str) -> tuple:
+def _side(agent, block: int, where: str, staging_where: str, chunk_rows: int, slots: int) -> tuple:
     """One end's cache and staging, registered with ``agent``: (the cache's
     keep-alive, its address, its NIXL memory name, the Staging, the registrations,
     the staging's keep-alive)."""
     from kvcopy import nixl
 
     keep, base, memory = _buffer(PLANES * BLOCKS * block, where)
-    slot = CHUNK_ROWS * PLANES * block
-    stage_keep, stage_at, stage_memory = _buffer(SLOTS * slot, staging_where)
+    slot = chunk_rows * PLANES * block
+    stage_keep, stage_at, stage_memory = _buffer(slots * slot, staging_where)
     held = [
         agent.register_memory(np.array([[at, size, 0]], np.uint64), kind)
         for at, size, kind in (
             (base, PLANES * BLOCKS * block, memory),
-            (stage_at, SLOTS * slot, stage_memory),
+            (stage_at, slots * slot, stage_memory),
         )
     ]
-    staging = nixl.Staging(stage_at, slot, SLOTS, memory=stage_memory)
+    staging = nixl.Staging(stage_at, slot, slots, memory=stage_memory)
     return keep, base, memory, staging, held, stage_keep
 
 
-def target(conn, block: int, where: str, staging_where: str, cpu: bool) -> None:
+def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_rows: int, slots: int) -> None:
     """The receiving process: its cache, its staging, and what the sender asks."""
     from kvcopy import Layout, nixl, testing
 
     agent = make_agent("target")
-    keep, base, memory, staging, held, _staging_kept = _side(agent, block, where, staging_where)
+    keep, base, memory, staging, held, _staging_kept = _side(
+        agent, block, where, staging_where, chunk_rows, slots
+    )
     layout = Layout.from_pointers(
         [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
     )
@@ -100,7 +106,7 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool) -> None:
         elif command == "receive":
             with testing.rows_on_host() if cpu else contextlib.nullcontext():
                 nixl.receive_packed(
-                    agent, layout, argument, peer, staging, tag="bench", chunk_rows=CHUNK_ROWS
+                    agent, layout, argument, peer, staging, tag="bench", chunk_rows=chunk_rows
                 )
             conn.send(time.monotonic())  # (one clock for both processes)
         else:
@@ -111,17 +117,23 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool) -> None:
     del keep
 
 
-def one_block_size(block: int, to: str, repeats: int, cpu: bool) -> list[tuple]:
+def one_block_size(
+    block: int, to: str, repeats: int, cpu: bool, chunk_rows: int = CHUNK_ROWS, slots: int = SLOTS
+) -> list[tuple]:
     from kvcopy import Layout, nixl, testing
 
     ctx = multiprocessing.get_context("spawn")
     mine, theirs_end = ctx.Pipe()
     where = "host" if cpu else ("gpu" if to == "gpu" else "pinned")
-    peer_process = ctx.Process(target=target, args=(theirs_end, block, where, "host" if cpu else "gpu", cpu))
+    peer_process = ctx.Process(
+        target=target, args=(theirs_end, block, where, "host" if cpu else "gpu", cpu, chunk_rows, slots)
+    )
     peer_process.start()
     agent = make_agent("initiator")
     source_where = "host" if cpu else "gpu"
-    keep, base, memory, staging, held, _staging_kept = _side(agent, block, source_where, source_where)
+    keep, base, memory, staging, held, _staging_kept = _side(
+        agent, block, source_where, source_where, chunk_rows, slots
+    )
     rng = np.random.default_rng(0)
     source = rng.integers(0, 256, PLANES * BLOCKS * block, dtype=np.uint8)
     if isinstance(keep, np.ndarray):
@@ -189,11 +201,11 @@ def one_block_size(block: int, to: str, repeats: int, cpu: bool) -> list[tuple]:
         mine.send(("receive", theirs))
         start = time.monotonic()
         with testing.rows_on_host() if cpu else contextlib.nullcontext():
-            nixl.send_packed(agent, a, ours, peer, staging, their_staging, tag="bench", chunk_rows=CHUNK_ROWS)
+            nixl.send_packed(agent, a, ours, peer, staging, their_staging, tag="bench", chunk_rows=chunk_rows)
         walls.append(mine.recv() - start)
     mine.send(("rows", theirs))
     assert np.array_equal(mine.recv(), expected), "packed"
-    chunks = -(-USED // CHUNK_ROWS)
+    chunks = -(-USED // chunk_rows)
     wall = statistics.median(walls[1:])
     rows.append((block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, 0.0, wall, moved / wall / 1e9))
     if not cpu and to == "host":
@@ -224,12 +236,23 @@ def _local_copy(block: int, moved: int, repeats: int) -> tuple:
     return (block, "local contiguous GPU->host copy", 1, 0.0, 0.0, wall, moved / wall / 1e9)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2, 32])
     parser.add_argument("--to", choices=("gpu", "host"), default="gpu", help="where the destination cache is")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu", action="store_true", help="host memory both sides, no GPU (a check)")
+    parser.add_argument(
+        "--chunk-rows", type=_positive, default=CHUNK_ROWS, help="blocks a packed chunk carries"
+    )
+    parser.add_argument("--slots", type=_positive, default=SLOTS, help="staging slots a side")
     args = parser.parse_args(argv)
     try:
         make_agent("probe")
@@ -249,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print("{:>6s}  {:40s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
     for kib in args.block_kib:
         for block, name, posted, prepare, post, wall, rate in one_block_size(
-            kib << 10, args.to, args.repeats, args.cpu
+            kib << 10, args.to, args.repeats, args.cpu, args.chunk_rows, args.slots
         ):
             print(
                 f"{block >> 10:4d} KiB  {name:40s} {posted:11d} {prepare * 1e3:10.3f} {post * 1e3:8.3f} "
