@@ -17,7 +17,11 @@ from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
 from kvcopy._plans.copies import plan_copies
 from kvcopy.policy import Thresholds, dma_crossover, fewest_ctas
-from kvcopy.policy.defaults import AUTO_CALIBRATION_BYTES, AUTO_CALIBRATION_REPEATS
+from kvcopy.policy.defaults import (
+    AUTO_CALIBRATION_BYTES,
+    AUTO_CALIBRATION_REPEATS,
+    BOTH_WAYS_CALIBRATION_MIN_BYTES,
+)
 
 # From 4 KiB: on a host whose SMs read host memory slowly, the copy engines win from
 # 16 KiB, where the kernel keeps 0.6 of the link (policy.dma_crossover).
@@ -130,6 +134,15 @@ def _both_ways_threshold(
     return dma_crossover(by_block), measured
 
 
+def measures_both_ways(caps: Any, total_bytes: int) -> bool:
+    """Whether a calibration of ``total_bytes`` measures a store and a load at once: both
+    paths there to compare, and enough bytes that the copy engines' submission does not
+    outweigh their rate (policy.BOTH_WAYS_CALIBRATION_MIN_BYTES)."""
+    return bool(caps.kernel_available and caps.batch_available) and (
+        total_bytes >= BOTH_WAYS_CALIBRATION_MIN_BYTES
+    )
+
+
 def _save(info: devices.DeviceInfo, updates: dict, measured: dict) -> None:
     """Persist a calibration; a cache folder that cannot be written costs the file, not
     the result (it is in use in this process already)."""
@@ -172,7 +185,9 @@ def calibrate(
     """Measure, on this GPU and host, where batched DMA catches up with the copy
     kernel (one way, and for a store and a load at once: copy_both_ways), and the
     fewest copy-kernel CTAs that keep each host direction at 0.90 of the contiguous
-    copy (the default footprint, config.host_ctas=None).
+    copy (the default footprint, config.host_ctas=None). A store and a load at once
+    are measured only with ``total_bytes`` of at least 64 MiB (the default): less
+    misjudges the copy engines there, and the crossover held before stays.
 
     Uses only scratch memory it allocates (2 x total_bytes on the device and in
     pinned host memory) and a stream of its own; takes a few seconds. The result
@@ -223,7 +238,7 @@ def calibrate(
             found[direction] = dma_crossover(by_block)
         before = devices.thresholds(device)
         updates: dict = {"batch_min_bytes": found, "host_ctas": ctas}
-        if info.caps.kernel_available and info.caps.batch_available:
+        if measures_both_ways(info.caps, total_bytes):
             updates["both_ways_batch_min_bytes"], by_block = _both_ways_threshold(
                 device, host, dev, total_bytes, stream, (start, end), repeats, rng
             )

@@ -111,6 +111,15 @@ POOL_EXPLICIT_MAX_WASTE = 0.125
 AUTO_CALIBRATION_QUIET_S = 1.0
 # with this much scratch a side and these repeats: a few seconds of the GPU, once;
 AUTO_CALIBRATION_BYTES = 16 << 20
+# A store and a load at once are measured only where a calibration moves at least this
+# much (kvcopy.calibrate()'s own volume); below it the default or an earlier
+# calibration's crossover stays. Timed from the call to the end of both, a smaller
+# volume weighs the copy engines' submission too heavily: at 16 MiB (8 MiB a side) the
+# first-use calibration found them never ahead up to 256 KiB on an H100 host, and
+# 'auto' kept the kernel pair at 0.60 of the contiguous pair at 128-256 KiB blocks
+# where the engines gave 0.73-0.85 of its wall time (the default had them from 128 KiB
+# on another such host; the quick benchmark's both-directions stage shows both).
+BOTH_WAYS_CALIBRATION_MIN_BYTES = 64 << 20
 AUTO_CALIBRATION_REPEATS = 3
 # and a process that finds another one of the host measuring the same GPU waits this
 # long for its file, asking every AUTO_CALIBRATION_POLL_S, before it gives up (the

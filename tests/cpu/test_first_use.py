@@ -201,3 +201,18 @@ def test_a_device_without_a_file_serves_the_defaults_and_starts_its_calibration(
     device.save_thresholds(info, {"batch_min_bytes": {"h2d": 4096}}, {})
     assert settle() is True and device.thresholds(5).batch_min_bytes["h2d"] == 4096
     device._thresholds.pop(5, None)
+
+
+def test_a_store_and_a_load_at_once_are_measured_only_with_enough_bytes():
+    from kvcopy.calibrate import measures_both_ways
+    from kvcopy.policy.defaults import AUTO_CALIBRATION_BYTES, BOTH_WAYS_CALIBRATION_MIN_BYTES
+
+    both = DeviceCaps(kernel_available=True, batch_available=True)
+    assert measures_both_ways(both, 64 << 20)  # calibrate()'s default
+    assert not measures_both_ways(both, BOTH_WAYS_CALIBRATION_MIN_BYTES - 1)
+    # the first use keeps the default crossover unless it measures as much
+    assert measures_both_ways(both, AUTO_CALIBRATION_BYTES) == (
+        AUTO_CALIBRATION_BYTES >= BOTH_WAYS_CALIBRATION_MIN_BYTES
+    )
+    for caps in (DeviceCaps(kernel_available=False), DeviceCaps(batch_available=False)):
+        assert not measures_both_ways(caps, 1 << 30)  # nothing to compare
