@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -194,7 +193,7 @@ def first_use_calibration(device: int) -> float | None:
     torch.empty(1, device=f"cuda:{device}")  # (the device's context current, as a copy has it)
     started = time.perf_counter()
     engine.device.thresholds(device)
-    if not any(t.name.startswith("kvcopy-calibration-") for t in threading.enumerate()):
+    if engine.first_use.wait(0):  # (none running: a file was found, or it is off)
         return None
     engine.first_use.wait()
     return round(time.perf_counter() - started, 2)
