@@ -16,7 +16,7 @@ from kvcopy._engine.both_ways import execute_both
 from kvcopy.arguments import require_bool, require_int
 from kvcopy._engine.dispatch import execute
 from kvcopy._plans.copies import plan_copies
-from kvcopy.policy import Thresholds, dma_crossover, fewest_ctas
+from kvcopy.policy import DeviceCaps, Thresholds, dma_crossover, fewest_ctas
 from kvcopy.policy.defaults import (
     AUTO_CALIBRATION_BYTES,
     AUTO_CALIBRATION_REPEATS,
@@ -134,7 +134,7 @@ def _both_ways_threshold(
     return dma_crossover(by_block), measured
 
 
-def measures_both_ways(caps: Any, total_bytes: int) -> bool:
+def measures_both_ways(caps: DeviceCaps, total_bytes: int) -> bool:
     """Whether a calibration of ``total_bytes`` measures a store and a load at once: both
     paths there to compare, and enough bytes that the copy engines' submission does not
     outweigh their rate (policy.BOTH_WAYS_CALIBRATION_MIN_BYTES)."""

@@ -111,6 +111,12 @@ POOL_EXPLICIT_MAX_WASTE = 0.125
 AUTO_CALIBRATION_QUIET_S = 1.0
 # with this much scratch a side and these repeats: a few seconds of the GPU, once;
 AUTO_CALIBRATION_BYTES = 16 << 20
+AUTO_CALIBRATION_REPEATS = 3
+# and a process that finds another one of the host measuring the same GPU waits this
+# long for its file, asking every AUTO_CALIBRATION_POLL_S, before it gives up (the
+# defaults serve on); one whose measuring peer died takes its place.
+AUTO_CALIBRATION_WAIT_S = 600.0
+AUTO_CALIBRATION_POLL_S = 0.5
 # A store and a load at once are measured only where a calibration moves at least this
 # much (kvcopy.calibrate()'s own volume); below it the default or an earlier
 # calibration's crossover stays. Timed from the call to the end of both, a smaller
@@ -120,12 +126,6 @@ AUTO_CALIBRATION_BYTES = 16 << 20
 # where the engines gave 0.73-0.85 of its wall time (the default had them from 128 KiB
 # on another such host; the quick benchmark's both-directions stage shows both).
 BOTH_WAYS_CALIBRATION_MIN_BYTES = 64 << 20
-AUTO_CALIBRATION_REPEATS = 3
-# and a process that finds another one of the host measuring the same GPU waits this
-# long for its file, asking every AUTO_CALIBRATION_POLL_S, before it gives up (the
-# defaults serve on); one whose measuring peer died takes its place.
-AUTO_CALIBRATION_WAIT_S = 600.0
-AUTO_CALIBRATION_POLL_S = 0.5
 # The guard (kvcopy.policy.guard): a sampled batch of at least GUARD_MIN_BYTES whose
 # rate is below GUARD_SLOW_SHARE of what calibration measured for its method, direction
 # and block size is slow; GUARD_SLOW_SAMPLES slow ones in a row move 'auto' to the other
