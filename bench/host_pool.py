@@ -18,9 +18,10 @@ For each size (GiB):
     python3 bench/host_pool.py [--sizes 8 64] [--no-stall] [--cold] [--out FILE.json]
 
 Before the timed builds of a size, one pool of it is built and freed untimed, so that
-each build finds the host's memory as the one before it left it (on a virtual
-machine, backed by its host: the first build would otherwise pay the host's page
-faults for all); ``--cold`` leaves that out.
+on a virtual machine whose freed memory stays backed by its host no timed build pays
+the host's page faults for the others (one whose kernel reports freed pages to the
+host, ``page_reporting``, backs nothing for the next build); ``--cold`` leaves that
+out.
 
 Each size needs about twice its memory free on the host at its peak.
 """
@@ -86,8 +87,8 @@ def until_usable(torch, nbytes: int, warm: bool = True) -> dict:
     found: dict = {}
     if warm:
         # (untimed) a virtual machine's first touch of memory its host has not backed
-        # yet costs the host's page faults too: the first build to run would pay them
-        # for every build after it; a bare-metal host pays nothing of the kind
+        # yet costs the host's page faults too: where freed memory stays backed, the
+        # first build would pay them for every build after it
         kvcopy.pinned_pool(nbytes).close()
     for pages in ("auto", "none"):
         seconds, pool = _timed(lambda: kvcopy.pinned_pool(nbytes, huge_pages=pages))
