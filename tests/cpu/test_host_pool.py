@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -450,6 +451,24 @@ def test_touch_waves_tile_the_mapping_and_end_where_chunks_end(nbytes, chunk, wa
     else:  # each wave but the first and last: at least a wave's bytes, less than one more chunk
         biggest = max(size for _, size in chunks)
         assert all(wave <= size < wave + biggest for _, size in waves[1:-1])
+
+
+def test_nothing_past_the_first_chunk_is_touched_before_it_is_registered():
+    seen: list[bool] = []
+
+    class SlowFirstRegistration(FakeDriver):
+        def host_register(self, ptr: int, nbytes: int, read_only: bool = False) -> None:
+            if not self.registered:  # (time for a touch beside it to reach the rest)
+                time.sleep(0.2)
+                seen.append(_resident(ptr + nbytes, PAGE))
+            super().host_register(ptr, nbytes, read_only)
+
+    driver = SlowFirstRegistration()
+    with testing.fake_cuda(driver, ("driver", "memory")):
+        with kvcopy.pinned_pool(8 * MiB, huge_pages="none", chunk_bytes=MiB) as pool:
+            report = pool.wait()
+    assert seen == [False]  # the second chunk's first page: untouched while the first registered
+    assert report.registrations == 8 and driver.untouched == []
 
 
 def test_a_pool_of_many_waves_registers_every_chunk_touched(fake, monkeypatch):
