@@ -109,8 +109,10 @@ POOL_EXPLICIT_MAX_WASTE = 0.125
 # once the device has issued no copy between host and GPU for this long, so that it
 # measures in a gap of the caller's traffic rather than beside it;
 AUTO_CALIBRATION_QUIET_S = 1.0
-# with this much scratch a side and these repeats: a few seconds of the GPU, once;
-AUTO_CALIBRATION_BYTES = 16 << 20
+# with kvcopy.calibrate()'s own volume and these repeats (about a second of the GPU,
+# once), so that it measures a store and a load at once too
+# (BOTH_WAYS_CALIBRATION_MIN_BYTES, below);
+AUTO_CALIBRATION_BYTES = 64 << 20
 AUTO_CALIBRATION_REPEATS = 3
 # and a process that finds another one of the host measuring the same GPU waits this
 # long for its file, asking every AUTO_CALIBRATION_POLL_S, before it gives up (the
