@@ -12,7 +12,8 @@ import kvcopy
 from kvcopy.policy import Decision, Thresholds
 from kvcopy.testing import engine, settings
 
-BLOCK, COUNT = 256 << 10, 64  # below the defaults' 1 MiB: the kernel's, uncalibrated
+# below the defaults' 1 MiB (the kernel's, uncalibrated), and too many copies to be replayed
+BLOCK, COUNT = 256 << 10, 256
 
 
 def test_a_kernel_held_to_one_cta_is_calibrated_away_from(torch_cuda, tmp_path, monkeypatch):
