@@ -183,6 +183,7 @@ CUDA_MODULES = (
     "replay_records",
     "rows",
     "stage",
+    "tensor_stamps",
     "testing",
 )
 

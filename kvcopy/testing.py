@@ -37,7 +37,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   ``expand`` (the plan as the pointer copies the kernel computes), so that a test
   can run a plan between host arrays and compare the bytes with an oracle;
   ``refuse_rows_crossing`` (copy_rows_both_ways' race check); and swap_blocks'
-  planning (``plan_blocks``).
+  planning (``block_geometry``, kept for unchanged torch tensors, and ``plan_blocks``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import both_ways, decide, dispatch, guard, kernel, replay, staged, traffic_window
 from kvcopy._engine import rows as rows_engine
 from kvcopy._engine import rows_memo
-from kvcopy._plans.blocks import plan_blocks
+from kvcopy._plans.blocks import block_geometry, plan_blocks
 from kvcopy._plans.rows import RowsPlan, expand, plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy._runtime import (
@@ -140,7 +140,11 @@ engine = types.SimpleNamespace(
 # What a pinned pool reads of the host (NUMA facts) and does to its memory.
 host = types.SimpleNamespace(numa=numa, pages=host_pages)
 plans = types.SimpleNamespace(
-    plan_rows=plan_rows, expand=expand, plan_blocks=plan_blocks, refuse_rows_crossing=refuse_rows_crossing
+    plan_rows=plan_rows,
+    expand=expand,
+    block_geometry=block_geometry,
+    plan_blocks=plan_blocks,
+    refuse_rows_crossing=refuse_rows_crossing,
 )
 
 

@@ -316,6 +316,7 @@ def kept_or_classified(
     classify_again: Callable[[np.ndarray, np.ndarray], MemoryClasses],
     method: str,
     hold_it_all: Callable[[], bool] = lambda: True,
+    store: kept_memory.MemoryStore | None = None,
 ) -> tuple[MemoryClasses, np.ndarray, np.ndarray]:
     """Memory classes and each side's ``bases`` as the device sees them: as kept for
     the same live ``owners`` under ``key_of()`` (worked out only where owners may be
@@ -323,7 +324,19 @@ def kept_or_classified(
     (kvcopy._runtime.kept_memory), else classified now by ``classify_again(src_view,
     dst_view)`` and kept where ``hold_it_all()`` says the owners hold all of that
     memory. A default stream's call moves to the memory's device either way, as
-    classification moves it."""
+    classification moves it. ``store``: where the plan's owners were found unchanged
+    (kept_memory.find_in), the place to look and keep instead."""
+    if store is not None:
+        context = driver.current_context_key()
+        kept = kept_memory.find_in(store, context)
+        if kept is not None:
+            scope.follow_memory(kept.found.owner)
+            return kept.found, kept.src_view, kept.dst_view
+        src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
+        found = settled_classes(scope, method, lambda: classify_again(src_view, dst_view))
+        if context:
+            kept_memory.keep_in(store, context, found, src_view, dst_view)
+        return found, src_view, dst_view
     # (only torch tensors are kept: the first owner says whether to look; a hit is the
     # same objects, and keep() checks every owner)
     context = driver.current_context_key() if kept_memory.may_be_kept(owners) else 0
@@ -361,6 +374,7 @@ def execute_blocks(
             (geometry.src_base, geometry.dst_base),
             lambda src_view, dst_view: classify_tensors(blocks, src_view, dst_view),
             method,
+            store=blocks.memory,
         )
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found, note_traffic=True)
         # (a graph cannot wait for work outside it)

@@ -14,6 +14,9 @@ from kvcopy._plans.races import race_in_plan
 from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
+from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.kept_reads import KeptReads
+from kvcopy._runtime.kept_memory import MemoryStore, new_store
 from kvcopy.interop.tensors import (
     BlockLayout,
     ConsumerStream,
@@ -153,9 +156,12 @@ class BlockGeometry:
         dst = side(self.dst_stride, self.dst_factor, self.id_limits[1])
         return None if src is None or dst is None else (src, dst)
 
-    def with_mapping(self, block_mapping: Any, owners: tuple = ()) -> "BlockPlan":
+    def with_mapping(
+        self, block_mapping: Any, owners: tuple = (), memory: MemoryStore | None = None
+    ) -> "BlockPlan":
         """Validate ``block_mapping`` against this geometry (read from ``owners``, the
-        src tensors then the dst tensors, where known). Raises TypeError/ValueError."""
+        src tensors then the dst tensors, where known; ``memory``: the store kept with
+        the geometry for them, KeptGeometry). Raises TypeError/ValueError."""
         mapping = np.ascontiguousarray(as_block_mapping(block_mapping))
         if not (self.num_tensors and block_ids_ok(mapping, *self.id_limits)):
             # (the checks below say what failed)
@@ -163,7 +169,7 @@ class BlockGeometry:
             _check_ids(mapping[:, 0], self.src_blocks, "source", "src", multi)
             _check_ids(mapping[:, 1], self.dst_blocks, "destination", "dst", multi)
             _check_unique_destinations(mapping[:, 1])
-        plan = BlockPlan(self, mapping, owners)
+        plan = BlockPlan(self, mapping, owners, memory)
         race = race_in_plan(plan)
         if race:
             raise ValueError(f"{race}: the copies of one call run in no defined order")
@@ -179,6 +185,9 @@ class BlockPlan:
     # the objects the geometry was read from, src then dst (empty where not known): the
     # engine keeps their memory's classification while they live (kvcopy._runtime.kept_memory)
     owners: tuple = field(default=(), compare=False, repr=False)
+    # where the geometry was kept for unchanged torch tensors, the store kept with it for
+    # what the engine finds of their memory (KeptGeometry), else None
+    memory: MemoryStore | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_pairs(self) -> int:
@@ -318,10 +327,31 @@ def _layouts_of_pair(
     return ls, ld
 
 
+@dataclass(frozen=True)
+class KeptGeometry:
+    """A geometry read from torch tensors, kept while they are unchanged
+    (kvcopy.interop.kept_reads), and the store for what the engine finds of their
+    memory (kvcopy._runtime.kept_memory.find_in): unchanged live tensors hold the same
+    memory, so it is classified once."""
+
+    geometry: BlockGeometry
+    memory: MemoryStore = field(default_factory=new_store)
+
+
 def block_geometry(
     src: Any, dst: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
 ) -> BlockGeometry:
     """Validate the tensors of a swap_blocks call (no driver needed). Raises TypeError/ValueError.
+    See geometry_and_memory."""
+    return geometry_and_memory(src, dst, split_blocks=split_blocks, stream=stream)[0]
+
+
+def geometry_and_memory(
+    src: Any, dst: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
+) -> tuple[BlockGeometry, MemoryStore | None]:
+    """The geometry of a swap_blocks call's tensors, and where it was kept for torch
+    tensors, the store kept with it for their memory (KeptGeometry; else None).
+    Raises TypeError/ValueError.
 
     Runs on every swap_blocks call, so a list of torch tensors of one shape,
     stride and dtype per side (the usual per-layer cache) is read in one
@@ -336,6 +366,19 @@ def block_geometry(
         raise ValueError("src: no tensors given")
     if len(srcs) != len(dsts):
         raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
+    if framework_of(srcs[0]) == "torch" and framework_of(dsts[0]) == "torch":
+        # (an engine passes the same caches every step: read them once while unchanged)
+        kept = _kept_geometries.get(
+            (*srcs, *dsts),
+            ("forward", len(srcs), split_blocks),
+            lambda: KeptGeometry(_read_geometry(srcs, dsts, split_blocks, stream)),
+        )
+        return kept.geometry, kept.memory
+    return _read_geometry(srcs, dsts, split_blocks, stream), None
+
+
+def _read_geometry(srcs: list, dsts: list, split_blocks: bool, stream: ConsumerStream) -> BlockGeometry:
+    """block_geometry read from the tensors themselves."""
     fast = _uniform_geometry(srcs, dsts)
     if fast is not None:
         return fast
@@ -408,10 +451,14 @@ def _uniform_geometry(srcs: list, dsts: list) -> BlockGeometry | None:
 
 
 # Geometries of uniform torch lists by what they were read from (layouts and addresses:
-# the whole of a geometry), so that a repeated call builds none of its columns again;
-# enough for two a layer of a 128-layer model called layer by layer, both ways.
+# the whole of a geometry), so that a repeated call builds none of its columns again
+# (views made anew at every call are new objects, read again); and geometries of torch
+# tensors by the tensors themselves while they are unchanged, so that a repeated call
+# reads none of them again. Enough for two a layer of a 128-layer model called layer
+# by layer, both ways.
 _GEOMETRIES_KEPT = 1024
 _uniform_geometries: dict[tuple, BlockGeometry] = {}
+_kept_geometries = KeptReads(_GEOMETRIES_KEPT)
 
 
 def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeometry] | None:
@@ -420,18 +467,22 @@ def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeomet
     per-layer caches: reading them is most of a swap_blocks call's CPU time); else
     None, and each direction is to be read by block_geometry."""
     srcs, dsts = as_list(src), as_list(dst)
-    if not srcs or len(srcs) != len(dsts):
+    if not srcs or len(srcs) != len(dsts) or framework_of(srcs[0]) != "torch":
         return None
-    forward = _uniform_geometry(srcs, dsts)
-    return None if forward is None else (forward, forward.reversed())
+
+    def read() -> tuple[BlockGeometry, BlockGeometry] | None:
+        forward = _uniform_geometry(srcs, dsts)
+        return None if forward is None else (forward, forward.reversed())
+
+    return _kept_geometries.get((*srcs, *dsts), ("both", len(srcs)), read)
 
 
 def plan_blocks(
     src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
 ) -> BlockPlan:
     """Validate a swap_blocks call (no driver needed). Raises TypeError/ValueError."""
-    geometry = block_geometry(src, dst, split_blocks=split_blocks, stream=stream)
-    return geometry.with_mapping(block_mapping, (*as_list(src), *as_list(dst)))
+    geometry, memory = geometry_and_memory(src, dst, split_blocks=split_blocks, stream=stream)
+    return geometry.with_mapping(block_mapping, (*as_list(src), *as_list(dst)), memory)
 
 
 def plan_block_copies(src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False):
@@ -446,6 +497,7 @@ __all__ = [
     "BlockPlan",
     "block_geometry",
     "crossing_pairs",
+    "geometry_and_memory",
     "geometry_and_reverse",
     "plan_block_copies",
     "plan_blocks",

@@ -32,6 +32,7 @@ from kvcopy.kept import dropper, make_room
 
 # Enough for both directions of every layer of a 128-layer model called layer by layer.
 _KEPT = 512
+_STORE_CONTEXTS = 8  # contexts one geometry's store keeps memory for
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,44 @@ def keep(
         _kept[key] = KeptMemory(found, src_view, dst_view, refs)
 
 
+class MemoryStore:
+    """What the engine found of one set of tensors' memory, by context, held by what
+    lives exactly as long as those tensors are the same live, unchanged objects (a
+    KeptGeometry: kvcopy.interop.kept_reads checks them), so no owner is checked
+    here. forget() empties every store."""
+
+    __slots__ = ("by_context", "__weakref__")
+
+    def __init__(self) -> None:
+        self.by_context: dict[int, KeptMemory] = {}
+
+
+_stores: "weakref.WeakSet[MemoryStore]" = weakref.WeakSet()
+
+
+def new_store() -> MemoryStore:
+    """An empty store, emptied by forget() while it lives."""
+    store = MemoryStore()
+    with _lock:
+        _stores.add(store)
+    return store
+
+
+def find_in(store: MemoryStore, context: int) -> KeptMemory | None:
+    """The memory kept in ``store`` for ``context``, or None."""
+    return store.by_context.get(context)
+
+
+def keep_in(store: MemoryStore, context: int, found: Any, src_view: np.ndarray, dst_view: np.ndarray) -> None:
+    """Keep what classification found in ``store`` for ``context``."""
+    for view in (src_view, dst_view):
+        view.flags.writeable = False
+    with _lock:
+        if len(store.by_context) >= _STORE_CONTEXTS:  # (contexts come and go: bounded)
+            store.by_context.clear()
+        store.by_context[context] = KeptMemory(found, src_view, dst_view, ())
+
+
 def holds_planes(layout: Any) -> bool:
     """Whether a layout's torch tensors (its ``keep``) hold every byte of its planes:
     each plane, base to extent, inside one tensor's storage. A layout built from
@@ -128,8 +167,10 @@ def forget() -> None:
     with _lock:
         _generation += 1
         _kept.clear()
+        for store in list(_stores):
+            store.by_context.clear()
 
 
 def kept() -> int:
     """How many plans' memory is kept (for tests)."""
-    return len(_kept)
+    return len(_kept) + sum(len(store.by_context) for store in list(_stores))

@@ -489,7 +489,7 @@ class PlannedBlocks:
     def __init__(self, count: int) -> None:
         self.num_pairs = self.num_copies = count
         self.total_bytes = count * 4096
-        self.owners = ()  # (read from no tensors: classified at every call)
+        self.owners, self.memory = (), None  # (read from no tensors: classified at every call)
         base = np.zeros(1, dtype=np.uint64)
         self.geometry = types.SimpleNamespace(
             src_base=base, dst_base=base, src_extent=base, dst_extent=base, producer_streams=(), key=None

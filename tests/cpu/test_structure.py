@@ -41,6 +41,7 @@ PURE = {
     "kvcopy._plans.rows_staging",
     "kvcopy.layouts",
     "kvcopy._cuda.plan_arrays",
+    "kvcopy._cuda.tensor_stamps",
     "kvcopy._cuda.copy_loop",
     "kvcopy._engine.traffic_window",
     "kvcopy._runtime.persist",

@@ -287,6 +287,7 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, se
             src_base=zeros, dst_base=zeros, src_extent=zeros, dst_extent=zeros, key=None
         ),
         owners=(),
+        memory=None,
     )
     with pytest.raises(Asked):
         dispatch.execute_blocks(blocks, 7)

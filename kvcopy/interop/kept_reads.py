@@ -1,0 +1,113 @@
+"""What was read from torch tensors, kept while none of them has changed.
+
+Reading a torch tensor's geometry (address, shape, strides, dtype, flags) costs about
+0.7 µs a tensor; an engine hands kvcopy the same per-layer caches every step, 32 to
+128 tensors a side, so rereading them was most of a call's CPU time. A value worked
+out from a sequence of tensors is kept here and given back while each tensor is the
+same live object, at the same address, with the same version counter:
+
+- every in-place change of a tensor's metadata (``set_``, ``resize_``,
+  ``as_strided_``, ``transpose_`` and the other in-place view ops) bumps its version
+  counter, so a changed tensor is read again;
+- a write to the data bumps it too: the tensor is read again (a miss, never a wrong
+  answer);
+- ``tensor.data = other`` changes no counter; the address is checked besides, so a
+  tensor moved to other memory is read again. The one change not seen is ``.data =``
+  given a view of the same memory at the same address (only its shape or strides
+  differ): kvcopy does not keep up with it, which never reaches freed memory, since
+  the view holds it;
+- a tensor freed and another made at its ``id`` is another object: the entry holds
+  weak references, never the tensors themselves (so their memory is never held);
+- inference tensors (made under ``torch.inference_mode``) have no version counter:
+  nothing read from them is kept, and they are read at every call.
+
+The check is one C loop (kvcopy._cuda.tensor_stamps): about 0.2 µs a tensor, a third
+of reading it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+from kvcopy._cuda.tensor_stamps import identity_hash, stamps_hold
+from kvcopy.interop.frameworks import is_torch
+from kvcopy.kept import dropper, make_room
+
+T = TypeVar("T")
+
+
+class _Entry:
+    """One kept value: the tensors' weak references, versions and addresses."""
+
+    __slots__ = ("refs", "versions", "addresses", "value")
+
+    def __init__(self, refs: tuple, versions: tuple, addresses: tuple, value: Any) -> None:
+        self.refs, self.versions, self.addresses, self.value = refs, versions, addresses, value
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.refs)
+
+
+def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple] | None:
+    """The tensors' version counters and addresses, or None where one is not a torch
+    tensor, has no version counter (an inference tensor) or no storage (sparse,
+    nested: the reader names them)."""
+    if not all(map(is_torch, tensors)):
+        return None
+    try:
+        return tuple(t._version for t in tensors), tuple(t.data_ptr() for t in tensors)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class KeptReads:
+    """Values worked out from sequences of torch tensors, bounded to ``limit`` entries
+    (the oldest goes first), each kept while its tensors are unchanged (module doc).
+
+    Thread-safe: a lookup reads one entry, which is never changed; a store replaces
+    it whole."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tensors: Sequence[Any], extra: Hashable, read: Callable[[], T]) -> T:
+        """``read()``'s value for ``tensors`` and ``extra`` (whatever else the value
+        depends on), kept from an earlier call where every tensor is the same object,
+        unchanged; else ``read()`` now, kept unless it is None or a tensor cannot be
+        stamped. An exception from ``read`` passes through and keeps nothing."""
+        # (the key is a hash of identities; stamps_hold checks the identities)
+        key = (extra, identity_hash(tensors))
+        entry = self._entries.get(key)
+        if entry is not None and stamps_hold(entry.refs, tensors, entry.versions, entry.addresses):
+            return entry.value
+        # (stamped before the read: a change between the two makes the next call read
+        # again, and never keeps an old value under a new stamp)
+        stamps = _stamps(tensors)
+        value = read()
+        if value is not None and stamps is not None:
+            self._keep(key, tensors, stamps, value)
+        return value
+
+    def _keep(self, key: tuple, tensors: Sequence[Any], stamps: tuple[tuple, tuple], value: Any) -> None:
+        try:
+            refs = tuple(weakref.ref(t, dropper(self._entries, key)) for t in tensors)
+        except TypeError:  # (an object that takes no weak reference)
+            return
+        with self._lock:
+            make_room(self._entries, self._limit)
+            self._entries[key] = _Entry(refs, *stamps, value)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+__all__ = ["KeptReads"]

@@ -1,0 +1,164 @@
+"""What was read from torch tensors is kept while they are unchanged
+(kvcopy.interop.kept_reads): the same tensors are read once; every in-place change of
+one (its metadata, its data, its memory), a freed one, an inference tensor, or an
+object that is not a torch tensor is read again."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from kvcopy.interop.kept_reads import KeptReads
+from kvcopy.testing import plans
+
+torch = pytest.importorskip("torch")
+
+
+def caches(n: int = 3) -> list:
+    return [torch.zeros(8, 64, dtype=torch.uint8) for _ in range(n)]
+
+
+class Reader:
+    """A read that counts itself and returns what it read: each tensor's address and
+    shape."""
+
+    def __init__(self, tensors: list) -> None:
+        self.tensors, self.reads = tensors, 0
+
+    def __call__(self) -> tuple:
+        self.reads += 1
+        return tuple((address(t), tuple(t.shape)) for t in self.tensors)
+
+
+def address(t) -> int:
+    return t.ctypes.data if isinstance(t, np.ndarray) else t.data_ptr()
+
+
+def read_through(kept: KeptReads, tensors: list, reader: Reader) -> tuple:
+    return kept.get(tensors, "test", reader)
+
+
+def test_the_same_tensors_are_read_once_even_in_another_list():
+    kept, tensors = KeptReads(8), caches()
+    reader = Reader(tensors)
+    first = read_through(kept, tensors, reader)
+    assert read_through(kept, list(tensors), reader) is first
+    assert read_through(kept, tuple(tensors), reader) is first
+    assert reader.reads == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.set_(torch.zeros(8, 64, dtype=torch.uint8).untyped_storage(), 0, (8, 64)),
+        lambda t: t.set_(t.untyped_storage(), 64, (7, 64)),
+        lambda t: t.resize_(4, 64),
+        lambda t: t.resize_(64, 64),
+        lambda t: t.as_strided_((4, 64), (128, 1)),
+        lambda t: t.transpose_(0, 1),
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.fill_(1),
+        lambda t: setattr(t, "data", torch.zeros(2, 64, dtype=torch.uint8)),
+    ],
+    ids=[
+        "set_",
+        "set_-same-storage",
+        "resize_-smaller",
+        "resize_-larger",
+        "as_strided_",
+        "transpose_",
+        "unsqueeze_",
+        "a-write",
+        "data-elsewhere",
+    ],
+)
+def test_a_tensor_changed_in_place_is_read_again(change):
+    kept, tensors = KeptReads(8), caches()
+    reader = Reader(tensors)
+    read_through(kept, tensors, reader)
+    change(tensors[1])
+    again = read_through(kept, tensors, reader)
+    assert reader.reads == 2
+    assert again[1] == (tensors[1].data_ptr(), tuple(tensors[1].shape))
+    assert read_through(kept, tensors, reader) is again  # kept again, as changed
+    assert reader.reads == 2
+
+
+def test_another_tensor_in_a_place_of_the_list_is_read_again():
+    kept, tensors = KeptReads(8), caches()
+    reader = Reader(tensors)
+    read_through(kept, tensors, reader)
+    other = list(tensors)
+    other[2] = tensors[2].view(8, 64)  # the same memory, another object
+    read_through(kept, other, Reader(other))
+    swapped = [tensors[1], tensors[0], tensors[2]]
+    swapped_reader = Reader(swapped)
+    read_through(kept, swapped, swapped_reader)
+    assert swapped_reader.reads == 1
+
+
+def test_an_entry_leaves_with_its_first_freed_tensor():
+    kept, tensors = KeptReads(8), caches()
+    read_through(kept, tensors, Reader(tensors))
+    assert len(kept) == 1
+    tensors.pop()
+    gc.collect()
+    assert len(kept) == 0
+
+
+def test_inference_tensors_and_other_objects_are_read_at_every_call():
+    with torch.inference_mode():
+        frozen = caches()
+    arrays = [np.zeros((8, 64), np.uint8) for _ in range(3)]
+    for tensors in (frozen, arrays, [*caches(2), arrays[0]]):
+        kept, reader = KeptReads(8), Reader(tensors)
+        for _ in range(3):
+            read_through(kept, tensors, reader)
+        assert reader.reads == 3 and len(kept) == 0
+
+
+def test_a_failed_or_empty_read_keeps_nothing():
+    kept, tensors = KeptReads(8), caches()
+
+    def fails() -> None:
+        raise ValueError("bad tensors")
+
+    with pytest.raises(ValueError, match="^bad tensors$"):
+        kept.get(tensors, "test", fails)
+    assert kept.get(tensors, "test", lambda: None) is None
+    assert len(kept) == 0
+
+
+def test_what_else_a_value_depends_on_is_part_of_its_key():
+    kept, tensors = KeptReads(8), caches()
+    assert kept.get(tensors, "a", lambda: 1) == 1
+    assert kept.get(tensors, "b", lambda: 2) == 2
+    assert kept.get(tensors, "a", lambda: 3) == 1
+
+
+def test_the_store_is_bounded_oldest_first():
+    kept = KeptReads(4)
+    lists = [caches(1) for _ in range(6)]
+    for k, tensors in enumerate(lists):
+        kept.get(tensors, "test", lambda k=k: k)
+    assert len(kept) <= 4
+    assert kept.get(lists[-1], "test", lambda: "read") == 5
+    assert kept.get(lists[0], "test", lambda: "read") == "read"
+
+
+def test_a_swap_blocks_geometry_follows_a_moved_or_resized_cache():
+    """block_geometry of per-layer caches repeated: the same geometry while unchanged,
+    the new addresses and block counts after set_ and resize_."""
+    src, dst = caches(), caches()
+    first = plans.block_geometry(src, dst)
+    assert plans.block_geometry(src, dst) is first
+    moved = torch.zeros(8, 64, dtype=torch.uint8)
+    src[1].set_(moved.untyped_storage(), 0, (8, 64))
+    after = plans.block_geometry(src, dst)
+    assert after.src_base.tolist()[1] == moved.data_ptr()
+    dst[0].resize_(4, 64)
+    assert plans.block_geometry(src, dst).dst_blocks.tolist() == [4, 8, 8]
+    with pytest.raises(ValueError, match=r"destination block 5 is out of range for dst\[0\], which has 4"):
+        plans.plan_blocks(src, dst, [[0, 5]])
