@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcopy._engine import both_ways, dispatch
 from kvcopy._plans.races import race_between
-from kvcopy._plans.blocks import BlockGeometry, BlockPlan, geometry_and_reverse, plan_blocks
+from kvcopy._plans.blocks import BlockPlan, KeptGeometry, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_triple
 from kvcopy.interop.arrays import as_list
 from kvcopy._cuda import driver
@@ -77,13 +77,13 @@ def swap_blocks(
 
 
 def _block_side(
-    side: Any, name: str, split_blocks: bool, handle: int, geometry: BlockGeometry | None = None
+    side: Any, name: str, split_blocks: bool, handle: int, kept: KeptGeometry | None = None
 ) -> BlockPlan:
     """One side of swap_blocks_both_ways, validated (its tensors read again unless
-    ``geometry`` is given); errors named after the side."""
+    their geometry is ``kept``); errors named after the side."""
     try:
-        if geometry is not None:
-            return geometry.with_mapping(side[2])
+        if kept is not None:
+            return kept.geometry.with_mapping(side[2], (*as_list(side[0]), *as_list(side[1])), kept.memory)
         return plan_blocks(*side, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None

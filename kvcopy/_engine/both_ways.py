@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcopy import policy
 from kvcopy._engine import decide, dispatch, staged
-from kvcopy._runtime import device, kernels, ring, side_streams
+from kvcopy._runtime import device, kept_memory, kernels, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
 from kvcopy._runtime.context import ContextScope
@@ -335,17 +335,29 @@ def execute_plans_both(
     return execute_both(first.copy_arrays(), second.copy_arrays(), stream_handle, method, names)
 
 
+def _classified(plan: BlockPlan) -> tuple[decide.MemoryClasses, tuple[np.ndarray, np.ndarray]]:
+    """A plan's memory classes and each side's bases as the device sees them: kept in
+    its store where its tensors were found unchanged (kept_memory.find_in), else
+    classified now (and kept there)."""
+    context = driver.current_context_key() if plan.memory is not None else 0
+    kept = kept_memory.find_in(plan.memory, context) if plan.memory is not None and context else None
+    if kept is not None:
+        return kept.found, (kept.src_view, kept.dst_view)
+    views = (np.empty_like(plan.geometry.src_base), np.empty_like(plan.geometry.dst_base))
+    found = dispatch.classify_tensors(plan, *views)
+    if plan.memory is not None and context:
+        kept_memory.keep_in(plan.memory, context, found, *views)
+    return found, views
+
+
 def _blocks_both(
     scope: ContextScope, handle: int, first: BlockPlan, second: BlockPlan, method: str
 ) -> tuple[str, str] | None:
     if driver.stream_capture_status(handle) != 0:
         return None
-    views = [
-        (np.empty_like(p.geometry.src_base), np.empty_like(p.geometry.dst_base)) for p in (first, second)
-    ]
     while True:
-        found = [dispatch.classify_tensors(p, *v) for p, v in zip((first, second), views)]
-        owner = _one_owner(found)
+        found, views = zip(*(_classified(p) for p in (first, second)))
+        owner = _one_owner(list(found))
         if owner is None:
             return None
         if not scope.follow_memory(owner):

@@ -461,18 +461,19 @@ _uniform_geometries: dict[tuple, BlockGeometry] = {}
 _kept_geometries = KeptReads(_GEOMETRIES_KEPT)
 
 
-def geometry_and_reverse(src: Any, dst: Any) -> tuple[BlockGeometry, BlockGeometry] | None:
-    """The geometry of src -> dst and of dst -> src from one reading of the tensors, for
-    lists of torch tensors of one layout per side and one block size (the usual
-    per-layer caches: reading them is most of a swap_blocks call's CPU time); else
-    None, and each direction is to be read by block_geometry."""
+def geometry_and_reverse(src: Any, dst: Any) -> tuple[KeptGeometry, KeptGeometry] | None:
+    """The geometry of src -> dst and of dst -> src from one reading of the tensors, each
+    with its store for their memory (KeptGeometry), for lists of torch tensors of one
+    layout per side and one block size (the usual per-layer caches: reading them is
+    most of a swap_blocks call's CPU time); else None, and each direction is to be read
+    by block_geometry."""
     srcs, dsts = as_list(src), as_list(dst)
     if not srcs or len(srcs) != len(dsts) or framework_of(srcs[0]) != "torch":
         return None
 
-    def read() -> tuple[BlockGeometry, BlockGeometry] | None:
+    def read() -> tuple[KeptGeometry, KeptGeometry] | None:
         forward = _uniform_geometry(srcs, dsts)
-        return None if forward is None else (forward, forward.reversed())
+        return None if forward is None else (KeptGeometry(forward), KeptGeometry(forward.reversed()))
 
     return _kept_geometries.get((*srcs, *dsts), ("both", len(srcs)), read)
 

@@ -143,3 +143,30 @@ def test_a_layout_over_memory_its_tensors_do_not_hold_is_classified_at_every_cal
     a = kvcopy.Layout.from_pointers([elsewhere.ctypes.data], slots=8, row_bytes=256, keep=(held,))
     b = kvcopy.Layout.of(caches(1), slot=0)
     assert row_classifications(host, a, b, calls=3) == 3
+
+
+def test_a_store_and_a_load_at_once_over_the_same_tensors_are_classified_once():
+    """swap_blocks_both_ways of a GPU cache's store to host and a load back, repeated:
+    each direction's memory is asked of the driver at the first call only, and both
+    go out in one launch at every call."""
+    gpu, cpu = caches(), caches()
+    store, load = np.array([[1, 2]]), np.array([[3, 4]])
+    host = cpu_calls.FakeHost([], gpu)  # (gpu's memory answers as device memory)
+    host.answers["launch.blocks_both_upload_bytes"] = lambda *args: 4096
+    host.answers["launch.launch_blocks_both_uploaded"] = lambda *args: 1
+    with host.standing_in():
+        store_and_load_twice(host, gpu, cpu, store, load)
+
+
+def store_and_load_twice(host, gpu: list, cpu: list, store: np.ndarray, load: np.ndarray) -> None:
+    for _ in range(4):
+        assert kvcopy.swap_blocks_both_ways((gpu, cpu, store), (cpu, gpu, load), stream=0x7F00_1234) == (
+            "kernel",
+            "kernel",
+        )
+    assert host.counts["classify.classify_pointers"] == 4  # (two sides a direction, once)
+    moved = torch.zeros(8, 256, dtype=torch.uint8)
+    cpu[1].set_(moved.untyped_storage(), 0, (8, 256))
+    host.counts.clear()
+    kvcopy.swap_blocks_both_ways((gpu, cpu, store), (cpu, gpu, load), stream=0x7F00_1234)
+    assert host.counts["classify.classify_pointers"] == 4

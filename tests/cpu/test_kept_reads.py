@@ -61,6 +61,7 @@ def test_the_same_tensors_are_read_once_even_in_another_list():
         lambda t: t.unsqueeze_(0),
         lambda t: t.fill_(1),
         lambda t: setattr(t, "data", torch.zeros(2, 64, dtype=torch.uint8)),
+        lambda t: t.untyped_storage().resize_(0),
     ],
     ids=[
         "set_",
@@ -72,6 +73,7 @@ def test_the_same_tensors_are_read_once_even_in_another_list():
         "unsqueeze_",
         "a-write",
         "data-elsewhere",
+        "storage-freed",
     ],
 )
 def test_a_tensor_changed_in_place_is_read_again(change):
