@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcopy._engine import both_ways, dispatch
 from kvcopy._plans.races import race_between
-from kvcopy._plans.blocks import BlockPlan, KeptGeometry, geometry_and_reverse, plan_blocks
+from kvcopy._plans.blocks import BlockPlan, GeometryAndMemory, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_triple
 from kvcopy.interop.arrays import as_list
 from kvcopy._cuda import driver
@@ -77,13 +77,13 @@ def swap_blocks(
 
 
 def _block_side(
-    side: Any, name: str, split_blocks: bool, handle: int, kept: KeptGeometry | None = None
+    side: Any, name: str, split_blocks: bool, handle: int, read: GeometryAndMemory | None = None
 ) -> BlockPlan:
     """One side of swap_blocks_both_ways, validated (its tensors read again unless
-    their geometry is ``kept``); errors named after the side."""
+    their geometry and memory store are given, ``read``); errors named after the side."""
     try:
-        if kept is not None:
-            return kept.geometry.with_mapping(side[2], (*as_list(side[0]), *as_list(side[1])), kept.memory)
+        if read is not None:
+            return read[0].with_mapping(side[2], (*as_list(side[0]), *as_list(side[1])), read[1])
         return plan_blocks(*side, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -346,9 +346,12 @@ def block_geometry(
     return geometry_and_memory(src, dst, split_blocks=split_blocks, stream=stream)[0]
 
 
+GeometryAndMemory = tuple[BlockGeometry, Optional[MemoryStore]]
+
+
 def geometry_and_memory(
     src: Any, dst: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
-) -> tuple[BlockGeometry, MemoryStore | None]:
+) -> GeometryAndMemory:
     """The geometry of a swap_blocks call's tensors, and where it was kept for torch
     tensors, the store kept with it for their memory (KeptGeometry; else None).
     Raises TypeError/ValueError.
@@ -368,12 +371,14 @@ def geometry_and_memory(
         raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
     if framework_of(srcs[0]) == "torch" and framework_of(dsts[0]) == "torch":
         # (an engine passes the same caches every step: read them once while unchanged)
-        kept = _kept_geometries.get(
+        kept, held = _kept_geometries.lookup(
             (*srcs, *dsts),
             ("forward", len(srcs), split_blocks),
             lambda: KeptGeometry(_read_geometry(srcs, dsts, split_blocks, stream)),
         )
-        return kept.geometry, kept.memory
+        # (a store for memory only where the geometry is kept: else the engine's
+        # kept_memory, keyed by the tensors, knows them again)
+        return kept.geometry, kept.memory if held else None
     return _read_geometry(srcs, dsts, split_blocks, stream), None
 
 
@@ -461,9 +466,9 @@ _uniform_geometries: dict[tuple, BlockGeometry] = {}
 _kept_geometries = KeptReads(_GEOMETRIES_KEPT)
 
 
-def geometry_and_reverse(src: Any, dst: Any) -> tuple[KeptGeometry, KeptGeometry] | None:
+def geometry_and_reverse(src: Any, dst: Any) -> tuple[GeometryAndMemory, GeometryAndMemory] | None:
     """The geometry of src -> dst and of dst -> src from one reading of the tensors, each
-    with its store for their memory (KeptGeometry), for lists of torch tensors of one
+    with its store for their memory where kept (see geometry_and_memory), for lists of torch tensors of one
     layout per side and one block size (the usual per-layer caches: reading them is
     most of a swap_blocks call's CPU time); else None, and each direction is to be read
     by block_geometry."""
@@ -475,7 +480,15 @@ def geometry_and_reverse(src: Any, dst: Any) -> tuple[KeptGeometry, KeptGeometry
         forward = _uniform_geometry(srcs, dsts)
         return None if forward is None else (KeptGeometry(forward), KeptGeometry(forward.reversed()))
 
-    return _kept_geometries.get((*srcs, *dsts), ("both", len(srcs)), read)
+    found, held = _kept_geometries.lookup((*srcs, *dsts), ("both", len(srcs)), read)
+    if found is None:
+        return None
+    # (a store for memory only where the geometries are kept, as geometry_and_memory)
+    forward, back = found
+    return (forward.geometry, forward.memory if held else None), (
+        back.geometry,
+        back.memory if held else None,
+    )
 
 
 def plan_blocks(

@@ -9,8 +9,9 @@ same live object, at the same address, with the same version counter:
 - every in-place change of a tensor's metadata (``set_``, ``resize_``,
   ``as_strided_``, ``transpose_`` and the other in-place view ops) bumps its version
   counter, so a changed tensor is read again;
-- a write to the data bumps it too: the tensor is read again (a miss, never a wrong
-  answer);
+- a write to the data bumps it too: then the tensor's shape, strides, dtype and
+  conjugate and negative bits are read and compared with those kept, and the value
+  stays where they are equal (the KV caches an engine's attention writes every step);
 - ``tensor.data = other`` changes no counter; the address is checked besides, so a
   tensor moved to other memory is read again. The one change not seen is ``.data =``
   given a view of the same memory at the same address (only its shape or strides
@@ -39,25 +40,32 @@ T = TypeVar("T")
 
 
 class _Entry:
-    """One kept value: the tensors' weak references, versions and addresses."""
+    """One kept value: the tensors' weak references, version counters, addresses and
+    metadata (shape, strides, dtype, conjugate and negative bits)."""
 
-    __slots__ = ("refs", "versions", "addresses", "value")
+    __slots__ = ("refs", "versions", "addresses", "metas", "value")
 
-    def __init__(self, refs: tuple, versions: tuple, addresses: tuple, value: Any) -> None:
-        self.refs, self.versions, self.addresses, self.value = refs, versions, addresses, value
+    def __init__(self, refs: tuple, versions: tuple, addresses: tuple, metas: tuple, value: Any) -> None:
+        self.refs, self.versions, self.addresses = refs, versions, addresses
+        self.metas, self.value = metas, value
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.refs)
 
 
-def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple] | None:
-    """The tensors' version counters and addresses, or None where one is not a torch
-    tensor, has no version counter (an inference tensor) or no storage (sparse,
-    nested: the reader names them)."""
+def _meta(t: Any) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
+
+
+def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple, tuple] | None:
+    """The tensors' version counters, addresses and metadata, or None where one is not
+    a torch tensor, has no version counter (an inference tensor) or no storage
+    (sparse, nested: the reader names them)."""
     if not all(map(is_torch, tensors)):
         return None
     try:
-        return tuple(t._version for t in tensors), tuple(t.data_ptr() for t in tensors)
+        versions = tuple(t._version for t in tensors)  # (first: see _renewed)
+        return versions, tuple(t.data_ptr() for t in tensors), tuple(map(_meta, tensors))
     except (RuntimeError, AttributeError):
         return None
 
@@ -75,31 +83,66 @@ class KeptReads:
         self._lock = threading.Lock()
 
     def get(self, tensors: Sequence[Any], extra: Hashable, read: Callable[[], T]) -> T:
+        """``read()``'s value for ``tensors`` and ``extra`` (see lookup)."""
+        return self.lookup(tensors, extra, read)[0]
+
+    def lookup(self, tensors: Sequence[Any], extra: Hashable, read: Callable[[], T]) -> tuple[T, bool]:
         """``read()``'s value for ``tensors`` and ``extra`` (whatever else the value
-        depends on), kept from an earlier call where every tensor is the same object,
-        unchanged; else ``read()`` now, kept unless it is None or a tensor cannot be
-        stamped. An exception from ``read`` passes through and keeps nothing."""
+        depends on), and whether it is kept: kept from an earlier call where every
+        tensor is the same object, unchanged; else ``read()`` now, kept unless it is
+        None or a tensor cannot be stamped. An exception from ``read`` passes through
+        and keeps nothing."""
         # (the key is a hash of identities; stamps_hold checks the identities)
         key = (extra, identity_hash(tensors))
         entry = self._entries.get(key)
-        if entry is not None and stamps_hold(entry.refs, tensors, entry.versions, entry.addresses):
-            return entry.value
+        if entry is not None:
+            if stamps_hold(entry.refs, tensors, entry.versions, entry.addresses):
+                return entry.value, True
+            renewed = self._renewed(key, entry, tensors)
+            if renewed is not None:
+                return renewed.value, True
         # (stamped before the read: a change between the two makes the next call read
         # again, and never keeps an old value under a new stamp)
         stamps = _stamps(tensors)
         value = read()
-        if value is not None and stamps is not None:
-            self._keep(key, tensors, stamps, value)
-        return value
+        if value is None or stamps is None:
+            return value, False
+        return value, self._keep(key, tensors, stamps, value)
 
-    def _keep(self, key: tuple, tensors: Sequence[Any], stamps: tuple[tuple, tuple], value: Any) -> None:
+    def _renewed(self, key: tuple, entry: _Entry, tensors: Sequence[Any]) -> _Entry | None:
+        """``entry`` with the tensors' new version counters, where each tensor is the
+        same object at the same address and those whose counter moved kept their
+        metadata (a write to the data, as every step's attention makes to a KV cache);
+        else None. Each counter is read before the metadata, so a change made meanwhile
+        moves it past the one kept."""
+        try:
+            versions = []
+            for ref, tensor, address in zip(entry.refs, tensors, entry.addresses):
+                if ref() is not tensor or tensor.data_ptr() != address:
+                    return None
+                versions.append(tensor._version)
+            for tensor, was, now, meta in zip(tensors, entry.versions, versions, entry.metas):
+                if now != was and _meta(tensor) != meta:
+                    return None
+        except (RuntimeError, AttributeError):
+            return None
+        renewed = _Entry(entry.refs, tuple(versions), entry.addresses, entry.metas, entry.value)
+        with self._lock:
+            if self._entries.get(key) is entry:  # (else dropped or replaced meanwhile)
+                self._entries[key] = renewed
+        return renewed
+
+    def _keep(
+        self, key: tuple, tensors: Sequence[Any], stamps: tuple[tuple, tuple, tuple], value: Any
+    ) -> bool:
         try:
             refs = tuple(weakref.ref(t, dropper(self._entries, key)) for t in tensors)
         except TypeError:  # (an object that takes no weak reference)
-            return
+            return False
         with self._lock:
             make_room(self._entries, self._limit)
             self._entries[key] = _Entry(refs, *stamps, value)
+        return True
 
     def clear(self) -> None:
         """Forget every entry."""

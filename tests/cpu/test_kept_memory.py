@@ -62,6 +62,25 @@ def test_a_moved_tensor_is_classified_again(host):
     assert classifications(host, src, dst) == 0
 
 
+def test_caches_written_between_calls_are_classified_once(host):
+    """An engine's attention writes its GPU cache every step, which bumps each tensor's
+    version counter: the tensors are the same, and so is their memory."""
+    src, dst = caches(), caches()
+    classifications(host, src, dst)
+    for step in range(3):
+        for tensor in src:
+            tensor.fill_(step)
+        assert classifications(host, src, dst) == 0
+
+
+def test_inference_tensors_are_classified_once(host):
+    """Inference tensors have no version counter: their geometry is read at every call,
+    their memory known again by the tensors themselves."""
+    with torch.inference_mode():
+        src, dst = caches(), caches()
+    assert classifications(host, src, dst, calls=3) == 1
+
+
 def test_an_entry_leaves_with_its_first_freed_tensor(host):
     src, dst = caches(), caches()
     classifications(host, src, dst)

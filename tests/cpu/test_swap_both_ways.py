@@ -184,7 +184,7 @@ def test_the_reversed_geometry_is_what_reading_the_other_way_gives():
 
     a = [torch.zeros(2, 8, 16, 64)[k] for k in range(2)]  # K and V views of one layer
     b = [torch.zeros(30, 16, 64) for _ in range(2)]
-    forward, backward = (kept.geometry for kept in geometry_and_reverse(a, b))
+    forward, backward = (geometry for geometry, _ in geometry_and_reverse(a, b))
     for got, want in ((forward, block_geometry(a, b)), (backward, block_geometry(b, a))):
         assert got.block_bytes == want.block_bytes
         for field in (
