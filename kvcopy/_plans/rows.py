@@ -21,6 +21,7 @@ from kvcopy._cuda.plan_arrays import row_slots_ok
 from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.streams import current_framework_stream, resolve_stream
+from kvcopy.interop.protocols import plain_face_key
 from kvcopy.interop.arrays import torch_integers
 from kvcopy.interop.tensors import strided, torch_integers_refusal
 from kvcopy.kept import make_room
@@ -66,7 +67,8 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     face = getattr(obj, "__cuda_array_interface__", None)
     if not isinstance(face, dict):
         return None
-    key = _plain_index_face(face)
+    # (one with pending writes is read in full: its stream is waited for)
+    key = plain_face_key(face, "indices") if face.get("stream") is None else None
     known = _index_faces.get(key) if key is not None else None
     if known is not None:
         return Indices(known[0], known[1], keep=obj)
@@ -82,31 +84,6 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
         make_room(_index_faces, _INDEX_FACES_KEPT)
         _index_faces[key] = (count, at)
     return Indices(count, at, keep=obj)
-
-
-def _plain_index_face(face: dict) -> tuple | None:
-    """The fields that decide how an array interface is read as indices, where each has
-    exactly the type the protocol gives and nothing is pending or masked (so that equal
-    keys mean equal readings: a 0 is no False, a 3.0 no version 3); else None. Such an
-    interface, once read and checked, is known by these fields: CuPy builds a new one
-    at every access, and reading it in full costs more than the copy's launch."""
-    shape, data, strides = face.get("shape"), face.get("data"), face.get("strides")
-    if (
-        type(shape) is not tuple
-        or type(data) is not tuple
-        or len(data) != 2
-        or type(data[0]) is not int
-        or type(data[1]) is not bool
-        or type(face.get("version")) is not int
-        or type(face.get("typestr")) is not str
-        or face.get("mask") is not None
-        or face.get("stream") is not None
-        or face.get("offset") not in (0, None)
-        or not all(type(v) is int for v in shape)
-        or not (strides is None or (type(strides) is tuple and all(type(v) is int for v in strides)))
-    ):
-        return None
-    return shape, face["typestr"], data, strides, face["version"]
 
 
 # GPU index interfaces read before, by their fields: (count, address)

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvcopy.kept import make_room
+
 _U64_LIMIT = 1 << 64
 _CAI_VERSIONS = (0, 1, 2, 3)
 _AI_VERSIONS = (3,)
@@ -43,9 +45,34 @@ def _ints(value: Any, what: str, name: str, *, minimum: int | None = None) -> tu
     return out
 
 
+def plain_face_key(face: dict, attr: str) -> tuple | None:
+    """The fields that decide how an array interface reads (all but a CAI stream),
+    where each has exactly the type the protocol gives and nothing is masked, so that
+    equal keys mean equal readings (a 0 is no False, a 3.0 no version 3); else None.
+    An interface read and checked once is known again by them: CuPy and Numba build a
+    new dict at every access, and reading one in full costs more than a launch."""
+    shape, data, strides = face.get("shape"), face.get("data"), face.get("strides")
+    if (
+        type(shape) is not tuple
+        or type(data) is not tuple
+        or len(data) != 2
+        or type(data[0]) is not int
+        or type(data[1]) is not bool
+        or type(face.get("version")) is not int
+        or type(face.get("typestr")) is not str
+        or face.get("mask") is not None
+        or face.get("offset") not in (0, None)
+        or not all(type(v) is int for v in shape)
+        or not (strides is None or (type(strides) is tuple and all(type(v) is int for v in strides)))
+    ):
+        return None
+    return attr, shape, face["typestr"], data, strides, face["version"]
+
+
 def read_array_interface(face: dict, attr: str, name: str, stream_check: Any) -> ArrayFields:
     """The fields of ``obj.<attr>`` (``face``), checked; ``stream_check`` turns a CAI
-    stream into a handle by kvcopy.resolve_stream's rules (or raises).
+    stream into a handle by kvcopy.resolve_stream's rules (or raises), at every call.
+    A plain interface read before (plain_face_key) is known again by its fields.
 
     Raises:
         TypeError: a field of the wrong type, a missing one, a mask, or data
@@ -53,6 +80,26 @@ def read_array_interface(face: dict, attr: str, name: str, stream_check: Any) ->
         ValueError: a field out of range: negative extents, strides not one per
             dimension, a null pointer with elements, memory past 2**64.
     """
+    key = plain_face_key(face, attr)
+    known = _read_faces.get(key) if key is not None else None
+    if known is None:
+        known = _read_in_full(face, attr, name)
+        if key is not None:
+            make_room(_read_faces, _READ_FACES_KEPT)
+            _read_faces[key] = known
+    if attr == "__cuda_array_interface__" and face.get("stream") is not None:
+        return known._replace(stream=stream_check(face["stream"], f"{name}: {attr}"))
+    return known
+
+
+# Interfaces read before, by plain_face_key: enough for two sides of a 128-layer
+# model's per-layer caches, and their index arrays.
+_READ_FACES_KEPT = 1024
+_read_faces: dict[tuple, ArrayFields] = {}
+
+
+def _read_in_full(face: dict, attr: str, name: str) -> ArrayFields:
+    """read_array_interface's checks of every field but the stream (stream None)."""
     where = f"{name}: {attr}"
     versions = _CAI_VERSIONS if attr == "__cuda_array_interface__" else _AI_VERSIONS
     for key in ("shape", "typestr", "data", "version"):
@@ -109,10 +156,7 @@ def read_array_interface(face: dict, attr: str, name: str, stream_check: Any) ->
             raise ValueError(
                 f"{where}: {elements} elements from {ptr:#x} reach past the 64-bit address space"
             )
-    stream = None
-    if attr == "__cuda_array_interface__" and face.get("stream") is not None:
-        stream = stream_check(face["stream"], where)
-    return ArrayFields(ptr, shape, strides, dtype.itemsize, readonly, stream)
+    return ArrayFields(ptr, shape, strides, dtype.itemsize, readonly, None)
 
 
 def c_strides(shape: tuple, itemsize: int) -> tuple:
@@ -139,4 +183,4 @@ def cuda_stream_handle(value: Any, owner: str) -> Any:
     return value[1]
 
 
-__all__ = ["ArrayFields", "cuda_stream_handle", "read_array_interface"]
+__all__ = ["ArrayFields", "cuda_stream_handle", "plain_face_key", "read_array_interface"]
