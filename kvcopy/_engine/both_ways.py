@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcopy import policy
 from kvcopy._engine import decide, dispatch, staged
-from kvcopy._runtime import device, kept_memory, kernels, ring, side_streams
+from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
 from kvcopy._runtime.context import ContextScope
@@ -337,17 +337,16 @@ def execute_plans_both(
 
 def _classified(plan: BlockPlan) -> tuple[decide.MemoryClasses, tuple[np.ndarray, np.ndarray]]:
     """A plan's memory classes and each side's bases as the device sees them: kept in
-    its store where its tensors were found unchanged (kept_memory.find_in), else
-    classified now (and kept there)."""
-    context = driver.current_context_key() if plan.memory is not None else 0
-    kept = kept_memory.find_in(plan.memory, context) if plan.memory is not None and context else None
-    if kept is not None:
-        return kept.found, (kept.src_view, kept.dst_view)
-    views = (np.empty_like(plan.geometry.src_base), np.empty_like(plan.geometry.dst_base))
-    found = dispatch.classify_tensors(plan, *views)
-    if plan.memory is not None and context:
-        kept_memory.keep_in(plan.memory, context, found, *views)
-    return found, views
+    its store where its tensors were found unchanged (dispatch.stored_or_classified),
+    else classified now."""
+    bases = (plan.geometry.src_base, plan.geometry.dst_base)
+    if plan.memory is not None:
+        found, src_view, dst_view, _ = dispatch.stored_or_classified(
+            plan.memory, bases, lambda src, dst: dispatch.classify_tensors(plan, src, dst)
+        )
+        return found, (src_view, dst_view)
+    views = (np.empty_like(bases[0]), np.empty_like(bases[1]))
+    return dispatch.classify_tensors(plan, *views), views
 
 
 def _blocks_both(

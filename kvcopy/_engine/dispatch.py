@@ -308,6 +308,26 @@ def _launch_as_rows(
         ring.DescriptorRing.fence(slot, handle)
 
 
+def stored_or_classified(
+    store: kept_memory.MemoryStore,
+    bases: tuple[np.ndarray, np.ndarray],
+    classify: Callable[[np.ndarray, np.ndarray], MemoryClasses],
+) -> tuple[MemoryClasses, np.ndarray, np.ndarray, bool]:
+    """Memory classes and each side's ``bases`` as the device sees them, as kept in
+    ``store`` for the current context, else ``classify(src_view, dst_view)`` now and
+    kept there; and whether they came from the store. The context is read before
+    classifying, which may move the call to the memory's device."""
+    context = driver.current_context_key()
+    kept = kept_memory.find_in(store, context)
+    if kept is not None:
+        return kept.found, kept.src_view, kept.dst_view, True
+    src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
+    found = classify(src_view, dst_view)
+    if context:
+        kept_memory.keep_in(store, context, found, src_view, dst_view)
+    return found, src_view, dst_view, False
+
+
 def kept_or_classified(
     scope: ContextScope,
     key_of: Callable[[], object],
@@ -327,15 +347,11 @@ def kept_or_classified(
     classification moves it. ``store``: where the plan's owners were found unchanged
     (kept_memory.find_in), the place to look and keep instead."""
     if store is not None:
-        context = driver.current_context_key()
-        kept = kept_memory.find_in(store, context)
-        if kept is not None:
-            scope.follow_memory(kept.found.owner)
-            return kept.found, kept.src_view, kept.dst_view
-        src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
-        found = settled_classes(scope, method, lambda: classify_again(src_view, dst_view))
-        if context:
-            kept_memory.keep_in(store, context, found, src_view, dst_view)
+        found, src_view, dst_view, stored = stored_or_classified(
+            store, bases, lambda src, dst: settled_classes(scope, method, lambda: classify_again(src, dst))
+        )
+        if stored:  # (classification moves the call itself)
+            scope.follow_memory(found.owner)
         return found, src_view, dst_view
     # (only torch tensors are kept: the first owner says whether to look; a hit is the
     # same objects, and keep() checks every owner)
