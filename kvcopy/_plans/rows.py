@@ -68,7 +68,7 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     if not isinstance(face, dict):
         return None
     # (one with pending writes is read in full: its stream is waited for)
-    key = plain_face_key(face, "indices") if face.get("stream") is None else None
+    key = plain_face_key(face, "__cuda_array_interface__") if face.get("stream") is None else None
     known = _index_faces.get(key) if key is not None else None
     if known is not None:
         return Indices(known[0], known[1], keep=obj)
