@@ -6,7 +6,7 @@ after. Skipped without a GPU."""
 
 from __future__ import annotations
 
-import numpy as np
+from helpers.gpu import shuffled_upload
 
 import kvcopy
 from kvcopy.policy import Decision, Thresholds
@@ -19,23 +19,16 @@ BLOCK, COUNT = 256 << 10, 256
 def test_a_kernel_held_to_one_cta_is_calibrated_away_from(torch_cuda, tmp_path, monkeypatch):
     torch = torch_cuda
     monkeypatch.setenv("KVCOPY_CACHE_DIR", str(tmp_path))
-    host = torch.from_numpy(np.random.default_rng(0).integers(0, 256, BLOCK * COUNT, dtype=np.uint8))
-    host = host.pin_memory()
-    dev = torch.zeros(BLOCK * COUNT, dtype=torch.uint8, device="cuda")
-    order = np.random.default_rng(1).permutation(COUNT).astype(np.uint64)
-    src = np.uint64(host.data_ptr()) + order * np.uint64(BLOCK)
-    dst = np.uint64(dev.data_ptr()) + np.arange(COUNT, dtype=np.uint64) * np.uint64(BLOCK)
-    sizes = np.full(COUNT, BLOCK, dtype=np.uint64)
-    expected = host.view(COUNT, BLOCK)[torch.from_numpy(order.astype(np.int64))].cuda()
+    upload = shuffled_upload(BLOCK, COUNT)
     stream = torch.cuda.Stream()
 
     def copied() -> Decision:
-        dev.zero_()
+        upload.dev.zero_()
         torch.cuda.synchronize()
-        kvcopy.copy_batch(src, dst, sizes, stream=stream)
+        kvcopy.copy_batch(upload.src, upload.dst, upload.sizes, stream=stream)
         decision = kvcopy.last_decision()
         stream.synchronize()
-        assert torch.equal(dev.view(COUNT, BLOCK), expected)
+        assert upload.landed()
         return decision
 
     engine.device.set_thresholds(0, Thresholds())  # the built-in defaults

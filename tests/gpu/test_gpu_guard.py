@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import pytest
+from helpers.gpu import shuffled_upload
 
 import kvcopy
 from kvcopy.policy.defaults import GUARD_HOLD_S, GUARD_SAMPLE_EVERY_S, GUARD_SLOW_SAMPLES
@@ -40,26 +40,20 @@ def calibrated():
 def test_a_kernel_held_to_one_cta_is_left_for_the_copy_engines_and_tried_again(calibrated, monkeypatch):
     import torch
 
-    host = torch.from_numpy(np.random.default_rng(0).integers(0, 256, BLOCK * COUNT, dtype=np.uint8))
-    host = host.pin_memory()
-    dev = torch.zeros(BLOCK * COUNT, dtype=torch.uint8, device="cuda")
-    order = np.random.default_rng(1).permutation(COUNT).astype(np.uint64)
-    src = np.uint64(host.data_ptr()) + order * np.uint64(BLOCK)
-    dst = np.uint64(dev.data_ptr()) + np.arange(COUNT, dtype=np.uint64) * np.uint64(BLOCK)
-    sizes = np.full(COUNT, BLOCK, dtype=np.uint64)
-    expected = host.view(COUNT, BLOCK)[torch.from_numpy(order.astype(np.int64))].cuda()
+    upload = shuffled_upload(BLOCK, COUNT)
+    src, dst, sizes = upload.src, upload.dst, upload.sizes
     stream = torch.cuda.Stream()
     clock = [time.monotonic()]
     monkeypatch.setattr(engine.guard, "_clock", lambda: clock[0])  # (the hold passes at once)
     decisions = []
     with settings(guard=True, host_ctas=1):
         for _ in range(GUARD_SLOW_SAMPLES + 2):
-            dev.zero_()
+            upload.dev.zero_()
             torch.cuda.synchronize()
             assert kvcopy.copy_batch(src, dst, sizes, stream=stream) in ("kernel", "batch")
             decisions.append(kvcopy.last_decision())
             stream.synchronize()
-            assert torch.equal(dev.view(COUNT, BLOCK), expected)
+            assert upload.landed()
             clock[0] += 2 * GUARD_SAMPLE_EVERY_S
         methods = [d.method for d in decisions]
         assert methods[:GUARD_SLOW_SAMPLES] == ["kernel"] * GUARD_SLOW_SAMPLES, methods

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,3 +89,38 @@ def gpu_reason() -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure means no GPU here
         return f"CUDA driver unusable: {exc}"
     return None
+
+
+@dataclasses.dataclass
+class ShuffledUpload:
+    """``count`` blocks of ``block`` random bytes in pinned host memory, copied in a
+    random order into consecutive blocks of a GPU buffer: copy_batch's arrays, and the
+    GPU bytes expected after. Holds the host memory the pointers name."""
+
+    host: Any
+    dev: Any
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    expected: Any
+
+    def landed(self) -> bool:
+        """Whether the GPU buffer holds the expected bytes (call after the copy ends)."""
+        import torch
+
+        return bool(torch.equal(self.dev.view(self.expected.shape), self.expected))
+
+
+def shuffled_upload(block: int, count: int) -> ShuffledUpload:
+    """A ShuffledUpload of ``count`` blocks of ``block`` bytes (fixed seeds)."""
+    import torch
+
+    host = torch.from_numpy(np.random.default_rng(0).integers(0, 256, block * count, dtype=np.uint8))
+    host = host.pin_memory()
+    dev = torch.zeros(block * count, dtype=torch.uint8, device="cuda")
+    order = np.random.default_rng(1).permutation(count).astype(np.uint64)
+    src = np.uint64(host.data_ptr()) + order * np.uint64(block)
+    dst = np.uint64(dev.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(block)
+    sizes = np.full(count, block, dtype=np.uint64)
+    expected = host.view(count, block)[torch.from_numpy(order.astype(np.int64))].cuda()
+    return ShuffledUpload(host, dev, src, dst, sizes, expected)
