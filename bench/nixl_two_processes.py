@@ -13,10 +13,11 @@ then stages through the receiver's GPU memory, and a local contiguous GPU-to-hos
 copy of the same bytes is the reference.
 
     python3 bench/nixl_two_processes.py [--block-kib 2 32] [--to gpu|host] [--repeats 5]
-        [--chunk-rows 16] [--slots 4]
+        [--chunk-rows 16] [--slots 4] [--packed-only]
 
 The packed way sends chunks of ``--chunk-rows`` blocks (every plane's rows of them)
-through ``--slots`` staging slots a side.
+through ``--slots`` staging slots a side; ``--packed-only`` runs the packed way and
+its reference only (a sweep of chunk sizes).
 
 Without a GPU (``--cpu``) both caches are in host memory and the packed way gathers
 and scatters on the CPU (kvcopy.testing.rows_on_host): a check of the script, not a
@@ -118,7 +119,13 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
 
 
 def one_block_size(
-    block: int, to: str, repeats: int, cpu: bool, chunk_rows: int = CHUNK_ROWS, slots: int = SLOTS
+    block: int,
+    to: str,
+    repeats: int,
+    cpu: bool,
+    chunk_rows: int = CHUNK_ROWS,
+    slots: int = SLOTS,
+    packed_only: bool = False,
 ) -> list[tuple]:
     from kvcopy import Layout, nixl, testing
 
@@ -174,7 +181,7 @@ def one_block_size(
     }
     rows = []
     expected = source.reshape(PLANES, BLOCKS, block)[:, ours]
-    for name, make in ways.items():
+    for name, make in {} if packed_only else ways.items():
         mine.send(("clear", None))
         mine.recv()
         start = time.perf_counter()
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-rows", type=_positive, default=CHUNK_ROWS, help="blocks a packed chunk carries"
     )
     parser.add_argument("--slots", type=_positive, default=SLOTS, help="staging slots a side")
+    parser.add_argument("--packed-only", action="store_true", help="the packed way and its reference only")
     args = parser.parse_args(argv)
     try:
         make_agent("probe")
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print("{:>6s}  {:40s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
     for kib in args.block_kib:
         for block, name, posted, prepare, post, wall, rate in one_block_size(
-            kib << 10, args.to, args.repeats, args.cpu, args.chunk_rows, args.slots
+            kib << 10, args.to, args.repeats, args.cpu, args.chunk_rows, args.slots, args.packed_only
         ):
             print(
                 f"{block >> 10:4d} KiB  {name:40s} {posted:11d} {prepare * 1e3:10.3f} {post * 1e3:8.3f} "

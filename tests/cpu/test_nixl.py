@@ -342,3 +342,27 @@ def test_a_slot_is_one_layout_per_shape_made_once():
     assert staging.rows(2, 4, 3, 64) is first  # (chunk 2 goes through slot 0 again)
     assert staging.rows(1, 4, 3, 64).bases.tolist() == [staging.slot(1) + p * 4 * 64 for p in range(3)]
     assert staging.rows(0, 3, 3, 64) is not first and staging.rows(0, 3, 3, 64).slots == 3
+
+
+def test_a_wait_looks_again_at_once_for_its_first_spin_then_sleeps_between_looks(monkeypatch):
+    from kvcopy.nixl import transfers
+
+    clock = [100.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += max(seconds, transfers.SPIN_S / 4)  # each look takes a quarter of the spin
+
+    monkeypatch.setattr(transfers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(transfers.time, "sleep", sleep)
+    looks = iter([False] * 7 + [True])
+
+    class Agent:
+        def check_remote_xfer_done(self, name: str, message: bytes) -> bool:
+            assert (name, message) == ("peer", b"chunk")
+            return next(looks)
+
+    transfers.wait_notification(Agent(), b"peer", b"chunk", timeout=1.0)
+    # looks at 0, 1/4, 1/2 and 3/4 of the spin go again at once; later ones sleep
+    assert slept == [0] * 4 + [transfers.POLL_S] * 3
