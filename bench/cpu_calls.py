@@ -200,6 +200,12 @@ def rows(
         )
     )
     if stand_ins:
+        out.append(
+            (
+                "swap_blocks 1 pair, 1 torch tensor a side",
+                lambda: kvcopy.swap_blocks(stand_ins[0], stand_ins[32], one, stream=stream),
+            )
+        )
         torch_gpu, torch_host = stand_ins[:32], stand_ins[32:]
         out.append(
             (
@@ -255,7 +261,25 @@ def rows(
             lambda: kvcopy.copy_rows(tokens_g, tokens_h, index_h, index_h, stream=stream),
         )
     )
+    if stand_ins:
+        from kvcopy.compat import sglang
+
+        slots = torch_indices(few)
+        k_g, v_g, k_h, v_h = stand_ins[0], stand_ins[1], stand_ins[32], stand_ins[33]
+        out.append(
+            (
+                "SGLang transfer_kv_per_layer, 32 host indices",
+                lambda: sglang.transfer_kv_per_layer(k_g, k_h, v_g, v_h, slots, slots, 2048),
+            )
+        )
     return out
+
+
+def torch_indices(values: np.ndarray):
+    """``values`` as a torch CPU int64 tensor (the drop-ins' indices are tensors)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
 
 def torch_stand_ins() -> list:

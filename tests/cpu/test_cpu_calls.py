@@ -52,7 +52,7 @@ def test_swap_blocks_of_one_pair_is_one_dma_call(faked):
 def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
-    torch_rows = 2 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
+    torch_rows = 4 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
     assert len(lines) == 7 + torch_rows and not any("failed" in line for line in lines)
 
 
