@@ -22,6 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
+import kvcopy.nixl  # noqa: E402
 from kvcopy.nixl import packed  # noqa: E402
 
 import nixl_two_processes  # noqa: E402  (bench/nixl_two_processes.py)
@@ -48,8 +49,6 @@ def _profiled(function, name: str):
 for _name in ("send_packed", "receive_packed"):
     _wrapped = _profiled(getattr(packed, _name), _name)
     setattr(packed, _name, _wrapped)
-    import kvcopy.nixl
-
     setattr(kvcopy.nixl, _name, _wrapped)
 
 
