@@ -262,9 +262,11 @@ def rows(
         )
     )
     if stand_ins:
+        import torch
+
         from kvcopy.compat import sglang
 
-        slots = torch_indices(few)
+        slots = torch.from_numpy(few)  # (the drop-ins' indices are tensors)
         k_g, v_g, k_h, v_h = stand_ins[0], stand_ins[1], stand_ins[32], stand_ins[33]
         out.append(
             (
@@ -273,13 +275,6 @@ def rows(
             )
         )
     return out
-
-
-def torch_indices(values: np.ndarray):
-    """``values`` as a torch CPU int64 tensor (the drop-ins' indices are tensors)."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
 
 def torch_stand_ins() -> list:
