@@ -133,10 +133,21 @@ def current_framework_streams(*objs: Any) -> list[tuple[int, int]]:
             if not devices:
                 devices = [torch.cuda.current_device()]
             ordered = list(dict.fromkeys(devices))
-            return [(_framework_default(torch.cuda.current_stream(d).cuda_stream), d) for d in ordered]
+            return [(_framework_default(_torch_current_stream(torch, d)), d) for d in ordered]
         if framework == "cupy":
             return [(_framework_default(sys.modules["cupy"].cuda.get_current_stream().ptr), -1)]
     return [(STREAM_DEFAULT, -1)]
+
+
+def _torch_current_stream(torch: Any, device: int) -> int:
+    """torch's current stream of ``device`` as a raw handle (0: its default stream).
+    Once torch has initialised CUDA, read as the handle itself: torch.cuda.
+    current_stream() builds a Stream object at every call, which the steady call of a
+    drop-in (one per layer and step) would pay for nothing."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and torch.cuda.is_initialized():
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def current_framework_stream(*objs: Any) -> int:

@@ -43,10 +43,27 @@ FakeTensor.__module__ = "torch.fake"
 def fake_torch(monkeypatch):
     cuda = types.SimpleNamespace(
         is_available=lambda: True,
+        is_initialized=lambda: False,
         current_device=lambda: 5,
         current_stream=lambda d: types.SimpleNamespace(cuda_stream=0 if d == 1 else 0x100 + d),
     )
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda, _C=types.SimpleNamespace()))
+    return cuda
+
+
+def test_current_streams_read_as_raw_handles_once_torch_has_cuda(fake_torch, monkeypatch):
+    # the raw handles must be the ones current_stream() would give, without its objects
+    torch = sys.modules["torch"]
+    asked = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentRawStream", lambda d: asked.append(d) or 0x200 + d, raising=False
+    )
+    src, dst = FakeTensor(0), FakeTensor(1)
+    assert streams.current_framework_streams(src, dst) == [(0x100, 0), (streams.STREAM_LEGACY, 1)]
+    assert asked == []  # (CUDA not initialised by torch: its own Stream objects)
+    monkeypatch.setattr(fake_torch, "is_initialized", lambda: True)
+    assert streams.current_framework_streams(src, dst) == [(0x200, 0), (0x201, 1)]
+    assert asked == [0, 1]
 
 
 def test_current_streams_of_tensors_on_two_gpus(fake_torch):
