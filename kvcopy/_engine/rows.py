@@ -144,6 +144,8 @@ def settle(
     kernel_only = prepared or plan.device_indices
     asked = "kernel" if kernel_only else method
     src, dst = plan.src, plan.dst
+    # (a pair of held layouts keeps its memory's classes once per context, unasked)
+    store = kept_memory.layout_store(src, dst, asked)
     found, src_view, dst_view = kept_or_classified(
         scope,
         lambda: ("rows", src.bases.tobytes(), src.extent, dst.bases.tobytes(), dst.extent, asked),
@@ -152,6 +154,7 @@ def settle(
         lambda src_view, dst_view: _classify(plan, src_view, dst_view),
         asked,
         lambda: kept_memory.holds_planes(src) and kept_memory.holds_planes(dst),
+        store,
     )
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -149,8 +149,13 @@ def holds_planes(layout: Any) -> bool:
     each plane, base to extent, inside one tensor's storage. A layout built from
     pointers may keep a tensor for its lifetime only, over other memory: such a
     layout's memory is classified at every call."""
-    owners = layout.keep
-    if not keepable(owners):
+    return planes_inside(layout, layout.keep)
+
+
+def planes_inside(layout: Any, owners: Sequence[Any]) -> bool:
+    """Whether every plane of ``layout``, base to extent, lies inside the storage of one
+    of ``owners``, all torch tensors."""
+    if not keepable(tuple(owners)):
         return False
     spans = []
     for tensor in owners:
@@ -158,6 +163,39 @@ def holds_planes(layout: Any) -> bool:
         spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     extent = layout.extent
     return all(any(lo <= base and base + extent <= hi for lo, hi in spans) for base in layout.bases.tolist())
+
+
+# Layouts whose memory is held for as long as anyone can name them (a drop-in's
+# layouts of its own tensors, handed out only while those tensors are the same live,
+# unchanged objects), each with the stores of the pairs it is the source of.
+_held: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, dict[str, MemoryStore]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def hold_layout(layout: Any) -> None:
+    """Mark ``layout`` as one whose planes stay the memory they were built over while the
+    layout is in use (the caller's promise: it hands the layout out only while the
+    tensors holding that memory live unchanged), so that what the driver says of a pair
+    of such layouts is kept (layout_store)."""
+    with _lock:
+        _held.setdefault(layout, weakref.WeakKeyDictionary())
+
+
+def layout_store(src: Any, dst: Any, asked: str) -> MemoryStore | None:
+    """The store of what the engine found of the memory of a pair of held layouts for a
+    call asking ``asked`` of the policy (hold_layout), or None where either is not held.
+    A store leaves with either layout."""
+    by_dst = _held.get(src)
+    if by_dst is None or dst not in _held:
+        return None
+    stores = by_dst.get(dst)
+    store = stores.get(asked) if stores is not None else None
+    if store is None:
+        store = new_store()
+        with _lock:
+            by_dst.setdefault(dst, {})[asked] = store
+    return store
 
 
 def forget() -> None:

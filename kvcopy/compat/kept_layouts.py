@@ -24,6 +24,7 @@ from kvcopy.compat.per_tensors import PerTensors
 from kvcopy.compat.pointer_tables import addresses_of, reaches_of, slots_apart
 from kvcopy.interop.streams import current_framework_stream
 from kvcopy.layouts import Layout
+from kvcopy._runtime import kept_memory
 
 # (a 128-layer model moved layer by layer keeps two layouts a layer for each op it
 # uses: every one of them stays kept)
@@ -41,7 +42,17 @@ def kept_layout(
 
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         return build()
-    return _layouts.get(tensors, args, lambda: dataclasses.replace(build(), keep=()), contents=contents)
+
+    def build_kept() -> Layout:
+        layout = dataclasses.replace(build(), keep=())
+        # handed out only while these tensors live unchanged: where they hold its planes,
+        # its memory is the same allocation at every call (a table's addresses are not
+        # held by the table)
+        if not contents and kept_memory.planes_inside(layout, tensors):
+            kept_memory.hold_layout(layout)
+        return layout
+
+    return _layouts.get(tensors, args, build_kept, contents=contents)
 
 
 def layer_tables(

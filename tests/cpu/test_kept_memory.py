@@ -189,3 +189,49 @@ def store_and_load_twice(host, gpu: list, cpu: list, store: np.ndarray, load: np
     host.counts.clear()
     kvcopy.swap_blocks_both_ways((gpu, cpu, store), (cpu, gpu, load), stream=0x7F00_1234)
     assert host.counts["classify.classify_pointers"] == 4
+
+
+def sglang_classifications(host, k_src, k_dst, v_src, v_dst, calls: int = 1) -> int:
+    """How often ``calls`` of SGLang's per-layer transfer (host indices) classified memory."""
+    from kvcopy.compat import sglang
+
+    host.counts.clear()
+    slots = torch.tensor([3, 1, 4])
+    for _ in range(calls):
+        sglang.transfer_kv_per_layer(k_src, k_dst, v_src, v_dst, slots, slots, 256)
+    return host.counts["classify.classify_pointers"] // 2
+
+
+def test_a_drop_ins_layouts_of_the_same_live_tensors_are_classified_once(host):
+    k_src, v_src, k_dst, v_dst = caches()
+    assert sglang_classifications(host, k_src, k_dst, v_src, v_dst, calls=4) == 1
+    assert sglang_classifications(host, k_dst, k_src, v_dst, v_src) == 1  # (the other way)
+    assert sglang_classifications(host, k_dst, k_src, v_dst, v_src, calls=2) == 0
+
+
+def test_a_drop_ins_layouts_of_changed_tensors_are_classified_again(host):
+    k_src, v_src, k_dst, v_dst = caches()
+    sglang_classifications(host, k_src, k_dst, v_src, v_dst)
+    k_dst.set_(torch.zeros(8, 256, dtype=torch.uint8).untyped_storage(), 0, (8, 256))  # moved
+    assert sglang_classifications(host, k_src, k_dst, v_src, v_dst) == 1
+    other = k_src.view(8, 256)  # another object over the same memory
+    assert sglang_classifications(host, other, k_dst, v_src, v_dst) == 1
+    kept_memory.forget()
+    assert sglang_classifications(host, other, k_dst, v_src, v_dst) == 1
+
+
+def test_a_drop_ins_tables_of_addresses_are_classified_at_every_call(host, monkeypatch):
+    """A table holds addresses, not the memory at them: what is there may change."""
+    from kvcopy.compat import pointer_tables, sglang
+
+    # (the driver's answer of how far an allocation reaches: each cache's 2 KiB)
+    monkeypatch.setattr(pointer_tables, "_reach_of", lambda address, name: 8 * 256)
+
+    src, dst = caches(2), caches(2)
+    table = lambda tensors: torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)  # noqa: E731
+    src_k, src_v, dst_k, dst_v = table(src[:1]), table(src[1:]), table(dst[:1]), table(dst[1:])
+    slots = torch.tensor([3, 1, 4])
+    host.counts.clear()
+    for _ in range(3):
+        sglang.transfer_kv_all_layer(src_k, dst_k, src_v, dst_v, slots, slots, 256, 1)
+    assert host.counts["classify.classify_pointers"] // 2 == 3
