@@ -12,6 +12,9 @@ writes, is then the caller's to guarantee.
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +104,9 @@ def read_indices(obj: Any, name: str) -> Indices | None:
     if found is not None:
         return found
     if framework_of(obj) == "torch":
+        plain = _plain_host_indices(obj)
+        if plain is not None:
+            return plain
         obj = torch_integers(obj, name, host_only=False)
     try:
         values = np.asarray(obj)
@@ -114,6 +120,27 @@ def read_indices(obj: Any, name: str) -> Indices | None:
         position = int(np.argmax(values > _INT64_MAX))
         raise ValueError(f"{name}[{position}] = {int(values[position])} does not fit int64")
     return Indices(len(values), host=np.ascontiguousarray(values, dtype=np.int64))
+
+
+def _plain_host_indices(t: Any) -> Indices | None:
+    """A plain 1-D int64 CPU torch tensor's values, read without torch_integers' checks
+    (every one of them passes for such a tensor: a torch.Tensor itself, strided, not
+    nested, no negative view; a meta tensor is not on the CPU); None for anything else,
+    which is read and checked in full. The engines' index tensors are such, read at every
+    call."""
+    torch = sys.modules["torch"]
+    if (
+        type(t) is not torch.Tensor
+        or t.dtype is not torch.int64
+        or not t.is_cpu
+        or t.layout is not torch.strided
+        or t.is_nested
+        or t.is_neg()
+        or t.dim() != 1
+    ):
+        return None
+    values = t.numpy()  # (an integer tensor never requires grad)
+    return Indices(len(values), host=np.ascontiguousarray(values))
 
 
 @dataclass(frozen=True)
@@ -275,12 +302,7 @@ def _check_crossing(plan: RowsPlan) -> None:
     """Where the layouts share memory, no row may read bytes another row writes."""
     if plan.device_indices:
         return  # not readable here: the caller's to guarantee (copy_rows' docstring)
-    src_lo, dst_lo = plan.src.bases, plan.dst.bases
-    spans = (
-        np.full(len(src_lo), plan.src.extent, np.uint64),
-        np.full(len(dst_lo), plan.dst.extent, np.uint64),
-    )
-    if overlap_between(src_lo, spans[0], dst_lo, spans[1]) is None:
+    if layouts_apart(plan.src, plan.dst):
         return
     s, d, sizes = expand(plan)
     clash = first_overlap(d, sizes)
@@ -293,6 +315,34 @@ def _check_crossing(plan: RowsPlan) -> None:
             "src and dst share memory and a row reads bytes another row writes; "
             "the result would depend on their order"
         )
+
+
+def layouts_apart(src: Layout, dst: Layout) -> bool:
+    """Whether no plane of ``src`` shares a byte with a plane of ``dst``, base to extent:
+    worked out once per pair of layouts (a layout never changes; an engine passes the
+    same pair every step)."""
+    by_dst = _apart.get(src)
+    found = by_dst.get(dst) if by_dst is not None else None
+    if found is None:
+        found = (
+            overlap_between(
+                src.bases,
+                np.full(src.num_planes, src.extent, np.uint64),
+                dst.bases,
+                np.full(dst.num_planes, dst.extent, np.uint64),
+            )
+            is None
+        )
+        with _apart_lock:
+            _apart.setdefault(src, weakref.WeakKeyDictionary())[dst] = found
+    return found
+
+
+# whether two layouts are apart, by source then destination layout: leaves with either
+_apart: "weakref.WeakKeyDictionary[Layout, weakref.WeakKeyDictionary[Layout, bool]]" = (
+    weakref.WeakKeyDictionary()
+)
+_apart_lock = threading.Lock()
 
 
 def _slots(indices: Indices | None, rows: int) -> np.ndarray:

@@ -166,3 +166,30 @@ def test_pinned_empty_with_a_sub_array_dtype_is_what_numpy_empty_gives(monkeypat
     assert made.nbytes == expected.nbytes
     made[...] = 7  # every element is writable memory of its own
     assert np.all(made == 7)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([5, 1, 4, 1]),
+        lambda: torch.tensor([5, 0, 1, 0, 4, 0, 1, 0])[::2],  # (every other one: strided)
+        lambda: torch.tensor([[5, 1, 4, 1]])[0],
+    ],
+    ids=["plain", "strided", "a row of a 2-D tensor"],
+)
+def test_host_row_indices_of_plain_int64_tensors_are_their_values(make):
+    from kvcopy._plans.rows import read_indices
+
+    read = read_indices(make(), "src_indices")
+    assert read.count == 4 and read.host.dtype == np.int64 and read.host.flags.c_contiguous
+    assert read.host.tolist() == [5, 1, 4, 1]
+    with torch.inference_mode():
+        inference = torch.tensor([7, 2])
+    assert read_indices(inference, "src_indices").host.tolist() == [7, 2]
+
+
+def test_host_row_indices_of_two_dimensions_are_refused():
+    from kvcopy._plans.rows import read_indices
+
+    with pytest.raises(ValueError, match="src_indices: indices must be one-dimensional"):
+        read_indices(torch.tensor([[1, 2], [3, 4]]), "src_indices")
