@@ -126,7 +126,7 @@ class Layout:
     def piece_bytes(self) -> int:
         return self.row_bytes // self.pieces
 
-    @property
+    @cached_property
     def extent(self) -> int:
         """Bytes from a plane's base to the end of its last row."""
         last = self.slots - 1

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
 from kvcopy._engine import rows_memo
-from kvcopy._plans.rows import Indices, RowsPlan, plan_rows, read_indices, rows_stream
+from kvcopy._plans.rows import RowsPlan, plan_rows, read_indices, rows_stream
 from kvcopy.layouts import Layout
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.policy import RequestedMethod, check_method
@@ -45,8 +45,12 @@ def copy_rows(
     With GPU indices, a call that repeats the last one between the same two layouts
     (index tensors at the same addresses and of the same length, the same stream,
     method and settings) repeats its launches: no planning, one launch per 128 planes
-    on the CPU, as kvcopy.prepare_rows gives. Indices on the host are checked at every
-    call. Indices are on the GPU for both sides or on the host for both (ValueError).
+    on the CPU, as kvcopy.prepare_rows gives. With host indices, such a call (as many
+    indices as the last, on the same stream) between layouts that share no memory and
+    hold it in their own torch tensors has its indices checked and uploaded, and the
+    last call's launches made again reading them: its memory is not classified nor the
+    policy asked again. Host indices are checked at every call. Indices are on the GPU
+    for both sides or on the host for both (ValueError).
 
     The copy kernel computes every address itself (no descriptor per row). Where the
     policy gives the batch to the copy engines (few long rows) and the indices are on
@@ -71,17 +75,19 @@ def copy_rows(
     a, b, handle = src_indices, dst_indices, None
     known = rows_memo.entry(src, dst)
     if known is not None:
-        # (these layouts were checked against each other: their indices are read next)
+        # (these layouts were checked against each other: their indices are read next,
+        # and host indices' values checked by the repeat)
         a, b = read_indices(a, "src_indices"), read_indices(b, "dst_indices")
-        if _gpu_only(a, b):
-            handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
-            again = rows_memo.repeat(known, rows_memo.call_key(a, b, rows, handle, method))
-            if again is not None:
-                return again()
+        handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
+        again = rows_memo.repeat(known, rows_memo.call_key(a, b, rows, handle, method))
+        if again is not None:
+            ran = again(a, b)
+            if ran is not None:
+                return ran
     plan = plan_rows(src, dst, a, b, rows)
     if handle is None:
         handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
-    # (execute_rows hands over what repeats the call only where its indices are on the GPU)
+    # (execute_rows hands over what repeats the call where the layout kernel ran it)
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
     return execute_rows(
         plan, handle, method, remember=lambda again: rows_memo.remember((src, dst), key, again)
@@ -94,13 +100,6 @@ def copy_planned_rows(plan: RowsPlan, stream: Any) -> str:
     every part of a transfer before it issues any; nothing is kept to repeat the call.
     Returns the method that ran, as copy_rows."""
     return execute_rows(plan, resolve_stream(stream), "auto")
-
-
-def _gpu_only(a: Indices | None, b: Indices | None) -> bool:
-    """Indices on the GPU for one side at least, none on the host."""
-    if a is None:
-        return b is not None and b.host is None
-    return a.host is None and (b is None or b.host is None)
 
 
 def check_indices(stream: Any = None) -> None:

@@ -338,32 +338,34 @@ def kept_or_classified(
     hold_it_all: Callable[[], bool] = lambda: True,
     store: kept_memory.MemoryStore | None = None,
 ) -> tuple[MemoryClasses, np.ndarray, np.ndarray]:
-    """Memory classes and each side's ``bases`` as the device sees them: as kept for
-    the same live ``owners`` under ``key_of()`` (worked out only where owners may be
-    kept) in the context the call entered
-    (kvcopy._runtime.kept_memory), else classified now by ``classify_again(src_view,
-    dst_view)`` and kept where ``hold_it_all()`` says the owners hold all of that
-    memory. A default stream's call moves to the memory's device either way, as
-    classification moves it. ``store``: where the plan's owners were found unchanged
-    (kept_memory.find_in), the place to look and keep instead."""
-    if store is not None:
-        found, src_view, dst_view, stored = stored_or_classified(
-            store, bases, lambda src, dst: settled_classes(scope, method, lambda: classify_again(src, dst))
-        )
-        if stored:  # (classification moves the call itself)
-            scope.follow_memory(found.owner)
-        return found, src_view, dst_view
+    """Memory classes and each side's ``bases`` as the device sees them, in the context
+    the call entered: as kept in ``store`` (where the memory is known to be held for as
+    long as the store lives: a plan's owners found unchanged, a pair of held layouts),
+    else as kept for the same live ``owners`` under ``key_of()`` (worked out only where
+    owners may be kept: kvcopy._runtime.kept_memory), else classified now by
+    ``classify_again(src_view, dst_view)``; what was not in the store is put there, and
+    kept for the owners where ``hold_it_all()`` says they hold all of that memory. A
+    default stream's call moves to the memory's device either way, as classification
+    moves it."""
     # (only torch tensors are kept: the first owner says whether to look; a hit is the
     # same objects, and keep() checks every owner)
-    context = driver.current_context_key() if kept_memory.may_be_kept(owners) else 0
-    key = key_of() if context else None
-    kept = kept_memory.find(key, context, owners) if context else None
+    keyed = kept_memory.may_be_kept(owners)
+    context = driver.current_context_key() if keyed or store is not None else 0
+    kept = kept_memory.find_in(store, context) if store is not None else None
+    keyed = keyed and bool(context)
+    key = key_of() if keyed and kept is None else None
+    if kept is None and keyed:
+        kept = kept_memory.find(key, context, owners)
+        if kept is not None and store is not None:
+            kept_memory.keep_in(store, context, kept.found, kept.src_view, kept.dst_view)
     if kept is not None:
-        scope.follow_memory(kept.found.owner)
+        scope.follow_memory(kept.found.owner)  # (classification moves the call itself)
         return kept.found, kept.src_view, kept.dst_view
     src_view, dst_view = np.empty_like(bases[0]), np.empty_like(bases[1])
     found = settled_classes(scope, method, lambda: classify_again(src_view, dst_view))
-    if context and hold_it_all():
+    if context and store is not None:
+        kept_memory.keep_in(store, context, found, src_view, dst_view)
+    if keyed and hold_it_all():
         kept_memory.keep(key, context, owners, found, src_view, dst_view)
     return found, src_view, dst_view
 
@@ -390,7 +392,9 @@ def execute_blocks(
             (geometry.src_base, geometry.dst_base),
             lambda src_view, dst_view: classify_tensors(blocks, src_view, dst_view),
             method,
-            store=blocks.memory,
+            # (the geometry's store lives exactly as long as the tensors are unchanged)
+            lambda: blocks.memory is None,
+            blocks.memory,
         )
         target = decide(handle, method, blocks.num_copies, blocks.total_bytes, found, note_traffic=True)
         # (a graph cannot wait for work outside it)

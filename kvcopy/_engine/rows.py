@@ -17,18 +17,21 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvcopy import policy
 from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
+from kvcopy._cuda.plan_arrays import row_slots_ok
 from kvcopy._engine import traffic_window
 from kvcopy._engine.decide import (
     MemoryClasses,
     Target,
     classify_sides,
     decide,
+    memory_owner,
     note_decision,
 )
 from kvcopy._engine.dispatch import execute_copies, issue_dma, kept_or_classified
-from kvcopy._plans.rows import Indices, RowsPlan, expand
-from kvcopy._runtime import kept_memory, kernels, ring
+from kvcopy._plans.rows import Indices, RowsPlan, expand, layouts_apart
+from kvcopy._runtime import device, kept_memory, kernels, ring
 from kvcopy._runtime.kernels import KernelUnavailable
 from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
@@ -144,8 +147,8 @@ def settle(
     kernel_only = prepared or plan.device_indices
     asked = "kernel" if kernel_only else method
     src, dst = plan.src, plan.dst
-    # (a pair of held layouts keeps its memory's classes once per context, unasked)
-    store = kept_memory.layout_store(src, dst, asked)
+    # (a pair of held layouts keeps its memory's classes with the pair, found at once;
+    # layouts made again over the same tensors find them by the tensors)
     found, src_view, dst_view = kept_or_classified(
         scope,
         lambda: ("rows", src.bases.tobytes(), src.extent, dst.bases.tobytes(), dst.extent, asked),
@@ -154,7 +157,7 @@ def settle(
         lambda src_view, dst_view: _classify(plan, src_view, dst_view),
         asked,
         lambda: kept_memory.holds_planes(src) and kept_memory.holds_planes(dst),
-        store,
+        kept_memory.layout_store(src, dst, asked),
     )
     if found.kinds & _UNREACHABLE:
         if plan.device_indices:
@@ -199,11 +202,108 @@ class Repeat:
         """False where the context it was built in is gone."""
         return self.launches.usable()
 
-    def __call__(self) -> str:
+    def __call__(self, src_indices: Indices | None = None, dst_indices: Indices | None = None) -> str:
+        """Enqueue the launches again (the indices, on the GPU where they were, are read
+        when they run: the arguments are the call's, unused)."""
         self.launches.launch()
         note_decision(self.decision)
         note_again((self.traffic,))
         return "kernel"
+
+
+class HostRepeat:
+    """A copy_rows call by the layout kernel with its indices on the host (or none),
+    built: calling it with the next call's indices (read, not yet checked; as many as
+    the first call's) checks their values as plan_rows does, copies them into a ring
+    slot, uploads them and launches the first call's jobs reading them there. Returns
+    None, having enqueued nothing, where the call must be planned instead: an index out
+    of range or a destination slot twice (planning names it), another context current
+    on the stream, or a stream capturing a graph (whose launches keep no ring slot).
+    Built only for layouts that share no memory (no row can read what another writes,
+    whatever the indices) and a decision that holds whatever the other direction's
+    traffic; it holds no layout (the memo keeps layouts weakly)."""
+
+    __slots__ = (
+        "context",
+        "owner",
+        "function",
+        "sides",
+        "slots",
+        "views",
+        "shape",
+        "handle",
+        "decision",
+        "traffic",
+    )
+
+    def __init__(self, plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
+        self.context = driver.current_context_key()
+        self.owner = target.request.devices
+        kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
+        self.function = kernel.function_rows
+        # each side as the job takes it, less its indices (given at every call)
+        self.sides = (plan.side(plan.src, 0)[1:], plan.side(plan.dst, 0)[1:])
+        self.slots = (plan.src.slots, plan.dst.slots)
+        self.views = (src_view, dst_view)
+        self.shape = (plan.rows, plan.pieces, plan.piece_bytes, target.rows_ctas(), config.threads_per_cta)
+        self.handle = target.handle
+        self.decision, self.traffic = target.decision, noted_traffic(target, plan)
+
+    def usable(self) -> bool:
+        """Always: the context is compared at each call (a reset one has another key)."""
+        return True
+
+    def __call__(self, src_indices: Indices | None, dst_indices: Indices | None) -> str | None:
+        checks = ((src_indices, self.slots[0], False), (dst_indices, self.slots[1], True))
+        for indices, slots, unique in checks:
+            if indices is not None and (
+                indices.host is None or not row_slots_ok(indices.host, slots, unique)
+            ):
+                return None
+        handle = self.handle
+        count, pieces, piece_bytes, ctas, threads = self.shape
+        with ContextScope(handle) as scope:
+            scope.follow_memory(memory_owner(*self.owner))
+            if driver.current_context_key() != self.context or driver.stream_capture_status(handle) != 0:
+                return None
+            with uploaded_indices(((src_indices, count), (dst_indices, count)), handle) as where:
+                rows.RowsLaunches(
+                    self.function,
+                    (where[0], *self.sides[0]),
+                    (where[1], *self.sides[1]),
+                    *self.views,
+                    count,
+                    pieces,
+                    piece_bytes,
+                    ctas,
+                    threads,
+                    handle,
+                ).launch()
+        note_decision(self.decision)
+        note_again((self.traffic,))
+        return "kernel"
+
+
+def _may_repeat(plan: RowsPlan, target: Target, method: str) -> bool:
+    """Whether a HostRepeat may issue the plan's next calls: its layouts hold their
+    memory (kept_memory.held: what was found of it stays true), share none (no indices
+    can make a row read what another writes), and the decision holds whatever the other
+    direction's traffic (the policy's only input a repeat does not have) while the
+    guard is not timing batches."""
+    if not (kept_memory.held(plan.src) and kept_memory.held(plan.dst)):
+        return False
+    if not layouts_apart(plan.src, plan.dst):
+        return False
+    if config.guard or target.sample is not None:
+        return False
+    if method != "auto" or target.request.direction not in ("h2d", "d2h"):
+        return True
+    if target.traffic_free is not None:
+        return target.traffic_free
+    thresholds = device.thresholds(target.info.ordinal)
+    return not policy.depends_on_other_way(
+        target.request, target.decision, target.info.caps, thresholds, method
+    )
 
 
 def note_again(traffic: Iterable[Traffic | None]) -> None:
@@ -230,12 +330,13 @@ def execute_rows(
     plan: RowsPlan,
     stream_handle: int,
     method: str = "auto",
-    remember: Callable[["Repeat"], None] | None = None,
+    remember: Callable[["Repeat | HostRepeat"], None] | None = None,
 ) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
-    method that ran ('kernel', 'batch', 'loop', or 'none' for no rows). Where the plan's
-    indices are on the GPU, ``remember`` is given what repeats the call (kvcopy._engine.
-    rows_memo keeps it)."""
+    method that ran ('kernel', 'batch', 'loop', or 'none' for no rows). Where the layout
+    kernel ran the plan (its indices on the GPU; or on the host, the layouts apart and
+    the decision one a repeat may keep: HostRepeat), ``remember`` is given what repeats
+    the call (kvcopy._engine.rows_memo keeps it)."""
     if plan.rows == 0:
         return "none"
     handle = effective_handle(stream_handle)
@@ -257,6 +358,8 @@ def execute_rows(
                 else:
                     _launch(plan, target, src_view, dst_view, 0, 0)
                 note_decision(target.decision)
+                if remember is not None and _may_repeat(plan, target, method):
+                    remember(HostRepeat(plan, target, src_view, dst_view))
                 return "kernel"
             except KernelUnavailable:
                 pass  # NVRTC missing: the rows go as pointer copies

@@ -1,6 +1,7 @@
-"""copy_rows and copy_rows_both_ways calls with GPU indices (and staged pairs with host
-indices), remembered per set of layouts, so that the same call again costs its
-launches instead of a whole plan.
+"""copy_rows and copy_rows_both_ways calls remembered per set of layouts, so that the
+same call again costs its launches instead of a whole plan: calls with GPU indices,
+staged pairs, and layout-kernel calls with host indices between layouts that hold
+their memory and share none (kvcopy._engine.rows.HostRepeat).
 
 A serving step moves the same layouts by index tensors it refills in place, on the
 same stream, step after step. What such a call works out (the checks, the memory's
@@ -10,10 +11,12 @@ whose torch tensor moved is planned anew, which refuses it), on
 where the index tensors are and how long, and on the stream, the method and the
 settings its work is shaped by; the indices' values are read by the kernel when it
 runs. So a call whose key matches the last one for its layouts repeats that call's
-work. A staged copy_rows_both_ways pair is remembered with host indices too (keyed by
-their lengths): their values are checked at every call before the pair is repeated,
-and uploaded anew; only the memory's classes, the policy's answer and the chunks are
-not worked out again.
+work. Calls with host indices are remembered too (keyed by their lengths: a staged
+copy_rows_both_ways pair, a copy_rows call by the layout kernel): their values are
+checked at every call before the call is repeated, and uploaded anew; only the
+memory's classes, the policy's answer and the launches or chunks are not worked out
+again. The key holds every setting and device fact the policy reads (their epoch)
+and kvcopy._runtime.kept_memory's generation, which unregistering memory bumps.
 
 Layouts are held weakly (the memo keeps no cache alive) and the index tensors not at
 all (a new tensor at the same address is what the kernel will read). Work built in a
@@ -27,7 +30,9 @@ import weakref
 from typing import Any, Callable, Protocol
 
 from kvcopy import policy
+from kvcopy._engine import replay
 from kvcopy._plans.rows import Indices
+from kvcopy._runtime import kept_memory
 from kvcopy.config import config
 from kvcopy.kept import dropper, make_room
 from kvcopy.layouts import Layout
@@ -83,10 +88,10 @@ def call_key(
         rows,
         handle,
         method,
-        config.host_ctas,
-        config.device_ctas,
-        config.peer_ctas,
-        config.threads_per_cta,
+        # (every setting and device fact the policy reads, and whether memory may have
+        # changed kind under a layout: kvcopy.register's unregistering)
+        replay.epoch(),
+        kept_memory.generation(),
     )
 
 

@@ -182,13 +182,36 @@ def hold_layout(layout: Any) -> None:
         _held.setdefault(layout, weakref.WeakKeyDictionary())
 
 
+# Layouts found not to hold their planes (holds_planes), not asked again.
+_unheld: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def held(layout: Any) -> bool:
+    """Whether ``layout`` is held: marked so (hold_layout), or its own torch tensors hold
+    every plane (holds_planes; asked once per layout: the caller checks at every call
+    that those tensors have not moved, Layout.check_current, so they hold the same
+    allocations for as long as the layout is used)."""
+    if layout in _held:
+        return True
+    if layout in _unheld:
+        return False
+    if holds_planes(layout):
+        hold_layout(layout)
+        return True
+    with _lock:
+        _unheld.add(layout)
+    return False
+
+
 def layout_store(src: Any, dst: Any, asked: str) -> MemoryStore | None:
     """The store of what the engine found of the memory of a pair of held layouts for a
-    call asking ``asked`` of the policy (hold_layout), or None where either is not held.
+    call asking ``asked`` of the policy, or None where either is not held: marked so
+    (hold_layout), or holding its planes in its own torch tensors, which the caller
+    has checked are where they were when the layout was made (Layout.check_current).
     A store leaves with either layout."""
-    by_dst = _held.get(src)
-    if by_dst is None or dst not in _held:
+    if not (held(src) and held(dst)):
         return None
+    by_dst = _held[src]
     stores = by_dst.get(dst)
     store = stores.get(asked) if stores is not None else None
     if store is None:
@@ -207,6 +230,11 @@ def forget() -> None:
         _kept.clear()
         for store in list(_stores):
             store.by_context.clear()
+
+
+def generation() -> int:
+    """Bumped by every forget(): what was found of memory before is not to be trusted."""
+    return _generation
 
 
 def kept() -> int:
