@@ -14,7 +14,7 @@ import kvcopy
 from kvcopy import testing
 from kvcopy.testing import engine
 from helpers.cpu_fakes import FakeScope
-from helpers.rows_fakes import RowsOnHostMemory
+from helpers.rows_fakes import RowsOnHostMemory, host_ring_slots
 
 torch = pytest.importorskip("torch")
 
@@ -30,17 +30,7 @@ def emulated(seams):
     host = torch.zeros(2, SLOTS, ROW, dtype=torch.uint8)
     fake = RowsOnHostMemory([gpu.numpy()])
     fake.slot_memory = np.zeros(1 << 13, np.uint8)
-    half = fake.slot_memory.nbytes // 2
-    fake.slots = [
-        engine.ring.Slot(
-            capacity=half,
-            host=fake.slot_memory.ctypes.data + at,
-            mapped=fake.slot_memory.ctypes.data + at,
-            device=fake.slot_memory.ctypes.data + at,
-            event=event,
-        )
-        for at, event in ((0, 0x77), (half, 0x78))
-    ]
+    fake.slots = host_ring_slots(fake.slot_memory)
     kernel = engine.kernels.CopyKernel(
         1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
     )

@@ -17,7 +17,7 @@ from kvcopy import Layout, policy, testing
 from kvcopy.testing import cuda, engine
 from kvcopy._plans.rows_staging import StagedChunks, chunk_rows, rows_back_to_back, why_not_staged
 from helpers.cpu_fakes import FakeScope
-from helpers.rows_fakes import GpuIndices, RowsOnHostMemory
+from helpers.rows_fakes import GpuIndices, RowsOnHostMemory, host_ring_slots
 
 STREAM, SIDE = 0x1234, 0x5100
 LAYERS, PAGES, PAGE, ROW = 2, 32, 4, 64  # 128 slots of 64 B rows in 4 planes
@@ -110,20 +110,8 @@ def staged_rows(seams, monkeypatch):
 
     fake = RowsOnHostMemory([])
     fake.staging = staging
-    # two descriptor-ring slots for host indices, reserved in turn (fenced by events 0x77
-    # and 0x78), read by the emulated kernel where they lie
     fake.slot_memory = np.zeros(1 << 13, np.uint8)
-    half = fake.slot_memory.nbytes // 2
-    fake.slots = [
-        engine.ring.Slot(
-            capacity=half,
-            host=fake.slot_memory.ctypes.data + at,
-            mapped=fake.slot_memory.ctypes.data + at,
-            device=fake.slot_memory.ctypes.data + at,
-            event=event,
-        )
-        for at, event in ((0, 0x77), (half, 0x78))
-    ]
+    fake.slots = host_ring_slots(fake.slot_memory)
     seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
     seams.enter_context(
         testing.fake_runtime(

@@ -124,6 +124,23 @@ def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=No
     return found
 
 
+def host_ring_slots(memory: np.ndarray) -> list:
+    """Two descriptor-ring slots over halves of ``memory``, reserved in turn (fenced by
+    events 0x77 and 0x78), whose device side is the host memory itself: an emulated
+    kernel reads host indices uploaded there where they lie."""
+    half = memory.nbytes // 2
+    return [
+        engine.ring.Slot(
+            capacity=half,
+            host=memory.ctypes.data + at,
+            mapped=memory.ctypes.data + at,
+            device=memory.ctypes.data + at,
+            event=event,
+        )
+        for at, event in ((0, 0x77), (half, 0x78))
+    ]
+
+
 def caches():
     """A paged GPU-side cache (2 planes, 8 pages of 16 slots of 256 B) and a 40-slot chunk."""
     gpu = np.zeros((2, 8, 16, 256), np.uint8)
