@@ -13,14 +13,13 @@ stream, fenced behind the launch).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvcopy import policy
 from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
 from kvcopy._cuda.plan_arrays import row_slots_ok
-from kvcopy._engine import traffic_window
+from kvcopy._engine.repeats import Traffic, decided_for_repeats, note_again, noted_traffic
 from kvcopy._engine.decide import (
     MemoryClasses,
     Target,
@@ -31,7 +30,7 @@ from kvcopy._engine.decide import (
 )
 from kvcopy._engine.dispatch import execute_copies, issue_dma, kept_or_classified
 from kvcopy._plans.rows import Indices, RowsPlan, expand, layouts_apart
-from kvcopy._runtime import device, kept_memory, kernels, ring
+from kvcopy._runtime import kept_memory, kernels, ring
 from kvcopy._runtime.kernels import KernelUnavailable
 from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
@@ -186,9 +185,6 @@ def _kernel_decision(target: Target, why: str) -> Decision:
     return Decision("kernel", why, "registers")
 
 
-Traffic = tuple[int, str, int, int]  # (device ordinal, direction, stream, bytes)
-
-
 class Repeat:
     """A copy_rows call with GPU indices, built: calling it enqueues the same launches
     (the indices read when they run) and notes what the first call noted."""
@@ -247,7 +243,7 @@ class HostRepeat:
         self.views = (src_view, dst_view)
         self.shape = (plan.rows, plan.pieces, plan.piece_bytes, target.rows_ctas(), config.threads_per_cta)
         self.handle = target.handle
-        self.decision, self.traffic = target.decision, noted_traffic(target, plan)
+        self.decision, self.traffic = target.decision, noted_traffic(target, plan.total_bytes)
 
     def usable(self) -> bool:
         """Always: the context is compared at each call (a reset one has another key)."""
@@ -280,7 +276,7 @@ class HostRepeat:
                     handle,
                 ).launch()
         note_decision(self.decision)
-        note_again((self.traffic,))
+        note_again((self.traffic,), uncaptured=True)
         return "kernel"
 
 
@@ -294,36 +290,7 @@ def _may_repeat(plan: RowsPlan, target: Target, method: str) -> bool:
         return False
     if not layouts_apart(plan.src, plan.dst):
         return False
-    if config.guard or target.sample is not None:
-        return False
-    if method != "auto" or target.request.direction not in ("h2d", "d2h"):
-        return True
-    if target.traffic_free is not None:
-        return target.traffic_free
-    thresholds = device.thresholds(target.info.ordinal)
-    return not policy.depends_on_other_way(
-        target.request, target.decision, target.info.caps, thresholds, method
-    )
-
-
-def note_again(traffic: Iterable[Traffic | None]) -> None:
-    """Note in the traffic window what a first call noted (noted_traffic; None:
-    nothing), for a repeat of it, unless its stream captures a graph (whose work runs
-    at replay, not now) or the window is off."""
-    if not config.traffic_window_ms:
-        return
-    for noted in traffic:
-        if noted is not None and driver.stream_capture_status(noted[2]) == 0:
-            traffic_window.note(*noted)
-
-
-def noted_traffic(target: Target, plan: RowsPlan) -> Traffic | None:
-    """What decide() notes in the traffic window for the plan, to note again at each
-    repeat (None for a copy inside a GPU or between two)."""
-    direction = target.request.direction
-    if direction not in ("h2d", "d2h"):
-        return None
-    return target.info.ordinal, direction, target.handle, plan.total_bytes
+    return decided_for_repeats(target, method)
 
 
 def execute_rows(
@@ -346,7 +313,9 @@ def execute_rows(
             launches = _launches(
                 plan, target, src_view, dst_view, *_device_addresses(plan), context=driver.current_context()
             )
-            again = Repeat(launches, _kernel_decision(target, _GPU_INDICES), noted_traffic(target, plan))
+            again = Repeat(
+                launches, _kernel_decision(target, _GPU_INDICES), noted_traffic(target, plan.total_bytes)
+            )
             again()
             if remember is not None:
                 remember(again)

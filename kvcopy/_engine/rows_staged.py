@@ -36,7 +36,8 @@ from kvcopy import policy
 from kvcopy._cuda import driver, rows
 from kvcopy._engine import staged
 from kvcopy._engine.decide import note_decision
-from kvcopy._engine.rows import host_indices_bytes, note_again, noted_traffic, uploaded_indices
+from kvcopy._engine.repeats import note_again, noted_traffic
+from kvcopy._engine.rows import host_indices_bytes, uploaded_indices
 from kvcopy._plans.rows import Indices, RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
 from kvcopy._runtime import kernels, side_streams
@@ -164,7 +165,9 @@ def try_staged(
     sides = _issue(first, second, settled, loads, handle, staging, chunk_bytes, function)
     note_decision(decision)
     if remember is not None:
-        traffic = tuple(noted_traffic(target, plan) for (target, _, _), plan in zip(settled, (first, second)))
+        traffic = tuple(
+            noted_traffic(target, plan.total_bytes) for (target, _, _), plan in zip(settled, (first, second))
+        )
         remember(
             StagedPair(
                 sides, handle, decision, staging, traffic, loads, first.host_indices or second.host_indices

@@ -79,3 +79,4 @@ def test_the_benchmark_times_each_read_of_a_torch_tensor(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines] == ["data_ptr()", "shape", "stride()", "dtype", "_version"]
     assert all(float(line.split()[3]) > 0 for line in lines)
+

@@ -1,0 +1,132 @@
+"""swap_blocks repeated over torch tensors whose reads are kept: the call after the first
+(as many pairs, the same stream and method) is issued the way the first was, by the
+layout kernel or the copy engines, without asking the policy or classifying memory
+again, and every block lands where its ids say (the kernel and the copy engines
+emulated on host memory, helpers.rows_fakes.RowsOnHostMemory). Another pair count,
+stream or setting, memory forgotten, a changed tensor, a capturing stream or the
+guard go the whole way, as a first call does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy import testing
+from kvcopy.testing import engine
+from helpers.cpu_fakes import FakeScope
+from helpers.rows_fakes import RowsOnHostMemory, host_ring_slots
+
+torch = pytest.importorskip("torch")
+
+STREAM = 0x1234
+BLOCKS, BLOCK = 32, 512
+
+
+class Emulated(RowsOnHostMemory):
+    """RowsOnHostMemory with the copy engines' planning: copies go as given."""
+
+    def plan_dma(self, src, dst, sizes, merge=True):
+        return src, dst, sizes, np.arange(len(sizes), dtype=np.int64)
+
+
+@pytest.fixture
+def emulated(seams, monkeypatch):
+    """GPU-side caches (memory classified as the GPU's) and host-side ones, 4 layers of
+    torch tensors a side; yields (fake driver, gpu, host, decisions asked)."""
+    gpu = [torch.randint(0, 255, (BLOCKS, BLOCK), dtype=torch.uint8) for _ in range(4)]
+    host = [torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8) for _ in range(4)]
+    fake = Emulated([t.numpy() for t in gpu])
+    fake.slot_memory = np.zeros(1 << 14, np.uint8)
+    fake.slots = host_ring_slots(fake.slot_memory)
+    kernel = engine.kernels.CopyKernel(
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
+    )
+    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
+    seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope, slot=fake.slots))
+    asked = [0]
+    decide = engine.dispatch.decide
+
+    def counted(*args, **kwargs):
+        asked[0] += 1
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(engine.dispatch, "decide", counted)
+    return fake, gpu, host, asked
+
+
+def pairs(rng, n: int) -> np.ndarray:
+    return np.stack([rng.choice(BLOCKS, n, replace=False), rng.choice(BLOCKS, n, replace=False)], axis=1)
+
+
+def landed(gpu, host, mapping) -> bool:
+    return all(torch.equal(h[mapping[:, 1]], g[mapping[:, 0]]) for g, h in zip(gpu, host))
+
+
+@pytest.mark.parametrize("method", ["kernel", "loop"])
+def test_repeated_calls_move_each_calls_blocks_and_ask_the_policy_once(emulated, method):
+    fake, gpu, host, asked = emulated
+    rng = np.random.default_rng(1)
+    for call in range(4):
+        for h in host:
+            h.zero_()
+        mapping = pairs(rng, 5)
+        assert kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM, method=method) == method
+        assert landed(gpu, host, mapping), f"call {call}"
+    assert asked[0] == 1
+    assert fake.classified == 2  # (each side once)
+    assert kvcopy.last_decision().method == method
+
+
+def test_another_pair_count_stream_or_setting_asks_the_policy_again(emulated):
+    fake, gpu, host, asked = emulated
+    one, two = np.array([[1, 2]]), np.array([[3, 4], [5, 6]])
+    kvcopy.swap_blocks(gpu, host, one, stream=STREAM)
+    kvcopy.swap_blocks(gpu, host, two, stream=STREAM)
+    kvcopy.swap_blocks(gpu, host, two, stream=STREAM + 0x1000)
+    with testing.settings(host_ctas=3):
+        kvcopy.swap_blocks(gpu, host, two, stream=STREAM)
+    assert asked[0] == 4
+    assert landed(gpu, host, two)
+
+
+def test_bad_ids_after_a_repeat_are_refused_before_anything_is_issued(emulated):
+    fake, gpu, host, asked = emulated
+    for _ in range(2):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, 2], [3, 4]]), stream=STREAM)
+    calls = len(fake.calls)
+    with pytest.raises(ValueError, match="source block 99 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, 2], [99, 4]]), stream=STREAM)
+    with pytest.raises(ValueError, match="both write destination block 4"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, 4], [3, 4]]), stream=STREAM)
+    assert len(fake.calls) == calls
+
+
+def test_a_changed_tensor_or_forgotten_memory_goes_the_whole_way(emulated):
+    fake, gpu, host, asked = emulated
+    mapping = np.array([[7, 8]])
+    kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM)
+    engine.kept_memory.forget()  # (as kvcopy.register does when it unregisters)
+    kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM)
+    assert asked[0] == 2 and fake.classified == 4
+    host[2] = torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8)  # another tensor in the list
+    kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM)
+    assert asked[0] == 3 and landed(gpu, host, mapping)
+
+
+def test_a_capturing_stream_goes_the_whole_way(emulated):
+    fake, gpu, host, asked = emulated
+    mapping = np.array([[7, 8]])
+    kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM, method="loop")
+    fake.capturing = 1
+    kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM, method="loop")
+    assert asked[0] == 2
+
+
+def test_nothing_is_repeated_while_the_guard_times_batches(emulated):
+    fake, gpu, host, asked = emulated
+    mapping = np.array([[7, 8]])
+    with testing.settings(guard=True):
+        for _ in range(3):
+            kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM, method="kernel")
+    assert asked[0] == 3
