@@ -41,12 +41,21 @@ def run_staged(handle: int, batches: list[staged.StagedBatch], info: device.Devi
     return "staged"
 
 
+_FIRST_ONLY = np.zeros(1, np.int64)  # (a one-copy plan's copy is the caller's first)
+
+
 def issue_dma(
     src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, merge: bool, target: Target, access_any: bool
 ) -> None:
     """Plan the batch for the DMA engines (merged only inside allocations, pageable
-    pointers checked against this process's mappings) and issue it."""
-    plan = CopyPlan(*dma.plan_dma(src, dst, sizes, merge))
+    pointers checked against this process's mappings) and issue it. One copy of memory
+    the device reaches (``target``'s classes: no pageable, managed or unmapped peer
+    memory, no copy past its allocation's end) has nothing to merge or check: it goes
+    as given, without asking the driver about its pointers again."""
+    if len(sizes) == 1 and target.request.device_accessible:
+        plan = CopyPlan(src, dst, sizes, _FIRST_ONLY)
+    else:
+        plan = CopyPlan(*dma.plan_dma(src, dst, sizes, merge))
     try:
         if target.decision.method == "batch":
             dma.memcpy_batch(plan.dst, plan.src, plan.sizes, target.handle, access_any, config.batch_chunk)

@@ -80,3 +80,39 @@ def test_the_benchmark_times_each_read_of_a_torch_tensor(capsys):
     assert [line.split()[2] for line in lines] == ["data_ptr()", "shape", "stride()", "dtype", "_version"]
     assert all(float(line.split()[3]) > 0 for line in lines)
 
+
+def test_one_copy_of_reachable_memory_goes_to_the_copy_engines_as_given(faked):
+    """One copy the device reaches (its memory classified by the describe pass) is not
+    planned for the copy engines again (nothing to merge, no pageable pointer to check);
+    two copies, or one of pageable memory, are."""
+    import numpy as np
+
+    import kvcopy
+
+    host, _ = faked
+    pinned = cpu_calls.host_pools()[0]  # (not among the faked pools: pageable to it)
+    gpu = np.array([cpu_calls.DEVICE_BASE], np.uint64)
+    size = np.array([2048], np.uint64)
+    pool = host.ranges[-1]  # (pinned: the last pool FakeHost answers for)
+    one = np.array([pool[0]], np.uint64)
+    assert (
+        steady(host, lambda: kvcopy.copy_batch(gpu, one, size, stream=0x7F00_1234, method="loop"))[
+            "dma.memcpy_loop"
+        ]
+        == 1
+    )
+    assert "dma.plan_dma" not in host.counts
+    two = (
+        np.array([cpu_calls.DEVICE_BASE, cpu_calls.DEVICE_BASE + 4096], np.uint64),
+        np.full(2, 2048, np.uint64),
+    )
+    steady(
+        host,
+        lambda: kvcopy.copy_batch(
+            two[0], np.array([pool[0], pool[0] + 4096], np.uint64), two[1], stream=0x7F00_1234, method="loop"
+        ),
+    )
+    assert host.counts["dma.plan_dma"] == 1
+    pageable = np.array([pinned.ctypes.data], np.uint64)
+    steady(host, lambda: kvcopy.copy_batch(gpu, pageable, size, stream=0x7F00_1234, method="loop"))
+    assert host.counts["dma.plan_dma"] == 1
