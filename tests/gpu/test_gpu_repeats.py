@@ -1,0 +1,109 @@
+"""Repeated calls on a real GPU: swap_blocks over the same torch tensors (by the layout
+kernel and by the copy engines) and copy_rows with host indices between the same
+layouts, each call with new ids or indices, on a created stream and on the default
+stream, every byte checked against a torch gather; a repeat after the memory's
+registration changed goes the whole way and still moves the right bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcopy
+from kvcopy.testing import engine
+
+LAYERS, BLOCKS, HOST_BLOCKS = 8, 64, 96
+
+
+def caches(torch, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gpu = [
+        torch.randint(-100, 100, (BLOCKS, 16, 64), generator=g, device="cuda").to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    host = [torch.zeros(HOST_BLOCKS, 16, 64, dtype=torch.bfloat16).pin_memory() for _ in range(LAYERS)]
+    return gpu, host
+
+
+def pairs(rng, n: int, a: int, b: int) -> np.ndarray:
+    return np.stack([rng.choice(a, n, replace=False), rng.choice(b, n, replace=False)], axis=1)
+
+
+@pytest.mark.parametrize("method", ["kernel", "loop", "auto"])
+@pytest.mark.parametrize("default_stream", [False, True])
+def test_swap_blocks_repeated_moves_every_calls_blocks(torch_cuda, method, default_stream):
+    torch = torch_cuda
+    gpu, host = caches(torch, 1)
+    stream = None if default_stream else torch.cuda.Stream()
+    rng = np.random.default_rng(2)
+    for call in range(6):
+        mapping = pairs(rng, 5, BLOCKS, HOST_BLOCKS)
+        for h in host:
+            h.zero_()
+        kvcopy.swap_blocks(gpu, host, mapping, stream=0 if default_stream else stream, method=method)
+        torch.cuda.synchronize()
+        for g, h in zip(gpu, host):
+            assert torch.equal(h[mapping[:, 1]], g[mapping[:, 0]].cpu()), f"call {call}"
+        back = pairs(rng, 5, HOST_BLOCKS, BLOCKS)
+        target = [torch.zeros_like(g) for g in gpu]
+        kvcopy.swap_blocks(host, target, back, stream=0 if default_stream else stream, method=method)
+        torch.cuda.synchronize()
+        for t, h in zip(target, host):
+            assert torch.equal(t[back[:, 1]].cpu(), h[back[:, 0]]), f"call {call}, back"
+
+
+def test_swap_blocks_repeats_after_a_store_of_its_own(torch_cuda):
+    """Many calls in flight on one stream, none waited for: each reads its own ids."""
+    torch = torch_cuda
+    gpu, host = caches(torch, 3)
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(4)
+    mappings = [pairs(rng, 8, BLOCKS, HOST_BLOCKS) for _ in range(20)]
+    for mapping in mappings:
+        kvcopy.swap_blocks(gpu, host, mapping, stream=stream, method="kernel")
+    stream.synchronize()
+    want = [torch.zeros_like(h) for h in host]
+    for mapping in mappings:
+        for w, g in zip(want, gpu):
+            w[mapping[:, 1]] = g[mapping[:, 0]].cpu()
+    for w, h in zip(want, host):
+        assert torch.equal(w, h)
+
+
+@pytest.mark.parametrize("default_stream", [False, True])
+def test_copy_rows_with_host_indices_repeated_moves_every_calls_rows(torch_cuda, default_stream):
+    torch = torch_cuda
+    tokens_g = torch.randint(0, 1 << 15, (2, 512, 256), device="cuda", dtype=torch.int16)
+    tokens_h = torch.zeros(2, 300, 256, dtype=torch.int16).pin_memory()
+    src = kvcopy.Layout.of(tokens_g, planes=(0,), slot=1)
+    dst = kvcopy.Layout.of(tokens_h, planes=(0,), slot=1)
+    stream = 0 if default_stream else torch.cuda.Stream()
+    rng = np.random.default_rng(5)
+    for call in range(6):
+        a = torch.from_numpy(rng.choice(512, 40, replace=False))
+        b = torch.from_numpy(rng.choice(300, 40, replace=False))
+        tokens_h.zero_()
+        assert kvcopy.copy_rows(src, dst, a, b, stream=stream) == "kernel"
+        torch.cuda.synchronize()
+        assert torch.equal(tokens_h[:, b], tokens_g[:, a].cpu()), f"call {call}"
+    found = engine.rows_memo.entry(src, dst)
+    assert found is not None and isinstance(found.repeat, engine.rows.HostRepeat)
+
+
+def test_a_repeat_after_host_memory_was_unregistered_goes_the_whole_way(torch_cuda):
+    torch = torch_cuda
+    gpu = [torch.randint(0, 100, (BLOCKS, 4096), device="cuda", dtype=torch.uint8) for _ in range(2)]
+    host = kvcopy.pinned_empty((2, HOST_BLOCKS, 4096), np.uint8)
+    views = [torch.from_numpy(host[k]) for k in range(2)]
+    mapping = np.array([[1, 2], [3, 4]])
+    kvcopy.swap_blocks(gpu, views, mapping, stream=0)
+    kvcopy.swap_blocks(gpu, views, mapping, stream=0)
+    torch.cuda.synchronize()
+    generation = engine.kept_memory.generation()
+    engine.kept_memory.forget()  # (what kvcopy.register's unregistering does)
+    assert engine.kept_memory.generation() == generation + 1
+    host[:] = 0
+    kvcopy.swap_blocks(gpu, views, np.array([[5, 6]]), stream=0)
+    torch.cuda.synchronize()
+    for g, v in zip(gpu, views):
+        assert torch.equal(v[6], g[5].cpu())
