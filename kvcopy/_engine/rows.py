@@ -256,28 +256,36 @@ class HostRepeat:
                 indices.host is None or not row_slots_ok(indices.host, slots, unique)
             ):
                 return None
-        handle = self.handle
-        count, pieces, piece_bytes, ctas, threads = self.shape
+        handle, count = self.handle, self.shape[0]
         with ContextScope(handle) as scope:
             scope.follow_memory(memory_owner(*self.owner))
             if driver.current_context_key() != self.context or driver.stream_capture_status(handle) != 0:
                 return None
-            with uploaded_indices(((src_indices, count), (dst_indices, count)), handle) as where:
-                rows.RowsLaunches(
-                    self.function,
-                    (where[0], *self.sides[0]),
-                    (where[1], *self.sides[1]),
-                    *self.views,
-                    count,
-                    pieces,
-                    piece_bytes,
-                    ctas,
-                    threads,
-                    handle,
-                ).launch()
+            sides = ((src_indices, count), (dst_indices, count))
+            if not host_indices_bytes(sides):  # (rows by number on both sides)
+                self._launch((0, 0), handle)
+            else:
+                with uploaded_indices(sides, handle) as where:
+                    self._launch(where, handle)
         note_decision(self.decision)
         note_again((self.traffic,), uncaptured=True)
         return "kernel"
+
+    def _launch(self, indices: Sequence[int], handle: int) -> None:
+        """The first call's launches, reading each side's indices at ``indices``."""
+        count, pieces, piece_bytes, ctas, threads = self.shape
+        rows.RowsLaunches(
+            self.function,
+            (indices[0], *self.sides[0]),
+            (indices[1], *self.sides[1]),
+            *self.views,
+            count,
+            pieces,
+            piece_bytes,
+            ctas,
+            threads,
+            handle,
+        ).launch()
 
 
 def _may_repeat(plan: RowsPlan, target: Target, method: str) -> bool:

@@ -162,3 +162,14 @@ def test_another_row_count_or_stream_is_planned_afresh(emulated, plans):
     assert fake.classified == 2  # (the pair's memory is kept: the plans found it)
     assert torch.equal(host[:, [2, 4]], gpu[:, [1, 3]])
     assert launches(fake) == 3
+
+
+def test_a_repeat_by_row_number_on_both_sides_uploads_nothing(emulated, plans):
+    fake, gpu, host = emulated
+    src, dst = layouts(gpu, host)
+    for _ in range(3):
+        host.zero_()
+        kvcopy.copy_rows(src, dst, rows=5, stream=STREAM)
+        assert torch.equal(host[:, :5], gpu[:, :5]) and not host[:, 5:].any()
+    assert plans[0] == 1 and launches(fake) == 3
+    assert not any(call[0] == "upload" for call in fake.calls)
