@@ -14,20 +14,12 @@ import pytest
 import kvcopy
 from kvcopy import testing
 from kvcopy.testing import engine
-from helpers.cpu_fakes import FakeScope
-from helpers.rows_fakes import RowsOnHostMemory, host_ring_slots
+from helpers.rows_fakes import RowsOnHostMemory, emulate_on_host_memory
 
 torch = pytest.importorskip("torch")
 
 STREAM = 0x1234
 BLOCKS, BLOCK = 32, 512
-
-
-class Emulated(RowsOnHostMemory):
-    """RowsOnHostMemory with the copy engines' planning: copies go as given."""
-
-    def plan_dma(self, src, dst, sizes, merge=True):
-        return src, dst, sizes, np.arange(len(sizes), dtype=np.int64)
 
 
 @pytest.fixture
@@ -36,14 +28,8 @@ def emulated(seams, monkeypatch):
     torch tensors a side; yields (fake driver, gpu, host, decisions asked)."""
     gpu = [torch.randint(0, 255, (BLOCKS, BLOCK), dtype=torch.uint8) for _ in range(4)]
     host = [torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8) for _ in range(4)]
-    fake = Emulated([t.numpy() for t in gpu])
-    fake.slot_memory = np.zeros(1 << 14, np.uint8)
-    fake.slots = host_ring_slots(fake.slot_memory)
-    kernel = engine.kernels.CopyKernel(
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
-    )
-    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
-    seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope, slot=fake.slots))
+    fake = RowsOnHostMemory([t.numpy() for t in gpu])
+    emulate_on_host_memory(seams, fake, 1 << 14)
     asked = [0]
     decide = engine.dispatch.decide
 

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy import testing
 from kvcopy.testing import engine
-from helpers.cpu_fakes import FakeScope
-from helpers.rows_fakes import RowsOnHostMemory, host_ring_slots
+from helpers.rows_fakes import RowsOnHostMemory, emulate_on_host_memory
 
 torch = pytest.importorskip("torch")
 
@@ -29,13 +27,7 @@ def emulated(seams):
     gpu = torch.arange(2 * SLOTS * ROW, dtype=torch.int32).to(torch.uint8).reshape(2, SLOTS, ROW)
     host = torch.zeros(2, SLOTS, ROW, dtype=torch.uint8)
     fake = RowsOnHostMemory([gpu.numpy()])
-    fake.slot_memory = np.zeros(1 << 13, np.uint8)
-    fake.slots = host_ring_slots(fake.slot_memory)
-    kernel = engine.kernels.CopyKernel(
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
-    )
-    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
-    seams.enter_context(testing.fake_runtime(copy_kernel=kernel, scope=FakeScope, slot=fake.slots))
+    emulate_on_host_memory(seams, fake)
     engine.rows_memo.forget()
     return fake, gpu, host
 

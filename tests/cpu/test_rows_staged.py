@@ -16,8 +16,7 @@ import kvcopy
 from kvcopy import Layout, policy, testing
 from kvcopy.testing import cuda, engine
 from kvcopy._plans.rows_staging import StagedChunks, chunk_rows, rows_back_to_back, why_not_staged
-from helpers.cpu_fakes import FakeScope
-from helpers.rows_fakes import GpuIndices, RowsOnHostMemory, host_ring_slots
+from helpers.rows_fakes import GpuIndices, RowsOnHostMemory, emulate_on_host_memory
 
 STREAM, SIDE = 0x1234, 0x5100
 LAYERS, PAGES, PAGE, ROW = 2, 32, 4, 64  # 128 slots of 64 B rows in 4 planes
@@ -97,9 +96,6 @@ def staged_rows(seams, monkeypatch):
     monkeypatch.setattr(policy, "ROWS_STAGING_MIN_BYTES", 1)
     seams.enter_context(testing.settings(staging_bytes=CHUNK))
     staging = Staging()
-    kernel = engine.kernels.CopyKernel(
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
-    )
     steps: list[Step] = []
 
     def make(tokens: int, seed: int = 0) -> Step:
@@ -110,18 +106,7 @@ def staged_rows(seams, monkeypatch):
 
     fake = RowsOnHostMemory([])
     fake.staging = staging
-    fake.slot_memory = np.zeros(1 << 13, np.uint8)
-    fake.slots = host_ring_slots(fake.slot_memory)
-    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
-    seams.enter_context(
-        testing.fake_runtime(
-            copy_kernel=kernel,
-            scope=FakeScope,
-            staging=staging,
-            slot=fake.slots,
-            side_stream=lambda handle, index=0: SIDE + index,
-        )
-    )
+    emulate_on_host_memory(seams, fake, staging=staging, side_stream=lambda handle, index=0: SIDE + index)
     yield fake, make
 
 

@@ -112,9 +112,7 @@ def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=No
     found = FakeRowsCuda(src, dst, capturing)
     found.slot_memory = slot_memory  # the slot holds only its address: keep it alive
     seams.enter_context(testing.fake_cuda(found, ("driver", "launch", "classify", "rows")))
-    kernel = engine.kernels.CopyKernel(
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
-    )
+    kernel = rows_kernel()
     slot = engine.ring.Slot(
         capacity=slot_memory.nbytes, host=slot_memory.ctypes.data, mapped=0x2000, device=0x3000, event=0x77
     )
@@ -122,6 +120,26 @@ def install_rows_fakes(seams, slot_memory, src, dst, capturing=0, side_stream=No
         testing.fake_runtime(copy_kernel=kernel, slot=slot, scope=FakeScope, side_stream=side_stream)
     )
     return found
+
+
+def rows_kernel():
+    """A loaded copy kernel as the fakes stand it in: the layout kernel's function is 42."""
+    return engine.kernels.CopyKernel(
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, None, function_rows=42, rows_report=0x99
+    )
+
+
+def emulate_on_host_memory(seams, fake: "RowsOnHostMemory", slot_bytes: int = 1 << 13, **runtime):
+    """``fake`` in place of the driver, launch, classify, rows and copy-engine layers, a
+    loaded kernel, and two ring slots over ``slot_bytes`` of host memory the emulated
+    kernel reads indices from where they lie (host_ring_slots); ``runtime``: more of
+    kvcopy.testing.fake_runtime's stand-ins."""
+    fake.slot_memory = np.zeros(slot_bytes, np.uint8)  # (the slots hold only its address)
+    fake.slots = host_ring_slots(fake.slot_memory)
+    seams.enter_context(testing.fake_cuda(fake, ("driver", "launch", "classify", "rows", "dma")))
+    seams.enter_context(
+        testing.fake_runtime(copy_kernel=rows_kernel(), scope=FakeScope, slot=fake.slots, **runtime)
+    )
 
 
 def host_ring_slots(memory: np.ndarray) -> list:
@@ -178,6 +196,10 @@ class RowsOnHostMemory(FakeRowsCuda):
 
     def event_record(self, event, stream):
         self.calls.append(("record", event, stream))
+
+    def plan_dma(self, src, dst, sizes, merge=True):
+        """The copy engines' plan: the copies as given, each its own caller index."""
+        return src, dst, sizes, np.arange(len(sizes), dtype=np.int64)
 
     def memcpy_loop(self, dst, src, sizes, stream):
         for d, s, n in zip(dst, src, sizes):
