@@ -234,7 +234,7 @@ class HostRepeat:
 
     def __init__(self, plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
         self.context = driver.current_context_key()
-        self.owner = target.request.devices
+        self.owner = memory_owner(*target.request.devices)
         kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
         self.function = kernel.function_rows
         # each side as the job takes it, less its indices (given at every call)
@@ -258,7 +258,7 @@ class HostRepeat:
                 return None
         handle, count = self.handle, self.shape[0]
         with ContextScope(handle) as scope:
-            scope.follow_memory(memory_owner(*self.owner))
+            scope.follow_memory(self.owner)
             if driver.current_context_key() != self.context or driver.stream_capture_status(handle) != 0:
                 return None
             sides = ((src_indices, count), (dst_indices, count))
