@@ -12,7 +12,6 @@ writes, is then the caller's to guarantee.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.streams import current_framework_stream, resolve_stream
 from kvcopy.interop.protocols import plain_face_key
-from kvcopy.interop.arrays import torch_integers
+from kvcopy.interop.arrays import plain_host_int64, torch_integers
 from kvcopy.interop.tensors import strided, torch_integers_refusal
 from kvcopy.kept import make_room
 from kvcopy.layouts import Layout
@@ -104,9 +103,9 @@ def read_indices(obj: Any, name: str) -> Indices | None:
     if found is not None:
         return found
     if framework_of(obj) == "torch":
-        plain = _plain_host_indices(obj)
+        plain = plain_host_int64(obj, 1)
         if plain is not None:
-            return plain
+            return Indices(len(plain), host=plain)
         obj = torch_integers(obj, name, host_only=False)
     try:
         values = np.asarray(obj)
@@ -120,27 +119,6 @@ def read_indices(obj: Any, name: str) -> Indices | None:
         position = int(np.argmax(values > _INT64_MAX))
         raise ValueError(f"{name}[{position}] = {int(values[position])} does not fit int64")
     return Indices(len(values), host=np.ascontiguousarray(values, dtype=np.int64))
-
-
-def _plain_host_indices(t: Any) -> Indices | None:
-    """A plain 1-D int64 CPU torch tensor's values, read without torch_integers' checks
-    (every one of them passes for such a tensor: a torch.Tensor itself, strided, not
-    nested, no negative view; a meta tensor is not on the CPU); None for anything else,
-    which is read and checked in full. The engines' index tensors are such, read at every
-    call."""
-    torch = sys.modules["torch"]
-    if (
-        type(t) is not torch.Tensor
-        or t.dtype is not torch.int64
-        or not t.is_cpu
-        or t.layout is not torch.strided
-        or t.is_nested
-        or t.is_neg()
-        or t.dim() != 1
-    ):
-        return None
-    values = t.numpy()  # (an integer tensor never requires grad)
-    return Indices(len(values), host=np.ascontiguousarray(values))
 
 
 @dataclass(frozen=True)

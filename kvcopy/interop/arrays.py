@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,27 @@ def torch_integers(obj: Any, name: str, *, host_only: bool) -> np.ndarray:
             f"{name}: a torch tensor of pointers or sizes must be on the CPU, got one on {obj.device}"
         )
     return obj.detach().cpu().contiguous().numpy()
+
+
+def plain_host_int64(t: Any, ndim: int) -> np.ndarray | None:
+    """A plain int64 CPU torch tensor of ``ndim`` dimensions as a C-contiguous NumPy
+    array of its values (no copy where it is contiguous), read without
+    torch_integers' checks: every one of them passes for such a tensor (a torch.Tensor
+    itself, strided, not nested, no negative view; a meta tensor is not on the CPU).
+    None for anything else, which is read and checked in full. The engines' block ids
+    and row indices are such tensors, read at every call."""
+    torch = sys.modules["torch"]
+    if (
+        type(t) is not torch.Tensor
+        or t.dtype is not torch.int64
+        or not t.is_cpu
+        or t.layout is not torch.strided
+        or t.is_nested
+        or t.is_neg()
+        or t.dim() != ndim
+    ):
+        return None
+    return np.ascontiguousarray(t.numpy())  # (an integer tensor never requires grad)
 
 
 def _from_sequence(obj: Any, name: str) -> np.ndarray:
@@ -111,6 +133,9 @@ def as_block_mapping(block_mapping: Any) -> np.ndarray:
     """An (n, 2) int64 array of [source block, destination block] pairs."""
     framework = framework_of(block_mapping)
     if framework == "torch":
+        plain = plain_host_int64(block_mapping, 2)
+        if plain is not None and plain.shape[1] == 2:
+            return plain
         block_mapping = torch_integers(block_mapping, "block_mapping", host_only=False)
     elif framework == "cupy":
         block_mapping = block_mapping.get()
