@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcopy._engine import both_ways, dispatch
+from kvcopy._engine import both_ways, dispatch, repeats
 from kvcopy._plans.races import race_between
 from kvcopy._plans.blocks import BlockPlan, GeometryAndMemory, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_triple
@@ -62,12 +62,18 @@ def swap_blocks(
             is copied.
     """
     check_method(method)
+    split_blocks = require_bool(split_blocks, "split_blocks")
     if stream is not None:
         streams = [(resolve_stream(stream), -1)]
     else:
         srcs, dsts = as_list(src), as_list(dst)
         streams = current_framework_streams(srcs[0] if srcs else None, dsts[0] if dsts else None)
     handle = effective_handle(streams[0][0])
+    if len(streams) == 1:
+        # (an engine's call of every step: the same caches, as many pairs)
+        ran = repeats.repeat_blocks(src, dst, block_mapping, handle, method, split_blocks)
+        if ran is not None:
+            return ran
     plan = plan_blocks(
         src, dst, block_mapping, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle)
     )

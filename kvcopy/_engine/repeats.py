@@ -18,13 +18,19 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from kvcopy import policy
 from kvcopy._cuda import driver
+from kvcopy._cuda.plan_arrays import block_ids_ok
 from kvcopy._engine import replay, traffic_window
 from kvcopy._engine.decide import Target, memory_owner, note_decision
+from kvcopy._plans.blocks import BlockPlan, kept_geometry
+from kvcopy._plans.races import race_in_plan
 from kvcopy._runtime import device, kept_memory
-from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
+from kvcopy.interop.arrays import as_block_mapping, as_list, plain_host_int64
+from kvcopy.interop.frameworks import is_torch
 from kvcopy.kept import make_room
 
 Traffic = tuple[int, str, int, int]  # (device ordinal, direction, stream, bytes)
@@ -97,12 +103,14 @@ class BlockRepeat:
         self.traffic = noted_traffic(target, target.request.total_bytes)
 
     def __call__(self, plan: Any) -> str | None:
-        handle = self.target.handle
-        with ContextScope(handle) as scope:
-            scope.follow_memory(self.owner)
-            if driver.current_context_key() != self.context or driver.stream_capture_status(handle) != 0:
-                return None
+        entered = driver.enter_for_repeat(self.target.handle, self.owner, self.context)
+        if entered < 0:
+            return None
+        try:
             self.launch(plan, self.target, self.views)
+        finally:
+            if entered:
+                driver.pop_context()
         note_decision(self.target.decision)
         note_again((self.traffic,), uncaptured=True)
         return self.target.decision.method
@@ -127,3 +135,45 @@ def remember_blocks(store: Any, key: tuple, repeat: BlockRepeat) -> None:
         kept = _blocks.setdefault(store, {})
         make_room(kept, _PER_STORE)
         kept[key] = repeat
+
+
+def repeat_blocks(
+    src: Any, dst: Any, block_mapping: Any, handle: int, method: str, split_blocks: bool
+) -> str | None:
+    """A swap_blocks call on ``handle`` (effective) issued straight from its arguments as
+    the last one like it was (BlockRepeat), or None, having enqueued nothing, where it
+    is not a repeat: its tensors are not the unchanged torch tensors an earlier call
+    kept the geometry of, no call of as many pairs on ``handle`` with ``method`` is
+    remembered over them, or its ids fail planning's checks (the whole way then says
+    which). Planning's checks run as they do on a first call; reading the tensors,
+    classifying memory and the policy do not."""
+    srcs, dsts = as_list(src), as_list(dst)
+    kept = kept_geometry(srcs, dsts, split_blocks)
+    if kept is None:
+        return None
+    geometry, memory = kept
+    mapping = _block_ids(block_mapping)
+    n = mapping.shape[0]
+    if not n or geometry.producer_streams or not block_ids_ok(mapping, *geometry.id_limits):
+        return None
+    again = block_repeat(memory, (handle, method, n, *epoch_key()))
+    if again is None:
+        return None
+    plan = BlockPlan(geometry, mapping, (*srcs, *dsts), memory)
+    if race_in_plan(plan):
+        return None
+    return again(plan)
+
+
+def _block_ids(block_mapping: Any) -> np.ndarray:
+    """``block_mapping`` as planning reads it: (n, 2) int64, C-contiguous; the engines'
+    own arrays (int64 NumPy arrays, plain int64 CPU tensors) without a copy or
+    another check."""
+    if type(block_mapping) is np.ndarray:
+        if block_mapping.dtype == np.int64 and block_mapping.ndim == 2 and block_mapping.shape[1] == 2:
+            return np.ascontiguousarray(block_mapping)
+    elif is_torch(block_mapping):
+        plain = plain_host_int64(block_mapping, 2)
+        if plain is not None and plain.shape[1] == 2:
+            return plain
+    return np.ascontiguousarray(as_block_mapping(block_mapping))

@@ -491,6 +491,16 @@ def geometry_and_reverse(src: Any, dst: Any) -> tuple[GeometryAndMemory, Geometr
     )
 
 
+def kept_geometry(srcs: list, dsts: list, split_blocks: bool) -> GeometryAndMemory | None:
+    """The geometry an earlier call kept for these torch tensors and the store kept
+    with it (geometry_and_memory), where they are unchanged; else None, having read
+    nothing from them."""
+    if not srcs or len(srcs) != len(dsts):
+        return None
+    kept = _kept_geometries.peek((*srcs, *dsts), ("forward", len(srcs), split_blocks))
+    return None if kept is None else (kept.geometry, kept.memory)
+
+
 def plan_blocks(
     src: Any, dst: Any, block_mapping: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
 ) -> BlockPlan:
@@ -513,6 +523,7 @@ __all__ = [
     "crossing_pairs",
     "geometry_and_memory",
     "geometry_and_reverse",
+    "kept_geometry",
     "plan_block_copies",
     "plan_blocks",
 ]

@@ -92,15 +92,10 @@ class KeptReads:
         tensor is the same object, unchanged; else ``read()`` now, kept unless it is
         None or a tensor cannot be stamped. An exception from ``read`` passes through
         and keeps nothing."""
-        # (the key is a hash of identities; stamps_hold checks the identities)
         key = (extra, identity_hash(tensors))
-        entry = self._entries.get(key)
-        if entry is not None:
-            if stamps_hold(entry.refs, tensors, entry.versions, entry.addresses):
-                return entry.value, True
-            renewed = self._renewed(key, entry, tensors)
-            if renewed is not None:
-                return renewed.value, True
+        found = self._kept(key, tensors)
+        if found is not None:
+            return found.value, True
         # (stamped before the read: a change between the two makes the next call read
         # again, and never keeps an old value under a new stamp)
         stamps = _stamps(tensors)
@@ -108,6 +103,23 @@ class KeptReads:
         if value is None or stamps is None:
             return value, False
         return value, self._keep(key, tensors, stamps, value)
+
+    def peek(self, tensors: Sequence[Any], extra: Hashable) -> Any | None:
+        """The value kept for ``tensors`` and ``extra`` while they are unchanged (see
+        lookup), else None; reads nothing from the tensors where nothing is kept."""
+        found = self._kept((extra, identity_hash(tensors)), tensors)
+        return None if found is None else found.value
+
+    def _kept(self, key: tuple, tensors: Sequence[Any]) -> _Entry | None:
+        """The entry under ``key`` where ``tensors`` are its tensors, unchanged (their
+        data written to aside: _renewed), else None."""
+        # (the key is a hash of identities; stamps_hold checks the identities)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if stamps_hold(entry.refs, tensors, entry.versions, entry.addresses):
+            return entry
+        return self._renewed(key, entry, tensors)
 
     def _renewed(self, key: tuple, entry: _Entry, tensors: Sequence[Any]) -> _Entry | None:
         """``entry`` with the tensors' new version counters, where each tensor is the

@@ -30,15 +30,19 @@ def emulated(seams, monkeypatch):
     host = [torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8) for _ in range(4)]
     fake = RowsOnHostMemory([t.numpy() for t in gpu])
     emulate_on_host_memory(seams, fake, 1 << 14)
-    asked = [0]
-    decide = engine.dispatch.decide
+    return fake, gpu, host, counted(monkeypatch, engine.dispatch, "decide")
 
-    def counted(*args, **kwargs):
-        asked[0] += 1
-        return decide(*args, **kwargs)
 
-    monkeypatch.setattr(engine.dispatch, "decide", counted)
-    return fake, gpu, host, asked
+def counted(monkeypatch, module, name: str) -> list[int]:
+    """``module.name`` wrapped to count its calls; returns the count, [n]."""
+    calls, real = [0], getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
 
 
 def pairs(rng, n: int) -> np.ndarray:
@@ -116,3 +120,27 @@ def test_nothing_is_repeated_while_the_guard_times_batches(emulated):
         for _ in range(3):
             kvcopy.swap_blocks(gpu, host, mapping, stream=STREAM, method="kernel")
     assert asked[0] == 3
+
+
+def test_a_repeat_reads_neither_tensors_nor_plans_again(emulated, monkeypatch):
+    fake, gpu, host, asked = emulated
+    kvcopy.swap_blocks(gpu, host, np.array([[1, 2]]), stream=STREAM)
+    planned = counted(monkeypatch, kvcopy.blocks, "plan_blocks")
+    for ids in (np.array([[3, 4]]), torch.tensor([[5, 6]]), [[7, 9]]):
+        for h in host:
+            h.zero_()
+        assert kvcopy.swap_blocks(gpu, host, ids, stream=STREAM) == "kernel"
+        assert landed(gpu, host, np.asarray(ids))
+    assert planned[0] == 0 and asked[0] == 1
+
+
+def test_a_repeat_written_to_its_own_caches_checks_races_as_planning_does(emulated):
+    fake, gpu, host, asked = emulated
+    for _ in range(2):
+        kvcopy.swap_blocks(host, host, np.array([[1, 2], [3, 4]]), stream=STREAM, method="kernel")
+    calls = len(fake.calls)
+    with pytest.raises(ValueError, match="the copies of one call run in no defined order"):
+        kvcopy.swap_blocks(host, host, np.array([[1, 2], [2, 5]]), stream=STREAM, method="kernel")
+    with pytest.raises(TypeError, match="split_blocks"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, 2]]), stream=STREAM, split_blocks=1)
+    assert len(fake.calls) == calls
