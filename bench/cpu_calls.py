@@ -124,6 +124,7 @@ class FakeHost:
             "driver.current_context_key": lambda: 1,
             "driver.context_device": lambda: 0,
             "driver.stream_capture_status": lambda handle: 0,
+            "driver.enter_for_repeat": lambda handle, owner, key: 0,
             "driver.event_record": lambda event, stream: None,
             "driver.stream_wait_stream": lambda *args: None,
             "driver.stream_create": lambda *args, **kwargs: 0x7F00_5678,

@@ -208,6 +208,43 @@ def stream_context(uintptr_t stream) -> int:
     return <uintptr_t>ctx
 
 
+def enter_for_repeat(uintptr_t stream, int owner, unsigned long long key) -> int:
+    """Make current the context a call on ``stream`` runs in, by ContextScope's rule (a
+    created stream's own; on the default streams the current one where it is on
+    device ``owner``, else ``owner``'s primary context, device 0's where none is
+    current and ``owner`` is -1), where that context's key is ``key`` and ``stream``
+    is not capturing a graph: what a repeated call asks before it issues, in one
+    call. Returns 1 where a context was pushed (pop_context after issuing), 0 where
+    the current one serves, -1 where the call is not to repeat (nothing pushed)."""
+    init()
+    cdef CUcontext current = NULL, ctx = NULL
+    cdef CUdevice dev
+    cdef CUstreamCaptureStatus status
+    cdef CUresult failed
+    check(cydriver.cuCtxGetCurrent(&current))
+    if stream == 1 or stream == 2:   # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+        ctx = current
+        if current != NULL and owner >= 0:
+            check(cydriver.cuCtxGetDevice(&dev))
+            if <int>dev != owner:
+                ctx = NULL
+        if ctx == NULL:
+            ctx = _primary_context(owner if owner >= 0 else 0)
+    else:
+        check(cydriver.cuStreamGetCtx(<CUstream>stream, &ctx))
+    if context_key(ctx) != key:
+        return -1
+    if ctx != current:
+        check(cydriver.cuCtxPushCurrent(ctx))
+    failed = cydriver.cuStreamIsCapturing(<CUstream>stream, &status)
+    if failed != cydriver.CUDA_SUCCESS or status != cydriver.CU_STREAM_CAPTURE_STATUS_NONE:
+        if ctx != current:
+            cydriver.cuCtxPopCurrent(&ctx)
+        check(failed)
+        return -1
+    return 1 if ctx != current else 0
+
+
 def can_access_peer(int device, int peer) -> bool:
     """Whether kernels on ``device`` can read and write ``peer``'s memory (NVLink or
     PCIe peer-to-peer), once peer access is enabled."""

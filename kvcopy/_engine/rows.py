@@ -257,16 +257,19 @@ class HostRepeat:
             ):
                 return None
         handle, count = self.handle, self.shape[0]
-        with ContextScope(handle) as scope:
-            scope.follow_memory(self.owner)
-            if driver.current_context_key() != self.context or driver.stream_capture_status(handle) != 0:
-                return None
+        entered = driver.enter_for_repeat(handle, self.owner, self.context)
+        if entered < 0:
+            return None
+        try:
             sides = ((src_indices, count), (dst_indices, count))
             if not host_indices_bytes(sides):  # (rows by number on both sides)
                 self._launch((0, 0), handle)
             else:
                 with uploaded_indices(sides, handle) as where:
                     self._launch(where, handle)
+        finally:
+            if entered:
+                driver.pop_context()
         note_decision(self.decision)
         note_again((self.traffic,), uncaptured=True)
         return "kernel"

@@ -39,6 +39,13 @@ class FakeCaptureDriver:
     def stream_capture_status(self, handle: int) -> int:
         return self.capturing
 
+    def enter_for_repeat(self, handle: int, owner: int, key: int) -> int:
+        """As the driver's: -1 where the current context's key (current_context_key,
+        where this fake has one) is not ``key`` or the stream captures, else 0 (the
+        current context serves: nothing pushed)."""
+        current = self.current_context_key() if hasattr(self, "current_context_key") else key
+        return 0 if current == key and self.stream_capture_status(handle) == 0 else -1
+
 
 class FakeClassify:
     """kvcopy._cuda.classify as swap_blocks uses it (through kvcopy.testing.fake_cuda's
