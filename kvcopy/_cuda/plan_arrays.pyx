@@ -329,6 +329,30 @@ def block_addresses(const int64_t[:] ids, const uint64_t[::1] base,
     return out
 
 
+def block_copies(const int64_t[:, ::1] mapping, const uint64_t[:, ::1] table, uint64_t block_bytes):
+    """Every block copy of a checked swap_blocks ``mapping`` over the tensor pairs of
+    ``table`` (rows of src base, dst base, src stride, dst stride, src factor, dst
+    factor: BlockPlan.tensor_table) as uint64 (src, dst, size) arrays, tensor-major,
+    unmerged: BlockPlan.copy_arrays in one pass, for a repeated call whose table is
+    kept (addresses as block_addresses gives them)."""
+    cdef Py_ssize_t n = mapping.shape[0], tensors = table.shape[0], t, i
+    cdef uint64_t f, id
+    if mapping.shape[1] != 2 or table.shape[1] != 6:
+        raise ValueError("mapping must have two columns and table six")
+    src = np.empty(tensors * n, dtype=np.uint64)
+    dst = np.empty(tensors * n, dtype=np.uint64)
+    sizes = np.full(tensors * n, block_bytes, dtype=np.uint64)
+    cdef uint64_t[::1] s = src, d = dst
+    with nogil:
+        for t in range(tensors):
+            for i in range(n):
+                id, f = <uint64_t>mapping[i, 0], table[t, 4]
+                s[t * n + i] = table[t, 0] + (id // f) * table[t, 2] + (id % f) * block_bytes
+                id, f = <uint64_t>mapping[i, 1], table[t, 5]
+                d[t * n + i] = table[t, 1] + (id // f) * table[t, 3] + (id % f) * block_bytes
+    return src, dst, sizes
+
+
 def write_indices(uintptr_t out, const int64_t[::1] indices) -> int:
     """Copy ``indices`` to address ``out`` in pinned memory that the GPU reads next (a
     ring slot; around the cache where it can: pinned_writes.h). Returns the bytes

@@ -380,8 +380,11 @@ def kept_or_classified(
 
 
 def _dma_again(plan: BlockPlan, target: Target, views: tuple) -> None:
-    """A swap_blocks plan to the copy engines, as target says (BlockRepeat's launch)."""
-    issue_dma(*plan.copy_arrays(), True, target, False)
+    """A swap_blocks plan to the copy engines, as target says (BlockRepeat's launch;
+    ``views``: the first call's tensor table, BlockPlan.tensor_table of its bases)."""
+    issue_dma(
+        *plan_arrays.block_copies(plan.mapping, views[0], plan.geometry.block_bytes), True, target, False
+    )
 
 
 def execute_blocks(
@@ -431,7 +434,8 @@ def execute_blocks(
             with guard.timed(target):
                 issue_dma(*arrays, True, target, False)
             if key is not None and repeats.decided_for_repeats(target, method):
-                repeats.remember_blocks(store, key, repeats.BlockRepeat(target, (), _dma_again))
+                table = blocks.tensor_table(blocks.geometry.src_base, blocks.geometry.dst_base)
+                repeats.remember_blocks(store, key, repeats.BlockRepeat(target, (table,), _dma_again))
             return target.decision.method
         if target.request.capturing:
             # a graph keeps descriptors passed by value, not a ring slot: the plan's

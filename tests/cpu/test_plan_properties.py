@@ -179,6 +179,32 @@ def test_block_addresses_match_numpy(tensors, pairs, column, block_bytes, data):
     np.testing.assert_array_equal(found, expected)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    tensors=st.integers(1, 5),
+    pairs=st.integers(0, 60),
+    block_bytes=st.sampled_from([1, 64, 2048, 1 << 20]),
+    data=st.data(),
+)
+def test_block_copies_match_numpy_from_a_tensor_table(tensors, pairs, block_bytes, data):
+    def column(values) -> np.ndarray:
+        return np.array(data.draw(st.lists(values, min_size=tensors, max_size=tensors)), np.uint64)
+
+    bases = [column(st.integers(0, 2**64 - 1)) for _ in range(2)]
+    strides = [column(st.integers(0, 2**40)) for _ in range(2)]
+    factors = [column(st.sampled_from([1, 1, 2, 3, 8])) for _ in range(2)]
+    table = np.stack([*bases, *strides, *factors], axis=1)
+    mapping = np.array(
+        data.draw(st.lists(st.integers(0, 2**31), min_size=2 * pairs, max_size=2 * pairs)), np.int64
+    ).reshape(pairs, 2)
+    src, dst, sizes = cuda.plan_arrays.block_copies(mapping, table, block_bytes)
+    with np.errstate(over="ignore"):
+        for side, found in ((0, src), (1, dst)):
+            expected = _numpy_addresses(mapping, side, bases[side], strides[side], factors[side], block_bytes)
+            np.testing.assert_array_equal(found, expected)
+    assert sizes.dtype == np.uint64 and sizes.tolist() == [block_bytes] * (tensors * pairs)
+
+
 @pytest.mark.parametrize(
     "ids, lengths, match",
     [
