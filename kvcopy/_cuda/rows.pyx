@@ -162,7 +162,18 @@ cdef class RowsLaunches:
 
     def launch(self) -> int:
         """Enqueue every launch, in order, on the stream; returns how many."""
+        return self._launch(False, 0, 0)
+
+    def launch_indexed(self, uint64_t src_indices, uint64_t dst_indices) -> int:
+        """launch(), each side's indices read at ``src_indices`` and ``dst_indices``
+        (0: rows by number) instead of where the launches were built to read them: a
+        repeated call's launches, built once, its indices uploaded anew at each call.
+        The jobs are copied for the launch, so threads may share the launches."""
+        return self._launch(True, src_indices, dst_indices)
+
+    cdef int _launch(self, bint indexed, uint64_t src_indices, uint64_t dst_indices) except -1:
         cdef void* params[1]
+        cdef kvcopy_rows_job job
         cdef CUcontext current = NULL
         cdef bint pushed = False
         cdef int k
@@ -180,6 +191,11 @@ cdef class RowsLaunches:
             if status == cydriver.CUDA_SUCCESS:
                 for k in range(self.count):
                     params[0] = &self.jobs[k]
+                    if indexed:  # (the driver copies a launch's parameters as it enqueues)
+                        memcpy(&job, &self.jobs[k], sizeof(kvcopy_rows_job))
+                        job.src.indices = src_indices
+                        job.dst.indices = dst_indices
+                        params[0] = &job
                     status = cydriver.cuLaunchKernel(self.function, self.grids[k], 1, 1,
                                                      self.threads, 1, 1, 0, self.stream,
                                                      params, NULL)

@@ -300,21 +300,65 @@ def _launch_as_rows(
             launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
             if uploads != handle:
                 driver.stream_wait_stream(handle, uploads)
-            rows.RowsLaunches(
-                kernel.function_rows,
-                (slot.device + at, *sides[0]),
-                (slot.device + at + 8 * count, *sides[1]),
-                src_view,
-                dst_view,
-                count,
-                1,
-                blocks.geometry.block_bytes,
-                target.rows_ctas(),
-                config.threads_per_cta,
-                handle,
-            ).launch()
+            ids = (slot.device + at, slot.device + at + 8 * count)
+            _block_launches(blocks, sides, kernel, target, (src_view, dst_view), ids, count).launch()
             start += count
         ring.DescriptorRing.fence(slot, handle)
+
+
+def _rows_repeat(
+    blocks: BlockPlan, sides: tuple, kernel: kernels.CopyKernel, target: Target, views: tuple
+) -> repeats.BlockRepeat:
+    """The repeat of a plan _launch_as_rows issued (``views``: each side's bases as the
+    device sees them): where its ids go up in one chunk, its launches built once, each
+    call's ids uploaded and read by them there; else _launch_as_rows again."""
+    n = blocks.num_pairs
+    if len(policy.id_chunks(n)) > 1:
+
+        def launch_again(plan: BlockPlan, target: Target, views: tuple) -> None:
+            _launch_as_rows(plan, sides, kernel, target, *views)
+
+        return repeats.BlockRepeat(target, views, launch_again)
+    built = _block_launches(blocks, sides, kernel, target, views, (0, 0), n)
+    return repeats.BlockRepeat(target, (built,), _rows_again)
+
+
+def _block_launches(
+    blocks: BlockPlan,
+    sides: tuple[tuple[int, ...], tuple[int, ...]],
+    kernel: kernels.CopyKernel,
+    target: Target,
+    views: tuple[np.ndarray, np.ndarray],
+    ids: tuple[int, int],
+    count: int,
+) -> rows.RowsLaunches:
+    """The layout kernel's launches of ``count`` pairs of a swap_blocks plan, each side's
+    ids read at ``ids`` (a block a row, a tensor a plane)."""
+    return rows.RowsLaunches(
+        kernel.function_rows,
+        (ids[0], *sides[0]),
+        (ids[1], *sides[1]),
+        *views,
+        count,
+        1,
+        blocks.geometry.block_bytes,
+        target.rows_ctas(),
+        config.threads_per_cta,
+        target.handle,
+    )
+
+
+def _rows_again(plan: BlockPlan, target: Target, views: tuple) -> None:
+    """A plan's ids, one chunk, uploaded and read by the first call's launches
+    (``views``: them, rows.RowsLaunches), as _launch_as_rows would issue it."""
+    n, handle = plan.num_pairs, target.handle
+    with ring.ring_for_current_context().reserve(16 * n) as slot:
+        try:
+            nbytes = plan_arrays.split_block_ids(plan.mapping, slot.host, 0, n)
+            launch.upload(slot.device, slot.host, nbytes, handle)
+            views[0].launch_indexed(slot.device, slot.device + 8 * n)
+        finally:
+            ring.DescriptorRing.fence(slot, handle)
 
 
 def stored_or_classified(
@@ -451,12 +495,9 @@ def execute_blocks(
             with guard.timed(target):
                 _launch_as_rows(blocks, sides, kernel, target, src_view, dst_view)
             if key is not None and repeats.decided_for_repeats(target, method):
-
-                def launch_again(plan: BlockPlan, target: Target, views: tuple) -> None:
-                    _launch_as_rows(plan, sides, kernel, target, *views)
-
-                again = repeats.BlockRepeat(target, (src_view, dst_view), launch_again)
-                repeats.remember_blocks(store, key, again)
+                repeats.remember_blocks(
+                    store, key, _rows_repeat(blocks, sides, kernel, target, (src_view, dst_view))
+                )
             return "kernel"
         table = blocks.tensor_table(src_view, dst_view)
         nbytes = launch.blocks_upload_bytes(table.shape[0], blocks.num_pairs)

@@ -219,29 +219,15 @@ class HostRepeat:
     whatever the indices) and a decision that holds whatever the other direction's
     traffic; it holds no layout (the memo keeps layouts weakly)."""
 
-    __slots__ = (
-        "context",
-        "owner",
-        "function",
-        "sides",
-        "slots",
-        "views",
-        "shape",
-        "handle",
-        "decision",
-        "traffic",
-    )
+    __slots__ = ("context", "owner", "launches", "slots", "rows", "handle", "decision", "traffic")
 
     def __init__(self, plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
         self.context = driver.current_context_key()
         self.owner = memory_owner(*target.request.devices)
-        kernel = kernels.kernel_for_current_context(*target.info.cc, target.info.driver_version)
-        self.function = kernel.function_rows
-        # each side as the job takes it, less its indices (given at every call)
-        self.sides = (plan.side(plan.src, 0)[1:], plan.side(plan.dst, 0)[1:])
+        # the first call's jobs, each side's indices given at every call (launch_indexed)
+        self.launches = _launches(plan, target, src_view, dst_view, 0, 0)
         self.slots = (plan.src.slots, plan.dst.slots)
-        self.views = (src_view, dst_view)
-        self.shape = (plan.rows, plan.pieces, plan.piece_bytes, target.rows_ctas(), config.threads_per_cta)
+        self.rows = plan.rows
         self.handle = target.handle
         self.decision, self.traffic = target.decision, noted_traffic(target, plan.total_bytes)
 
@@ -256,39 +242,23 @@ class HostRepeat:
                 indices.host is None or not row_slots_ok(indices.host, slots, unique)
             ):
                 return None
-        handle, count = self.handle, self.shape[0]
+        handle, count = self.handle, self.rows
         entered = driver.enter_for_repeat(handle, self.owner, self.context)
         if entered < 0:
             return None
         try:
             sides = ((src_indices, count), (dst_indices, count))
             if not host_indices_bytes(sides):  # (rows by number on both sides)
-                self._launch((0, 0), handle)
+                self.launches.launch_indexed(0, 0)
             else:
                 with uploaded_indices(sides, handle) as where:
-                    self._launch(where, handle)
+                    self.launches.launch_indexed(*where)
         finally:
             if entered:
                 driver.pop_context()
         note_decision(self.decision)
         note_again((self.traffic,), uncaptured=True)
         return "kernel"
-
-    def _launch(self, indices: Sequence[int], handle: int) -> None:
-        """The first call's launches, reading each side's indices at ``indices``."""
-        count, pieces, piece_bytes, ctas, threads = self.shape
-        rows.RowsLaunches(
-            self.function,
-            (indices[0], *self.sides[0]),
-            (indices[1], *self.sides[1]),
-            *self.views,
-            count,
-            pieces,
-            piece_bytes,
-            ctas,
-            threads,
-            handle,
-        ).launch()
 
 
 def _may_repeat(plan: RowsPlan, target: Target, method: str) -> bool:

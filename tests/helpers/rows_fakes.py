@@ -88,6 +88,14 @@ class FakeRowsCuda(FakeCaptureDriver):
                 driver.ctas.append(ctas)
                 return 1
 
+            def launch_indexed(self, src_indices, dst_indices):
+                driver.contexts.append(self.built_in)
+                driver.calls.append(
+                    (*call[:2], (src_indices, *src_side[1:]), (dst_indices, *dst_side[1:]), *call[4:])
+                )
+                driver.ctas.append(ctas)
+                return 1
+
         return Launches()
 
     def current_context(self):
@@ -254,13 +262,17 @@ class RowsOnHostMemory(FakeRowsCuda):
                 return True
 
             def launch(self):
+                return self.launch_indexed(src_side[0], dst_side[0])
+
+            def launch_indexed(self, src_indices, dst_indices):
+                src, dst = (src_indices, *src_side[1:]), (dst_indices, *dst_side[1:])
                 driver.calls.append(("launch", stream, first_row, rows, only_skipped_by[0] != 0))
                 for row in range(first_row, first_row + rows):
                     if only_skipped_by[0]:
                         index = _u64_at(only_skipped_by[0] + 8 * row)
                         if 0 <= index < only_skipped_by[1]:
                             continue
-                    s, d = slot(src_side, row), slot(dst_side, row)
+                    s, d = slot(src, row), slot(dst, row)
                     if "bad" in (s, d):
                         if not only_skipped_by[0]:
                             driver.reported.extend([row] * len(src_bases))
@@ -270,8 +282,8 @@ class RowsOnHostMemory(FakeRowsCuda):
                     for p in range(len(src_bases)):
                         for j in range(pieces):
                             ctypes.memmove(
-                                address(dst_side, dst_bases[p], d, j),
-                                address(src_side, src_bases[p], s, j),
+                                address(dst, dst_bases[p], d, j),
+                                address(src, src_bases[p], s, j),
                                 piece_bytes,
                             )
                 return 1
