@@ -24,7 +24,7 @@ from kvcopy.arguments import require_int
 from kvcopy.interop.frameworks import framework_of, type_name
 from kvcopy.interop.streams import current_framework_stream, resolve_stream
 from kvcopy.interop.protocols import plain_face_key
-from kvcopy.interop.arrays import plain_host_int64, torch_integers
+from kvcopy.interop.arrays import plain_host_int64, plain_int64, torch_integers
 from kvcopy.interop.tensors import strided, torch_integers_refusal
 from kvcopy.kept import make_room
 from kvcopy.layouts import Layout
@@ -52,6 +52,9 @@ def _gpu_indices(obj: Any, name: str) -> Indices | None:
     if framework_of(obj) == "torch":
         if not obj.is_cuda:
             return None  # (host tensors are read, and checked, by torch_integers)
+        if plain_int64(obj) and obj.dim() == 1 and obj.is_contiguous():  # (the engines')
+            count = obj.numel()
+            return Indices(count, obj.data_ptr() if count else 0, None, obj)
         refusal = torch_integers_refusal(obj)
         if refusal:
             raise TypeError(f"{name}: {refusal}")

@@ -29,23 +29,26 @@ def torch_integers(obj: Any, name: str, *, host_only: bool) -> np.ndarray:
     return obj.detach().cpu().contiguous().numpy()
 
 
-def plain_host_int64(t: Any, ndim: int) -> np.ndarray | None:
-    """A plain int64 CPU torch tensor of ``ndim`` dimensions as a C-contiguous NumPy
-    array of its values (no copy where it is contiguous), read without
-    torch_integers' checks: every one of them passes for such a tensor (a torch.Tensor
-    itself, strided, not nested, no negative view; a meta tensor is not on the CPU).
-    None for anything else, which is read and checked in full. The engines' block ids
-    and row indices are such tensors, read at every call."""
+def plain_int64(t: Any) -> bool:
+    """Whether ``t`` (a torch object) is a plain int64 tensor: a torch.Tensor itself,
+    strided, not nested, no negative view. torch_integers' checks all pass for such a
+    tensor (a meta tensor is neither on the CPU nor on a GPU, which callers ask), so
+    the engines' block ids and row indices, read at every call, skip them."""
     torch = sys.modules["torch"]
-    if (
-        type(t) is not torch.Tensor
-        or t.dtype is not torch.int64
-        or not t.is_cpu
-        or t.layout is not torch.strided
-        or t.is_nested
-        or t.is_neg()
-        or t.dim() != ndim
-    ):
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is torch.int64
+        and t.layout is torch.strided
+        and not t.is_nested
+        and not t.is_neg()
+    )
+
+
+def plain_host_int64(t: Any, ndim: int) -> np.ndarray | None:
+    """A plain int64 CPU torch tensor (plain_int64) of ``ndim`` dimensions as a
+    C-contiguous NumPy array of its values (no copy where it is contiguous); None for
+    anything else, which is read and checked in full."""
+    if not (plain_int64(t) and t.is_cpu and t.dim() == ndim):
         return None
     return np.ascontiguousarray(t.numpy())  # (an integer tensor never requires grad)
 

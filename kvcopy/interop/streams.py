@@ -121,14 +121,18 @@ def current_framework_streams(*objs: Any) -> list[tuple[int, int]]:
     current device's when every tensor is on the CPU); CuPy gives
     cupy.cuda.get_current_stream().
     """
+    torch_without_cuda = False
     for obj in objs:
         framework = framework_of(obj)
-        if framework == "torch":  # the object's own framework is imported already
+        if framework == "torch" and not torch_without_cuda:  # (torch is imported already)
             torch = sys.modules["torch"]
-            if not torch.cuda.is_available():
+            # (once torch has initialised CUDA it has it: is_available() asks the driver)
+            if not (torch.cuda.is_initialized() or torch.cuda.is_available()):
+                torch_without_cuda = True
                 continue
+            # (get_device(): the ordinal, -1 off the GPU, without a torch.device made)
             devices = [
-                o.device.index for o in objs if framework_of(o) == "torch" and getattr(o, "is_cuda", False)
+                o.get_device() for o in objs if framework_of(o) == "torch" and getattr(o, "is_cuda", False)
             ]
             if not devices:
                 devices = [torch.cuda.current_device()]
