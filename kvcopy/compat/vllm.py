@@ -29,16 +29,17 @@ from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy.pointers import copy_batch
 from kvcopy.rows import copy_planned_rows
 from kvcopy.errors import NoDriverError
+from kvcopy.interop.streams import torch_current_handle
 from kvcopy.layouts import Layout
 
 
-def _torch_stream(caller: str) -> Any:
-    """torch's current CUDA stream, on which vLLM's ops copy; NoDriverError where torch has
-    none (a torch built without CUDA, or no GPU)."""
-    import torch
+def _torch_stream(caller: str) -> int:
+    """torch's current CUDA stream, on which vLLM's ops copy, as a raw handle;
+    NoDriverError where torch has none (a torch built without CUDA, or no GPU)."""
+    import torch  # noqa: F401 - (torch_current_handle reads the module imported)
 
     try:
-        return torch.cuda.current_stream()
+        return torch_current_handle()
     except (AssertionError, RuntimeError) as exc:
         raise NoDriverError(
             f"{caller} copies on torch's current CUDA stream, and torch has none here: {exc}"

@@ -154,6 +154,14 @@ def _torch_current_stream(torch: Any, device: int) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+def torch_current_handle() -> int:
+    """torch's current stream of its current device as a raw handle (its default stream:
+    the legacy one), read without a Stream object once torch has CUDA. Raises as
+    torch.cuda.current_device() does where torch has no CUDA."""
+    torch = sys.modules["torch"]
+    return _framework_default(_torch_current_stream(torch, torch.cuda.current_device()))
+
+
 def current_framework_stream(*objs: Any) -> int:
     """The current stream of the framework whose arrays were passed, else 0: for
     torch, that of the first CUDA tensor's device (see current_framework_streams)."""

@@ -35,6 +35,9 @@ class FakeTensor:
         self.is_cuda = device_index is not None
         self.device = types.SimpleNamespace(index=device_index)
 
+    def get_device(self) -> int:
+        return -1 if self.device.index is None else self.device.index
+
 
 FakeTensor.__module__ = "torch.fake"
 
@@ -77,6 +80,26 @@ def test_current_streams_prefer_the_gpu_tensor_over_a_host_one(fake_torch):
     host, gpu = FakeTensor(None), FakeTensor(3)
     assert streams.current_framework_streams(host, gpu) == [(0x103, 3)]
     assert streams.current_framework_streams(host, FakeTensor(None)) == [(0x105, 5)]
+
+
+def test_torchs_current_stream_of_its_current_device_as_a_handle(fake_torch, monkeypatch):
+    # (vLLM's drop-ins copy there: the same handle as current_stream(), without its object)
+    assert streams.torch_current_handle() == 0x105
+    monkeypatch.setattr(fake_torch, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        sys.modules["torch"]._C, "_cuda_getCurrentRawStream", lambda d: 0x200 + d, raising=False
+    )
+    assert streams.torch_current_handle() == 0x205
+    monkeypatch.setattr(fake_torch, "current_device", lambda: 1)
+    assert streams.torch_current_handle() == 0x201
+
+
+def test_torch_without_cuda_is_asked_once_a_call(fake_torch, monkeypatch):
+    asked = []
+    monkeypatch.setattr(fake_torch, "is_available", lambda: asked.append(1) or False)
+    tensors = [FakeTensor(None) for _ in range(4)]
+    assert streams.current_framework_streams(*tensors) == [(streams.STREAM_DEFAULT, -1)]
+    assert len(asked) == 1
 
 
 def test_current_streams_without_a_framework():
