@@ -12,8 +12,7 @@ stream, fenced behind the launch).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -109,19 +108,34 @@ def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, in
     return where, offset
 
 
-@contextlib.contextmanager
-def uploaded_indices(sides: Sequence[tuple[Indices | None, int]], handle: int) -> Iterator[list[int]]:
+class uploaded_indices:  # noqa: N801 - (used as a function: ``with uploaded_indices(...)``)
     """Each side's indices as the device reads them (indices_for_device), host values
     copied into a ring slot of their own and uploaded on ``handle``; the work the block
     queues on ``handle`` reads them there. The slot is fenced on ``handle`` when the
-    block ends, raised or not: the upload is queued either way."""
-    with ring.ring_for_current_context().reserve(host_indices_bytes(sides)) as slot:
-        where, nbytes = indices_for_device(slot, sides)
-        launch.upload(slot.device, slot.host, nbytes, handle)
+    block ends, raised or not: the upload is queued either way. (A class: a generator's
+    context manager costs a microsecond a call, and repeated calls use it.)"""
+
+    __slots__ = ("sides", "handle", "reserved", "slot")
+
+    def __init__(self, sides: Sequence[tuple[Indices | None, int]], handle: int) -> None:
+        self.sides, self.handle = sides, handle
+
+    def __enter__(self) -> list[int]:
+        self.reserved = ring.ring_for_current_context().reserve(host_indices_bytes(self.sides))
+        slot = self.slot = self.reserved.__enter__()
         try:
-            yield where
+            where, nbytes = indices_for_device(slot, self.sides)
+            launch.upload(slot.device, slot.host, nbytes, self.handle)
+        except BaseException as exc:
+            self.reserved.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return where
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            ring.DescriptorRing.fence(self.slot, self.handle)
         finally:
-            ring.DescriptorRing.fence(slot, handle)
+            self.reserved.__exit__(*exc)
 
 
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:

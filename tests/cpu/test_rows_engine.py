@@ -152,3 +152,16 @@ def test_a_prepared_transfer_of_no_rows_issues_nothing(fake):
     paged, chunk = caches()
     prepared = kvcopy.prepare_rows(paged, chunk, GpuIndices(0), stream=STREAM)
     assert prepared() == "none" and driver.calls == []
+
+
+def test_uploaded_indices_fence_their_slot_whether_the_block_raises_or_not(fake, slot_memory):
+    driver = fake(DEVICE, PINNED)
+    host = engine.rows.Indices(2, host=np.array([3, 1], np.int64))
+    sides = ((host, 2), (None, 2))  # (the destination's rows by number)
+    with engine.rows.uploaded_indices(sides, STREAM) as where:
+        assert where == [0x3000, 0]
+        assert slot_memory[:16].view(np.int64).tolist() == [3, 1]
+    with pytest.raises(RuntimeError, match="launch failed"):
+        with engine.rows.uploaded_indices(sides, STREAM):
+            raise RuntimeError("launch failed")
+    assert driver.calls == [("upload", 0x3000, 16, STREAM), ("fence", 0x77, STREAM)] * 2
