@@ -179,6 +179,7 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.alone  # (the device's free memory: another process's allocations move it)
 def test_100000_calls_do_not_grow_memory(torch_cuda):
     torch = torch_cuda
     src = make_pool("pinned", 1 << 20, 41)
