@@ -29,8 +29,7 @@ from kvcopy._plans.blocks import BlockPlan, kept_geometry
 from kvcopy._plans.races import race_in_plan
 from kvcopy._runtime import device, kept_memory
 from kvcopy.config import config
-from kvcopy.interop.arrays import as_block_mapping, as_list, plain_host_int64
-from kvcopy.interop.frameworks import is_torch
+from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.kept import make_room
 
 Traffic = tuple[int, str, int, int]  # (device ordinal, direction, stream, bytes)
@@ -152,7 +151,7 @@ def repeat_blocks(
     if kept is None:
         return None
     geometry, memory = kept
-    mapping = _block_ids(block_mapping)
+    mapping = np.ascontiguousarray(as_block_mapping(block_mapping))  # (as planning reads it)
     n = mapping.shape[0]
     if not n or geometry.producer_streams or not block_ids_ok(mapping, *geometry.id_limits):
         return None
@@ -163,17 +162,3 @@ def repeat_blocks(
     if race_in_plan(plan):
         return None
     return again(plan)
-
-
-def _block_ids(block_mapping: Any) -> np.ndarray:
-    """``block_mapping`` as planning reads it: (n, 2) int64, C-contiguous; the engines'
-    own arrays (int64 NumPy arrays, plain int64 CPU tensors) without a copy or
-    another check."""
-    if type(block_mapping) is np.ndarray:
-        if block_mapping.dtype == np.int64 and block_mapping.ndim == 2 and block_mapping.shape[1] == 2:
-            return np.ascontiguousarray(block_mapping)
-    elif is_torch(block_mapping):
-        plain = plain_host_int64(block_mapping, 2)
-        if plain is not None and plain.shape[1] == 2:
-            return plain
-    return np.ascontiguousarray(as_block_mapping(block_mapping))

@@ -133,7 +133,16 @@ def as_list(obj: Any) -> list:
 
 
 def as_block_mapping(block_mapping: Any) -> np.ndarray:
-    """An (n, 2) int64 array of [source block, destination block] pairs."""
+    """An (n, 2) int64 array of [source block, destination block] pairs. The engines'
+    own (an int64 NumPy array of that shape, a plain int64 CPU tensor) are taken as
+    they are: every check below passes for them."""
+    if (
+        type(block_mapping) is np.ndarray
+        and block_mapping.dtype == np.int64
+        and block_mapping.ndim == 2
+        and block_mapping.shape[1] == 2
+    ):
+        return block_mapping
     framework = framework_of(block_mapping)
     if framework == "torch":
         plain = plain_host_int64(block_mapping, 2)
