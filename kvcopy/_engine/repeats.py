@@ -71,6 +71,32 @@ def note_again(traffic: Iterable[Traffic | None], uncaptured: bool = False) -> N
             traffic_window.note(*noted)
 
 
+def issue_repeat(
+    handle: int,
+    owner: int,
+    context: int,
+    decision: policy.Decision,
+    traffic: Traffic | None,
+    issue: Callable[[], None],
+) -> bool:
+    """``issue()`` a repeated call in the context it runs in (driver.enter_for_repeat:
+    the memory's device ``owner`` followed on the default streams), the caller's context
+    back after, then ``decision`` noted as the thread's last and the first call's
+    ``traffic`` noted again; False, having issued nothing, where that context's key is
+    not ``context`` or the stream captures a graph (the call goes the whole way then)."""
+    entered = driver.enter_for_repeat(handle, owner, context)
+    if entered < 0:
+        return False
+    try:
+        issue()
+    finally:
+        if entered:
+            driver.pop_context()
+    note_decision(decision)
+    note_again((traffic,), uncaptured=True)
+    return True
+
+
 def epoch_key() -> tuple[int, int]:
     """What, besides a call's own arguments, every repeat's key holds: the epoch of the
     settings and device facts the policy reads, and kept_memory's generation (which
@@ -102,17 +128,16 @@ class BlockRepeat:
         self.traffic = noted_traffic(target, target.request.total_bytes)
 
     def __call__(self, plan: Any) -> str | None:
-        entered = driver.enter_for_repeat(self.target.handle, self.owner, self.context)
-        if entered < 0:
-            return None
-        try:
-            self.launch(plan, self.target, self.views)
-        finally:
-            if entered:
-                driver.pop_context()
-        note_decision(self.target.decision)
-        note_again((self.traffic,), uncaptured=True)
-        return self.target.decision.method
+        target = self.target
+        issued = issue_repeat(
+            target.handle,
+            self.owner,
+            self.context,
+            target.decision,
+            self.traffic,
+            lambda: self.launch(plan, target, self.views),
+        )
+        return target.decision.method if issued else None
 
 
 # per store of a set of tensors' memory (kvcopy._runtime.kept_memory.MemoryStore, which

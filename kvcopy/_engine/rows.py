@@ -18,7 +18,7 @@ import numpy as np
 
 from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
 from kvcopy._cuda.plan_arrays import row_slots_ok
-from kvcopy._engine.repeats import Traffic, decided_for_repeats, note_again, noted_traffic
+from kvcopy._engine.repeats import Traffic, decided_for_repeats, issue_repeat, note_again, noted_traffic
 from kvcopy._engine.decide import (
     MemoryClasses,
     Target,
@@ -256,23 +256,19 @@ class HostRepeat:
                 indices.host is None or not row_slots_ok(indices.host, slots, unique)
             ):
                 return None
-        handle, count = self.handle, self.rows
-        entered = driver.enter_for_repeat(handle, self.owner, self.context)
-        if entered < 0:
-            return None
-        try:
-            sides = ((src_indices, count), (dst_indices, count))
-            if not host_indices_bytes(sides):  # (rows by number on both sides)
-                self.launches.launch_indexed(0, 0)
-            else:
-                with uploaded_indices(sides, handle) as where:
-                    self.launches.launch_indexed(*where)
-        finally:
-            if entered:
-                driver.pop_context()
-        note_decision(self.decision)
-        note_again((self.traffic,), uncaptured=True)
-        return "kernel"
+        sides = ((src_indices, self.rows), (dst_indices, self.rows))
+        issued = issue_repeat(
+            self.handle, self.owner, self.context, self.decision, self.traffic, lambda: self._launch(sides)
+        )
+        return "kernel" if issued else None
+
+    def _launch(self, sides: tuple) -> None:
+        """The first call's jobs, reading ``sides``' indices ((indices, rows) each)."""
+        if not host_indices_bytes(sides):  # (rows by number on both sides)
+            self.launches.launch_indexed(0, 0)
+        else:
+            with uploaded_indices(sides, self.handle) as where:
+                self.launches.launch_indexed(*where)
 
 
 def _may_repeat(plan: RowsPlan, target: Target, method: str) -> bool:
