@@ -146,7 +146,19 @@ class FakeHost:
             "launch.launch_pairs": lambda *args, **kwargs: 1,
             "launch.launch_blocks_uploaded": lambda *args: 1,
             "rows.RowsLaunches": lambda *args: FakeLaunches(counts, *args),
+            "dma.BlockCopyAgain": self.block_copy_again,
         }
+
+    def block_copy_again(self, *args: Any) -> Callable[[np.ndarray], bool]:
+        """dma.BlockCopyAgain, its calls counted as ``dma.BlockCopyAgain()``: the one
+        DMA call of a repeated swap_blocks of one block copy."""
+        again = testing.block_copy_again(lambda *copies: None)(*args)
+
+        def issue(mapping: np.ndarray) -> bool:
+            self.counts["dma.BlockCopyAgain()"] += 1
+            return again(mapping)
+
+        return issue
 
     def classify_pointers(self, ptrs: np.ndarray, sizes: np.ndarray, view: np.ndarray) -> tuple[int, int]:
         view[:] = ptrs

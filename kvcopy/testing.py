@@ -24,6 +24,9 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   memory ranges known in advance, or with seeded answers standing in for the
   driver (rows of start, end, kind, ordinal, delta), so that it runs on a CPU;
   ``fast_describe_available()``: whether this CPU runs the vectorised pass.
+- ``block_copy_again(memcpy_loop)``: kvcopy._cuda.dma.BlockCopyAgain for a fake dma
+  layer: the same checks of a call's ids and the same block addresses, the copy
+  issued through the fake's ``memcpy_loop``.
 - ``engine`` and ``cuda``: the private modules a white-box test reads (the seams
   above are how it changes them): nothing outside kvcopy imports them otherwise.
 - ``rows_on_host()``: every copy_rows call (kvcopy's drop-ins' included) planned
@@ -327,6 +330,39 @@ def fake_clock(clock: Callable[[], float]) -> Iterator[Callable[[], float]]:
         traffic_window.forget()
 
 
+def block_copy_again(memcpy_loop: Callable[..., None]) -> Callable[..., Callable[[Any], bool]]:
+    """dma.BlockCopyAgain's constructor for a fake dma layer: what it builds checks a
+    call's ids as the compiled class does and issues the block copy through
+    ``memcpy_loop(dst, src, sizes, stream)``."""
+
+    def build(
+        table: np.ndarray,
+        block_bytes: int,
+        src_limit: int,
+        dst_limit: int,
+        stream: int,
+        batch: bool = False,
+        access_any: bool = False,
+    ) -> Callable[[Any], bool]:
+        table = np.ascontiguousarray(table, dtype=np.uint64)
+        if table.shape != (1, 6):
+            raise ValueError("BlockCopyAgain: one tensor row of six columns")
+
+        def again(mapping: Any) -> bool:
+            ids = np.asarray(mapping)
+            if ids.shape != (1, 2) or ids.dtype != np.int64:
+                return False
+            if not (0 <= ids[0, 0] < src_limit and 0 <= ids[0, 1] < dst_limit):
+                return False
+            src, dst, sizes = plan_arrays.block_copies(np.ascontiguousarray(ids), table, block_bytes)
+            memcpy_loop(dst, src, sizes, stream)
+            return True
+
+        return again
+
+    return build
+
+
 def _copy_rows_on_host(
     src: Layout,
     dst: Layout,
@@ -433,6 +469,7 @@ def rows_on_host() -> Iterator[None]:
 
 __all__ = [
     "CUDA_LAYERS",
+    "block_copy_again",
     "capabilities",
     "cuda",
     "describe_copies_answered",

@@ -20,3 +20,16 @@ def memcpy_batch(
     hints: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> None: ...
 def memcpy_loop(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None: ...
+
+class BlockCopyAgain:
+    def __init__(
+        self,
+        table: np.ndarray,
+        block_bytes: int,
+        src_limit: int,
+        dst_limit: int,
+        stream: int,
+        batch: bool = False,
+        access_any: bool = False,
+    ) -> None: ...
+    def __call__(self, mapping: object) -> bool: ...

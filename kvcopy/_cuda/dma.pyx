@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
 # distutils: language = c++
-"""DMA paths: the DMA planner, batched DMA (cuMemcpyBatchAsync) and per-copy DMA.
+"""DMA paths: the DMA planner, batched DMA (cuMemcpyBatchAsync), per-copy DMA, and
+one block copy issued again straight from its ids (BlockCopyAgain).
 
 cuMemcpyBatchAsync, whose ABI differs between 12.8 and 13.0, is resolved with
 cuGetProcAddress by the running driver's version and called through kvcopy's
@@ -10,6 +11,7 @@ own typedefs (include/kvcopy/batch_abi.h).
 from libc.stdint cimport uint64_t, uintptr_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO
 
 from cuda.bindings cimport cydriver
 from cuda.bindings.cydriver cimport CUresult, CUdeviceptr, CUstream
@@ -239,34 +241,49 @@ def memcpy_batch(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_
                         f"this driver ({driver.driver_version()}) has no cuMemcpyBatchAsync", None)
     if stream == 0 or stream == _STREAM_LEGACY:
         raise ValueError("memcpy_batch: the legacy default stream cannot take cuMemcpyBatchAsync")
-    cdef Py_ssize_t n = dst.shape[0], start, count
     cdef kvcopy_memcpy_attributes attr
-    cdef size_t attr_index = 0
-    cdef size_t fail = <size_t>-1
-    cdef int status = 0
-    memset(&attr, 0, sizeof(attr))
-    attr.src_access_order = (order if order else KVCOPY_SRC_ACCESS_ORDER_ANY if access_any
-                             else KVCOPY_SRC_ACCESS_ORDER_STREAM)
-    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if flags < 0 else <unsigned>flags
+    _batch_attributes(&attr, access_any, order, flags)
     attr.src_loc_hint.type, attr.src_loc_hint.id, attr.dst_loc_hint.type, attr.dst_loc_hint.id = hints
     if chunk <= 0:
         raise ValueError("memcpy_batch: chunk must be positive")
-    with nogil:
-        start = 0
-        while start < n:
-            count = chunk if n - start > chunk else n - start
-            if abi == KVCOPY_BATCH_ABI_13000:
-                status = (<kvcopy_batch_v13000_fn>_batch_fn)(
-                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
-                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, <void*>stream)
-            else:
-                fail = <size_t>-1
-                status = (<kvcopy_batch_v12080_fn>_batch_fn)(
-                    <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
-                    <size_t*>&sizes[start], <size_t>count, &attr, &attr_index, 1, &fail, <void*>stream)
-            if status != 0:
-                check(<CUresult>status, <Py_ssize_t>(start + fail) if fail < <size_t>count else -1)
-            start += count
+    if dst.shape[0]:
+        with nogil:
+            _batch_each(&dst[0], &src[0], &sizes[0], dst.shape[0], stream, &attr, chunk, abi)
+
+
+cdef void _batch_attributes(kvcopy_memcpy_attributes* attr, bint access_any, int order,
+                            int flags) noexcept nogil:
+    """The attributes every copy of a batch takes (see memcpy_batch), no location hints."""
+    memset(attr, 0, sizeof(kvcopy_memcpy_attributes))
+    attr.src_access_order = (order if order else KVCOPY_SRC_ACCESS_ORDER_ANY if access_any
+                             else KVCOPY_SRC_ACCESS_ORDER_STREAM)
+    attr.flags = KVCOPY_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if flags < 0 else <unsigned>flags
+
+
+cdef int _batch_each(const uint64_t* dst, const uint64_t* src, const uint64_t* sizes,
+                     Py_ssize_t n, uintptr_t stream, kvcopy_memcpy_attributes* attr,
+                     Py_ssize_t chunk, int abi) except -1 nogil:
+    """cuMemcpyBatchAsync of the n copies, ``chunk`` a call, by the driver's ``abi``; a
+    failure raises CudaError carrying the failing copy's index where the driver says."""
+    cdef Py_ssize_t start = 0, count
+    cdef size_t attr_index = 0
+    cdef size_t fail = <size_t>-1
+    cdef int status = 0
+    while start < n:
+        count = chunk if n - start > chunk else n - start
+        if abi == KVCOPY_BATCH_ABI_13000:
+            status = (<kvcopy_batch_v13000_fn>_batch_fn)(
+                <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                <size_t*>&sizes[start], <size_t>count, attr, &attr_index, 1, <void*>stream)
+        else:
+            fail = <size_t>-1
+            status = (<kvcopy_batch_v12080_fn>_batch_fn)(
+                <unsigned long long*>&dst[start], <unsigned long long*>&src[start],
+                <size_t*>&sizes[start], <size_t>count, attr, &attr_index, 1, &fail, <void*>stream)
+        if status != 0:
+            check(<CUresult>status, <Py_ssize_t>(start + fail) if fail < <size_t>count else -1)
+        start += count
+    return 0
 
 
 # ---------------------------------------------------------------- per-copy DMA
@@ -290,3 +307,90 @@ def memcpy_loop(const uint64_t[::1] dst, const uint64_t[::1] src, const uint64_t
         return
     with nogil:
         memcpy_each(&dst[0], &src[0], &sizes[0], 0, n, <CUstream>stream)
+
+
+# ---------------------------------------------------------------- one block copy again
+
+cdef inline bint _int64_format(const char* fmt) noexcept:
+    """Whether a buffer's struct format is one signed 64-bit integer ('q' or 'l' on
+    LP64, with an optional byte-order prefix of native or little order)."""
+    if fmt == NULL:
+        return False
+    if fmt[0] == b'<' or fmt[0] == b'=' or fmt[0] == b'@':
+        fmt += 1
+    return (fmt[0] == b'q' or fmt[0] == b'l') and fmt[1] == 0
+
+
+cdef class BlockCopyAgain:
+    """A swap_blocks call of one block pair over one tensor a side, issued again from its
+    ids in one call: the ids checked against each side's block count, the block's
+    addresses worked out from the kept tensor table, the copy issued on ``stream``
+    (cuMemcpyBatchAsync of one copy with ``batch``, else cuMemcpyAsync).
+
+    The caller keeps the contract that makes skipping the rest safe: the tensors are
+    those the table was read from, unchanged, their memory reached by the device, the
+    two sides apart (no pair of them can race), the stream's context current and not
+    capturing (driver.enter_for_repeat)."""
+
+    cdef uint64_t src_base, dst_base, src_stride, dst_stride, src_factor, dst_factor
+    cdef uint64_t block_bytes
+    cdef int64_t src_limit, dst_limit
+    cdef uintptr_t stream
+    cdef int abi  # (cuMemcpyBatchAsync's; 0: cuMemcpyAsync)
+    cdef kvcopy_memcpy_attributes attr
+
+    def __init__(self, const uint64_t[:, ::1] table, uint64_t block_bytes, int64_t src_limit,
+                 int64_t dst_limit, uintptr_t stream, bint batch=False, bint access_any=False):
+        """``table``: one row of BlockPlan.tensor_table (src base, dst base, src stride,
+        dst stride, src factor, dst factor); ``src_limit`` and ``dst_limit``: each side's
+        ids (BlockGeometry.id_limits)."""
+        if table.shape[0] != 1 or table.shape[1] != 6:
+            raise ValueError("BlockCopyAgain: one tensor row of six columns")
+        if table[0, 4] == 0 or table[0, 5] == 0 or block_bytes == 0:
+            raise ValueError("BlockCopyAgain: factors and block_bytes must be positive")
+        if batch and stream in (0, _STREAM_LEGACY):
+            raise ValueError("BlockCopyAgain: the legacy default stream cannot take cuMemcpyBatchAsync")
+        self.abi = batch_abi() if batch else KVCOPY_BATCH_ABI_NONE
+        if batch and self.abi == KVCOPY_BATCH_ABI_NONE:
+            raise ValueError("BlockCopyAgain: this driver has no cuMemcpyBatchAsync")
+        self.src_base, self.dst_base = table[0, 0], table[0, 1]
+        self.src_stride, self.dst_stride = table[0, 2], table[0, 3]
+        self.src_factor, self.dst_factor = table[0, 4], table[0, 5]
+        self.block_bytes, self.src_limit, self.dst_limit = block_bytes, src_limit, dst_limit
+        self.stream = stream
+        _batch_attributes(&self.attr, access_any, 0, -1)
+
+    def __call__(self, object mapping) -> bool:
+        """Copy block ``mapping[0, 0]`` of the source to block ``mapping[0, 1]`` of the
+        destination (``mapping``: a (1, 2) int64 array or other buffer). Returns True
+        once issued; False, having issued nothing, where ``mapping`` is not one pair or
+        an id is outside its side (the whole call then says what is wrong).
+
+        Raises:
+            CudaError: the driver refused the copy (index 0).
+        """
+        cdef Py_buffer view
+        cdef int64_t s, d
+        cdef uint64_t src, dst, size = self.block_bytes
+        if PyObject_GetBuffer(mapping, &view, PyBUF_RECORDS_RO) != 0:
+            return False
+        try:
+            if (view.ndim != 2 or view.shape[0] != 1 or view.shape[1] != 2 or view.itemsize != 8
+                    or not _int64_format(view.format)):
+                return False
+            s = (<int64_t*>view.buf)[0]
+            d = (<int64_t*>(<char*>view.buf + view.strides[1]))[0]
+        finally:
+            PyBuffer_Release(&view)
+        if s < 0 or s >= self.src_limit or d < 0 or d >= self.dst_limit:
+            return False
+        src = (self.src_base + (<uint64_t>s // self.src_factor) * self.src_stride
+               + (<uint64_t>s % self.src_factor) * size)
+        dst = (self.dst_base + (<uint64_t>d // self.dst_factor) * self.dst_stride
+               + (<uint64_t>d % self.dst_factor) * size)
+        with nogil:
+            if self.abi != KVCOPY_BATCH_ABI_NONE:
+                _batch_each(&dst, &src, &size, 1, self.stream, &self.attr, 1, self.abi)
+            else:
+                memcpy_each(&dst, &src, &size, 0, 1, <CUstream>self.stream)
+        return True

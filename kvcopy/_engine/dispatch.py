@@ -26,6 +26,7 @@ from kvcopy._runtime import device, kept_memory, kernels, ring, side_streams
 from kvcopy._runtime.context import ContextScope
 from kvcopy.arguments import require_same_length
 from kvcopy._plans.blocks import BlockPlan
+from kvcopy._plans.races import tensors_apart
 from kvcopy.config import config
 from kvcopy.errors import CudaError, NoDriverError
 from kvcopy.interop.streams import STREAM_LEGACY, effective_handle
@@ -431,6 +432,21 @@ def _dma_again(plan: BlockPlan, target: Target, views: tuple) -> None:
     )
 
 
+def _one_copy_again(plan: BlockPlan, target: Target, table: np.ndarray) -> dma.BlockCopyAgain | None:
+    """A plan of one block copy that the copy engines took as given (issue_dma: memory the
+    device reaches, nothing to merge or check), between tensors that cannot race, as
+    issued again from each call's ids in one compiled call (BlockRepeat.direct); else
+    None."""
+    if plan.num_copies != 1 or not target.request.device_accessible or not tensors_apart(plan):
+        return None
+    batch = target.decision.method == "batch"
+    if batch and target.handle in (0, STREAM_LEGACY):
+        return None
+    return dma.BlockCopyAgain(
+        table, plan.geometry.block_bytes, *plan.geometry.id_limits, target.handle, batch, False
+    )
+
+
 def execute_blocks(
     blocks: BlockPlan, stream_handle: int, method: str = "auto", wait_for_producers: bool = True
 ) -> str:
@@ -479,7 +495,9 @@ def execute_blocks(
                 issue_dma(*arrays, True, target, False)
             if key is not None and repeats.decided_for_repeats(target, method):
                 table = blocks.tensor_table(blocks.geometry.src_base, blocks.geometry.dst_base)
-                repeats.remember_blocks(store, key, repeats.BlockRepeat(target, (table,), _dma_again))
+                again = repeats.BlockRepeat(target, (table,), _dma_again)
+                again.direct = _one_copy_again(blocks, target, table)
+                repeats.remember_blocks(store, key, again)
             return target.decision.method
         if target.request.capturing:
             # a graph keeps descriptors passed by value, not a ring slot: the plan's

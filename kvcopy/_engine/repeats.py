@@ -1,7 +1,8 @@
 """What every repeat of a call shares: whether the policy's answer for the first call may
 be kept for the next ones, and the traffic the first call noted, noted again at each
-repeat. swap_blocks' repeats (BlockRepeat) are kept here with the store of the
-tensors' memory they were built for; copy_rows' in kvcopy._engine.rows_memo.
+repeat. swap_blocks' repeats (BlockRepeat) are kept in the store of the tensors'
+memory they were built for (MemoryStore.repeats); copy_rows' in
+kvcopy._engine.rows_memo.
 
 A repeat issues a call the way the first one was issued without asking the policy:
 the policy's inputs are the memory's classes (kept while the tensors or layouts that
@@ -15,7 +16,6 @@ what calibration measured).
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -112,9 +112,14 @@ class BlockRepeat:
     policy. Returns the method that ran, or None, having enqueued nothing, where
     another context is current on the stream or the stream captures a graph: the call
     goes the whole way then. ``launch(plan, target, views)`` issues the plan in the
-    current context (``views``: each side's bases as the device sees them)."""
+    current context (``views``: each side's bases as the device sees them).
 
-    __slots__ = ("context", "owner", "target", "views", "launch", "traffic")
+    ``direct``, where set, issues a call from its ids alone, in the current context,
+    checking them itself (kvcopy._cuda.dma.BlockCopyAgain: one block copy between
+    tensors that cannot race): ``direct(mapping)`` is True once issued, False where the
+    ids fail its checks (nothing issued). Then no plan is made (issue_ids)."""
+
+    __slots__ = ("context", "owner", "target", "views", "launch", "traffic", "direct")
 
     def __init__(
         self,
@@ -126,6 +131,27 @@ class BlockRepeat:
         self.owner = memory_owner(*target.request.devices)
         self.target, self.views, self.launch = target, views, launch
         self.traffic = noted_traffic(target, target.request.total_bytes)
+        self.direct: Callable[[np.ndarray], bool] | None = None
+
+    def issue_ids(self, mapping: np.ndarray) -> str | None:
+        """A call of ``mapping`` (ids not checked yet) issued by ``direct`` (see the
+        class); None, having issued nothing, where the ids fail its checks, another
+        context is current on the stream or it captures a graph."""
+        direct, target = self.direct, self.target
+        assert direct is not None
+        entered = driver.enter_for_repeat(target.handle, self.owner, self.context)
+        if entered < 0:
+            return None
+        try:
+            issued = direct(mapping)
+        finally:
+            if entered:
+                driver.pop_context()
+        if not issued:
+            return None
+        note_decision(target.decision)
+        note_again((self.traffic,), uncaptured=True)
+        return target.decision.method
 
     def __call__(self, plan: Any) -> str | None:
         target = self.target
@@ -140,25 +166,21 @@ class BlockRepeat:
         return target.decision.method if issued else None
 
 
-# per store of a set of tensors' memory (kvcopy._runtime.kept_memory.MemoryStore, which
-# lives while they are unchanged), the calls remembered over them by key
-_blocks: "weakref.WeakKeyDictionary[Any, dict[tuple, BlockRepeat]]" = weakref.WeakKeyDictionary()
 _changing = threading.Lock()
 _PER_STORE = 16  # (an engine's steps: stores and loads, a few batch sizes, streams)
 
 
 def block_repeat(store: Any, key: tuple) -> BlockRepeat | None:
-    """The swap_blocks call remembered over the tensors of ``store`` under ``key``."""
-    found = _blocks.get(store)
-    return found.get(key) if found is not None else None
+    """The swap_blocks call remembered over the tensors of ``store``
+    (kvcopy._runtime.kept_memory.MemoryStore) under ``key``."""
+    return store.repeats.get(key)
 
 
 def remember_blocks(store: Any, key: tuple, repeat: BlockRepeat) -> None:
     """Keep ``repeat`` for the tensors of ``store`` under ``key`` (thread-safe)."""
     with _changing:
-        kept = _blocks.setdefault(store, {})
-        make_room(kept, _PER_STORE)
-        kept[key] = repeat
+        make_room(store.repeats, _PER_STORE)
+        store.repeats[key] = repeat
 
 
 def repeat_blocks(
@@ -176,12 +198,17 @@ def repeat_blocks(
     if kept is None:
         return None
     geometry, memory = kept
-    mapping = np.ascontiguousarray(as_block_mapping(block_mapping))  # (as planning reads it)
+    mapping = as_block_mapping(block_mapping)
     n = mapping.shape[0]
-    if not n or geometry.producer_streams or not block_ids_ok(mapping, *geometry.id_limits):
+    if not n or geometry.producer_streams or memory is None:
         return None
-    again = block_repeat(memory, (handle, method, n, *epoch_key()))
+    again = memory.repeats.get((handle, method, n, *epoch_key()))  # (block_repeat)
     if again is None:
+        return None
+    if again.direct is not None:
+        return again.issue_ids(mapping)
+    mapping = np.ascontiguousarray(mapping)  # (as planning reads it)
+    if not block_ids_ok(mapping, *geometry.id_limits):
         return None
     plan = BlockPlan(geometry, mapping, (*srcs, *dsts), memory)
     if race_in_plan(plan):

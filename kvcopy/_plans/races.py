@@ -211,18 +211,27 @@ def _duplicate_copies(plan: object, race_pair: tuple[int, int]) -> bool:
     )
 
 
+def tensors_apart(plan: object) -> bool:
+    """Whether no destination tensor of a swap_blocks plan's layout overlaps a source
+    tensor or another destination tensor, as an earlier check of it found: then no
+    mapping over that layout can race (unique destination ids aside, which planning
+    checks). False where no check of the layout is remembered."""
+    key = plan.geometry.key  # type: ignore[attr-defined]
+    return (
+        key is not None
+        and _pairs.get((key, "dst", "src", False)) == []
+        and _pairs.get((key, "dst", "dst", True)) == []
+    )
+
+
 def race_in_plan(plan: object, label: str = "block_mapping") -> str | None:
     """Within one swap_blocks call: a block read by one pair and written by another, a
     pair whose source and destination overlap through two different views, or one
     memory written through two destination tensors. A pair copying a block onto itself
     within one tensor is allowed: the bytes are the same whatever the order."""
-    key = plan.geometry.key  # type: ignore[attr-defined]
-    if (
-        key is not None
-        and _pairs.get((key, "dst", "src", False)) == []
-        and _pairs.get((key, "dst", "dst", True)) == []
-    ):
+    if tensors_apart(plan):
         return None  # no tensors of this layout overlap: the usual case, kept cheap
+    key = plan.geometry.key  # type: ignore[attr-defined]
     reads, writes = side_of(plan, 0, label), side_of(plan, 1, label)
     return first_race(writes, reads, same_plan=True, key=key) or first_race(
         writes, writes, same_side=True, key=key, harmless=lambda pair: _duplicate_copies(plan, pair)
@@ -246,7 +255,7 @@ def race_between(first: object, second: object, labels: tuple[str, str]) -> str 
     )
 
 
-__all__ = ["first_race", "race_between", "race_in_plan"]
+__all__ = ["first_race", "race_between", "race_in_plan", "tensors_apart"]
 
 
 def refuse_crossing(store: tuple, load: tuple) -> None:

@@ -110,12 +110,14 @@ class MemoryStore:
     """What the engine found of one set of tensors' memory, by context, held by what
     lives exactly as long as those tensors are the same live, unchanged objects (a
     KeptGeometry: kvcopy.interop.kept_reads checks them), so no owner is checked
-    here. forget() empties every store."""
+    here. forget() empties every store. ``repeats``: the calls remembered over the
+    same tensors (kvcopy._engine.repeats), which live as long."""
 
-    __slots__ = ("by_context", "__weakref__")
+    __slots__ = ("by_context", "repeats", "__weakref__")
 
     def __init__(self) -> None:
         self.by_context: dict[int, KeptMemory] = {}
+        self.repeats: dict[tuple, Any] = {}
 
 
 _stores: "weakref.WeakSet[MemoryStore]" = weakref.WeakSet()

@@ -8,12 +8,15 @@ import cpu_calls  # bench/cpu_calls.py (tests/conftest.py puts bench/ on the pat
 import pytest
 
 
+TORCH_ROWS = 4 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
+
+
 @pytest.fixture(scope="module")
 def faked():
-    pools = cpu_calls.host_pools()
-    host = cpu_calls.FakeHost(pools)
+    pools, stand_ins = cpu_calls.host_pools(), cpu_calls.torch_stand_ins()
+    host = cpu_calls.FakeHost(pools, stand_ins[:32])
     with host.standing_in():
-        yield host, dict(cpu_calls.rows(host, pools))
+        yield host, dict(cpu_calls.rows(host, pools, stand_ins))
 
 
 def steady(host, call):
@@ -26,7 +29,7 @@ def steady(host, call):
 
 def test_every_row_runs_with_the_driver_layer_faked(faked):
     host, calls = faked
-    assert len(calls) == 7
+    assert len(calls) == 7 + TORCH_ROWS
     for label, call in calls.items():
         assert steady(host, call), label  # (each reaches the driver layer: a copy is issued)
 
@@ -49,11 +52,21 @@ def test_swap_blocks_of_one_pair_is_one_dma_call(faked):
     assert not {"describe.describe_copies", "launch.upload", "rows.RowsLaunches"} & set(asked)
 
 
+def test_a_repeated_swap_blocks_of_one_block_copy_is_one_compiled_call(faked):
+    """Over torch tensors whose reads are kept, the steady call enters the stream's
+    context and makes the one DMA call (dma.BlockCopyAgain): no pointer query, no
+    classification, no plan."""
+    if not TORCH_ROWS:
+        pytest.skip("torch is not installed")
+    host, calls = faked
+    asked = steady(host, calls["swap_blocks 1 pair, 1 torch tensor a side"])
+    assert asked == {"driver.enter_for_repeat": 1, "dma.BlockCopyAgain()": 1}
+
+
 def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
-    torch_rows = 4 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
-    assert len(lines) == 7 + torch_rows and not any("failed" in line for line in lines)
+    assert len(lines) == 7 + TORCH_ROWS and not any("failed" in line for line in lines)
 
 
 def test_the_path_of_a_call_lists_each_stretch_in_one_module_once():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from kvcopy.testing import engine
+from kvcopy.testing import cuda, engine, plans
 
 LAYERS, BLOCKS, HOST_BLOCKS = 8, 64, 96
 
@@ -50,6 +50,46 @@ def test_swap_blocks_repeated_moves_every_calls_blocks(torch_cuda, method, defau
         torch.cuda.synchronize()
         for t, h in zip(target, host):
             assert torch.equal(t[back[:, 1]].cpu(), h[back[:, 0]]), f"call {call}, back"
+
+
+@pytest.mark.parametrize("method", ["auto", "loop", "batch"])
+@pytest.mark.parametrize("default_stream", [False, True])
+def test_one_block_pair_repeated_is_issued_from_its_ids(torch_cuda, method, default_stream):
+    """One pair over one tensor a side, repeated with new ids of every kind an engine
+    passes: the repeat is the compiled one (BlockRepeat.direct), every call's block
+    lands both ways, and an id out of range is refused by name without a byte moved."""
+    torch = torch_cuda
+    if method == "batch" and (default_stream or not cuda.dma.batch_abi()):
+        pytest.skip("cuMemcpyBatchAsync takes neither default stream, nor a driver before 12.8")
+    gpu, host = caches(torch, 7)
+    gpu, host = gpu[0], host[0]
+    stream = 0 if default_stream else torch.cuda.Stream()
+    rng = np.random.default_rng(8)
+    kinds = [np.array, lambda ids: torch.tensor(ids, dtype=torch.int64), lambda ids: ids]
+    for call in range(6):
+        s, d = int(rng.integers(BLOCKS)), int(rng.integers(HOST_BLOCKS))
+        host.zero_()
+        ran = kvcopy.swap_blocks(gpu, host, kinds[call % 3]([[s, d]]), stream=stream, method=method)
+        torch.cuda.synchronize()
+        assert ran == method if method != "auto" else ran in ("loop", "batch", "kernel")
+        assert torch.equal(host[d], gpu[s].cpu()) and int(host.count_nonzero()) == int(gpu[s].count_nonzero())
+        back = torch.zeros_like(gpu)
+        kvcopy.swap_blocks(host, back, np.array([[d, s]]), stream=stream, method=method)
+        torch.cuda.synchronize()
+        assert torch.equal(back[s].cpu(), host[d]), f"call {call}"
+    store = plans.plan_blocks(gpu, host, [[0, 0]]).memory
+    if ran != "kernel":
+        assert any(repeat.direct is not None for repeat in store.repeats.values())
+    host.zero_()
+    with pytest.raises(ValueError, match="destination block 96 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, HOST_BLOCKS]]), stream=stream, method=method)
+    with pytest.raises(ValueError, match="source block -1 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[-1, 0]]), stream=stream, method=method)
+    torch.cuda.synchronize()
+    assert int(host.count_nonzero()) == 0
+    kvcopy.swap_blocks(gpu, host, np.array([[3, 4]]), stream=stream, method=method)
+    torch.cuda.synchronize()
+    assert torch.equal(host[4], gpu[3].cpu())
 
 
 def test_swap_blocks_repeats_after_a_store_of_its_own(torch_cuda):
