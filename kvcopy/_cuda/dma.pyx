@@ -360,19 +360,14 @@ cdef class BlockCopyAgain:
         self.stream = stream
         _batch_attributes(&self.attr, access_any, 0, -1)
 
-    def __call__(self, object mapping) -> bool:
-        """Copy block ``mapping[0, 0]`` of the source to block ``mapping[0, 1]`` of the
-        destination (``mapping``: a (1, 2) int64 array or other buffer). Returns True
-        once issued; False, having issued nothing, where ``mapping`` is not one pair or
-        an id is outside its side (the whole call then says what is wrong).
-
-        Raises:
-            CudaError: the driver refused the copy (index 0).
-        """
+    cdef bint _copy_of(self, object mapping, uint64_t* src, uint64_t* dst) except -1:
+        """The block copy of ``mapping`` into src and dst; False where ``mapping`` is not
+        one pair of int64 ids inside their sides."""
         cdef Py_buffer view
         cdef int64_t s, d
-        cdef uint64_t src, dst, size = self.block_bytes
-        if PyObject_GetBuffer(mapping, &view, PyBUF_RECORDS_RO) != 0:
+        try:
+            PyObject_GetBuffer(mapping, &view, PyBUF_RECORDS_RO)
+        except (TypeError, ValueError, BufferError):  # (not a buffer of numbers)
             return False
         try:
             if (view.ndim != 2 or view.shape[0] != 1 or view.shape[1] != 2 or view.itemsize != 8
@@ -384,10 +379,30 @@ cdef class BlockCopyAgain:
             PyBuffer_Release(&view)
         if s < 0 or s >= self.src_limit or d < 0 or d >= self.dst_limit:
             return False
-        src = (self.src_base + (<uint64_t>s // self.src_factor) * self.src_stride
-               + (<uint64_t>s % self.src_factor) * size)
-        dst = (self.dst_base + (<uint64_t>d // self.dst_factor) * self.dst_stride
-               + (<uint64_t>d % self.dst_factor) * size)
+        src[0] = (self.src_base + (<uint64_t>s // self.src_factor) * self.src_stride
+                  + (<uint64_t>s % self.src_factor) * self.block_bytes)
+        dst[0] = (self.dst_base + (<uint64_t>d // self.dst_factor) * self.dst_stride
+                  + (<uint64_t>d % self.dst_factor) * self.block_bytes)
+        return True
+
+    def addresses(self, object mapping) -> tuple | None:
+        """(source address, destination address) of the copy a call with ``mapping``
+        issues, or None where it issues none."""
+        cdef uint64_t src = 0, dst = 0
+        return (src, dst) if self._copy_of(mapping, &src, &dst) else None
+
+    def __call__(self, object mapping) -> bool:
+        """Copy block ``mapping[0, 0]`` of the source to block ``mapping[0, 1]`` of the
+        destination (``mapping``: a (1, 2) int64 array or other buffer). Returns True
+        once issued; False, having issued nothing, where ``mapping`` is not one pair or
+        an id is outside its side (the whole call then says what is wrong).
+
+        Raises:
+            CudaError: the driver refused the copy (index 0).
+        """
+        cdef uint64_t src = 0, dst = 0, size = self.block_bytes
+        if not self._copy_of(mapping, &src, &dst):
+            return False
         with nogil:
             if self.abi != KVCOPY_BATCH_ABI_NONE:
                 _batch_each(&dst, &src, &size, 1, self.stream, &self.attr, 1, self.abi)

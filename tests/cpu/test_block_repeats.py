@@ -144,3 +144,63 @@ def test_a_repeat_written_to_its_own_caches_checks_races_as_planning_does(emulat
     with pytest.raises(TypeError, match="split_blocks"):
         kvcopy.swap_blocks(gpu, host, np.array([[1, 2]]), stream=STREAM, split_blocks=1)
     assert len(fake.calls) == calls
+
+
+def test_one_block_copy_repeated_goes_from_its_ids_to_the_copy_engines(emulated, monkeypatch):
+    """One pair over one tensor a side: each repeat is the compiled one-copy repeat
+    (BlockRepeat.direct), reached without planning, with ids of every kind an engine
+    passes; bad ids still get the whole way's refusal, with nothing issued."""
+    fake, gpu, host, asked = emulated
+    gpu, host = gpu[0], host[0]
+    kvcopy.swap_blocks(gpu, host, np.array([[1, 2]]), stream=STREAM, method="loop")
+    store = testing.plans.plan_blocks(gpu, host, [[0, 0]]).memory
+    assert [repeat.direct is not None for repeat in store.repeats.values()] == [True]
+    planned = counted(monkeypatch, kvcopy.blocks, "plan_blocks")
+    for ids in (np.array([[3, 4]]), torch.tensor([[5, 6]]), [[31, 0]], np.array([[7, 9]]).T.copy().T):
+        host.zero_()
+        copies = len(fake.calls)
+        assert kvcopy.swap_blocks(gpu, host, ids, stream=STREAM, method="loop") == "loop"
+        (s, d) = np.asarray(ids)[0]
+        assert torch.equal(host[d], gpu[s]) and int(host.count_nonzero()) == int(gpu[s].count_nonzero())
+        assert [call[0] for call in fake.calls[copies:]] == ["memcpy"]
+    assert planned[0] == 0 and asked[0] == 1
+    issued = len(fake.calls)
+    with pytest.raises(ValueError, match="destination block 32 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, BLOCKS]]), stream=STREAM, method="loop")
+    with pytest.raises(ValueError, match="source block -1 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[-1, 0]]), stream=STREAM, method="loop")
+    assert len(fake.calls) == issued
+
+
+def test_a_block_copied_within_one_tensor_is_not_repeated_from_its_ids(emulated):
+    """A tensor's blocks copied among themselves may race from one call to the next
+    (a block read and written): such a repeat keeps planning's race check."""
+    fake, gpu, host, asked = emulated
+    kvcopy.swap_blocks(gpu[0], gpu[0], np.array([[1, 2]]), stream=STREAM, method="loop")
+    store = testing.plans.plan_blocks(gpu[0], gpu[0], [[0, 0]]).memory
+    assert store.repeats and all(repeat.direct is None for repeat in store.repeats.values())
+    before = gpu[0][5].clone()
+    kvcopy.swap_blocks(gpu[0], gpu[0], np.array([[5, 6]]), stream=STREAM, method="loop")
+    assert torch.equal(gpu[0][6], before)
+
+
+def test_the_compiled_one_copy_repeat_checks_ids_and_addresses_as_planning_does():
+    """dma.BlockCopyAgain itself (no driver reached): every pair in range gives the
+    addresses plan_arrays.block_copies gives (split sides included); a pair outside
+    either side, a mapping of another shape or type gives none."""
+    table = np.array([[0x10000, 0x90000, 4096, 8192, 1, 2]], np.uint64)
+    again = testing.cuda.dma.BlockCopyAgain(table, 2048, 8, 6, STREAM)
+    for s in range(8):
+        for d in range(6):
+            ids = np.array([[s, d]])
+            src, dst, _ = testing.cuda.plan_arrays.block_copies(ids, table, 2048)
+            assert again.addresses(ids) == (int(src[0]), int(dst[0]))
+    for bad in ([[8, 0]], [[0, 6]], [[-1, 0]], [[0, -1]], [[1, 2], [3, 4]], [1, 2]):
+        assert again.addresses(np.array(bad, np.int64)) is None, bad
+    assert again.addresses(np.array([[1, 2]], np.int32)) is None
+    assert again.addresses(np.array([[1.0, 2.0]])) is None
+    assert again.addresses("no buffer") is None
+    with pytest.raises(ValueError, match="one tensor row"):
+        testing.cuda.dma.BlockCopyAgain(np.vstack([table, table]), 2048, 8, 6, STREAM)
+    with pytest.raises(ValueError, match="factors and block_bytes"):
+        testing.cuda.dma.BlockCopyAgain(table, 0, 8, 6, STREAM)

@@ -209,6 +209,10 @@ class RowsOnHostMemory(FakeRowsCuda):
         """The copy engines' plan: the copies as given, each its own caller index."""
         return src, dst, sizes, np.arange(len(sizes), dtype=np.int64)
 
+    def BlockCopyAgain(self, *args):
+        """dma.BlockCopyAgain, its copy issued through memcpy_loop below."""
+        return testing.block_copy_again(self.memcpy_loop)(*args)
+
     def memcpy_loop(self, dst, src, sizes, stream):
         for d, s, n in zip(dst, src, sizes):
             ctypes.memmove(int(d), int(s), int(n))
