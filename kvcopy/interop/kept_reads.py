@@ -22,8 +22,9 @@ same live object, at the same address, with the same version counter:
 - inference tensors (made under ``torch.inference_mode``) have no version counter:
   nothing read from them is kept, and they are read at every call.
 
-The check is one C loop (kvcopy._cuda.tensor_stamps): about 0.2 µs a tensor, a third
-of reading it.
+The check is one C loop (kvcopy._cuda.tensor_stamps) that calls torch.Tensor's own C
+readers of the counter and the address: about 0.09 µs a tensor on a 2-core CPU host,
+a seventh of reading it.
 """
 
 from __future__ import annotations

@@ -86,6 +86,34 @@ def test_a_tensor_changed_in_place_is_read_again(change):
     assert reader.reads == 2
 
 
+class Relocating(torch.Tensor):
+    """A tensor subclass whose own data_ptr() says it moved at every call."""
+
+    moves = 0
+
+    def data_ptr(self) -> int:
+        Relocating.moves += 1
+        return super().data_ptr() + Relocating.moves
+
+
+def test_a_tensor_subclass_is_checked_through_its_own_readers():
+    """torch.Tensor itself is checked through its C readers; a subclass through its
+    attributes as it defines them (here: an address that moves, so it is read again)."""
+    kept = KeptReads(8)
+    tensors = [caches(1)[0], caches(1)[0].as_subclass(Relocating)]
+    reader = Reader(tensors)
+    read_through(kept, tensors, reader)
+    read_through(kept, tensors, reader)
+    assert reader.reads == 2
+    plain = caches(2)
+    reader = Reader(plain)
+    read_through(kept, plain, reader)
+    read_through(kept, plain, reader)
+    plain[0].resize_(4, 64)
+    read_through(kept, plain, reader)
+    assert reader.reads == 2
+
+
 def test_a_write_to_the_data_keeps_what_was_read():
     """A write bumps the version counter (an engine's attention writes its KV cache every
     step): the metadata is compared, not read into a new value."""
