@@ -24,7 +24,7 @@ same live object, at the same address, with the same version counter:
 
 The check is one C loop (kvcopy._cuda.tensor_stamps) that calls torch.Tensor's own C
 readers of the counter and the address: about 0.09 µs a tensor on a 2-core CPU host,
-a seventh of reading it.
+an eighth of reading it.
 """
 
 from __future__ import annotations
