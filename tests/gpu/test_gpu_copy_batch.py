@@ -245,15 +245,20 @@ def test_cupy_stream(torch_cuda):
     assert kvcopy.resolve_stream(cupy.cuda.Stream.null) == 1
 
 
-def test_cupy_arrays_use_cupys_current_stream(torch_cuda):
+def test_raw_pointers_under_a_cupy_stream_go_on_the_default_stream(torch_cuda):
+    """Pointers name no framework: inside CuPy's stream context a copy of them runs on
+    the default stream (resolve_stream(None) is 0), which a non-blocking stream does not
+    wait for, nor it for that stream: the arrays are made ready first, and the copy is
+    waited for on the default stream."""
     cupy = pytest.importorskip("cupy")
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         a = cupy.arange(1 << 16, dtype=cupy.uint8)
         b = cupy.zeros_like(a)
+        s.synchronize()
         assert kvcopy.resolve_stream(None) == 0
         kvcopy.copy_batch(np.array([a.data.ptr]), np.array([b.data.ptr]), np.array([a.nbytes]))
-        s.synchronize()
+    cupy.cuda.Stream.null.synchronize()
     assert bool((a == b).all())
 
 
