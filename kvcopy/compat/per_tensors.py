@@ -19,6 +19,7 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from kvcopy._cuda.tensor_stamps import identity_hash, stamps_hold
 from kvcopy.kept import dropper, make_room
 
 
@@ -34,14 +35,41 @@ def _facts(tensors: Sequence[Any], contents: bool) -> list:
     return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
 
+def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple] | None:
+    """Each tensor's version counter, then each one's address; None where one has no
+    counter (an inference tensor)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    versions = tuple(t._version for t in tensors)
+    return versions, tuple(t.data_ptr() for t in tensors)
+
+
 class _Entry:
-    __slots__ = ("tensors", "facts", "value")
+    """A kept value, the tensors' weak references and the facts it rests on; where every
+    tensor has a version counter, also the counters and addresses the facts were last
+    found to hold at (``versions``: None otherwise): while those stand, so do the facts
+    (every in-place change of a tensor's metadata bumps its counter, and a tensor given
+    other memory has another address). The counters are renewed by replacing the
+    attribute: a reader sees the old or the new, each of which held."""
+
+    __slots__ = ("tensors", "facts", "versions", "addresses", "value")
 
     def __init__(
-        self, tensors: Sequence[Any], facts: list, value: Any, gone: Callable[[object], None]
+        self,
+        tensors: Sequence[Any],
+        facts: list,
+        stamps: tuple[tuple, tuple] | None,
+        value: Any,
+        gone: Callable[[object], None],
     ) -> None:
         self.tensors = tuple(weakref.ref(t, gone) for t in tensors)
         self.facts, self.value = facts, value
+        self.versions: tuple | None = stamps[0] if stamps is not None else None
+        self.addresses: tuple = stamps[1] if stamps is not None else ()
+
+    def stamps_hold(self, tensors: Sequence[Any]) -> bool:
+        """Whether every tensor is the one kept at the counter and address noted."""
+        return self.versions is not None and stamps_hold(self.tensors, tensors, self.versions, self.addresses)
 
     def holds(self, tensors: Sequence[Any], facts: list) -> bool:
         return self.facts == facts and all(ref() is t for ref, t in zip(self.tensors, tensors))
@@ -52,7 +80,12 @@ class _Entry:
 
 class PerTensors:
     """At most ``limit`` values, each kept for a set of torch tensors and arguments: a
-    value leaves when one of its tensors is freed, and a full store drops its oldest."""
+    value leaves when one of its tensors is freed, and a full store drops its oldest.
+
+    A lookup first checks each tensor's identity, version counter and address in one C
+    loop (kvcopy._cuda.tensor_stamps); only where a counter moved (a write to the data,
+    as attention makes to a KV cache every step) or a tensor has none are the facts
+    read and compared."""
 
     def __init__(self, limit: int) -> None:
         self._kept: dict[tuple, _Entry] = {}
@@ -64,16 +97,24 @@ class PerTensors:
     ) -> Any:
         """The value kept for these tensor objects (torch tensors) and ``args``
         (hashable) where none of them has changed, else ``build()``'s, kept."""
-        key = (tuple(map(id, tensors)), args)
-        facts = _facts(tensors, contents)
+        key = (identity_hash(tensors), args)  # (identities checked by the entry)
         found = self._kept.get(key)
+        if found is not None and found.stamps_hold(tensors):
+            return found.value
+        # (stamped before the facts are read: a change between the two moves a counter
+        # past the one noted, so the next call reads the facts again)
+        stamps = _stamps(tensors)
+        facts = _facts(tensors, contents)
         if found is not None and found.holds(tensors, facts):
+            if stamps is not None:  # (the counters moved, the facts stand)
+                found.versions, found.addresses = None, stamps[1]
+                found.versions = stamps[0]
             return found.value
         value = build()
         with self._changing:
             if key not in self._kept:
                 make_room(self._kept, self._limit)  # (entries of freed tensors are gone)
-            self._kept[key] = _Entry(tensors, facts, value, dropper(self._kept, key))
+            self._kept[key] = _Entry(tensors, facts, stamps, value, dropper(self._kept, key))
         return value
 
     def __len__(self) -> int:

@@ -158,3 +158,35 @@ def test_a_128_layer_model_moved_layer_by_layer_stays_kept():
 
     first = one_pass()
     assert all(again is kept for again, kept in zip(one_pass(), first))
+
+
+def test_an_unchanged_tensor_is_not_read_again_and_a_written_one_once(monkeypatch):
+    """The facts a kept layout rests on are read where a tensor's version counter moved
+    (a write to its data), once: the counter is noted again; while counters and
+    addresses stand, nothing is read. Resizing it in place is still seen."""
+    from kvcopy.compat import per_tensors
+
+    reads = []
+    real = per_tensors._facts
+    monkeypatch.setattr(per_tensors, "_facts", lambda *args: reads.append(1) or real(*args))
+    t = torch.zeros((8, 16), dtype=torch.uint8)
+    first = kept_layout([t], ("rows",), lambda: _rows(t))
+    assert kept_layout([t], ("rows",), lambda: _rows(t)) is first and len(reads) == 1
+    t[2] = 7  # (a write: the counter moves, the facts stand)
+    assert kept_layout([t], ("rows",), lambda: _rows(t)) is first and len(reads) == 2
+    assert kept_layout([t], ("rows",), lambda: _rows(t)) is first and len(reads) == 2
+    t.resize_(4, 16)
+    resized = kept_layout([t], ("rows",), lambda: _rows(t))
+    assert resized is not first and resized.slots == 4
+
+
+def test_inference_tensors_are_checked_by_their_facts_at_every_call(monkeypatch):
+    from kvcopy.compat import per_tensors
+
+    reads = []
+    real = per_tensors._facts
+    monkeypatch.setattr(per_tensors, "_facts", lambda *args: reads.append(1) or real(*args))
+    with torch.inference_mode():
+        t = torch.zeros((8, 16), dtype=torch.uint8)
+    first = kept_layout([t], ("rows",), lambda: _rows(t))
+    assert kept_layout([t], ("rows",), lambda: _rows(t)) is first and len(reads) == 2
