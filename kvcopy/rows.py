@@ -77,7 +77,9 @@ def copy_rows(
     if known is not None:
         # (these layouts were checked against each other: their indices are read next,
         # and host indices' values checked by the repeat)
-        a, b = read_indices(a, "src_indices"), read_indices(b, "dst_indices")
+        a = read_indices(a, "src_indices")
+        # (one index array for both sides, as SGLang's ops often pass: read once)
+        b = a if b is src_indices and b is not None else read_indices(b, "dst_indices")
         handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
         again = rows_memo.repeat(known, rows_memo.call_key(a, b, rows, handle, method))
         if again is not None:
