@@ -175,7 +175,6 @@ def swap_blocks_breakdown(stream) -> None:
     """The steps of swap_blocks over 64 tensors and 1024 pairs."""
     from kvcopy.testing import engine
 
-    dispatch = engine.dispatch
     from kvcopy._plans.blocks import block_geometry
     from kvcopy.interop.streams import resolve_stream
 
@@ -186,7 +185,7 @@ def swap_blocks_breakdown(stream) -> None:
     timed("swap: with_mapping", lambda: geometry.with_mapping(mapping))
     plan = geometry.with_mapping(mapping)
     handle = resolve_stream(stream)
-    timed("swap: execute_blocks", lambda: dispatch.execute_blocks(plan, handle), sync=stream.synchronize)
+    timed("swap: execute_blocks", lambda: engine.blocks.execute_blocks(plan, handle), sync=stream.synchronize)
     timed(
         "swap: whole call",
         lambda: kvcopy.swap_blocks(gpu, host, mapping, stream=stream),

@@ -72,30 +72,31 @@ class _Timed:
 
 def launch_steps(src, dst, pairs: int, calls: int = 200) -> None:
     """CPU microseconds per call of each step of execute_blocks (driver calls included)."""
-    d, h = engine.dispatch, stream.cuda_stream
+    d, h = engine.blocks, stream.cuda_stream
     plan = plans.plan_blocks(src, dst, mapping[:pairs].copy(), stream=h)
     for _ in range(10):  # (the first call loads the kernel and asks the device once)
         d.execute_blocks(plan, h)
     stream.synchronize()
     spent: dict[str, float] = defaultdict(float)
-    real = {
-        name: getattr(d, name)
-        for name in (
-            "plan_arrays",
-            "launch",
-            "rows",
-            "settled_classes",
-            "decide",
-            "wait_for_streams",
-            "issue_dma",
-            "ring",
-        )
-    }
+    # (classification is the shared dispatcher's; the rest the block family's own)
+    home = {"settled_classes": engine.dispatch}
+    names = (
+        "plan_arrays",
+        "launch",
+        "rows",
+        "settled_classes",
+        "decide",
+        "wait_for_streams",
+        "issue_dma",
+        "ring",
+    )
+    real = {name: getattr(home.get(name, d), name) for name in names}
     d.plan_arrays = _Timed(real["plan_arrays"], spent, ("split_block_ids",))
     d.launch = _Timed(real["launch"], spent, ("upload",))
     d.rows = _Timed(real["rows"], spent, ("RowsLaunches",))
     for name in ("settled_classes", "decide", "wait_for_streams", "issue_dma"):
-        setattr(d, name, _Timed(d, spent, (name,)).__getattr__(name))
+        module = home.get(name, d)
+        setattr(module, name, _Timed(module, spent, (name,)).__getattr__(name))
     try:
         whole = 0.0
         for _ in range(calls):
@@ -105,7 +106,7 @@ def launch_steps(src, dst, pairs: int, calls: int = 200) -> None:
             stream.synchronize()
     finally:
         for name, value in real.items():
-            setattr(d, name, value)
+            setattr(home.get(name, d), name, value)
     steps = "  ".join(f"{k} {v / calls * 1e6:.1f}" for k, v in spent.items())
     print(f"execute_blocks {whole / calls * 1e6:.1f} us: {steps} (RowsLaunches: building; launch: issuing)")
 
@@ -140,7 +141,7 @@ def by_pairs(src, dst, direction: str) -> None:
             start = time.perf_counter()
             plan = plans.plan_blocks(src, dst, m, stream=h)
             middle = time.perf_counter()
-            engine.dispatch.execute_blocks(plan, h)
+            engine.blocks.execute_blocks(plan, h)
             planned.append(middle - start)
             issued.append(time.perf_counter() - middle)
             stream.synchronize()
@@ -172,7 +173,7 @@ def chained() -> None:
     from kvcopy.config import config
     from kvcopy.testing import cuda
 
-    own = engine.dispatch._launch_as_rows
+    own = engine.blocks._launch_as_rows
 
     def caller_uploads(blocks, sides, kernel, target, src_view, dst_view) -> None:
         n, handle, start = blocks.num_pairs, target.handle, 0
@@ -204,7 +205,7 @@ def chained() -> None:
             ("uploads on the caller's stream", caller_uploads),
             ("uploads on a side stream", own),
         ):
-            engine.dispatch._launch_as_rows = way
+            engine.blocks._launch_as_rows = way
             try:
                 src.random_(0, 256)
                 dst.zero_()
@@ -215,7 +216,7 @@ def chained() -> None:
                 )
                 t = measure(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream), stream, repeats=15)
             finally:
-                engine.dispatch._launch_as_rows = own
+                engine.blocks._launch_as_rows = own
             print(
                 f"{direction} {name:<31} ({ran}) gpu_vs {c.gpu_ms / t.gpu_ms:.3f} wall_vs "
                 f"{c.wall_ms / t.wall_ms:.3f} cpu_us {t.cpu_us:6.1f} bytes right: {ok}"
@@ -253,7 +254,7 @@ for direction, (src, dst) in (("h2d", (host, gpu)), ("d2h", (gpu, host))):
     h = stream.cuda_stream
     print(f"{direction} plan_blocks   {cpu_us(lambda: plans.plan_blocks(src, dst, mapping, stream=h))}")
     plan = plans.plan_blocks(src, dst, mapping, stream=h)
-    print(f"{direction} execute_blocks {cpu_us(lambda: engine.dispatch.execute_blocks(plan, h))}")
+    print(f"{direction} execute_blocks {cpu_us(lambda: engine.blocks.execute_blocks(plan, h))}")
     print(f"{direction} swap_blocks   {cpu_us(lambda: kvcopy.swap_blocks(src, dst, mapping, stream=stream))}")
     c = contiguous_timing(src, dst)
     print(f"{direction} contiguous gpu_ms {c.gpu_ms:.3f} wall_ms {c.wall_ms:.3f} cpu_us {c.cpu_us:.1f}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcopy._engine import both_ways, dispatch, repeats
+from kvcopy._engine.blocks import execute_blocks
 from kvcopy._plans.races import race_between
 from kvcopy._plans.blocks import BlockPlan, GeometryAndMemory, geometry_and_reverse, plan_blocks
 from kvcopy.arguments import require_bool, require_triple
@@ -78,7 +79,7 @@ def swap_blocks(
         src, dst, block_mapping, split_blocks=split_blocks, stream=dispatch.producer_stream_once(handle)
     )
     if len(streams) == 1:
-        return dispatch.execute_blocks(plan, handle, method)
+        return execute_blocks(plan, handle, method)
     return _between_devices(plan, streams, method)
 
 
@@ -157,7 +158,7 @@ def _between_devices(plan: Any, streams: list[tuple[int, int]], method: str) -> 
     driver.init()
     for other, other_device in others:
         driver.stream_wait_stream(handle, effective_handle(other), other_device, device)
-    ran = dispatch.execute_blocks(plan, handle, method)
+    ran = execute_blocks(plan, handle, method)
     for other, other_device in others:
         driver.stream_wait_stream(effective_handle(other), handle, device, other_device)
     return ran

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-from kvcopy._engine import both_ways, decide, dispatch
+from kvcopy._engine import blocks, both_ways, decide
 from kvcopy._cuda import classify, driver
 from kvcopy._plans.blocks import BlockGeometry, BlockPlan, block_geometry, crossing_pairs
 from kvcopy._runtime.context import ContextScope
@@ -260,7 +260,7 @@ class TransferQueue:
     def _execute(self, plan: BlockPlan, back_plan: BlockPlan | None) -> tuple[str, str]:
         """Issue a job's copies on the queue's stream: the methods that ran each way."""
         if back_plan is None:
-            return dispatch.execute_blocks(plan, self._stream, self.method, wait_for_producers=False), ""
+            return blocks.execute_blocks(plan, self._stream, self.method, wait_for_producers=False), ""
         return both_ways.execute_plans_both(
             plan, back_plan, self._stream, self.method, ("block_mapping", "back")
         )

@@ -60,6 +60,7 @@ from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
+from kvcopy._engine import blocks as blocks_engine
 from kvcopy._engine import both_ways, decide, dispatch, guard, kernel, replay, staged, traffic_window
 from kvcopy._engine import rows as rows_engine
 from kvcopy._engine import rows_memo
@@ -117,6 +118,7 @@ cuda = types.SimpleNamespace(
     rows=rows_cuda,
 )
 engine = types.SimpleNamespace(
+    blocks=blocks_engine,
     both_ways=both_ways,
     decide=decide,
     dispatch=dispatch,

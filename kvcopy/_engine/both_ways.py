@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._engine import decide, dispatch, staged
+from kvcopy._engine import blocks, decide, dispatch, staged
 from kvcopy._runtime import device, kernels, ring, side_streams
 from kvcopy._cuda import describe, dma, driver, launch
 from kvcopy.config import config
@@ -342,11 +342,11 @@ def _classified(plan: BlockPlan) -> tuple[decide.MemoryClasses, tuple[np.ndarray
     bases = (plan.geometry.src_base, plan.geometry.dst_base)
     if plan.memory is not None:
         found, src_view, dst_view, _ = dispatch.stored_or_classified(
-            plan.memory, bases, lambda src, dst: dispatch.classify_tensors(plan, src, dst)
+            plan.memory, bases, lambda src, dst: blocks.classify_tensors(plan, src, dst)
         )
         return found, (src_view, dst_view)
     views = (np.empty_like(bases[0]), np.empty_like(bases[1]))
-    return dispatch.classify_tensors(plan, *views), views
+    return blocks.classify_tensors(plan, *views), views
 
 
 def _blocks_both(

@@ -30,7 +30,7 @@ def emulated(seams, monkeypatch):
     host = [torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8) for _ in range(4)]
     fake = RowsOnHostMemory([t.numpy() for t in gpu])
     emulate_on_host_memory(seams, fake, 1 << 14)
-    return fake, gpu, host, counted(monkeypatch, engine.dispatch, "decide")
+    return fake, gpu, host, counted(monkeypatch, engine.blocks, "decide")
 
 
 def counted(monkeypatch, module, name: str) -> list[int]:

@@ -28,7 +28,7 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
     dst = [np.zeros((80, 256) if split else (40, 512), np.uint8) for _ in range(3)]
     mapping = np.array([[5, 1], [7, 0], [63, 39]])
     plan = plans.plan_blocks(src, dst, mapping, split_blocks=split)
-    assert engine.dispatch.execute_blocks(plan, STREAM) == "kernel"
+    assert engine.blocks.execute_blocks(plan, STREAM) == "kernel"
     # a split side: 4 slots per page of 1024 bytes, each slot 256 bytes on
     src_side = (0x3000, 64, 4, 1024, 256, 256) if split else (0x3000, 64, 1, 512, 512, 512)
     block = 256 if split else 512
@@ -51,7 +51,7 @@ def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
     src, dst = np.zeros((4096, 64), np.uint8), np.zeros((4096, 64), np.uint8)
     mapping = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
     assert policy.id_chunks(3000) == [1024, 1976]
-    engine.dispatch.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
+    engine.blocks.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
     side = (4096, 1, 64, 64, 64)
     first, second = 0x3000, 0x3000 + 16 * 1024
     uploads = SIDE + 3

@@ -515,7 +515,7 @@ def test_swap_blocks_under_capture_is_described_once_and_launched_by_value(fake_
     fake = fake_cuda(HOST_TO_GPU, 0)
     fake.capturing = 1
     blocks = PlannedBlocks(40)
-    assert dispatch.execute_blocks(blocks, 0x1234) == "kernel"
+    assert engine.blocks.execute_blocks(blocks, 0x1234) == "kernel"
     # one question asked of the policy, and its answer remembered: no second decision
     assert len(decide._targets) == 1 and blocks.arrays_made == 1
     assert [c[0] for c in fake.calls] == ["describe_copies", "launch_descs_inline"]
@@ -527,6 +527,6 @@ def test_swap_blocks_by_dma_goes_to_the_copy_engines_directly(fake_cuda, blocks_
     described for the kernel first."""
     fake = fake_cuda(HOST_TO_GPU, 0)
     blocks = PlannedBlocks(8)
-    assert dispatch.execute_blocks(blocks, 0x1234, "loop") == "loop"
+    assert engine.blocks.execute_blocks(blocks, 0x1234, "loop") == "loop"
     assert fake.calls == [("plan_dma", 8, True), ("memcpy_loop", 8, int(blocks.src[0]), 0x1234)]
     assert blocks.arrays_made == 1

@@ -116,7 +116,7 @@ def test_swap_blocks_between_gpus_joins_streams_like_torch_copy(monkeypatch, sea
     )
     seams.enter_context(testing.fake_cuda(fake_driver, ("driver",)))
     monkeypatch.setattr(
-        testing.engine.dispatch,
+        blocks,
         "execute_blocks",
         lambda plan, handle, method: calls.append(("copy", handle)) or "kernel",
     )
@@ -238,7 +238,7 @@ def test_queue_job_waits_for_producers_once_and_times_only_its_copy(monkeypatch,
         return "kernel"
 
     seams.enter_context(testing.fake_cuda(FakeDriver(), ("driver",)))
-    monkeypatch.setattr(queue_module.dispatch, "execute_blocks", execute_blocks)
+    monkeypatch.setattr(queue_module.blocks, "execute_blocks", execute_blocks)
     queue = object.__new__(TransferQueue)
     queue._lock, queue._closed, queue._pending = threading.Lock(), False, deque()
     queue._ctx, queue._stream, queue.method = 0xC0, 0x5, "auto"

@@ -71,7 +71,9 @@ LAYERS = [
     # parts of paths
     {"kvcopy._engine.replay", "kvcopy._engine.decide", "kvcopy._engine.kernel", "kvcopy._engine.guard"},
     {"kvcopy._engine.repeats"},
-    {"kvcopy._engine.dispatch", "kvcopy._engine.both_ways", "kvcopy._engine.staged", "kvcopy._engine.rows"},
+    {"kvcopy._engine.dispatch", "kvcopy._engine.staged", "kvcopy._engine.rows"},
+    {"kvcopy._engine.blocks"},
+    {"kvcopy._engine.both_ways"},
     {"kvcopy._engine.rows_staged"},
     {"kvcopy._engine.rows_both_ways", "kvcopy._engine.rows_memo"},
     {

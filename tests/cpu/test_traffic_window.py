@@ -272,6 +272,7 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, se
         raise Asked
 
     monkeypatch.setattr(dispatch, "decide", spy)
+    monkeypatch.setattr(engine.blocks, "decide", spy)
     seams.enter_context(testing.fake_cuda(DescribingDriver(), ("driver", "describe")))
     seams.enter_context(testing.fake_runtime(scope=FakeScope))
     one = np.ones(1, dtype=np.uint64)
@@ -290,5 +291,5 @@ def test_copy_batch_and_swap_blocks_ask_with_their_traffic_noted(monkeypatch, se
         memory=None,
     )
     with pytest.raises(Asked):
-        dispatch.execute_blocks(blocks, 7)
+        engine.blocks.execute_blocks(blocks, 7)
     assert asked == [True, True]
