@@ -77,21 +77,24 @@ def issue_repeat(
     context: int,
     decision: policy.Decision,
     traffic: Traffic | None,
-    issue: Callable[[], None],
+    issue: Callable[[], object],
 ) -> bool:
     """``issue()`` a repeated call in the context it runs in (driver.enter_for_repeat:
     the memory's device ``owner`` followed on the default streams), the caller's context
     back after, then ``decision`` noted as the thread's last and the first call's
     ``traffic`` noted again; False, having issued nothing, where that context's key is
-    not ``context`` or the stream captures a graph (the call goes the whole way then)."""
+    not ``context``, the stream captures a graph, or ``issue()`` returns False (its own
+    checks failed, nothing issued): the call goes the whole way then."""
     entered = driver.enter_for_repeat(handle, owner, context)
     if entered < 0:
         return False
     try:
-        issue()
+        issued = issue()
     finally:
         if entered:
             driver.pop_context()
+    if issued is False:
+        return False
     note_decision(decision)
     note_again((traffic,), uncaptured=True)
     return True
@@ -139,19 +142,10 @@ class BlockRepeat:
         context is current on the stream or it captures a graph."""
         direct, target = self.direct, self.target
         assert direct is not None
-        entered = driver.enter_for_repeat(target.handle, self.owner, self.context)
-        if entered < 0:
-            return None
-        try:
-            issued = direct(mapping)
-        finally:
-            if entered:
-                driver.pop_context()
-        if not issued:
-            return None
-        note_decision(target.decision)
-        note_again((self.traffic,), uncaptured=True)
-        return target.decision.method
+        issued = issue_repeat(
+            target.handle, self.owner, self.context, target.decision, self.traffic, lambda: direct(mapping)
+        )
+        return target.decision.method if issued else None
 
     def __call__(self, plan: Any) -> str | None:
         target = self.target
@@ -202,7 +196,7 @@ def repeat_blocks(
     n = mapping.shape[0]
     if not n or geometry.producer_streams or memory is None:
         return None
-    again = memory.repeats.get((handle, method, n, *epoch_key()))  # (block_repeat)
+    again = block_repeat(memory, (handle, method, n, *epoch_key()))
     if again is None:
         return None
     if again.direct is not None:
