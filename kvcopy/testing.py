@@ -334,30 +334,22 @@ def fake_clock(clock: Callable[[], float]) -> Iterator[Callable[[], float]]:
 
 def block_copy_again(memcpy_loop: Callable[..., None]) -> Callable[..., Callable[[Any], bool]]:
     """dma.BlockCopyAgain's constructor for a fake dma layer: what it builds checks a
-    call's ids as the compiled class does and issues the block copy through
+    call's ids and works out the block's addresses with the compiled class itself
+    (BlockCopyAgain.addresses: no driver reached) and issues the copy through
     ``memcpy_loop(dst, src, sizes, stream)``."""
 
-    def build(
-        table: np.ndarray,
-        block_bytes: int,
-        src_limit: int,
-        dst_limit: int,
-        stream: int,
-        batch: bool = False,
-        access_any: bool = False,
-    ) -> Callable[[Any], bool]:
-        table = np.ascontiguousarray(table, dtype=np.uint64)
-        if table.shape != (1, 6):
-            raise ValueError("BlockCopyAgain: one tensor row of six columns")
+    def build(*args: Any) -> Callable[[Any], bool]:
+        # (table, block_bytes, src_limit, dst_limit, stream; the rest say how the driver
+        # is asked, which the fake's memcpy_loop stands in for)
+        table, block_bytes, _, _, stream = args[:5]
+        real = dma.BlockCopyAgain(np.ascontiguousarray(table, dtype=np.uint64), *args[1:5])
 
         def again(mapping: Any) -> bool:
-            ids = np.asarray(mapping)
-            if ids.shape != (1, 2) or ids.dtype != np.int64:
+            found = real.addresses(mapping)
+            if found is None:
                 return False
-            if not (0 <= ids[0, 0] < src_limit and 0 <= ids[0, 1] < dst_limit):
-                return False
-            src, dst, sizes = plan_arrays.block_copies(np.ascontiguousarray(ids), table, block_bytes)
-            memcpy_loop(dst, src, sizes, stream)
+            src, dst = (np.array([address], np.uint64) for address in found)
+            memcpy_loop(dst, src, np.array([block_bytes], np.uint64), stream)
             return True
 
         return again
