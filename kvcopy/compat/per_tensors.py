@@ -106,9 +106,9 @@ class PerTensors:
         stamps = _stamps(tensors)
         facts = _facts(tensors, contents)
         if found is not None and found.holds(tensors, facts):
-            if stamps is not None:  # (the counters moved, the facts stand)
-                found.versions, found.addresses = None, stamps[1]
-                found.versions = stamps[0]
+            if stamps is not None:  # (the counters moved, the facts stand: noted again;
+                # a reader between the two stores sees a pair of which each held)
+                found.addresses, found.versions = stamps[1], stamps[0]
             return found.value
         value = build()
         with self._changing:
