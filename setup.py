@@ -182,6 +182,7 @@ CUDA_MODULES = (
     "plan_arrays",
     "replay_records",
     "rows",
+    "rows_repeat",
     "stage",
     "tensor_stamps",
     "testing",

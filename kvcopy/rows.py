@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcopy._cuda.rows_repeat import GpuRowsRepeat
 from kvcopy._engine.rows import check_indices as rows_check_indices, execute_rows
 from kvcopy._engine import rows_memo
 from kvcopy._plans.rows import RowsPlan, plan_rows, read_indices, rows_stream
@@ -71,6 +72,9 @@ def copy_rows(
         TypeError, ValueError: bad arguments, named in the message.
         CudaError: the driver failed.
     """
+    ran = rows_memo.repeat_gpu(src, dst, src_indices, dst_indices, rows, stream, method)
+    if ran is not None:  # (the same call with GPU indices again: issued from C)
+        return ran
     check_method(method)
     a, b, handle = src_indices, dst_indices, None
     known = rows_memo.entry(src, dst)
@@ -91,9 +95,24 @@ def copy_rows(
         handle = rows_stream(stream, (src, dst), (src_indices, dst_indices))
     # (execute_rows hands over what repeats the call where the layout kernel ran it)
     key = rows_memo.call_key(plan.src_indices, plan.dst_indices, rows, handle, method)
-    return execute_rows(
-        plan, handle, method, remember=lambda again: rows_memo.remember((src, dst), key, again)
-    )
+
+    def remember(again: Any) -> None:
+        if isinstance(again, GpuRowsRepeat):  # (named so that the same call finds it in C)
+            again.expect(
+                src_indices,
+                dst_indices,
+                rows,
+                stream,
+                method,
+                handle,
+                key[-1],
+                rows_memo.epoch_now,
+                resolve_stream,
+                rows_stream,
+            )
+        rows_memo.remember((src, dst), key, again)
+
+    return execute_rows(plan, handle, method, remember=remember)
 
 
 def copy_planned_rows(plan: RowsPlan, stream: Any) -> str:

@@ -57,6 +57,7 @@ import numpy as np
 from kvcopy import policy
 from kvcopy._cuda import classify, describe, dma, driver, launch, memory, plan_arrays, replay_records, stage
 from kvcopy._cuda import rows as rows_cuda
+from kvcopy._cuda import rows_repeat
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
@@ -116,6 +117,7 @@ cuda = types.SimpleNamespace(
     stage=stage,
     testing=cuda_testing,
     rows=rows_cuda,
+    rows_repeat=rows_repeat,
 )
 engine = types.SimpleNamespace(
     blocks=blocks_engine,

@@ -100,6 +100,22 @@ def settings_kept():
 
 
 @pytest.fixture
+def plans(monkeypatch):
+    """How many copy_rows calls were planned (the rest repeated)."""
+    import kvcopy.rows
+
+    count = [0]
+    plan_rows = kvcopy.rows.plan_rows
+
+    def counted(*args):
+        count[0] += 1
+        return plan_rows(*args)
+
+    monkeypatch.setattr(kvcopy.rows, "plan_rows", counted)
+    return count
+
+
+@pytest.fixture
 def seams():
     """Where a test enters kvcopy.testing's seams (fake_cuda, fake_runtime, ...): each
     is left when the test ends."""

@@ -17,8 +17,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvcopy._cuda import classify, driver, launch, plan_arrays, rows
+from kvcopy._cuda.rows_repeat import GpuRowsRepeat
 from kvcopy._cuda.plan_arrays import row_slots_ok
-from kvcopy._engine.repeats import Traffic, decided_for_repeats, issue_repeat, note_again, noted_traffic
+from kvcopy._engine.repeats import decided_for_repeats, issue_repeat, note_again, noted_traffic
 from kvcopy._engine.decide import (
     MemoryClasses,
     Target,
@@ -199,28 +200,6 @@ def _kernel_decision(target: Target, why: str) -> Decision:
     return Decision("kernel", why, "registers")
 
 
-class Repeat:
-    """A copy_rows call with GPU indices, built: calling it enqueues the same launches
-    (the indices read when they run) and notes what the first call noted."""
-
-    __slots__ = ("launches", "decision", "traffic")
-
-    def __init__(self, launches: rows.RowsLaunches, decision: Decision, traffic: Traffic | None) -> None:
-        self.launches, self.decision, self.traffic = launches, decision, traffic
-
-    def usable(self) -> bool:
-        """False where the context it was built in is gone."""
-        return self.launches.usable()
-
-    def __call__(self, src_indices: Indices | None = None, dst_indices: Indices | None = None) -> str:
-        """Enqueue the launches again (the indices, on the GPU where they were, are read
-        when they run: the arguments are the call's, unused)."""
-        self.launches.launch()
-        note_decision(self.decision)
-        note_again((self.traffic,))
-        return "kernel"
-
-
 class HostRepeat:
     """A copy_rows call by the layout kernel with its indices on the host (or none),
     built: calling it with the next call's indices (read, not yet checked; as many as
@@ -288,7 +267,7 @@ def execute_rows(
     plan: RowsPlan,
     stream_handle: int,
     method: str = "auto",
-    remember: Callable[["Repeat | HostRepeat"], None] | None = None,
+    remember: Callable[["GpuRowsRepeat | HostRepeat"], None] | None = None,
 ) -> str:
     """Issue ``plan`` on the stream (a raw handle; 0: the default stream); returns the
     method that ran ('kernel', 'batch', 'loop', or 'none' for no rows). Where the layout
@@ -304,8 +283,12 @@ def execute_rows(
             launches = _launches(
                 plan, target, src_view, dst_view, *_device_addresses(plan), context=driver.current_context()
             )
-            again = Repeat(
-                launches, _kernel_decision(target, _GPU_INDICES), noted_traffic(target, plan.total_bytes)
+            again = GpuRowsRepeat(
+                launches,
+                _kernel_decision(target, _GPU_INDICES),
+                noted_traffic(target, plan.total_bytes),
+                note_decision,
+                note_again,
             )
             again()
             if remember is not None:

@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable, Protocol
 
 from kvcopy import policy
+from kvcopy._cuda.rows_repeat import repeat_gpu_rows
 from kvcopy._engine import replay
 from kvcopy._plans.rows import Indices
 from kvcopy._runtime import kept_memory
@@ -43,7 +44,8 @@ _KEPT = 1024
 
 
 class Again(Protocol):
-    """What repeats a remembered call (kvcopy._engine.rows.Repeat, a staged pair)."""
+    """What repeats a remembered call (kvcopy._cuda.rows_repeat.GpuRowsRepeat,
+    kvcopy._engine.rows.HostRepeat, a staged pair)."""
 
     def usable(self) -> bool: ...
 
@@ -88,11 +90,15 @@ def call_key(
         rows,
         handle,
         method,
-        # (every setting and device fact the policy reads, and whether memory may have
-        # changed kind under a layout: kvcopy.register's unregistering)
-        replay.epoch(),
-        kept_memory.generation(),
+        epoch_now(),
     )
+
+
+def epoch_now() -> tuple[int, int]:
+    """Every setting and device fact the policy reads, and whether memory may have
+    changed kind under a layout (kvcopy.register's unregistering): a remembered call
+    is repeated only under the same."""
+    return replay.epoch(), kept_memory.generation()
 
 
 def pair_key(store_key: tuple, load_key: tuple) -> tuple:
@@ -129,6 +135,14 @@ def repeat(found: "_Entry", key: tuple) -> Any:
             _memo.pop(tuple(id(ref()) for ref in found.layouts), None)
         return None
     return found.repeat
+
+
+def repeat_gpu(src: Layout, dst: Layout, a: Any, b: Any, rows: Any, stream: Any, method: Any) -> str | None:
+    """copy_rows(src, dst, a, b, rows=rows, stream=stream, method=method) issued again
+    from C where the call between these layouts was remembered with its indices on the
+    GPU and this is the same call (kvcopy._cuda.rows_repeat): 'kernel'. Else None,
+    nothing issued."""
+    return repeat_gpu_rows(_memo, src, dst, a, b, rows, stream, method)
 
 
 def remember(layouts: tuple[Layout, ...], key: tuple, again: Again) -> None:

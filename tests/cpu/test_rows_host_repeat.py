@@ -92,20 +92,6 @@ def test_negative_indices_skip_their_rows_in_a_repeat(emulated):
     assert fake.classified == 2
 
 
-@pytest.fixture
-def plans(monkeypatch):
-    """How many copy_rows calls were planned (the rest repeated)."""
-    count = [0]
-    plan_rows = kvcopy.rows.plan_rows
-
-    def counted(*args):
-        count[0] += 1
-        return plan_rows(*args)
-
-    monkeypatch.setattr(kvcopy.rows, "plan_rows", counted)
-    return count
-
-
 def test_layouts_that_share_memory_are_planned_at_every_call(emulated, plans):
     fake, gpu, _ = emulated
     whole = kvcopy.Layout.of(gpu, planes=(0,), slot=1)

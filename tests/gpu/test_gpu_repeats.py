@@ -1,7 +1,8 @@
 """Repeated calls on a real GPU: swap_blocks over the same torch tensors (by the layout
 kernel and by the copy engines) and copy_rows with host indices between the same
 layouts, each call with new ids or indices, on a created stream and on the default
-stream, every byte checked against a torch gather; a repeat after the memory's
+stream, every byte checked against a torch gather; copy_rows with GPU indices
+rewritten in place, repeated from C; a repeat after the memory's
 registration changed goes the whole way and still moves the right bytes."""
 
 from __future__ import annotations
@@ -128,6 +129,46 @@ def test_copy_rows_with_host_indices_repeated_moves_every_calls_rows(torch_cuda,
         assert torch.equal(tokens_h[:, b], tokens_g[:, a].cpu()), f"call {call}"
     found = engine.rows_memo.entry(src, dst)
     assert found is not None and isinstance(found.repeat, engine.rows.HostRepeat)
+
+
+@pytest.mark.parametrize("stream_kind", ["current", "created", "default"])
+def test_copy_rows_with_gpu_indices_repeated_from_c_moves_the_rows_they_hold(
+    torch_cuda, monkeypatch, stream_kind
+):
+    """Index tensors rewritten in place, a new tensor at another address, one tensor for
+    both sides: each call's rows land where its indices say; the calls that repeat the
+    last one read no index in Python (issued from C)."""
+    torch = torch_cuda
+    tokens_g = torch.randint(0, 1 << 15, (2, 512, 256), device="cuda", dtype=torch.int16)
+    tokens_h = torch.zeros(2, 300, 256, dtype=torch.int16).pin_memory()
+    src = kvcopy.Layout.of(tokens_g, planes=(0,), slot=1)
+    dst = kvcopy.Layout.of(tokens_h, planes=(0,), slot=1)
+    created = torch.cuda.Stream()
+    stream = {"current": None, "created": created, "default": 0}[stream_kind]
+    read, real = [], kvcopy.rows.read_indices
+    monkeypatch.setattr(kvcopy.rows, "read_indices", lambda obj, name: read.append(name) or real(obj, name))
+    rng = np.random.default_rng(7)
+    a = torch.empty(40, dtype=torch.int64, device="cuda")
+    b = torch.empty(40, dtype=torch.int64, device="cuda")
+    with torch.cuda.stream(created if stream_kind == "current" else torch.cuda.current_stream()):
+        for call in range(8):
+            if call == 5:  # (another tensor: another address, planned again)
+                a = torch.empty(40, dtype=torch.int64, device="cuda")
+            values_a = rng.choice(300, 40, replace=False)
+            a.copy_(torch.from_numpy(values_a))
+            b.copy_(torch.from_numpy(rng.choice(300, 40, replace=False)))
+            same = call == 7
+            tokens_h.zero_()
+            torch.cuda.synchronize()
+            assert kvcopy.copy_rows(src, dst, a, a if same else b, stream=stream) == "kernel"
+            torch.cuda.synchronize()
+            want = a.cpu() if same else b.cpu()
+            assert torch.equal(tokens_h[:, want], tokens_g[:, a.cpu()].cpu()), f"call {call}"
+    # (read in Python only by the calls that were not the last one again: the one with a
+    # new tensor, and the one with a tensor for both sides)
+    assert read == ["src_indices", "dst_indices", "src_indices"]
+    found = engine.rows_memo.entry(src, dst)
+    assert isinstance(found.repeat, cuda.rows_repeat.GpuRowsRepeat)
 
 
 def test_a_repeat_after_host_memory_was_unregistered_goes_the_whole_way(torch_cuda):
