@@ -17,6 +17,7 @@ indices name none: copy_kept passes that stream itself.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Sequence
 
 from kvcopy.rows import copy_rows
@@ -38,6 +39,9 @@ def kept_layout(
     builder too), or the one kept for these tensor objects and ``args`` where none of
     them has changed (``contents``: their values count too, as for tables of
     addresses). Objects that are not torch tensors are described at every call."""
+    found = _layouts.held(tensors, args)  # (the steady call: the same tensors unchanged)
+    if found is not None:
+        return found
     import torch
 
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -95,5 +99,16 @@ def copy_kept(
     """copy_rows between kept layouts on the current stream of the framework of the
     indices or, where they name none, of ``engine`` (a tensor of each side): the stream
     copy_rows would have found through the layouts' tensors."""
-    stream = current_framework_stream(*(i for i in (src_indices, dst_indices) if i is not None), *engine)
+    if _on_torch_gpu(src_indices) or _on_torch_gpu(dst_indices):
+        # (copy_rows finds the same stream through the index tensors: that of the first
+        # CUDA tensor's device, the engine's tensors coming after them)
+        stream = None
+    else:
+        stream = current_framework_stream(*(i for i in (src_indices, dst_indices) if i is not None), *engine)
     return copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=stream)
+
+
+def _on_torch_gpu(obj: Any) -> bool:
+    """Whether ``obj`` is a CUDA torch tensor."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.is_cuda

@@ -92,6 +92,14 @@ class PerTensors:
         self._limit = limit
         self._changing = threading.Lock()  # (lookups read the dict as it stands)
 
+    def held(self, tensors: Sequence[Any], args: tuple) -> Any:
+        """The value kept for these tensor objects and ``args`` where every tensor is the
+        one kept at the version counter and address noted (no fact read), else None."""
+        found = self._kept.get((identity_hash(tensors), args))
+        if found is not None and found.stamps_hold(tensors):
+            return found.value
+        return None
+
     def get(
         self, tensors: Sequence[Any], args: tuple, build: Callable[[], Any], *, contents: bool = False
     ) -> Any:
