@@ -9,7 +9,8 @@
  * is compared only with the ranges already entered under its own buckets. A bucket
  * that gathers more than KVCOPY_APART_CHAIN ranges (very unequal sizes) ends the pass
  * undecided: the caller then sorts (kvcopy._plans.overlaps), so the pass never costs
- * more than a constant per copy.
+ * more than a constant per copy. Where the destinations are dense (a pool's blocks),
+ * the buckets are an array indexed from the first one instead of a hash table.
  *
  * The table lives in a scratch area each thread keeps (up to KVCOPY_APART_KEPT bytes;
  * a larger one is freed after the call), and a slot is free unless it carries the
@@ -159,9 +160,99 @@ static inline void kvcopy_bucket_table_done(void) {
     }
 }
 
+/* The dense pass: where the destinations' span holds at most KVCOPY_APART_DENSE
+ * buckets a copy (blocks of a pool, as a KV cache hands them out), a bucket's chain
+ * head is found by its distance from the first bucket of the span: no hashing, and a
+ * table of a few int32 a copy that stays in cache (the hashed table's random reads
+ * cost most of its pass). A source bucket outside the span holds no destination. Its
+ * own scratch (the hashed table's slots rely on stamps that a cleared array would
+ * break). */
+#define KVCOPY_APART_DENSE 8
+
+static KVCOPY_THREAD_LOCAL kvcopy_apart_scratch kvcopy_dense_kept = {NULL, 0, 0};
+
+/* 1: [lo, hi) meets no destination entered under its buckets (with ``src``, passing
+ * over copies onto exactly themselves); 0: it meets one, or a chain is too long. */
+static inline int kvcopy_dense_clear(const int32_t* heads, const kvcopy_bucket_entry_t* entries,
+                                     uint64_t first_bucket, uint64_t span, int shift, uint64_t lo,
+                                     uint64_t hi, const uint64_t* src, const uint64_t* dst,
+                                     const uint64_t* sizes) {
+    uint64_t first = lo >> shift, last = (hi - 1) >> shift;
+    for (uint64_t b = first; b <= last; ++b) {
+        if (b < first_bucket || b - first_bucket >= span) {
+            continue;
+        }
+        int seen = 0;
+        for (int32_t e = heads[b - first_bucket]; e >= 0; e = entries[e].next) {
+            int32_t j = entries[e].copy;
+            if ((src == NULL || src[j] != dst[j]) && dst[j] < hi && lo < dst[j] + sizes[j]) {
+                return 0;
+            }
+            if (++seen > KVCOPY_APART_CHAIN) {
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+static inline int kvcopy_copies_apart_dense(const uint64_t* src, const uint64_t* dst,
+                                            const uint64_t* sizes, int64_t n, int sources_apart,
+                                            int shift, uint64_t first_bucket, uint64_t span,
+                                            int64_t live) {
+    size_t head_bytes = (size_t)span * sizeof(int32_t);
+    size_t bytes = head_bytes + (size_t)(2 * live) * sizeof(kvcopy_bucket_entry_t);
+    kvcopy_apart_scratch* kept = &kvcopy_dense_kept;
+    if (kept->bytes < bytes) {
+        free(kept->memory);
+        kept->memory = malloc(bytes);
+        kept->bytes = kept->memory ? bytes : 0;
+        if (!kept->memory) {
+            return -1;
+        }
+    }
+    int32_t* heads = (int32_t*)kept->memory;
+    kvcopy_bucket_entry_t* entries = (kvcopy_bucket_entry_t*)((char*)kept->memory + head_bytes);
+    memset(heads, 0xFF, head_bytes); /* every chain empty (-1) */
+    int32_t used = 0;
+    int apart = 1;
+    for (int64_t i = 0; i < n && apart; ++i) {
+        if (sizes[i] == 0) {
+            continue;
+        }
+        uint64_t lo = dst[i], hi = dst[i] + sizes[i];
+        if (!kvcopy_dense_clear(heads, entries, first_bucket, span, shift, lo, hi, NULL, dst,
+                                sizes)) {
+            apart = 0;
+            break;
+        }
+        uint64_t first = lo >> shift, last = (hi - 1) >> shift;
+        for (uint64_t b = first; b <= last; ++b) {
+            entries[used].copy = (int32_t)i;
+            entries[used].next = heads[b - first_bucket];
+            heads[b - first_bucket] = used++;
+        }
+    }
+    for (int64_t i = 0; i < n && apart && !sources_apart; ++i) {
+        if (sizes[i] == 0 || src[i] == dst[i]) {
+            continue;
+        }
+        if (!kvcopy_dense_clear(heads, entries, first_bucket, span, shift, src[i],
+                                src[i] + sizes[i], src, dst, sizes)) {
+            apart = 0;
+        }
+    }
+    if (kept->bytes > KVCOPY_APART_KEPT) {
+        free(kept->memory);
+        kept->memory = NULL;
+        kept->bytes = 0;
+    }
+    return apart;
+}
+
 static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
                                       const uint64_t* sizes, int64_t n, int sources_apart) {
-    uint64_t widest = 0, slots = 4;
+    uint64_t widest = 0, slots = 4, dst_lo = UINT64_MAX, dst_hi = 0;
     int shift = 0;
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -169,6 +260,12 @@ static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
             ++live;
             if (sizes[i] > widest) {
                 widest = sizes[i];
+            }
+            if (dst[i] < dst_lo) {
+                dst_lo = dst[i];
+            }
+            if (dst[i] + sizes[i] > dst_hi) {
+                dst_hi = dst[i] + sizes[i];
             }
         }
     }
@@ -180,6 +277,11 @@ static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
     }
     while (shift < 63 && (1ULL << shift) < widest) {
         ++shift;
+    }
+    uint64_t first_bucket = dst_lo >> shift, span = ((dst_hi - 1) >> shift) - first_bucket + 1;
+    if (span <= KVCOPY_APART_DENSE * (uint64_t)live) {
+        return kvcopy_copies_apart_dense(src, dst, sizes, n, sources_apart, shift, first_bucket,
+                                         span, live);
     }
     while (slots < 4 * (uint64_t)live) {
         slots *= 2;

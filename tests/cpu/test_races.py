@@ -270,10 +270,13 @@ def test_copies_oks_glance_never_passes_a_batch_the_exact_check_refuses():
     assert passed > 100
 
 
+@pytest.mark.parametrize("spread", [(2, 8), (16, 64)])
 @pytest.mark.parametrize("sizes_from", ["equal", "mixed"])
-def test_copies_ok_passes_no_batch_the_exact_check_refuses_at_any_length(sizes_from):
+def test_copies_ok_passes_no_batch_the_exact_check_refuses_at_any_length(sizes_from, spread):
     """The bucket pass, which decides where the glance does not (sources and
-    destinations interleaved, out of order), is sound for batches of any length."""
+    destinations interleaved, out of order), is sound for batches of any length, with
+    its buckets indexed directly (destinations within 8 buckets a copy: ``spread`` (2,
+    8)) or hashed (spread farther)."""
     from kvcopy._plans.copies import find_overlap, find_read_of_written
     from kvcopy.testing import cuda
 
@@ -281,7 +284,7 @@ def test_copies_ok_passes_no_batch_the_exact_check_refuses_at_any_length(sizes_f
     verdicts = {True: 0, False: 0}
     for _ in range(400):
         n = int(rng.integers(2, 200))
-        span = int(rng.integers(2 * n + 1, 8 * n))
+        span = int(rng.integers(spread[0] * n + 1, spread[1] * n))
         if rng.random() < 0.5:  # distinct slots: apart where sizes stay within a slot
             slots = rng.permutation(span)[: 2 * n] + 1
             src, dst = (slots[:n] * 64).astype(np.uint64), (slots[n:] * 64).astype(np.uint64)
