@@ -106,7 +106,7 @@ def copy_rows(
                 method,
                 handle,
                 key[-1],
-                rows_memo.epoch_now,
+                rows_memo.EPOCH_SOURCES,
                 resolve_stream,
                 rows_stream,
             )

@@ -27,8 +27,8 @@ class GpuRowsRepeat:
         stream: Any,
         method: str,
         handle: int,
-        epoch: Any,
-        epoch_now: Callable[[], Any],
+        epoch: tuple,
+        epoch_sources: tuple[tuple[Any, str], ...],
         resolve_stream: Callable[[Any], int],
         rows_stream: Callable[..., int],
     ) -> bool: ...

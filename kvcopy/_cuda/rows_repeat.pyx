@@ -11,7 +11,7 @@ objects, none of whose torch tensors moved; each side's indices a plain int64,
 one-dimensional, contiguous GPU array (an exact torch.Tensor, or a
 ``__cuda_array_interface__`` with no pending stream) at the same address with the
 same length; the same ``rows``, ``method`` and stream; no setting, device fact or
-kept memory changed since (``epoch_now``). Then it launches and notes the decision
+kept memory changed since (the counters ``epoch_sources`` names). Then it launches and notes the decision
 and traffic, as the first call did. Anything else returns None having issued
 nothing, and the caller plans the call, which also names what is wrong with it.
 
@@ -21,6 +21,7 @@ cuLaunchKernel).
 
 import sys
 
+from cpython.object cimport Py_TYPE
 from cpython.weakref cimport PyWeakref_GetObject, PyWeakref_NewRef
 from libc.stdint cimport uint64_t
 
@@ -34,18 +35,42 @@ cdef object _tensor = None         # torch.Tensor; () where torch lacks what is 
 cdef object _int64 = None
 cdef object _strided = None
 cdef object _raw_stream = None     # torch._C._cuda_getCurrentRawStream
+# torch.Tensor's own C descriptors of what a site reads, called directly: looking each
+# attribute up on the tensor costs as much again (about 1.5 µs for the nine on a GPU
+# host). Only used where torch.Tensor's attribute is that very descriptor.
+cdef object _dtype, _layout, _is_cuda                            # getset descriptors
+cdef object _is_neg, _dim, _is_contiguous, _numel, _data_ptr, _get_device  # methods
+_READ = ("dtype", "layout", "is_cuda", "is_neg", "dim", "is_contiguous", "numel", "data_ptr",
+         "get_device")
+
+
+cdef extern from "Python.h":
+    object PyObject_CallOneArg(object callable, object arg)
+    ctypedef object (*descrgetfunc)(object, object, object)
+    ctypedef struct TypeSlots "PyTypeObject":
+        descrgetfunc tp_descr_get
+
+
+cdef inline object _get(object descriptor, object tensor):
+    return (<TypeSlots*>Py_TYPE(descriptor)).tp_descr_get(descriptor, tensor, _tensor)
 
 
 cdef int _find_torch() except -1:
     global _tensor, _int64, _strided, _raw_stream
+    global _dtype, _layout, _is_cuda, _is_neg, _dim, _is_contiguous, _numel, _data_ptr, _get_device
     torch = sys.modules.get("torch")
     if torch is None or _tensor is not None:
         return 0
-    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
-    if raw is None:
-        _tensor = ()
+    # (a torch without CUDA has no current stream to read: its tensors are on the host)
+    _raw_stream = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
+    found = [] if base is None else [base.__dict__.get(name) for name in _READ]
+    if not found or any(d is None or getattr(torch.Tensor, name, None) is not d
+                        for d, name in zip(found, _READ)):
+        _tensor = ()  # (another torch: its index tensors go the whole way)
         return 0
-    _tensor, _int64, _strided, _raw_stream = torch.Tensor, torch.int64, torch.strided, raw
+    _dtype, _layout, _is_cuda, _is_neg, _dim, _is_contiguous, _numel, _data_ptr, _get_device = found
+    _tensor, _int64, _strided = torch.Tensor, torch.int64, torch.strided
     return 0
 
 
@@ -60,13 +85,15 @@ cdef struct Site:
 
 cdef bint _torch_site(object obj, Site* site) except -1:
     """Read a plain int64 CUDA torch tensor of one contiguous dimension (the engines'
-    index tensors); False for any other tensor."""
-    if (obj.dtype is not _int64 or obj.layout is not _strided or not obj.is_cuda
-            or obj.is_nested or obj.is_neg() or obj.dim() != 1 or not obj.is_contiguous()):
+    index tensors; a nested tensor has more); False for any other tensor."""
+    if (_get(_dtype, obj) is not _int64 or _get(_layout, obj) is not _strided
+            or _get(_is_cuda, obj) is not True or PyObject_CallOneArg(_is_neg, obj) is not False
+            or PyObject_CallOneArg(_dim, obj) != 1
+            or PyObject_CallOneArg(_is_contiguous, obj) is not True):
         return False
-    site.count = obj.numel()
-    site.address = obj.data_ptr() if site.count else 0
-    site.device = obj.get_device()
+    site.count = PyObject_CallOneArg(_numel, obj)
+    site.address = PyObject_CallOneArg(_data_ptr, obj) if site.count else 0
+    site.device = PyObject_CallOneArg(_get_device, obj)
     site.torch = True
     return True
 
@@ -163,8 +190,8 @@ cdef class GpuRowsRepeat:
     cdef object method
     cdef uint64_t handle      # the stream as the call named it, not yet made effective
     cdef object stream_ref    # a weak reference to the stream object, None if not one
-    cdef object epoch
-    cdef object epoch_now
+    cdef tuple epoch
+    cdef tuple epoch_sources
     cdef object resolve_stream
     cdef object rows_stream
 
@@ -190,20 +217,24 @@ cdef class GpuRowsRepeat:
         return _KERNEL
 
     def expect(self, src_indices, dst_indices, rows, stream, method, uint64_t handle,
-               epoch, epoch_now, resolve_stream, rows_stream) -> bool:
+               tuple epoch, tuple epoch_sources, resolve_stream, rows_stream) -> bool:
         """Name the call repeated: its index objects (read here: they must be where the
         launches read them), ``rows``, ``method``, the ``stream`` as given and the raw
-        ``handle`` it named, and ``epoch`` (``epoch_now()`` at the call). The stream of
-        a later call is found by ``resolve_stream(stream)`` or, where None and its
-        indices are not torch tensors, ``rows_stream(None, layouts, indices)``, as
-        copy_rows finds it. Returns whether repeat_gpu_rows may take later calls."""
+        ``handle`` it named, and ``epoch``: the values at the call of the counters that
+        ``epoch_sources`` names ((module, attribute) each; a later call repeats only
+        while every one holds its value). The stream of a later call is found by
+        ``resolve_stream(stream)`` or, where None and its indices are not torch
+        tensors, ``rows_stream(None, layouts, indices)``, as copy_rows finds it.
+        Returns whether repeat_gpu_rows may take later calls."""
         cdef Site src, dst
         self.fast = False
         if not (_read_site(src_indices, &src) and _read_site(dst_indices, &dst)):
             return False
         self.src, self.dst = src, dst
         self.rows, self.method, self.handle = rows, method, handle
-        self.epoch, self.epoch_now = epoch, epoch_now
+        if len(epoch) != len(epoch_sources):
+            raise ValueError("epoch and epoch_sources differ in length")
+        self.epoch, self.epoch_sources = epoch, epoch_sources
         self.resolve_stream, self.rows_stream = resolve_stream, rows_stream
         self.stream_ref = None
         if stream is not None and type(stream) is not int:
@@ -219,7 +250,8 @@ cdef class GpuRowsRepeat:
         """The raw handle the call names, as copy_rows' rows_stream finds it."""
         cdef uint64_t value
         if stream is None:
-            if (src.torch or not src.given) and (dst.torch or not dst.given) and (src.given or dst.given):
+            if ((src.torch or not src.given) and (dst.torch or not dst.given) and (src.given or dst.given)
+                    and _raw_stream is not None):
                 # (torch's current stream of the first index tensor's device; 0, its
                 # default, means the legacy stream)
                 value = _raw_stream(src.device if src.given else dst.device)
@@ -252,7 +284,11 @@ cdef class GpuRowsRepeat:
             return None
         if self._stream_of((src_layout, dst_layout), a, b, stream, &src, &dst) != self.handle:
             return None
-        if self.epoch_now() != self.epoch or not self.launches.usable():
+        for k in range(len(self.epoch)):
+            module, name = <tuple>self.epoch_sources[k]
+            if getattr(module, name) != self.epoch[k]:
+                return None
+        if not self.launches.usable():
             return None
         return self._issue()
 

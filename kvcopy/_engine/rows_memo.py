@@ -25,16 +25,16 @@ context that is gone is built again. At most _KEPT sets of layouts are remembere
 
 from __future__ import annotations
 
+import importlib
 import threading
 import weakref
 from typing import Any, Callable, Protocol
 
 from kvcopy import policy
 from kvcopy._cuda.rows_repeat import repeat_gpu_rows
-from kvcopy._engine import replay
 from kvcopy._plans.rows import Indices
-from kvcopy._runtime import kept_memory
-from kvcopy.config import config
+from kvcopy._runtime import device, kept_memory
+from kvcopy.config import changes, config
 from kvcopy.kept import dropper, make_room
 from kvcopy.layouts import Layout
 
@@ -94,11 +94,20 @@ def call_key(
     )
 
 
-def epoch_now() -> tuple[int, int]:
-    """Every setting and device fact the policy reads, and whether memory may have
-    changed kind under a layout (kvcopy.register's unregistering): a remembered call
-    is repeated only under the same."""
-    return replay.epoch(), kept_memory.generation()
+def epoch_now() -> tuple[int, int, int]:
+    """The counters of every device fact and setting the policy reads, and of memory
+    that may have changed kind under a layout (kvcopy.register's unregistering): a
+    remembered call is repeated only under the same (EPOCH_SOURCES names them)."""
+    return device.generation, changes(), kept_memory.generation()
+
+
+# where epoch_now's counters live, for the repeat in C to read (module, attribute; the
+# settings' module by name: the package's ``config`` is the settings object)
+EPOCH_SOURCES = (
+    (device, "generation"),
+    (importlib.import_module("kvcopy.config"), "_changes"),
+    (kept_memory, "_generation"),
+)
 
 
 def pair_key(store_key: tuple, load_key: tuple) -> tuple:

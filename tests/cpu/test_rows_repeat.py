@@ -103,8 +103,11 @@ def test_one_index_array_for_both_sides_and_new_objects_at_the_same_place(emulat
     assert plans[0] == 1 and python_reads == []
 
 
-@pytest.mark.parametrize("change", ["dst address", "count", "rows", "method", "stream", "setting"])
-def test_a_call_that_differs_is_planned(emulated, plans, change):
+@pytest.mark.parametrize(
+    "change",
+    ["dst address", "count", "rows", "method", "stream", "setting", "memory forgotten", "device fact"],
+)
+def test_a_call_that_differs_is_planned(emulated, plans, change, monkeypatch):
     fake, gpu, host, src, dst = emulated
     a, b = np.array([1, 2, 3], np.int64), np.array([4, 5, 6], np.int64)
     kvcopy.copy_rows(src, dst, Indices(a), Indices(b), stream=STREAM)
@@ -119,6 +122,10 @@ def test_a_call_that_differs_is_planned(emulated, plans, change):
         args["method"] = "kernel"
     elif change == "stream":
         args["stream"] = STREAM + 0x1000
+    elif change == "memory forgotten":
+        engine.kept_memory.forget()  # (as kvcopy.register's unregistering does)
+    elif change == "device fact":  # (as a new calibration or capability does)
+        monkeypatch.setattr(engine.device, "generation", engine.device.generation + 1)
     host.zero_()
     with testing.settings(host_ctas=5 if change == "setting" else None):
         assert kvcopy.copy_rows(src, dst, Indices(a), Indices(b), **args) == "kernel"
