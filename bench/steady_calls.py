@@ -6,7 +6,11 @@ does every step (the offload worker per scheduler step, HiCache and LMCache per
 layer), and prints the median and quartile of the call-to-return microseconds after
 warm-up. The stream is synchronised after every call, outside the timing, so that
 no row is slowed by a full queue. Blocks are small (2 KiB) so that the GPU work of
-the large rows stays short; the CPU work does not depend on the block size.
+the large rows stays short, and the drop-ins move a 128-byte item a token and layer
+(the all-layer ops 2 MiB a call): a call's CPU work does not depend on what it moves,
+but its time does where the bytes are many, since the GPU's writes into host memory
+evict the caller's working set from the CPU's caches (the last row, the all-layer op
+with 2 KiB items, 32 MiB a call, shows that cost; it has no target).
 torch's current stream is the benchmark's own throughout (set once, as an engine's
 step sets it): the drop-ins copy on it, and no row times torch's stream switch.
 
@@ -156,9 +160,19 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
         )
     )
 
-    layers, item = 32, 2048
-    k_g, v_g = gpu(4096, layers), gpu(4096, layers)
-    k_h, v_h = host(4096, layers), host(4096, layers)
+    layers, item = 32, 128
+
+    def caches(item_bytes: int) -> list:
+        shape = (4096, item_bytes // 2)
+        return [
+            [
+                torch.empty(shape, dtype=torch.bfloat16, device=where, pin_memory=where == "cpu")
+                for _ in range(layers)
+            ]
+            for where in ("cuda", "cpu", "cuda", "cpu")
+        ]
+
+    k_g, k_h, v_g, v_h = caches(item)
     hicache_idx = torch.from_numpy(rng.choice(4096, 256, replace=False).astype(np.int64)).cuda()
 
     def per_layer() -> None:
@@ -169,18 +183,23 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
     def table(tensors: list) -> object:
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device="cuda")
 
-    tables = [table(t) for t in (k_g, k_h, v_g, v_h)]
-
-    def all_layer() -> None:
-        sglang.transfer_kv_all_layer(
-            tables[0], tables[1], tables[2], tables[3], hicache_idx, hicache_idx, item, layers
+    def all_layer_of(tensors: list, item_bytes: int) -> Callable[[], None]:
+        tables = [table(t) for t in tensors]
+        return lambda: sglang.transfer_kv_all_layer(
+            tables[0], tables[1], tables[2], tables[3], hicache_idx, hicache_idx, item_bytes, layers
         )
 
-    out.append(("SGLang transfer_kv_all_layer, 32 layers, 256 tokens", 8, all_layer))
+    out.append(
+        ("SGLang transfer_kv_all_layer, 32 layers, 256 tokens", 8, all_layer_of([k_g, k_h, v_g, v_h], item))
+    )
 
-    flash = [torch.empty(2, 256, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    heads = item // 2 // 128 or 1  # (LMCache's chunk: as many bytes a token and layer as above)
+    flash = [
+        torch.empty(2, 256, 16, heads, item // 2 // heads, dtype=torch.bfloat16, device="cuda")
+        for _ in range(layers)
+    ]
     flash_ptrs = torch.tensor([c.data_ptr() for c in flash], dtype=torch.int64).pin_memory()
-    chunk = torch.empty(2, layers, 256, 8 * 128, dtype=torch.bfloat16, pin_memory=True)
+    chunk = torch.empty(2, layers, 256, item // 2, dtype=torch.bfloat16, pin_memory=True)
     slot_mapping = torch.from_numpy(rng.choice(256 * 16, 256, replace=False)).cuda()
 
     def lmcache_store() -> None:
@@ -189,6 +208,10 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
         )
 
     out.append(("LMCache multi_layer_kv_transfer, 32 layers, 256 tokens", 10, lmcache_store))
+    big = caches(2048)
+    out.append(
+        ("SGLang transfer_kv_all_layer as above, 2 KiB items (32 MiB a call)", None, all_layer_of(big, 2048))
+    )
     return out
 
 
