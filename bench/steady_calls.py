@@ -208,9 +208,9 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
         )
 
     out.append(("LMCache multi_layer_kv_transfer, 32 layers, 256 tokens", 10, lmcache_store))
-    big = caches(2048)
+    wide = caches(2048)
     out.append(
-        ("SGLang transfer_kv_all_layer as above, 2 KiB items (32 MiB a call)", None, all_layer_of(big, 2048))
+        ("SGLang transfer_kv_all_layer as above, 2 KiB items (32 MiB a call)", None, all_layer_of(wide, 2048))
     )
     return out
 
