@@ -56,10 +56,12 @@ def copy_batch(
     arrays, CPU torch tensors or buffers. Everything is validated before any
     copy is enqueued; zero-size copies are dropped and copies that continue
     each other on both sides are merged. A batch of up to 127 copies shaped like
-    one launched before (same stream, method, kinds of memory, copies after
-    merging and bytes, under the same settings) goes straight to the launch
-    recorded for it (kvcopy._engine.replay): still checked copy by copy, several
-    microseconds of CPU sooner.
+    one issued before (same stream, method, kinds of memory, copies after
+    merging and bytes, under the same settings) goes straight to what was issued
+    for it (kvcopy._engine.replay): the kernel's launch, or, where the copy engines
+    took one cuMemcpyAsync a copy of memory the device reaches, the caller's copies
+    one cuMemcpyAsync each; still checked copy by copy, several microseconds of CPU
+    sooner.
 
     Args:
         stream: any stream kvcopy.resolve_stream accepts. None means the

@@ -12,7 +12,10 @@ classified, as always) and, where its context, stream, method, memory kinds,
 planned copies and bytes all match one recorded under the same epoch, launches
 it at once. Anything else, and any driver error before the launch, leaves the
 batch to the full path (nothing enqueued here), with its description where one
-was made.
+was made. A batch the copy engines took one cuMemcpyAsync a copy (memory the
+device reaches: nothing to merge inside allocations or to check against the
+process's mappings) is recorded as such (record_copies), and replayed as the
+caller's copies, one cuMemcpyAsync each.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -24,7 +27,7 @@ from cuda.bindings.cydriver cimport CUcontext, CUstream, CUstreamCaptureStatus
 from kvcopy._cuda.classify cimport _Classifier, classifier_init
 from kvcopy._cuda.describe cimport Described, DescribedBatch, describe_raw, described
 from kvcopy._cuda.descriptor cimport kvcopy_desc
-from kvcopy._cuda.driver cimport context_key, driver_ready
+from kvcopy._cuda.driver cimport check, context_key, driver_ready
 from kvcopy._cuda.launch cimport launch_inline
 
 cdef extern from "kvcopy/descriptor.h":
@@ -52,7 +55,7 @@ cdef struct _Key:
 
 cdef struct _Launch:
     _Key key
-    uintptr_t function
+    uintptr_t function        # 0: the copy engines, one cuMemcpyAsync a copy
     int per_launch
     unsigned int ctas
     unsigned int threads
@@ -85,17 +88,33 @@ def record(unsigned long long ctx, uintptr_t stream, long long epoch, int method
     checks); decided as ``decision``; ``note``: (callable, device, direction), called
     as callable(device, direction, stream, total_bytes) after each replay, or None.
     The oldest record gives way once KEPT are kept."""
-    global _used, _next
-    cdef int slot
     cdef uintptr_t function = launched[0]
     cdef int per_launch = launched[1]
     cdef unsigned int ctas = launched[2], threads = launched[3]
     if (ctx == 0 or batch.count < 1 or batch.count > KVCOPY_INLINE_MAX_SMALL or per_launch < 1
             or ctas == 0 or threads == 0 or threads % 32 or batch.compact_size):
         raise ValueError("record: not a launch by value of a small batch")
+    _keep(ctx, stream, epoch, method, batch, function, per_launch, ctas, threads, decision, note)
+
+
+def record_copies(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
+                  DescribedBatch batch, object decision, object note) -> None:
+    """Record that ``batch`` was just issued as one cuMemcpyAsync a copy, as record()
+    records a launch: a batch like it is replayed as the caller's copies, each
+    non-empty one a cuMemcpyAsync. The caller has found the batch's memory reachable
+    by the device (its kinds, part of the key, say so for a batch that matches)."""
+    if ctx == 0 or batch.count < 1 or batch.count > KVCOPY_INLINE_MAX_SMALL:
+        raise ValueError("record_copies: not a small batch")
+    _keep(ctx, stream, epoch, method, batch, 0, 0, 0, 0, decision, note)
+
+
+cdef int _keep(unsigned long long ctx, uintptr_t stream, long long epoch, int method,
+               DescribedBatch batch, uintptr_t function, int per_launch, unsigned int ctas,
+               unsigned int threads, object decision, object note) except -1:
+    global _used, _next
     cdef _Key key = _Key(ctx, stream, epoch, method, batch.src_kinds, batch.src_device,
                          batch.dst_kinds, batch.dst_device, batch.count, batch.total_bytes)
-    slot = _find(&key)
+    cdef int slot = _find(&key)
     if slot < 0:
         slot = _next
         _next = (_next + 1) % _KEPT
@@ -107,6 +126,7 @@ def record(unsigned long long ctx, uintptr_t stream, long long epoch, int method
     _kept[slot].ctas = ctas
     _kept[slot].threads = threads
     _extras[slot] = (decision, note)
+    return 0
 
 
 def forget() -> None:
@@ -124,7 +144,7 @@ def records() -> int:
 
 
 def replays() -> int:
-    """How many batches replay has launched in this process."""
+    """How many batches replay has issued in this process."""
     return _replayed
 
 
@@ -140,6 +160,18 @@ cdef int _find(const _Key* want) noexcept:
                 and key.dst_device == want.dst_device):
             return k
     return -1
+
+
+cdef int _copy_each(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                    Py_ssize_t n, CUstream stream) except -1 nogil:
+    """One cuMemcpyAsync a non-empty copy; a failure raises CudaError carrying the
+    copy's index in the caller's arrays."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if sizes[i]:
+            check(cydriver.cuMemcpyAsync(<cydriver.CUdeviceptr>dst[i], <cydriver.CUdeviceptr>src[i],
+                                          <size_t>sizes[i], stream), i)
+    return 0
 
 
 cdef bint _may_match(uintptr_t stream, long long epoch, int method, Py_ssize_t n) noexcept:
@@ -175,7 +207,8 @@ cdef bint _may_run_here(uintptr_t stream, CUcontext* ctx) noexcept:
 
 def replay(object src, object dst, object sizes, uintptr_t stream, int method,
            long long epoch, uintptr_t descs_out):
-    """Launch a batch that repeats a recorded one; return the recorded decision.
+    """Issue a batch that repeats a recorded one (its launch, or the caller's copies
+    one cuMemcpyAsync each); return the recorded decision.
 
     ``src``, ``dst`` and ``sizes`` are C-contiguous uint64 arrays of equal length
     (kvcopy.interop.arrays.as_u64_array's), ``stream`` an effective handle (never
@@ -192,6 +225,7 @@ def replay(object src, object dst, object sizes, uintptr_t stream, int method,
     cdef Described out
     cdef int slot, launches = 0
     cdef _Launch chosen
+    cdef _Key key
     if _used == 0 or not driver_ready() or descs_out == 0:
         return None
     PyObject_GetBuffer(src, &bs, PyBUF_SIMPLE)
@@ -210,22 +244,28 @@ def replay(object src, object dst, object sizes, uintptr_t stream, int method,
                 out.fast, out.compact_size = True, 0
                 describe_raw(<const uint64_t*>bs.buf, <const uint64_t*>bd.buf,
                              <const uint64_t*>bz.buf, n, <void*>descs_out, True, sides, &out)
+                key = _Key(context_key(ctx), stream, epoch, method, sides[0].kinds,
+                           sides[0].ordinal, sides[1].kinds, sides[1].ordinal, out.count,
+                           out.total)
+                slot = -1 if out.count == 0 else _find(&key)
+                if slot < 0:
+                    return described(&out, sides, descs_out, src, dst, sizes)
+                chosen = _kept[slot]
+                decision, note = _extras[slot]
+                if chosen.function == 0:  # (the copy engines: the caller's copies as given)
+                    with nogil:
+                        _copy_each(<const uint64_t*>bs.buf, <const uint64_t*>bd.buf,
+                                   <const uint64_t*>bz.buf, n, <CUstream>stream)
             finally:
                 PyBuffer_Release(&bz)
         finally:
             PyBuffer_Release(&bd)
     finally:
         PyBuffer_Release(&bs)
-    cdef _Key key = _Key(context_key(ctx), stream, epoch, method, sides[0].kinds,
-                         sides[0].ordinal, sides[1].kinds, sides[1].ordinal, out.count, out.total)
-    slot = -1 if out.count == 0 else _find(&key)
-    if slot < 0:
-        return described(&out, sides, descs_out, src, dst, sizes)
-    chosen = _kept[slot]
-    decision, note = _extras[slot]
-    with nogil:
-        launch_inline(chosen.function, chosen.per_launch, <kvcopy_desc*>descs_out, out.count,
-                      chosen.ctas, chosen.threads, stream, &launches)
+    if chosen.function != 0:
+        with nogil:
+            launch_inline(chosen.function, chosen.per_launch, <kvcopy_desc*>descs_out, out.count,
+                          chosen.ctas, chosen.threads, stream, &launches)
     _replayed += 1
     if note is not None:
         note[0](note[1], note[2], stream, out.total)

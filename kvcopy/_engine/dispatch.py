@@ -23,6 +23,7 @@ from kvcopy._engine.decide import (
     settled_classes,
 )
 from kvcopy._engine.kernel import HostScratch, launch_kernel
+from kvcopy._engine.repeats import decided_for_repeats
 from kvcopy._runtime import device, kept_memory, ring, side_streams
 from kvcopy._runtime.context import ContextScope
 from kvcopy.arguments import require_same_length
@@ -157,6 +158,14 @@ def execute_copies(
         return run_staged(handle, [staging], target.info)
     with guard.timed(target):
         issue_dma(src, dst, sizes, merge, target, access_any)
+    if (
+        merge  # (copy_batch's own arrays: a replay issues the caller's copies as given)
+        and target.decision.method == "loop"
+        and target.request.device_accessible
+        and policy.may_replay(method, max_ctas, allow_batch, capturing)
+        and decided_for_repeats(target, method)
+    ):
+        replay.record_copies(target, batch, method)  # (copy_batch's next call like it)
     return target.decision.method
 
 
@@ -200,7 +209,7 @@ def execute_arrays(
         answer = replay.replay(src, dst, sizes, handle, method, scratch.host)
         if isinstance(answer, Decision):
             note_decision(answer)
-            return "kernel"
+            return answer.method
         described = answer
     try:
         with ContextScope(handle) as scope:

@@ -74,6 +74,31 @@ def replay(
     return replay_records.replay(src, dst, sizes, handle, code, epoch(), descs_out)
 
 
+def record_copies(target: Decided, batch: DescribedBatch, method: str) -> bool:
+    """Record a batch the full path just issued as one cuMemcpyAsync a copy (the policy
+    chose 'loop' for memory the device reaches: the caller's copies go as given), so
+    that a batch like it goes straight to its copies. The caller has asked
+    policy.may_replay and kvcopy._engine.repeats.decided_for_repeats (the decision
+    holds whatever the other direction's traffic, and the guard is not timing).
+    Returns whether it recorded."""
+    code = METHODS.get(method)
+    if code is None or batch.count > MAX_COPIES or batch.compact_size:
+        return False
+    ctx = replay_records.current_context_key()
+    if not ctx:
+        return False
+    replay_records.record_copies(ctx, target.handle, epoch(), code, batch, target.decision, _note(target))
+    return True
+
+
+def _note(target: Decided) -> tuple | None:
+    """What a replay notes in the traffic window after issuing: (callable, device,
+    direction), or None."""
+    if not config.traffic_window_ms or target.request.direction not in ("h2d", "d2h"):
+        return None
+    return traffic_window.note, target.info.ordinal, target.request.direction
+
+
 def record(target: Decided, batch: DescribedBatch, method: str, launched: tuple[int, int, int, int]) -> bool:
     """Record a batch the full path just launched by value (``launched``: function,
     descriptors per launch, CTAs, threads) under ``target`` (decide.Target). A target
@@ -81,14 +106,11 @@ def record(target: Decided, batch: DescribedBatch, method: str, launched: tuple[
     is not recorded. The caller has asked policy.may_replay (capture included).
     Returns whether it recorded."""
     code = METHODS.get(method)
-    request = target.request
     if code is None or batch.count > MAX_COPIES or not target.traffic_free:
         return False
-    noting = bool(config.traffic_window_ms) and request.direction in ("h2d", "d2h")
     # only the copy kernel kvcopy loaded in this context is ever replayed
     ctx = replay_records.current_context_key()
     if not ctx or launched[0] not in kernels.loaded_by_value(ctx):
         return False
-    note = (traffic_window.note, target.info.ordinal, request.direction) if noting else None
-    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision, note)
+    replay_records.record(ctx, target.handle, epoch(), code, batch, launched, target.decision, _note(target))
     return True

@@ -129,3 +129,35 @@ def test_one_copy_of_reachable_memory_goes_to_the_copy_engines_as_given(faked):
     pageable = np.array([pinned.ctypes.data], np.uint64)
     steady(host, lambda: kvcopy.copy_batch(gpu, pageable, size, stream=0x7F00_1234, method="loop"))
     assert host.counts["dma.plan_dma"] == 1
+
+
+@pytest.mark.parametrize(
+    "options, recorded",
+    [
+        ({}, 1),
+        ({"method": "loop"}, 0),  # (asked for: the record's key is 'auto' or 'kernel')
+        ({"max_ctas": 4}, 0),
+        ({"allow_batch": False}, 0),
+    ],
+)
+def test_a_copy_engine_batch_is_recorded_for_the_replay_where_it_may_replay(
+    faked, monkeypatch, options, recorded
+):
+    """copy_batch of one copy of pinned to device memory by one cuMemcpyAsync: recorded
+    (kvcopy._engine.replay.record_copies) so that the next like it goes to its copy at
+    once, only where a replay may take it."""
+    import numpy as np
+
+    import kvcopy
+    from kvcopy.testing import engine
+
+    host, _ = faked
+    taken = []
+    monkeypatch.setattr(engine.replay, "record_copies", lambda target, batch, method: taken.append(method))
+    pinned = host.ranges[-1][0]  # (the last pool FakeHost answers for: pinned)
+    s, d, z = (np.array([value], np.uint64) for value in (pinned, cpu_calls.DEVICE_BASE, 2048))
+    assert kvcopy.copy_batch(s, d, z, stream=0x7F00_1234, **options) == "loop"
+    assert taken == ["auto"] * recorded
+    pageable = np.array([cpu_calls.host_pools()[0].ctypes.data], np.uint64)  # (not faked: pageable)
+    assert kvcopy.copy_batch(pageable, d, z, stream=0x7F00_1234, **options) in ("loop", "batch")
+    assert taken == ["auto"] * recorded  # (pageable memory: planned for the copy engines each call)

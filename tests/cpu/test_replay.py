@@ -129,3 +129,22 @@ def test_without_records_nothing_is_launched():
     assert replay.replay(src, src + np.uint64(1 << 30), sizes, 1, "auto", scratch.ctypes.data) is None
     assert replay.replay(src, src, sizes, 1, "batch", scratch.ctypes.data) is None
     assert replay.replays() == before
+
+
+@pytest.mark.parametrize("count, kept", [(1, 1), (127, 1), (0, 0), (128, 0)])
+def test_a_copy_engine_record_is_kept_for_small_batches_only(count, kept):
+    batch = DescribedBatch(**{**BATCH, "count": count})
+    if kept:
+        replay_records.record_copies(0x1000, **KEY, batch=batch, decision=Decision("loop", "test"), note=None)
+    else:
+        with pytest.raises(ValueError, match="not a small batch"):
+            replay_records.record_copies(0x1000, **KEY, batch=batch, decision=None, note=None)
+    assert replay_records.records() == kept
+
+
+def test_a_copy_engine_record_and_a_launch_of_the_same_shape_share_one_place():
+    """The record is the batch's key: the decision made last for that shape is the one
+    kept, whether a launch or the copy engines."""
+    record(0x1000)
+    replay_records.record_copies(0x1000, **KEY, batch=DescribedBatch(**BATCH), decision=None, note=None)
+    assert replay_records.records() == 1

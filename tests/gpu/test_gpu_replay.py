@@ -289,3 +289,39 @@ def test_other_shapes_and_merged_copies_are_told_apart(torch_cuda):
         kvcopy.copy_batch(s, d, sizes, stream=stream)
         assert replays() == expected
         pools.check(s_ids, d_ids)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_copy_engine_batches_replay_as_the_callers_copies(torch_cuda, direction):
+    """One copy of a whole block by the copy engines (the policy's 'loop'), then the
+    same shape with other blocks: each replayed as its own cuMemcpyAsync, every byte
+    where it belongs, the decision as the first call's; a bad copy is refused with
+    nothing written and the record still serves; pageable memory goes the full way."""
+    torch = torch_cuda
+    block = 256 * KiB
+    pools = Pools(torch, direction, seed=31, block=block)
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(31)
+    s, d, sizes, s_ids, d_ids = pools.batch(rng, 1)
+    first = kvcopy.copy_batch(s, d, sizes, stream=stream)
+    decided = kvcopy.last_decision()
+    pools.check(s_ids, d_ids)
+    if first != "loop":
+        pytest.skip(f"the policy gives one copy of {block} bytes to {first} here")
+    for step in range(1, 5):
+        s, d, sizes, s_ids, d_ids = pools.batch(rng, 1)
+        assert kvcopy.copy_batch(s, d, sizes, stream=stream) == "loop"
+        assert kvcopy.last_decision() == decided
+        assert replays() == step
+        pools.check(s_ids, d_ids)
+    s, d, sizes, *_ = pools.batch(rng, 1)
+    with pytest.raises(ValueError, match=r"src_ptrs\[0\] is a null pointer"):
+        kvcopy.copy_batch(np.zeros(1, np.uint64), d, sizes, stream=stream)
+    assert replays() == 4
+    if direction == "h2d":
+        pageable = pools.src.numpy().copy()
+        s, d, sizes, s_ids, d_ids = pools.batch(rng, 1)
+        s = np.uint64(pageable.ctypes.data) + s_ids * np.uint64(block)
+        kvcopy.copy_batch(s, d, sizes, stream=stream)
+        assert replays() == 4
+        pools.check(s_ids, d_ids)
