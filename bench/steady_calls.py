@@ -208,7 +208,7 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
         )
 
     out.append(("LMCache multi_layer_kv_transfer, 32 layers, 256 tokens", 10, lmcache_store))
-    out.append(("vLLM CopyBackend.submit, 64 layer planes x 8 blocks (512 runs)", 15, vllm_job(torch, rng)))
+    out.append(("vLLM CopyBackend.submit, 64 planes x 8 blocks, a new job a call", 15, vllm_job(torch, rng)))
     wide = caches(2048)
     out.append(
         ("SGLang transfer_kv_all_layer as above, 2 KiB items (32 MiB a call)", None, all_layer_of(wide, 2048))
@@ -217,27 +217,34 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
 
 
 def vllm_job(torch, rng: np.random.Generator) -> Callable[[], None]:
-    """vLLM's offload worker storing one job: 8 scattered blocks of 2 KiB of each of 64
-    layer planes (32 layers' K and V) into the host's blocks, a run a block and plane
-    (vLLM's CopyRunDescriptor), submitted to kvcopy's CopyBackend and retired."""
+    """vLLM's offload worker storing a job a step: 8 scattered blocks of 2 KiB of each of
+    64 layer planes (32 layers' K and V) into the host's blocks, a run a block and plane
+    (vLLM's CopyRunDescriptor), submitted to kvcopy's CopyBackend and retired. Each step
+    stores other blocks, as a serving engine's do: the calls go through 16 jobs in turn."""
     from kvcopy.compat.vllm import CopyBackend, CopyRunDescriptor
 
     block, blocks = 2048, 1024
     planes_g = [torch.empty(blocks * block, dtype=torch.uint8, device="cuda") for _ in range(64)]
     planes_h = [torch.empty(blocks * block, dtype=torch.uint8, pin_memory=True) for _ in range(64)]
-    src_ids, dst_ids = rng.choice(blocks, 8, replace=False), rng.choice(blocks, 8, replace=False)
-    runs = [
-        CopyRunDescriptor(
-            g.data_ptr() + int(s) * block, h.data_ptr() + int(d) * block, block, 1, block, block
-        )
-        for g, h in zip(planes_g, planes_h)
-        for s, d in zip(src_ids, dst_ids)
-    ]
+
+    def job() -> list:
+        src_ids, dst_ids = rng.choice(blocks, 8, replace=False), rng.choice(blocks, 8, replace=False)
+        return [
+            CopyRunDescriptor(
+                g.data_ptr() + int(s) * block, h.data_ptr() + int(d) * block, block, 1, block, block
+            )
+            for g, h in zip(planes_g, planes_h)
+            for s, d in zip(src_ids, dst_ids)
+        ]
+
+    jobs = [job() for _ in range(16)]
     backend = CopyBackend()
+    step = [0]
 
     def submit() -> None:
-        backend.submit(runs)
+        backend.submit(jobs[step[0] % len(jobs)])
         backend.finish_transfer()
+        step[0] += 1
 
     submit.keep = (planes_g, planes_h)  # type: ignore[attr-defined]
     return submit
