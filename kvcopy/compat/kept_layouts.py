@@ -56,7 +56,7 @@ def kept_layout(
             kept_memory.hold_layout(layout)
         return layout
 
-    return _layouts.get(tensors, args, build_kept, contents=contents)
+    return _layouts.renewed(tensors, args, build_kept, contents=contents)  # (held() found none)
 
 
 def layer_tables(

@@ -94,7 +94,8 @@ class PerTensors:
 
     def held(self, tensors: Sequence[Any], args: tuple) -> Any:
         """The value kept for these tensor objects and ``args`` where every tensor is the
-        one kept at the version counter and address noted (no fact read), else None."""
+        one kept at the version counter and address noted (no fact read), else None
+        (values are never None)."""
         found = self._kept.get((identity_hash(tensors), args))
         if found is not None and found.stamps_hold(tensors):
             return found.value
@@ -105,10 +106,19 @@ class PerTensors:
     ) -> Any:
         """The value kept for these tensor objects (torch tensors) and ``args``
         (hashable) where none of them has changed, else ``build()``'s, kept."""
+        value = self.held(tensors, args)
+        if value is not None:
+            return value
+        return self.renewed(tensors, args, build, contents=contents)
+
+    def renewed(
+        self, tensors: Sequence[Any], args: tuple, build: Callable[[], Any], *, contents: bool = False
+    ) -> Any:
+        """get() where held() found nothing: the value kept for these tensor objects and
+        ``args`` whose facts still stand (its counters and addresses noted again), else
+        ``build()``'s, kept."""
         key = (identity_hash(tensors), args)  # (identities checked by the entry)
         found = self._kept.get(key)
-        if found is not None and found.stamps_hold(tensors):
-            return found.value
         # (stamped before the facts are read: a change between the two moves a counter
         # past the one noted, so the next call reads the facts again)
         stamps = _stamps(tensors)
