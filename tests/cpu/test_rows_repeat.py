@@ -227,3 +227,16 @@ def test_index_site_leaves_host_tensors_and_other_objects_to_the_whole_way():
     assert cuda.rows_repeat.index_site(torch.arange(4)) is None  # (host indices: checked in full)
     assert cuda.rows_repeat.index_site(np.arange(4)) is None
     assert cuda.rows_repeat.index_site([1, 2]) is None
+
+
+def test_the_epoch_in_c_reads_the_counters_the_python_key_holds(monkeypatch):
+    """The repeat in C reads the counters EPOCH_SOURCES names; the Python path's key
+    holds epoch_now(): both name the same counters, in the same order, so that each
+    change moves both."""
+    memo = engine.rows_memo
+    assert memo.epoch_now() == tuple(getattr(module, name) for module, name in memo.EPOCH_SOURCES)
+    for k, (module, name) in enumerate(memo.EPOCH_SOURCES):
+        before = memo.epoch_now()
+        monkeypatch.setattr(module, name, getattr(module, name) + 1)
+        after = memo.epoch_now()
+        assert [a != b for a, b in zip(after, before)] == [i == k for i in range(len(before))]
