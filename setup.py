@@ -178,6 +178,7 @@ CUDA_MODULES = (
     "classify",
     "describe",
     "dma",
+    "ipc",
     "launch",
     "plan_arrays",
     "replay_records",

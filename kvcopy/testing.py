@@ -11,7 +11,7 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
   ``layers`` (kvcopy._cuda.driver, .memory, .describe, .launch, .dma, .stage,
-  .classify, .replay_records, .plan_arrays, .rows) outside that layer goes to ``fake``, an object
+  .classify, .replay_records, .plan_arrays, .rows, .ipc) outside that layer goes to ``fake``, an object
   with the functions and constants the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
   copy kernel, the descriptor ring, the staging buffers, the side streams, the
@@ -55,7 +55,18 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvcopy import policy
-from kvcopy._cuda import classify, describe, dma, driver, launch, memory, plan_arrays, replay_records, stage
+from kvcopy._cuda import (
+    classify,
+    describe,
+    dma,
+    driver,
+    ipc,
+    launch,
+    memory,
+    plan_arrays,
+    replay_records,
+    stage,
+)
 from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import rows_repeat
 from kvcopy._cuda import testing as cuda_testing
@@ -102,6 +113,7 @@ _LAYERS = {
     "replay_records": replay_records,
     "plan_arrays": plan_arrays,
     "rows": rows_cuda,
+    "ipc": ipc,
 }
 
 # What white-box tests read; changing it goes through the seams above.
@@ -110,6 +122,7 @@ cuda = types.SimpleNamespace(
     describe=describe,
     dma=dma,
     driver=driver,
+    ipc=ipc,
     launch=launch,
     memory=memory,
     plan_arrays=plan_arrays,
