@@ -5,6 +5,9 @@ x 118 blocks at random slots of one cache tensor a side (18,880 rows), moved
   as one contiguous descriptor of the same bytes (NIXL's best case, the reference);
 - packed: gathered by kvcopy into staging, sent a chunk a descriptor, scattered on
   the other side (send_packed / receive_packed), end to end;
+- by the same-host leg: the receiver pulls the rows straight from the sender's GPU
+  cache, mapped into it by CUDA IPC, NIXL carrying the two notifications
+  (kvcopy.nixl.same_host: share_layout and lend_rows, open_layout and pull_rows);
 
 with descriptors posted, CPU to prepare and to post, wall and GB/s, and the bytes
 checked at the destination after every way. ``--to host`` puts the destination
@@ -94,6 +97,7 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
     )
     conn.send((agent.get_agent_metadata(), base, memory, staging))
     peer = agent.add_remote_agent(conn.recv())
+    opened = None
     while True:
         command, argument = conn.recv()
         if command == "clear":
@@ -110,6 +114,16 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
                     agent, layout, argument, peer, staging, tag="bench", chunk_rows=chunk_rows
                 )
             conn.send(time.monotonic())  # (one clock for both processes)
+        elif command == "open":
+            opened = nixl.open_layout(argument)
+            conn.send(None)
+        elif command == "pull":
+            src_rows, dst_rows, tag = argument
+            nixl.pull_rows(agent, peer, opened, layout, src_rows, dst_rows, tag=tag)
+            conn.send(time.monotonic())
+        elif command == "close":
+            opened.close()
+            conn.send(None)
         else:
             break
     agent.remove_remote_agent(peer)
@@ -215,6 +229,8 @@ def one_block_size(
     chunks = -(-USED // chunk_rows)
     wall = statistics.median(walls[1:])
     rows.append((block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, 0.0, wall, moved / wall / 1e9))
+    if not cpu:
+        rows.append(_same_host_leg(agent, peer, mine, a, ours, theirs, expected, block, moved, repeats))
     if not cpu and to == "host":
         rows.append(_local_copy(block, moved, repeats))
     mine.send(("quit", None))
@@ -224,6 +240,32 @@ def one_block_size(
         agent.deregister_memory(handle)
     del keep
     return rows
+
+
+def _same_host_leg(
+    agent, peer, conn, src, ours, theirs, expected, block: int, moved: int, repeats: int
+) -> tuple:
+    """The rows pulled by the receiver from this process's GPU cache through CUDA IPC,
+    end to end (lent, pulled, returned); the layout shared and opened once, untimed."""
+    from kvcopy import nixl
+
+    walls = []
+    with nixl.share_layout(src) as shared:
+        conn.send(("open", shared.shared))
+        conn.recv()
+        for k in range(repeats + 1):
+            conn.send(("clear", None))
+            conn.recv()
+            conn.send(("pull", (ours, theirs, f"leg{k}")))
+            start = time.monotonic()
+            nixl.lend_rows(agent, peer, shared, tag=f"leg{k}")
+            walls.append(conn.recv() - start)
+        conn.send(("rows", theirs))
+        assert np.array_equal(conn.recv(), expected), "same-host leg"
+        conn.send(("close", None))
+        conn.recv()
+    wall = statistics.median(walls[1:])
+    return (block, "kvcopy same-host leg (CUDA IPC)", 0, 0.0, 0.0, wall, moved / wall / 1e9)
 
 
 def _local_copy(block: int, moved: int, repeats: int) -> tuple:

@@ -1,13 +1,16 @@
 """kvcopy.nixl between two processes on one GPU (NIXL installed; UCX's CUDA lanes):
 rows of one process's GPU cache into another's by kvcopy's descriptors and back, and a
 packed send of a slice of each row's heads from GPU memory into the other process's
-pinned host memory, gathered and scattered by kvcopy; bytes against NumPy oracles."""
+pinned host memory, gathered and scattered by kvcopy; the same-host leg by CUDA IPC
+(rows pulled from one process's GPU cache into another's host cache and pushed back);
+bytes against NumPy oracles."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from helpers.nixl_gpu_peer import expected_ipc
 from helpers.nixl_peer import expected_packed, expected_read, expected_written, nixl_installed, run_peers
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
@@ -24,3 +27,14 @@ def test_a_packed_send_from_gpu_memory_lands_in_another_process_host_layout(tmp_
     run_peers(tmp_path, "helpers.nixl_gpu_peer", receiver, "vram_sender", loopback=False)
     assert np.array_equal(np.load(tmp_path / "packed.npy"), expected_packed())
     assert int((tmp_path / "chunks").read_text()) == 8
+
+
+def test_the_same_host_leg_pulls_and_pushes_rows_by_cuda_ipc(tmp_path):
+    run_peers(tmp_path, "helpers.nixl_gpu_peer", "ipc_host", "ipc_lender", loopback=False)
+    pulled, pushed = expected_ipc()
+    assert np.array_equal(np.load(tmp_path / "pulled.npy"), pulled)
+    assert np.array_equal(np.load(tmp_path / "pushed.npy"), pushed)
+    # a row the lender's cache does not have: refused at both ends, nothing moved
+    assert "src_indices" in (tmp_path / "host-refused").read_text()
+    assert "refused transfer 'refused'" in (tmp_path / "lender-refused").read_text()
+    assert np.array_equal(np.load(tmp_path / "after.npy"), pulled)

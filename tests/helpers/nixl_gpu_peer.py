@@ -8,7 +8,11 @@
   GPU cache, gathered by kvcopy into GPU staging, into the other process's pinned
   host cache through pinned staging (or GPU staging: the same-host leg, which UCX
   has no lane for between one process's GPU and another's host memory), scattered
-  there by kvcopy.
+  there by kvcopy;
+- ``ipc_host`` / ``ipc_lender``: the same-host leg by CUDA IPC: the lender shares its
+  GPU cache, the host end opens it, pulls rows into its pinned host cache, pushes
+  rows of that into the lender's cache, then asks for a row the cache does not have
+  (refused at both ends, nothing moved).
 
 What each end holds at the end is saved to FOLDER as NumPy files for the test.
 """
@@ -133,12 +137,68 @@ def vram_sender(folder: Path) -> None:
     agent.deregister_memory(registered)
 
 
+# (lender's rows, host end's rows) of the pull, the push and the refused pull
+IPC_PULL = (np.array([3, 17, 63, 0, 40, 41]), np.array([0, 1, 2, 3, 8, 9]))
+IPC_PUSH = (np.array([0, 8, 2]), np.array([50, 51, 5]))
+IPC_REFUSED = (np.array([1, SLOTS]), np.array([10, 11]))
+
+
+def expected_ipc() -> tuple[np.ndarray, np.ndarray]:
+    """(the host end's cache after the pull, the lender's after the push): NumPy oracles."""
+    source = source_cache()
+    pulled = np.zeros((PLANES, 16, ROW), np.uint8)
+    pulled[:, IPC_PULL[1]] = source[:, IPC_PULL[0]]
+    pushed = source.copy()
+    pushed[:, IPC_PUSH[1]] = pulled[:, IPC_PUSH[0]]
+    return pulled, pushed
+
+
+def ipc_lender(folder: Path) -> None:
+    agent = _agent("lender")
+    cache = torch.from_numpy(source_cache()).cuda()
+    with nixl.share_layout(_layout(cache)) as shared:
+        _publish(folder, "lender", (agent.get_agent_metadata(), shared.shared))
+        peer = agent.add_remote_agent(_read(folder, "host")[0])
+        stream = torch.cuda.current_stream().cuda_stream
+        for tag in ("pull", "push"):
+            nixl.lend_rows(agent, peer, shared, tag=tag, stream=stream, timeout=120)
+        np.save(folder / "pushed.npy", cache.cpu().numpy())
+        try:
+            nixl.lend_rows(agent, peer, shared, tag="refused", stream=stream, timeout=120)
+        except nixl.TransferFailed as exc:
+            (folder / "lender-refused").write_text(str(exc))
+        _wait_for(folder / "host-done")
+    agent.remove_remote_agent(peer)
+
+
+def ipc_host(folder: Path) -> None:
+    agent = _agent("host")
+    cache = torch.zeros(PLANES, 16, ROW, dtype=torch.uint8).pin_memory()
+    _publish(folder, "host", (agent.get_agent_metadata(),))
+    metadata, shared = _read(folder, "lender")
+    peer = agent.add_remote_agent(metadata)
+    here = _layout(cache)
+    with nixl.open_layout(shared) as opened:
+        nixl.pull_rows(agent, peer, opened, here, *IPC_PULL, tag="pull", timeout=120)
+        np.save(folder / "pulled.npy", cache.numpy())
+        nixl.push_rows(agent, peer, here, opened, *IPC_PUSH, tag="push", timeout=120)
+        try:
+            nixl.pull_rows(agent, peer, opened, here, *IPC_REFUSED, tag="refused", timeout=120)
+        except ValueError as exc:
+            (folder / "host-refused").write_text(str(exc))
+        np.save(folder / "after.npy", cache.numpy())
+    (folder / "host-done").touch()
+    agent.remove_remote_agent(peer)
+
+
 ROLES = {
     "vram_target": vram_target,
     "vram_initiator": vram_initiator,
     "host_receiver": host_receiver,
     "host_receiver_via_gpu": lambda folder: host_receiver(folder, staging_on_gpu=True),
     "vram_sender": vram_sender,
+    "ipc_lender": ipc_lender,
+    "ipc_host": ipc_host,
 }
 
 if __name__ == "__main__":
