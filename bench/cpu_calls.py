@@ -290,7 +290,42 @@ def rows(
                 lambda: sglang.transfer_kv_per_layer(k_g, k_h, v_g, v_h, slots, slots, 2048),
             )
         )
+    out.append(("vLLM CopyBackend.submit, 64 planes x 8 blocks", vllm_jobs(pools[33:97], rng)))
     return out
+
+
+def vllm_jobs(planes_h: list[np.ndarray], rng: np.random.Generator) -> Callable[[], None]:
+    """vLLM's offload worker storing a job a call, as bench/steady_calls.py's row: 8
+    scattered 2 KiB blocks of each of 64 GPU planes into the host's, a run a block and
+    plane, through 16 jobs in turn (torch's stream stood in for: no torch needed)."""
+    from kvcopy.compat import vllm
+
+    block, blocks = 2048, planes_h[0].shape[0]
+
+    def job() -> list:
+        src_ids, dst_ids = rng.choice(blocks, 8, replace=False), rng.choice(blocks, 8, replace=False)
+        return [
+            vllm.CopyRunDescriptor(
+                DEVICE_BASE + k * blocks * block + int(s) * block,
+                h.ctypes.data + int(d) * block,
+                block,
+                1,
+                block,
+                block,
+            )
+            for k, h in enumerate(planes_h)
+            for s, d in zip(src_ids, dst_ids)
+        ]
+
+    jobs, backend, step = [job() for _ in range(16)], vllm.CopyBackend(), [0]
+    vllm._torch_stream = lambda caller: 0x7F00_1234  # (a created stream's handle)
+
+    def submit() -> None:
+        backend.submit(jobs[step[0] % len(jobs)])
+        backend.finish_transfer()
+        step[0] += 1
+
+    return submit
 
 
 def torch_stand_ins() -> list:

@@ -114,7 +114,7 @@ def copy_batch(
     size_arr = as_u64_array(sizes, "sizes")
     # (bad copies are refused here, before the driver; order dependence where asked)
     if len(src) == len(dst) == len(size_arr) and not copies_ok(src, dst, size_arr) and check_overlap:
-        _refuse_order_dependence(src, dst, size_arr)
+        refuse_order_dependence(src, dst, size_arr)
     handle = (
         resolve_stream(stream) if stream is not None else current_framework_stream(src_ptrs, dst_ptrs, sizes)
     )
@@ -130,7 +130,7 @@ def copy_batch(
     )
 
 
-def _refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+def refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """ValueError where two copies of a batch of valid copies write one byte, or a copy
     reads a byte a copy writes (compared exactly: copies_ok's glance was not enough)."""
     clash = find_overlap(dst, sizes)
@@ -192,7 +192,7 @@ def copy_both_ways(
         if len(side[0]) == len(side[1]) == len(side[2]):
             try:
                 if not copies_ok(*side):
-                    _refuse_order_dependence(*side)
+                    refuse_order_dependence(*side)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
     refuse_crossing(first, second)

@@ -71,6 +71,7 @@ from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import rows_repeat
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
+from kvcopy._cuda.plan_arrays import copies_ok
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import blocks as blocks_engine
 from kvcopy._engine import both_ways, decide, dispatch, guard, kernel, replay, staged, traffic_window
@@ -96,6 +97,7 @@ from kvcopy._runtime import (
     side_streams,
 )
 from kvcopy.rows import copy_planned_rows, copy_rows
+from kvcopy.pointers import refuse_order_dependence
 from kvcopy.compat import pointer_tables
 from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config
@@ -391,7 +393,26 @@ def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
     if plan.device_indices:
         raise ValueError("rows_on_host: indices on the GPU cannot be read on the host")
     sources, destinations, sizes = (np.ascontiguousarray(part) for part in expand(plan))
-    # (all checked before any is written)
+    _memmove_on_host(sources, destinations, sizes)
+    return "host"
+
+
+def _fragments_on_host(table: np.ndarray, stream: Any) -> bool:
+    """vLLM's runs of one fragment each, checked as copy_batch checks them (False where
+    it refuses them: the copy_rows reading names what is wrong), then moved with memmove
+    between host memory."""
+    sources, destinations, sizes = (np.ascontiguousarray(part) for part in table[:3])
+    try:
+        if not copies_ok(sources, destinations, sizes):
+            refuse_order_dependence(sources, destinations, sizes)
+    except ValueError:
+        return False
+    _memmove_on_host(sources, destinations, sizes)
+    return True
+
+
+def _memmove_on_host(sources: np.ndarray, destinations: np.ndarray, sizes: np.ndarray) -> None:
+    """Each copy with memmove, every span checked to be host memory before any write."""
     denied = [
         i
         for i in (
@@ -409,7 +430,6 @@ def _run_plan_on_host(plan: RowsPlan, stream: Any) -> str:
         )
     for source, destination, size in zip(sources.tolist(), destinations.tolist(), sizes.tolist()):
         ctypes.memmove(destination, source, size)
-    return "host"
 
 
 def _host_reach(address: int, name: str) -> int:
@@ -465,6 +485,7 @@ def rows_on_host() -> Iterator[None]:
             (copy_rows, _copy_rows_on_host),
             (copy_planned_rows, _run_plan_on_host),
             (compat_vllm._torch_stream, lambda caller: None),
+            (compat_vllm._copy_fragments, _fragments_on_host),
             (pointer_tables._reach_of, _host_reach),
             (driver.stream_synchronize, _no_wait),
             (driver.event_create, _host_event),

@@ -2,8 +2,9 @@
 # distutils: language = c++
 """One C pass that validates, drops zero-size copies and merges adjacent ones; one
 that validates a batch and says whether its copies are plainly apart; one
-pass that checks block ids or row slots (bounds and repeats); and the writes of ids
-into pinned memory for the layout kernel.
+pass that checks block ids or row slots (bounds and repeats); the writes of ids
+into pinned memory for the layout kernel; and strided runs (vLLM's) read into a
+table.
 
 Planning runs on every call, so it is a single loop instead of a dozen NumPy
 passes. The kernel path does the same in describe.describe_copies, fused with
@@ -12,6 +13,13 @@ pointer classification; both walk the batch with copy_loop.next_copy.
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
+from cpython.long cimport PyLong_CheckExact
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.object cimport PyObject, Py_TYPE
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object value, int* overflow) except? -1
 
 from kvcopy._cuda.copy_loop cimport (PlanCursor, plan_cursor_init, next_copy, copy_problem,
                                COPY_OK, COPY_TOO_LARGE, COPY_NULL_SRC, COPY_NULL_DST,
@@ -33,6 +41,43 @@ def bad_copy_error(int why, Py_ssize_t index, size) -> ValueError:
 
 def length_error(Py_ssize_t n_src, Py_ssize_t n_dst, Py_ssize_t n_sizes) -> ValueError:
     return ValueError(f"src_ptrs, dst_ptrs and sizes differ in length: {n_src}, {n_dst}, {n_sizes}")
+
+
+def run_table(list runs, type kind):
+    """vLLM's strided runs, every one a ``kind`` (a tuple type whose six fields are in
+    CopyRunDescriptor's order: src_base, dst_base, fragment_size, num_fragments,
+    src_stride, dst_stride) of six non-negative ints below 2**63, as a (6, n) uint64
+    table of the runs with fragments, a row a field; None where any run is another
+    type, holds another value (a bool, a NumPy integer, a negative or larger int), or
+    has fragments and a zero address or size (a reading that names it decides)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(runs), i, f, live = 0
+    cdef PyObject* run
+    cdef PyObject* value
+    cdef uint64_t fields[6]
+    cdef long long read
+    cdef int overflow = 0
+    table = np.empty((6, n), dtype=np.uint64)
+    cdef uint64_t[:, ::1] out = table
+    for i in range(n):
+        run = PyList_GET_ITEM(runs, i)
+        if <PyObject*>Py_TYPE(<object>run) != <PyObject*>kind or PyTuple_GET_SIZE(<object>run) != 6:
+            return None
+        for f in range(6):
+            value = PyTuple_GET_ITEM(<object>run, f)
+            if not PyLong_CheckExact(<object>value):
+                return None
+            read = PyLong_AsLongLongAndOverflow(<object>value, &overflow)
+            if overflow or read < 0:
+                return None
+            fields[f] = <uint64_t>read
+        if fields[3] == 0:
+            continue  # (no fragments: nothing to move)
+        if fields[0] == 0 or fields[1] == 0 or fields[2] == 0:
+            return None
+        for f in range(6):
+            out[f, live] = fields[f]
+        live += 1
+    return table[:, :live]
 
 
 def empty_plan(Py_ssize_t n):

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvcopy.arguments import require_bool, require_int, require_same_length
+from kvcopy._cuda.plan_arrays import run_table
 from kvcopy._plans.rows import plan_rows
 from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy.pointers import copy_batch
@@ -112,33 +113,16 @@ _RUN_FIELDS = CopyRunDescriptor._fields
 
 
 def _run_table(runs: list) -> np.ndarray | None:
-    """The runs as an (n, 6) int64 table where every run is a tuple of six ints in
-    CopyRunDescriptor's order, all of one type (None: the per-run reading below names
+    """The runs as a (6, n) uint64 table (a row a field, the runs with fragments) in one
+    C pass, where every run is a tuple of one type with CopyRunDescriptor's fields in
+    its order and holds only plain ints (None: the per-run reading below names
     whatever is wrong)."""
-    kinds = set(map(type, runs))
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
+    if not runs:
+        return np.empty((6, 0), dtype=np.uint64)
+    kind = type(runs[0])
     if not issubclass(kind, tuple) or getattr(kind, "_fields", _RUN_FIELDS) != _RUN_FIELDS:
         return None
-    if kind is tuple and any(len(run) != 6 for run in runs):
-        return None
-    try:
-        table: np.ndarray = np.array(runs)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    # (only integers: a float or a string field is named by the per-run reading, never
-    # truncated into an address or a size)
-    if table.dtype.kind != "i" or table.shape != (len(runs), 6):
-        return None
-    if table.min() < 0:
-        return None  # (not runs: the per-run reading says which)
-    live = table[:, 3] > 0
-    if not live.all():
-        table = table[live]
-    if (table[:, :3] == 0).any():
-        return None
-    return table
+    return run_table(runs, kind)
 
 
 def _read_runs(runs: list) -> np.ndarray:
@@ -167,6 +151,14 @@ def _read_runs(runs: list) -> np.ndarray:
     return np.array(table, dtype=np.uint64).reshape(-1, 6)
 
 
+def _live_runs(run_descs: Any) -> np.ndarray:
+    """The runs with fragments as a (6, n) uint64 table, a row a field; TypeError or
+    ValueError naming the run that is not one."""
+    runs = run_descs if isinstance(run_descs, list) else list(run_descs)
+    table = _run_table(runs)
+    return np.ascontiguousarray(_read_runs(runs).T) if table is None else table
+
+
 def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     """vLLM's strided runs (``CopyRunDescriptor``: src_base, dst_base, fragment_size,
     num_fragments, src_stride, dst_stride; any object with those attributes, or a
@@ -174,10 +166,11 @@ def run_groups(run_descs: Any) -> list[tuple[Layout, Layout, int]]:
     and both strides) become the planes of one pair, in the order first met, each
     run's fragment j a row. Runs of no fragments are left out. Raises TypeError or
     ValueError naming the run. A list of one kind of tuple is read in one pass."""
-    runs = run_descs if isinstance(run_descs, list) else list(run_descs)
-    table = _run_table(runs)
-    if table is None:
-        table = _read_runs(runs)
+    return _groups(_live_runs(run_descs).T)
+
+
+def _groups(table: np.ndarray) -> list[tuple[Layout, Layout, int]]:
+    """run_groups of an (n, 6) table of runs with fragments."""
     if len(table) == 0:
         return []
     shapes = table[:, 2:]
@@ -216,6 +209,18 @@ def _refuse_crossing_shapes(plans: list) -> None:
                 ) from None
 
 
+def _copy_fragments(table: np.ndarray, stream: int | None) -> bool:
+    """Runs of one fragment each (a (6, n) table), copied as the pointer copies they are
+    (copy_batch: read, checked, classified and described in one C pass); False, with
+    nothing enqueued, where copy_batch refuses them (copy_rows' reading then names what
+    is wrong, run by run)."""
+    try:
+        copy_batch(table[0], table[1], table[2], stream=stream)
+    except ValueError:
+        return False
+    return True
+
+
 class CopyBackend:
     """vLLM's offload copy backend (``vllm.v1.kv_offload.cpu.copy_backend.CopyBackend``:
     ``submit(run_descs)``, ``finish_transfer()``, ``clear()``) over kvcopy.copy_rows.
@@ -223,12 +228,14 @@ class CopyBackend:
     ``submit`` copies the runs (``CopyRunDescriptor``, any object with its fields, or a
     6-tuple in their order) on torch's current stream without expanding them into
     fragments: one copy_rows per shape of run (see run_groups), whatever the fragments'
-    size or alignment. Every group is planned, with all of copy_rows' checks, before any
-    is enqueued; a submit that raises records no transfer. Fragments that write the same
-    bytes twice, or read bytes another fragment writes, are refused (ValueError), within
-    one shape of run and between shapes: their copies would run in no order. Nothing is
-    held per transfer, so ``finish_transfer`` only retires the oldest one in flight
-    (RuntimeError where none is) and ``clear`` forgets them all.
+    size or alignment; runs of one fragment each (a block of a layer a run, as vLLM's
+    worker describes a job) are the pointer copies they are, one copy_batch. Every group
+    is planned, with all of copy_rows' checks, before any is enqueued; a submit that
+    raises records no transfer. Fragments that write the same bytes twice, or read bytes
+    another fragment writes, are refused (ValueError), within one shape of run and
+    between shapes: their copies would run in no order. Nothing is held per transfer, so
+    ``finish_transfer`` only retires the oldest one in flight (RuntimeError where none
+    is) and ``clear`` forgets them all.
 
     ``is_src_access_order_any`` is kept for vLLM's constructor: kvcopy reads the sources
     in stream order, which is correct for either value."""
@@ -244,8 +251,16 @@ class CopyBackend:
 
     def submit(self, run_descs: Any) -> None:
         """Copy every fragment of ``run_descs`` on torch's current stream."""
+        table = _live_runs(run_descs)
+        if (
+            table.shape[1]
+            and (table[3] == 1).all()
+            and _copy_fragments(table, _torch_stream("CopyBackend.submit"))
+        ):
+            self._in_flight += 1
+            return
         # (every group planned, with copy_rows' checks, before any is issued)
-        plans = [plan_rows(src, dst, None, None, count) for src, dst, count in run_groups(run_descs)]
+        plans = [plan_rows(src, dst, None, None, count) for src, dst, count in _groups(table.T)]
         _refuse_crossing_shapes(plans)
         if plans:
             stream = _torch_stream("CopyBackend.submit")

@@ -261,3 +261,83 @@ def test_a_run_reading_what_a_run_of_another_shape_writes_is_refused():
             adapter.submit(1, runs)
     np.testing.assert_array_equal(dst, 0)
     assert adapter.backend.in_flight == 0
+
+
+def _one_fragment_job(src, dst, rng, blocks=8, planes=6, block=256):
+    """A job as vLLM's worker describes one: a run a block and plane, one fragment each."""
+    s, d = src.ctypes.data, dst.ctypes.data
+    span = src.nbytes // planes
+    picks = [
+        (rng.choice(span // block, blocks, replace=False), rng.choice(span // block, blocks, replace=False))
+    ]
+    return [
+        Run(s + p * span + int(a) * block, d + p * span + int(b) * block, block, 1, block, block)
+        for p in range(planes)
+        for a, b in zip(*picks[0])
+    ]
+
+
+def test_runs_of_one_fragment_go_as_one_pointer_batch_planned_as_no_rows(monkeypatch):
+    from kvcopy.compat import vllm as compat_vllm
+    from kvcopy.testing import rows_on_host
+
+    src, dst = random_bytes((6 * 8192,), 12), np.zeros(6 * 8192, np.uint8)
+    runs = _one_fragment_job(src, dst, np.random.default_rng(12))
+    runs.insert(5, Run(src.ctypes.data, dst.ctypes.data, 256, 0, 256, 256))  # (no fragments)
+    batches = []
+
+    def watched(table, stream):
+        batches.append(table.shape)
+        return on_host(table, stream)
+
+    def no_rows(*args):
+        raise AssertionError("planned as rows")
+
+    monkeypatch.setattr(compat_vllm, "plan_rows", no_rows)
+    with rows_on_host():
+        on_host = compat_vllm._copy_fragments  # (the host's stand-in, every check made)
+        compat_vllm._copy_fragments = watched  # (put back before rows_on_host puts back its own)
+        try:
+            CopyBackend().submit(runs)
+        finally:
+            compat_vllm._copy_fragments = on_host
+    assert batches == [(6, 48)]
+    _assert_fragments_moved(runs, src, dst)
+
+
+def test_one_fragment_runs_that_meet_are_refused_as_rows_refuse_them_and_nothing_moves():
+    from kvcopy.testing import rows_on_host
+
+    src, dst = random_bytes((8192,), 13), np.zeros(8192, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    twice = [Run(s, d, 256, 1, 256, 256), Run(s + 512, d + 128, 256, 1, 256, 256)]
+    backend = CopyBackend()
+    with rows_on_host(), pytest.raises(ValueError, match=r"dst: its rows overlap \(plane 0 and plane 1"):
+        backend.submit(twice)
+    np.testing.assert_array_equal(dst, 0)
+    assert backend.in_flight == 0
+    # runs of one fragment and runs of several in one job: planned as rows, every byte moved
+    mixed = [Run(s, d, 256, 1, 256, 256), Run(s + 1024, d + 2048, 128, 3, 256, 128)]
+    with rows_on_host():
+        backend.submit(mixed)
+    _assert_fragments_moved(mixed, src, dst)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [Run(4096, 8192, 8, 1, 8, 8), Run(4096, 8192, True, 1, 8, 8)],  # a bool
+        [Run(4096, 8192, 8, 1, 8, 8), Run(4096, 8192, np.int64(8), 1, 8, 8)],  # a NumPy integer
+        [Run(4096, 8192, 8, 1, 8, 8), (4096, 8192, 8, 1, 8, 8)],  # two types
+        [Run(4096, 8192, 8, 1, 8, 2**63)],  # past int64
+        [Run(4096, 8192, 8, 1, 8, -1)],
+        [Run(4096, 0, 8, 1, 8, 8)],
+    ],
+)
+def test_the_one_pass_reading_leaves_every_unusual_run_to_the_reading_that_names_it(runs):
+    from kvcopy._cuda.plan_arrays import run_table
+
+    assert run_table(runs, type(runs[0])) is None
+    good = [Run(4096, 8192, 8, 2, 8, 16), Run(1, 2, 3, 0, 5, 6), (10, 20, 30, 1, 50, 60)]
+    assert run_table(good[:2], Run).tolist() == [[4096], [8192], [8], [2], [8], [16]]
+    assert run_table(good[2:], tuple).T.tolist() == [[10, 20, 30, 1, 50, 60]]
