@@ -318,11 +318,17 @@ def vllm_jobs(planes_h: list[np.ndarray], rng: np.random.Generator) -> Callable[
         ]
 
     jobs, backend, step = [job() for _ in range(16)], vllm.CopyBackend(), [0]
-    vllm._torch_stream = lambda caller: 0x7F00_1234  # (a created stream's handle)
+
+    def stream(caller: str) -> int:
+        return 0x7F00_1234  # (a created stream's handle)
 
     def submit() -> None:
-        backend.submit(jobs[step[0] % len(jobs)])
-        backend.finish_transfer()
+        torch_stream, vllm._torch_stream = vllm._torch_stream, stream  # (for this call only)
+        try:
+            backend.submit(jobs[step[0] % len(jobs)])
+            backend.finish_transfer()
+        finally:
+            vllm._torch_stream = torch_stream
         step[0] += 1
 
     return submit

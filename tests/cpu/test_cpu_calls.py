@@ -29,9 +29,17 @@ def steady(host, call):
 
 def test_every_row_runs_with_the_driver_layer_faked(faked):
     host, calls = faked
-    assert len(calls) == 7 + TORCH_ROWS
+    assert len(calls) == 8 + TORCH_ROWS
     for label, call in calls.items():
         assert steady(host, call), label  # (each reaches the driver layer: a copy is issued)
+
+
+def test_a_vllm_job_of_one_fragment_runs_is_one_described_batch_and_one_launch(faked):
+    host, calls = faked
+    asked = steady(host, calls["vLLM CopyBackend.submit, 64 planes x 8 blocks"])
+    assert asked.pop("describe.describe_copies") == 1
+    assert asked.pop("launch.launch_descs_inline") == 1
+    assert not any("rows" in name or "classify" in name for name in asked), asked
 
 
 def test_copy_rows_repeated_with_gpu_indices_asks_for_its_launch_only(faked):
@@ -66,7 +74,7 @@ def test_a_repeated_swap_blocks_of_one_block_copy_is_one_compiled_call(faked):
 def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
-    assert len(lines) == 7 + TORCH_ROWS and not any("failed" in line for line in lines)
+    assert len(lines) == 8 + TORCH_ROWS and not any("failed" in line for line in lines)
 
 
 def test_the_path_of_a_call_lists_each_stretch_in_one_module_once():
