@@ -10,7 +10,8 @@
  * that gathers more than KVCOPY_APART_CHAIN ranges (very unequal sizes) ends the pass
  * undecided: the caller then sorts (kvcopy._plans.overlaps), so the pass never costs
  * more than a constant per copy. Where the destinations are dense (a pool's blocks),
- * the buckets are an array indexed from the first one instead of a hash table.
+ * the buckets are an array indexed from the first one instead of a hash table; where
+ * they are also blocks of one size on one grid, a bit a block stands for them.
  *
  * The table lives in a scratch area each thread keeps (up to KVCOPY_APART_KEPT bytes;
  * a larger one is freed after the call), and a slot is free unless it carries the
@@ -250,33 +251,155 @@ static inline int kvcopy_copies_apart_dense(const uint64_t* src, const uint64_t*
     return apart;
 }
 
-static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
-                                      const uint64_t* sizes, int64_t n, int sources_apart) {
-    uint64_t widest = 0, slots = 4, dst_lo = UINT64_MAX, dst_hi = 0;
-    int shift = 0;
-    int64_t live = 0;
+/* The uniform pass: where every non-empty copy has one size, a power of two, and every
+ * destination lies at the same offset from a multiple of it (the blocks of a pool),
+ * two destinations meet only where they are the same block, and a source meets a
+ * destination only where it touches that destination's block: one bit a block of the
+ * destinations' span (at most KVCOPY_APART_BITS blocks a copy), in a table small
+ * enough to stay in the first-level cache, instead of chains. Returns 1 where the
+ * batch is apart, 0 where two destinations are one block, KVCOPY_APART_UNDECIDED where
+ * the pass does not apply or a source touches a written block (which may be a copy's
+ * onto exactly itself: the dense pass decides), -1 where memory is short. */
+#define KVCOPY_APART_BITS 64
+#define KVCOPY_APART_UNDECIDED 2
+
+static KVCOPY_THREAD_LOCAL kvcopy_apart_scratch kvcopy_bits_kept = {NULL, 0, 0};
+
+static inline int kvcopy_copies_apart_uniform(const uint64_t* src, const uint64_t* dst,
+                                              const uint64_t* sizes, int64_t n, int sources_apart,
+                                              int shift, uint64_t dst_lo, uint64_t dst_hi,
+                                              int64_t live) {
+    uint64_t blocks = (dst_hi - dst_lo) >> shift;
+    if (blocks > KVCOPY_APART_BITS * (uint64_t)live) {
+        return KVCOPY_APART_UNDECIDED;
+    }
+    size_t bytes = (size_t)((blocks + 63) / 64) * sizeof(uint64_t);
+    kvcopy_apart_scratch* kept = &kvcopy_bits_kept;
+    if (kept->bytes < bytes) {
+        free(kept->memory);
+        kept->memory = malloc(bytes);
+        kept->bytes = kept->memory ? bytes : 0;
+        if (!kept->memory) {
+            return -1;
+        }
+    }
+    uint64_t* bits = (uint64_t*)kept->memory;
+    memset(bits, 0, bytes);
+    int apart = 1;
+    uint64_t size = 1ULL << shift;
     for (int64_t i = 0; i < n; ++i) {
-        if (sizes[i] != 0) {
-            ++live;
-            if (sizes[i] > widest) {
-                widest = sizes[i];
-            }
-            if (dst[i] < dst_lo) {
-                dst_lo = dst[i];
-            }
-            if (dst[i] + sizes[i] > dst_hi) {
-                dst_hi = dst[i] + sizes[i];
+        if (sizes[i] == 0) {
+            continue;
+        }
+        uint64_t b = (dst[i] - dst_lo) >> shift, bit = 1ULL << (b & 63);
+        if (bits[b >> 6] & bit) {
+            apart = 0;
+            break;
+        }
+        bits[b >> 6] |= bit;
+    }
+    for (int64_t i = 0; i < n && apart == 1 && !sources_apart; ++i) {
+        if (sizes[i] == 0 || src[i] == dst[i] || src[i] >= dst_hi || src[i] + size <= dst_lo) {
+            continue;
+        }
+        uint64_t lo = src[i] > dst_lo ? src[i] : dst_lo;
+        uint64_t hi = (src[i] + size < dst_hi ? src[i] + size : dst_hi) - 1;
+        for (uint64_t b = (lo - dst_lo) >> shift; b <= (hi - dst_lo) >> shift; ++b) {
+            if (bits[b >> 6] & (1ULL << (b & 63))) {
+                apart = KVCOPY_APART_UNDECIDED;
+                break;
             }
         }
     }
+    if (kept->bytes > KVCOPY_APART_KEPT) {
+        free(kept->memory);
+        kept->memory = NULL;
+        kept->bytes = 0;
+    }
+    return apart;
+}
+
+/* What one pass over a batch learns of its non-empty copies: each side's span (sources
+ * of copies onto exactly themselves left out), whether the destinations come in
+ * address order without meeting, and whether any copy may be bad (too large, a null
+ * pointer, wrapping the address space: the caller finds which, copy by copy, with
+ * copy_problem). Branch-light, and no more than the glance needs: a batch whose
+ * destinations are in order and whose sources lie outside them is decided by it. */
+typedef struct {
+    uint64_t dst_lo, dst_hi, src_lo, src_hi;
+    int64_t live;
+    int ordered;
+    int suspect;
+} kvcopy_batch_summary;
+
+static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                                    int64_t n, kvcopy_batch_summary* s) {
+    uint64_t dst_lo = UINT64_MAX, dst_hi = 0, src_lo = UINT64_MAX, src_hi = 0, reach = 0;
+    uint64_t suspect = 0, disorder = 0;
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint64_t size = sizes[i], a = src[i], b = dst[i];
+        if (size == 0) {
+            continue;
+        }
+        ++live;
+        suspect |= (size >> 63) | (uint64_t)(a == 0) | (uint64_t)(b == 0) |
+                   (uint64_t)(a + size < a) | (uint64_t)(b + size < b);
+        disorder |= (uint64_t)(b < reach);
+        reach = b + size;
+        dst_hi = reach > dst_hi ? reach : dst_hi;
+        dst_lo = b < dst_lo ? b : dst_lo;
+        uint64_t moved_lo = a != b ? a : UINT64_MAX, moved_hi = a != b ? a + size : 0;
+        src_lo = moved_lo < src_lo ? moved_lo : src_lo;
+        src_hi = moved_hi > src_hi ? moved_hi : src_hi;
+    }
+    s->dst_lo = dst_lo;
+    s->dst_hi = dst_hi;
+    s->src_lo = src_lo;
+    s->src_hi = src_hi;
+    s->live = live;
+    s->ordered = disorder == 0;
+    s->suspect = suspect != 0;
+}
+
+/* kvcopy_copies_apart of a batch already summarized (every copy good). */
+static inline int kvcopy_copies_apart_summarized(const uint64_t* src, const uint64_t* dst,
+                                                 const uint64_t* sizes, int64_t n,
+                                                 int sources_apart,
+                                                 const kvcopy_batch_summary* found) {
+    uint64_t widest = 0, slots = 4, dst_lo = found->dst_lo, dst_hi = found->dst_hi;
+    uint64_t size_or = 0, size_and = UINT64_MAX, dst_or = 0, dst_and = UINT64_MAX;
+    int shift = 0;
+    int64_t live = found->live;
     if (live == 0) {
         return 1;
+    }
+    /* the widest copy, and whether the sizes are all one and the destinations' low bits
+       all alike (or and and of each) */
+    for (int64_t i = 0; i < n; ++i) {
+        uint64_t size = sizes[i];
+        if (size != 0) {
+            widest = size > widest ? size : widest;
+            size_or |= size;
+            size_and &= size;
+            dst_or |= dst[i];
+            dst_and &= dst[i];
+        }
     }
     if (n >= INT32_MAX / 2) {
         return 0; /* entries are counted in 32 bits: the exact check decides */
     }
     while (shift < 63 && (1ULL << shift) < widest) {
         ++shift;
+    }
+    /* one size, a power of two, and one offset from its multiples: the uniform pass */
+    if (size_or == size_and && widest == 1ULL << shift &&
+        ((dst_or ^ dst_and) & (widest - 1)) == 0) {
+        int uniform = kvcopy_copies_apart_uniform(src, dst, sizes, n, sources_apart, shift, dst_lo,
+                                                  dst_hi, live);
+        if (uniform != KVCOPY_APART_UNDECIDED) {
+            return uniform;
+        }
     }
     uint64_t first_bucket = dst_lo >> shift, span = ((dst_hi - 1) >> shift) - first_bucket + 1;
     if (span <= KVCOPY_APART_DENSE * (uint64_t)live) {
@@ -319,6 +442,13 @@ static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
     }
     kvcopy_bucket_table_done();
     return apart;
+}
+
+static inline int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst,
+                                      const uint64_t* sizes, int64_t n, int sources_apart) {
+    kvcopy_batch_summary found;
+    kvcopy_summarize(src, dst, sizes, n, &found);
+    return kvcopy_copies_apart_summarized(src, dst, sizes, n, sources_apart, &found);
 }
 
 #endif /* KVCOPY_COPIES_APART_H */

@@ -124,47 +124,42 @@ def copies_ok(const uint64_t[::1] src, const uint64_t[::1] dst, const uint64_t[:
     non-empty destinations in address order without meeting, every source but a copy's
     onto exactly itself outside the destinations' span), else by one expected-linear
     pass over buckets of addresses (copies_apart.h). False only means: compare the
-    copies exactly (kvcopy._plans.overlaps), which names the copies that meet."""
+    copies exactly (kvcopy._plans.overlaps), which names the copies that meet. One pass
+    reads the batch for both the checks and the glance (kvcopy_summarize)."""
     cdef Py_ssize_t i, n = src.shape[0]
     cdef int why = COPY_OK, apart
-    cdef uint64_t size, reach = 0, dst_lo = 0xFFFFFFFFFFFFFFFFULL, src_lo = dst_lo
-    cdef uint64_t src_hi = 0, dst_hi = 0
-    cdef bint ordered = True
+    cdef kvcopy_batch_summary found
+    cdef bint sources_apart
+    if n == 0:
+        return True
     with nogil:
+        kvcopy_summarize(&src[0], &dst[0], &sizes[0], n, &found)
+    if found.suspect:  # (rare: which copy, and what is wrong with it)
         for i in range(n):
-            size = sizes[i]
-            if size == 0:
-                continue
-            why = copy_problem(src[i], dst[i], size)
-            if why:
-                break
-            if dst[i] < reach:
-                ordered = False
-            reach = dst[i] + size
-            if reach > dst_hi:
-                dst_hi = reach
-            if dst[i] < dst_lo:
-                dst_lo = dst[i]
-            if src[i] != dst[i]:
-                if src[i] < src_lo:
-                    src_lo = src[i]
-                if src[i] + size > src_hi:
-                    src_hi = src[i] + size
-    if why:
-        raise bad_copy_error(why, i, sizes[i])
-    # (ordered: the destinations' span is [dst_lo, reach))
-    if ordered and (src_hi <= dst_lo or src_lo >= reach):
+            if sizes[i] != 0:
+                why = copy_problem(src[i], dst[i], sizes[i])
+                if why:
+                    raise bad_copy_error(why, i, sizes[i])
+    sources_apart = found.src_hi <= found.dst_lo or found.src_lo >= found.dst_hi
+    # (ordered: the destinations' span is [dst_lo, dst_hi) and none meets the one before)
+    if found.ordered and sources_apart:
         return True
     # not at a glance (destinations out of order, sources among them): by buckets
     with nogil:
-        apart = kvcopy_copies_apart(&src[0], &dst[0], &sizes[0], n,
-                                    src_hi <= dst_lo or src_lo >= dst_hi)
+        apart = kvcopy_copies_apart_summarized(&src[0], &dst[0], &sizes[0], n, sources_apart,
+                                               &found)
     return apart == 1
 
 
 cdef extern from "copies_apart.h":
-    int kvcopy_copies_apart(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
-                            int64_t n, int sources_apart) noexcept nogil
+    ctypedef struct kvcopy_batch_summary:
+        uint64_t dst_lo, dst_hi, src_lo, src_hi
+        int ordered, suspect
+    void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
+                          int64_t n, kvcopy_batch_summary* found) noexcept nogil
+    int kvcopy_copies_apart_summarized(const uint64_t* src, const uint64_t* dst,
+                                       const uint64_t* sizes, int64_t n, int sources_apart,
+                                       const kvcopy_batch_summary* found) noexcept nogil
 
 
 cdef extern from "pinned_writes.h":

@@ -317,6 +317,9 @@ def test_copies_ok_shows_a_shuffled_block_batch_apart_and_finds_one_clash():
     clash = dst.copy()
     clash[100] = dst[4000] + np.uint64(block // 2)  # half over another destination
     assert not cuda.plan_arrays.copies_ok(src, clash, sizes)
+    twice = dst.copy()
+    twice[100] = dst[4000]  # one block written twice (the pass of a bit a block sees it)
+    assert not cuda.plan_arrays.copies_ok(src, twice, sizes)
     reads = src.copy()
     reads[7] = dst[8000] + np.uint64(1)  # reads what copy 8000 writes
     assert not cuda.plan_arrays.copies_ok(reads, dst, sizes)
