@@ -297,7 +297,7 @@ def rows(
 def vllm_jobs(planes_h: list[np.ndarray], rng: np.random.Generator) -> Callable[[], None]:
     """vLLM's offload worker storing a job a call, as bench/steady_calls.py's row: 8
     scattered 2 KiB blocks of each of 64 GPU planes into the host's, a run a block and
-    plane, through 16 jobs in turn (torch's stream stood in for: no torch needed)."""
+    plane, through 16 jobs in turn, on a stream named (torch's current one needs a GPU)."""
     from kvcopy.compat import vllm
 
     block, blocks = 2048, planes_h[0].shape[0]
@@ -319,16 +319,9 @@ def vllm_jobs(planes_h: list[np.ndarray], rng: np.random.Generator) -> Callable[
 
     jobs, backend, step = [job() for _ in range(16)], vllm.CopyBackend(), [0]
 
-    def stream(caller: str) -> int:
-        return 0x7F00_1234  # (a created stream's handle)
-
     def submit() -> None:
-        torch_stream, vllm._torch_stream = vllm._torch_stream, stream  # (for this call only)
-        try:
-            backend.submit(jobs[step[0] % len(jobs)])
-            backend.finish_transfer()
-        finally:
-            vllm._torch_stream = torch_stream
+        backend.submit(jobs[step[0] % len(jobs)], stream=0x7F00_1234)  # (a created stream)
+        backend.finish_transfer()
         step[0] += 1
 
     return submit

@@ -66,6 +66,25 @@ typedef struct {
 
 static KVCOPY_THREAD_LOCAL kvcopy_apart_scratch kvcopy_apart_kept = {NULL, 0, 0};
 
+/* At least ``bytes`` of ``kept`` (its contents not kept); 0 where memory is short. */
+static inline int kvcopy_scratch_reserve(kvcopy_apart_scratch* kept, size_t bytes) {
+    if (kept->bytes < bytes) {
+        free(kept->memory);
+        kept->memory = malloc(bytes);
+        kept->bytes = kept->memory ? bytes : 0;
+    }
+    return kept->memory != NULL && kept->bytes >= bytes;
+}
+
+/* A scratch area larger than KVCOPY_APART_KEPT is freed after its pass. */
+static inline void kvcopy_scratch_trim(kvcopy_apart_scratch* kept) {
+    if (kept->bytes > KVCOPY_APART_KEPT) {
+        free(kept->memory);
+        kept->memory = NULL;
+        kept->bytes = 0;
+    }
+}
+
 static inline uint64_t kvcopy_bucket_find(const kvcopy_bucket_table* t, uint64_t bucket) {
     /* Fibonacci hashing spreads buckets that follow each other over the slots */
     uint64_t slot = (bucket * 0x9E3779B97F4A7C15ULL) >> 20;
@@ -204,13 +223,8 @@ static inline int kvcopy_copies_apart_dense(const uint64_t* src, const uint64_t*
     size_t head_bytes = (size_t)span * sizeof(int32_t);
     size_t bytes = head_bytes + (size_t)(2 * live) * sizeof(kvcopy_bucket_entry_t);
     kvcopy_apart_scratch* kept = &kvcopy_dense_kept;
-    if (kept->bytes < bytes) {
-        free(kept->memory);
-        kept->memory = malloc(bytes);
-        kept->bytes = kept->memory ? bytes : 0;
-        if (!kept->memory) {
-            return -1;
-        }
+    if (!kvcopy_scratch_reserve(kept, bytes)) {
+        return -1;
     }
     int32_t* heads = (int32_t*)kept->memory;
     kvcopy_bucket_entry_t* entries = (kvcopy_bucket_entry_t*)((char*)kept->memory + head_bytes);
@@ -243,11 +257,7 @@ static inline int kvcopy_copies_apart_dense(const uint64_t* src, const uint64_t*
             apart = 0;
         }
     }
-    if (kept->bytes > KVCOPY_APART_KEPT) {
-        free(kept->memory);
-        kept->memory = NULL;
-        kept->bytes = 0;
-    }
+    kvcopy_scratch_trim(kept);
     return apart;
 }
 
@@ -275,13 +285,8 @@ static inline int kvcopy_copies_apart_uniform(const uint64_t* src, const uint64_
     }
     size_t bytes = (size_t)((blocks + 63) / 64) * sizeof(uint64_t);
     kvcopy_apart_scratch* kept = &kvcopy_bits_kept;
-    if (kept->bytes < bytes) {
-        free(kept->memory);
-        kept->memory = malloc(bytes);
-        kept->bytes = kept->memory ? bytes : 0;
-        if (!kept->memory) {
-            return -1;
-        }
+    if (!kvcopy_scratch_reserve(kept, bytes)) {
+        return -1;
     }
     uint64_t* bits = (uint64_t*)kept->memory;
     memset(bits, 0, bytes);
@@ -311,11 +316,7 @@ static inline int kvcopy_copies_apart_uniform(const uint64_t* src, const uint64_
             }
         }
     }
-    if (kept->bytes > KVCOPY_APART_KEPT) {
-        free(kept->memory);
-        kept->memory = NULL;
-        kept->bytes = 0;
-    }
+    kvcopy_scratch_trim(kept);
     return apart;
 }
 

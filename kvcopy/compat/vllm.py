@@ -30,7 +30,7 @@ from kvcopy._plans.rows_races import refuse_rows_crossing
 from kvcopy.pointers import copy_batch
 from kvcopy.rows import copy_planned_rows
 from kvcopy.errors import NoDriverError
-from kvcopy.interop.streams import torch_current_handle
+from kvcopy.interop.streams import resolve_stream, torch_current_handle
 from kvcopy.layouts import Layout
 
 
@@ -209,6 +209,11 @@ def _refuse_crossing_shapes(plans: list) -> None:
                 ) from None
 
 
+def _stream_of(stream: Any) -> int | None:
+    """The handle of CopyBackend.submit's ``stream``: torch's current one for None."""
+    return _torch_stream("CopyBackend.submit") if stream is None else resolve_stream(stream)
+
+
 def _copy_fragments(table: np.ndarray, stream: int | None) -> bool:
     """Runs of one fragment each (a (6, n) table), copied as the pointer copies they are
     (copy_batch: read, checked, classified and described in one C pass); False, with
@@ -249,23 +254,20 @@ class CopyBackend:
         """Transfers submitted and not yet finished."""
         return self._in_flight
 
-    def submit(self, run_descs: Any) -> None:
-        """Copy every fragment of ``run_descs`` on torch's current stream."""
+    def submit(self, run_descs: Any, *, stream: Any = None) -> None:
+        """Copy every fragment of ``run_descs`` on ``stream``: any stream
+        kvcopy.resolve_stream takes; None (vLLM's call) is torch's current stream."""
         table = _live_runs(run_descs)
-        if (
-            table.shape[1]
-            and (table[3] == 1).all()
-            and _copy_fragments(table, _torch_stream("CopyBackend.submit"))
-        ):
+        if table.shape[1] and (table[3] == 1).all() and _copy_fragments(table, _stream_of(stream)):
             self._in_flight += 1
             return
         # (every group planned, with copy_rows' checks, before any is issued)
         plans = [plan_rows(src, dst, None, None, count) for src, dst, count in _groups(table.T)]
         _refuse_crossing_shapes(plans)
         if plans:
-            stream = _torch_stream("CopyBackend.submit")
+            handle = _stream_of(stream)
             for plan in plans:
-                copy_planned_rows(plan, stream)
+                copy_planned_rows(plan, handle)
         self._in_flight += 1
 
     def finish_transfer(self) -> None:

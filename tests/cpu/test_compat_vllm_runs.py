@@ -75,6 +75,7 @@ def test_the_backend_and_the_adapter_take_vllms_arguments():
     assert _parameters(CopyBackend.submit) == [
         ("self", "POSITIONAL_OR_KEYWORD"),
         ("run_descs", "POSITIONAL_OR_KEYWORD"),
+        ("stream", "KEYWORD_ONLY"),  # (kvcopy's: None is vLLM's call)
     ]
     assert _parameters(CopyBackend.finish_transfer) == [("self", "POSITIONAL_OR_KEYWORD")]
     assert [name for name, _ in _parameters(CopyBackendAdapter)] == [
@@ -277,6 +278,18 @@ def _one_fragment_job(src, dst, rng, blocks=8, planes=6, block=256):
     ]
 
 
+def test_a_submit_on_a_named_stream_takes_any_stream_kvcopy_takes():
+    from kvcopy.testing import rows_on_host
+
+    src, dst = random_bytes((4096,), 14), np.zeros(4096, np.uint8)
+    runs = [Run(src.ctypes.data, dst.ctypes.data + 1024, 256, 1, 256, 256)]
+    with rows_on_host():
+        CopyBackend().submit(runs, stream=0x7F00_1234)
+    _assert_fragments_moved(runs, src, dst)
+    with pytest.raises(ValueError, match="stream: handle 7 is not a valid CUstream value"):
+        CopyBackend().submit(runs, stream=7)
+
+
 def test_runs_of_one_fragment_go_as_one_pointer_batch_planned_as_no_rows(monkeypatch):
     from kvcopy.compat import vllm as compat_vllm
     from kvcopy.testing import rows_on_host
@@ -335,7 +348,9 @@ def test_one_fragment_runs_that_meet_are_refused_as_rows_refuse_them_and_nothing
     ],
 )
 def test_the_one_pass_reading_leaves_every_unusual_run_to_the_reading_that_names_it(runs):
-    from kvcopy._cuda.plan_arrays import run_table
+    from kvcopy.testing import cuda
+
+    run_table = cuda.plan_arrays.run_table
 
     assert run_table(runs, type(runs[0])) is None
     good = [Run(4096, 8192, 8, 2, 8, 16), Run(1, 2, 3, 0, 5, 6), (10, 20, 30, 1, 50, 60)]
