@@ -1,5 +1,5 @@
-# The per-copy DMA loop, shared by kvcopy._cuda.dma and the staged chunks of
-# kvcopy._cuda.launch.
+# The per-copy DMA loop, shared by kvcopy._cuda.dma, the staged chunks of
+# kvcopy._cuda.launch and .rows, and the replays of .replay_records.
 from libc.stdint cimport uint64_t
 from cuda.bindings.cydriver cimport CUstream
 

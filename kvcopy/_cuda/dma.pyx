@@ -290,12 +290,14 @@ cdef int _batch_each(const uint64_t* dst, const uint64_t* src, const uint64_t* s
 
 cdef int memcpy_each(const uint64_t* dst, const uint64_t* src, const uint64_t* sizes,
                      Py_ssize_t lo, Py_ssize_t hi, CUstream stream) except -1 nogil:
-    """Copies [lo, hi) of the three arrays, one cuMemcpyAsync each; a failure raises
-    CudaError carrying the copy's index in the arrays."""
+    """Copies [lo, hi) of the three arrays, one cuMemcpyAsync each, empty ones skipped
+    (a driver call that moves nothing); a failure raises CudaError carrying the copy's
+    index in the arrays."""
     cdef Py_ssize_t i
     for i in range(lo, hi):
-        check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
-                                      <size_t>sizes[i], stream), i)
+        if sizes[i]:
+            check(cydriver.cuMemcpyAsync(<CUdeviceptr>dst[i], <CUdeviceptr>src[i],
+                                          <size_t>sizes[i], stream), i)
     return 0
 
 

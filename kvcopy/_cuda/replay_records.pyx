@@ -27,7 +27,8 @@ from cuda.bindings.cydriver cimport CUcontext, CUstream, CUstreamCaptureStatus
 from kvcopy._cuda.classify cimport _Classifier, classifier_init
 from kvcopy._cuda.describe cimport Described, DescribedBatch, describe_raw, described
 from kvcopy._cuda.descriptor cimport kvcopy_desc
-from kvcopy._cuda.driver cimport check, context_key, driver_ready
+from kvcopy._cuda.dma cimport memcpy_each
+from kvcopy._cuda.driver cimport context_key, driver_ready
 from kvcopy._cuda.launch cimport launch_inline
 
 cdef extern from "kvcopy/descriptor.h":
@@ -162,18 +163,6 @@ cdef int _find(const _Key* want) noexcept:
     return -1
 
 
-cdef int _copy_each(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
-                    Py_ssize_t n, CUstream stream) except -1 nogil:
-    """One cuMemcpyAsync a non-empty copy; a failure raises CudaError carrying the
-    copy's index in the caller's arrays."""
-    cdef Py_ssize_t i
-    for i in range(n):
-        if sizes[i]:
-            check(cydriver.cuMemcpyAsync(<cydriver.CUdeviceptr>dst[i], <cydriver.CUdeviceptr>src[i],
-                                          <size_t>sizes[i], stream), i)
-    return 0
-
-
 cdef bint _may_match(uintptr_t stream, long long epoch, int method, Py_ssize_t n) noexcept:
     """Whether a record could match a batch of ``n`` copies, before it is described:
     same stream, method and epoch, and no more planned copies than given. A batch on
@@ -254,8 +243,8 @@ def replay(object src, object dst, object sizes, uintptr_t stream, int method,
                 decision, note = _extras[slot]
                 if chosen.function == 0:  # (the copy engines: the caller's copies as given)
                     with nogil:
-                        _copy_each(<const uint64_t*>bs.buf, <const uint64_t*>bd.buf,
-                                   <const uint64_t*>bz.buf, n, <CUstream>stream)
+                        memcpy_each(<const uint64_t*>bd.buf, <const uint64_t*>bs.buf,
+                                    <const uint64_t*>bz.buf, 0, n, <CUstream>stream)
             finally:
                 PyBuffer_Release(&bz)
         finally:
