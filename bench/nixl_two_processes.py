@@ -318,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        from kvcopy_bench.cli import first_use_calibration
+
+        # (a calibration at first use, in the background, would run beside the timed
+        # transfers in both processes: done here, its file found by the other process)
+        first_use_calibration(0)
     header = ("block", "way", "descriptors", "prepare ms", "post ms", "wall ms", "GB/s")
     print("{:>6s}  {:40s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
     for kib in args.block_kib:

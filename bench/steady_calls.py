@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("steady_calls: no CUDA GPU here; this benchmark needs one", file=sys.stderr)
         return 2
+    from kvcopy_bench.cli import first_use_calibration
+
+    first_use_calibration(0)  # (none running beside the timed calls)
     stream = torch.cuda.Stream()
     print(f"{torch.cuda.get_device_name()}; median and p25 of {args.calls} calls, µs")
     print(f"{'call':60s} {'median':>8s} {'p25':>8s} {'target':>7s}")
