@@ -10,8 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.nixl_gpu_peer import expected_ipc
-from helpers.nixl_peer import expected_packed, expected_read, expected_written, nixl_installed, run_peers
+from helpers.nixl_peer import (
+    expected_ipc,
+    expected_packed,
+    expected_read,
+    expected_written,
+    nixl_installed,
+    run_peers,
+)
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
 

@@ -28,6 +28,9 @@ import torch
 
 from helpers.nixl_peer import (
     CHUNK,
+    IPC_PULL,
+    IPC_PUSH,
+    IPC_REFUSED,
     HEAD_BYTES,
     HEADS,
     PACKED,
@@ -135,22 +138,6 @@ def vram_sender(folder: Path) -> None:
     (folder / "sent").touch()
     agent.remove_remote_agent(peer)
     agent.deregister_memory(registered)
-
-
-# (lender's rows, host end's rows) of the pull, the push and the refused pull
-IPC_PULL = (np.array([3, 17, 63, 0, 40, 41]), np.array([0, 1, 2, 3, 8, 9]))
-IPC_PUSH = (np.array([0, 8, 2]), np.array([50, 51, 5]))
-IPC_REFUSED = (np.array([1, SLOTS]), np.array([10, 11]))
-
-
-def expected_ipc() -> tuple[np.ndarray, np.ndarray]:
-    """(the host end's cache after the pull, the lender's after the push): NumPy oracles."""
-    source = source_cache()
-    pulled = np.zeros((PLANES, 16, ROW), np.uint8)
-    pulled[:, IPC_PULL[1]] = source[:, IPC_PULL[0]]
-    pushed = source.copy()
-    pushed[:, IPC_PUSH[1]] = pulled[:, IPC_PUSH[0]]
-    return pulled, pushed
 
 
 def ipc_lender(folder: Path) -> None:

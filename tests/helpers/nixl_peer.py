@@ -65,6 +65,23 @@ def expected_packed() -> np.ndarray:
     return expected
 
 
+# (lender's rows, host end's rows) of the pull, the push and the refused pull
+IPC_PULL = (np.array([3, 17, 63, 0, 40, 41]), np.array([0, 1, 2, 3, 8, 9]))
+IPC_PUSH = (np.array([0, 8, 2]), np.array([50, 51, 5]))
+IPC_REFUSED = (np.array([1, SLOTS]), np.array([10, 11]))
+
+
+def expected_ipc() -> tuple[np.ndarray, np.ndarray]:
+    """(the host end's cache after the pull, the lender's after the push) of the same-host
+    leg on a GPU (helpers.nixl_gpu_peer): NumPy oracles."""
+    source = source_cache()
+    pulled = np.zeros((PLANES, 16, ROW), np.uint8)
+    pulled[:, IPC_PULL[1]] = source[:, IPC_PULL[0]]
+    pushed = source.copy()
+    pushed[:, IPC_PUSH[1]] = pulled[:, IPC_PUSH[0]]
+    return pulled, pushed
+
+
 def layout_of(cache: np.ndarray) -> Layout:
     return Layout.from_pointers([cache[p].ctypes.data for p in range(PLANES)], slots=SLOTS, row_bytes=ROW)
 
