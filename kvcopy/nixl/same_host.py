@@ -109,6 +109,8 @@ class OpenedLayout:
         )
 
     def close(self) -> None:
+        if not self.mapped and not self.event:
+            return  # (closed already)
         with _on_device(self.ordinal):
             while self.mapped:
                 ipc.close_mem_handle(self.mapped.pop())

@@ -113,6 +113,9 @@ def test_opening_maps_every_allocation_and_closing_gives_each_back(fake):
     closed = [call[1] for call in fake.calls if call[0] == "close_mem_handle"]
     assert sorted(closed) == sorted(mapped) and ("event_destroy", event) in fake.calls
     assert opened.mapped == [] and opened.event == 0
+    asked = len(fake.calls)
+    opened.close()  # (a second close asks nothing)
+    assert len(fake.calls) == asked
 
 
 def test_open_layout_refuses_its_own_and_gives_back_what_it_mapped_when_one_fails(fake):
