@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import kvcopy
-from kvcopy_bench import beside, extra, gpu_pairs, layouts, report
+from kvcopy_bench import beside, extra, gpu_pairs, layouts, nixl_stage, report
 from kvcopy_bench.gpu import gpu_or_exit
 from kvcopy_bench.scenarios import block_copy_rows
 from kvcopy.policy import RequestedMethod
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, scenarios, stage_seconds = [], {}, {}
     max_loop_count = 4096 if args.quick else 32768  # per-block alternatives: seconds per batch
     t0 = time.time()
-    steps = len(jobs) + (0 if args.no_scenarios else 7)
+    steps = len(jobs) + (0 if args.no_scenarios else 8)
     for i, (direction, block, memory) in enumerate(jobs):
         label = f"{direction} {block // KiB} KiB ({memory} memory)"
         progress(i, steps, label)
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             ),
             ("layouts", "layout transfers (copy_rows)", layouts.run_here),
+            ("nixl", "NIXL between two processes (where installed)", lambda: nixl_stage.nixl_rows(repeats)),
             (
                 "swap_blocks",
                 "swap_blocks on a paged cache",
