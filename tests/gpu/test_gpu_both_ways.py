@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from helpers.gpu import address, expected_after, host_bytes, make_pool, scattered
+from helpers.gpu import address, expected_after, host_bytes, make_pool, scattered, ordered_stream
 
 MiB = 1 << 20
 
@@ -376,7 +376,7 @@ def test_swap_blocks_each_way_on_two_streams_as_vllm_offloads(torch_cuda, traffi
             e[torch.from_numpy(m[:, 1])] = g[torch.from_numpy(m[:, 0]).cuda()].cpu()
     for e, h in zip(expected_gpu, host):
         e[torch.from_numpy(load[:, 1]).cuda()] = h[torch.from_numpy(load[:, 0])].cuda()
-    store_stream, load_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    store_stream, load_stream = ordered_stream(torch), ordered_stream(torch)
     ran = [
         kvcopy.swap_blocks(gpu, host, stores[0], stream=store_stream),
         kvcopy.swap_blocks(host, gpu, load, stream=load_stream),

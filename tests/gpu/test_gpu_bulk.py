@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from helpers.gpu import address, expected_after, host_bytes, make_pool
+from helpers.gpu import address, expected_after, host_bytes, make_pool, ordered_stream
 from kvcopy.policy import BULK_MAX_BYTES, BULK_MIN_BYTES
 
 
@@ -112,7 +112,7 @@ def test_work_after_the_copy_on_its_stream_sees_every_byte(torch_cuda):
     gpu_a = torch.empty(n * block, dtype=torch.uint8, device="cuda")
     gpu_b = torch.empty_like(gpu_a)
     host = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     order = np.random.default_rng(1).permutation(n).astype(np.int64) * block
     sizes = np.full(n, block)
     for round_ in range(20):

@@ -19,6 +19,7 @@ import kvcopy
 from kvcopy import testing
 from kvcopy.policy import Decision
 from helpers.spies import LayerSpy
+from helpers.gpu import ordered_stream
 
 KiB = 1 << 10
 # the kvcopy._cuda functions that read a batch copy by copy on the CPU
@@ -121,7 +122,7 @@ def test_copy_batch_hands_the_batch_down_once_and_passes_over_it_at_most_twice(t
     block = 4 * KiB
     host = torch.randint(0, 256, (2 * count * block,), dtype=torch.uint8).pin_memory()
     gpu = torch.zeros(2 * count * block, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     order = np.random.default_rng(count).permutation(count).astype(np.uint64)
     if case == "staged":  # 64 MiB whose host side is one span: staged through GPU memory
         order = np.arange(count, dtype=np.uint64)

@@ -18,6 +18,7 @@ import pytest
 
 import kvcopy
 import kvcopy.testing
+from helpers.gpu import ordered_stream
 
 
 LAYERS, PAGES_HOST, PAGES_GPU = 4, 48, 32
@@ -66,7 +67,7 @@ def test_back_up_every_layer_then_load_layer_by_layer_behind_events(torch_cuda, 
     ]
     original = [t.clone() for t in gpu_k + gpu_v]
     backup = np.stack([np.arange(12), 30 + np.arange(12)], axis=1)  # GPU pages -> host pages
-    io = torch.cuda.Stream()
+    io = ordered_stream(torch)
 
     # backup: every layer's K and V of 12 pages in one call
     gpu_all = [t for pair in zip(gpu_k, gpu_v) for t in pair]

@@ -12,6 +12,7 @@ import pytest
 
 import kvcopy
 from kvcopy import testing
+from helpers.gpu import ordered_stream
 
 BLOCK = 64 << 10
 BLOCKS = 256
@@ -24,7 +25,7 @@ def _copy_both_ways(torch, pool_bytes: np.ndarray, method: str) -> None:
     host = torch.from_numpy(pool_bytes).view(BLOCKS, BLOCK)
     gpu = torch.zeros(BLOCKS, BLOCK, dtype=torch.uint8, device="cuda")
     taken, placed = rng.permutation(BLOCKS)[:64], rng.permutation(BLOCKS)[:64]
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     mapping = torch.tensor(np.stack([taken, placed], 1), dtype=torch.int64)
     kvcopy.swap_blocks(host, gpu, mapping, stream=stream, method=method)
     stream.synchronize()

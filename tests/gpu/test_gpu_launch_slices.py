@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcopy
-from helpers.gpu import address, expected_after, host_bytes, make_pool
+from helpers.gpu import address, expected_after, host_bytes, make_pool, ordered_stream
 
 
 KINDS = {"h2d": ("pinned", "cuda"), "d2h": ("cuda", "pinned")}
@@ -83,7 +83,7 @@ def test_work_behind_a_sliced_load_sees_every_block(torch_cuda, launch_bytes):
     host = torch.empty(count, block, dtype=torch.uint8, pin_memory=True)
     gpu = torch.zeros(2 * count, block, dtype=torch.uint8, device="cuda")
     slots = torch.randperm(2 * count)[:count]
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     for round_ in range(5):
         host.copy_(torch.randint(0, 255, host.shape, dtype=torch.uint8))
         src = np.uint64(host.data_ptr()) + np.arange(count, dtype=np.uint64) * np.uint64(block)

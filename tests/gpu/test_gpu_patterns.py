@@ -23,7 +23,7 @@ import pytest
 
 import kvcopy
 import kvcopy.testing
-from helpers.gpu import jax_gpu, make_pool
+from helpers.gpu import jax_gpu, make_pool, ordered_stream
 from helpers.child import run_child
 
 KiB = 1 << 10
@@ -147,6 +147,7 @@ def test_separate_registrations_back_to_back(torch_cuda, method):
     with kvcopy.register(region[: span // 2]), kvcopy.register(region[span // 2 :]):
         gpu = torch.randint(0, 256, (span,), dtype=torch.uint8, device="cuda")
         s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())  # (torch's streams do not wait for the default one)
         kvcopy.copy_batch(
             gpu.data_ptr() + np.arange(n) * block,
             base + np.arange(n) * block,
@@ -162,7 +163,7 @@ def test_separate_torch_pinned_tensors_every_method(torch_cuda):
     torch = torch_cuda
     parts = [torch.randint(0, 256, (16 * KiB,), dtype=torch.uint8).pin_memory() for _ in range(4)]
     gpu = torch.zeros(64 * KiB, dtype=torch.uint8, device="cuda")
-    s = torch.cuda.Stream()
+    s = ordered_stream(torch)
     for method in METHODS:
         gpu.zero_()
         torch.cuda.synchronize()
@@ -203,6 +204,7 @@ def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
     )
     sizes = np.full(len(host_ptrs), block, dtype=np.uint64)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # (the zeros are written there)
     assert kvcopy.copy_batch(host_ptrs, gpu_ptrs, sizes, stream=s) == "kernel"
     s.synchronize()
     for t in range(tensors):
@@ -211,6 +213,7 @@ def test_raw_pointers_block_by_block_over_160_layer_tensors(torch_cuda):
     for t in range(tensors):
         gpu[t].view(-1, block)[torch.from_numpy(slots[t][1].astype(np.int64)).cuda()] += 1
     before = [h.clone() for h in host]
+    s.wait_stream(torch.cuda.current_stream())  # (the increments are written there)
     assert kvcopy.copy_batch(gpu_ptrs, host_ptrs, sizes, stream=s) == "kernel"
     s.synchronize()
     for t in range(tensors):
@@ -382,7 +385,7 @@ def test_pageable_memory_still_copies_and_merges(torch_cuda):
     torch = torch_cuda
     host = np.random.default_rng(8).integers(0, 256, 64 * KiB, dtype=np.uint8)
     gpu = torch.zeros(64 * KiB, dtype=torch.uint8, device="cuda")
-    s = torch.cuda.Stream()
+    s = ordered_stream(torch)
     for method in ("auto", "batch", "loop"):
         gpu.zero_()
         torch.cuda.synchronize()

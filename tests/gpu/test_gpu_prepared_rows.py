@@ -10,6 +10,7 @@ import pytest
 import kvcopy
 from kvcopy import Layout
 from helpers.layouts import gathered, paged, rand, replay_with_new_indices
+from helpers.gpu import ordered_stream
 
 
 def test_each_call_gathers_the_rows_its_indices_hold_then(torch_cuda):
@@ -17,7 +18,7 @@ def test_each_call_gathers_the_rows_its_indices_hold_then(torch_cuda):
     caches = paged(torch, 3, 16, 16, 2048, 21)
     chunk = torch.zeros((2, 3, 40, 2048), dtype=torch.uint8).pin_memory()
     slots = torch.zeros(40, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     prepared = kvcopy.prepare_rows(
         Layout.of(caches, planes=(0,), page=1, slot=2),
         Layout.of(chunk, planes=(1, 0), slot=2),
@@ -74,7 +75,7 @@ def test_a_captured_prepared_call_replays_with_new_indices(torch_cuda):
     dst = torch.zeros((2, 256, 1152), dtype=torch.uint8).pin_memory()
     src_index = torch.zeros(32, dtype=torch.int64, device="cuda")
     dst_index = torch.zeros(32, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     prepared = kvcopy.prepare_rows(
         Layout.of(src, slot=0).select([0, 0]),
         Layout.of(dst, planes=(0,), slot=1),

@@ -11,7 +11,7 @@ import pytest
 
 import kvcopy
 from helpers.child import run_child
-from helpers.gpu import make_pool
+from helpers.gpu import make_pool, ordered_stream
 from kvcopy.calibrate import BOTH_WAYS_BLOCKS, FOOTPRINT_CTAS
 
 
@@ -127,7 +127,7 @@ def test_eight_threads_thousand_calls_each(torch_cuda):
     def worker(t: int) -> None:
         try:
             dst = torch.zeros(calls * per_call * block, dtype=torch.uint8, device="cuda")
-            stream = torch.cuda.Stream()
+            stream = ordered_stream(torch)
             rng = np.random.default_rng(t)
             picks = []
             for i in range(calls):
@@ -164,7 +164,7 @@ def test_200000_descriptors(torch_cuda, method):
     rng = np.random.default_rng(5)
     s_off = rng.permutation(2 * n)[:n] * block
     d_off = rng.permutation(2 * n)[:n] * block
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     kvcopy.copy_batch(
         src.data_ptr() + s_off, dst.data_ptr() + d_off, np.full(n, block), stream=stream, method=method
     )

@@ -10,6 +10,7 @@ import pytest
 import kvcopy
 from kvcopy import Layout
 from helpers.layouts import gathered, paged, rand, replay_with_new_indices
+from helpers.gpu import ordered_stream
 
 
 @pytest.mark.parametrize("row", [2048, 1152, 512, 128, 100, 40960])
@@ -68,7 +69,7 @@ def test_repeated_calls_move_each_calls_indices(torch_cuda):
     dst = Layout.of(chunk, planes=(1, 0), slot=2)
     rng = np.random.default_rng(9)
     index = torch.empty(24, dtype=torch.int64, device="cuda")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    streams = [ordered_stream(torch), ordered_stream(torch)]
     for step in range(6):
         slots = rng.choice(16 * 16, 24, replace=False).astype(np.int64)
         if step == 4:

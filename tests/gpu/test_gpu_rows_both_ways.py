@@ -10,6 +10,7 @@ import pytest
 import kvcopy
 from kvcopy import Layout, policy
 from helpers.layouts import gathered, paged, rand
+from helpers.gpu import ordered_stream
 
 
 def step(torch, row, seed):
@@ -36,7 +37,7 @@ def test_a_store_and_a_load_at_once_move_every_byte(torch_cuda, row, indices_on)
     before = [c.clone() for c in caches]
     paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
     as_given = (lambda a: torch.from_numpy(a).cuda()) if indices_on == "gpu" else (lambda a: a)
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     ran = kvcopy.copy_rows_both_ways(
         (paged_layout, Layout.of(out, planes=(1, 0), slot=2), as_given(store_slots)),
         (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, as_given(load_slots)),
@@ -60,7 +61,7 @@ def test_a_captured_step_replays_with_new_indices(torch_cuda):
     paged_layout = Layout.of(caches, planes=(0,), page=1, slot=2)
     store_index = torch.from_numpy(store_slots).cuda()
     load_index = torch.from_numpy(load_slots).cuda()
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     kvcopy.prepare()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):

@@ -14,6 +14,7 @@ import kvcopy
 from kvcopy import Layout, policy
 from kvcopy.testing import engine
 from helpers.layouts import paged, rand
+from helpers.gpu import ordered_stream
 
 CHUNK = 64 << 10  # a few rows per chunk: every transfer below takes several chunks
 
@@ -167,7 +168,7 @@ def test_the_same_call_again_moves_the_refilled_indices_rows(torch_cuda, staged_
     load_index = torch.from_numpy(load_slots).cuda()
     store = (paged_layout, Layout.of(out, planes=(1, 0), slot=2), store_index)
     load = (Layout.of(back, planes=(1, 0), slot=2), paged_layout, None, load_index)
-    stream = torch.cuda.Stream()
+    stream = ordered_stream(torch)
     rng = np.random.default_rng(31)
     for _ in range(5):
         order = rng.permutation(256)

@@ -18,6 +18,17 @@ POOL_DEVICES = {
 }
 
 
+def ordered_stream(torch: Any) -> Any:
+    """A new torch stream whose work starts after what is queued on torch's current
+    stream so far. torch's streams do not wait for the default stream, so a tensor
+    made or changed there (zeros, randint, an index moved with ``.cuda()``) may still be
+    in flight when a copy on a new stream reads or overwrites it: the GPU suite's
+    parallel shards delay the default stream's work enough for that to happen."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
+
+
 def make_pool(kind: str, nbytes: int, seed: int):
     """A uint8 buffer filled with random bytes: torch tensor, or NumPy for 'pageable'."""
     import torch
