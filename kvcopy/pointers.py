@@ -130,6 +130,13 @@ def copy_batch(
     )
 
 
+def refuse_unless_apart(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """ValueError for a bad copy or a batch whose copies depend on their order (as
+    copy_batch refuses them with check_overlap); nothing for a batch shown apart."""
+    if not copies_ok(src, dst, sizes):
+        refuse_order_dependence(src, dst, sizes)
+
+
 def refuse_order_dependence(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     """ValueError where two copies of a batch of valid copies write one byte, or a copy
     reads a byte a copy writes (compared exactly: copies_ok's glance was not enough)."""
@@ -191,8 +198,7 @@ def copy_both_ways(
     for side, name in ((first, "store"), (second, "load")):
         if len(side[0]) == len(side[1]) == len(side[2]):
             try:
-                if not copies_ok(*side):
-                    refuse_order_dependence(*side)
+                refuse_unless_apart(*side)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
     refuse_crossing(first, second)

@@ -11,8 +11,8 @@ after, so that a test fakes the driver or a device, not the wiring of modules:
   assignment is), the previous ones back after it.
 - ``fake_cuda(fake, layers)``: every use of the driver layer's modules named in
   ``layers`` (kvcopy._cuda.driver, .memory, .describe, .launch, .dma, .stage,
-  .classify, .replay_records, .plan_arrays, .rows, .ipc) outside that layer goes to ``fake``, an object
-  with the functions and constants the test's path calls.
+  .classify, .replay_records, .plan_arrays, .rows, .ipc) outside that layer goes to
+  ``fake``, an object with the functions and constants the test's path calls.
 - ``fake_runtime(...)``: what kvcopy keeps per CUDA context, replaced: the loaded
   copy kernel, the descriptor ring, the staging buffers, the side streams, the
   context a call enters, device 0's facts and thresholds.
@@ -71,7 +71,6 @@ from kvcopy._cuda import rows as rows_cuda
 from kvcopy._cuda import rows_repeat
 from kvcopy._cuda import testing as cuda_testing
 from kvcopy._cuda.describe import fast_describe_available
-from kvcopy._cuda.plan_arrays import copies_ok
 from kvcopy._cuda.testing import describe_copies_answered, describe_copies_in
 from kvcopy._engine import blocks as blocks_engine
 from kvcopy._engine import both_ways, decide, dispatch, guard, kernel, replay, staged, traffic_window
@@ -97,7 +96,7 @@ from kvcopy._runtime import (
     side_streams,
 )
 from kvcopy.rows import copy_planned_rows, copy_rows
-from kvcopy.pointers import refuse_order_dependence
+from kvcopy.pointers import refuse_unless_apart
 from kvcopy.compat import pointer_tables
 from kvcopy.compat import vllm as compat_vllm
 from kvcopy.config import config
@@ -403,8 +402,7 @@ def _fragments_on_host(table: np.ndarray, stream: Any) -> bool:
     between host memory."""
     sources, destinations, sizes = (np.ascontiguousarray(part) for part in table[:3])
     try:
-        if not copies_ok(sources, destinations, sizes):
-            refuse_order_dependence(sources, destinations, sizes)
+        refuse_unless_apart(sources, destinations, sizes)
     except ValueError:
         return False
     _memmove_on_host(sources, destinations, sizes)
