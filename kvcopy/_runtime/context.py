@@ -27,6 +27,17 @@ def relaxed_capture() -> Iterator[None]:
         driver.exchange_capture_mode(previous)
 
 
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[None]:
+    """Device ``ordinal``'s primary context current for the block, the caller's back
+    after it (the context torch and the default streams use on that device)."""
+    driver.push_context(driver.primary_context(ordinal))
+    try:
+        yield
+    finally:
+        driver.pop_context()
+
+
 class ContextScope:
     """Makes the context a copy must run in current, and restores the caller's after.
 

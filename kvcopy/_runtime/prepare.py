@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvcopy._runtime import device as devices
 from kvcopy._runtime import ring
 from kvcopy._cuda import driver
+from kvcopy._runtime.context import on_device
 from kvcopy.arguments import require_int
 
 
@@ -29,11 +30,8 @@ def prepare(device: int | None = None) -> None:
     if device is None and driver.current_context():
         prepare_current_context()
         return
-    driver.push_context(driver.primary_context(0 if device is None else device))
-    try:
+    with on_device(0 if device is None else device):
         prepare_current_context()
-    finally:
-        driver.pop_context()
 
 
 def prepare_current_context() -> None:

@@ -34,7 +34,7 @@ from kvcopy.arguments import require_int
 from kvcopy.interop.streams import resolve_stream
 from kvcopy.layouts import Layout
 from kvcopy.nixl.descriptors import Descriptors
-from kvcopy.nixl.transfers import Posted, finish, post, wait_notification
+from kvcopy.nixl.transfers import Posted, finish, notification, post, wait_notification
 
 MEMORIES = ("DRAM", "VRAM")
 
@@ -83,14 +83,6 @@ def _slot_rows(staging: Staging, slot: int, count: int, planes: int, row_bytes: 
     return Layout.from_pointers(
         [first + p * count * row_bytes for p in range(planes)], slots=count, row_bytes=row_bytes
     )
-
-
-def chunk_message(tag: str, chunk: int) -> bytes:
-    return f"kvcopy/{tag}/chunk/{chunk};".encode()
-
-
-def free_message(tag: str, chunk: int) -> bytes:
-    return f"kvcopy/{tag}/free/{chunk};".encode()
 
 
 def _rows(indices: Any, name: str, sender: bool) -> np.ndarray:
@@ -147,7 +139,7 @@ def send_packed(
             if k % staging.slots in flight:  # (its last chunk must have left the slot)
                 finish(flight.pop(k % staging.slots))
             if k >= peer_staging.slots:
-                wait_notification(agent, peer, free_message(tag, k - peer_staging.slots), timeout)
+                wait_notification(agent, peer, notification(tag, "free", k - peer_staging.slots), timeout)
             copy_rows(src, staging.rows(k, len(part), planes, row), part, None, rows=len(part), stream=handle)
             stream_synchronize(handle)
             size = len(part) * planes * row
@@ -165,7 +157,7 @@ def send_packed(
                 peer,
                 local_memory=staging.memory,
                 remote_memory=peer_staging.memory,
-                notification=chunk_message(tag, k),
+                notification=notification(tag, "chunk", k),
                 timeout=timeout,
             )
         while flight:
@@ -215,12 +207,12 @@ def receive_packed(
         while scattering and event_query(scattering[0][1]):
             k = scattering.popleft()[0]
             if k < awaited:
-                agent.send_notif(peer, free_message(tag, k))
+                agent.send_notif(peer, notification(tag, "free", k))
 
     try:
         for k in range(chunks):
             part = rows[k * chunk_rows : (k + 1) * chunk_rows]
-            wait_notification(agent, peer, chunk_message(tag, k), timeout, give_back_ended)
+            wait_notification(agent, peer, notification(tag, "chunk", k), timeout, give_back_ended)
             copy_rows(staging.rows(k, len(part), planes, row), dst, None, part, rows=len(part), stream=handle)
             event_record(events[k % len(events)], handle)
             scattering.append((k, events[k % len(events)]))

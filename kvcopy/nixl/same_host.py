@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcopy._cuda import driver, ipc
+from kvcopy._runtime.context import on_device
 from kvcopy.layouts import Layout
 from kvcopy.interop.streams import resolve_stream
-from kvcopy.nixl.transfers import TransferFailed, _name, wait_notification
+from kvcopy.nixl.transfers import TransferFailed, _name, notification, wait_notification
 from kvcopy.rows import copy_rows
 
 _GEOMETRY = ("slots", "row_bytes", "page_size", "page_stride", "slot_stride", "pieces", "piece_stride")
@@ -75,7 +76,7 @@ class SharedRows:
 
     def close(self) -> None:
         if self.event:
-            with _on_device(self.ordinal):
+            with on_device(self.ordinal):
                 driver.event_destroy(self.event)
             self.event = 0
 
@@ -111,7 +112,7 @@ class OpenedLayout:
     def close(self) -> None:
         if not self.mapped and not self.event:
             return  # (closed already)
-        with _on_device(self.ordinal):
+        with on_device(self.ordinal):
             while self.mapped:
                 ipc.close_mem_handle(self.mapped.pop())
             if self.event:
@@ -125,20 +126,6 @@ class OpenedLayout:
         self.close()
 
 
-class _on_device:
-    """The primary context of device ``ordinal`` current for a block (IPC maps into the
-    current context; copies on the default streams run in the primary one)."""
-
-    def __init__(self, ordinal: int) -> None:
-        self.ordinal = ordinal
-
-    def __enter__(self) -> None:
-        driver.push_context(driver.primary_context(self.ordinal))
-
-    def __exit__(self, *exc: Any) -> None:
-        driver.pop_context()
-
-
 def share_layout(layout: Layout) -> SharedRows:
     """Share ``layout``'s rows, all in GPU memory from cuMemAlloc on one device, with
     another process. Raises TypeError for what is not a Layout, ValueError naming the
@@ -147,18 +134,17 @@ def share_layout(layout: Layout) -> SharedRows:
     if not isinstance(layout, Layout):
         raise TypeError(f"share_layout: layout must be a kvcopy.Layout, got {type(layout).__name__}")
     driver.init()
-    ordinal = -1
+    bases = [int(b) for b in layout.bases]
+    ordinal = _device_of(bases[0], 0)
     allocations: dict[int, int] = {}  # base -> index
     handles: list[bytes] = []
     planes = []
     extent = layout.extent
-    for p, base in enumerate(int(b) for b in layout.bases):
-        where = _device_of(base, p)
-        if ordinal < 0:
-            ordinal = where
-        elif where != ordinal:
-            raise ValueError(f"share_layout: plane {p} is on device {where}, plane 0 on device {ordinal}")
-        with _on_device(ordinal):
+    with on_device(ordinal):  # (IPC handles are made in a context of the memory's device)
+        for p, base in enumerate(bases):
+            where = _device_of(base, p)
+            if where != ordinal:
+                raise ValueError(f"share_layout: plane {p} is on device {where}, plane 0 on device {ordinal}")
             start, size = ipc.allocation_of(base)
             if base + extent > start + size:
                 raise ValueError(
@@ -174,8 +160,7 @@ def share_layout(layout: Layout) -> SharedRows:
                         "CUDA IPC shares cuMemAlloc memory only (not expandable segments or pools)"
                     ) from None
                 allocations[start] = len(handles) - 1
-        planes.append((allocations[start], base - start))
-    with _on_device(ordinal):
+            planes.append((allocations[start], base - start))
         event = ipc.event_create_shared()
         try:
             event_handle = ipc.event_handle(event)
@@ -221,7 +206,7 @@ def open_layout(shared: SharedLayout) -> OpenedLayout:
     except Exception:
         raise ValueError(f"open_layout: no device at PCI bus id {shared.bus_id!r} in this process") from None
     mapped: list[int] = []
-    with _on_device(ordinal):
+    with on_device(ordinal):
         try:
             for handle in shared.handles:
                 mapped.append(ipc.open_mem_handle(handle))
@@ -231,18 +216,6 @@ def open_layout(shared: SharedLayout) -> OpenedLayout:
                 ipc.close_mem_handle(ptr)
             raise
     return OpenedLayout(mapped, event, ordinal, shared)
-
-
-def _lent(tag: str) -> bytes:
-    return f"kvcopy/{tag}/lent;".encode()
-
-
-def _returned(tag: str) -> bytes:
-    return f"kvcopy/{tag}/returned;".encode()
-
-
-def _refused(tag: str) -> bytes:
-    return f"kvcopy/{tag}/refused;".encode()
 
 
 def lend_rows(
@@ -255,10 +228,10 @@ def lend_rows(
     if not isinstance(rows, SharedRows) or not rows.event:
         raise TypeError("lend_rows: rows must be an open kvcopy.nixl.SharedRows (share_layout)")
     handle = resolve_stream(stream)
-    with _on_device(rows.ordinal):
+    with on_device(rows.ordinal):
         driver.event_record(rows.event, handle)
-    agent.send_notif(_name(peer), _lent(tag))
-    refused = _refused(tag)
+    agent.send_notif(_name(peer), notification(tag, "lent"))
+    refused = notification(tag, "refused")
     name = _name(peer)
 
     def refusal() -> None:
@@ -267,7 +240,7 @@ def lend_rows(
                 f"lend_rows: {name!r} refused transfer {tag!r} (see its error); nothing moved"
             )
 
-    wait_notification(agent, peer, _returned(tag), timeout, refusal)
+    wait_notification(agent, peer, notification(tag, "returned"), timeout, refusal)
 
 
 def pull_rows(
@@ -330,14 +303,16 @@ def _move(
     if not isinstance(opened, OpenedLayout) or not opened.mapped:
         raise TypeError("opened must be an open kvcopy.nixl.OpenedLayout (open_layout)")
     handle = resolve_stream(stream)
-    wait_notification(agent, peer, _lent(tag), timeout)
+    wait_notification(agent, peer, notification(tag, "lent"), timeout)
     try:
-        with _on_device(opened.ordinal):
+        with on_device(opened.ordinal):
             driver.stream_wait_event(handle, opened.event)
             method = copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=handle)
             driver.stream_synchronize(handle)
     except BaseException:
-        agent.send_notif(_name(peer), _refused(tag))  # (the lender stops waiting: nothing moved)
+        agent.send_notif(
+            _name(peer), notification(tag, "refused")
+        )  # (the lender stops waiting: nothing moved)
         raise
-    agent.send_notif(_name(peer), _returned(tag))
+    agent.send_notif(_name(peer), notification(tag, "returned"))
     return method

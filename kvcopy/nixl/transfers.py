@@ -156,6 +156,13 @@ def _release(posted: Posted) -> None:
     posted.handle, posted.lists = None, []
 
 
+def notification(tag: str, *what: object) -> bytes:
+    """The notification that says ``what`` of kvcopy's transfer ``tag`` between two
+    agents: ``kvcopy/<tag>/<what>/...;`` (the ';' ends it, so that no message is the
+    start of another that wait_notification would take for it)."""
+    return "/".join(("kvcopy", tag, *map(str, what))).encode() + b";"
+
+
 def wait_notification(
     agent: Any,
     remote_agent: str,
