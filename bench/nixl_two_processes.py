@@ -10,10 +10,12 @@ x 118 blocks at random slots of one cache tensor a side (18,880 rows), moved
   (kvcopy.nixl.same_host: share_layout and lend_rows, open_layout and pull_rows);
 
 with descriptors posted, CPU to prepare and to post, wall and GB/s, and the bytes
-checked at the destination after every way. ``--to host`` puts the destination
-cache in the other process's pinned host memory (the same-host leg): the packed way
-then stages through the receiver's GPU memory, and a local contiguous GPU-to-host
-copy of the same bytes is the reference.
+checked at the destination after every way. For the packed way "post ms" is the
+sending process's CPU time in ``send_packed`` (all its threads: the gathers launched,
+the chunks posted, the slots waited for), an upper bound on its CPU to prepare and post.
+``--to host`` puts the destination cache in the other process's pinned host memory
+(the same-host leg): the packed way then stages through the receiver's GPU memory,
+and a local contiguous GPU-to-host copy of the same bytes is the reference.
 
     python3 bench/nixl_two_processes.py [--block-kib 2 32] [--to gpu|host] [--repeats 5]
         [--chunk-rows 16] [--slots 4] [--packed-only]
@@ -215,20 +217,26 @@ def one_block_size(
         rows.append(
             (block, name, descs.posted, prepare, statistics.median(posts[1:]), wall, moved / wall / 1e9)
         )
-    walls = []
+    walls, cpus = [], []
     for _ in range(repeats + 1):
         mine.send(("clear", None))
         mine.recv()
         mine.send(("receive", theirs))
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         with testing.rows_on_host() if cpu else contextlib.nullcontext():
             nixl.send_packed(agent, a, ours, peer, staging, their_staging, tag="bench", chunk_rows=chunk_rows)
+        cpus.append(time.process_time() - cpu_start)
         walls.append(mine.recv() - start)
     mine.send(("rows", theirs))
     assert np.array_equal(mine.recv(), expected), "packed"
     chunks = -(-USED // chunk_rows)
     wall = statistics.median(walls[1:])
-    rows.append((block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, 0.0, wall, moved / wall / 1e9))
+    # (the sender's CPU time in send_packed, every thread of the process: its gathers
+    # launched and its chunks posted, the staging slots waited for)
+    sender_cpu = statistics.median(cpus[1:])
+    rows.append(
+        (block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, sender_cpu, wall, moved / wall / 1e9)
+    )
     if not cpu:
         rows.append(_same_host_leg(agent, peer, mine, a, ours, theirs, expected, block, moved, repeats))
     if not cpu and to == "host":
