@@ -86,17 +86,27 @@ def _side(agent, block: int, where: str, staging_where: str, chunk_rows: int, sl
     return keep, base, memory, staging, held, stage_keep
 
 
+def _planes(keep, base: int, block: int):
+    """The cache's layout: PLANES planes of BLOCKS rows of ``block`` bytes from ``base``,
+    holding its torch tensor where it has one (its memory is then classified once, as
+    an engine's layouts of its own tensors are)."""
+    from kvcopy import Layout
+
+    held = () if isinstance(keep, np.ndarray) else (keep,)
+    return Layout.from_pointers(
+        [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block, keep=held
+    )
+
+
 def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_rows: int, slots: int) -> None:
     """The receiving process: its cache, its staging, and what the sender asks."""
-    from kvcopy import Layout, nixl, testing
+    from kvcopy import nixl, testing
 
     agent = make_agent("target")
     keep, base, memory, staging, held, _staging_kept = _side(
         agent, block, where, staging_where, chunk_rows, slots
     )
-    layout = Layout.from_pointers(
-        [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
-    )
+    layout = _planes(keep, base, block)
     conn.send((agent.get_agent_metadata(), base, memory, staging))
     peer = agent.add_remote_agent(conn.recv())
     opened = None
@@ -121,8 +131,11 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
             conn.send(None)
         elif command == "pull":
             src_rows, dst_rows, tag = argument
-            nixl.pull_rows(agent, peer, opened, layout, src_rows, dst_rows, tag=tag)
-            conn.send(time.monotonic())
+            method = nixl.pull_rows(agent, peer, opened, layout, src_rows, dst_rows, tag=tag)
+            conn.send((time.monotonic(), method))
+        elif command == "copy":  # the leg's copy alone, no notification: (seconds, method)
+            src_rows, dst_rows, requested = argument
+            conn.send(_copy_alone(opened, layout, src_rows, dst_rows, requested))
         elif command == "close":
             opened.close()
             conn.send(None)
@@ -132,6 +145,20 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
     for handle in held:
         agent.deregister_memory(handle)
     del keep
+
+
+def _copy_alone(opened, layout, src_rows, dst_rows, requested: str) -> tuple[float, str]:
+    """The same-host leg's copy_rows from the opened layout, timed to its end in the
+    receiving process (the lender's rows ready: nothing waited for)."""
+    import torch
+
+    from kvcopy import copy_rows
+
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    method = copy_rows(opened.layout, layout, src_rows, dst_rows, method=requested)
+    torch.cuda.synchronize()
+    return time.monotonic() - start, method
 
 
 def one_block_size(
@@ -169,9 +196,7 @@ def one_block_size(
     peer = agent.add_remote_agent(metadata)
     mine.send(agent.get_agent_metadata())
     ours, theirs = rng.permutation(BLOCKS)[:USED], rng.permutation(BLOCKS)[:USED]
-    a = Layout.from_pointers(
-        [base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
-    )
+    a = _planes(keep, base, block)
     b = Layout.from_pointers(
         [their_base + p * BLOCKS * block for p in range(PLANES)], slots=BLOCKS, row_bytes=block
     )
@@ -238,7 +263,7 @@ def one_block_size(
         (block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, sender_cpu, wall, moved / wall / 1e9)
     )
     if not cpu:
-        rows.append(_same_host_leg(agent, peer, mine, a, ours, theirs, expected, block, moved, repeats))
+        rows.extend(_same_host_leg(agent, peer, mine, a, ours, theirs, expected, block, moved, repeats))
     if not cpu and to == "host":
         rows.append(_local_copy(block, moved, repeats))
     mine.send(("quit", None))
@@ -252,9 +277,11 @@ def one_block_size(
 
 def _same_host_leg(
     agent, peer, conn, src, ours, theirs, expected, block: int, moved: int, repeats: int
-) -> tuple:
+) -> list[tuple]:
     """The rows pulled by the receiver from this process's GPU cache through CUDA IPC,
-    end to end (lent, pulled, returned); the layout shared and opened once, untimed."""
+    end to end (lent, pulled, returned; the method copy_rows chose), then the
+    receiver's copy_rows alone (auto, and the kernel asked for); the layout shared and
+    opened once, untimed."""
     from kvcopy import nixl
 
     walls = []
@@ -267,13 +294,29 @@ def _same_host_leg(
             conn.send(("pull", (ours, theirs, f"leg{k}")))
             start = time.monotonic()
             nixl.lend_rows(agent, peer, shared, tag=f"leg{k}")
-            walls.append(conn.recv() - start)
+            ended, method = conn.recv()
+            walls.append(ended - start)
         conn.send(("rows", theirs))
         assert np.array_equal(conn.recv(), expected), "same-host leg"
+        rows = [(block, f"kvcopy same-host leg (CUDA IPC, {method})", 0, 0.0, 0.0, _rate(walls, moved))]
+        for requested in ("auto", "kernel"):
+            copies = []
+            for _ in range(repeats + 1):
+                conn.send(("copy", (ours, theirs, requested)))
+                seconds, method = conn.recv()
+                copies.append(seconds)
+            rows.append(
+                (block, f"  its copy_rows alone ({requested}: {method})", 0, 0.0, 0.0, _rate(copies, moved))
+            )
         conn.send(("close", None))
         conn.recv()
-    wall = statistics.median(walls[1:])
-    return (block, "kvcopy same-host leg (CUDA IPC)", 0, 0.0, 0.0, wall, moved / wall / 1e9)
+    return [(*row[:5], *row[5]) for row in rows]
+
+
+def _rate(times: list[float], moved: int) -> tuple[float, float]:
+    """(median seconds after the first, GB/s) of ``times``."""
+    wall = statistics.median(times[1:])
+    return wall, moved / wall / 1e9
 
 
 def _local_copy(block: int, moved: int, repeats: int) -> tuple:
@@ -332,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
         # transfers in both processes: done here, its file found by the other process)
         first_use_calibration(0)
     header = ("block", "way", "descriptors", "prepare ms", "post ms", "wall ms", "GB/s")
-    print("{:>6s}  {:40s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
+    print("{:>6s}  {:48s} {:>11s} {:>10s} {:>8s} {:>8s} {:>7s}".format(*header))
     for kib in args.block_kib:
         for block, name, posted, prepare, post, wall, rate in one_block_size(
             kib << 10, args.to, args.repeats, args.cpu, args.chunk_rows, args.slots, args.packed_only
         ):
             print(
-                f"{block >> 10:4d} KiB  {name:40s} {posted:11d} {prepare * 1e3:10.3f} {post * 1e3:8.3f} "
+                f"{block >> 10:4d} KiB  {name:48s} {posted:11d} {prepare * 1e3:10.3f} {post * 1e3:8.3f} "
                 f"{wall * 1e3:8.2f} {rate:7.2f}",
                 flush=True,
             )

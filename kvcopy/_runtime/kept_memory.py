@@ -184,6 +184,16 @@ def hold_layout(layout: Any) -> None:
         _held.setdefault(layout, weakref.WeakKeyDictionary())
 
 
+def release_layout(layout: Any) -> None:
+    """Stop holding ``layout`` (hold_layout): its memory goes away (an opened peer's
+    layout unmapped), so what was found of it, as either side of a pair, is dropped
+    and a later call with it is classified again."""
+    with _lock:
+        _held.pop(layout, None)
+        for by_dst in list(_held.values()):
+            by_dst.pop(layout, None)
+
+
 # Layouts found not to hold their planes (holds_planes), not asked again.
 _unheld: "weakref.WeakSet[Any]" = weakref.WeakSet()
 

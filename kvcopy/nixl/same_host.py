@@ -10,7 +10,11 @@ CUDA IPC handle per allocation under its planes and an interprocess event; the
 metadata) and the other end opens it once (:func:`open_layout`), which maps that
 memory into its own context. From then on each transfer is one ``copy_rows`` between
 the peer's mapped memory and this process's own layout: a scattered copy at the
-link's speed, with no staging and nothing of the bytes through NIXL.
+link's speed, with no staging and nothing of the bytes through NIXL. What the driver
+says of the mapped memory is kept until the layout is closed; this process's own
+layout is classified once too where it holds its memory (``Layout.of`` a tensor, or
+``Layout.from_pointers`` with ``keep=`` the torch tensors under every plane), else at
+every transfer (a pointer query per plane).
 
 A transfer, under a ``tag`` both ends agree on:
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcopy._cuda import driver, ipc
+from kvcopy._runtime import kept_memory
 from kvcopy._runtime.context import on_device
 from kvcopy.layouts import Layout
 from kvcopy.interop.streams import resolve_stream
@@ -108,10 +113,14 @@ class OpenedLayout:
             piece_stride=piece_stride,
             keep=(self,),
         )
+        # (the mapping stays until close(): what the driver says of it is kept, so a
+        # pull or push classifies this side's memory once, not at every transfer)
+        kept_memory.hold_layout(self.layout)
 
     def close(self) -> None:
         if not self.mapped and not self.event:
             return  # (closed already)
+        kept_memory.release_layout(self.layout)
         with on_device(self.ordinal):
             while self.mapped:
                 ipc.close_mem_handle(self.mapped.pop())

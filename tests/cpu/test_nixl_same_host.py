@@ -14,6 +14,7 @@ import pytest
 from helpers.host_ipc import HostIpc
 from helpers.nixl_peer import nixl_installed, run_peers
 from kvcopy import Layout, nixl, testing
+from kvcopy.testing import engine
 
 PLANES, SLOTS, ROW = 4, 32, 256
 STREAM = 0x7F00_1234  # (a created stream's handle, as the driver would give)
@@ -116,6 +117,19 @@ def test_opening_maps_every_allocation_and_closing_gives_each_back(fake):
     asked = len(fake.calls)
     opened.close()  # (a second close asks nothing)
     assert len(fake.calls) == asked
+
+
+def test_an_opened_layouts_memory_is_held_until_it_is_closed_and_not_after(fake):
+    # (held: what the driver says of the mapping is kept, so that each pull or push
+    # does not ask about every plane again; closed: a later use is classified anew)
+    _, _, opened = _opened_pair(fake)
+    other = Layout.from_pointers([_cache(fake, 1)[0].ctypes.data], slots=SLOTS, row_bytes=ROW)
+    engine.kept_memory.hold_layout(other)
+    assert engine.kept_memory.held(opened.layout)
+    assert engine.kept_memory.layout_store(other, opened.layout, "auto") is not None
+    opened.close()
+    assert not engine.kept_memory.held(opened.layout)
+    assert engine.kept_memory.layout_store(other, opened.layout, "auto") is None
 
 
 def test_open_layout_refuses_its_own_and_gives_back_what_it_mapped_when_one_fails(fake):
