@@ -328,6 +328,9 @@ static inline int kvcopy_copies_apart_uniform(const uint64_t* src, const uint64_
  * destinations are in order and whose sources lie outside them is decided by it. */
 typedef struct {
     uint64_t dst_lo, dst_hi, src_lo, src_hi;
+    /* the widest copy; or and and of the sizes and of the destinations (one size, and
+       destinations alike in their low bits, make the uniform pass apply) */
+    uint64_t widest, size_or, size_and, dst_or, dst_and;
     int64_t live;
     int ordered;
     int suspect;
@@ -336,7 +339,8 @@ typedef struct {
 static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                                     int64_t n, kvcopy_batch_summary* s) {
     uint64_t dst_lo = UINT64_MAX, dst_hi = 0, src_lo = UINT64_MAX, src_hi = 0, reach = 0;
-    uint64_t suspect = 0, disorder = 0;
+    uint64_t suspect = 0, disorder = 0, widest = 0;
+    uint64_t size_or = 0, size_and = UINT64_MAX, dst_or = 0, dst_and = UINT64_MAX;
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) {
         uint64_t size = sizes[i], a = src[i], b = dst[i];
@@ -344,6 +348,11 @@ static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, co
             continue;
         }
         ++live;
+        widest = size > widest ? size : widest;
+        size_or |= size;
+        size_and &= size;
+        dst_or |= b;
+        dst_and &= b;
         suspect |= (size >> 63) | (uint64_t)(a == 0) | (uint64_t)(b == 0) |
                    (uint64_t)(a + size < a) | (uint64_t)(b + size < b);
         disorder |= (uint64_t)(b < reach);
@@ -358,6 +367,11 @@ static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, co
     s->dst_hi = dst_hi;
     s->src_lo = src_lo;
     s->src_hi = src_hi;
+    s->widest = widest;
+    s->size_or = size_or;
+    s->size_and = size_and;
+    s->dst_or = dst_or;
+    s->dst_and = dst_and;
     s->live = live;
     s->ordered = disorder == 0;
     s->suspect = suspect != 0;
@@ -368,24 +382,11 @@ static inline int kvcopy_copies_apart_summarized(const uint64_t* src, const uint
                                                  const uint64_t* sizes, int64_t n,
                                                  int sources_apart,
                                                  const kvcopy_batch_summary* found) {
-    uint64_t widest = 0, slots = 4, dst_lo = found->dst_lo, dst_hi = found->dst_hi;
-    uint64_t size_or = 0, size_and = UINT64_MAX, dst_or = 0, dst_and = UINT64_MAX;
+    uint64_t widest = found->widest, slots = 4, dst_lo = found->dst_lo, dst_hi = found->dst_hi;
     int shift = 0;
     int64_t live = found->live;
     if (live == 0) {
         return 1;
-    }
-    /* the widest copy, and whether the sizes are all one and the destinations' low bits
-       all alike (or and and of each) */
-    for (int64_t i = 0; i < n; ++i) {
-        uint64_t size = sizes[i];
-        if (size != 0) {
-            widest = size > widest ? size : widest;
-            size_or |= size;
-            size_and &= size;
-            dst_or |= dst[i];
-            dst_and &= dst[i];
-        }
     }
     if (n >= INT32_MAX / 2) {
         return 0; /* entries are counted in 32 bits: the exact check decides */
@@ -394,8 +395,8 @@ static inline int kvcopy_copies_apart_summarized(const uint64_t* src, const uint
         ++shift;
     }
     /* one size, a power of two, and one offset from its multiples: the uniform pass */
-    if (size_or == size_and && widest == 1ULL << shift &&
-        ((dst_or ^ dst_and) & (widest - 1)) == 0) {
+    if (found->size_or == found->size_and && widest == 1ULL << shift &&
+        ((found->dst_or ^ found->dst_and) & (widest - 1)) == 0) {
         int uniform = kvcopy_copies_apart_uniform(src, dst, sizes, n, sources_apart, shift, dst_lo,
                                                   dst_hi, live);
         if (uniform != KVCOPY_APART_UNDECIDED) {
