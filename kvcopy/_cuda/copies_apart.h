@@ -39,6 +39,18 @@
 #define KVCOPY_THREAD_LOCAL _Thread_local
 #endif
 
+/* A pass over a whole batch built once per instruction set, the widest the CPU has
+ * chosen when the module loads (GCC and clang on x86-64 Linux with glibc's ifunc):
+ * the summary of 8,192 copies takes about a fifth of the time with AVX-512 vectors. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define KVCOPY_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef KVCOPY_WIDE_CLONES
+#define KVCOPY_WIDE_CLONES
+#endif
+
 typedef struct {
     uint64_t bucket; /* the bucket this slot holds */
     uint32_t stamp;  /* the pass that filled it: any other value means free */
@@ -336,8 +348,57 @@ typedef struct {
     int suspect;
 } kvcopy_batch_summary;
 
+/* kvcopy_summarize of the common batch, in vectors: every copy non-empty, from another
+ * place, between non-null addresses below 2**63 (so no range wraps and each
+ * destination is compared with the one before it in the arrays, nothing carried over
+ * skipped copies). Returns 0, having summarized nothing, for any other batch. */
+KVCOPY_WIDE_CLONES
+static inline int kvcopy_summarize_plain(const uint64_t* src, const uint64_t* dst,
+                                         const uint64_t* sizes, int64_t n,
+                                         kvcopy_batch_summary* s) {
+    uint64_t dst_lo = UINT64_MAX, dst_hi = 0, src_lo = UINT64_MAX, src_hi = 0;
+    uint64_t high = 0, unusual = 0, disorder = 0, widest = 0;
+    uint64_t size_or = 0, size_and = UINT64_MAX, dst_or = 0, dst_and = UINT64_MAX;
+    for (int64_t i = 0; i < n; ++i) {
+        uint64_t size = sizes[i], a = src[i], b = dst[i], end = b + size, a_end = a + size;
+        uint64_t before = i > 0 ? dst[i - 1] + sizes[i - 1] : 0;
+        high |= a | b | size | a_end | end;
+        unusual |=
+            (uint64_t)(size == 0) | (uint64_t)(a == b) | (uint64_t)(a == 0) | (uint64_t)(b == 0);
+        disorder |= (uint64_t)(b < before);
+        widest = size > widest ? size : widest;
+        size_or |= size;
+        size_and &= size;
+        dst_or |= b;
+        dst_and &= b;
+        dst_hi = end > dst_hi ? end : dst_hi;
+        dst_lo = b < dst_lo ? b : dst_lo;
+        src_lo = a < src_lo ? a : src_lo;
+        src_hi = a_end > src_hi ? a_end : src_hi;
+    }
+    if ((high >> 63) | unusual) {
+        return 0;
+    }
+    s->dst_lo = dst_lo;
+    s->dst_hi = dst_hi;
+    s->src_lo = src_lo;
+    s->src_hi = src_hi;
+    s->widest = widest;
+    s->size_or = size_or;
+    s->size_and = size_and;
+    s->dst_or = dst_or;
+    s->dst_and = dst_and;
+    s->live = n;
+    s->ordered = disorder == 0;
+    s->suspect = 0;
+    return 1;
+}
+
 static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, const uint64_t* sizes,
                                     int64_t n, kvcopy_batch_summary* s) {
+    if (n > 0 && kvcopy_summarize_plain(src, dst, sizes, n, s)) {
+        return;
+    }
     uint64_t dst_lo = UINT64_MAX, dst_hi = 0, src_lo = UINT64_MAX, src_hi = 0, reach = 0;
     uint64_t suspect = 0, disorder = 0, widest = 0;
     uint64_t size_or = 0, size_and = UINT64_MAX, dst_or = 0, dst_and = UINT64_MAX;

@@ -331,6 +331,35 @@ def test_copies_ok_shows_a_shuffled_block_batch_apart_and_finds_one_clash():
     assert not cuda.plan_arrays.copies_ok(partly_itself, dst, sizes)
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+def test_copies_ok_in_address_order_sees_a_destination_reaching_into_the_next(n):
+    """The summary's own pass over a batch of non-empty copies between distinct places
+    (vectors where the CPU has them) finds destinations in order apart, and one that
+    reaches into the next one's bytes, or a source inside them, not; an empty copy or
+    a copy onto itself among them is summarized copy by copy, to the same verdicts."""
+    from kvcopy.testing import cuda
+
+    block = np.uint64(4096)
+    dst = 0x7F0000000000 + np.arange(n, dtype=np.uint64) * block
+    src = 0x100000000 + np.arange(n, dtype=np.uint64)[::-1] * block
+    sizes = np.full(n, block, dtype=np.uint64)
+    assert cuda.plan_arrays.copies_ok(src, dst, sizes)
+    for k in {0, n // 2, n - 1}:
+        grown = sizes.copy()
+        grown[k] += np.uint64(8)
+        assert cuda.plan_arrays.copies_ok(src, dst, grown) == (k == n - 1)
+        inside = src.copy()
+        inside[k] = dst[n - 1 - k] + np.uint64(8)
+        assert not cuda.plan_arrays.copies_ok(inside, dst, sizes)
+        empty, onto_itself = sizes.copy(), src.copy()
+        empty[k], onto_itself[k] = 0, dst[k]
+        assert cuda.plan_arrays.copies_ok(src, dst, empty)
+        assert cuda.plan_arrays.copies_ok(onto_itself, dst, sizes)
+        if k < n - 1:  # (summarized copy by copy: the copy that reaches on is still seen)
+            grown[n - 1] = 0
+            assert cuda.plan_arrays.copies_ok(src, dst, grown) == (k == n - 2)
+
+
 def test_copy_batch_names_the_copies_the_bucket_pass_finds():
     """Where the bucket pass finds two copies meeting, the exact check names them."""
     base, block = 0x7F0000000000, 4096
