@@ -25,13 +25,16 @@ def _free_pinned(ptr: int) -> None:
         pass
 
 
-class _PinnedAllocation:
+class _PinnedAllocation(kept_memory.HeldMemory):
     """Owns one cuMemHostAlloc block; NumPy arrays over it keep it alive via .base."""
+
+    __slots__ = ("ptr", "device_ptr", "nbytes", "__array_interface__")
 
     def __init__(self, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
         with ContextScope():
             self.ptr = memory.host_alloc(max(nbytes, 1))
             self.device_ptr = memory.host_device_pointer(self.ptr)
+        super().__init__(self.ptr, nbytes)
         self.nbytes = nbytes
         self.__array_interface__ = {
             "shape": shape,

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvcopy._cuda import driver, memory
-from kvcopy._runtime import host_pages, numa
+from kvcopy._runtime import host_pages, kept_memory, numa
 from kvcopy._runtime.context import ContextScope, relaxed_capture
 from kvcopy.arguments import require_int
 from kvcopy.policy.defaults import POOL_CHUNK_PAUSE_S
@@ -91,10 +91,13 @@ def _give_back(address: int, mapped: int, registered: list, stop: threading.Even
     host_pages.unmap(address, mapped)
 
 
-class _ArrayOver:
+class _ArrayOver(kept_memory.HeldMemory):
     """Hands NumPy a range of a pool; the arrays keep the pool's memory alive."""
 
+    __slots__ = ("holder", "__array_interface__")
+
     def __init__(self, holder: _Memory, address: int, nbytes: int) -> None:
+        super().__init__(address, nbytes)
         self.holder = holder
         self.__array_interface__ = {
             "shape": (nbytes,),

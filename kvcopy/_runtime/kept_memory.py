@@ -146,23 +146,54 @@ def keep_in(store: MemoryStore, context: int, found: Any, src_view: np.ndarray, 
         store.by_context[context] = KeptMemory(found, src_view, dst_view, ())
 
 
+class HeldMemory:
+    """The owner of one of kvcopy's own host allocations that NumPy arrays are made over
+    (kvcopy.pinned_empty's, a pinned pool's views): an array whose chain of ``base``
+    objects reaches one holds ``span`` (start, end) for as long as it lives, pinned and
+    mapped, since the memory goes back only with the owner's last array and NumPy
+    cannot point such an array elsewhere. Layouts over them are held as layouts over
+    torch tensors are."""
+
+    __slots__ = ("span", "__weakref__")
+
+    def __init__(self, start: int, nbytes: int) -> None:
+        self.span = (start, start + nbytes)
+
+
+def held_span(array: Any) -> tuple[int, int] | None:
+    """The span of kvcopy's own allocation that NumPy ``array`` is over (HeldMemory),
+    or None for any other object."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.span if isinstance(base, HeldMemory) else None
+
+
 def holds_planes(layout: Any) -> bool:
-    """Whether a layout's torch tensors (its ``keep``) hold every byte of its planes:
-    each plane, base to extent, inside one tensor's storage. A layout built from
-    pointers may keep a tensor for its lifetime only, over other memory: such a
-    layout's memory is classified at every call."""
+    """Whether what a layout keeps (torch tensors, NumPy arrays over kvcopy's own
+    memory) holds every byte of its planes: each plane, base to extent, inside one
+    owner's memory (planes_inside). A layout built from pointers may keep a tensor for
+    its lifetime only, over other memory: such a layout's memory is classified at every
+    call."""
     return planes_inside(layout, layout.keep)
 
 
 def planes_inside(layout: Any, owners: Sequence[Any]) -> bool:
-    """Whether every plane of ``layout``, base to extent, lies inside the storage of one
-    of ``owners``, all torch tensors."""
-    if not keepable(tuple(owners)):
+    """Whether every plane of ``layout``, base to extent, lies inside the memory one of
+    ``owners`` holds: each a torch tensor (its storage) or a NumPy array over kvcopy's
+    own memory (held_span); False where one is anything else."""
+    if not owners:
         return False
     spans = []
-    for tensor in owners:
-        storage = tensor.untyped_storage()
-        spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    for owner in owners:
+        if framework_of(owner) == "torch":
+            storage = owner.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+            continue
+        span = held_span(owner)
+        if span is None:
+            return False
+        spans.append(span)
     extent = layout.extent
     return all(any(lo <= base and base + extent <= hi for lo, hi in spans) for base in layout.bases.tolist())
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import kvcopy
 from kvcopy import testing
+from kvcopy.testing import engine
 from kvcopy.errors import CudaError
 from kvcopy.policy.defaults import POOL_MAX_CHUNK_BYTES, POOL_TOUCH_WAVE_BYTES
 from kvcopy.policy.host_pool import choose_pages, registration_chunks, touch_threads, touch_waves
@@ -120,7 +121,10 @@ def test_a_pool_is_exactly_the_size_asked_registered_whole_and_holds_bytes(fake)
         pattern = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
         array[:] = pattern
         assert np.array_equal(pool.view(MiB, 100), pattern[MiB : MiB + 100])
-        del array
+        # (a view holds its range: layouts over it are classified once, as over tensors)
+        part = pool.view(MiB, 4096).reshape(16, 256)[4:]
+        assert engine.kept_memory.held_span(part) == (pool.ptr + MiB, pool.ptr + MiB + 4096)
+        del array, part
 
 
 def test_registrations_end_on_blocks_and_pages(fake):

@@ -6,6 +6,7 @@ classified again."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import cpu_calls  # bench/cpu_calls.py (tests/conftest.py puts bench/ on the path)
@@ -162,6 +163,46 @@ def test_a_layout_over_memory_its_tensors_do_not_hold_is_classified_at_every_cal
     a = kvcopy.Layout.from_pointers([elsewhere.ctypes.data], slots=8, row_bytes=256, keep=(held,))
     b = kvcopy.Layout.of(caches(1), slot=0)
     assert row_classifications(host, a, b, calls=3) == 3
+
+
+class _KvcopyMemory(kept_memory.HeldMemory):
+    """Stands in for kvcopy's own host allocations (pinned_empty's, a pool's views):
+    NumPy arrays made over it hold its span."""
+
+    __slots__ = ("buffer", "__array_interface__")
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = np.zeros(nbytes, np.uint8)
+        super().__init__(self.buffer.ctypes.data, nbytes)
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (self.buffer.ctypes.data, False),
+            "version": 3,
+        }
+
+
+def test_layouts_of_arrays_over_kvcopys_own_memory_are_classified_once(host):
+    held = np.asarray(_KvcopyMemory(8 * 256)).reshape(8, 256)[2:]  # (a view of a view)
+    a = kvcopy.Layout.of(held, slot=0)
+    b = kvcopy.Layout.of(caches(1), slot=0)
+    assert row_classifications(host, a, b, calls=4) == 1
+    assert row_classifications(host, b, a, calls=3) == 1
+    # a NumPy array of its own, and one over memory nothing holds for it: at every call
+    own = kvcopy.Layout.of(np.zeros((6, 256), np.uint8), slot=0)
+    assert row_classifications(host, own, b, calls=3) == 3
+    over = np.zeros(6 * 256, np.uint8)
+    unheld = np.frombuffer((ctypes.c_uint8 * over.nbytes).from_address(over.ctypes.data), np.uint8)
+    assert row_classifications(host, kvcopy.Layout.of(unheld.reshape(6, 256), slot=0), b, calls=2) == 2
+
+
+def test_held_span_follows_an_arrays_bases_to_kvcopys_own_memory():
+    memory = _KvcopyMemory(4096)
+    start = memory.buffer.ctypes.data
+    view = np.asarray(memory)[1024:].view(np.int32).reshape(8, -1)
+    assert kept_memory.held_span(view) == (start, start + 4096)
+    assert kept_memory.held_span(np.zeros(4)) is None
+    assert kept_memory.held_span(memory.buffer) is None
 
 
 def test_a_store_and_a_load_at_once_over_the_same_tensors_are_classified_once():
