@@ -101,6 +101,7 @@ def _planes(keep, base: int, block: int):
 def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_rows: int, slots: int) -> None:
     """The receiving process: its cache, its staging, and what the sender asks."""
     from kvcopy import nixl, testing
+    from kvcopy.nixl import transfers
 
     agent = make_agent("target")
     keep, base, memory, staging, held, _staging_kept = _side(
@@ -136,6 +137,10 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
         elif command == "copy":  # the leg's copy alone, no notification: (seconds, method)
             src_rows, dst_rows, requested = argument
             conn.send(_copy_alone(opened, layout, src_rows, dst_rows, requested))
+        elif command == "notified":  # one notification's arrival, as the leg waits for one
+            conn.send(None)
+            transfers.wait_notification(agent, peer, transfers.notification(argument, "lent"))
+            conn.send(time.monotonic())
         elif command == "close":
             opened.close()
             conn.send(None)
@@ -283,6 +288,7 @@ def _same_host_leg(
     receiver's copy_rows alone (auto, and the kernel asked for); the layout shared and
     opened once, untimed."""
     from kvcopy import nixl
+    from kvcopy.nixl import transfers
 
     walls = []
     with nixl.share_layout(src) as shared:
@@ -311,6 +317,17 @@ def _same_host_leg(
             rows.append(
                 (block, f"  its copy_rows alone ({requested}: {method})", 0, 0.0, 0.0, _rate(copies, moved))
             )
+        name = peer.decode() if isinstance(peer, bytes) else peer
+        waits = []
+        for k in range(repeats + 1):
+            conn.send(("notified", f"ping{k}"))
+            conn.recv()
+            start = time.monotonic()
+            agent.send_notif(name, transfers.notification(f"ping{k}", "lent"))
+            waits.append(conn.recv() - start)
+        rows.append(
+            (block, "  one NIXL notification, sent to seen", 1, 0.0, 0.0, (statistics.median(waits[1:]), 0.0))
+        )
         conn.send(("close", None))
         conn.recv()
     return [(*row[:5], *row[5]) for row in rows]
