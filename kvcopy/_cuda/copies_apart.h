@@ -338,7 +338,7 @@ static inline int kvcopy_copies_apart_uniform(const uint64_t* src, const uint64_
  * pointer, wrapping the address space: the caller finds which, copy by copy, with
  * copy_problem). Branch-light, and no more than the glance needs: a batch whose
  * destinations are in order and whose sources lie outside them is decided by it. */
-typedef struct {
+typedef struct { /* (filled in this order by the passes below) */
     uint64_t dst_lo, dst_hi, src_lo, src_hi;
     /* the widest copy; or and and of the sizes and of the destinations (one size, and
        destinations alike in their low bits, make the uniform pass apply) */
@@ -379,18 +379,9 @@ static inline int kvcopy_summarize_plain(const uint64_t* src, const uint64_t* ds
     if ((high >> 63) | unusual) {
         return 0;
     }
-    s->dst_lo = dst_lo;
-    s->dst_hi = dst_hi;
-    s->src_lo = src_lo;
-    s->src_hi = src_hi;
-    s->widest = widest;
-    s->size_or = size_or;
-    s->size_and = size_and;
-    s->dst_or = dst_or;
-    s->dst_and = dst_and;
-    s->live = n;
-    s->ordered = disorder == 0;
-    s->suspect = 0;
+    kvcopy_batch_summary found = {dst_lo,   dst_hi, src_lo,  src_hi, widest,        size_or,
+                                  size_and, dst_or, dst_and, n,      disorder == 0, 0};
+    *s = found;
     return 1;
 }
 
@@ -424,18 +415,9 @@ static inline void kvcopy_summarize(const uint64_t* src, const uint64_t* dst, co
         src_lo = moved_lo < src_lo ? moved_lo : src_lo;
         src_hi = moved_hi > src_hi ? moved_hi : src_hi;
     }
-    s->dst_lo = dst_lo;
-    s->dst_hi = dst_hi;
-    s->src_lo = src_lo;
-    s->src_hi = src_hi;
-    s->widest = widest;
-    s->size_or = size_or;
-    s->size_and = size_and;
-    s->dst_or = dst_or;
-    s->dst_and = dst_and;
-    s->live = live;
-    s->ordered = disorder == 0;
-    s->suspect = suspect != 0;
+    kvcopy_batch_summary found = {dst_lo,   dst_hi, src_lo,  src_hi, widest,        size_or,
+                                  size_and, dst_or, dst_and, live,   disorder == 0, suspect != 0};
+    *s = found;
 }
 
 /* kvcopy_copies_apart of a batch already summarized (every copy good). */
