@@ -243,10 +243,7 @@ def one_block_size(
         if name != "one contiguous descriptor":
             mine.send(("rows", theirs))
             assert np.array_equal(mine.recv(), expected), name
-        wall = statistics.median(walls[1:])
-        rows.append(
-            (block, name, descs.posted, prepare, statistics.median(posts[1:]), wall, moved / wall / 1e9)
-        )
+        rows.append((block, name, descs.posted, prepare, statistics.median(posts[1:]), *_rate(walls, moved)))
     walls, cpus = [], []
     mine.send(("clear", None))  # (once, as for the ways above: see _same_host_leg)
     mine.recv()
@@ -260,12 +257,11 @@ def one_block_size(
     mine.send(("rows", theirs))
     assert np.array_equal(mine.recv(), expected), "packed"
     chunks = -(-USED // chunk_rows)
-    wall = statistics.median(walls[1:])
     # (the sender's CPU time in send_packed, every thread of the process: its gathers
     # launched and its chunks posted, the staging slots waited for)
     sender_cpu = statistics.median(cpus[1:])
     rows.append(
-        (block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, sender_cpu, wall, moved / wall / 1e9)
+        (block, "kvcopy packed (gather, send, scatter)", chunks, 0.0, sender_cpu, *_rate(walls, moved))
     )
     if not cpu:
         rows.extend(_same_host_leg(agent, peer, mine, a, ours, theirs, expected, block, moved, repeats))
@@ -352,8 +348,7 @@ def _local_copy(block: int, moved: int, repeats: int) -> tuple:
         host.copy_(gpu, non_blocking=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    wall = statistics.median(times[1:])
-    return (block, "local contiguous GPU->host copy", 1, 0.0, 0.0, wall, moved / wall / 1e9)
+    return (block, "local contiguous GPU->host copy", 1, 0.0, 0.0, *_rate(times, moved))
 
 
 def _positive(text: str) -> int:

@@ -319,9 +319,8 @@ def _move(
             method = copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=handle)
             driver.stream_synchronize(handle)
     except BaseException:
-        agent.send_notif(
-            _name(peer), notification(tag, "refused")
-        )  # (the lender stops waiting: nothing moved)
+        # (the lender stops waiting: nothing moved)
+        agent.send_notif(_name(peer), notification(tag, "refused"))
         raise
     agent.send_notif(_name(peer), notification(tag, "returned"))
     return method
