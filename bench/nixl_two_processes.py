@@ -6,8 +6,9 @@ x 118 blocks at random slots of one cache tensor a side (18,880 rows), moved
 - packed: gathered by kvcopy into staging, sent a chunk a descriptor, scattered on
   the other side (send_packed / receive_packed), end to end;
 - by the same-host leg: the receiver pulls the rows straight from the sender's GPU
-  cache, mapped into it by CUDA IPC, NIXL carrying the two notifications
-  (kvcopy.nixl.same_host: share_layout and lend_rows, open_layout and pull_rows);
+  cache, mapped into it by CUDA IPC, the two ends signalling through the shared
+  layout's doorbell (kvcopy.nixl.same_host: share_layout and lend_rows, open_layout
+  and pull_rows), beside one NIXL notification's latency between the same two agents;
 
 with descriptors posted, CPU to prepare and to post, wall and GB/s, and the bytes
 checked at the destination after every way. For the packed way "post ms" is the
@@ -132,12 +133,12 @@ def target(conn, block: int, where: str, staging_where: str, cpu: bool, chunk_ro
             conn.send(None)
         elif command == "pull":
             src_rows, dst_rows, tag = argument
-            method = nixl.pull_rows(agent, peer, opened, layout, src_rows, dst_rows, tag=tag)
+            method = nixl.pull_rows(opened, layout, src_rows, dst_rows, tag=tag)
             conn.send((time.monotonic(), method))
-        elif command == "copy":  # the leg's copy alone, no notification: (seconds, method)
+        elif command == "copy":  # the leg's copy alone, no signal: (seconds, method)
             src_rows, dst_rows, requested = argument
             conn.send(_copy_alone(opened, layout, src_rows, dst_rows, requested))
-        elif command == "notified":  # one notification's arrival, as the leg waits for one
+        elif command == "notified":  # one NIXL notification's arrival (the leg rings instead)
             conn.send(None)
             transfers.wait_notification(agent, peer, transfers.notification(argument, "lent"))
             conn.send(time.monotonic())
@@ -281,8 +282,9 @@ def _same_host_leg(
 ) -> list[tuple]:
     """The rows pulled by the receiver from this process's GPU cache through CUDA IPC,
     end to end (lent, pulled, returned; the method copy_rows chose), then the
-    receiver's copy_rows alone (auto, and the kernel asked for); the layout shared and
-    opened once, untimed."""
+    receiver's copy_rows alone (auto, and the kernel asked for), and one NIXL
+    notification between the same two processes (what a leg signalled through NIXL
+    would wait for, twice a transfer); the layout shared and opened once, untimed."""
     from kvcopy import nixl
     from kvcopy.nixl import transfers
 
@@ -298,7 +300,7 @@ def _same_host_leg(
         for k in range(repeats + 1):
             conn.send(("pull", (ours, theirs, f"leg{k}")))
             start = time.monotonic()
-            nixl.lend_rows(agent, peer, shared, tag=f"leg{k}")
+            nixl.lend_rows(shared, tag=f"leg{k}")
             ended, method = conn.recv()
             walls.append(ended - start)
         conn.send(("rows", theirs))

@@ -6,8 +6,9 @@ Engines post one NIXL descriptor per layer, K or V and block (Llama-70B at TP 8:
 spaced), or gathers scattered rows into a registered staging region and sends whole
 chunks, scattering them on the other side (kvcopy.nixl.packed), and posts and waits
 for transfers within a deadline (kvcopy.nixl.transfers). Between two processes of one
-host, rows move between one's GPU memory and the other's layout by CUDA IPC, NIXL
-carrying only the notifications (kvcopy.nixl.same_host).
+host, rows move between one's GPU memory and the other's layout by CUDA IPC, the two
+ends signalling through a page of shared memory (kvcopy.nixl.same_host: NIXL carries
+only the shared layout's description, once).
 
 kvcopy makes no transport and keeps no network state: the functions take the
 caller's ``nixl_agent`` (NIXL's Python package, installed on its own, e.g. ``pip

@@ -1,40 +1,44 @@
 """The same-host leg: rows between one process's GPU memory and another process's
-layout on the same host, moved by kvcopy through CUDA IPC, the caller's NIXL agent
-carrying only the two notifications of each transfer.
+layout on the same host, moved by kvcopy through CUDA IPC, signalled through a page of
+shared memory (kvcopy.nixl.doorbell).
 
 UCX has no lane between one process's device memory and another process's host
 memory on one node: it falls back to TCP (about 0.5 GB/s whatever the descriptors).
 Here the end with the GPU memory shares its layout once (:func:`share_layout`: a
-CUDA IPC handle per allocation under its planes and an interprocess event; the
-:class:`SharedLayout` it gives is a small picklable value to send with the agent's
-metadata) and the other end opens it once (:func:`open_layout`), which maps that
-memory into its own context. From then on each transfer is one ``copy_rows`` between
-the peer's mapped memory and this process's own layout: a scattered copy at the
-link's speed, with no staging and nothing of the bytes through NIXL. What the driver
-says of the mapped memory is kept until the layout is closed; this process's own
-layout is classified once too where it holds its memory (``Layout.of`` a tensor, or
-``Layout.from_pointers`` with ``keep=`` the torch tensors under every plane), else at
-every transfer (a pointer query per plane).
+CUDA IPC handle per allocation under its planes, an interprocess event and a
+doorbell; the :class:`SharedLayout` it gives is a small picklable value to send with
+the agent's metadata) and the other end opens it once (:func:`open_layout`), which
+maps that memory into its own context. From then on each transfer is one
+``copy_rows`` between the peer's mapped memory and this process's own layout: a
+scattered copy at the link's speed, with no staging and nothing of the bytes through
+NIXL. What the driver says of the mapped memory is kept until the layout is closed;
+this process's own layout is classified once too where it holds its memory
+(``Layout.of`` a tensor, or ``Layout.from_pointers`` with ``keep=`` the torch tensors
+under every plane), else at every transfer (a pointer query per plane).
 
-A transfer, under a ``tag`` both ends agree on:
+A transfer, under a ``tag`` both ends agree on, one at a time a shared layout:
 
 - the sharing end calls :func:`lend_rows`: it records its event on its stream (the
   rows it wrote before are then what the peer reads, and its writes after wait for
-  nothing), tells the peer ``kvcopy/<tag>/lent`` and waits for
-  ``kvcopy/<tag>/returned``, after which it may write those rows again (or read what
-  the peer put there);
+  nothing), rings "lent" and waits for the peer's answer, after which it may write
+  those rows again (or read what the peer put there);
 - the opening end calls :func:`pull_rows` (the peer's rows into its layout) or
-  :func:`push_rows` (its layout's rows into the peer's): it waits for ``lent``, makes
+  :func:`push_rows` (its layout's rows into the peer's): it waits for the lend, makes
   its stream wait for the peer's event on the GPU, copies, waits for the copy to end
-  and sends ``returned``. A destination row is whole when the call returns.
+  and answers "returned". A destination row is whole when the call returns.
 
-Either end raises TimeoutError where the other's notification does not come within
-``timeout`` seconds; nothing is half-written by a transfer that never started, and
-both ends stay usable. Memory must come from cuMemAlloc (cudaMalloc: torch's and
-CuPy's default allocators); the driver refuses to share virtual-memory and pool
-allocations (torch's ``expandable_segments``), and :func:`share_layout` says which
-plane. The peer's memory stays valid while the sharing process holds it: an opened
-layout must be closed before the sharing end frees its memory or exits.
+The two signals take microseconds where NIXL notifications between the same two
+processes take what the agents' progress threads give them (see kvcopy.nixl.doorbell),
+and the leg needs no agent. Either end raises TimeoutError where the other's signal
+does not come within ``timeout`` seconds; nothing is half-written by a transfer that
+never started, and both ends stay usable. A refused transfer (an index out of range,
+the ends disagreeing on the tag) raises TransferFailed at the lender with the peer's
+reason. A shared layout is opened by one peer: share it once per peer. Memory must
+come from cuMemAlloc (cudaMalloc: torch's and CuPy's default allocators); the driver
+refuses to share virtual-memory and pool allocations (torch's
+``expandable_segments``), and :func:`share_layout` says which plane. The peer's memory
+stays valid while the sharing process holds it: an opened layout must be closed
+before the sharing end frees its memory or exits.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from kvcopy._runtime import kept_memory
 from kvcopy._runtime.context import on_device
 from kvcopy.layouts import Layout
 from kvcopy.interop.streams import resolve_stream
-from kvcopy.nixl.transfers import TransferFailed, _name, notification, wait_notification
+from kvcopy.nixl import doorbell
+from kvcopy.nixl.transfers import TransferFailed
 from kvcopy.rows import copy_rows
 
 _GEOMETRY = ("slots", "row_bytes", "page_size", "page_stride", "slot_stride", "pieces", "piece_stride")
@@ -67,23 +72,29 @@ class SharedLayout:
     event: bytes
     bus_id: str
     pid: int
+    doorbell: str
 
 
 class SharedRows:
     """A layout shared by this process (:func:`share_layout`): ``shared`` goes to the
-    peer; ``close()`` destroys the event (after the last transfer)."""
+    peer; ``close()`` destroys the event and the doorbell (after the last transfer)."""
 
-    def __init__(self, layout: Layout, shared: SharedLayout, event: int, ordinal: int) -> None:
+    def __init__(
+        self, layout: Layout, shared: SharedLayout, event: int, ordinal: int, bell: doorbell.Doorbell
+    ) -> None:
         self.layout = layout
         self.shared = shared
         self.event = event
         self.ordinal = ordinal
+        self.doorbell = bell
+        self.sequence = 0  # (the latest lend's number)
 
     def close(self) -> None:
         if self.event:
             with on_device(self.ordinal):
                 driver.event_destroy(self.event)
             self.event = 0
+        self.doorbell.close()
 
     def __enter__(self) -> "SharedRows":
         return self
@@ -97,10 +108,14 @@ class OpenedLayout:
     ``layout`` addresses the peer's rows here; ``close()`` unmaps them (the layout
     must not be used after)."""
 
-    def __init__(self, bases: list[int], event: int, ordinal: int, shared: SharedLayout) -> None:
+    def __init__(
+        self, bases: list[int], event: int, ordinal: int, shared: SharedLayout, bell: doorbell.Doorbell
+    ) -> None:
         self.mapped = bases
         self.event = event
         self.ordinal = ordinal
+        self.doorbell = bell
+        self.taken = 0  # (the number of the latest lend this end took)
         slots, row_bytes, page_size, page_stride, slot_stride, pieces, piece_stride = shared.geometry
         self.layout = Layout.from_pointers(
             [bases[allocation] + offset for allocation, offset in shared.planes],
@@ -127,6 +142,7 @@ class OpenedLayout:
             if self.event:
                 driver.event_destroy(self.event)
                 self.event = 0
+        self.doorbell.close()
 
     def __enter__(self) -> "OpenedLayout":
         return self
@@ -173,6 +189,8 @@ def share_layout(layout: Layout) -> SharedRows:
         event = ipc.event_create_shared()
         try:
             event_handle = ipc.event_handle(event)
+            bus_id = ipc.pci_bus_id(ordinal)
+            bell = doorbell.Doorbell.create()
         except BaseException:
             driver.event_destroy(event)
             raise
@@ -181,10 +199,11 @@ def share_layout(layout: Layout) -> SharedRows:
         tuple(planes),
         tuple(int(getattr(layout, name)) for name in _GEOMETRY),
         event_handle,
-        ipc.pci_bus_id(ordinal),
+        bus_id,
         os.getpid(),
+        bell.path,
     )
-    return SharedRows(layout, shared, event, ordinal)
+    return SharedRows(layout, shared, event, ordinal, bell)
 
 
 def _device_of(base: int, plane: int) -> int:
@@ -215,46 +234,65 @@ def open_layout(shared: SharedLayout) -> OpenedLayout:
     except Exception:
         raise ValueError(f"open_layout: no device at PCI bus id {shared.bus_id!r} in this process") from None
     mapped: list[int] = []
+    event = 0
     with on_device(ordinal):
         try:
             for handle in shared.handles:
                 mapped.append(ipc.open_mem_handle(handle))
             event = ipc.open_event_handle(shared.event)
+            try:
+                bell = doorbell.Doorbell.open(shared.doorbell)
+            except FileNotFoundError:
+                raise ValueError(
+                    f"open_layout: the shared layout's doorbell ({shared.doorbell}) is gone: a shared "
+                    "layout is opened once (share it again for another peer), and not after its "
+                    "sharer closed it"
+                ) from None
         except BaseException:
             for ptr in mapped:
                 ipc.close_mem_handle(ptr)
+            if event:
+                driver.event_destroy(event)
             raise
-    return OpenedLayout(mapped, event, ordinal, shared)
+    return OpenedLayout(mapped, event, ordinal, shared, bell)
 
 
-def lend_rows(
-    agent: Any, peer: str, rows: SharedRows, *, tag: str, stream: Any = None, timeout: float = 60.0
-) -> None:
+def lend_rows(rows: SharedRows, *, tag: str, stream: Any = None, timeout: float = 60.0) -> None:
     """The sharing end of one transfer: the peer may read or write the shared rows once
     what is queued on ``stream`` now has run; returns once the peer has returned them
-    (its copy has ended). TimeoutError after ``timeout`` seconds without that;
-    TransferFailed where the peer refused the transfer (its indices were wrong, say)."""
+    (its copy has ended). TransferFailed where the peer refused the transfer (its
+    indices were wrong, or it asked for another tag: the reason is in the message).
+    TimeoutError after ``timeout`` seconds without an answer; the lend is then
+    withdrawn, so a peer that has not taken it yet will not (one that took it as the
+    time ran out may still be copying: treat the rows as in use until that peer is
+    known to have stopped)."""
     if not isinstance(rows, SharedRows) or not rows.event:
         raise TypeError("lend_rows: rows must be an open kvcopy.nixl.SharedRows (share_layout)")
+    _require_tag(tag, "lend_rows")
     handle = resolve_stream(stream)
     with on_device(rows.ordinal):
         driver.event_record(rows.event, handle)
-    agent.send_notif(_name(peer), notification(tag, "lent"))
-    refused = notification(tag, "refused")
-    name = _name(peer)
+    rows.sequence += 1
+    sequence = rows.sequence & 0xFFFFFFFF
+    bell = rows.doorbell
+    bell.ring("lent", doorbell.word(sequence, doorbell.LENT, tag), tag)
 
-    def refusal() -> None:
-        if agent.check_remote_xfer_done(name, refused):
-            raise TransferFailed(
-                f"lend_rows: {name!r} refused transfer {tag!r} (see its error); nothing moved"
+    def answered(value: int) -> bool:
+        return doorbell.fields(value)[0] == sequence
+
+    answer = bell.wait("answer", answered, timeout)
+    if answer is None:
+        bell.ring("lent", doorbell.word(sequence, doorbell.WITHDRAWN, tag), tag)
+        answer = bell.read("answer")  # (an answer that came as the lend was withdrawn)
+        if not answered(answer):
+            raise TimeoutError(
+                f"lend_rows: transfer {tag!r} not returned after {timeout} s; the lend is withdrawn"
             )
-
-    wait_notification(agent, peer, notification(tag, "returned"), timeout, refusal)
+    if doorbell.fields(answer)[1] == doorbell.REFUSED:
+        raise TransferFailed(f"lend_rows: the peer refused transfer {tag!r}: {bell.reason()}")
 
 
 def pull_rows(
-    agent: Any,
-    peer: str,
     opened: OpenedLayout,
     dst: Layout,
     src_indices: Any = None,
@@ -268,16 +306,16 @@ def pull_rows(
     """The opening end of one transfer: the peer's rows ``src_indices`` into this
     process's ``dst`` rows ``dst_indices`` (as copy_rows takes them), once the peer
     lends them; returns copy_rows' method when the rows are written and the peer has
-    them back. A copy that copy_rows refuses (a bad index, say) raises here and tells
-    the peer ``kvcopy/<tag>/refused``, so that its lend_rows raises too."""
+    them back. A copy that copy_rows refuses (a bad index, say) raises here and
+    refuses the transfer at the lender too, with the reason; a lend under another tag
+    is refused at both ends (TransferFailed). TimeoutError where no lend comes within
+    ``timeout`` seconds."""
     return _move(
-        agent, peer, opened, opened.layout, dst, src_indices, dst_indices, tag, rows, stream, timeout
+        "pull_rows", opened, opened.layout, dst, src_indices, dst_indices, tag, rows, stream, timeout
     )
 
 
 def push_rows(
-    agent: Any,
-    peer: str,
     src: Layout,
     opened: OpenedLayout,
     src_indices: Any = None,
@@ -290,15 +328,20 @@ def push_rows(
 ) -> str:
     """The opening end of one transfer: this process's ``src`` rows ``src_indices`` into
     the peer's rows ``dst_indices``, once the peer lends them; returns copy_rows'
-    method when they are written and the peer has them back."""
+    method when they are written and the peer has them back. Refusals and timeouts as
+    :func:`pull_rows`."""
     return _move(
-        agent, peer, opened, src, opened.layout, src_indices, dst_indices, tag, rows, stream, timeout
+        "push_rows", opened, src, opened.layout, src_indices, dst_indices, tag, rows, stream, timeout
     )
 
 
+def _require_tag(tag: Any, caller: str) -> None:
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"{caller}: tag must be a non-empty str naming the transfer, got {tag!r}")
+
+
 def _move(
-    agent: Any,
-    peer: str,
+    caller: str,
     opened: OpenedLayout,
     src: Layout,
     dst: Layout,
@@ -310,17 +353,36 @@ def _move(
     timeout: float,
 ) -> str:
     if not isinstance(opened, OpenedLayout) or not opened.mapped:
-        raise TypeError("opened must be an open kvcopy.nixl.OpenedLayout (open_layout)")
+        raise TypeError(f"{caller}: opened must be an open kvcopy.nixl.OpenedLayout (open_layout)")
+    _require_tag(tag, caller)
     handle = resolve_stream(stream)
-    wait_notification(agent, peer, notification(tag, "lent"), timeout)
+    bell = opened.doorbell
+    taken = opened.taken
+
+    def lent(value: int) -> bool:
+        sequence, state, _ = doorbell.fields(value)
+        return state == doorbell.LENT and sequence != taken
+
+    found = bell.wait("lent", lent, timeout)
+    if found is None:
+        raise TimeoutError(f"{caller}: transfer {tag!r} not lent within {timeout} s")
+    sequence, _, which = doorbell.fields(found)
+    opened.taken = sequence
+    if which != doorbell.digest(tag):
+        theirs = bell.lent_tag()
+        bell.ring(
+            "answer", doorbell.word(sequence, doorbell.REFUSED, tag), tag, f"the peer asked for {tag!r}"
+        )
+        raise TransferFailed(f"{caller}: the peer lent transfer {theirs!r}, not {tag!r}; nothing moved")
     try:
         with on_device(opened.ordinal):
             driver.stream_wait_event(handle, opened.event)
             method = copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=handle)
             driver.stream_synchronize(handle)
-    except BaseException:
-        # (the lender stops waiting: nothing moved)
-        agent.send_notif(_name(peer), notification(tag, "refused"))
+    except BaseException as exc:
+        # (the lender stops waiting, told why: nothing moved)
+        reason = f"{type(exc).__name__}: {exc}"
+        bell.ring("answer", doorbell.word(sequence, doorbell.REFUSED, tag), tag, reason)
         raise
-    agent.send_notif(_name(peer), notification(tag, "returned"))
+    bell.ring("answer", doorbell.word(sequence, doorbell.RETURNED, tag), tag)
     return method

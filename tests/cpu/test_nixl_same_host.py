@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
 
 from helpers.host_ipc import HostIpc
-from helpers.nixl_peer import nixl_installed, run_peers
+from helpers.nixl_peer import run_peers
 from kvcopy import Layout, nixl, testing
+from kvcopy.nixl import doorbell
 from kvcopy.testing import engine
 
 PLANES, SLOTS, ROW = 4, 32, 256
@@ -42,22 +44,24 @@ def _from_another_process(shared: nixl.SharedLayout, **changes) -> nixl.SharedLa
     return dataclasses.replace(shared, pid=1, **changes)
 
 
-class Agent:
-    """The two notification calls of a nixl_agent, over a list of (peer, message)."""
+def _lend(rows: nixl.SharedRows, *tags: str, **options) -> tuple[threading.Thread, list]:
+    """lend_rows of each tag in turn on a thread of its own, as the lending process
+    would: (the thread, what each lend gave: None or the exception it raised)."""
+    outcomes: list = []
 
-    def __init__(self, arriving: list[bytes] = ()) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-        self.arriving = list(arriving)
+    def lend() -> None:
+        for tag in tags:
+            try:
+                nixl.lend_rows(
+                    rows, tag=tag, timeout=options.get("timeout", 30), stream=options.get("stream")
+                )
+                outcomes.append(None)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                outcomes.append(exc)
 
-    def send_notif(self, peer: str, message: bytes) -> None:
-        self.sent.append((peer, message))
-
-    def check_remote_xfer_done(self, peer: str, message: bytes) -> bool:
-        for i, found in enumerate(self.arriving):
-            if found.startswith(message):
-                del self.arriving[i]
-                return True
-        return False
+    thread = threading.Thread(target=lend)
+    thread.start()
+    return thread, outcomes
 
 
 def test_a_shared_layout_names_each_allocation_once_and_survives_pickling(fake):
@@ -162,56 +166,117 @@ def _opened_pair(fake: HostIpc):
 
 
 def test_a_pull_waits_for_the_lend_orders_after_the_peers_event_and_returns_the_rows(fake):
-    cache, _, opened = _opened_pair(fake)
+    cache, rows, opened = _opened_pair(fake)
     here = np.zeros((PLANES, 8, ROW), np.uint8)
-    agent = Agent([b"kvcopy/t1/lent;"])
     src, dst = np.array([5, 0, 31, -1]), np.array([1, 2, 7, 3])
+    thread, outcomes = _lend(rows, "t1", stream=STREAM)
     with testing.rows_on_host():
-        nixl.pull_rows(agent, "lender", opened, _layout(here), src, dst, tag="t1", stream=STREAM)
+        nixl.pull_rows(opened, _layout(here), src, dst, tag="t1", stream=STREAM)
+    thread.join()
+    assert outcomes == [None]  # (the lender had its rows back)
     expected = np.zeros_like(here)
     expected[:, dst[:3]] = cache[:, src[:3]]
     assert np.array_equal(here, expected)
-    assert agent.sent == [("lender", b"kvcopy/t1/returned;")]
-    order = [call[0] for call in fake.calls if call[0].startswith("stream")]
-    assert order == ["stream_wait_event", "stream_synchronize"]
+    order = [
+        call[0]
+        for call in fake.calls
+        if call[0] in ("event_record", "stream_wait_event", "stream_synchronize")
+    ]
+    assert order == ["event_record", "stream_wait_event", "stream_synchronize"]
+    assert ("event_record", rows.event, STREAM) in fake.calls
     assert ("stream_wait_event", STREAM, opened.event) in fake.calls
 
 
-def test_a_push_writes_the_peers_rows_and_a_refused_copy_tells_the_peer(fake):
-    cache, _, opened = _opened_pair(fake)
+def test_a_push_writes_the_peers_rows_and_a_refused_copy_tells_the_lender_why(fake):
+    cache, rows, opened = _opened_pair(fake)
     before = cache.copy()
     here = np.random.default_rng(4).integers(0, 256, (PLANES, 8, ROW), dtype=np.uint8)
-    agent = Agent([b"kvcopy/in/lent;", b"kvcopy/bad/lent;"])
+    thread, outcomes = _lend(rows, "in", "bad", "after")
     with testing.rows_on_host():
-        nixl.push_rows(agent, "lender", _layout(here), opened, [0, 7], [30, 2], tag="in")
+        nixl.push_rows(_layout(here), opened, [0, 7], [30, 2], tag="in")
         with pytest.raises(ValueError, match=r"dst_indices\[1\] = 32 is out of range"):
-            nixl.push_rows(agent, "lender", _layout(here), opened, [1, 2], [4, SLOTS], tag="bad")
-    before[:, [30, 2]] = here[:, [0, 7]]
+            nixl.push_rows(_layout(here), opened, [1, 2], [4, SLOTS], tag="bad")
+        nixl.push_rows(_layout(here), opened, [3], [9], tag="after")  # (both ends usable)
+    thread.join()
+    before[:, [30, 2, 9]] = here[:, [0, 7, 3]]
     assert np.array_equal(cache, before)  # (the refused push wrote nothing)
-    assert agent.sent == [("lender", b"kvcopy/in/returned;"), ("lender", b"kvcopy/bad/refused;")]
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], nixl.TransferFailed)
+    assert "refused transfer 'bad': ValueError: dst_indices[1] = 32 is out of range" in str(outcomes[1])
 
 
-def test_lending_records_the_event_then_waits_for_the_return_or_the_refusal(fake):
-    _, rows, _ = _opened_pair(fake)
-    agent = Agent([b"kvcopy/a/returned;"])
-    nixl.lend_rows(agent, "host", rows, tag="a", stream=STREAM)
-    assert ("event_record", rows.event, STREAM) in fake.calls
-    assert agent.sent == [("host", b"kvcopy/a/lent;")]
-    with pytest.raises(nixl.TransferFailed, match="'host' refused transfer 'b'"):
-        nixl.lend_rows(Agent([b"kvcopy/b/refused;"]), "host", rows, tag="b")
-    with pytest.raises(TimeoutError, match="kvcopy/c/returned"):
-        nixl.lend_rows(Agent(), "host", rows, tag="c", timeout=0.01)
+def test_ends_that_disagree_on_the_tag_both_refuse_and_move_nothing(fake):
+    _, rows, opened = _opened_pair(fake)
+    here = np.zeros((PLANES, 8, ROW), np.uint8)
+    thread, outcomes = _lend(rows, "mine", "next")
+    with testing.rows_on_host():
+        with pytest.raises(nixl.TransferFailed, match="the peer lent transfer 'mine', not 'theirs'"):
+            nixl.pull_rows(opened, _layout(here), [0], [0], tag="theirs")
+        assert not here.any() and not any(call[0] == "stream_wait_event" for call in fake.calls)
+        nixl.pull_rows(opened, _layout(here), [0], [0], tag="next")
+    thread.join()
+    assert isinstance(outcomes[0], nixl.TransferFailed) and outcomes[1] is None
+    assert "refused transfer 'mine': the peer asked for 'theirs'" in str(outcomes[0])
+
+
+def test_a_lend_that_times_out_is_withdrawn_and_not_taken_after(fake):
+    _, rows, opened = _opened_pair(fake)
+    with pytest.raises(TimeoutError, match="transfer 'c' not returned after 0.01 s; the lend is withdrawn"):
+        nixl.lend_rows(rows, tag="c", timeout=0.01)
+    with pytest.raises(TimeoutError, match="pull_rows: transfer 'c' not lent within 0.05 s"):
+        nixl.pull_rows(opened, opened.layout, [0], [1], tag="c", timeout=0.05)
+    assert not any(call[0] == "stream_wait_event" for call in fake.calls)
+    with pytest.raises(TypeError, match="tag must be a non-empty str"):
+        nixl.lend_rows(rows, tag="")
+    with pytest.raises(TypeError, match="pull_rows: opened must be an open"):
+        nixl.pull_rows(rows, opened.layout, tag="c")
     rows.close()
     with pytest.raises(TypeError, match="rows must be an open kvcopy.nixl.SharedRows"):
-        nixl.lend_rows(Agent(), "host", rows, tag="d")
+        nixl.lend_rows(rows, tag="d")
 
 
-@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install nixl-cu13)")
-def test_two_processes_pull_and_push_rows_by_the_same_host_leg_over_nixl(tmp_path):
+def test_a_shared_layout_opens_once_and_its_doorbell_goes_with_it(fake):
+    cache = _cache(fake)
+    rows = nixl.share_layout(_layout(cache))
+    bell = rows.shared.doorbell
+    assert os.path.exists(bell) and os.stat(bell).st_mode & 0o777 == 0o600
+    opened = nixl.open_layout(_from_another_process(rows.shared))
+    assert not os.path.exists(bell)  # (unlinked by the peer that mapped it)
+    with pytest.raises(ValueError, match="doorbell .* is gone: a shared layout is opened once"):
+        nixl.open_layout(_from_another_process(rows.shared))
+    event = 200 + int(rows.shared.event.rstrip(b"\0").split()[1])  # (as HostIpc opens it)
+    assert ("event_destroy", event) in fake.calls  # (what the refused open took, given back)
+    opened.close()
+    rows.close()
+    unopened = nixl.share_layout(_layout(cache))
+    assert os.path.exists(unopened.shared.doorbell)
+    unopened.close()
+    assert not os.path.exists(unopened.shared.doorbell)  # (the sharer unlinks what no peer took)
+
+
+def test_a_signal_is_one_word_of_sequence_state_and_tag(tmp_path):
+    value = doorbell.word(2**32 + 5, doorbell.LENT, "layer7")
+    assert doorbell.fields(value) == (5, doorbell.LENT, doorbell.digest("layer7"))
+    bell = doorbell.Doorbell.create()
+    try:
+        bell.ring("lent", value, "layer7")
+        assert bell.read("lent") == value and bell.lent_tag() == "layer7"
+        assert bell.read("answer") == 0
+        assert bell.wait("answer", lambda word: word != 0, 0.01) is None
+    finally:
+        bell.close()
+    (tmp_path / "short").write_bytes(b"x" * 10)
+    with pytest.raises(ValueError, match="is not a kvcopy doorbell"):
+        doorbell.Doorbell.open(str(tmp_path / "short"))
+
+
+def test_two_processes_pull_and_push_rows_by_the_same_host_leg(tmp_path):
     run_peers(tmp_path, "helpers.nixl_ipc_peer", "host_end", "lender")
     from helpers.nixl_ipc_peer import expected
 
     pulled, pushed = expected()
     assert np.array_equal(np.load(tmp_path / "pulled.npy"), pulled)
     assert np.array_equal(np.load(tmp_path / "pushed.npy"), pushed)
-    assert "refused transfer 'refused'" in (tmp_path / "lender-refused").read_text()
+    assert (
+        "refused transfer 'refused': ValueError: src_indices[1]" in (tmp_path / "lender-refused").read_text()
+    )

@@ -141,41 +141,34 @@ def vram_sender(folder: Path) -> None:
 
 
 def ipc_lender(folder: Path) -> None:
-    agent = _agent("lender")
     cache = torch.from_numpy(source_cache()).cuda()
     with nixl.share_layout(_layout(cache)) as shared:
-        _publish(folder, "lender", (agent.get_agent_metadata(), shared.shared))
-        peer = agent.add_remote_agent(_read(folder, "host")[0])
+        _publish(folder, "lender", (shared.shared,))
         stream = torch.cuda.current_stream().cuda_stream
         for tag in ("pull", "push"):
-            nixl.lend_rows(agent, peer, shared, tag=tag, stream=stream, timeout=120)
+            nixl.lend_rows(shared, tag=tag, stream=stream, timeout=120)
         np.save(folder / "pushed.npy", cache.cpu().numpy())
         try:
-            nixl.lend_rows(agent, peer, shared, tag="refused", stream=stream, timeout=120)
+            nixl.lend_rows(shared, tag="refused", stream=stream, timeout=120)
         except nixl.TransferFailed as exc:
             (folder / "lender-refused").write_text(str(exc))
         _wait_for(folder / "host-done")
-    agent.remove_remote_agent(peer)
 
 
 def ipc_host(folder: Path) -> None:
-    agent = _agent("host")
     cache = torch.zeros(PLANES, 16, ROW, dtype=torch.uint8).pin_memory()
-    _publish(folder, "host", (agent.get_agent_metadata(),))
-    metadata, shared = _read(folder, "lender")
-    peer = agent.add_remote_agent(metadata)
+    (shared,) = _read(folder, "lender")
     here = _layout(cache)
     with nixl.open_layout(shared) as opened:
-        nixl.pull_rows(agent, peer, opened, here, *IPC_PULL, tag="pull", timeout=120)
+        nixl.pull_rows(opened, here, *IPC_PULL, tag="pull", timeout=120)
         np.save(folder / "pulled.npy", cache.numpy())
-        nixl.push_rows(agent, peer, here, opened, *IPC_PUSH, tag="push", timeout=120)
+        nixl.push_rows(here, opened, *IPC_PUSH, tag="push", timeout=120)
         try:
-            nixl.pull_rows(agent, peer, opened, here, *IPC_REFUSED, tag="refused", timeout=120)
+            nixl.pull_rows(opened, here, *IPC_REFUSED, tag="refused", timeout=120)
         except ValueError as exc:
             (folder / "host-refused").write_text(str(exc))
         np.save(folder / "after.npy", cache.numpy())
     (folder / "host-done").touch()
-    agent.remove_remote_agent(peer)
 
 
 ROLES = {

@@ -1,6 +1,6 @@
-"""The two ends of the same-host leg over real NIXL agents (UCX on the loopback device),
-run by tests/cpu/test_nixl_same_host.py (``python -m helpers.nixl_ipc_peer ROLE
-FOLDER``), each in its own process, with CUDA IPC stood in for by shared memory
+"""The two ends of the same-host leg, run by tests/cpu/test_nixl_same_host.py (``python
+-m helpers.nixl_ipc_peer ROLE FOLDER``), each in its own process, signalling through
+the shared layout's doorbell, with CUDA IPC stood in for by shared memory
 (helpers.host_ipc) and rows copied on the host:
 
 - ``lender`` shares its cache, lends it for a pull, a push and a pull the host end
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from helpers.host_ipc import HostIpc
-from helpers.nixl_peer import _agent, _publish, _read, _wait_for
+from helpers.nixl_peer import _publish, _read, _wait_for
 from kvcopy import Layout, nixl, testing
 
 PLANES, SLOTS, ROW = 4, 32, 256
@@ -47,45 +47,38 @@ def _layout(cache: np.ndarray) -> Layout:
 
 
 def lender(folder: Path) -> None:
-    agent = _agent("lender")
     fake = HostIpc()
     with testing.fake_cuda(fake, ("driver", "ipc")), testing.rows_on_host():
         cache = fake.allocate(PLANES * SLOTS * ROW).reshape(PLANES, SLOTS, ROW)
         cache[:] = source()
         with nixl.share_layout(_layout(cache)) as shared:
-            _publish(folder, "lender", (agent.get_agent_metadata(), shared.shared))
-            peer = agent.add_remote_agent(_read(folder, "host_end")[0])
+            _publish(folder, "lender", (shared.shared,))
             for tag in ("pull", "push"):
-                nixl.lend_rows(agent, peer, shared, tag=tag, timeout=60)
+                nixl.lend_rows(shared, tag=tag, timeout=60)
             np.save(folder / "pushed.npy", cache)
             try:
-                nixl.lend_rows(agent, peer, shared, tag="refused", timeout=60)
+                nixl.lend_rows(shared, tag="refused", timeout=60)
             except nixl.TransferFailed as exc:
                 (folder / "lender-refused").write_text(str(exc))
             _wait_for(folder / "host-done")
         del cache
-    agent.remove_remote_agent(peer)
     fake.release()
 
 
 def host_end(folder: Path) -> None:
-    agent = _agent("host_end")
     fake = HostIpc()
     cache = np.zeros((PLANES, 8, ROW), np.uint8)
-    _publish(folder, "host_end", (agent.get_agent_metadata(),))
-    metadata, shared = _read(folder, "lender")
-    peer = agent.add_remote_agent(metadata)
+    (shared,) = _read(folder, "lender")
     with testing.fake_cuda(fake, ("driver", "ipc")), testing.rows_on_host():
         with nixl.open_layout(shared) as opened:
-            nixl.pull_rows(agent, peer, opened, _layout(cache), *PULL, tag="pull", timeout=60)
+            nixl.pull_rows(opened, _layout(cache), *PULL, tag="pull", timeout=60)
             np.save(folder / "pulled.npy", cache)
-            nixl.push_rows(agent, peer, _layout(cache), opened, *PUSH, tag="push", timeout=60)
+            nixl.push_rows(_layout(cache), opened, *PUSH, tag="push", timeout=60)
             try:
-                nixl.pull_rows(agent, peer, opened, _layout(cache), *REFUSED, tag="refused", timeout=60)
+                nixl.pull_rows(opened, _layout(cache), *REFUSED, tag="refused", timeout=60)
             except ValueError:
                 pass  # (the lender saves what it was told)
     (folder / "host-done").touch()
-    agent.remove_remote_agent(peer)
 
 
 ROLES = {"lender": lender, "host_end": host_end}
