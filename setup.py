@@ -184,6 +184,7 @@ CUDA_MODULES = (
     "replay_records",
     "rows",
     "rows_repeat",
+    "shared_words",
     "stage",
     "tensor_stamps",
     "testing",

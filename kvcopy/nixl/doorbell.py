@@ -10,8 +10,11 @@ one way measured on a 2-core host, and never where the agent runs no progress th
 and the receiver only asks.
 
 Each signal is one aligned 8-byte word (a sequence number, a state and a digest of
-the transfer's tag), written and read whole, so that a look never sees half of one;
-the tag and a refusal's reason are written beside it, before it, for messages only.
+the transfer's tag), stored whole with release order and loaded whole with acquire
+order (kvcopy._cuda.shared_words), so that a look never sees half of one, and what the
+writer did before it (an event's record, a copy's end) comes before what the reader
+does after it, on Arm as on x86; the tag and a refusal's reason are written beside
+it, before it, for messages only.
 The page lives in /dev/shm (the temporary folder where there is none), readable by
 this user only; the peer unlinks it as it maps it, so that a shared layout is opened
 once, and the sharing end unlinks it on close where the peer never came.
@@ -19,15 +22,17 @@ once, and the sharing end unlinks it on close where the peer never came.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
 import struct
 import tempfile
-import threading
 import time
 import zlib
 from typing import Callable
+
+from kvcopy._cuda import shared_words
 
 PAGE = 4096
 _LENT_AT, _ANSWER_AT, _TAG_AT, _REASON_AT = 0, 64, 128, 512
@@ -41,16 +46,6 @@ LENT, WITHDRAWN, RETURNED, REFUSED = 1, 2, 3, 4
 # peer that waits longer for its lender does not need to be woken sooner.
 SPIN_S = 0.002
 POLL_S = 0.0002
-
-# (a lock's acquire and release order the memory operations around them on CPUs that
-# reorder stores, such as Arm's: the lender's event record is then seen before its
-# "lent", and the peer's copy is issued after it saw it)
-_FENCE = threading.Lock()
-
-
-def _fence() -> None:
-    with _FENCE:
-        pass
 
 
 def digest(tag: str) -> int:
@@ -82,6 +77,9 @@ class Doorbell:
         self.path = path
         self._memory: mmap.mmap | None = memory
         self._owner = owner
+        # (the page's address, for the word loads and stores; dropped before the unmap)
+        self._view: ctypes.Array | None = (ctypes.c_char * PAGE).from_buffer(memory)
+        self._address = ctypes.addressof(self._view)
 
     @classmethod
     def create(cls) -> "Doorbell":
@@ -122,9 +120,8 @@ class Doorbell:
 
     def read(self, which: str) -> int:
         """The word of the ``lent`` or the ``answer`` signal."""
-        value = struct.unpack_from("<Q", self._page(), _LENT_AT if which == "lent" else _ANSWER_AT)[0]
-        _fence()  # (what follows the look is ordered after it)
-        return int(value)
+        self._page()
+        return shared_words.load_acquire(self._address + (_LENT_AT if which == "lent" else _ANSWER_AT))
 
     def ring(self, which: str, value: int, tag: str, reason: str = "") -> None:
         """Write the ``lent`` or ``answer`` signal: its tag (and a refusal's reason)
@@ -134,8 +131,7 @@ class Doorbell:
             _write_text(page, _TAG_AT, tag, _TEXT_MAX)
         else:
             _write_text(page, _REASON_AT, reason, _REASON_MAX)
-        _fence()  # (what came before, an event's record or the copy, is seen first)
-        struct.pack_into("<Q", page, _LENT_AT if which == "lent" else _ANSWER_AT, value)
+        shared_words.store_release(self._address + (_LENT_AT if which == "lent" else _ANSWER_AT), value)
 
     def lent_tag(self) -> str:
         """The tag of the latest lend, as its lender wrote it."""
@@ -163,6 +159,7 @@ class Doorbell:
         """Unmap the page; the sharing end also unlinks its name where the peer did not."""
         if self._memory is None:
             return
+        self._view = None  # (the mapping cannot close while a view of it is alive)
         self._memory.close()
         self._memory = None
         if self._owner:
