@@ -4,10 +4,10 @@ shared layout map, in which the lender says "lent" and the peer answers "returne
 
 The two processes are on one host by construction (CUDA IPC maps memory between
 processes of one host only), so the signals need no transport: one store each way,
-seen by the other process's next look, microseconds apart. A NIXL notification
-between the same two processes waits for the agents' progress threads: 0.03–1.7 ms
-one way measured on a 2-core host, and never where the agent runs no progress thread
-and the receiver only asks.
+seen by the other process's next look. A NIXL notification between the same two
+processes goes through UCX and the agents' progress threads: on a 2-core host about
+100 µs at the median and up to 25 ms, against about 12 µs and at most 0.3 ms for this
+page (bench/signal_latency.py, docs/nixl.md).
 
 Each signal is one aligned 8-byte word (a sequence number, a state and a digest of
 the transfer's tag), stored whole with release order and loaded whole with acquire
