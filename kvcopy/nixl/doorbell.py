@@ -29,6 +29,7 @@ import secrets
 import struct
 import tempfile
 import time
+import weakref
 import zlib
 from typing import Callable
 
@@ -76,10 +77,11 @@ class Doorbell:
     def __init__(self, path: str, memory: mmap.mmap, owner: bool) -> None:
         self.path = path
         self._memory: mmap.mmap | None = memory
-        self._owner = owner
         # (the page's address, for the word loads and stores; dropped before the unmap)
         self._view: ctypes.Array | None = (ctypes.c_char * PAGE).from_buffer(memory)
         self._address = ctypes.addressof(self._view)
+        # (a page no peer took is unlinked when its sharer closes, drops or exits)
+        self._unlink = weakref.finalize(self, _unlink_quietly, path) if owner else None
 
     @classmethod
     def create(cls) -> "Doorbell":
@@ -162,11 +164,15 @@ class Doorbell:
         self._view = None  # (the mapping cannot close while a view of it is alive)
         self._memory.close()
         self._memory = None
-        if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._unlink is not None:
+            self._unlink()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # (the peer unlinked it as it mapped it)
+        pass
 
 
 def _write_text(page: mmap.mmap, at: int, text: str, most: int) -> None:

@@ -77,7 +77,9 @@ class SharedLayout:
 
 class SharedRows:
     """A layout shared by this process (:func:`share_layout`): ``shared`` goes to the
-    peer; ``close()`` destroys the event and the doorbell (after the last transfer)."""
+    peer; ``close()`` destroys the event and the doorbell (after the last transfer).
+    Keep it while the peer may open the layout: a doorbell no peer has opened is
+    unlinked when this object is dropped."""
 
     def __init__(
         self, layout: Layout, shared: SharedLayout, event: int, ordinal: int, bell: doorbell.Doorbell

@@ -104,7 +104,8 @@ def test_share_layout_refuses_what_cuda_ipc_cannot_share_naming_the_plane(fake, 
 def test_opening_maps_every_allocation_and_closing_gives_each_back(fake):
     first, second = _cache(fake, 1), _cache(fake, 1)
     layout = Layout.from_pointers([first[0].ctypes.data + 512, second[0].ctypes.data], slots=8, row_bytes=ROW)
-    shared = nixl.share_layout(layout).shared
+    rows = nixl.share_layout(layout)  # (held: a dropped SharedRows takes its doorbell along)
+    shared = rows.shared
     opened = nixl.open_layout(_from_another_process(shared))
     mapped = [call[1] for call in fake.calls if call[0] == "open_mem_handle"]
     assert len(mapped) == 2 and opened.event == 200 + int(shared.event.rstrip(b"\0").split()[1])
@@ -265,6 +266,10 @@ def test_a_signal_is_one_word_of_sequence_state_and_tag(tmp_path):
         assert bell.wait("answer", lambda word: word != 0, 0.01) is None
     finally:
         bell.close()
+    dropped = doorbell.Doorbell.create()
+    path = dropped.path
+    del dropped  # (dropped without close: its name goes with it)
+    assert not os.path.exists(path)
     (tmp_path / "short").write_bytes(b"x" * 10)
     with pytest.raises(ValueError, match="is not a kvcopy doorbell"):
         doorbell.Doorbell.open(str(tmp_path / "short"))
