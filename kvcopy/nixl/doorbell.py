@@ -34,19 +34,16 @@ import zlib
 from typing import Callable
 
 from kvcopy._cuda import shared_words
+from kvcopy.nixl.transfers import pause
 
 PAGE = 4096
 _LENT_AT, _ANSWER_AT, _TAG_AT, _REASON_AT = 0, 64, 128, 512
 _TEXT_MAX = 256  # (a tag's bytes kept for messages; the digest decides)
 _REASON_MAX = PAGE - _REASON_AT - 2
 
-LENT, WITHDRAWN, RETURNED, REFUSED = 1, 2, 3, 4
+_WORD_AT = {"lent": _LENT_AT, "answer": _ANSWER_AT}  # (each signal's word)
 
-# A look spins (time.sleep(0) lets other threads run) for its first SPIN_S, then
-# sleeps POLL_S between looks: a copy of a few MiB ends within a millisecond, and a
-# peer that waits longer for its lender does not need to be woken sooner.
-SPIN_S = 0.002
-POLL_S = 0.0002
+LENT, WITHDRAWN, RETURNED, REFUSED = 1, 2, 3, 4
 
 
 def digest(tag: str) -> int:
@@ -123,7 +120,7 @@ class Doorbell:
     def read(self, which: str) -> int:
         """The word of the ``lent`` or the ``answer`` signal."""
         self._page()
-        return shared_words.load_acquire(self._address + (_LENT_AT if which == "lent" else _ANSWER_AT))
+        return shared_words.load_acquire(self._address + _WORD_AT[which])
 
     def ring(self, which: str, value: int, tag: str, reason: str = "") -> None:
         """Write the ``lent`` or ``answer`` signal: its tag (and a refusal's reason)
@@ -133,7 +130,7 @@ class Doorbell:
             _write_text(page, _TAG_AT, tag, _TEXT_MAX)
         else:
             _write_text(page, _REASON_AT, reason, _REASON_MAX)
-        shared_words.store_release(self._address + (_LENT_AT if which == "lent" else _ANSWER_AT), value)
+        shared_words.store_release(self._address + _WORD_AT[which], value)
 
     def lent_tag(self) -> str:
         """The tag of the latest lend, as its lender wrote it."""
@@ -152,10 +149,9 @@ class Doorbell:
             value = self.read(which)
             if until(value):
                 return value
-            now = time.monotonic()
-            if now > deadline:
+            if time.monotonic() > deadline:
                 return None
-            time.sleep(0 if now - started < SPIN_S else POLL_S)
+            pause(started)
 
     def close(self) -> None:
         """Unmap the page; the sharing end also unlinks its name where the peer did not."""

@@ -14,14 +14,16 @@ from kvcopy.errors import KVCopyError
 from kvcopy.nixl.descriptors import OPERATIONS, Descriptors
 
 POLL_S = 0.0002  # (NIXL's progress thread moves the bytes: the caller only asks)
-# A wait looks again without sleeping for its first SPIN_S: a chunk of a packed send
-# ends within about a millisecond, and a sleep costs the scheduler's wake-up on top of
-# POLL_S, every chunk, at both ends. time.sleep(0) still lets other threads run.
+# A wait looks again without sleeping for its first SPIN_S: a chunk of a packed send,
+# or a same-host leg's copy of a few MiB, ends within about a millisecond, and a sleep
+# costs the scheduler's wake-up on top of POLL_S, every chunk, at both ends.
+# time.sleep(0) still lets other threads run.
 SPIN_S = 0.002
 
 
-def _pause(started: float) -> None:
-    """Between two looks of a wait that began at ``started`` (time.monotonic())."""
+def pause(started: float) -> None:
+    """Between two looks of a wait that began at ``started`` (time.monotonic()): every
+    wait of kvcopy.nixl, on NIXL or on a doorbell, paces its looks so."""
     time.sleep(0 if time.monotonic() - started < SPIN_S else POLL_S)
 
 
@@ -129,7 +131,7 @@ def finish(posted: Posted) -> None:
             while state == "PROC":
                 if time.monotonic() > posted.deadline:
                     raise TimeoutError(f"transfer: {posted.what} has not ended after {posted.timeout} s")
-                _pause(started)
+                pause(started)
                 state = posted.agent.check_xfer_state(posted.handle)
         if state != "DONE":
             raise TransferFailed(f"transfer: NIXL reports {posted.what} in state {state}")
@@ -181,4 +183,4 @@ def wait_notification(
             raise TimeoutError(f"wait_notification: no {message!r} from {name!r} after {timeout} s")
         if meanwhile is not None:
             meanwhile()
-        _pause(started)
+        pause(started)
