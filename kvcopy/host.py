@@ -166,6 +166,7 @@ class register:
             except KVCopyError:
                 self.close()
                 raise
+        kept_memory.forget()  # (an array over this memory, kept as pageable, is pinned now)
         return self
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
-"""Type stub of kvcopy._cuda.tensor_stamps: the identity, version and address check of
-kept torch tensors."""
+"""Type stub of kvcopy._cuda.tensor_stamps: the identity and stamp check of kept torch
+tensors, NumPy arrays and array-interface producers."""
 
 from typing import Any, Sequence
 
 def identity_hash(tensors: Sequence[Any]) -> int: ...
+def array_stamp(array: Any) -> tuple[bytes | tuple, int] | None: ...
 def stamps_hold(refs: tuple, tensors: Sequence[Any], versions: tuple, addresses: tuple) -> bool: ...

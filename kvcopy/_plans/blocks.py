@@ -15,7 +15,7 @@ from kvcopy.arguments import require_bool
 from kvcopy._plans.copies import CopyPlan, plan_copies
 from kvcopy.interop.arrays import as_block_mapping, as_list
 from kvcopy.interop.frameworks import framework_of
-from kvcopy.interop.kept_reads import KeptReads
+from kvcopy.interop.kept_reads import KeptReads, may_keep
 from kvcopy._runtime.kept_memory import MemoryStore, new_store
 from kvcopy.interop.tensors import (
     BlockLayout,
@@ -331,10 +331,10 @@ def _layouts_of_pair(
 
 @dataclass(frozen=True)
 class KeptGeometry:
-    """A geometry read from torch tensors, kept while they are unchanged
+    """A geometry read from torch tensors or arrays, kept while they are unchanged
     (kvcopy.interop.kept_reads), and the store for what the engine finds of their
-    memory (kvcopy._runtime.kept_memory.find_in): unchanged live tensors hold the same
-    memory, so it is classified once."""
+    memory (kvcopy._runtime.kept_memory.find_in): unchanged live tensors and arrays
+    hold the same memory, so it is classified once."""
 
     geometry: BlockGeometry
     memory: MemoryStore = field(default_factory=new_store)
@@ -354,8 +354,10 @@ GeometryAndMemory = tuple[BlockGeometry, Optional[MemoryStore]]
 def geometry_and_memory(
     src: Any, dst: Any, *, split_blocks: bool = False, stream: ConsumerStream = None
 ) -> GeometryAndMemory:
-    """The geometry of a swap_blocks call's tensors, and where it was kept for torch
-    tensors, the store kept with it for their memory (KeptGeometry; else None).
+    """The geometry of a swap_blocks call's tensors, and where it was kept (torch
+    tensors, NumPy arrays, array-interface producers that name no stream: see
+    kvcopy.interop.kept_reads), the store kept with it for their memory (KeptGeometry;
+    else None).
     Raises TypeError/ValueError.
 
     Runs on every swap_blocks call, so a list of torch tensors of one shape,
@@ -371,7 +373,7 @@ def geometry_and_memory(
         raise ValueError("src: no tensors given")
     if len(srcs) != len(dsts):
         raise ValueError(f"src and dst hold different numbers of tensors: {len(srcs)} and {len(dsts)}")
-    if framework_of(srcs[0]) == "torch" and framework_of(dsts[0]) == "torch":
+    if may_keep(srcs[0]) and may_keep(dsts[0]):
         # (an engine passes the same caches every step: read them once while unchanged)
         kept, held = _kept_geometries.lookup(
             (*srcs, *dsts),

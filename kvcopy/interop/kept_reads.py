@@ -1,10 +1,11 @@
-"""What was read from torch tensors, kept while none of them has changed.
+"""What was read from torch tensors and arrays, kept while none of them has changed.
 
 Reading a torch tensor's geometry (address, shape, strides, dtype, flags) costs about
-0.7 µs a tensor; an engine hands kvcopy the same per-layer caches every step, 32 to
-128 tensors a side, so rereading them was most of a call's CPU time. A value worked
-out from a sequence of tensors is kept here and given back while each tensor is the
-same live object, at the same address, with the same version counter:
+0.7 µs a tensor, an array's through its interface more; an engine hands kvcopy the
+same per-layer caches every step, 32 to 128 tensors a side, so rereading them was
+most of a call's CPU time. A value worked out from a sequence of tensors is kept here
+and given back while each tensor is the same live object, at the same address, with
+the same version counter:
 
 - every in-place change of a tensor's metadata (``set_``, ``resize_``,
   ``as_strided_``, ``transpose_`` and the other in-place view ops) bumps its version
@@ -22,6 +23,23 @@ same live object, at the same address, with the same version counter:
 - inference tensors (made under ``torch.inference_mode``) have no version counter:
   nothing read from them is kept, and they are read at every call.
 
+Arrays have no version counter; what is compared at every call is all that reading
+one finds (kvcopy._cuda.tensor_stamps.array_stamp), besides its identity:
+
+- a NumPy array (``numpy.memmap`` too): its address, shape, strides, item size,
+  format and writability, through the buffer protocol, so ``shape =``, ``dtype =``
+  or ``flags.writeable =`` make it new. The entry holds a weak reference to it, which
+  NumPy's in-place ``resize`` refuses, as it refuses one of an array that has views
+  (``numpy.resize`` makes a new array);
+- a ``__cuda_array_interface__`` producer (Numba, a custom allocator's wrapper): its
+  interface, read again at every call and compared whole (address, writability,
+  shape, strides, type). One that names a stream is read at every call: that stream
+  is to be waited for each time. So is a JAX array, read through DLPack so that the
+  computation writing it is ordered before each copy.
+
+Like a tensor, an array holds its memory for as long as it lives (a producer that
+does not, a view of memory freed under it, is the caller's error either way).
+
 The check is one C loop (kvcopy._cuda.tensor_stamps) that calls torch.Tensor's own C
 readers of the counter and the address: about 0.09 µs a tensor on a 2-core CPU host,
 an eighth of reading it.
@@ -33,8 +51,10 @@ import threading
 import weakref
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
-from kvcopy._cuda.tensor_stamps import identity_hash, stamps_hold
-from kvcopy.interop.frameworks import is_torch
+import numpy as np
+
+from kvcopy._cuda.tensor_stamps import array_stamp, identity_hash, stamps_hold
+from kvcopy.interop.frameworks import framework_of, is_torch
 from kvcopy.kept import dropper, make_room
 
 T = TypeVar("T")
@@ -59,20 +79,45 @@ def _meta(t: Any) -> tuple:
 
 
 def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple, tuple] | None:
-    """The tensors' version counters, addresses and metadata, or None where one is not
-    a torch tensor, has no version counter (an inference tensor) or no storage
-    (sparse, nested: the reader names them)."""
-    if not all(map(is_torch, tensors)):
-        return None
-    try:
-        versions = tuple(t._version for t in tensors)  # (first: see _renewed)
-        return versions, tuple(t.data_ptr() for t in tensors), tuple(map(_meta, tensors))
-    except (RuntimeError, AttributeError):
-        return None
+    """Each object's stamp (a torch tensor's version counter; an array's array_stamp),
+    address and torch metadata (None for an array, whose stamp holds it), or None where
+    one can be neither: a torch tensor with no version counter (an inference tensor) or
+    no storage (sparse, nested: the reader names them), or an object that is no array
+    kvcopy can stamp."""
+    versions: list[Any] = []
+    addresses: list[int] = []
+    metas: list[tuple | None] = []
+    for t in tensors:
+        if is_torch(t):
+            try:
+                versions.append(t._version)  # (first: see _renewed)
+                addresses.append(t.data_ptr())
+                metas.append(_meta(t))
+            except (RuntimeError, AttributeError):
+                return None
+            continue
+        stamp = None if framework_of(t) == "jax" else array_stamp(t)
+        if stamp is None:
+            return None
+        versions.append(stamp[0])
+        addresses.append(stamp[1])
+        metas.append(None)
+    return tuple(versions), tuple(addresses), tuple(metas)
+
+
+def may_keep(obj: Any) -> bool:
+    """Whether what is read from ``obj`` may be kept (a cheap look at one object of a
+    call; KeptReads stamps each): a torch tensor, a NumPy array or an array-interface
+    producer, but not a JAX array, which is read through DLPack at every call so that
+    the computation writing it is ordered before the copy."""
+    framework = framework_of(obj)
+    if framework == "torch":
+        return True
+    return framework != "jax" and (isinstance(obj, np.ndarray) or hasattr(obj, "__cuda_array_interface__"))
 
 
 class KeptReads:
-    """Values worked out from sequences of torch tensors, bounded to ``limit`` entries
+    """Values worked out from sequences of torch tensors and arrays, bounded to ``limit`` entries
     (the oldest goes first), each kept while its tensors are unchanged (module doc).
 
     Thread-safe: a lookup reads one entry, which is never changed; a store replaces
@@ -130,8 +175,15 @@ class KeptReads:
         moves it past the one kept."""
         try:
             versions = []
-            for ref, tensor, address in zip(entry.refs, tensors, entry.addresses):
-                if ref() is not tensor or tensor.data_ptr() != address:
+            for ref, tensor, address, was in zip(entry.refs, tensors, entry.addresses, entry.versions):
+                if ref() is not tensor:
+                    return None
+                if type(was) is not int:  # (an array: its stamp is compared whole)
+                    if array_stamp(tensor) != (was, address):
+                        return None
+                    versions.append(was)
+                    continue
+                if tensor.data_ptr() != address:
                     return None
                 versions.append(tensor._version)
             for tensor, was, now, meta in zip(tensors, entry.versions, versions, entry.metas):
@@ -166,4 +218,4 @@ class KeptReads:
         return len(self._entries)
 
 
-__all__ = ["KeptReads"]
+__all__ = ["KeptReads", "may_keep"]

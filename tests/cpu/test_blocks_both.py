@@ -55,6 +55,9 @@ class Fake(FakeCaptureDriver):
     def event_record(self, event: int, stream: int) -> None:
         self.calls.append(("fence", event, stream))
 
+    def current_context_key(self) -> int:
+        return 0  # (no context: each call's memory is classified by the test's own fake)
+
     def launch_blocks_both_uploaded(self, *args) -> int:
         self.calls.append(("launch",) + args)
         return 1

@@ -7,6 +7,8 @@ from __future__ import annotations
 import cpu_calls  # bench/cpu_calls.py (tests/conftest.py puts bench/ on the path)
 import pytest
 
+import kvcopy
+
 
 TORCH_ROWS = 4 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
 
@@ -53,21 +55,26 @@ def test_copy_rows_repeated_with_gpu_indices_asks_for_its_launch_only(faked):
 
 def test_swap_blocks_of_one_pair_is_one_dma_call(faked):
     """One pair goes to the copy engines as one cuMemcpyAsync: no describe pass, no
-    launch, nothing uploaded."""
-    host, calls = faked
-    asked = steady(host, calls["swap_blocks 1 pair, 1 tensor a side"])
+    launch, nothing uploaded (a view made at each call: read, classified and planned
+    each time)."""
+    host, _ = faked
+    src, dst = cpu_calls.GpuArray((64, 2048), cpu_calls.DEVICE_BASE), cpu_calls.host_pools()[-1]
+    asked = steady(host, lambda: kvcopy.swap_blocks(src, dst[:64], [[3, 5]], stream=0x7F00_1234))
     assert asked["dma.memcpy_loop"] == 1
     assert not {"describe.describe_copies", "launch.upload", "rows.RowsLaunches"} & set(asked)
 
 
-def test_a_repeated_swap_blocks_of_one_block_copy_is_one_compiled_call(faked):
-    """Over torch tensors whose reads are kept, the steady call enters the stream's
-    context and makes the one DMA call (dma.BlockCopyAgain): no pointer query, no
-    classification, no plan."""
-    if not TORCH_ROWS:
+@pytest.mark.parametrize(
+    "row", ["swap_blocks 1 pair, 1 tensor a side", "swap_blocks 1 pair, 1 torch tensor a side"]
+)
+def test_a_repeated_swap_blocks_of_one_block_copy_is_one_compiled_call(faked, row):
+    """Over torch tensors or arrays whose reads are kept, the steady call enters the
+    stream's context and makes the one DMA call (dma.BlockCopyAgain): no pointer query,
+    no classification, no plan."""
+    if "torch" in row and not TORCH_ROWS:
         pytest.skip("torch is not installed")
     host, calls = faked
-    asked = steady(host, calls["swap_blocks 1 pair, 1 torch tensor a side"])
+    asked = steady(host, calls[row])
     assert asked == {"driver.enter_for_repeat": 1, "dma.BlockCopyAgain()": 1}
 
 

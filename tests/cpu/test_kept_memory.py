@@ -99,9 +99,9 @@ def test_forgetting_classifies_every_tensor_again(host):
     assert classifications(host, src, dst) == 1
 
 
-def test_unregistering_host_memory_forgets_what_was_kept(host):
-    """kvcopy.register's unregistration makes a registered tensor's memory pageable:
-    nothing classified before it is trusted after it."""
+def test_registering_or_unregistering_host_memory_forgets_what_was_kept(host):
+    """kvcopy.register makes a tensor's memory pinned, and its unregistration pageable
+    again: nothing classified before either is trusted after it."""
     host.answers.update(
         {
             "memory.host_register": lambda ptr, size, readonly: None,
@@ -112,15 +112,36 @@ def test_unregistering_host_memory_forgets_what_was_kept(host):
     src, dst = caches(), caches()
     classifications(host, src, dst)
     with kvcopy.register(dst[0].numpy()):
+        assert kept_memory.kept() == 0
+        assert classifications(host, src, dst, calls=2) == 1
         assert kept_memory.kept() == 1
     assert kept_memory.kept() == 0
     assert classifications(host, src, dst) == 1
 
 
-def test_objects_other_than_torch_tensors_are_classified_at_every_call(host):
+def test_the_same_live_numpy_arrays_are_classified_once(host):
     src = [np.zeros((8, 256), np.uint8) for _ in range(4)]
     dst = [np.zeros((8, 256), np.uint8) for _ in range(4)]
-    assert classifications(host, src, dst, calls=3) == 3
+    assert classifications(host, src, dst, calls=5) == 1
+    dst[2].shape = (16, 128)  # (in place: another geometry, read and classified again)
+    with pytest.raises(ValueError, match=r"dst\[2\]"):
+        kvcopy.swap_blocks(src, dst, ONE, stream=0x7F00_1234)
+    dst[2].shape = (8, 256)  # (as it was: what was kept holds again)
+    assert classifications(host, src, dst) == 0
+    dst[2].flags.writeable = False
+    with pytest.raises(ValueError, match=r"^dst\[2\] is read-only$"):
+        kvcopy.swap_blocks(src, dst, ONE, stream=0x7F00_1234)
+    dst[2] = np.zeros((16, 256), np.uint8)  # (another array, other memory: classified once)
+    assert classifications(host, src, dst, calls=3) == 1
+
+
+def test_arrays_made_anew_at_every_call_are_classified_at_every_call(host):
+    src = [np.zeros((8, 256), np.uint8) for _ in range(4)]
+    dst = [np.zeros((8, 256), np.uint8) for _ in range(4)]
+    host.counts.clear()
+    for _ in range(3):
+        kvcopy.swap_blocks([a[:] for a in src], dst, ONE, stream=0x7F00_1234)
+    assert host.counts["classify.classify_pointers"] // 2 == 3
 
 
 def test_the_benchmarks_torch_row_classifies_once():

@@ -1,7 +1,8 @@
-"""What was read from torch tensors is kept while they are unchanged
+"""What was read from torch tensors and arrays is kept while they are unchanged
 (kvcopy.interop.kept_reads): the same tensors are read once; every in-place change of
-one (its metadata, its data, its memory), a freed one, an inference tensor, or an
-object that is not a torch tensor is read again."""
+one (its metadata, its data, its memory), a freed one, an inference tensor, an array
+changed in place, an array-interface producer that names a stream, or an object that
+is no array is read again."""
 
 from __future__ import annotations
 
@@ -164,15 +165,140 @@ def test_an_entry_leaves_with_its_first_freed_tensor():
     assert len(kept) == 0
 
 
-def test_inference_tensors_and_other_objects_are_read_at_every_call():
+class Producer:
+    """A ``__cuda_array_interface__`` producer over an address it is given."""
+
+    def __init__(self, ptr: int, shape: tuple = (8, 64), stream: int | None = None) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
+
+
+class SlottedProducer:
+    """A producer that takes no weak references."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = Producer(ptr).__cuda_array_interface__
+
+
+class Named:
+    """Neither a tensor nor an array."""
+
+
+class JaxLike(Producer):
+    """A JAX array as kvcopy tells it (by its type's module): read through DLPack at
+    every call, whatever interface it also offers."""
+
+
+JaxLike.__module__ = "jaxlib.xla_extension"
+
+
+def test_inference_tensors_and_objects_that_cannot_be_stamped_are_read_at_every_call():
     with torch.inference_mode():
         frozen = caches()
     arrays = [np.zeros((8, 64), np.uint8) for _ in range(3)]
-    for tensors in (frozen, arrays, [*caches(2), arrays[0]]):
-        kept, reader = KeptReads(8), Reader(tensors)
+    streamed = [Producer(1 << 40, stream=7), Producer(2 << 40)]  # (a stream: waited for each time)
+    others = ([SlottedProducer(1 << 40)], [JaxLike(1 << 40)], [arrays[0], Named()])
+    for tensors in (frozen, [*caches(2), Named()], streamed, *others):
+        kept, reader = KeptReads(8), Counter()
         for _ in range(3):
-            read_through(kept, tensors, reader)
+            kept.get(tensors, "test", reader)
         assert reader.reads == 3 and len(kept) == 0
+
+
+class Counter:
+    """A read that counts itself and returns a new object each time."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> object:
+        self.reads += 1
+        return object()
+
+
+def test_the_same_arrays_and_producers_are_read_once(tmp_path):
+    arrays = [np.zeros((8, 64), np.uint8), np.zeros((4, 4), np.float32)[:, :2]]
+    memmap = np.memmap(tmp_path / "cache", dtype=np.uint8, mode="w+", shape=(8, 64))
+    for tensors in (arrays, [memmap], [Producer(1 << 40), Producer(2 << 40)], [caches(1)[0], *arrays]):
+        kept, reader = KeptReads(8), Counter()
+        first = kept.get(tensors, "test", reader)
+        assert kept.get(list(tensors), "test", reader) is first
+        assert reader.reads == 1 and len(kept) == 1
+
+
+def _set_shape(a: np.ndarray) -> None:
+    a.shape = (64, 8)
+
+
+def _set_dtype(a: np.ndarray) -> None:
+    a.dtype = np.uint16
+
+
+def _set_read_only(a: np.ndarray) -> None:
+    a.flags.writeable = False
+
+
+@pytest.mark.parametrize("change", [_set_shape, _set_dtype, _set_read_only])
+def test_an_array_changed_in_place_is_read_again(change):
+    arrays = [np.zeros((8, 64), np.uint8) for _ in range(3)]
+    kept, reader = KeptReads(8), Counter()
+    first = kept.get(arrays, "test", reader)
+    change(arrays[1])
+    second = kept.get(arrays, "test", reader)
+    assert second is not first and reader.reads == 2
+    assert kept.get(arrays, "test", reader) is second  # (kept again as it is now)
+
+
+def test_a_write_to_an_arrays_data_keeps_what_was_read():
+    arrays = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    kept, reader = KeptReads(8), Counter()
+    first = kept.get(arrays, "test", reader)
+    arrays[0][:] = 7
+    assert kept.get(arrays, "test", reader) is first and reader.reads == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda i: i.update(data=(3 << 40, False)),
+        lambda i: i.update(data=(1 << 40, True)),
+        lambda i: i.update(shape=(4, 64)),
+        lambda i: i.update(strides=(128, 1)),
+        lambda i: i.update(typestr="<u2"),
+        lambda i: i.update(stream=7),
+    ],
+)
+def test_a_producer_whose_interface_changed_is_read_again(change):
+    producers = [Producer(1 << 40), Producer(2 << 40)]
+    kept, reader = KeptReads(8), Counter()
+    first = kept.get(producers, "test", reader)
+    change(producers[0].__cuda_array_interface__)
+    assert kept.get(producers, "test", reader) is not first and reader.reads == 2
+
+
+def test_an_entry_leaves_with_its_first_freed_array():
+    kept, arrays = KeptReads(8), [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    kept.get(arrays, "test", Counter())
+    assert len(kept) == 1
+    arrays.pop()
+    gc.collect()
+    assert len(kept) == 0
+
+
+def test_another_array_over_the_same_memory_is_read_again():
+    base = np.zeros((8, 64), np.uint8)
+    kept, reader = KeptReads(8), Counter()
+    kept.get([base[:]], "test", reader)
+    kept.get([base[:]], "test", reader)  # (a view made anew: another object)
+    assert reader.reads == 2
 
 
 def test_a_failed_or_empty_read_keeps_nothing():

@@ -1,7 +1,8 @@
 """Repeated calls on a real GPU: swap_blocks over the same torch tensors (by the layout
 kernel and by the copy engines) and copy_rows with host indices between the same
 layouts, each call with new ids or indices, on a created stream and on the default
-stream, every byte checked against a torch gather; copy_rows with GPU indices
+stream, every byte checked against a torch gather; swap_blocks over NumPy arrays and
+array-interface producers kept the same way; copy_rows with GPU indices
 rewritten in place, repeated from C; a repeat after the memory's
 registration changed goes the whole way and still moves the right bytes."""
 
@@ -188,3 +189,59 @@ def test_a_repeat_after_host_memory_was_unregistered_goes_the_whole_way(torch_cu
     torch.cuda.synchronize()
     for g, v in zip(gpu, views):
         assert torch.equal(v[6], g[5].cpu())
+
+
+class Interface:
+    """GPU memory of a torch tensor (held) as a ``__cuda_array_interface__`` producer
+    that names no stream, as a custom allocator's wrapper does."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+        self.__cuda_array_interface__ = {
+            "shape": tuple(tensor.shape),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+@pytest.mark.parametrize("gpu_side", ["torch", "interface"])
+@pytest.mark.parametrize("method", ["kernel", "loop", "auto"])
+def test_swap_blocks_repeated_over_arrays_moves_every_calls_blocks(torch_cuda, gpu_side, method):
+    """The host side NumPy arrays over kvcopy's pinned memory, the GPU side torch tensors
+    or array-interface producers: their reads are kept (kvcopy.interop.kept_reads), and
+    every call's blocks land both ways; an array changed in place between calls is read
+    again (made read-only: refused by name; put back: moved again)."""
+    torch = torch_cuda
+    gpu_tensors = [torch.randint(0, 250, (BLOCKS, 2048), device="cuda", dtype=torch.uint8) for _ in range(4)]
+    gpu = gpu_tensors if gpu_side == "torch" else [Interface(t) for t in gpu_tensors]
+    pool = kvcopy.pinned_empty((4, HOST_BLOCKS, 2048), np.uint8)
+    host = [pool[k] for k in range(4)]
+    rng = np.random.default_rng(5)
+    stream = torch.cuda.Stream()
+    for call in range(6):
+        mapping = pairs(rng, 3, BLOCKS, HOST_BLOCKS)
+        pool[:] = 0
+        kvcopy.swap_blocks(gpu, host, mapping, stream=stream, method=method)
+        stream.synchronize()
+        for g, h in zip(gpu_tensors, host):
+            assert np.array_equal(h[mapping[:, 1]], g[mapping[:, 0]].cpu().numpy()), f"call {call}"
+        back = pairs(rng, 3, HOST_BLOCKS, BLOCKS)
+        for g in gpu_tensors:
+            g.zero_()
+        torch.cuda.synchronize()
+        kvcopy.swap_blocks(host, gpu, back, stream=stream, method=method)
+        stream.synchronize()
+        for g, h in zip(gpu_tensors, host):
+            assert np.array_equal(g[back[:, 1]].cpu().numpy(), h[back[:, 0]]), f"call {call}, back"
+    host[2].flags.writeable = False
+    with pytest.raises(ValueError, match=r"^dst\[2\] is read-only$"):
+        kvcopy.swap_blocks(gpu, host, [[1, 2]], stream=stream, method=method)
+    host[2].flags.writeable = True
+    pool[:] = 0
+    kvcopy.swap_blocks(gpu, host, [[1, 2]], stream=stream, method=method)
+    stream.synchronize()
+    for g, h in zip(gpu_tensors, host):
+        assert np.array_equal(h[2], g[1].cpu().numpy())
