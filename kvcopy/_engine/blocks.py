@@ -46,22 +46,33 @@ def _launch_as_rows(
     launched once written: the GPU starts on the first while the CPU writes the next.
     With more than one chunk the uploads go on a side stream, each launch waiting for
     its own chunk's ids only: no upload waits behind the launch before it, so the SMs
-    go from one launch to the next without waiting."""
+    go from one launch to the next without waiting. Ids of one chunk few enough are
+    read where they were written, with no upload (_ids_in_place)."""
     n, handle, start = blocks.num_pairs, target.handle, 0
     chunks = policy.id_chunks(n)
     uploads = handle if len(chunks) == 1 else side_streams.for_caller(handle, _ID_UPLOADS)
+    in_place = len(chunks) == 1 and _ids_in_place(blocks)
     # (the ring hands out a slot its last readers are done with: no wait for them here)
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         for count in chunks:
             at = 16 * start
             nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host + at, start, count)
-            launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
-            if uploads != handle:
-                driver.stream_wait_stream(handle, uploads)
-            ids = (slot.device + at, slot.device + at + 8 * count)
+            if in_place:
+                ids = (slot.mapped, slot.mapped + 8 * count)
+            else:
+                launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
+                if uploads != handle:
+                    driver.stream_wait_stream(handle, uploads)
+                ids = (slot.device + at, slot.device + at + 8 * count)
             _block_launches(blocks, sides, kernel, target, (src_view, dst_view), ids, count).launch()
             start += count
         ring.DescriptorRing.fence(slot, handle)
+
+
+def _ids_in_place(blocks: BlockPlan) -> bool:
+    """Whether the layout kernel reads a plan's ids where the CPU wrote them (a pair's
+    two ids read by every tensor of its side: policy.indices_in_place)."""
+    return policy.indices_in_place(16 * blocks.num_pairs, len(blocks.geometry.src_base))
 
 
 def _rows_repeat(
@@ -107,14 +118,18 @@ def _block_launches(
 
 
 def _rows_again(plan: BlockPlan, target: Target, views: tuple) -> None:
-    """A plan's ids, one chunk, uploaded and read by the first call's launches
-    (``views``: them, rows.RowsLaunches), as _launch_as_rows would issue it."""
+    """A plan's ids, one chunk, written to a ring slot (uploaded unless read in place)
+    and read by the first call's launches (``views``: them, rows.RowsLaunches), as
+    _launch_as_rows would issue it."""
     n, handle = plan.num_pairs, target.handle
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         try:
             nbytes = plan_arrays.split_block_ids(plan.mapping, slot.host, 0, n)
-            launch.upload(slot.device, slot.host, nbytes, handle)
-            views[0].launch_indexed(slot.device, slot.device + 8 * n)
+            if _ids_in_place(plan):
+                views[0].launch_indexed(slot.mapped, slot.mapped + 8 * n)
+            else:
+                launch.upload(slot.device, slot.host, nbytes, handle)
+                views[0].launch_indexed(slot.device, slot.device + 8 * n)
         finally:
             ring.DescriptorRing.fence(slot, handle)
 

@@ -36,6 +36,7 @@ from kvcopy._runtime.context import ContextScope
 from kvcopy.config import config
 from kvcopy.errors import IndexOutOfRange
 from kvcopy.interop.streams import effective_handle
+from kvcopy import policy
 from kvcopy.policy import Decision
 
 
@@ -93,40 +94,49 @@ def host_indices_bytes(sides: Sequence[tuple[Indices | None, int]]) -> int:
     return sum(8 * rows for indices, rows in sides if indices is not None and indices.host is not None)
 
 
-def indices_for_device(slot: ring.Slot, sides: Sequence[tuple[Indices | None, int]]) -> tuple[list[int], int]:
+def indices_for_device(
+    slot: ring.Slot, sides: Sequence[tuple[Indices | None, int]], in_place: bool = False
+) -> tuple[list[int], int]:
     """Each side's indices as the device reads them (0: none): GPU indices in place, host
-    values copied into the pinned ``slot`` and read at ``slot.device``; and the bytes
-    copied, which the caller uploads on its stream before the launches that read them and
-    fences the slot behind."""
+    values copied into the pinned ``slot`` and read at ``slot.device`` (or, ``in_place``,
+    where the device sees the slot itself, ``slot.mapped``); and the bytes copied, which
+    the caller uploads on its stream before the launches that read them (unless read in
+    place) and fences the slot behind."""
     where, offset = [], 0
+    base = slot.mapped if in_place else slot.device
     for indices, count in sides:
         if indices is not None and indices.host is not None:
             plan_arrays.write_indices(slot.host + offset, indices.host)
-            where.append(slot.device + offset)
+            where.append(base + offset)
             offset += 8 * count
         else:
             where.append(indices.device if indices is not None else 0)
     return where, offset
 
 
-class uploaded_indices:  # noqa: N801 - (used as a function: ``with uploaded_indices(...)``)
+class ring_indices:  # noqa: N801 - (used as a function: ``with ring_indices(...)``)
     """Each side's indices as the device reads them (indices_for_device), host values
-    copied into a ring slot of their own and uploaded on ``handle``; the work the block
-    queues on ``handle`` reads them there. The slot is fenced on ``handle`` when the
-    block ends, raised or not: the upload is queued either way. (A class: a generator's
-    context manager costs a microsecond a call, and repeated calls use it.)"""
+    copied into a ring slot of their own: read there by the layout kernel's ``planes``
+    where the policy says (policy.indices_in_place; 0 planes: never), else uploaded on
+    ``handle``; the work the block queues on ``handle`` reads them. The slot is fenced on
+    ``handle`` when the block ends, raised or not: the upload or the launches reading it
+    are queued either way. (A class: a generator's context manager costs a microsecond
+    a call, and repeated calls use it.)"""
 
-    __slots__ = ("sides", "handle", "reserved", "slot")
+    __slots__ = ("sides", "handle", "planes", "reserved", "slot")
 
-    def __init__(self, sides: Sequence[tuple[Indices | None, int]], handle: int) -> None:
-        self.sides, self.handle = sides, handle
+    def __init__(self, sides: Sequence[tuple[Indices | None, int]], handle: int, planes: int = 0) -> None:
+        self.sides, self.handle, self.planes = sides, handle, planes
 
     def __enter__(self) -> list[int]:
-        self.reserved = ring.ring_for_current_context().reserve(host_indices_bytes(self.sides))
+        nbytes = host_indices_bytes(self.sides)
+        in_place = self.planes > 0 and policy.indices_in_place(nbytes, self.planes)
+        self.reserved = ring.ring_for_current_context().reserve(nbytes)
         slot = self.slot = self.reserved.__enter__()
         try:
-            where, nbytes = indices_for_device(slot, self.sides)
-            launch.upload(slot.device, slot.host, nbytes, self.handle)
+            where, nbytes = indices_for_device(slot, self.sides, in_place)
+            if not in_place:
+                launch.upload(slot.device, slot.host, nbytes, self.handle)
         except BaseException as exc:
             self.reserved.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -140,9 +150,10 @@ class uploaded_indices:  # noqa: N801 - (used as a function: ``with uploaded_ind
 
 
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
-    """Host indices copied into a ring slot, uploaded on the stream, then the launch."""
+    """Host indices copied into a ring slot (uploaded on the stream unless read in
+    place: ring_indices), then the launch."""
     sides = ((plan.src_indices, plan.rows), (plan.dst_indices, plan.rows))
-    with uploaded_indices(sides, target.handle) as where:
+    with ring_indices(sides, target.handle, plan.src.num_planes) as where:
         _launch(plan, target, src_view, dst_view, *where)
 
 
@@ -204,7 +215,8 @@ class HostRepeat:
     """A copy_rows call by the layout kernel with its indices on the host (or none),
     built: calling it with the next call's indices (read, not yet checked; as many as
     the first call's) checks their values as plan_rows does, copies them into a ring
-    slot, uploads them and launches the first call's jobs reading them there. Returns
+    slot (uploaded unless read in place: ring_indices) and launches the first call's
+    jobs reading them there. Returns
     None, having enqueued nothing, where the call must be planned instead: an index out
     of range or a destination slot twice (planning names it), another context current
     on the stream, or a stream capturing a graph (whose launches keep no ring slot).
@@ -212,7 +224,7 @@ class HostRepeat:
     whatever the indices) and a decision that holds whatever the other direction's
     traffic; it holds no layout (the memo keeps layouts weakly)."""
 
-    __slots__ = ("context", "owner", "launches", "slots", "rows", "handle", "decision", "traffic")
+    __slots__ = ("context", "owner", "launches", "slots", "rows", "planes", "handle", "decision", "traffic")
 
     def __init__(self, plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
         self.context = driver.current_context_key()
@@ -220,7 +232,7 @@ class HostRepeat:
         # the first call's jobs, each side's indices given at every call (launch_indexed)
         self.launches = _launches(plan, target, src_view, dst_view, 0, 0)
         self.slots = (plan.src.slots, plan.dst.slots)
-        self.rows = plan.rows
+        self.rows, self.planes = plan.rows, plan.src.num_planes
         self.handle = target.handle
         self.decision, self.traffic = target.decision, noted_traffic(target, plan.total_bytes)
 
@@ -246,7 +258,7 @@ class HostRepeat:
         if not host_indices_bytes(sides):  # (rows by number on both sides)
             self.launches.launch_indexed(0, 0)
         else:
-            with uploaded_indices(sides, self.handle) as where:
+            with ring_indices(sides, self.handle, self.planes) as where:
                 self.launches.launch_indexed(*where)
 
 

@@ -37,7 +37,7 @@ from kvcopy._cuda import driver, rows
 from kvcopy._engine import staged
 from kvcopy._engine.decide import note_decision
 from kvcopy._engine.repeats import note_again, noted_traffic
-from kvcopy._engine.rows import host_indices_bytes, uploaded_indices
+from kvcopy._engine.rows import host_indices_bytes, ring_indices
 from kvcopy._plans.rows import Indices, RowsPlan
 from kvcopy._plans.rows_staging import StagedChunks, staging_side, why_not_staged
 from kvcopy._runtime import kernels, side_streams
@@ -221,7 +221,7 @@ class StagedPair:
                     return None
         else:
             assert plans is not None
-            with uploaded_indices(_gpu_sides(plans, self.loads), self.handle) as where:
+            with ring_indices(_gpu_sides(plans, self.loads), self.handle) as where:
                 with staging.lock:
                     ran = self._issue_again(staging, where)
             if not ran:
@@ -263,7 +263,7 @@ def _issue(
         where = [indices.device if indices is not None else 0 for indices, _ in gpu_sides]
         return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes, function)
     # (fenced after the sides are joined back: every launch that reads the slot is behind it)
-    with uploaded_indices(gpu_sides, handle) as where:
+    with ring_indices(gpu_sides, handle) as where:
         return _issue_sides(first, second, settled, loads, where, handle, staging, chunk_bytes, function)
 
 

@@ -21,6 +21,7 @@ from kvcopy.policy.defaults import (
     HOST_CTAS,
     ID_CHUNK_GROWTH,
     ID_FIRST_CHUNK,
+    INDICES_IN_PLACE_MAX_BYTES,
     MAX_SIDE_STREAMS,
     OTHER_WAY_MIN_SHARE,
     PEER_CTAS,
@@ -169,6 +170,15 @@ def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) ->
     if tiles != count or "p2p" in directions:
         return False
     return len(directions) == 1 or "d2d" not in directions
+
+
+def indices_in_place(index_bytes: int, planes: int) -> bool:
+    """Whether the layout kernel reads ``index_bytes`` of a call's host indices where the
+    CPU wrote them (mapped pinned memory) instead of from an upload queued before its
+    launch: where each of its ``planes`` reads every index, at most
+    INDICES_IN_PLACE_MAX_BYTES in all (a few hundred rows over a few planes, one block
+    pair over a model's layers); more are uploaded once and read from GPU memory."""
+    return 0 < index_bytes and index_bytes * max(planes, 1) <= INDICES_IN_PLACE_MAX_BYTES
 
 
 def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:

@@ -22,7 +22,9 @@ def slot_memory():
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory, split):
+def test_blocks_of_one_stride_per_side_are_read_as_two_id_arrays(seams, slot_memory, split):
+    """A few pairs' ids are read where the CPU wrote them (the ring slot as the device
+    maps it, 0x2000): no upload before the launch."""
     driver = install_rows_fakes(seams, slot_memory, PINNED, DEVICE)
     src = [np.zeros((16, 1024) if split else (64, 512), np.uint8) for _ in range(3)]
     dst = [np.zeros((80, 256) if split else (40, 512), np.uint8) for _ in range(3)]
@@ -33,13 +35,30 @@ def test_blocks_of_one_stride_per_side_go_up_as_two_id_arrays(seams, slot_memory
     src_side = (0x3000, 64, 4, 1024, 256, 256) if split else (0x3000, 64, 1, 512, 512, 512)
     block = 256 if split else 512
     dst_side = (0x3000 + 24, 80, 1, 256, 256, 256) if split else (0x3000 + 24, 40, 1, 512, 512, 512)
+    assert policy.indices_in_place(48, 3)
     assert driver.calls == [
-        ("upload", 0x3000, 48, STREAM),
-        ("launch", 42, src_side, dst_side, 3, 1, block, STREAM),
+        ("launch", 42, (0x2000, *src_side[1:]), (0x2000 + 24, *dst_side[1:]), 3, 1, block, STREAM),
         ("fence", 0x77, STREAM),
     ]
     np.testing.assert_array_equal(slot_memory[:48].view(np.int64), [5, 7, 63, 1, 0, 39])
     assert driver.ctas == [ROWS_HOST_CTAS["h2d"]]
+
+
+def test_ids_that_many_tensors_read_go_up_before_the_launch(seams, slot_memory):
+    """One chunk of 1,024 pairs read by each of 8 tensors a side: 128 KiB of reads over
+    the link in place, so the ids are uploaded once and read from GPU memory."""
+    driver = install_rows_fakes(seams, slot_memory, PINNED, DEVICE)
+    src = [np.zeros((1024, 64), np.uint8) for _ in range(8)]
+    dst = [np.zeros((1024, 64), np.uint8) for _ in range(8)]
+    mapping = np.stack([np.arange(1024), np.arange(1024)[::-1]], axis=1)
+    assert not policy.indices_in_place(16 * 1024, 8) and policy.id_chunks(1024) == [1024]
+    engine.blocks.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
+    side = (1024, 1, 64, 64, 64)
+    assert driver.calls == [
+        ("upload", 0x3000, 16 * 1024, STREAM),
+        ("launch", 42, (0x3000, *side), (0x3000 + 8 * 1024, *side), 1024, 1, 64, STREAM),
+        ("fence", 0x77, STREAM),
+    ]
 
 
 def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):

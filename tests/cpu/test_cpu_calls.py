@@ -78,6 +78,27 @@ def test_a_repeated_swap_blocks_of_one_block_copy_is_one_compiled_call(faked, ro
     assert asked == {"driver.enter_for_repeat": 1, "dma.BlockCopyAgain()": 1}
 
 
+@pytest.mark.parametrize(
+    "row",
+    [
+        "swap_blocks 1 pair, 32 tensors a side",
+        "swap_blocks 1 pair, 32 torch tensors a side",
+        "copy_rows 32 rows, host indices, torch layouts",
+        "SGLang transfer_kv_per_layer, 32 host indices",
+    ],
+)
+def test_a_repeated_layout_kernel_call_with_few_host_indices_is_its_launch_and_fence(faked, row):
+    """Its host indices written where the kernel reads them (no upload), its launch and
+    the ring slot's event record, in the context the repeat entered: nothing else of the
+    driver layer."""
+    if "torch" in row or "SGLang" in row:
+        if not TORCH_ROWS:
+            pytest.skip("torch is not installed")
+    host, calls = faked
+    asked = steady(host, calls[row])
+    assert asked == {"driver.enter_for_repeat": 1, "driver.event_record": 1, "rows.RowsLaunches.launch": 1}
+
+
 def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]

@@ -373,3 +373,20 @@ def test_id_chunks_defaults_start_small_and_grow():
     chunks = policy.id_chunks(32768)
     assert chunks[0] == policy.ID_FIRST_CHUNK
     assert all(b <= policy.ID_CHUNK_GROWTH * a for a, b in zip(chunks, chunks[1:]))
+
+
+@pytest.mark.parametrize(
+    "index_bytes, planes, in_place",
+    [
+        (16, 1, True),  # one block pair, one tensor a side
+        (16, 64, True),  # one block pair over a model's layers
+        (4096, 16, True),  # 256 rows a side over 16 planes: 64 KiB of reads
+        (4096, 17, False),
+        (16 * 4096, 1, True),
+        (16 * 4096, 2, False),  # thousands of pairs over planes: uploaded once
+        (0, 8, False),  # no host indices: nothing to read
+    ],
+)
+def test_host_indices_are_read_in_place_while_their_reads_stay_small(index_bytes, planes, in_place):
+    assert policy.INDICES_IN_PLACE_MAX_BYTES == 64 << 10
+    assert policy.indices_in_place(index_bytes, planes) is in_place

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvcopy import policy
 from kvcopy.testing import engine, plans
 from helpers.rows_fakes import DEVICE, PAGEABLE, PINNED, STREAM, GpuIndices, caches, install_rows_fakes
 
@@ -42,19 +43,20 @@ def test_gpu_indices_are_read_in_place_by_one_launch(fake):
     ]
 
 
-def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_memory):
+def test_host_indices_are_read_in_a_ring_slot_then_fenced(fake, slot_memory):
+    """20 rows' indices a side: read by the launch where they were written (the slot as
+    the device maps it, 0x2000), no upload before it."""
     driver = fake(DEVICE, PINNED)
     paged, chunk = caches()
     slots = np.arange(100, 120)
     plan = plans.plan_rows(paged, chunk, slots, np.arange(20) * 2)
     assert engine.rows.execute_rows(plan, STREAM) == "kernel"
     assert driver.calls == [
-        ("upload", 0x3000, 320, STREAM),
         (
             "launch",
             42,
-            (0x3000, 128, 16, 4096, 256, 256),
-            (0x3000 + 160, 40, 1, 256, 256, 256),
+            (0x2000, 128, 16, 4096, 256, 256),
+            (0x2000 + 160, 40, 1, 256, 256, 256),
             20,
             1,
             256,
@@ -64,6 +66,20 @@ def test_host_indices_are_uploaded_through_a_ring_slot_then_fenced(fake, slot_me
     ]
     written = slot_memory[:320].view(np.int64)
     np.testing.assert_array_equal(written, np.concatenate([slots, np.arange(20) * 2]))
+
+
+def test_ring_indices_are_uploaded_where_the_planes_would_read_too_much_in_place(fake, slot_memory):
+    """The same 320 bytes of indices read by 256 planes (80 KiB over the link): uploaded
+    on the stream first, read from the slot's device side."""
+    driver = fake(DEVICE, PINNED)
+    host = engine.rows.Indices(20, host=np.arange(100, 120, dtype=np.int64))
+    sides = ((host, 20), (engine.rows.Indices(20, host=np.arange(20, dtype=np.int64)), 20))
+    assert not policy.indices_in_place(320, 256) and policy.indices_in_place(320, 204)
+    with engine.rows.ring_indices(sides, STREAM, planes=256) as where:
+        assert where == [0x3000, 0x3000 + 160]
+    with engine.rows.ring_indices(sides, STREAM, planes=204) as where:
+        assert where == [0x2000, 0x2000 + 160]
+    assert driver.calls == [("upload", 0x3000, 320, STREAM), ("fence", 0x77, STREAM), ("fence", 0x77, STREAM)]
 
 
 def test_gpu_indices_with_pageable_memory_are_refused_before_any_launch(fake):
@@ -154,14 +170,14 @@ def test_a_prepared_transfer_of_no_rows_issues_nothing(fake):
     assert prepared() == "none" and driver.calls == []
 
 
-def test_uploaded_indices_fence_their_slot_whether_the_block_raises_or_not(fake, slot_memory):
+def test_ring_indices_fence_their_slot_whether_the_block_raises_or_not(fake, slot_memory):
     driver = fake(DEVICE, PINNED)
     host = engine.rows.Indices(2, host=np.array([3, 1], np.int64))
     sides = ((host, 2), (None, 2))  # (the destination's rows by number)
-    with engine.rows.uploaded_indices(sides, STREAM) as where:
+    with engine.rows.ring_indices(sides, STREAM) as where:  # (no planes given: uploaded)
         assert where == [0x3000, 0]
         assert slot_memory[:16].view(np.int64).tolist() == [3, 1]
     with pytest.raises(RuntimeError, match="launch failed"):
-        with engine.rows.uploaded_indices(sides, STREAM):
+        with engine.rows.ring_indices(sides, STREAM):
             raise RuntimeError("launch failed")
     assert driver.calls == [("upload", 0x3000, 16, STREAM), ("fence", 0x77, STREAM)] * 2
