@@ -5,6 +5,8 @@ kernel (a table of the tensors) or the copy engines; and what repeats it
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from kvcopy import policy
@@ -39,6 +41,7 @@ def _launch_as_rows(
     target: Target,
     src_view: np.ndarray,
     dst_view: np.ndarray,
+    built: Sequence[rows.RowsLaunches] = (),
 ) -> None:
     """A swap_blocks plan whose sides have one stride each, by the layout kernel, the
     rest of the job passed by value (no tensor table), with the layout kernel's CTAs.
@@ -47,14 +50,16 @@ def _launch_as_rows(
     With more than one chunk the uploads go on a side stream, each launch waiting for
     its own chunk's ids only: no upload waits behind the launch before it, so the SMs
     go from one launch to the next without waiting. Ids of one chunk few enough are
-    read where they were written, with no upload (_ids_in_place)."""
+    read where they were written, with no upload (_ids_in_place). ``built``: each
+    chunk's launches as an earlier call of as many pairs built them (its ids given at
+    each launch), else built now."""
     n, handle, start = blocks.num_pairs, target.handle, 0
     chunks = policy.id_chunks(n)
     uploads = handle if len(chunks) == 1 else side_streams.for_caller(handle, _ID_UPLOADS)
     in_place = len(chunks) == 1 and _ids_in_place(blocks)
     # (the ring hands out a slot its last readers are done with: no wait for them here)
     with ring.ring_for_current_context().reserve(16 * n) as slot:
-        for count in chunks:
+        for k, count in enumerate(chunks):
             at = 16 * start
             nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host + at, start, count)
             if in_place:
@@ -64,7 +69,10 @@ def _launch_as_rows(
                 if uploads != handle:
                     driver.stream_wait_stream(handle, uploads)
                 ids = (slot.device + at, slot.device + at + 8 * count)
-            _block_launches(blocks, sides, kernel, target, (src_view, dst_view), ids, count).launch()
+            if built:
+                built[k].launch_indexed(*ids)
+            else:
+                _block_launches(blocks, sides, kernel, target, (src_view, dst_view), ids, count).launch()
             start += count
         ring.DescriptorRing.fence(slot, handle)
 
@@ -80,16 +88,18 @@ def _rows_repeat(
 ) -> repeats.BlockRepeat:
     """The repeat of a plan _launch_as_rows issued (``views``: each side's bases as the
     device sees them): where its ids go up in one chunk, its launches built once, each
-    call's ids uploaded and read by them there; else _launch_as_rows again."""
-    n = blocks.num_pairs
-    if len(policy.id_chunks(n)) > 1:
+    call's ids written (and uploaded where they are many) and read by them there; with
+    more than one chunk of ids, _launch_as_rows again with each chunk's launches built
+    once."""
+    chunks = policy.id_chunks(blocks.num_pairs)
+    built = tuple(_block_launches(blocks, sides, kernel, target, views, (0, 0), count) for count in chunks)
+    if len(chunks) > 1:
 
         def launch_again(plan: BlockPlan, target: Target, views: tuple) -> None:
-            _launch_as_rows(plan, sides, kernel, target, *views)
+            _launch_as_rows(plan, sides, kernel, target, views[0], views[1], built)
 
         return repeats.BlockRepeat(target, views, launch_again)
-    built = _block_launches(blocks, sides, kernel, target, views, (0, 0), n)
-    return repeats.BlockRepeat(target, (built,), _rows_again)
+    return repeats.BlockRepeat(target, built, _rows_again)
 
 
 def _block_launches(

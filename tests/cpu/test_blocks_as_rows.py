@@ -90,6 +90,39 @@ def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
     np.testing.assert_array_equal(ids[2048 + 1976 :], mapping[1024:, 1])
 
 
+def test_a_repeat_of_chunked_ids_launches_each_chunks_launches_built_once(seams, slot_memory):
+    """The same call again with new ids (3,000 pairs: two chunks) goes to the launches
+    the first call's chunks built, each chunk's new ids uploaded and read at its offset;
+    no launch is built again."""
+    driver = install_rows_fakes(
+        seams, slot_memory, DEVICE, PINNED, side_stream=lambda handle, index=0: SIDE + index
+    )
+    src, dst = np.zeros((4096, 64), np.uint8), np.zeros((4096, 64), np.uint8)
+    first = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
+    engine.blocks.execute_blocks(plans.plan_blocks(src, dst, first), STREAM)
+    built = []
+    real = driver.RowsLaunches
+    driver.RowsLaunches = lambda *args: built.append(args) or real(*args)
+    driver.calls.clear()
+    again = np.stack([np.arange(3000)[::-1], np.arange(3000) + 9], axis=1)
+    assert engine.blocks.execute_blocks(plans.plan_blocks(src, dst, again), STREAM) == "kernel"
+    assert built == []
+    side = (4096, 1, 64, 64, 64)
+    one, two, uploads = 0x3000, 0x3000 + 16 * 1024, SIDE + 3
+    assert driver.calls == [
+        ("upload", one, 16 * 1024, uploads),
+        ("wait", STREAM, uploads),
+        ("launch", 42, (one, *side), (one + 8 * 1024, *side), 1024, 1, 64, STREAM),
+        ("upload", two, 16 * 1976, uploads),
+        ("wait", STREAM, uploads),
+        ("launch", 42, (two, *side), (two + 8 * 1976, *side), 1976, 1, 64, STREAM),
+        ("fence", 0x77, STREAM),
+    ]
+    ids = slot_memory[: 16 * 3000].view(np.int64)
+    np.testing.assert_array_equal(ids[:1024], again[:1024, 0])
+    np.testing.assert_array_equal(ids[2048 + 1976 :], again[1024:, 1])
+
+
 def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():
     wide = np.zeros((64, 1024), np.uint8)
     src = [np.zeros((64, 512), np.uint8), wide[:, :512]]

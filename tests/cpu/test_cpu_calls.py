@@ -99,6 +99,18 @@ def test_a_repeated_layout_kernel_call_with_few_host_indices_is_its_launch_and_f
     assert asked == {"driver.enter_for_repeat": 1, "driver.event_record": 1, "rows.RowsLaunches.launch": 1}
 
 
+def test_a_repeated_swap_blocks_of_chunked_ids_builds_no_launches(faked):
+    """4,096 pairs over 64 tensors a side: two chunks of ids, each uploaded on a side
+    stream the launch waits for, each launched by the launches the first call built."""
+    host, calls = faked
+    asked = steady(host, calls["swap_blocks 4096 pairs, 64 tensors a side"])
+    assert "rows.RowsLaunches" not in asked
+    assert (
+        asked["rows.RowsLaunches.launch"] == asked["launch.upload"] == asked["driver.stream_wait_stream"] == 2
+    )
+    assert not any("classify" in name or "describe" in name for name in asked), asked
+
+
 def test_the_benchmark_prints_a_row_for_every_call(capsys):
     assert cpu_calls.main(["--calls", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
