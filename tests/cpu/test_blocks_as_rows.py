@@ -71,10 +71,17 @@ def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
     mapping = np.stack([np.arange(3000), np.arange(3000)[::-1] + 7], axis=1)
     assert policy.id_chunks(3000) == [1024, 1976]
     engine.blocks.execute_blocks(plans.plan_blocks(src, dst, mapping), STREAM)
+    assert driver.calls == chunked_calls()
+    assert_chunked_ids(slot_memory, mapping)
+
+
+def chunked_calls() -> list[tuple]:
+    """What issuing 3,000 pairs of 64-byte blocks between 4,096-block sides asks: each
+    of two chunks' ids uploaded on side stream 3, waited for, launched."""
     side = (4096, 1, 64, 64, 64)
     first, second = 0x3000, 0x3000 + 16 * 1024
     uploads = SIDE + 3
-    assert driver.calls == [
+    return [
         ("upload", first, 16 * 1024, uploads),
         ("wait", STREAM, uploads),
         ("launch", 42, (first, *side), (first + 8 * 1024, *side), 1024, 1, 64, STREAM),
@@ -83,6 +90,10 @@ def test_ids_go_up_in_chunks_each_launched_once_written(seams, slot_memory):
         ("launch", 42, (second, *side), (second + 8 * 1976, *side), 1976, 1, 64, STREAM),
         ("fence", 0x77, STREAM),
     ]
+
+
+def assert_chunked_ids(slot_memory: np.ndarray, mapping: np.ndarray) -> None:
+    """Each chunk's ids in the slot: its sources, then its destinations."""
     ids = slot_memory[: 16 * 3000].view(np.int64)
     np.testing.assert_array_equal(ids[:1024], mapping[:1024, 0])
     np.testing.assert_array_equal(ids[1024:2048], mapping[:1024, 1])
@@ -107,20 +118,8 @@ def test_a_repeat_of_chunked_ids_launches_each_chunks_launches_built_once(seams,
     again = np.stack([np.arange(3000)[::-1], np.arange(3000) + 9], axis=1)
     assert engine.blocks.execute_blocks(plans.plan_blocks(src, dst, again), STREAM) == "kernel"
     assert built == []
-    side = (4096, 1, 64, 64, 64)
-    one, two, uploads = 0x3000, 0x3000 + 16 * 1024, SIDE + 3
-    assert driver.calls == [
-        ("upload", one, 16 * 1024, uploads),
-        ("wait", STREAM, uploads),
-        ("launch", 42, (one, *side), (one + 8 * 1024, *side), 1024, 1, 64, STREAM),
-        ("upload", two, 16 * 1976, uploads),
-        ("wait", STREAM, uploads),
-        ("launch", 42, (two, *side), (two + 8 * 1976, *side), 1976, 1, 64, STREAM),
-        ("fence", 0x77, STREAM),
-    ]
-    ids = slot_memory[: 16 * 3000].view(np.int64)
-    np.testing.assert_array_equal(ids[:1024], again[:1024, 0])
-    np.testing.assert_array_equal(ids[2048 + 1976 :], again[1024:, 1])
+    assert driver.calls == chunked_calls()
+    assert_chunked_ids(slot_memory, again)
 
 
 def test_sides_whose_tensors_differ_in_stride_need_the_tensor_table():
