@@ -253,6 +253,28 @@ def store_and_load_twice(host, gpu: list, cpu: list, store: np.ndarray, load: np
     assert host.counts["classify.classify_pointers"] == 4
 
 
+def test_a_store_and_a_load_at_once_over_the_same_arrays_are_classified_once():
+    """The same over a GPU array-interface producer per layer and NumPy arrays on the
+    host: each direction's memory asked at the first call only; another host array in
+    a layer's place is asked about again."""
+    pools = cpu_calls.host_pools()
+    host = cpu_calls.FakeHost(pools)
+    host.answers["launch.blocks_both_upload_bytes"] = lambda *args: 4096
+    host.answers["launch.launch_blocks_both_uploaded"] = lambda *args: 1
+    gpu = [cpu_calls.GpuArray((64, 2048), cpu_calls.DEVICE_BASE + k * 64 * 2048) for k in range(4)]
+    cpu = list(pools[1:5])
+    with host.standing_in():
+        for _ in range(4):
+            ran = kvcopy.swap_blocks_both_ways((gpu, cpu, [[1, 2]]), (cpu, gpu, [[3, 4]]), stream=0x7F00_1234)
+            assert ran == ("kernel", "kernel")
+        assert host.counts["classify.classify_pointers"] == 4  # (two sides a direction, once)
+        assert host.counts["launch.launch_blocks_both_uploaded"] == 4
+        cpu[1] = pools[5]
+        host.counts.clear()
+        kvcopy.swap_blocks_both_ways((gpu, cpu, [[1, 2]]), (cpu, gpu, [[3, 4]]), stream=0x7F00_1234)
+        assert host.counts["classify.classify_pointers"] == 4
+
+
 def sglang_classifications(host, k_src, k_dst, v_src, v_dst, calls: int = 1) -> int:
     """How often ``calls`` of SGLang's per-layer transfer (host indices) classified memory."""
     from kvcopy.compat import sglang
