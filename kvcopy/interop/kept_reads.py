@@ -113,7 +113,12 @@ def may_keep(obj: Any) -> bool:
     framework = framework_of(obj)
     if framework == "torch":
         return True
-    return framework != "jax" and (isinstance(obj, np.ndarray) or hasattr(obj, "__cuda_array_interface__"))
+    if framework == "jax" or isinstance(obj, np.ndarray):
+        return framework != "jax"
+    try:
+        return hasattr(obj, "__cuda_array_interface__")
+    except Exception:  # noqa: BLE001 - (a producer whose interface raises: the reader names it)
+        return False
 
 
 class KeptReads:

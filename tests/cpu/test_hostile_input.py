@@ -65,6 +65,29 @@ def test_array_interface_and_cai_name_the_argument_through_swap_blocks():
         kvcopy.swap_blocks(np.zeros((4, 64), np.uint8), bad, [[0, 1]], stream=0)
 
 
+class Raising:
+    """A producer whose interface raises when read."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        raise RuntimeError("the buffer was released")
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_producer_whose_interface_raises_is_named_through_swap_blocks(side):
+    """Whether kvcopy may keep what it reads of it is not its reader's first question:
+    the reader's TypeError names the argument, and calls after it go on."""
+    good = [np.zeros((4, 64), np.uint8)]
+    src, dst = ([Raising()], good) if side == "src" else (good, [Raising()])
+    for _ in range(2):
+        with pytest.raises(
+            TypeError, match=rf"^{side}: reading __cuda_array_interface__ raised RuntimeError: the buffer"
+        ):
+            kvcopy.swap_blocks(src, dst, [[0, 1]], stream=0)
+    other = [np.zeros((4, 64), np.uint8)]
+    assert plan_blocks(good, other, [[0, 1]]).num_pairs == 1
+
+
 def test_a_well_formed_interface_reads_as_the_array_it_describes():
     arr = np.zeros((6, 4, 16), dtype=np.float32)
     layout = block_layout(Producer("__array_interface__", dict(arr.__array_interface__)), "src")
