@@ -80,7 +80,7 @@ def _launch_as_rows(
 def _ids_in_place(blocks: BlockPlan) -> bool:
     """Whether the layout kernel reads a plan's ids where the CPU wrote them (a pair's
     two ids read by every tensor of its side: policy.indices_in_place)."""
-    return policy.indices_in_place(16 * blocks.num_pairs, len(blocks.geometry.src_base))
+    return policy.indices_in_place(16 * blocks.num_pairs, blocks.geometry.num_tensors)
 
 
 def _rows_repeat(
@@ -99,7 +99,11 @@ def _rows_repeat(
             _launch_as_rows(plan, sides, kernel, target, views[0], views[1], built)
 
         return repeats.BlockRepeat(target, views, launch_again)
-    return repeats.BlockRepeat(target, built, _rows_again)
+    again = repeats.BlockRepeat(target, built, _rows_again)
+    if tensors_apart(blocks):  # (no mapping over these tensors can race: from the ids alone)
+        geometry = blocks.geometry
+        again.direct = _RowsAgain(built[0], geometry.id_limits, target.handle, geometry.num_tensors)
+    return again
 
 
 def _block_launches(
@@ -128,20 +132,48 @@ def _block_launches(
 
 
 def _rows_again(plan: BlockPlan, target: Target, views: tuple) -> None:
-    """A plan's ids, one chunk, written to a ring slot (uploaded unless read in place)
-    and read by the first call's launches (``views``: them, rows.RowsLaunches), as
-    _launch_as_rows would issue it."""
-    n, handle = plan.num_pairs, target.handle
+    """A plan's ids, one chunk, read by the first call's launches (``views``: them,
+    rows.RowsLaunches), as _launch_as_rows would issue it (_ids_launched)."""
+    _ids_launched(plan.mapping, views[0], target.handle, plan.geometry.num_tensors)
+
+
+def _ids_launched(mapping: np.ndarray, launches: rows.RowsLaunches, handle: int, planes: int) -> None:
+    """One chunk of ids (``mapping``, checked) written to a ring slot, uploaded unless
+    the layout kernel's ``planes`` read them in place (policy.indices_in_place), and
+    read there by ``launches``; the slot fenced behind them."""
+    n = mapping.shape[0]
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         try:
-            nbytes = plan_arrays.split_block_ids(plan.mapping, slot.host, 0, n)
-            if _ids_in_place(plan):
-                views[0].launch_indexed(slot.mapped, slot.mapped + 8 * n)
+            nbytes = plan_arrays.split_block_ids(mapping, slot.host, 0, n)
+            if policy.indices_in_place(16 * n, planes):
+                launches.launch_indexed(slot.mapped, slot.mapped + 8 * n)
             else:
                 launch.upload(slot.device, slot.host, nbytes, handle)
-                views[0].launch_indexed(slot.device, slot.device + 8 * n)
+                launches.launch_indexed(slot.device, slot.device + 8 * n)
         finally:
             ring.DescriptorRing.fence(slot, handle)
+
+
+class _RowsAgain:
+    """A swap_blocks call of one chunk of ids by the layout kernel between tensors that
+    cannot race, issued again from its ids alone (BlockRepeat.direct): the ids checked
+    as planning checks them (each side's range, no destination twice), then written
+    and launched by the first call's launches (_ids_launched), with no plan made.
+    False, nothing issued, where the ids fail (planning names them)."""
+
+    __slots__ = ("launches", "limits", "handle", "planes")
+
+    def __init__(
+        self, launches: rows.RowsLaunches, limits: tuple[int, int], handle: int, planes: int
+    ) -> None:
+        self.launches, self.limits, self.handle, self.planes = launches, limits, handle, planes
+
+    def __call__(self, mapping: np.ndarray) -> bool:
+        mapping = np.ascontiguousarray(mapping)  # (as planning reads it)
+        if not plan_arrays.block_ids_ok(mapping, *self.limits):
+            return False
+        _ids_launched(mapping, self.launches, self.handle, self.planes)
+        return True
 
 
 def _dma_again(plan: BlockPlan, target: Target, views: tuple) -> None:

@@ -172,6 +172,30 @@ def test_one_block_copy_repeated_goes_from_its_ids_to_the_copy_engines(emulated,
     assert len(fake.calls) == issued
 
 
+def test_a_layout_kernel_repeat_goes_from_its_ids_to_its_launch(emulated, monkeypatch):
+    """Pairs over four tensors a side that cannot race, by the layout kernel: each repeat
+    goes from its ids to the first call's launch (BlockRepeat.direct), with no plan
+    made, and every block lands; bad ids get the whole way's refusal, nothing issued."""
+    fake, gpu, host, asked = emulated
+    kvcopy.swap_blocks(gpu, host, np.array([[1, 2], [3, 4]]), stream=STREAM, method="kernel")
+    store = testing.plans.plan_blocks(gpu, host, [[0, 0]]).memory
+    assert [repeat.direct is not None for repeat in store.repeats.values()] == [True]
+    planned = counted(monkeypatch, kvcopy.blocks, "plan_blocks")
+    rng = np.random.default_rng(3)
+    for ids in (pairs(rng, 2), torch.tensor(pairs(rng, 2)), pairs(rng, 2).tolist()):
+        for h in host:
+            h.zero_()
+        assert kvcopy.swap_blocks(gpu, host, ids, stream=STREAM, method="kernel") == "kernel"
+        assert landed(gpu, host, np.asarray(ids))
+    assert planned[0] == 0 and asked[0] == 1
+    issued = len(fake.calls)
+    with pytest.raises(ValueError, match="destination block 32 is out of range"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, BLOCKS], [2, 3]]), stream=STREAM, method="kernel")
+    with pytest.raises(ValueError, match="both write destination block 4"):
+        kvcopy.swap_blocks(gpu, host, np.array([[1, 4], [3, 4]]), stream=STREAM, method="kernel")
+    assert len(fake.calls) == issued
+
+
 def test_a_block_copied_within_one_tensor_is_not_repeated_from_its_ids(emulated):
     """A tensor's blocks copied among themselves may race from one call to the next
     (a block read and written): such a repeat keeps planning's race check."""
