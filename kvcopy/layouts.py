@@ -20,12 +20,23 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvcopy._cuda.tensor_stamps import array_stamp
 from kvcopy._plans.row_overlaps import overlapping_rows
 from kvcopy.arguments import require_bool, require_int
 from kvcopy.interop.frameworks import framework_of
 from kvcopy.interop.tensors import strided_access
 
 _U64_MAX = (1 << 64) - 1  # slots, sizes and strides are 64-bit on the GPU
+
+
+def _seen_as(kept: Any) -> Any:
+    """What Layout.moved compares ``kept`` with later: a torch tensor's (data_ptr, shape),
+    an array's array_stamp (not a JAX array's: immutable, read through DLPack), else
+    None."""
+    framework = framework_of(kept)
+    if framework == "torch":
+        return kept.data_ptr(), kept.shape
+    return None if framework == "jax" else array_stamp(kept)
 
 
 def _addresses(bases: Any) -> np.ndarray:
@@ -65,9 +76,10 @@ class Layout:
     piece_stride: int = 0
     keep: tuple = field(default=(), repr=False)
     readonly: bool = False
-    # (data_ptr, shape) of each torch tensor in ``keep`` when the layout was first made
-    # (a layout derived from it by dataclasses.replace keeps its parent's), None for
-    # other objects; empty where ``keep`` holds nothing to check
+    # what each object in ``keep`` was when the layout was first made (a layout derived
+    # from it by dataclasses.replace keeps its parent's): a torch tensor's (data_ptr,
+    # shape), an array's array_stamp (its address and geometry), None for other objects;
+    # empty where ``keep`` holds nothing to check
     seen: tuple = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -88,18 +100,21 @@ class Layout:
         if not isinstance(self.keep, tuple):
             raise TypeError(f"keep must be a tuple, got {type(self.keep).__name__}")
         if not self.seen:  # (a new layout: where its tensors are now)
-            seen = tuple((t.data_ptr(), t.shape) if framework_of(t) == "torch" else None for t in self.keep)
-            object.__setattr__(self, "seen", seen)
+            object.__setattr__(self, "seen", tuple(map(_seen_as, self.keep)))
         elif len(self.seen) != len(self.keep):  # (its objects dropped: nothing to check)
             object.__setattr__(self, "seen", ())
 
     def moved(self) -> int | None:
         """The position in ``keep`` of a torch tensor whose memory is no longer where it
-        was when the layout was made, or None."""
+        was when the layout was made, or of an array changed since (another address,
+        shape, strides, type or writability), or None."""
         for k, fact in enumerate(self.seen):
             if fact is not None:
-                tensor = self.keep[k]
-                if tensor.data_ptr() != fact[0] or tensor.shape != fact[1]:
+                kept = self.keep[k]
+                if type(fact[0]) is not int:  # (an array: its stamp whole)
+                    if array_stamp(kept) != fact:
+                        return k
+                elif kept.data_ptr() != fact[0] or kept.shape != fact[1]:
                     return k
         return None
 
@@ -109,8 +124,8 @@ class Layout:
         if k is not None:
             raise ValueError(
                 f"{name}: tensor {k} of the layout has moved or changed shape "
-                "since the layout was made (resize_ or set_): make the layout "
-                "again"
+                "since the layout was made (resize_ or set_; an array's shape, "
+                "strides, dtype or writability): make the layout again"
             )
 
     @cached_property

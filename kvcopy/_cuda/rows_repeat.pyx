@@ -7,7 +7,7 @@ the launches of the first call (kvcopy._cuda.rows.RowsLaunches) read the indices
 where they are when they run, so the same call again needs no plan, only proof that
 it is the same call. GpuRowsRepeat holds that call's launches and what they depend
 on, and ``repeat_gpu_rows`` checks a new call against it in C: the same layout
-objects, none of whose torch tensors moved; each side's indices a plain int64,
+objects, none of whose torch tensors moved nor arrays changed; each side's indices a plain int64,
 one-dimensional, contiguous GPU array (an exact torch.Tensor, or a
 ``__cuda_array_interface__`` with no pending stream) at the same address with the
 same length; the same ``rows``, ``method`` and stream; no setting, device fact or
@@ -20,6 +20,8 @@ cuLaunchKernel).
 """
 
 import sys
+
+from kvcopy._cuda.tensor_stamps import array_stamp
 
 from cpython.object cimport Py_TYPE
 from cpython.weakref cimport PyWeakref_GetObject, PyWeakref_NewRef
@@ -154,7 +156,7 @@ def index_site(obj) -> tuple | None:
 
 cdef bint _moved(object layout) except -1:
     """Whether one of the layout's torch tensors is no longer where it was when the
-    layout was made (kvcopy.Layout.moved, in C)."""
+    layout was made, or one of its arrays changed since (kvcopy.Layout.moved, in C)."""
     seen = layout.seen
     if not seen:
         return False
@@ -162,8 +164,11 @@ cdef bint _moved(object layout) except -1:
     for k in range(len(<tuple>seen)):
         fact = (<tuple>seen)[k]
         if fact is not None:
-            tensor = (<tuple>keep)[k]
-            if tensor.data_ptr() != (<tuple>fact)[0] or tensor.shape != (<tuple>fact)[1]:
+            kept = (<tuple>keep)[k]
+            if type((<tuple>fact)[0]) is not int:  # (an array: its stamp whole)
+                if array_stamp(kept) != fact:
+                    return True
+            elif kept.data_ptr() != (<tuple>fact)[0] or kept.shape != (<tuple>fact)[1]:
                 return True
     return False
 

@@ -20,6 +20,7 @@ over it; ``kvcopy.register`` forgets every entry when it unregisters.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvcopy._cuda.tensor_stamps import array_stamp
 from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.tensors import strided_access
 from kvcopy.kept import dropper, make_room
 
 # Enough for both directions of every layer of a 128-layer model called layer by layer.
@@ -169,9 +172,44 @@ def held_span(array: Any) -> tuple[int, int] | None:
     return base.span if isinstance(base, HeldMemory) else None
 
 
+def owned_span(owner: Any) -> tuple[int, int] | None:
+    """The bytes ``owner`` (not a torch tensor) holds for as long as it lives, as
+    (start, end): a NumPy array over kvcopy's own memory, that allocation (held_span);
+    one whose chain of bases ends at an array that owns its data (NumPy's allocation)
+    or at a memory map (``numpy.memmap``), that array's bytes; an array-interface
+    producer that names no stream, the bytes its interface describes (the protocol's
+    rule: the producer keeps its memory while it lives). None for anything else: an
+    array over memory another object manages (a ctypes buffer made from an address),
+    a producer naming a stream, a JAX array."""
+    if isinstance(owner, np.ndarray):
+        span = held_span(owner)
+        if span is not None:
+            return span
+        root = owner
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not (root.flags.owndata or isinstance(root.base, mmap.mmap)):
+            return None
+        face = root.__array_interface__
+        return _byte_span(face["data"][0], root.shape, root.strides, root.itemsize)
+    if framework_of(owner) == "jax" or array_stamp(owner) is None:
+        return None
+    ptr, shape, strides, itemsize, _ = strided_access(owner, "keep")
+    return _byte_span(ptr, shape, strides, itemsize)
+
+
+def _byte_span(ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """The bytes a strided array reaches, (start, end); empty at ``ptr`` for no elements."""
+    if 0 in shape:
+        return ptr, ptr
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return ptr + low, ptr + high + itemsize
+
+
 def holds_planes(layout: Any) -> bool:
-    """Whether what a layout keeps (torch tensors, NumPy arrays over kvcopy's own
-    memory) holds every byte of its planes: each plane, base to extent, inside one
+    """Whether what a layout keeps (torch tensors, arrays that hold their memory:
+    owned_span) holds every byte of its planes: each plane, base to extent, inside one
     owner's memory (planes_inside). A layout built from pointers may keep a tensor for
     its lifetime only, over other memory: such a layout's memory is classified at every
     call."""
@@ -180,8 +218,8 @@ def holds_planes(layout: Any) -> bool:
 
 def planes_inside(layout: Any, owners: Sequence[Any]) -> bool:
     """Whether every plane of ``layout``, base to extent, lies inside the memory one of
-    ``owners`` holds: each a torch tensor (its storage) or a NumPy array over kvcopy's
-    own memory (held_span); False where one is anything else."""
+    ``owners`` holds: each a torch tensor (its storage) or an array that holds its
+    memory (owned_span); False where one is anything else."""
     if not owners:
         return False
     spans = []
@@ -190,7 +228,7 @@ def planes_inside(layout: Any, owners: Sequence[Any]) -> bool:
             storage = owner.untyped_storage()
             spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
             continue
-        span = held_span(owner)
+        span = owned_span(owner)
         if span is None:
             return False
         spans.append(span)

@@ -209,12 +209,48 @@ def test_layouts_of_arrays_over_kvcopys_own_memory_are_classified_once(host):
     b = kvcopy.Layout.of(caches(1), slot=0)
     assert row_classifications(host, a, b, calls=4) == 1
     assert row_classifications(host, b, a, calls=3) == 1
-    # a NumPy array of its own, and one over memory nothing holds for it: at every call
-    own = kvcopy.Layout.of(np.zeros((6, 256), np.uint8), slot=0)
-    assert row_classifications(host, own, b, calls=3) == 3
+    # one over memory nothing holds for it (a ctypes buffer made from an address): at every call
     over = np.zeros(6 * 256, np.uint8)
     unheld = np.frombuffer((ctypes.c_uint8 * over.nbytes).from_address(over.ctypes.data), np.uint8)
     assert row_classifications(host, kvcopy.Layout.of(unheld.reshape(6, 256), slot=0), b, calls=2) == 2
+
+
+class Interface:
+    """A ``__cuda_array_interface__`` producer of ``shape`` bytes at ``ptr``."""
+
+    def __init__(self, ptr: int, shape: tuple, stream: int | None = None) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
+
+
+def test_layouts_of_arrays_that_hold_their_memory_are_classified_once(host, tmp_path):
+    """A NumPy array of its own (a view of one too), a memory map, an array-interface
+    producer that names no stream: each holds the bytes it describes while it lives."""
+    b = kvcopy.Layout.of(caches(1), slot=0)
+    mapped = np.memmap(tmp_path / "cache", dtype=np.uint8, mode="w+", shape=(6, 256))
+    for array in (np.zeros((6, 256), np.uint8), np.zeros((12, 256), np.uint8)[::2], mapped):
+        assert row_classifications(host, kvcopy.Layout.of(array, slot=0), b, calls=3) == 1
+    producer = Interface(cpu_calls.DEVICE_BASE, (6, 256))
+    assert row_classifications(host, kvcopy.Layout.of(producer, slot=0), b, calls=3) == 1
+    streamed = Interface(cpu_calls.DEVICE_BASE, (6, 256), stream=0x7F00_1234)
+    assert row_classifications(host, kvcopy.Layout.of(streamed, slot=0), b, calls=2) == 2
+
+
+def test_a_layout_whose_array_changed_is_refused_by_name(host):
+    array = np.zeros((6, 256), np.uint8)
+    a, b = kvcopy.Layout.of(array, slot=0), kvcopy.Layout.of(caches(1), slot=0)
+    assert row_classifications(host, a, b, calls=2) == 1
+    array.shape = (12, 128)
+    with pytest.raises(ValueError, match=r"^src: tensor 0 of the layout has moved or changed shape"):
+        row_classifications(host, a, b)
+    array.shape = (6, 256)
+    assert row_classifications(host, a, b) == 0
 
 
 def test_held_span_follows_an_arrays_bases_to_kvcopys_own_memory():

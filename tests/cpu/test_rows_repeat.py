@@ -172,6 +172,31 @@ def test_a_layout_whose_tensor_moved_is_refused_not_repeated(emulated):
     assert len(fake.calls) == launched
 
 
+def test_a_layout_whose_array_changed_is_refused_not_repeated(emulated, plans):
+    """A layout over a NumPy array is repeated from C while the array is unchanged; one
+    changed in place since the layout was made (its shape, its writability) is refused
+    by name, nothing launched."""
+    fake, gpu, host, src, _ = emulated
+    array = np.zeros((2, SLOTS, ROW), np.uint8)
+    dst = kvcopy.Layout.of(array, planes=(0,), slot=1)
+    slots = np.array([1, 2], np.int64)
+    for _ in range(2):
+        kvcopy.copy_rows(src, dst, Indices(slots), stream=STREAM)
+    assert plans[0] == 1  # (planned once, then repeated from C)
+    launched = len(fake.calls)
+    for change in ("shape", "writeable"):
+        if change == "shape":
+            array.shape = (2, SLOTS // 2, 2 * ROW)
+        else:
+            array.flags.writeable = False
+        with pytest.raises(ValueError, match=r"^dst: tensor 0 of the layout has moved or changed shape"):
+            kvcopy.copy_rows(src, dst, Indices(slots), stream=STREAM)
+        array.shape, array.flags.writeable = (2, SLOTS, ROW), True
+    assert len(fake.calls) == launched
+    kvcopy.copy_rows(src, dst, Indices(slots), stream=STREAM)
+    assert np.array_equal(array[0, :2], gpu.numpy()[0, 1:3])  # (rows 1 and 2 to rows 0 and 1)
+
+
 def test_a_stream_object_is_known_again_and_another_resolved(emulated, plans, python_reads):
     fake, gpu, host, src, dst = emulated
     slots = np.array([5, 6], np.int64)

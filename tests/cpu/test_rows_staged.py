@@ -16,7 +16,7 @@ import kvcopy
 from kvcopy import Layout, policy, testing
 from kvcopy.testing import cuda, engine
 from kvcopy._plans.rows_staging import StagedChunks, chunk_rows, rows_back_to_back, why_not_staged
-from helpers.rows_fakes import GpuIndices, RowsOnHostMemory, emulate_on_host_memory
+from helpers.rows_fakes import GpuIndices, RowsOnHostMemory, emulate_on_host_memory, unheld
 
 STREAM, SIDE = 0x1234, 0x5100
 LAYERS, PAGES, PAGE, ROW = 2, 32, 4, 64  # 128 slots of 64 B rows in 4 planes
@@ -45,9 +45,13 @@ class Step:
 
     def __init__(self, tokens: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        self.caches = [rng.integers(0, 256, (2, PAGES, PAGE, ROW), dtype=np.uint8) for _ in range(LAYERS)]
-        self.out = rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8)
-        self.back = rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8)
+        # (over memory the arrays do not hold: each plan classifies it, so the fake's
+        # classification count counts plans)
+        self.caches = [
+            unheld(rng.integers(0, 256, (2, PAGES, PAGE, ROW), dtype=np.uint8)) for _ in range(LAYERS)
+        ]
+        self.out = unheld(rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8))
+        self.back = unheld(rng.integers(0, 256, (2, LAYERS, tokens, ROW), dtype=np.uint8))
         order = rng.permutation(PAGES * PAGE)
         self.store_slots = order[:tokens].astype(np.int64)
         self.load_slots = order[tokens : 2 * tokens].astype(np.int64)

@@ -1,7 +1,7 @@
 """Repeated calls on a real GPU: swap_blocks over the same torch tensors (by the layout
 kernel and by the copy engines) and copy_rows with host indices between the same
 layouts, each call with new ids or indices, on a created stream and on the default
-stream, every byte checked against a torch gather; swap_blocks over NumPy arrays and
+stream, every byte checked against a torch gather; swap_blocks and copy_rows over NumPy arrays and
 array-interface producers kept the same way; copy_rows with GPU indices
 rewritten in place, repeated from C; a repeat after the memory's
 registration changed goes the whole way and still moves the right bytes."""
@@ -29,6 +29,22 @@ def caches(torch, seed: int):
 
 def pairs(rng, n: int, a: int, b: int) -> np.ndarray:
     return np.stack([rng.choice(a, n, replace=False), rng.choice(b, n, replace=False)], axis=1)
+
+
+class Interface:
+    """GPU memory of a torch tensor (held) as a ``__cuda_array_interface__`` producer
+    that names no stream, as a custom allocator's wrapper does."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+        self.__cuda_array_interface__ = {
+            "shape": tuple(tensor.shape),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 @pytest.mark.parametrize("method", ["kernel", "loop", "auto"])
@@ -132,6 +148,36 @@ def test_copy_rows_with_host_indices_repeated_moves_every_calls_rows(torch_cuda,
     assert found is not None and isinstance(found.repeat, engine.rows.HostRepeat)
 
 
+def test_copy_rows_with_host_indices_repeated_between_arrays_moves_every_calls_rows(torch_cuda):
+    """A layout over an array-interface producer (GPU memory) and one over a NumPy array
+    of its own, page-locked by kvcopy.register: their memory is kept (the call repeats,
+    kvcopy._engine.rows.HostRepeat) and every call's rows land; after the registration
+    ends, the same layouts still move the right rows (what was kept is forgotten)."""
+    torch = torch_cuda
+    tokens_g = torch.randint(0, 250, (2, 512, 256), device="cuda", dtype=torch.uint8)
+    producer = Interface(tokens_g)
+    tokens_h = np.zeros((2, 300, 256), np.uint8)
+    src = kvcopy.Layout.of(producer, planes=(0,), slot=1)
+    dst = kvcopy.Layout.of(tokens_h, planes=(0,), slot=1)
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(6)
+
+    def moved(call: str) -> None:
+        a, b = rng.choice(512, 40, replace=False), rng.choice(300, 40, replace=False)
+        tokens_h[:] = 0
+        kvcopy.copy_rows(src, dst, a, b, stream=stream)
+        stream.synchronize()
+        assert np.array_equal(tokens_h[:, b], tokens_g[:, a].cpu().numpy()), call
+
+    with kvcopy.register(tokens_h):
+        for call in range(4):
+            moved(f"call {call}")
+        found = engine.rows_memo.entry(src, dst)
+        assert found is not None and isinstance(found.repeat, engine.rows.HostRepeat)
+    for call in range(2):
+        moved(f"call {call} after the registration")
+
+
 @pytest.mark.parametrize("stream_kind", ["current", "created", "default"])
 def test_copy_rows_with_gpu_indices_repeated_from_c_moves_the_rows_they_hold(
     torch_cuda, monkeypatch, stream_kind
@@ -189,22 +235,6 @@ def test_a_repeat_after_host_memory_was_unregistered_goes_the_whole_way(torch_cu
     torch.cuda.synchronize()
     for g, v in zip(gpu, views):
         assert torch.equal(v[6], g[5].cpu())
-
-
-class Interface:
-    """GPU memory of a torch tensor (held) as a ``__cuda_array_interface__`` producer
-    that names no stream, as a custom allocator's wrapper does."""
-
-    def __init__(self, tensor) -> None:
-        self.tensor = tensor
-        self.__cuda_array_interface__ = {
-            "shape": tuple(tensor.shape),
-            "typestr": "|u1",
-            "data": (tensor.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
 
 
 @pytest.mark.parametrize("gpu_side", ["torch", "interface"])

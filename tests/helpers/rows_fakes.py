@@ -168,10 +168,22 @@ def host_ring_slots(memory: np.ndarray) -> list:
 
 
 def caches():
-    """A paged GPU-side cache (2 planes, 8 pages of 16 slots of 256 B) and a 40-slot chunk."""
-    gpu = np.zeros((2, 8, 16, 256), np.uint8)
-    host = np.zeros((2, 40, 256), np.uint8)
+    """A paged GPU-side cache (2 planes, 8 pages of 16 slots of 256 B) and a 40-slot chunk,
+    as arrays over memory they do not hold (a ctypes buffer at each array's address, as
+    a custom allocator's would be), so that each plan classifies their memory and the
+    fakes' classification count counts plans."""
+    gpu = unheld(np.zeros((2, 8, 16, 256), np.uint8))
+    host = unheld(np.zeros((2, 40, 256), np.uint8))
     return Layout.of(gpu, planes=(0,), page=1, slot=2), Layout.of(host, planes=(0,), slot=1)
+
+
+def unheld(array: np.ndarray) -> np.ndarray:
+    """An array over ``array``'s memory through a ctypes buffer made from its address,
+    which kvcopy cannot tell holds that memory (the buffer keeps ``array`` alive all the
+    same, so the test's memory stays valid)."""
+    buffer = (ctypes.c_uint8 * array.nbytes).from_address(array.ctypes.data)
+    buffer.keep_alive = array  # type: ignore[attr-defined]
+    return np.frombuffer(buffer, np.uint8).reshape(array.shape)
 
 
 def _u64_at(address: int) -> int:
