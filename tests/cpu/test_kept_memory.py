@@ -15,6 +15,7 @@ import pytest
 
 import kvcopy
 from kvcopy.testing import engine
+from helpers.producers import Interface
 
 torch = pytest.importorskip("torch")
 kept_memory = engine.kept_memory
@@ -213,20 +214,6 @@ def test_layouts_of_arrays_over_kvcopys_own_memory_are_classified_once(host):
     over = np.zeros(6 * 256, np.uint8)
     unheld = np.frombuffer((ctypes.c_uint8 * over.nbytes).from_address(over.ctypes.data), np.uint8)
     assert row_classifications(host, kvcopy.Layout.of(unheld.reshape(6, 256), slot=0), b, calls=2) == 2
-
-
-class Interface:
-    """A ``__cuda_array_interface__`` producer of ``shape`` bytes at ``ptr``."""
-
-    def __init__(self, ptr: int, shape: tuple, stream: int | None = None) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": shape,
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-            "stream": stream,
-        }
 
 
 def test_layouts_of_arrays_that_hold_their_memory_are_classified_once(host, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 
 from kvcopy.interop.kept_reads import KeptReads
 from kvcopy.testing import plans
+from helpers.producers import Interface
 
 torch = pytest.importorskip("torch")
 
@@ -165,34 +166,20 @@ def test_an_entry_leaves_with_its_first_freed_tensor():
     assert len(kept) == 0
 
 
-class Producer:
-    """A ``__cuda_array_interface__`` producer over an address it is given."""
-
-    def __init__(self, ptr: int, shape: tuple = (8, 64), stream: int | None = None) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": shape,
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-            "stream": stream,
-        }
-
-
 class SlottedProducer:
     """A producer that takes no weak references."""
 
     __slots__ = ("__cuda_array_interface__",)
 
     def __init__(self, ptr: int) -> None:
-        self.__cuda_array_interface__ = Producer(ptr).__cuda_array_interface__
+        self.__cuda_array_interface__ = Interface(ptr).__cuda_array_interface__
 
 
 class Named:
     """Neither a tensor nor an array."""
 
 
-class JaxLike(Producer):
+class JaxLike(Interface):
     """A JAX array as kvcopy tells it (by its type's module): read through DLPack at
     every call, whatever interface it also offers."""
 
@@ -204,7 +191,7 @@ def test_inference_tensors_and_objects_that_cannot_be_stamped_are_read_at_every_
     with torch.inference_mode():
         frozen = caches()
     arrays = [np.zeros((8, 64), np.uint8) for _ in range(3)]
-    streamed = [Producer(1 << 40, stream=7), Producer(2 << 40)]  # (a stream: waited for each time)
+    streamed = [Interface(1 << 40, stream=7), Interface(2 << 40)]  # (a stream: waited for each time)
     others = ([SlottedProducer(1 << 40)], [JaxLike(1 << 40)], [arrays[0], Named()])
     for tensors in (frozen, [*caches(2), Named()], streamed, *others):
         kept, reader = KeptReads(8), Counter()
@@ -227,7 +214,7 @@ class Counter:
 def test_the_same_arrays_and_producers_are_read_once(tmp_path):
     arrays = [np.zeros((8, 64), np.uint8), np.zeros((4, 4), np.float32)[:, :2]]
     memmap = np.memmap(tmp_path / "cache", dtype=np.uint8, mode="w+", shape=(8, 64))
-    for tensors in (arrays, [memmap], [Producer(1 << 40), Producer(2 << 40)], [caches(1)[0], *arrays]):
+    for tensors in (arrays, [memmap], [Interface(1 << 40), Interface(2 << 40)], [caches(1)[0], *arrays]):
         kept, reader = KeptReads(8), Counter()
         first = kept.get(tensors, "test", reader)
         assert kept.get(list(tensors), "test", reader) is first
@@ -277,7 +264,7 @@ def test_a_write_to_an_arrays_data_keeps_what_was_read():
     ],
 )
 def test_a_producer_whose_interface_changed_is_read_again(change):
-    producers = [Producer(1 << 40), Producer(2 << 40)]
+    producers = [Interface(1 << 40), Interface(2 << 40)]
     kept, reader = KeptReads(8), Counter()
     first = kept.get(producers, "test", reader)
     change(producers[0].__cuda_array_interface__)
