@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvcopy
+from kvcopy import policy
 from kvcopy.testing import cuda, engine, plans
 
 LAYERS, BLOCKS, HOST_BLOCKS = 8, 64, 96
@@ -108,6 +109,27 @@ def test_one_block_pair_repeated_is_issued_from_its_ids(torch_cuda, method, defa
     kvcopy.swap_blocks(gpu, host, np.array([[3, 4]]), stream=stream, method=method)
     torch.cuda.synchronize()
     assert torch.equal(host[4], gpu[3].cpu())
+
+
+@pytest.mark.parametrize("count", [3, 600, 1500])
+def test_ids_read_in_place_uploaded_or_chunked_move_the_same_blocks(torch_cuda, count):
+    """3 pairs over 8 tensors a side: ids read where the CPU wrote them; 600: one chunk
+    uploaded (75 KiB of reads in place would pass policy.indices_in_place's bound);
+    1,500: two chunks on a side stream. Each repeated with new ids, every block checked."""
+    torch = torch_cuda
+    assert policy.indices_in_place(16 * 3, 8) and not policy.indices_in_place(16 * 600, 8)
+    gpu = [torch.randint(0, 250, (2048, 256), device="cuda", dtype=torch.uint8) for _ in range(8)]
+    host = [torch.zeros(2048, 256, dtype=torch.uint8).pin_memory() for _ in range(8)]
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(count)
+    for call in range(3):
+        mapping = pairs(rng, count, 2048, 2048)
+        for h in host:
+            h.zero_()
+        assert kvcopy.swap_blocks(gpu, host, mapping, stream=stream, method="kernel") == "kernel"
+        stream.synchronize()
+        for g, h in zip(gpu, host):
+            assert torch.equal(h[mapping[:, 1]], g[mapping[:, 0]].cpu()), f"call {call}"
 
 
 def test_swap_blocks_repeats_after_a_store_of_its_own(torch_cuda):
