@@ -137,15 +137,16 @@ def _rows_again(plan: BlockPlan, target: Target, views: tuple) -> None:
     _ids_launched(plan.mapping, views[0], target.handle, plan.geometry.num_tensors)
 
 
-def _ids_launched(mapping: np.ndarray, launches: rows.RowsLaunches, handle: int, planes: int) -> None:
+def _ids_launched(mapping: np.ndarray, launches: rows.RowsLaunches, handle: int, readers: int) -> None:
     """One chunk of ids (``mapping``, checked) written to a ring slot, uploaded unless
-    the layout kernel's ``planes`` read them in place (policy.indices_in_place), and
-    read there by ``launches``; the slot fenced behind them."""
+    the layout kernel reads them in place, each id by ``readers`` of its units (a
+    tensor each: policy.indices_in_place), and read there by ``launches``; the slot
+    fenced behind them."""
     n = mapping.shape[0]
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         try:
             nbytes = plan_arrays.split_block_ids(mapping, slot.host, 0, n)
-            if policy.indices_in_place(16 * n, planes):
+            if policy.indices_in_place(16 * n, readers):
                 launches.launch_indexed(slot.mapped, slot.mapped + 8 * n)
             else:
                 launch.upload(slot.device, slot.host, nbytes, handle)
@@ -161,18 +162,18 @@ class _RowsAgain:
     and launched by the first call's launches (_ids_launched), with no plan made.
     False, nothing issued, where the ids fail (planning names them)."""
 
-    __slots__ = ("launches", "limits", "handle", "planes")
+    __slots__ = ("launches", "limits", "handle", "readers")
 
     def __init__(
-        self, launches: rows.RowsLaunches, limits: tuple[int, int], handle: int, planes: int
+        self, launches: rows.RowsLaunches, limits: tuple[int, int], handle: int, readers: int
     ) -> None:
-        self.launches, self.limits, self.handle, self.planes = launches, limits, handle, planes
+        self.launches, self.limits, self.handle, self.readers = launches, limits, handle, readers
 
     def __call__(self, mapping: np.ndarray) -> bool:
         mapping = np.ascontiguousarray(mapping)  # (as planning reads it)
         if not plan_arrays.block_ids_ok(mapping, *self.limits):
             return False
-        _ids_launched(mapping, self.launches, self.handle, self.planes)
+        _ids_launched(mapping, self.launches, self.handle, self.readers)
         return True
 
 

@@ -116,21 +116,22 @@ def indices_for_device(
 
 class ring_indices:  # noqa: N801 - (used as a function: ``with ring_indices(...)``)
     """Each side's indices as the device reads them (indices_for_device), host values
-    copied into a ring slot of their own: read there by the layout kernel's ``planes``
-    where the policy says (policy.indices_in_place; 0 planes: never), else uploaded on
-    ``handle``; the work the block queues on ``handle`` reads them. The slot is fenced on
+    copied into a ring slot of their own: read there by the layout kernel, each by
+    ``readers`` of its units, where the policy says (policy.indices_in_place; 0
+    readers: never), else uploaded on ``handle``; the work the block queues on
+    ``handle`` reads them. The slot is fenced on
     ``handle`` when the block ends, raised or not: the upload or the launches reading it
     are queued either way. (A class: a generator's context manager costs a microsecond
     a call, and repeated calls use it.)"""
 
-    __slots__ = ("sides", "handle", "planes", "reserved", "slot")
+    __slots__ = ("sides", "handle", "readers", "reserved", "slot")
 
-    def __init__(self, sides: Sequence[tuple[Indices | None, int]], handle: int, planes: int = 0) -> None:
-        self.sides, self.handle, self.planes = sides, handle, planes
+    def __init__(self, sides: Sequence[tuple[Indices | None, int]], handle: int, readers: int = 0) -> None:
+        self.sides, self.handle, self.readers = sides, handle, readers
 
     def __enter__(self) -> list[int]:
         nbytes = host_indices_bytes(self.sides)
-        in_place = self.planes > 0 and policy.indices_in_place(nbytes, self.planes)
+        in_place = self.readers > 0 and policy.indices_in_place(nbytes, self.readers)
         self.reserved = ring.ring_for_current_context().reserve(nbytes)
         slot = self.slot = self.reserved.__enter__()
         try:
@@ -149,11 +150,17 @@ class ring_indices:  # noqa: N801 - (used as a function: ``with ring_indices(...
             self.reserved.__exit__(*exc)
 
 
+def _readers(plan: RowsPlan) -> int:
+    """How many of the layout kernel's units read each of a plan's indices: a row's
+    pieces in every plane."""
+    return plan.pieces * plan.src.num_planes
+
+
 def _launch_uploading(plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
     """Host indices copied into a ring slot (uploaded on the stream unless read in
     place: ring_indices), then the launch."""
     sides = ((plan.src_indices, plan.rows), (plan.dst_indices, plan.rows))
-    with ring_indices(sides, target.handle, plan.src.num_planes) as where:
+    with ring_indices(sides, target.handle, _readers(plan)) as where:
         _launch(plan, target, src_view, dst_view, *where)
 
 
@@ -224,7 +231,7 @@ class HostRepeat:
     whatever the indices) and a decision that holds whatever the other direction's
     traffic; it holds no layout (the memo keeps layouts weakly)."""
 
-    __slots__ = ("context", "owner", "launches", "slots", "rows", "planes", "handle", "decision", "traffic")
+    __slots__ = ("context", "owner", "launches", "slots", "rows", "readers", "handle", "decision", "traffic")
 
     def __init__(self, plan: RowsPlan, target: Target, src_view: np.ndarray, dst_view: np.ndarray) -> None:
         self.context = driver.current_context_key()
@@ -232,7 +239,7 @@ class HostRepeat:
         # the first call's jobs, each side's indices given at every call (launch_indexed)
         self.launches = _launches(plan, target, src_view, dst_view, 0, 0)
         self.slots = (plan.src.slots, plan.dst.slots)
-        self.rows, self.planes = plan.rows, plan.src.num_planes
+        self.rows, self.readers = plan.rows, _readers(plan)
         self.handle = target.handle
         self.decision, self.traffic = target.decision, noted_traffic(target, plan.total_bytes)
 
@@ -258,7 +265,7 @@ class HostRepeat:
         if not host_indices_bytes(sides):  # (rows by number on both sides)
             self.launches.launch_indexed(0, 0)
         else:
-            with ring_indices(sides, self.handle, self.planes) as where:
+            with ring_indices(sides, self.handle, self.readers) as where:
                 self.launches.launch_indexed(*where)
 
 

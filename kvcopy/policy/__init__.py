@@ -172,13 +172,14 @@ def descriptors_in_place(tiles: int, count: int, directions: tuple[str, ...]) ->
     return len(directions) == 1 or "d2d" not in directions
 
 
-def indices_in_place(index_bytes: int, planes: int) -> bool:
+def indices_in_place(index_bytes: int, readers: int) -> bool:
     """Whether the layout kernel reads ``index_bytes`` of a call's host indices where the
     CPU wrote them (mapped pinned memory) instead of from an upload queued before its
-    launch: where each of its ``planes`` reads every index, at most
-    INDICES_IN_PLACE_MAX_BYTES in all (a few hundred rows over a few planes, one block
-    pair over a model's layers); more are uploaded once and read from GPU memory."""
-    return 0 < index_bytes and index_bytes * max(planes, 1) <= INDICES_IN_PLACE_MAX_BYTES
+    launch: where every index is read by ``readers`` of its units (a row's pieces in
+    each plane), at most INDICES_IN_PLACE_MAX_BYTES in all (a few hundred rows over a
+    few planes, one block pair over a model's layers); more are uploaded once and read
+    from GPU memory."""
+    return 0 < index_bytes and index_bytes * max(readers, 1) <= INDICES_IN_PLACE_MAX_BYTES
 
 
 def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:

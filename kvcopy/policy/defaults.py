@@ -21,10 +21,11 @@ ID_FIRST_CHUNK = 1024
 ID_CHUNK_GROWTH = 8
 # The layout kernel reads a call's host indices (swap_blocks' ids, copy_rows' host
 # indices) where the CPU wrote them, in mapped pinned memory, instead of from a copy
-# uploaded before it, while every plane reading every index reads at most this many
-# bytes of host memory: an upload is a driver call and a copy-engine operation the
-# launch waits for (microseconds of CPU and of latency), a read in place one load per
-# index and plane over the link, whose latency the kernel's copies hide.
+# uploaded before it, while its reads of them (each index by a row's pieces in every
+# plane) come to at most this many bytes of host memory: an upload is a driver call
+# and a copy-engine operation the launch waits for (microseconds of CPU and of
+# latency), a read in place one load per index and reader over the link, whose
+# latency the kernel's copies hide.
 INDICES_IN_PLACE_MAX_BYTES = 64 << 10
 # CTAs per direction when a store and a load share one launch (copy_both_ways). With
 # equal CTAs the GPU-to-host writes take most of the upstream link, and SM writes to

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvcopy
 from kvcopy import policy
 from kvcopy.testing import engine, plans
 from helpers.rows_fakes import DEVICE, PAGEABLE, PINNED, STREAM, GpuIndices, caches, install_rows_fakes
@@ -68,16 +69,16 @@ def test_host_indices_are_read_in_a_ring_slot_then_fenced(fake, slot_memory):
     np.testing.assert_array_equal(written, np.concatenate([slots, np.arange(20) * 2]))
 
 
-def test_ring_indices_are_uploaded_where_the_planes_would_read_too_much_in_place(fake, slot_memory):
-    """The same 320 bytes of indices read by 256 planes (80 KiB over the link): uploaded
-    on the stream first, read from the slot's device side."""
+def test_ring_indices_are_uploaded_where_their_readers_would_read_too_much_in_place(fake, slot_memory):
+    """The same 320 bytes of indices each read by 256 of the kernel's units (80 KiB over
+    the link): uploaded on the stream first, read from the slot's device side."""
     driver = fake(DEVICE, PINNED)
     host = engine.rows.Indices(20, host=np.arange(100, 120, dtype=np.int64))
     sides = ((host, 20), (engine.rows.Indices(20, host=np.arange(20, dtype=np.int64)), 20))
     assert not policy.indices_in_place(320, 256) and policy.indices_in_place(320, 204)
-    with engine.rows.ring_indices(sides, STREAM, planes=256) as where:
+    with engine.rows.ring_indices(sides, STREAM, readers=256) as where:
         assert where == [0x3000, 0x3000 + 160]
-    with engine.rows.ring_indices(sides, STREAM, planes=204) as where:
+    with engine.rows.ring_indices(sides, STREAM, readers=204) as where:
         assert where == [0x2000, 0x2000 + 160]
     assert driver.calls == [("upload", 0x3000, 320, STREAM), ("fence", 0x77, STREAM), ("fence", 0x77, STREAM)]
 
@@ -170,11 +171,31 @@ def test_a_prepared_transfer_of_no_rows_issues_nothing(fake):
     assert prepared() == "none" and driver.calls == []
 
 
+def test_indices_each_read_by_a_rows_pieces_in_every_plane_are_uploaded_where_many(fake, slot_memory):
+    """256 rows' indices a side (4 KiB) over 2 planes of rows cut into 16 pieces: each
+    index read by 32 units, 128 KiB over the link in place, so uploaded first; the same
+    rows of one piece each (8 KiB in place) are read where they were written."""
+    driver = fake(DEVICE, PINNED)
+    memory = np.zeros((2, 2, 512, 1024), np.uint8)  # (a side, 2 planes a side)
+    slots = np.arange(256, dtype=np.int64)
+
+    def layout(side: int, pieces: int) -> kvcopy.Layout:
+        bases = [memory[side, p].ctypes.data for p in range(2)]
+        return kvcopy.Layout.from_pointers(bases, slots=512, row_bytes=1024, pieces=pieces)
+
+    for pieces, first in ((16, "upload"), (1, "launch")):
+        driver.calls.clear()
+        plan = plans.plan_rows(layout(0, pieces), layout(1, pieces), slots, slots[::-1].copy())
+        assert engine.rows.execute_rows(plan, STREAM) == "kernel"
+        assert driver.calls[0][0] == first, pieces
+        assert policy.indices_in_place(4096, 2 * pieces) is (pieces == 1)
+
+
 def test_ring_indices_fence_their_slot_whether_the_block_raises_or_not(fake, slot_memory):
     driver = fake(DEVICE, PINNED)
     host = engine.rows.Indices(2, host=np.array([3, 1], np.int64))
     sides = ((host, 2), (None, 2))  # (the destination's rows by number)
-    with engine.rows.ring_indices(sides, STREAM) as where:  # (no planes given: uploaded)
+    with engine.rows.ring_indices(sides, STREAM) as where:  # (no readers given: uploaded)
         assert where == [0x3000, 0]
         assert slot_memory[:16].view(np.int64).tolist() == [3, 1]
     with pytest.raises(RuntimeError, match="launch failed"):
