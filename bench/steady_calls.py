@@ -101,6 +101,17 @@ def rows(torch, stream) -> list[tuple[str, float | None, Callable[[], object]]]:
             lambda: kvcopy.swap_blocks(layer_g, layer_h, one, stream=stream),
         )
     )
+    # (the same caches as arrays: GPU tensors through __cuda_array_interface__, the pinned
+    # host tensors as NumPy arrays, each kept as torch tensors are)
+    arrays_g = [_ArrayInterface(t.view(torch.uint8)) for t in layer_g]
+    arrays_h = [t.view(torch.uint8).numpy() for t in layer_h]
+    out.append(
+        (
+            "swap_blocks 1 pair, 32 arrays a side (array interface, NumPy)",
+            None,
+            lambda: kvcopy.swap_blocks(arrays_g, arrays_h, one, stream=stream),
+        )
+    )
     many_g, many_h = gpu(8192, 64), host(8192, 64)
     many = pairs(8192, 4096)
     out.append(
