@@ -194,7 +194,10 @@ def owned_span(owner: Any) -> tuple[int, int] | None:
         return _byte_span(face["data"][0], root.shape, root.strides, root.itemsize)
     if framework_of(owner) == "jax" or array_stamp(owner) is None:
         return None
-    ptr, shape, strides, itemsize, _ = strided_access(owner, "keep")
+    try:
+        ptr, shape, strides, itemsize, _ = strided_access(owner, "keep")
+    except (TypeError, ValueError):  # (an object a layout keeps that describes no array)
+        return None
     return _byte_span(ptr, shape, strides, itemsize)
 
 

@@ -229,6 +229,17 @@ def test_layouts_of_arrays_that_hold_their_memory_are_classified_once(host, tmp_
     assert row_classifications(host, kvcopy.Layout.of(streamed, slot=0), b, calls=2) == 2
 
 
+def test_a_layout_keeping_an_object_whose_interface_describes_no_array_is_classified_each_call(host):
+    """A layout from pointers may keep any object; one whose interface is malformed
+    holds nothing kvcopy can tell, and the calls go on as for any unheld layout."""
+    memory = np.zeros((6, 256), np.uint8)
+    odd = Interface(memory.ctypes.data, (-6, 256))  # (a negative extent: no array)
+    a = kvcopy.Layout.from_pointers([memory.ctypes.data], slots=6, row_bytes=256, keep=(odd,))
+    b = kvcopy.Layout.of(caches(1), slot=0)
+    assert kept_memory.owned_span(odd) is None
+    assert row_classifications(host, a, b, calls=2) == 2
+
+
 def test_a_layout_whose_array_changed_is_refused_by_name(host):
     array = np.zeros((6, 256), np.uint8)
     a, b = kvcopy.Layout.of(array, slot=0), kvcopy.Layout.of(caches(1), slot=0)
