@@ -24,6 +24,7 @@ from kvcopy._cuda.tensor_stamps import array_stamp
 from kvcopy._plans.row_overlaps import overlapping_rows
 from kvcopy.arguments import require_bool, require_int
 from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.kept_reads import stamp_of
 from kvcopy.interop.tensors import strided_access
 
 _U64_MAX = (1 << 64) - 1  # slots, sizes and strides are 64-bit on the GPU
@@ -31,12 +32,10 @@ _U64_MAX = (1 << 64) - 1  # slots, sizes and strides are 64-bit on the GPU
 
 def _seen_as(kept: Any) -> Any:
     """What Layout.moved compares ``kept`` with later: a torch tensor's (data_ptr, shape),
-    an array's array_stamp (not a JAX array's: immutable, read through DLPack), else
-    None."""
-    framework = framework_of(kept)
-    if framework == "torch":
+    an array's stamp (kept_reads.stamp_of), else None."""
+    if framework_of(kept) == "torch":
         return kept.data_ptr(), kept.shape
-    return None if framework == "jax" else array_stamp(kept)
+    return stamp_of(kept)
 
 
 def _addresses(bases: Any) -> np.ndarray:

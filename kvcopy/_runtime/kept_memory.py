@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvcopy._cuda.tensor_stamps import array_stamp
 from kvcopy.interop.frameworks import framework_of
+from kvcopy.interop.kept_reads import stamp_of
 from kvcopy.interop.tensors import strided_access
 from kvcopy.kept import dropper, make_room
 
@@ -192,7 +192,7 @@ def owned_span(owner: Any) -> tuple[int, int] | None:
             return None
         face = root.__array_interface__
         return _byte_span(face["data"][0], root.shape, root.strides, root.itemsize)
-    if framework_of(owner) == "jax" or array_stamp(owner) is None:
+    if stamp_of(owner) is None:
         return None
     try:
         ptr, shape, strides, itemsize, _ = strided_access(owner, "keep")

@@ -96,7 +96,7 @@ def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple, tuple] | None:
             except (RuntimeError, AttributeError):
                 return None
             continue
-        stamp = None if framework_of(t) == "jax" else array_stamp(t)
+        stamp = stamp_of(t)
         if stamp is None:
             return None
         versions.append(stamp[0])
@@ -105,16 +105,26 @@ def _stamps(tensors: Sequence[Any]) -> tuple[tuple, tuple, tuple] | None:
     return tuple(versions), tuple(addresses), tuple(metas)
 
 
+def stamp_of(obj: Any) -> tuple | None:
+    """``obj``'s array_stamp, (stamp, address), where what is read from it may be kept;
+    None for a JAX array, which is read through DLPack at every call so that the
+    computation writing it is ordered before the copy, and for what array_stamp cannot
+    stamp. The one rule of what is kept of an array, for kept reads, layouts and the
+    memory layouts hold."""
+    return None if framework_of(obj) == "jax" else array_stamp(obj)
+
+
 def may_keep(obj: Any) -> bool:
     """Whether what is read from ``obj`` may be kept (a cheap look at one object of a
     call; KeptReads stamps each): a torch tensor, a NumPy array or an array-interface
-    producer, but not a JAX array, which is read through DLPack at every call so that
-    the computation writing it is ordered before the copy."""
+    producer, but not a JAX array (stamp_of)."""
     framework = framework_of(obj)
     if framework == "torch":
         return True
-    if framework == "jax" or isinstance(obj, np.ndarray):
-        return framework != "jax"
+    if framework == "jax":
+        return False
+    if isinstance(obj, np.ndarray):
+        return True
     try:
         return hasattr(obj, "__cuda_array_interface__")
     except Exception:  # noqa: BLE001 - (a producer whose interface raises: the reader names it)
@@ -223,4 +233,4 @@ class KeptReads:
         return len(self._entries)
 
 
-__all__ = ["KeptReads", "may_keep"]
+__all__ = ["KeptReads", "may_keep", "stamp_of"]
