@@ -49,38 +49,33 @@ def _launch_as_rows(
     launched once written: the GPU starts on the first while the CPU writes the next.
     With more than one chunk the uploads go on a side stream, each launch waiting for
     its own chunk's ids only: no upload waits behind the launch before it, so the SMs
-    go from one launch to the next without waiting. Ids of one chunk few enough are
-    read where they were written, with no upload (_ids_in_place). ``built``: each
+    go from one launch to the next without waiting. Ids of one chunk go as a repeat's
+    do (_ids_launched: read where they were written where few enough). ``built``: each
     chunk's launches as an earlier call of as many pairs built them (its ids given at
     each launch), else built now."""
     n, handle, start = blocks.num_pairs, target.handle, 0
     chunks = policy.id_chunks(n)
-    uploads = handle if len(chunks) == 1 else side_streams.for_caller(handle, _ID_UPLOADS)
-    in_place = len(chunks) == 1 and _ids_in_place(blocks)
+    if len(chunks) == 1:
+        views = (src_view, dst_view)
+        launches = built[0] if built else _block_launches(blocks, sides, kernel, target, views, (0, 0), n)
+        _ids_launched(blocks.mapping, launches, handle, blocks.geometry.num_tensors)
+        return
+    uploads = side_streams.for_caller(handle, _ID_UPLOADS)
     # (the ring hands out a slot its last readers are done with: no wait for them here)
     with ring.ring_for_current_context().reserve(16 * n) as slot:
         for k, count in enumerate(chunks):
             at = 16 * start
             nbytes = plan_arrays.split_block_ids(blocks.mapping, slot.host + at, start, count)
-            if in_place:
-                ids = (slot.mapped, slot.mapped + 8 * count)
-            else:
-                launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
-                if uploads != handle:
-                    driver.stream_wait_stream(handle, uploads)
-                ids = (slot.device + at, slot.device + at + 8 * count)
+            launch.upload(slot.device + at, slot.host + at, nbytes, uploads)
+            if uploads != handle:
+                driver.stream_wait_stream(handle, uploads)
+            ids = (slot.device + at, slot.device + at + 8 * count)
             if built:
                 built[k].launch_indexed(*ids)
             else:
                 _block_launches(blocks, sides, kernel, target, (src_view, dst_view), ids, count).launch()
             start += count
         ring.DescriptorRing.fence(slot, handle)
-
-
-def _ids_in_place(blocks: BlockPlan) -> bool:
-    """Whether the layout kernel reads a plan's ids where the CPU wrote them (a pair's
-    two ids read by every tensor of its side: policy.indices_in_place)."""
-    return policy.indices_in_place(16 * blocks.num_pairs, blocks.geometry.num_tensors)
 
 
 def _rows_repeat(
