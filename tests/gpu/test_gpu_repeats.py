@@ -65,6 +65,7 @@ def test_swap_blocks_repeated_moves_every_calls_blocks(torch_cuda, method, defau
             assert torch.equal(h[mapping[:, 1]], g[mapping[:, 0]].cpu()), f"call {call}"
         back = pairs(rng, 5, HOST_BLOCKS, BLOCKS)
         target = [torch.zeros_like(g) for g in gpu]
+        torch.cuda.synchronize()  # (the zeros are written on torch's stream, not ``stream``)
         kvcopy.swap_blocks(host, target, back, stream=0 if default_stream else stream, method=method)
         torch.cuda.synchronize()
         for t, h in zip(target, host):
@@ -93,6 +94,7 @@ def test_one_block_pair_repeated_is_issued_from_its_ids(torch_cuda, method, defa
         assert ran == method if method != "auto" else ran in ("loop", "batch", "kernel")
         assert torch.equal(host[d], gpu[s].cpu()) and int(host.count_nonzero()) == int(gpu[s].count_nonzero())
         back = torch.zeros_like(gpu)
+        torch.cuda.synchronize()  # (the zeros are written on torch's stream, not ``stream``)
         kvcopy.swap_blocks(host, back, np.array([[d, s]]), stream=stream, method=method)
         torch.cuda.synchronize()
         assert torch.equal(back[s].cpu(), host[d]), f"call {call}"
