@@ -222,7 +222,7 @@ def rows(
                 lambda: kvcopy.swap_blocks(stand_ins[0], stand_ins[32], one, stream=stream),
             )
         )
-        torch_gpu, torch_host = stand_ins[:32], stand_ins[32:]
+        torch_gpu, torch_host = stand_ins[:32], stand_ins[32:64]
         out.append(
             (
                 "swap_blocks 1 pair, 32 torch tensors a side",
@@ -242,6 +242,16 @@ def rows(
             lambda: kvcopy.swap_blocks(gpu_many, many, big, stream=stream),
         )
     )
+    if stand_ins:
+        import torch
+
+        many_torch = [torch.from_numpy(p).view(torch.bfloat16) for p in many]
+        out.append(
+            (
+                "swap_blocks 4096 pairs, 64 torch tensors a side",
+                lambda: kvcopy.swap_blocks(stand_ins[64:], many_torch, big, stream=stream),
+            )
+        )
 
     pool = pools[97]
     slots = rng.permutation(pool.shape[0])[:8192].astype(np.uint64) * np.uint64(2048)
@@ -328,13 +338,21 @@ def vllm_jobs(planes_h: list[np.ndarray], rng: np.random.Generator) -> Callable[
 
 
 def torch_stand_ins() -> list:
-    """64 torch CPU tensors of 64 blocks of 2 KiB, the first 32 standing in for a GPU's
-    per-layer caches (FakeHost's device memory), or none where torch is missing."""
+    """128 torch CPU tensors, or none where torch is missing: 64 of 64 blocks of 2 KiB,
+    the first 32 standing in for a GPU's per-layer caches (FakeHost's device memory),
+    then 64 of 8,192 blocks standing in for a GPU's too (never written: their pages
+    are not touched)."""
     try:
         import torch
     except ImportError:
         return []
-    return [torch.zeros(64, 1024, dtype=torch.bfloat16) for _ in range(64)]
+    small = [torch.zeros(64, 1024, dtype=torch.bfloat16) for _ in range(64)]
+    return small + [torch.empty(8192, 1024, dtype=torch.bfloat16) for _ in range(64)]
+
+
+def device_stand_ins(stand_ins: list) -> list:
+    """The stand-ins FakeHost takes for the GPU's memory."""
+    return stand_ins[:32] + stand_ins[64:]
 
 
 def host_pools() -> list[np.ndarray]:
@@ -403,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torch tensor {name:12s} {ns:7.0f} ns")
         return 0
     pools, stand_ins = host_pools(), torch_stand_ins()
-    host = FakeHost(pools, stand_ins[:32])
+    host = FakeHost(pools, device_stand_ins(stand_ins))
     with host.standing_in():
         print(f"median of {args.calls} calls, µs; the driver layer's functions one steady call reaches")
         for label, call in rows(host, pools, stand_ins):
@@ -417,15 +435,15 @@ def main(argv: list[str] | None = None) -> int:
                 host.counts.clear()
                 call()
             except Exception as exc:  # (a row the fake cannot answer says so; the others run)
-                print(f"{label:45s} failed: {type(exc).__name__}: {exc}")
+                print(f"{label:48s} failed: {type(exc).__name__}: {exc}")
                 continue
             reached = ", ".join(f"{name} {n}" for name, n in sorted(host.counts.items()))
-            print(f"{label:45s} {median:8.1f}  {reached}")
+            print(f"{label:48s} {median:8.1f}  {reached}")
             if args.path:
                 path = module_path(call)
                 again = len(path) - len(set(path))
-                print(f"{'':45s} stops {len(path)}, modules {len(set(path))}, again {again}")
-                print(f"{'':45s} {' > '.join(name.removeprefix('kvcopy.') for name in path)}")
+                print(f"{'':48s} stops {len(path)}, modules {len(set(path))}, again {again}")
+                print(f"{'':48s} {' > '.join(name.removeprefix('kvcopy.') for name in path)}")
     return 0
 
 
