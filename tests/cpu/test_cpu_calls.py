@@ -10,13 +10,13 @@ import pytest
 import kvcopy
 
 
-TORCH_ROWS = 4 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
+TORCH_ROWS = 5 * bool(cpu_calls.torch_stand_ins())  # (rows of torch tensors where torch is)
 
 
 @pytest.fixture(scope="module")
 def faked():
     pools, stand_ins = cpu_calls.host_pools(), cpu_calls.torch_stand_ins()
-    host = cpu_calls.FakeHost(pools, stand_ins[:32])
+    host = cpu_calls.FakeHost(pools, cpu_calls.device_stand_ins(stand_ins))
     with host.standing_in():
         yield host, dict(cpu_calls.rows(host, pools, stand_ins))
 
@@ -99,11 +99,17 @@ def test_a_repeated_layout_kernel_call_with_few_host_indices_is_its_launch_and_f
     assert asked == {"driver.enter_for_repeat": 1, "driver.event_record": 1, "rows.RowsLaunches.launch": 1}
 
 
-def test_a_repeated_swap_blocks_of_chunked_ids_builds_no_launches(faked):
-    """4,096 pairs over 64 tensors a side: two chunks of ids, each uploaded on a side
-    stream the launch waits for, each launched by the launches the first call built."""
+@pytest.mark.parametrize(
+    "row", ["swap_blocks 4096 pairs, 64 tensors a side", "swap_blocks 4096 pairs, 64 torch tensors a side"]
+)
+def test_a_repeated_swap_blocks_of_chunked_ids_builds_no_launches(faked, row):
+    """4,096 pairs over 64 arrays or torch tensors a side: two chunks of ids, each
+    uploaded on a side stream the launch waits for, each launched by the launches the
+    first call built."""
+    if "torch" in row and not TORCH_ROWS:
+        pytest.skip("torch is not installed")
     host, calls = faked
-    asked = steady(host, calls["swap_blocks 4096 pairs, 64 tensors a side"])
+    asked = steady(host, calls[row])
     assert "rows.RowsLaunches" not in asked
     assert (
         asked["rows.RowsLaunches.launch"] == asked["launch.upload"] == asked["driver.stream_wait_stream"] == 2
