@@ -35,8 +35,7 @@ def _stamped(stamps: list[float]) -> str:
 
 def _patch() -> None:
     import kvcopy.nixl
-    from kvcopy._cuda import driver
-    from kvcopy._runtime.context import on_device
+    from kvcopy.testing import cuda, engine
     from kvcopy.interop.streams import resolve_stream
     from kvcopy.nixl import doorbell, same_host
     from kvcopy.rows import copy_rows
@@ -52,13 +51,13 @@ def _patch() -> None:
         sequence = doorbell.fields(bell.wait("lent", lent, timeout))[0]
         opened.taken = sequence
         stamps.append(time.monotonic())
-        with on_device(opened.ordinal):
+        with engine.context.on_device(opened.ordinal):
             if VARIANT == "gpuwait":
-                driver.stream_wait_event(handle, opened.event)
+                cuda.driver.stream_wait_event(handle, opened.event)
             stamps.append(time.monotonic())
             method = copy_rows(src, dst, src_indices, dst_indices, rows=rows, stream=handle)
             stamps.append(time.monotonic())
-            driver.stream_synchronize(handle)
+            cuda.driver.stream_synchronize(handle)
             stamps.append(time.monotonic())
         bell.ring("answer", doorbell.word(sequence, doorbell.RETURNED, tag), tag)
         stamps.append(time.monotonic())
@@ -72,10 +71,10 @@ def _patch() -> None:
     def lend_rows(rows, *, tag, stream=None, timeout=60.0):
         stamps = [time.monotonic()]
         handle = resolve_stream(stream)
-        with on_device(rows.ordinal):
-            driver.event_record(rows.event, handle)
+        with engine.context.on_device(rows.ordinal):
+            cuda.driver.event_record(rows.event, handle)
             if VARIANT == "cpuwait":
-                driver.event_synchronize(rows.event)
+                cuda.driver.event_synchronize(rows.event)
         stamps.append(time.monotonic())
         rows.sequence += 1
         sequence = rows.sequence & 0xFFFFFFFF
