@@ -117,8 +117,8 @@ def indices_for_device(
 class ring_indices:  # noqa: N801 - (used as a function: ``with ring_indices(...)``)
     """Each side's indices as the device reads them (indices_for_device), host values
     copied into a ring slot of their own: read there by the layout kernel, each by
-    ``readers`` of its units, where the policy says (policy.indices_in_place; 0
-    readers: never), else uploaded on ``handle``; the work the block queues on
+    ``readers`` of its units, where the policy says (policy.indices_in_place: never
+    with 0 readers), else uploaded on ``handle``; the work the block queues on
     ``handle`` reads them. The slot is fenced on
     ``handle`` when the block ends, raised or not: the upload or the launches reading it
     are queued either way. (A class: a generator's context manager costs a microsecond
@@ -131,7 +131,7 @@ class ring_indices:  # noqa: N801 - (used as a function: ``with ring_indices(...
 
     def __enter__(self) -> list[int]:
         nbytes = host_indices_bytes(self.sides)
-        in_place = self.readers > 0 and policy.indices_in_place(nbytes, self.readers)
+        in_place = policy.indices_in_place(nbytes, self.readers)
         self.reserved = ring.ring_for_current_context().reserve(nbytes)
         slot = self.slot = self.reserved.__enter__()
         try:

@@ -178,8 +178,9 @@ def indices_in_place(index_bytes: int, readers: int) -> bool:
     launch: where every index is read by ``readers`` of its units (a row's pieces in
     each plane), at most INDICES_IN_PLACE_MAX_BYTES in all (a few hundred rows over a
     few planes, one block pair over a model's layers); more are uploaded once and read
-    from GPU memory."""
-    return 0 < index_bytes and index_bytes * max(readers, 1) <= INDICES_IN_PLACE_MAX_BYTES
+    from GPU memory. No readers named (0: indices read by another kernel than the
+    layout kernel, as the staged path's): never in place."""
+    return 0 < index_bytes and 0 < readers and index_bytes * readers <= INDICES_IN_PLACE_MAX_BYTES
 
 
 def kernel_variant(req: CopyRequest, caps: DeviceCaps) -> Variant:

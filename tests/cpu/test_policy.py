@@ -385,6 +385,7 @@ def test_id_chunks_defaults_start_small_and_grow():
         (16 * 4096, 1, True),
         (16 * 4096, 2, False),  # thousands of pairs over planes: uploaded once
         (0, 8, False),  # no host indices: nothing to read
+        (16, 0, False),  # no layout-kernel readers named (the staged path's indices)
     ],
 )
 def test_host_indices_are_read_in_place_while_their_reads_stay_small(index_bytes, planes, in_place):
