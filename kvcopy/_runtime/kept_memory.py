@@ -30,6 +30,7 @@ import numpy as np
 
 from kvcopy.interop.frameworks import framework_of
 from kvcopy.interop.kept_reads import stamp_of
+from kvcopy.interop.protocols import byte_span
 from kvcopy.interop.tensors import strided_access
 from kvcopy.kept import dropper, make_room
 
@@ -191,23 +192,14 @@ def owned_span(owner: Any) -> tuple[int, int] | None:
         if not (root.flags.owndata or isinstance(root.base, mmap.mmap)):
             return None
         face = root.__array_interface__
-        return _byte_span(face["data"][0], root.shape, root.strides, root.itemsize)
+        return byte_span(face["data"][0], root.shape, root.strides, root.itemsize)
     if stamp_of(owner) is None:
         return None
     try:
         ptr, shape, strides, itemsize, _ = strided_access(owner, "keep")
     except (TypeError, ValueError):  # (an object a layout keeps that describes no array)
         return None
-    return _byte_span(ptr, shape, strides, itemsize)
-
-
-def _byte_span(ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int]:
-    """The bytes a strided array reaches, (start, end); empty at ``ptr`` for no elements."""
-    if 0 in shape:
-        return ptr, ptr
-    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-    return ptr + low, ptr + high + itemsize
+    return byte_span(ptr, shape, strides, itemsize)
 
 
 def holds_planes(layout: Any) -> bool:

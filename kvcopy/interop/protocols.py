@@ -10,7 +10,7 @@ of a wild copy or a stray KeyError.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -150,13 +150,22 @@ def _read_in_full(face: dict, attr: str, name: str) -> ArrayFields:
     if elements:
         if ptr == 0:  # (a pointer outside 64 bits was refused above)
             raise ValueError(f"{where} has data pointer {ptr} for {elements} elements")
-        low = sum(s * (e - 1) for s, e in zip(strides, shape) if s < 0)
-        high = sum(s * (e - 1) for s, e in zip(strides, shape) if s > 0) + dtype.itemsize
-        if ptr + low < 0 or ptr + high > _U64_LIMIT:
+        start, end = byte_span(ptr, shape, strides, dtype.itemsize)
+        if start < 0 or end > _U64_LIMIT:
             raise ValueError(
                 f"{where}: {elements} elements from {ptr:#x} reach past the 64-bit address space"
             )
     return ArrayFields(ptr, shape, strides, dtype.itemsize, readonly, None)
+
+
+def byte_span(ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """The bytes a strided array at ``ptr`` reaches, as (start, end) (a negative stride
+    reaches below ``ptr``); empty at ``ptr`` for no elements."""
+    if 0 in shape:
+        return ptr, ptr
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return ptr + low, ptr + high + itemsize
 
 
 def c_strides(shape: tuple, itemsize: int) -> tuple:
@@ -183,4 +192,4 @@ def cuda_stream_handle(value: Any, owner: str) -> Any:
     return value[1]
 
 
-__all__ = ["ArrayFields", "cuda_stream_handle", "plain_face_key", "read_array_interface"]
+__all__ = ["ArrayFields", "byte_span", "cuda_stream_handle", "plain_face_key", "read_array_interface"]
